@@ -1,0 +1,199 @@
+"""Making one batch: read the samples, transform them, collate them.
+
+The same code runs wherever the CPU work of a batch runs: the loader's helper thread
+(``num_workers=0``), a thread of a pool (``thread_pool=True``), or a worker process (then with an
+``alloc`` that places collated arrays straight into a shared-memory slot). Keeping it in one place
+means the three modes cannot drift apart in how errors are annotated or samples are skipped.
+
+A request names its samples by dataset index. For a sync map-style dataset the samples are read
+here (``dataset[i]``, or ``dataset.__getitems__(indices)`` when the dataset has it, as torch
+does); for async datasets the event loop has already fetched them and the request carries them
+(``raw``), so only ``decode``/``transform`` and collation are left to do.
+
+Errors from user code keep their type; a note names the batch and the sample index, so a
+``KeyError`` from ``__getitem__`` is still caught by ``except KeyError`` in the training loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._collate import default_collate, numpy_collate
+
+__all__ = ["Alloc", "BatchMaker", "BatchRequest", "Made"]
+
+Alloc = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray[Any, Any]]
+
+# Collate functions that can write their output through an ``alloc`` (straight into shared
+# memory). Any other collate_fn is called plainly and its output copied into the slot once.
+_ALLOC_AWARE: dict[Callable[..., Any], Callable[..., Any]] = {
+    default_collate: default_collate,
+    numpy_collate: numpy_collate,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRequest:
+    """What one batch needs: its id, the indices (a list of shards for sharded batches), and the
+    samples already fetched by the event loop (async datasets), in the same nesting."""
+
+    epoch: int
+    batch_id: int
+    indices: Sequence[int] | Sequence[Sequence[int]]
+    sharded: bool = False
+    raw: Sequence[Any] | None = None
+
+
+@dataclass(slots=True)
+class Made:
+    """A collated batch, the samples skipped on the way, and where the time went."""
+
+    batch: Any
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    read_s: float = 0.0
+    collate_s: float = 0.0
+    samples: int = 0
+
+
+def annotate(exc: BaseException, text: str) -> BaseException:
+    """Add ``text`` as a note unless an identical note is already there."""
+    if text not in getattr(exc, "__notes__", ()):
+        exc.add_note(text)
+    return exc
+
+
+class BatchMaker:
+    """Reads, transforms and collates batches of one dataset.
+
+    Args:
+        dataset: a map-style dataset (``None`` when every request carries ``raw`` samples).
+        collate_fn: turns a list of samples into a batch.
+        transform: applied to each sample after reading (or after ``decode``).
+        decode: applied to each raw item fetched by the event loop (two-stage async sources).
+        skip_errors: with True, a sample whose read or transform raises is dropped and reported
+            in :attr:`Made.skipped` instead of failing the batch.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        collate_fn: Callable[[list[Any]], Any],
+        *,
+        transform: Callable[[Any], Any] | None = None,
+        decode: Callable[[Any], Any] | None = None,
+        skip_errors: bool = False,
+    ) -> None:
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.transform = transform
+        self.decode = decode
+        self.skip_errors = skip_errors
+        self._getitems = getattr(dataset, "__getitems__", None) if dataset is not None else None
+
+    def make(self, request: BatchRequest, alloc: Alloc | None = None) -> Made:
+        """Build the batch of ``request``; ``alloc`` places collated arrays (shared memory)."""
+        made = Made(batch=None)
+        if request.sharded:
+            shards: Sequence[Sequence[int]] = request.indices  # type: ignore[assignment]
+            raws = request.raw if request.raw is not None else [None] * len(shards)
+            made.batch = [
+                self._one(request, list(shard), raw, alloc, made)
+                for shard, raw in zip(shards, raws, strict=True)
+            ]
+        else:
+            indices: Sequence[int] = request.indices  # type: ignore[assignment]
+            made.batch = self._one(request, list(indices), request.raw, alloc, made)
+        return made
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _one(
+        self,
+        request: BatchRequest,
+        indices: list[int],
+        raw: Sequence[Any] | None,
+        alloc: Alloc | None,
+        made: Made,
+    ) -> Any:
+        t0 = time.perf_counter()
+        samples = self._samples(request, indices, raw, made)
+        t1 = time.perf_counter()
+        made.read_s += t1 - t0
+        made.samples += len(samples)
+        try:
+            fn = _ALLOC_AWARE.get(self.collate_fn)
+            batch = fn(samples, alloc=alloc) if fn is not None and alloc is not None else (
+                self.collate_fn(samples)
+            )
+        except Exception as exc:
+            annotate(
+                exc, f"while collating batch {request.batch_id} of indices {_short(indices)}"
+            )
+            raise
+        made.collate_s += time.perf_counter() - t1
+        return batch
+
+    def _samples(
+        self, request: BatchRequest, indices: list[int], raw: Sequence[Any] | None, made: Made
+    ) -> list[Any]:
+        if raw is None and self._getitems is not None and not self.skip_errors:
+            try:
+                items = list(self._getitems(indices))
+            except Exception as exc:
+                annotate(
+                    exc, f"in __getitems__ of batch {request.batch_id}, indices {_short(indices)}"
+                )
+                raise
+            return [self._finish(request, i, item, made) for i, item in zip(indices, items)]
+        samples: list[Any] = []
+        for pos, index in enumerate(indices):
+            try:
+                item = self.dataset[index] if raw is None else raw[pos]
+            except Exception as exc:
+                if self.skip_errors:
+                    made.skipped.append((index, _describe(exc)))
+                    continue
+                annotate(
+                    exc, f"reading sample index {index} of batch {request.batch_id}"
+                )
+                raise
+            sample = self._finish(request, index, item, made)
+            if sample is not _SKIPPED:
+                samples.append(sample)
+        return samples
+
+    def _finish(self, request: BatchRequest, index: int, item: Any, made: Made) -> Any:
+        if self.decode is None and self.transform is None:
+            return item
+        try:
+            if self.decode is not None:
+                item = self.decode(item)
+            if self.transform is not None:
+                item = self.transform(item)
+        except Exception as exc:
+            if self.skip_errors:
+                made.skipped.append((index, _describe(exc)))
+                return _SKIPPED
+            annotate(
+                exc, f"transforming sample index {index} of batch {request.batch_id}"
+            )
+            raise
+        return item
+
+
+_SKIPPED = object()
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _short(indices: Sequence[int], limit: int = 16) -> str:
+    if len(indices) <= limit:
+        return str(list(indices))
+    return f"[{', '.join(map(str, indices[:limit]))}, ... ({len(indices)} in all)]"

@@ -1,0 +1,538 @@
+"""One epoch of the pipeline: schedule, produce, reorder, hand over.
+
+::
+
+    scheduler task ── acquire permit ──▶ reorder.expect(id) ──▶ produce task (one per batch)
+         │ (one per epoch; pulls the         │                     │ fetch: await dataset items
+         │  sampler or the stream)           │                     │   on this loop (async data)
+         ▼                                   │                     │ make: thread or worker
+    consumer: __anext__ ◀── pop_ready ◀── reorder.put_nowait(outcome) ◀─┘ (deadline, retries)
+         │ release permit when the batch is taken (after the device copy, if any)
+
+Who owns what:
+- the scheduler owns the sampler iterator and creates produce tasks; it stops at the end of
+  the plan or of every stream;
+- a produce task owns its batch until it stores an outcome (value or exception) in the
+  reorder buffer; it never raises, so no task exception goes unretrieved;
+- the consumer owns batches once popped; a permit is returned when the consumer takes a
+  batch, so ``prefetch`` bounds tasks, worker jobs, reorder entries and shared-memory slots
+  together.
+
+Cancellation edges:
+- cancelling the consumer's ``__anext__`` (``asyncio.timeout`` around it, a cancelled task)
+  loses nothing: a batch popped but not yet handed over is kept and returned by the next call;
+- ``aclose()`` cancels the scheduler and every produce task and waits for them; worker jobs
+  that were already running release their shared-memory slots when they finish;
+- an iterator that is dropped without ``aclose()`` cancels its tasks from ``__del__``.
+
+Deadlines measure producer time: a batch's clock starts when its produce task starts (after its
+permit was taken), so a slow consumer never causes a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._batch import BatchRequest, Made, annotate
+from ._errors import LoaderTimeoutError, TooManyFailuresError, WorkerCrashedError
+from ._reorder import Outcome, ReorderBuffer
+from ._runner import END
+from ._stats import Counters
+from ._workers import IterJob
+
+__all__ = ["Epoch", "EpochConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class EpochConfig:
+    """What an epoch needs to know of the loader's settings."""
+
+    kind: str  # "map", "async_map", "iterable", "async_iterable"
+    prefetch: int
+    in_order: bool
+    timeout: float | None
+    max_retries: int
+    io_concurrency: int
+    batch_size: int
+    drop_last: bool
+    skip_errors: bool
+    max_failures: float  # a count (>= 1) or a fraction of samples seen (< 1)
+    device_prefetch: int
+
+
+class Epoch:
+    """An async iterator over one epoch's batches. Made by :class:`aioloader.DataLoader`.
+
+    Args:
+        config: the loader's settings.
+        epoch: the epoch number (seeds and sampler order derive from it).
+        runner: where CPU work runs (see ``_runner``).
+        counters: the loader's live statistics.
+        plan: for map-style data, ``(batch_id, indices)`` pairs still to produce.
+        dataset: the dataset (for async fetches and async streams).
+        device: the device stage, or None.
+        on_batch: called with the batch id when the consumer takes a batch (resume bookkeeping).
+        on_finish: called once when the epoch has run to its end.
+    """
+
+    def __init__(
+        self,
+        config: EpochConfig,
+        epoch: int,
+        runner: Any,
+        counters: Counters,
+        *,
+        plan: Iterable[tuple[int, Any]] | None,
+        dataset: Any,
+        device: Any,
+        on_batch: Callable[[int], None],
+        on_finish: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.config = config
+        self.epoch = epoch
+        self._runner = runner
+        self._counters = counters
+        self._plan = plan
+        self._dataset = dataset
+        self._device = device
+        self._on_batch = on_batch
+        self._on_finish = on_finish
+        self.reorder = ReorderBuffer(in_order=config.in_order)
+        self._permits: asyncio.Semaphore | None = None
+        self._io: asyncio.Semaphore | None = None
+        self._ready: asyncio.Event | None = None
+        self._scheduler: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._scheduling_done = False
+        self._handing: list[tuple[int, Any]] = []  # popped, not yet handed over (device copy)
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._next_id = 0  # the next batch id no scheduled batch uses
+        self._samples: dict[int, int] = {}  # batch id -> samples in it, until yielded
+        self._samples_seen = 0
+        self._failures = 0
+        self.held = 0  # batches popped whose permits are held by the device stage
+
+    # -- consumer side -----------------------------------------------------------------------
+
+    def __aiter__(self) -> Epoch:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._closed:
+            raise StopAsyncIteration
+        if self._scheduler is None:
+            self._start()
+        assert self._ready is not None
+        while True:
+            if self._handing:
+                return await self._hand_over()
+            outcome = self.reorder.pop_ready()
+            if outcome is not None:
+                if outcome.value is END:
+                    self._release_permit()
+                    continue
+                return await self._take(outcome)
+            if self._scheduling_done and len(self.reorder) == 0:
+                await self.aclose()
+                self._on_finish()
+                raise StopAsyncIteration
+            self._ready.clear()
+            started = time.perf_counter()
+            try:
+                await self._ready.wait()
+            finally:
+                self._counters.consumer_wait_s += time.perf_counter() - started
+
+    async def _take(self, outcome: Outcome) -> Any:
+        if outcome.error is not None:
+            self._release_permit()
+            self._on_batch(outcome.batch_id)
+            raise outcome.error
+        if self._device is None:
+            self._release_permit()
+            self._yielded(outcome.batch_id, outcome.value)
+            return outcome.value
+        self._handing.append((outcome.batch_id, self._device.start(outcome.value, outcome.batch_id)))
+        # Start the copies of the batches right behind, so batch i+1 crosses while i is used.
+        # An error or a stream end waits its turn in the buffer.
+        while len(self._handing) <= self.config.device_prefetch:
+            nxt = self.reorder.peek_ready()
+            if nxt is None or nxt.error is not None or nxt.value is END:
+                break
+            self.reorder.pop_ready()
+            self._handing.append((nxt.batch_id, self._device.start(nxt.value, nxt.batch_id)))
+        return await self._hand_over()
+
+    async def _hand_over(self) -> Any:
+        batch_id, transfer = self._handing[0]
+        started = time.perf_counter()
+        try:
+            batch = await transfer.wait()
+        except asyncio.CancelledError:
+            raise  # the transfer stays first in line; the next __anext__ returns it
+        except BaseException:
+            self._handing.pop(0)
+            self._release_permit()
+            self._on_batch(batch_id)
+            raise
+        finally:
+            self._counters.transfer_s += time.perf_counter() - started
+        self._handing.pop(0)
+        self._release_permit()
+        self._yielded(batch_id, batch)
+        return batch
+
+    def _yielded(self, batch_id: int, batch: Any) -> None:
+        self._counters.batches_yielded += 1
+        self._counters.epoch_batches_yielded += 1
+        self._counters.samples_yielded += self._samples.pop(batch_id, 0)
+        self._on_batch(batch_id)
+
+    def _release_permit(self) -> None:
+        assert self._permits is not None
+        self._permits.release()
+
+    # -- producer side -----------------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._permits = asyncio.Semaphore(self.config.prefetch)
+        self._io = asyncio.Semaphore(self.config.io_concurrency)
+        self._ready = asyncio.Event()
+        kind = self.config.kind
+        if kind in ("map", "async_map"):
+            coro = self._schedule_plan()
+        elif kind == "iterable":
+            coro = self._schedule_streams()
+        else:
+            coro = self._schedule_async_stream()
+        self._scheduler = asyncio.create_task(coro, name=f"aioloader-epoch-{self.epoch}")
+
+    def _spawn(self, coro: Any, batch_id: int) -> None:
+        task = asyncio.create_task(coro, name=f"aioloader-batch-{batch_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _wake(self) -> None:
+        assert self._ready is not None
+        self._ready.set()
+
+    async def _scheduled(self, batch_id: int) -> None:
+        assert self._permits is not None
+        await self._permits.acquire()
+        self.reorder.expect(batch_id)
+
+    def _store(self, outcome: Outcome) -> None:
+        if self._closed:
+            _discard(outcome)
+            return
+        self.reorder.put_nowait(outcome)
+        self._wake()
+
+    async def _run_scheduler(self, body: Callable[[], Any]) -> None:
+        """Run a scheduler body; if the sampler or stream fails, deliver the error in order.
+
+        The error takes a permit and the next unused batch id like any batch, so it reaches the
+        consumer after every batch scheduled before it.
+        """
+        try:
+            await body()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            await self._scheduled(self._next_id)
+            self.reorder.put_nowait(Outcome(self._next_id, error=exc))
+        finally:
+            self._scheduling_done = True
+            if self._ready is not None:
+                self._wake()
+
+    async def _schedule_plan(self) -> None:
+        async def body() -> None:
+            assert self._plan is not None
+            for batch_id, indices in self._plan:
+                self._next_id = batch_id + 1
+                await self._scheduled(batch_id)
+                self._spawn(self._produce_map(batch_id, indices), batch_id)
+
+        await self._run_scheduler(body)
+
+    async def _schedule_streams(self) -> None:
+        """Round-robin over the runner's streams (one per worker); ids stay in that order."""
+        ended: set[int] = set()
+        streams = self._runner.streams
+        counter = itertools.count()
+
+        async def body() -> None:
+            in_flight: dict[int, set[asyncio.Task[None]]] = {w: set() for w in range(streams)}
+            for turn in itertools.cycle(range(streams)):
+                if len(ended) == streams:
+                    return
+                if turn in ended:
+                    continue
+                batch_id = next(counter)
+                self._next_id = batch_id + 1
+                await self._scheduled(batch_id)
+                if turn in ended:  # ended while we waited for the permit
+                    self._store(Outcome(batch_id, value=END))
+                    continue
+                job = IterJob(
+                    self.epoch, batch_id, self.config.batch_size, self.config.drop_last, None
+                )
+                self._spawn(self._produce_stream(job, turn, ended), batch_id)
+
+        await self._run_scheduler(body)
+
+    async def _schedule_async_stream(self) -> None:
+        async def body() -> None:
+            iterator: AsyncIterator[Any] = aiter(self._dataset)
+            try:
+                while True:
+                    samples, error = await _take_async(iterator, self.config.batch_size)
+                    short = len(samples) < self.config.batch_size
+                    if samples and not (short and self.config.drop_last and error is None):
+                        batch_id = self._next_id
+                        self._next_id += 1
+                        await self._scheduled(batch_id)
+                        request = BatchRequest(
+                            self.epoch, batch_id, list(range(len(samples))), raw=samples
+                        )
+                        self._spawn(self._produce_request(request), batch_id)
+                    if error is not None:
+                        annotate(error, f"in the async stream, after batch {self._next_id - 1}")
+                        raise error
+                    if short:
+                        return
+            finally:
+                aclose = getattr(iterator, "aclose", None)
+                if aclose is not None:
+                    with contextlib.suppress(Exception):
+                        await aclose()
+
+        await self._run_scheduler(body)
+
+    async def _produce_map(self, batch_id: int, indices: Any) -> None:
+        sharded = bool(indices) and isinstance(indices[0], list | tuple)
+        request = BatchRequest(self.epoch, batch_id, indices, sharded=sharded)
+        if self.config.kind == "async_map":
+            try:
+                request = await self._fetch(request)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                self._store(Outcome(batch_id, error=exc))
+                return
+        await self._produce_request(request)
+
+    async def _produce_request(self, request: BatchRequest) -> None:
+        outcome = await self._with_deadline(
+            request.batch_id, lambda: self._runner.make(request), _indices_text(request)
+        )
+        self._store(outcome)
+
+    async def _produce_stream(self, job: IterJob, worker: int, ended: set[int]) -> None:
+        outcome = await self._with_deadline(
+            job.batch_id,
+            lambda: self._runner.pull(job, worker),
+            f"the stream of worker {worker}",
+            retry=False,  # a stream cannot be rewound: a lost batch is an error, never a re-read
+        )
+        if outcome.value is END or outcome.error is not None:
+            ended.add(worker)
+        self._store(outcome)
+
+    async def _with_deadline(
+        self, batch_id: int, attempt: Callable[[], Any], what: str, *, retry: bool = True
+    ) -> Outcome:
+        """Run ``attempt`` under the batch deadline, retrying crashes and timeouts if asked."""
+        tries = 0
+        while True:
+            started = time.monotonic()
+            deadline = asyncio.timeout(self.config.timeout)
+            try:
+                async with deadline:
+                    made: Made = await attempt()
+            except asyncio.CancelledError:
+                raise
+            except TimeoutError as exc:
+                if not deadline.expired():  # a TimeoutError of user code, not our deadline
+                    return Outcome(batch_id, error=exc)
+                self._counters.timeouts += 1
+                pid = self._runner.on_deadline(batch_id)
+                if retry and tries < self.config.max_retries:
+                    tries += 1
+                    self._counters.retries += 1
+                    continue
+                return Outcome(batch_id, error=self._timeout_error(batch_id, what, started, pid))
+            except WorkerCrashedError as exc:
+                if retry and tries < self.config.max_retries:
+                    tries += 1
+                    self._counters.retries += 1
+                    continue
+                annotate(exc, f"batch {batch_id}: {what}")
+                return Outcome(batch_id, error=exc)
+            except BaseException as exc:
+                return Outcome(batch_id, error=exc)
+            return self._made(batch_id, made)
+
+    def _made(self, batch_id: int, made: Made) -> Outcome:
+        self._counters.read_s += made.read_s
+        self._counters.collate_s += made.collate_s
+        self._samples[batch_id] = made.samples
+        self._samples_seen += made.samples + len(made.skipped)
+        if made.skipped:
+            self._counters.skipped.extend(made.skipped)
+            self._failures += len(made.skipped)
+            error = self._check_failures()
+            if error is not None:
+                _discard(Outcome(batch_id, value=made.batch))
+                return Outcome(batch_id, error=error)
+        return Outcome(batch_id, value=made.batch)
+
+    def _check_failures(self) -> TooManyFailuresError | None:
+        limit = self.config.max_failures
+        if limit >= 1:
+            over = self._failures > limit
+        else:
+            over = self._failures > limit * max(self._samples_seen, 1)
+        if not over:
+            return None
+        return TooManyFailuresError(
+            f"{self._failures} samples failed out of {self._samples_seen} seen, more than "
+            f"max_failures={limit}; the last ones: {self._counters.skipped[-3:]}"
+        )
+
+    def _timeout_error(
+        self, batch_id: int, what: str, started: float, pid: int | None
+    ) -> LoaderTimeoutError:
+        waited = time.monotonic() - started
+        killed = f"; worker pid {pid} was killed and replaced" if pid is not None else ""
+        return LoaderTimeoutError(
+            f"batch {batch_id} ({what}) was not ready after {waited:.2f} s "
+            f"(timeout={self.config.timeout}){killed}. Try a larger timeout, more workers, "
+            "or max_retries to re-run a batch whose worker hung."
+        )
+
+    async def _fetch(self, request: BatchRequest) -> BatchRequest:
+        """Await the items of an async dataset, at most ``io_concurrency`` at once overall."""
+        assert self._io is not None
+        fetch = getattr(self._dataset, "fetch", None)
+        get = fetch if fetch is not None and hasattr(self._dataset, "decode") else None
+        get = get or self._dataset.__getitem__
+        started = time.perf_counter()
+
+        async def one(index: int) -> Any:
+            assert self._io is not None
+            async with self._io:
+                try:
+                    return await get(index)
+                except Exception as exc:
+                    if self.config.skip_errors:
+                        return _Failed(index, exc)
+                    annotate(exc, f"fetching sample index {index} of batch {request.batch_id}")
+                    raise
+
+        shards = request.indices if request.sharded else [request.indices]
+        raws = []
+        async with asyncio.TaskGroup() as group:
+            tasks = [[group.create_task(one(i)) for i in shard] for shard in shards]  # type: ignore[union-attr]
+        for shard_tasks in tasks:
+            raws.append([t.result() for t in shard_tasks])
+        self._counters.fetch_s += time.perf_counter() - started
+        failed = [r for shard in raws for r in shard if isinstance(r, _Failed)]
+        if failed:
+            shards, raws = _drop_failed(shards, raws)
+            skipped = [(f.index, f"{type(f.error).__name__}: {f.error}") for f in failed]
+            self._counters.skipped.extend(skipped)
+            self._failures += len(skipped)
+            self._samples_seen += len(skipped)
+            error = self._check_failures()
+            if error is not None:
+                raise error
+        if request.sharded:
+            return BatchRequest(request.epoch, request.batch_id, shards, True, raws)
+        return BatchRequest(request.epoch, request.batch_id, shards[0], False, raws[0])
+
+    # -- closing -----------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Cancel everything in flight, wait for it, release what was produced. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        tasks = [t for t in (self._scheduler, *self._tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for outcome in self.reorder.drain():
+            _discard(outcome)
+        self._handing.clear()
+
+    def close_nowait(self) -> None:
+        """Cancel the tasks without waiting (from ``__del__`` or another thread's close)."""
+        if self._closed:
+            return
+        self._closed = True
+        loop = self._loop
+        tasks = [t for t in (self._scheduler, *self._tasks) if t is not None]
+        if loop is None or loop.is_closed():
+            return
+        for task in tasks:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(task.cancel)
+
+    def __del__(self) -> None:
+        self.close_nowait()
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    index: int
+    error: BaseException
+
+
+def _drop_failed(
+    shards: Sequence[Sequence[int]], raws: list[list[Any]]
+) -> tuple[list[list[int]], list[list[Any]]]:
+    keep_idx, keep_raw = [], []
+    for shard, raw in zip(shards, raws, strict=True):
+        pairs = [(i, r) for i, r in zip(shard, raw, strict=True) if not isinstance(r, _Failed)]
+        keep_idx.append([i for i, _ in pairs])
+        keep_raw.append([r for _, r in pairs])
+    return keep_idx, keep_raw
+
+
+async def _take_async(
+    iterator: AsyncIterator[Any], n: int
+) -> tuple[list[Any], BaseException | None]:
+    """Up to ``n`` items, and the error that stopped the stream early, if any."""
+    out: list[Any] = []
+    while len(out) < n:
+        try:
+            out.append(await anext(iterator))
+        except StopAsyncIteration:
+            break
+        except Exception as exc:
+            return out, exc
+    return out, None
+
+
+def _indices_text(request: BatchRequest) -> str:
+    indices = list(request.indices)
+    if len(indices) > 8:
+        return f"indices {indices[:8]}... ({len(indices)} in all)"
+    return f"indices {indices}"
+
+
+def _discard(outcome: Outcome) -> None:
+    """Drop a produced batch: its views go, so its shared-memory slot returns to the pool."""
+    del outcome
+

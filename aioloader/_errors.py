@@ -1,0 +1,113 @@
+"""The exception hierarchy of aioloader.
+
+Errors raised by user code (a dataset's ``__getitem__``, a ``collate_fn``, a transform) are *not*
+wrapped: they reach the training loop as their original type, with notes (``add_note``) naming
+the batch and sample indices, so ``except KeyError`` keeps working. The classes below are for
+what the loader itself detects::
+
+    AioloaderError
+    ├── LoaderTimeoutError          (also TimeoutError) a batch missed its deadline
+    ├── CollateError                (also ValueError)   samples that cannot form one batch
+    ├── WorkerError                                      a worker process misbehaved
+    │   ├── WorkerCrashedError                           died: signal, exit code, pid
+    │   └── WorkerInitError                              worker_init_fn or unpickling failed
+    ├── SharedMemoryError           (also MemoryError)   /dev/shm too small or batch too large
+    ├── TransferError                                    pinning or device copy failed
+    ├── TooManyFailuresError                             on_error='skip' passed max_failures
+    └── RemoteError                 (also OSError)       a remote read failed for good
+        ├── RemoteNotFoundError     (also FileNotFoundError)  404, no retry
+        ├── RemotePermissionError   (also PermissionError)    401/403, no retry
+        └── RetriesExhaustedError                             every attempt failed; lists them
+            └── RemoteTimeoutError  (also TimeoutError)       ... and the last one timed out
+
+Each error keeps its cause (``raise ... from exc``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AioloaderError",
+    "CollateError",
+    "LoaderTimeoutError",
+    "RemoteError",
+    "RemoteNotFoundError",
+    "RemotePermissionError",
+    "RemoteTimeoutError",
+    "RetriesExhaustedError",
+    "SharedMemoryError",
+    "TooManyFailuresError",
+    "TransferError",
+    "WorkerCrashedError",
+    "WorkerError",
+    "WorkerInitError",
+]
+
+
+class AioloaderError(Exception):
+    """Base class of every error the loader itself raises."""
+
+
+class LoaderTimeoutError(AioloaderError, TimeoutError):
+    """A batch was not produced within ``timeout`` seconds of producer time."""
+
+
+class CollateError(AioloaderError, ValueError):
+    """Samples cannot be collated into one batch (ragged shapes, missing keys, object dtypes)."""
+
+
+class WorkerError(AioloaderError):
+    """A worker process failed in a way that is not an exception of user code."""
+
+
+class WorkerCrashedError(WorkerError):
+    """A worker process died while it held a batch (signal, ``os._exit``, out of memory)."""
+
+    def __init__(self, message: str, *, pid: int | None = None, exitcode: int | None = None):
+        super().__init__(message)
+        self.pid = pid
+        self.exitcode = exitcode
+
+
+class WorkerInitError(WorkerError):
+    """A worker could not start: ``worker_init_fn`` raised, or the dataset failed to unpickle."""
+
+
+class SharedMemoryError(AioloaderError, MemoryError):
+    """Shared memory could not be allocated (``/dev/shm`` full) or a batch exceeds the cap."""
+
+
+class TransferError(AioloaderError):
+    """Pinning a batch or copying it to the device failed."""
+
+
+class TooManyFailuresError(AioloaderError):
+    """With ``on_error='skip'``, more samples failed than ``max_failures`` allows."""
+
+
+class RemoteError(AioloaderError, OSError):
+    """A remote read failed and will not be retried further."""
+
+    def __init__(self, message: str, *, url: str | None = None, attempts: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.url = url
+        self.attempts = attempts
+
+    def __str__(self) -> str:
+        # OSError's __str__ formats errno/strerror; ours is a plain message.
+        return str(self.args[0]) if self.args else ""
+
+
+class RemoteNotFoundError(RemoteError, FileNotFoundError):
+    """The remote object does not exist (HTTP 404, S3 NoSuchKey). Never retried."""
+
+
+class RemotePermissionError(RemoteError, PermissionError):
+    """Access to the remote object was refused (HTTP 401/403). Never retried."""
+
+
+class RetriesExhaustedError(RemoteError):
+    """Every attempt of a retryable remote read failed; ``attempts`` lists each one."""
+
+
+class RemoteTimeoutError(RetriesExhaustedError, TimeoutError):
+    """Every attempt failed and the last one timed out."""

@@ -1,0 +1,159 @@
+"""Where the CPU work of a batch runs: a thread (``ThreadRunner``) or a worker process
+(``ProcessRunner``). Both present one small async interface to the epoch pipeline:
+
+- ``await make(request)`` builds the batch of a map-style request (reading samples by index,
+  or decoding samples the loop already fetched) and returns a :class:`Made`;
+- ``await pull(job)`` builds the next batch of an iterable dataset's stream (``Made`` whose
+  ``batch`` is :data:`END` once the stream is exhausted);
+- ``on_deadline(batch_id)`` is called when a batch misses its deadline: the process runner
+  kills the worker that holds it (a thread cannot be killed; it is left to finish and its
+  result is dropped);
+- ``close()`` releases everything (blocking; called from a thread by ``aclose``).
+
+The process runner owns the hand-off to shared memory: it leases a slot sized from the largest
+batch seen so far, sends it with the job, and maps the worker's descriptors back into arrays.
+Batches smaller than :data:`INLINE_MAX_BYTES` travel pickled instead: for them a slot costs
+more (a lease, a mapping, a finalizer) than the copy it saves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from . import _shm
+from ._batch import BatchMaker, BatchRequest, Made
+from ._workers import IterJob, MapJob, Reply, WorkerPool, run_iter_job, run_map_job, take
+
+__all__ = ["END", "INLINE_MAX_BYTES", "ProcessRunner", "ThreadRunner"]
+
+# Batches below this size come back pickled, not through shared memory. A pickle round trip
+# of 64 KiB costs ~20 us; a slot lease + mapping + finalizer costs about as much.
+INLINE_MAX_BYTES = 64 * 1024
+
+END = object()  # a stream's end, in place of a batch
+
+
+class ThreadRunner:
+    """CPU work on ``threads`` threads of this process (``num_workers=0`` uses one).
+
+    Args:
+        maker: builds batches.
+        threads: thread count.
+        stream_factory: makes an iterator over the dataset for iterable datasets.
+    """
+
+    def __init__(self, maker: BatchMaker, threads: int) -> None:
+        self._maker = maker
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="aioloader")
+        self._stream: Iterator[Any] | None = None
+        self._stream_epoch = -1
+        self._stream_error: BaseException | None = None
+        self._stream_lock = threading.Lock()  # one stream, pulled by one thread at a time
+
+    async def make(self, request: BatchRequest) -> Made:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._maker.make, request)
+
+    async def pull(self, job: IterJob, worker: int) -> Made:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._pull, job)
+
+    def _pull(self, job: IterJob) -> Made:
+        with self._stream_lock:
+            if self._stream is None or self._stream_epoch != job.epoch:
+                self._stream = iter(self._maker.dataset)
+                self._stream_epoch = job.epoch
+                self._stream_error = None
+            if self._stream_error is not None:
+                error, self._stream_error = self._stream_error, None
+                raise error
+            samples, error = take(self._stream, job.batch_size)
+            if error is not None:
+                # A failed stream ends for good; what it produced comes first, then the error.
+                self._stream = iter(())
+                if not samples:
+                    raise error
+                self._stream_error = error
+            short = len(samples) < job.batch_size and self._stream_error is None
+        if not samples or (job.drop_last and short):
+            return Made(batch=END)
+        request = BatchRequest(job.epoch, job.batch_id, list(range(len(samples))), raw=samples)
+        return self._maker.make(request)
+
+    def on_deadline(self, batch_id: int) -> int | None:
+        return None
+
+    @property
+    def streams(self) -> int:
+        return 1
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+class ProcessRunner:
+    """CPU work in worker processes, batches back through shared memory.
+
+    Args:
+        pool: the worker processes.
+        slots: the shared-memory slot pool, or None to send every batch pickled.
+    """
+
+    def __init__(self, pool: WorkerPool, slots: _shm.SlotPool | None) -> None:
+        self.pool = pool
+        self.slots = slots
+        self._batch_bytes = 0  # the largest batch seen: leases are sized from it
+
+    def _lease(self) -> _shm.Slot | None:
+        if self.slots is None or self._batch_bytes < INLINE_MAX_BYTES:
+            return None
+        return self.slots.lease(self._batch_bytes)
+
+    async def _run(self, fn: Any, job_of: Any, batch_id: int, worker: int | None) -> Made:
+        slot = self._lease()
+        release = (lambda: self.slots.release(slot)) if slot is not None else None  # type: ignore[union-attr]
+        try:
+            reply: Reply = await self.pool.submit(
+                fn, job_of(slot), batch_id=batch_id, worker=worker, on_abandon=release,
+                resubmit_innocent=worker is None,
+            )
+        except asyncio.CancelledError:
+            raise  # on_abandon releases the slot once the worker is done with it
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        self._batch_bytes = max(self._batch_bytes, reply.nbytes)
+        if reply.encoded:
+            assert slot is not None and self.slots is not None
+            batch = self.slots.open(slot, reply.value.tree)
+        else:
+            if release is not None:
+                release()
+            batch = END if reply.end else reply.value
+        return Made(batch, list(reply.skipped), reply.read_s, reply.collate_s, reply.samples)
+
+    async def make(self, request: BatchRequest) -> Made:
+        return await self._run(
+            run_map_job, lambda slot: MapJob(request, slot), request.batch_id, None
+        )
+
+    async def pull(self, job: IterJob, worker: int) -> Made:
+        def job_of(slot: _shm.Slot | None) -> IterJob:
+            return IterJob(job.epoch, job.batch_id, job.batch_size, job.drop_last, slot)
+
+        return await self._run(run_iter_job, job_of, job.batch_id, worker)
+
+    def on_deadline(self, batch_id: int) -> int | None:
+        return self.pool.kill_holding(batch_id)
+
+    @property
+    def streams(self) -> int:
+        return self.pool.num_workers
+
+    def close(self) -> None:
+        self.pool.close()

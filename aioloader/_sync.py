@@ -1,0 +1,104 @@
+"""The thread that runs the pipeline for ``for batch in loader``.
+
+Synchronous code gets the same pipeline as async code: a private event loop (uvloop when
+installed) runs in a daemon thread, and the calling thread asks it for one batch at a time::
+
+    caller thread: next(it) ──run_coroutine_threadsafe(epoch.__anext__())──▶ loop thread
+                   ◀──────────────── batch (or StopAsyncIteration, or the error) ────┘
+
+There is no queue between the two: the pipeline's own prefetch is the only buffer, so the
+permit of a batch is still returned exactly when the caller takes it. Abandoning the iterator
+(``break``, an exception, garbage collection) closes the epoch on the loop thread; closing the
+loader stops the loop and joins the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+__all__ = ["LoopThread", "new_event_loop"]
+
+T = TypeVar("T")
+
+# How long closing waits for the loop thread to wind down before giving up on it.
+CLOSE_TIMEOUT_S = 10.0
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop loop where uvloop is installed, else the stock asyncio loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+class LoopThread:
+    """An event loop running forever in a daemon thread, until :meth:`close`."""
+
+    def __init__(self) -> None:
+        self.loop = new_event_loop()
+        self._thread = threading.Thread(
+            target=self._run, name="aioloader-loop", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop thread and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def iterate(self, make_epoch: Callable[[], Any]) -> Iterator[Any]:
+        """Iterate one epoch made by ``make_epoch`` from the calling thread."""
+        epoch = make_epoch()
+
+        async def step() -> tuple[bool, Any]:
+            try:
+                return True, await epoch.__anext__()
+            except StopAsyncIteration:
+                return False, None
+
+        def generate() -> Iterator[Any]:
+            try:
+                while True:
+                    more, batch = self.run(step())
+                    if not more:
+                        return
+                    yield batch
+                    del batch
+            finally:
+                if self.loop.is_running():
+                    with contextlib.suppress(Exception):
+                        self.run(epoch.aclose(), timeout=CLOSE_TIMEOUT_S)
+
+        return generate()
+
+    def close(self) -> None:
+        """Cancel what still runs on the loop, stop it and join the thread. Idempotent."""
+        if self.loop.is_closed():
+            return
+        if self._thread.is_alive() and self.loop.is_running():
+            with contextlib.suppress(Exception):
+                self.run(_cancel_all(), timeout=CLOSE_TIMEOUT_S)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(CLOSE_TIMEOUT_S)
+        if not self._thread.is_alive():
+            with contextlib.suppress(Exception):
+                self.loop.run_until_complete(self.loop.shutdown_default_executor())
+            self.loop.close()
+
+
+async def _cancel_all() -> None:
+    current = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not current]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,130 @@
+"""Test harness: plain ``async def test_*`` functions, run on both event loops, with leak checks.
+
+- Every ``async def`` test runs once on the stock asyncio loop and once on uvloop (where it is
+  installed), so the whole suite proves both (RELIABILITY.md row 28).
+- After every test, an autouse fixture checks that nothing of ours is left: no shared-memory
+  segment with our prefix, no child process (workers are grandchildren through the forkserver,
+  so children are listed recursively), no thread. Each check polls briefly, because a process
+  that was told to exit needs a moment to be reaped; a leak that persists fails the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psutil
+import pytest
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+    uvloop = None  # type: ignore[assignment]
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "aiol_"
+LEAK_GRACE_S = 5.0
+
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.new_event_loop}
+if uvloop is not None:
+    LOOPS["uvloop"] = uvloop.new_event_loop
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if inspect.iscoroutinefunction(metafunc.function):
+        metafunc.fixturenames.append("_loop_kind")
+        metafunc.parametrize("_loop_kind", list(LOOPS), ids=list(LOOPS))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    if not inspect.iscoroutinefunction(pyfuncitem.obj):
+        return None
+    kind = pyfuncitem.callspec.params["_loop_kind"]
+    names = pyfuncitem._fixtureinfo.argnames
+    kwargs = {name: pyfuncitem.funcargs[name] for name in names}
+    with asyncio.Runner(loop_factory=LOOPS[kind]) as runner:
+        runner.run(pyfuncitem.obj(**kwargs))
+    return True
+
+
+def our_segments() -> set[str]:
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX)}
+    except FileNotFoundError:  # pragma: no cover - non-Linux
+        return set()
+
+
+def _helper_process(p: psutil.Process) -> bool:
+    try:
+        cmd = " ".join(p.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return True
+    # The forkserver and the resource tracker live as long as the test session, by design.
+    return "forkserver" in cmd or "resource_tracker" in cmd
+
+
+def child_pids() -> set[int]:
+    kids = psutil.Process().children(recursive=True)
+    return {p.pid for p in kids if not _helper_process(p)}
+
+
+def thread_names() -> set[str]:
+    return {f"{t.name}:{t.ident}" for t in threading.enumerate()}
+
+
+def _wait_until_clean(check: Callable[[], Any]) -> Any:
+    deadline = time.monotonic() + LEAK_GRACE_S
+    left = check()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = check()
+    return left
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test that leaves a segment, a process or a thread behind."""
+    if request.node.get_closest_marker("allow_leaks"):
+        yield
+        return
+    segments, pids, threads = our_segments(), child_pids(), thread_names()
+    yield
+    import gc
+
+    gc.collect()
+    left_segments = _wait_until_clean(lambda: our_segments() - segments)
+    left_pids = _wait_until_clean(lambda: child_pids() - pids)
+    left_threads = _wait_until_clean(lambda: thread_names() - threads)
+    problems = []
+    if left_segments:
+        problems.append(f"shared-memory segments left: {sorted(left_segments)}")
+    if left_pids:
+        problems.append(f"processes left: {sorted(left_pids)}")
+    if left_threads:
+        problems.append(f"threads left: {sorted(left_threads)}")
+    assert not problems, "; ".join(problems)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "allow_leaks: skip the after-test leak check")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
