@@ -1,0 +1,211 @@
+"""Host-to-device throughput of the device stage, and how much of a copy hides behind compute.
+
+For each batch size it measures, in GB/s:
+
+- ``stage``: :class:`aioloader._device.DeviceStage` from pageable host memory (the staging
+  path), two batches in flight;
+- ``stage+reg``: the same from host memory registered with ``register_host_memory`` (the
+  path of a registered shared-memory slot: no staging memcpy);
+- ``pinned .to``: a plain loop of ``pinned.to(device, non_blocking=True)`` (an upper bound);
+- ``pageable .to``: ``tensor.to(device)`` from pageable memory (what no pinning gives);
+
+and, for a training step made of matmuls (``--step-ms``), the fraction of the copy time that
+stays hidden behind the step with prefetch-style overlap (start the copy of batch i+1, run the
+step on batch i, then wait for batch i+1), against running copy and step one after the other.
+
+Usage::
+
+    python benchmarks/gpu_transfer.py --batch-mb 16 64 256 --batches 20 --step-ms 30
+
+Without CUDA it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import mmap
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from aioloader._device import DeviceStage
+
+GB = 1e9
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-mb", type=float, nargs="+", default=[4.0, 32.0, 128.0])
+    parser.add_argument("--batches", type=int, default=20, help="timed batches per measurement")
+    parser.add_argument("--leaves", type=int, default=4, help="tensors per batch")
+    parser.add_argument("--step-ms", type=float, default=20.0, help="compute time of a step")
+    parser.add_argument("--matmul-size", type=int, default=4096)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args(argv)
+    if args.batches < 1 or args.leaves < 1 or any(mb <= 0 for mb in args.batch_mb):
+        parser.error("--batches and --leaves must be >= 1 and every --batch-mb > 0")
+    return args
+
+
+def make_batch(nbytes: int, leaves: int, alloc: Callable[[int], torch.Tensor]) -> dict[str, Any]:
+    per_leaf = max(nbytes // leaves // 4, 1)
+    return {f"x{i}": alloc(per_leaf).normal_() for i in range(leaves)}
+
+
+def registered_batch(
+    stage: DeviceStage, nbytes: int, leaves: int
+) -> tuple[dict[str, Any], mmap.mmap, int]:
+    per_leaf = max(nbytes // leaves // 4, 1)
+    region = mmap.mmap(-1, per_leaf * 4 * leaves)
+    raw = np.frombuffer(region, dtype=np.float32)
+    base = int(raw.__array_interface__["data"][0])
+    ok = stage.register_host_memory(base, region.size())
+    if not ok:
+        print("  (cudaHostRegister failed: the stage+reg column uses staging)")
+    raw[:] = np.random.default_rng(0).standard_normal(raw.size, dtype=np.float32)
+    batch = {f"x{i}": raw[i * per_leaf : (i + 1) * per_leaf] for i in range(leaves)}
+    return batch, region, base
+
+
+def batch_bytes(batch: dict[str, Any]) -> int:
+    return sum(int(v.nbytes) for v in batch.values())
+
+
+async def stage_gbps(stage: DeviceStage, batch: dict[str, Any], n: int) -> float:
+    """Throughput of the stage with two batches in flight."""
+    await stage.start(batch, -1).wait()  # warm-up: staging buffer, allocator
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    pending = stage.start(batch, 0)
+    for i in range(1, n):
+        following = stage.start(batch, i)
+        await pending.wait()
+        pending = following
+    await pending.wait()
+    torch.cuda.synchronize()
+    return batch_bytes(batch) * n / (time.perf_counter() - started) / GB
+
+
+def to_gbps(batch: dict[str, Any], device: torch.device, n: int, non_blocking: bool) -> float:
+    for v in batch.values():
+        v.to(device, non_blocking=non_blocking)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(n):
+        for v in batch.values():
+            v.to(device, non_blocking=non_blocking)
+    torch.cuda.synchronize()
+    return batch_bytes(batch) * n / (time.perf_counter() - started) / GB
+
+
+def make_step(device: torch.device, size: int, step_ms: float) -> Callable[[Any], None]:
+    """A matmul-bound step of about ``step_ms``; it also reads the batch, as training would."""
+    a = torch.randn(size, size, device=device, dtype=torch.float16)
+    b = torch.randn(size, size, device=device, dtype=torch.float16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    per_matmul_ms = (time.perf_counter() - started) * 100
+    count = max(1, round(step_ms / per_matmul_ms))
+
+    def step(batch: Any) -> None:
+        for v in batch.values():
+            v.sum()
+        for _ in range(count):
+            a @ b
+        torch.cuda.current_stream().synchronize()  # a host sync per step, like loss.item()
+
+    return step
+
+
+async def overlap(
+    stage: DeviceStage, batch: dict[str, Any], step: Callable[[Any], None], n: int
+) -> tuple[float, float, float]:
+    """Seconds per batch: step alone, copy then step, and copy of i+1 overlapped with step i."""
+    resident = await stage.start(batch, -1).wait()
+    torch.cuda.synchronize()
+
+    started = time.perf_counter()
+    for _ in range(n):
+        step(resident)
+    compute = (time.perf_counter() - started) / n
+
+    started = time.perf_counter()
+    for i in range(n):
+        step(await stage.start(batch, i).wait())
+    serial = (time.perf_counter() - started) / n
+
+    started = time.perf_counter()
+    pending = stage.start(batch, 0)
+    for i in range(n):
+        current = await pending.wait()
+        if i + 1 < n:
+            pending = stage.start(batch, i + 1)
+        step(current)
+    overlapped = (time.perf_counter() - started) / n
+    return compute, serial, overlapped
+
+
+async def run(args: argparse.Namespace) -> None:
+    stage = DeviceStage(args.device)
+    device = stage.device
+    assert device is not None
+    print(f"device: {torch.cuda.get_device_name(device)}; {args.batches} batches per cell")
+    step = make_step(device, args.matmul_size, args.step_ms)
+    header = (
+        f"{'batch MB':>9} {'stage':>8} {'stage+reg':>10} {'pinned .to':>11} {'pageable .to':>13}"
+        f" {'step ms':>8} {'copy ms':>8} {'hidden':>7}"
+    )
+    rows = []
+    for mb in args.batch_mb:
+        nbytes = int(mb * 1e6)
+        pageable = make_batch(nbytes, args.leaves, lambda n: torch.empty(n))
+        pinned = make_batch(nbytes, args.leaves, lambda n: torch.empty(n, pin_memory=True))
+        staged = await stage_gbps(stage, pageable, args.batches)
+        reg_stage = DeviceStage(device)
+        registered, region, base = registered_batch(reg_stage, nbytes, args.leaves)
+        direct = await stage_gbps(reg_stage, registered, args.batches)
+        reg_stage.unregister_host_memory(base)
+        reg_stage.close()
+        del registered
+        gc.collect()
+        region.close()
+        plain_pinned = to_gbps(pinned, device, args.batches, non_blocking=True)
+        plain_pageable = to_gbps(pageable, device, args.batches, non_blocking=False)
+        compute, serial, overlapped = await overlap(stage, pageable, step, args.batches)
+        copy_s = max(serial - compute, 1e-9)
+        hidden = min(max((serial - overlapped) / copy_s, 0.0), 1.0)
+        rows.append(
+            f"{mb:>9.1f} {staged:>8.2f} {direct:>10.2f} {plain_pinned:>11.2f} "
+            f"{plain_pageable:>13.2f} {compute * 1e3:>8.2f} {copy_s * 1e3:>8.2f} {hidden:>7.0%}"
+        )
+    stage.close()
+    print("host-to-device GB/s; copy ms = (copy then step) - step; hidden = share of it overlapped")
+    print(header)
+    print("\n".join(rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_transfer: no CUDA device is available; nothing to measure (needs a GPU).")
+        return 0
+    asyncio.run(run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
