@@ -1,0 +1,474 @@
+"""Collation: a list of samples in, one batch out, with torch's rules and clear errors.
+
+:func:`default_collate` follows ``torch.utils.data.default_collate``: arrays and tensors are
+stacked along a new first axis, Python numbers become one tensor, strings stay a list, and
+containers are transposed (a list of dicts becomes a dict of batches). :func:`numpy_collate` uses
+the same rules but produces numpy arrays, never tensors. Both walk the samples once, top down::
+
+    samples ──▶ kind of each sample at this key path (one kind, or CollateError)
+                 ├─ mapping / namedtuple / sequence ──▶ recurse per key, field or position
+                 ├─ tensor / ndarray / numpy scalar / int / float / bool ──▶ stack into one leaf
+                 └─ str / bytes / None ──▶ a list, as it is
+
+**Straight into shared memory.** Both accept ``alloc(shape, dtype)``: when it is given, every
+stacked leaf is written into the array ``alloc`` returns (a view of a shared-memory slot, in a
+worker process) and the result is that array, or ``torch.from_numpy`` of it: no copy after the
+stack itself. Tensors whose dtype numpy lacks (``bfloat16``), that live on a device, that require
+grad or that are not strided are stacked the ordinary way instead; the caller copies those.
+
+Sharp edges, each deliberate:
+
+- **Stricter than torch about disagreement.** Samples whose types differ at one key path (an
+  ``int`` here, a ``float`` there; ``float32`` arrays beside ``float64`` ones) are refused with
+  :class:`~aioloader.CollateError` instead of being silently promoted, because promotion hides
+  a bug in a dataset and would make the batch's memory layout depend on its contents. The error
+  names the key path (``batch['image'][1]``), the positions in the batch and what differs.
+- **Tuples come back as lists**, as in torch (its "backwards compatibility" rule); namedtuples
+  keep their type, and mappings keep theirs where it can be rebuilt. Also as in torch, strings
+  inside a sequence come back as a tuple (a column of the transposed samples), while strings
+  under a mapping key, or at the top, come back as a list.
+- **None is kept** as a list of ``None`` (torch refuses it), so optional fields pass through.
+- **Byte order is normalised**: big-endian arrays are stacked into native order, because
+  ``torch.from_numpy`` refuses anything else.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._errors import CollateError
+
+__all__ = ["Alloc", "default_collate", "numpy_collate"]
+
+Alloc = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray[Any, Any]]
+"""``alloc(shape, dtype)`` returns a writable C-contiguous array of exactly that shape and dtype."""
+
+# Positions listed per group in an error message. More helps to spot a pattern, fewer keeps a
+# 4096-sample batch's error readable; the rest is summarised as a count.
+_MAX_POSITIONS_SHOWN = 8
+
+_INT64 = np.dtype(np.int64)
+_FLOAT64 = np.dtype(np.float64)
+_BOOL = np.dtype(np.bool_)
+
+# numpy dtype kinds that have no torch equivalent: bytes, str, void/structured, datetimes.
+_NOT_FOR_TORCH = frozenset("SUVMm")
+
+_SUPPORTED = (
+    "torch tensors, numpy arrays and scalars, Python int/float/bool, str, bytes, None, "
+    "mappings, namedtuples and sequences"
+)
+
+
+def default_collate(samples: Sequence[Any], *, alloc: Alloc | None = None) -> Any:
+    """Collate ``samples`` into a batch of torch tensors, like torch's ``default_collate``.
+
+    Arrays and tensors are stacked into one tensor; Python ints become an ``int64`` tensor,
+    floats ``float64``, bools ``bool``; numpy scalars a tensor of their dtype; str and bytes
+    stay a list, and so does None. Mappings, namedtuples and other sequences are collated per
+    key, field or position (a tuple comes back as a list, as in torch).
+
+    Args:
+        samples: the samples of one batch, all of the same structure.
+        alloc: where to put each stacked leaf: ``alloc(shape, dtype)`` returns a writable
+            C-contiguous numpy array, and the leaf becomes ``torch.from_numpy`` of it.
+
+    Returns:
+        The batch, with the structure of one sample.
+
+    Raises:
+        CollateError: if the batch is empty, or samples disagree at some key path (type, shape,
+            dtype, keys, length), or a leaf cannot become a tensor (object dtype, unsupported
+            type). The message names the key path, the positions and what differs.
+    """
+    return _Collator(to_torch=True, alloc=alloc).batch(samples)
+
+
+def numpy_collate(samples: Sequence[Any], *, alloc: Alloc | None = None) -> Any:
+    """Collate ``samples`` like :func:`default_collate`, but into numpy arrays.
+
+    The structure rules are the same; every stacked leaf is a numpy array (Python ints become
+    ``int64``, floats ``float64``, bools ``bool``; torch tensors are converted). Use it when the
+    consumer is not torch (JAX, numpy code) or to keep torch out of a worker's output.
+
+    Args:
+        samples: the samples of one batch, all of the same structure.
+        alloc: where to put each stacked leaf: ``alloc(shape, dtype)`` returns a writable
+            C-contiguous numpy array, which becomes the leaf itself.
+
+    Returns:
+        The batch, with the structure of one sample.
+
+    Raises:
+        CollateError: as :func:`default_collate`; also for tensors whose dtype numpy lacks.
+    """
+    return _Collator(to_torch=False, alloc=alloc).batch(samples)
+
+
+# -- kinds of samples ---------------------------------------------------------------------------
+
+
+# Classifying a type takes a dozen issubclass calls; a batch has few types, so cache them. The
+# bound only matters for programs that create classes on the fly.
+_KIND_CACHE_SIZE = 1024
+_kinds: dict[type, str] = {}
+
+
+def _kind_of(cls: type) -> str:
+    """What collation does with an instance of ``cls``."""
+    kind = _kinds.get(cls)
+    if kind is None:
+        if len(_kinds) >= _KIND_CACHE_SIZE:
+            _kinds.clear()
+        kind = _kinds[cls] = _classify(cls)
+    return kind
+
+
+def _classify(cls: type) -> str:
+    # The order of the checks matters: np.str_ is a str and a np.generic, bool is an int.
+    if issubclass(cls, torch.Tensor):
+        return "tensor"
+    if issubclass(cls, np.ndarray):
+        return "ndarray"
+    if issubclass(cls, str):  # before np.generic: np.str_ is both
+        return "str"
+    if issubclass(cls, bytes):
+        return "bytes"
+    if issubclass(cls, np.generic):
+        return "numpy scalar"
+    if issubclass(cls, bool):  # before int: bool is an int
+        return "bool"
+    if issubclass(cls, int):
+        return "int"
+    if issubclass(cls, float):
+        return "float"
+    if cls is type(None):
+        return "None"
+    if issubclass(cls, Mapping):
+        return "mapping"
+    if issubclass(cls, tuple) and hasattr(cls, "_fields"):
+        return "namedtuple"
+    if issubclass(cls, Sequence):
+        return "sequence"
+    return "unsupported"
+
+
+@functools.lru_cache(maxsize=64)
+def _numpy_dtype_of(dtype: torch.dtype) -> np.dtype[Any] | None:
+    """The numpy dtype of a torch dtype, or None where numpy has none (bfloat16, float8...)."""
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except (TypeError, RuntimeError):
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def _torch_can_hold(dtype: np.dtype[Any]) -> bool:
+    if dtype.kind in _NOT_FOR_TORCH or dtype.hasobject:
+        return False
+    try:
+        torch.from_numpy(np.empty(0, dtype=dtype))
+    except (TypeError, ValueError):  # e.g. float128, complex256
+        return False
+    return True
+
+
+# -- error messages -----------------------------------------------------------------------------
+
+
+def _positions(positions: list[int]) -> str:
+    if len(positions) == 1:
+        return f"position {positions[0]}"
+    shown = ", ".join(map(str, positions[:_MAX_POSITIONS_SHOWN]))
+    more = len(positions) - _MAX_POSITIONS_SHOWN
+    return f"positions [{shown}{f', ... {more} more' if more > 0 else ''}]"
+
+
+def _grouped(values: Sequence[Any], describe: Callable[[Any], str] = str) -> str:
+    """``'a at positions [0, 2]; b at position 1'``: positions grouped by value, in order."""
+    groups: dict[Any, list[int]] = {}
+    for position, value in enumerate(values):
+        groups.setdefault(value, []).append(position)
+    return "; ".join(f"{describe(value)} at {_positions(ps)}" for value, ps in groups.items())
+
+
+def _type_name(cls: type) -> str:
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return str(tuple(int(d) for d in shape))
+
+
+def _error(path: str, problem: str) -> CollateError:
+    return CollateError(f"cannot collate {path}: {problem}")
+
+
+# -- the walk -----------------------------------------------------------------------------------
+
+
+class _Collator:
+    """One collation: the output flavour, the allocator, and the recursive walk."""
+
+    __slots__ = ("alloc", "to_torch")
+
+    def __init__(self, *, to_torch: bool, alloc: Alloc | None) -> None:
+        self.to_torch = to_torch
+        self.alloc = alloc
+
+    def batch(self, samples: Sequence[Any]) -> Any:
+        if not isinstance(samples, list | tuple):
+            samples = list(samples)
+        if not samples:
+            raise CollateError("cannot collate an empty batch: there are no samples")
+        return self.collate(samples, "batch")
+
+    def collate(self, samples: Sequence[Any], path: str) -> Any:
+        types = set(map(type, samples))
+        kind = _kind_of(type(samples[0]))
+        if len(types) > 1:
+            kinds = {_kind_of(t) for t in types}
+            # Subclasses of one kind mix (ndarray and memmap, dict and OrderedDict); different
+            # kinds never do, nor different namedtuple types.
+            if len(kinds) > 1 or kind == "namedtuple":
+                types_seen = [type(s) for s in samples]
+                problem = f"samples have different types: {_grouped(types_seen, _type_name)}"
+                raise _error(path, problem)
+        if kind == "tensor":
+            return self._tensors(samples, path)
+        if kind == "ndarray":
+            return self._arrays(samples, path)
+        if kind == "mapping":
+            return self._mappings(samples, path)
+        if kind == "namedtuple":
+            return self._namedtuples(samples, path)
+        if kind == "sequence":
+            return self._sequences(samples, path)
+        if kind == "int":
+            return self._numbers(samples, _INT64, path)
+        if kind == "float":
+            return self._numbers(samples, _FLOAT64, path)
+        if kind == "bool":
+            return self._numbers(samples, _BOOL, path)
+        if kind == "numpy scalar":
+            return self._numpy_scalars(samples, path)
+        if kind in ("str", "bytes", "None"):
+            # As torch: a tuple (a column of transposed sequences) stays a tuple; a list is
+            # copied so that the batch never aliases the caller's list.
+            return samples if isinstance(samples, tuple) else list(samples)
+        problem = f"unsupported type {_grouped([type(s) for s in samples], _type_name)}"
+        raise _error(path, f"{problem}; collation supports {_SUPPORTED}")
+
+    # -- containers --
+
+    def _mappings(self, samples: Sequence[Mapping[Any, Any]], path: str) -> Any:
+        first = samples[0]
+        keys = first.keys()
+        if not all(s.keys() == keys for s in samples):
+            raise _error(path, _key_mismatch(samples))
+        result = {key: self.collate([s[key] for s in samples], f"{path}[{key!r}]") for key in keys}
+        if type(first) is dict:
+            return result
+        # Rebuild the sample's own mapping type, as torch does: a copy keeps what a constructor
+        # call would lose (a defaultdict's factory); a type that cannot be rebuilt gives a dict.
+        try:
+            if isinstance(first, MutableMapping):
+                clone = copy.copy(first)
+                clone.update(result)
+                return clone
+            return type(first)(result)  # type: ignore[call-arg]
+        except (TypeError, ValueError):
+            return result
+
+    def _namedtuples(self, samples: Sequence[Any], path: str) -> Any:
+        cls = type(samples[0])
+        fields = cls._fields
+        columns = zip(*samples, strict=True)
+        return cls(*(self.collate(c, f"{path}.{f}") for f, c in zip(fields, columns, strict=True)))
+
+    def _sequences(self, samples: Sequence[Sequence[Any]], path: str) -> Any:
+        lengths = [len(s) for s in samples]
+        if len(set(lengths)) > 1:
+            raise _error(path, f"sequences have different lengths: {_grouped(lengths)}")
+        columns = zip(*samples, strict=True)
+        items = [self.collate(c, f"{path}[{i}]") for i, c in enumerate(columns)]
+        first = samples[0]
+        if isinstance(first, tuple) or type(first) is list:
+            return items  # tuples become lists, as in torch
+        try:
+            if isinstance(first, MutableSequence):
+                clone = copy.copy(first)
+                for i, item in enumerate(items):
+                    clone[i] = item
+                return clone
+            return type(first)(items)  # type: ignore[call-arg]
+        except (TypeError, ValueError):
+            return items
+
+    # -- leaves --
+
+    def _out(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+        """The caller's array for one leaf; checked, because a wrong one would corrupt data."""
+        assert self.alloc is not None
+        out = self.alloc(shape, dtype)
+        if not (
+            isinstance(out, np.ndarray)
+            and out.shape == shape
+            and out.dtype == dtype
+            and out.flags.c_contiguous
+            and out.flags.writeable
+        ):
+            raise TypeError(
+                f"alloc({shape}, {dtype}) must return a writable C-contiguous numpy array of "
+                f"that shape and dtype, got {type(out).__name__} "
+                f"{getattr(out, 'shape', '')} {getattr(out, 'dtype', '')}"
+            )
+        return out
+
+    def _leaf(self, array: np.ndarray[Any, Any]) -> Any:
+        return torch.from_numpy(array) if self.to_torch else array
+
+    def _numbers(self, samples: Sequence[Any], dtype: np.dtype[Any], path: str) -> Any:
+        # One conversion for the whole list: per-element work would cost microseconds a sample.
+        try:
+            if self.alloc is None:
+                array = np.array(samples, dtype=dtype)
+            else:
+                array = self._out((len(samples),), dtype)
+                array[...] = samples
+        except OverflowError as exc:
+            bad = [p for p, v in enumerate(samples) if not -(2**63) <= v < 2**63]
+            raise _error(path, f"ints do not fit in int64 at {_positions(bad)}") from exc
+        return self._leaf(array)
+
+    def _numpy_scalars(self, samples: Sequence[np.generic], path: str) -> Any:
+        dtypes = [s.dtype for s in samples]
+        dtype = dtypes[0]
+        if len(set(dtypes)) > 1:
+            raise _error(path, f"numpy scalars have different dtypes: {_grouped(dtypes)}")
+        self._check_dtype(dtype, len(samples), path)
+        return self._numbers(samples, dtype.newbyteorder("="), path)
+
+    def _check_dtype(self, dtype: np.dtype[Any], count: int, path: str) -> None:
+        where = _positions(list(range(count)))
+        if dtype.hasobject:
+            raise _error(path, f"numpy dtype {dtype} (Python objects) at {where} is not supported")
+        if self.to_torch and not _torch_can_hold(dtype.newbyteorder("=")):
+            raise _error(
+                path, f"numpy dtype {dtype} at {where} has no torch equivalent; use numpy_collate"
+            )
+
+    def _arrays(self, samples: Sequence[np.ndarray[Any, Any]], path: str) -> Any:
+        first = samples[0]
+        if len({(a.shape, a.dtype) for a in samples}) > 1:
+            raise _error(path, _layout_mismatch(samples, "arrays"))
+        self._check_dtype(first.dtype, len(samples), path)
+        dtype = first.dtype.newbyteorder("=")
+        # Shapes and dtypes agree (checked above), so stacking cannot fail.
+        if self.alloc is None:
+            array = np.stack(samples)
+            if array.dtype != dtype:
+                array = array.astype(dtype)
+        else:
+            array = self._out((len(samples), *first.shape), dtype)
+            np.stack(samples, out=array)
+        return self._leaf(array)
+
+    def _tensors(self, column: Sequence[torch.Tensor], path: str) -> Any:
+        samples = column if isinstance(column, list | tuple) else list(column)  # for torch.stack
+        # torch.stack checks shapes and devices itself (an error is explained below), but it
+        # would promote mixed dtypes silently, so those are refused here.
+        if len({t.dtype for t in samples}) > 1:
+            raise _error(path, _layout_mismatch(samples, "tensors"))
+        try:
+            return self._stack_tensors(samples, path)
+        except RuntimeError as exc:
+            problem = _layout_mismatch(samples, "tensors")
+            if problem:
+                raise _error(path, problem) from exc
+            raise
+
+    def _stack_tensors(
+        self, samples: list[torch.Tensor] | tuple[torch.Tensor, ...], path: str
+    ) -> Any:
+        first = samples[0]
+        np_dtype = _numpy_dtype_of(first.dtype)
+        if not self.to_torch and np_dtype is None:
+            raise _error(
+                path,
+                f"torch dtype {first.dtype} at {_positions(list(range(len(samples))))} has no "
+                "numpy equivalent; convert it in the dataset or use default_collate",
+            )
+        if self.to_torch and self.alloc is None:
+            return torch.stack(samples)  # the common main-process case: nothing to check
+        # Only plain CPU tensors can be stacked into a numpy-backed ``out``: torch refuses
+        # out= for inputs that require grad, and a device tensor must stay on its device.
+        plain = (
+            first.device.type == "cpu"
+            and first.layout == torch.strided
+            and not any(t.requires_grad for t in samples)
+        )
+        shape = (len(samples), *first.shape)
+        if self.to_torch:
+            if np_dtype is None or not plain:
+                return torch.stack(samples)
+            out = torch.from_numpy(self._out(shape, np_dtype))
+            torch.stack(samples, out=out)
+            return out
+        assert np_dtype is not None
+        if not plain:
+            stacked = torch.stack([t.detach() for t in samples]).cpu().resolve_conj().numpy()
+            if self.alloc is None:
+                return stacked
+            array = self._out(stacked.shape, np_dtype)
+            array[...] = stacked
+            return array
+        if self.alloc is None:
+            return torch.stack(samples).resolve_conj().numpy()
+        array = self._out(shape, np_dtype)
+        torch.stack(samples, out=torch.from_numpy(array))
+        return array
+
+
+def _layout_mismatch(samples: Sequence[Any], what: str) -> str:
+    """Say which of shape, dtype (and device) differ, position by position."""
+    problems = []
+    shapes = [_shape(s.shape) for s in samples]
+    if len(set(shapes)) > 1:
+        problems.append(f"{what} have different shapes: {_grouped(shapes)}")
+    dtypes = [str(s.dtype) for s in samples]
+    if len(set(dtypes)) > 1:
+        problems.append(f"{what} have different dtypes: {_grouped(dtypes)}")
+    devices = [str(getattr(s, "device", "cpu")) for s in samples]
+    if len(set(devices)) > 1:
+        problems.append(f"{what} are on different devices: {_grouped(devices)}")
+    return "; and ".join(problems)
+
+
+def _key_mismatch(samples: Sequence[Mapping[Any, Any]]) -> str:
+    """Describe each sample's keys against those of the first sample."""
+    reference = list(samples[0].keys())
+    groups: dict[tuple[tuple[Any, ...], tuple[Any, ...]], list[int]] = {}
+    for position, sample in enumerate(samples[1:], start=1):
+        keys = sample.keys()
+        missing = tuple(k for k in reference if k not in keys)
+        extra = tuple(k for k in keys if k not in samples[0])
+        if missing or extra:
+            groups.setdefault((missing, extra), []).append(position)
+    parts = [f"position 0 has keys {reference!r}"]
+    for (missing, extra), positions in groups.items():
+        what = []
+        if missing:
+            what.append(f"lacks {list(missing)!r}")
+        if extra:
+            what.append(f"has extra {list(extra)!r}")
+        parts.append(f"{_positions(positions)} {' and '.join(what)}")
+    return f"samples have different keys: {'; '.join(parts)}"

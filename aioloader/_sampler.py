@@ -1,0 +1,724 @@
+"""Samplers: which dataset indices an epoch visits, in which order, and how they form batches.
+
+Everything here is pure and deterministic: no event loop, no threads, no processes, no global
+random state after construction. A sampler yields ``int`` indices; a batch sampler yields
+``list[int]``; a sharded batch sampler yields ``list[list[int]]`` (one index list per device).
+torch's samplers follow the same conventions and may be used wherever these are::
+
+    SequentialSampler / RandomSampler / DistributedSampler   (or any iterable of ints)
+        │ indices
+        ▼
+    BatchSampler(last_batch="keep" | "discard" | "rollover")  (or torch's BatchSampler)
+        │ list[int]
+        ▼
+    ShardedBatchSampler(num_shards)                            (optional)
+        │ list[list[int]]
+        ▼
+    the loader
+
+Sharp edges, each deliberate:
+
+- **Each ``__iter__`` consumes one epoch.** :class:`RandomSampler` (without a ``generator``) and
+  :class:`DistributedSampler` order an epoch as a pure function of ``(seed, epoch)``. Calling
+  ``iter()`` uses the current epoch and moves on to the next one, so a training loop that never
+  calls ``set_epoch`` still gets a new order every epoch (torch's DistributedSampler repeats the
+  same order in that case). ``set_epoch(e)`` before an epoch pins it to ``e``, exactly as in torch.
+  ``iter()`` does its work at once (it draws the whole order), so ``state_dict()`` taken right
+  before ``iter()`` describes that iteration completely: restoring it and skipping the batches
+  already delivered resumes an epoch exactly.
+- **The order survives library upgrades.** numpy documents that ``Generator.permutation`` may
+  change between versions (NEP 19), while the raw output of ``PCG64`` seeded through
+  ``SeedSequence`` is fixed. The permutation is therefore built by sorting raw 64-bit keys, so a
+  checkpoint taken under one numpy resumes with the same order under another.
+- **Rollover is committed when the epoch's end is seen.** With ``last_batch="rollover"`` the
+  incomplete last batch is not yielded; its indices start the next iteration. The batch sampler
+  reads one batch ahead, so the carry is known (and ``len()`` already describes the next epoch)
+  when the final full batch is handed out, even to a consumer that stops after ``len()`` batches.
+  An iteration abandoned earlier leaves the previous carry in place, so nothing is lost.
+- **Every rank gets the same number of samples.** :class:`DistributedSampler` pads by wrapping
+  around the epoch's order (or drops the tail with ``drop_last``), because a rank with one batch
+  fewer than the others would leave a collective op waiting forever.
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+import os
+import random
+import sys
+from collections.abc import Iterable, Iterator, Sized
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+from ._types import Stateful
+
+__all__ = [
+    "BatchSampler",
+    "DistributedSampler",
+    "LastBatch",
+    "RandomSampler",
+    "SequentialSampler",
+    "ShardedBatchSampler",
+    "validate_non_negative_int",
+    "validate_positive_int",
+]
+
+LastBatch = Literal["keep", "discard", "rollover"]
+_LAST_BATCH_POLICIES: tuple[str, ...] = get_args(LastBatch)
+
+# torch's RandomSampler draws with replacement in chunks of this many indices; drawing the same
+# chunks from the same generator is what makes our stream equal to torch's for a given generator.
+_TORCH_REPLACEMENT_CHUNK = 32
+
+_SEED_BITS = 63  # a fresh seed fits a signed 64-bit int, so it survives any serializer
+
+
+# -- argument checks ----------------------------------------------------------------------------
+
+
+def _is_int(value: object) -> bool:
+    # numpy integers count (they are registered as numbers.Integral); bools do not, because
+    # ``batch_size=True`` is a bug, never an intent.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _checked_int(name: str, value: object, minimum: int | None, what: str) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{name} must be {what}, got {value!r}")
+    result = int(value)
+    if minimum is not None and result < minimum:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return result
+
+
+def validate_positive_int(name: str, value: object) -> int:
+    """Return ``value`` as a plain ``int`` if it is an integer greater than zero.
+
+    Raises:
+        TypeError: if ``value`` is not an integer (bools are refused), naming ``name``.
+        ValueError: if ``value`` is zero or negative, naming ``name``.
+    """
+    return _checked_int(name, value, 1, "a positive int")
+
+
+def validate_non_negative_int(name: str, value: object) -> int:
+    """Return ``value`` as a plain ``int`` if it is an integer of zero or more.
+
+    Raises:
+        TypeError: if ``value`` is not an integer (bools are refused), naming ``name``.
+        ValueError: if ``value`` is negative, naming ``name``.
+    """
+    return _checked_int(name, value, 0, "a non-negative int")
+
+
+def _validate_int(name: str, value: object) -> int:
+    return _checked_int(name, value, None, "an int")
+
+
+def _length_of(name: str, data_source: object) -> int:
+    """The number of samples of a Sized data source, or the int length given instead."""
+    if _is_int(data_source):
+        return validate_non_negative_int(name, data_source)
+    if isinstance(data_source, Sized):
+        return len(data_source)
+    raise TypeError(f"{name} must be a Sized (with __len__) or an int length, got {data_source!r}")
+
+
+def _check_state_keys(owner: str, state: object, required: set[str]) -> dict[str, Any]:
+    if not isinstance(state, dict):
+        raise TypeError(f"{owner}.load_state_dict needs a dict, got {state!r}")
+    missing = required - state.keys()
+    if missing:
+        raise ValueError(f"{owner}.load_state_dict: state lacks {sorted(missing)}, got {state!r}")
+    return state
+
+
+# -- deterministic randomness -------------------------------------------------------------------
+
+
+def _bit_generator(seed: int, epoch: int) -> np.random.PCG64:
+    # SeedSequence mixes both numbers into the full PCG64 state, so neighbouring seeds and
+    # neighbouring epochs give unrelated streams. Seeds equal modulo 2**64 are the same seed.
+    return np.random.PCG64(np.random.SeedSequence([seed % 2**64, epoch]))
+
+
+def _permutation(bits: np.random.PCG64, n: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """A uniformly random permutation of ``range(n)`` drawn from ``bits``.
+
+    Each position gets a raw 64-bit key whose low ``b`` bits (``b`` = bit length of ``n - 1``)
+    are replaced by the position itself, so all keys are distinct and any sort algorithm gives
+    the same order; after sorting, the low bits are the permutation. Two positions tie on the
+    remaining random bits with odds of about ``n**2 / 2**(65 - b)``, and a tie is broken by
+    position: a bias far below anything measurable for ``n < 2**32``.
+    """
+    if n <= 1:
+        return np.arange(n, dtype=np.int64)
+    low = (n - 1).bit_length()
+    mask = np.uint64((1 << low) - 1)
+    keys = (bits.random_raw(n) & ~mask) | np.arange(n, dtype=np.uint64)
+    keys.sort()
+    return (keys & mask).astype(np.int64)
+
+
+def _draw(
+    seed: int, epoch: int, n: int, num_samples: int, replacement: bool
+) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """The indices of one epoch: a pure function of its arguments."""
+    if num_samples == 0:
+        return np.empty(0, dtype=np.int64)
+    bits = _bit_generator(seed, epoch)
+    if replacement:
+        # Modulo bias is at most n / 2**64: invisible for any real data set.
+        return (bits.random_raw(num_samples) % np.uint64(n)).astype(np.int64)
+    whole, rest = divmod(num_samples, n)
+    parts = [_permutation(bits, n) for _ in range(whole)]
+    if rest:
+        parts.append(_permutation(bits, n)[:rest])
+    return np.concatenate(parts)
+
+
+def _fresh_seed() -> int:
+    # Python's ``random`` so that ``random.seed(...)`` at the top of a script makes the run
+    # reproducible; unseeded, it is seeded from os.urandom at interpreter start.
+    return random.getrandbits(_SEED_BITS)
+
+
+# -- samplers -----------------------------------------------------------------------------------
+
+
+class SequentialSampler:
+    """Yields ``0, 1, ..., n-1``: the dataset in its own order.
+
+    Args:
+        data_source: the dataset (anything with ``__len__``) or its length as an int. A Sized
+            source is measured at every ``iter()``, so a dataset that grows is followed.
+
+    Raises:
+        TypeError: if ``data_source`` is neither Sized nor an int.
+        ValueError: if ``data_source`` is a negative int.
+    """
+
+    def __init__(self, data_source: Sized | int) -> None:
+        _length_of("data_source", data_source)
+        self.data_source = data_source
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self)))
+
+    def __len__(self) -> int:
+        return _length_of("data_source", self.data_source)
+
+    def __repr__(self) -> str:
+        return f"SequentialSampler(n={len(self)})"
+
+
+class RandomSampler:
+    """Yields the dataset's indices in a random order that is reproducible from a seed.
+
+    Without a ``generator``, epoch ``e`` is ordered by a pure function of ``(seed, e)``; each
+    ``iter()`` uses the current epoch and advances to the next, and :meth:`set_epoch` pins it.
+    With a ``torch.Generator``, indices are drawn from it exactly as torch's ``RandomSampler``
+    draws them, so both yield the same indices from identically seeded generators; the epoch is
+    then recorded but does not affect the order.
+
+    Args:
+        data_source: the dataset (anything with ``__len__``) or its length as an int.
+        replacement: draw ``num_samples`` indices independently (with repeats).
+        num_samples: how many indices an epoch yields; defaults to the dataset's length. Without
+            replacement it may exceed the length: whole permutations are repeated, then a part
+            of one, as torch does.
+        generator: a ``torch.Generator`` to draw from instead of ``(seed, epoch)``.
+        seed: the seed of the ``(seed, epoch)`` order. ``None`` picks one at construction from
+            Python's ``random`` module (so ``random.seed`` makes it reproducible); it is kept
+            as :attr:`seed` and saved by :meth:`state_dict`.
+
+    Raises:
+        TypeError: if an argument has the wrong type.
+        ValueError: if ``num_samples`` is negative, if both ``generator`` and ``seed`` are
+            given, or if samples are asked of an empty dataset.
+    """
+
+    def __init__(
+        self,
+        data_source: Sized | int,
+        replacement: bool = False,
+        num_samples: int | None = None,
+        generator: torch.Generator | None = None,
+        seed: int | None = None,
+    ) -> None:
+        n = _length_of("data_source", data_source)
+        if not isinstance(replacement, bool):
+            raise TypeError(f"replacement must be a bool, got {replacement!r}")
+        if num_samples is not None:
+            num_samples = validate_non_negative_int("num_samples", num_samples)
+            if num_samples > 0 and n == 0:
+                raise ValueError(
+                    f"num_samples={num_samples} cannot be drawn from an empty data_source"
+                )
+        if generator is not None:
+            _require_torch_generator(generator)
+            if seed is not None:
+                raise ValueError(
+                    f"give generator or seed, not both: got generator={generator!r}, seed={seed!r}"
+                )
+        self.data_source = data_source
+        self.replacement = replacement
+        self._num_samples = num_samples
+        self.generator = generator
+        self.seed: int | None = None
+        if generator is None:
+            self.seed = _fresh_seed() if seed is None else _validate_int("seed", seed)
+        self._epoch = 0
+
+    @property
+    def num_samples(self) -> int:
+        """How many indices one epoch yields."""
+        if self._num_samples is None:
+            return _length_of("data_source", self.data_source)
+        return self._num_samples
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``iter()`` will use."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter()`` use epoch ``epoch`` (a non-negative int)."""
+        self._epoch = validate_non_negative_int("epoch", epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        n = _length_of("data_source", self.data_source)
+        count = self.num_samples
+        if count and not n:
+            raise ValueError(f"num_samples={count} cannot be drawn from an empty data_source")
+        epoch, self._epoch = self._epoch, self._epoch + 1
+        if count == 0:
+            return iter(())
+        if self.generator is not None:
+            return iter(self._from_generator(self.generator, n, count))
+        assert self.seed is not None  # set whenever there is no generator
+        return iter(_draw(self.seed, epoch, n, count, self.replacement).tolist())
+
+    def _from_generator(self, generator: torch.Generator, n: int, count: int) -> list[int]:
+        # The same calls, in the same order and sizes, as torch's RandomSampler makes.
+        import torch
+
+        out: list[int] = []
+        if self.replacement:
+            whole, rest = divmod(count, _TORCH_REPLACEMENT_CHUNK)
+            for size in [_TORCH_REPLACEMENT_CHUNK] * whole + [rest]:
+                draws = torch.randint(n, (size,), dtype=torch.int64, generator=generator)
+                out.extend(draws.tolist())
+            return out
+        whole, rest = divmod(count, n)
+        for _ in range(whole):
+            out.extend(torch.randperm(n, generator=generator).tolist())
+        out.extend(torch.randperm(n, generator=generator).tolist()[:rest])
+        return out
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the next ``iter()`` starts: the seed and epoch, or the generator's state."""
+        if self.generator is not None:
+            return {"epoch": self._epoch, "generator_state": self.generator.get_state()}
+        return {"seed": self.seed, "epoch": self._epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; the next ``iter()`` repeats the one it described."""
+        if self.generator is not None:
+            state = _check_state_keys("RandomSampler", state, {"epoch", "generator_state"})
+            epoch = validate_non_negative_int("epoch", state["epoch"])
+            self.generator.set_state(state["generator_state"])
+        else:
+            state = _check_state_keys("RandomSampler", state, {"seed", "epoch"})
+            epoch = validate_non_negative_int("epoch", state["epoch"])
+            self.seed = _validate_int("seed", state["seed"])
+        self._epoch = epoch
+
+    def __repr__(self) -> str:
+        source = "generator" if self.generator is not None else f"seed={self.seed}"
+        return (
+            f"RandomSampler(n={_length_of('data_source', self.data_source)}, "
+            f"num_samples={self.num_samples}, replacement={self.replacement}, {source}, "
+            f"epoch={self._epoch})"
+        )
+
+
+def _require_torch_generator(generator: object) -> None:
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {generator!r}")
+
+
+def _default_world() -> tuple[int | None, int | None]:
+    """World size and rank of the initialised process group, if there is one."""
+    # A process group can only exist if torch.distributed was imported, so there is no need to
+    # import torch (seconds) to find out that there is none.
+    dist: Any = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size()), int(dist.get_rank())
+    return None, None
+
+
+def _from_environment(variable: str, default: int) -> int:
+    raw = os.environ.get(variable)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {variable} must be an int, got {raw!r}") from None
+
+
+class DistributedSampler:
+    """Gives each rank of a distributed job its own, equally long share of every epoch.
+
+    The epoch's order (shuffled from ``(seed, epoch)``, or sequential) is padded by wrapping
+    around to a multiple of ``num_replicas`` (or cut to one with ``drop_last``), and rank ``r``
+    takes every ``num_replicas``-th index starting at ``r``, as torch's DistributedSampler does.
+    All ranks must use the same ``seed``; each ``iter()`` advances the epoch unless
+    :meth:`set_epoch` pins it.
+
+    Args:
+        dataset: the dataset (anything with ``__len__``) or its length as an int.
+        num_replicas: the number of ranks. Defaults to the world size of the initialised
+            ``torch.distributed`` process group, else the ``WORLD_SIZE`` environment variable,
+            else 1.
+        rank: this process's rank, in ``[0, num_replicas)``. Defaults likewise to the process
+            group's rank, else ``RANK``, else 0.
+        shuffle: shuffle each epoch; with False every epoch is ``0, 1, ..., n-1`` (sharded).
+        seed: the seed shared by all ranks.
+        drop_last: drop the tail that does not divide evenly instead of padding with repeats.
+
+    Raises:
+        TypeError: if an argument has the wrong type.
+        ValueError: if ``num_replicas`` is not positive or ``rank`` is out of range (including
+            values read from the environment).
+    """
+
+    def __init__(
+        self,
+        dataset: Sized | int,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        _length_of("dataset", dataset)
+        group_size, group_rank = _default_world()
+        if num_replicas is None:
+            num_replicas = (
+                group_size if group_size is not None else _from_environment("WORLD_SIZE", 1)
+            )
+        if rank is None:
+            rank = group_rank if group_rank is not None else _from_environment("RANK", 0)
+        self.num_replicas = validate_positive_int("num_replicas", num_replicas)
+        rank = _validate_int("rank", rank)
+        if not 0 <= rank < self.num_replicas:
+            raise ValueError(f"rank must be in [0, num_replicas={self.num_replicas}), got {rank}")
+        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        self.dataset = dataset
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = _validate_int("seed", seed)
+        self.drop_last = drop_last
+        self._epoch = 0
+
+    @property
+    def num_samples(self) -> int:
+        """How many indices each rank gets per epoch."""
+        n = _length_of("dataset", self.dataset)
+        if self.drop_last:
+            return n // self.num_replicas
+        return -(-n // self.num_replicas)
+
+    @property
+    def total_size(self) -> int:
+        """The number of indices of an epoch over all ranks, padding included."""
+        return self.num_samples * self.num_replicas
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``iter()`` will use."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter()`` use epoch ``epoch``; give every rank the same value."""
+        self._epoch = validate_non_negative_int("epoch", epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        n = _length_of("dataset", self.dataset)
+        epoch, self._epoch = self._epoch, self._epoch + 1
+        if self.shuffle and n:
+            order = _draw(self.seed, epoch, n, n, replacement=False)
+        else:
+            order = np.arange(n, dtype=np.int64)
+        total = self.total_size
+        if total > n:
+            # Wrap around as many times as needed (more than once only when n < num_replicas).
+            order = np.resize(order, total)
+        mine = order[self.rank : total : self.num_replicas]
+        return iter(mine.tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the next ``iter()`` starts: the seed and the epoch."""
+        return {"seed": self.seed, "epoch": self._epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; the next ``iter()`` repeats the one it described."""
+        state = _check_state_keys("DistributedSampler", state, {"seed", "epoch"})
+        epoch = validate_non_negative_int("epoch", state["epoch"])
+        self.seed = _validate_int("seed", state["seed"])
+        self._epoch = epoch
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedSampler(n={_length_of('dataset', self.dataset)}, "
+            f"rank={self.rank}, num_replicas={self.num_replicas}, shuffle={self.shuffle}, "
+            f"seed={self.seed}, drop_last={self.drop_last}, epoch={self._epoch})"
+        )
+
+
+# -- batches ------------------------------------------------------------------------------------
+
+
+def _resolve_last_batch(last_batch: object, drop_last: object) -> LastBatch:
+    # torch's BatchSampler takes drop_last as its third positional argument, so a bool there is
+    # read as drop_last: ``BatchSampler(sampler, 32, False)`` means what it means in torch.
+    if isinstance(last_batch, bool):
+        if drop_last is not None:
+            raise ValueError(
+                f"drop_last given twice: positionally as {last_batch!r} and as "
+                f"drop_last={drop_last!r}"
+            )
+        last_batch, drop_last = None, last_batch
+    if drop_last is not None and not isinstance(drop_last, bool):
+        raise TypeError(f"drop_last must be a bool or None, got {drop_last!r}")
+    if last_batch is not None and last_batch not in _LAST_BATCH_POLICIES:
+        raise ValueError(f"last_batch must be one of {_LAST_BATCH_POLICIES}, got {last_batch!r}")
+    implied = None if drop_last is None else ("discard" if drop_last else "keep")
+    if last_batch is not None and implied is not None and last_batch != implied:
+        raise ValueError(
+            f"last_batch={last_batch!r} conflicts with drop_last={drop_last!r} "
+            f"(drop_last={drop_last!r} means last_batch={implied!r}); give only one"
+        )
+    chosen = last_batch if last_batch is not None else implied
+    return cast(LastBatch, chosen if chosen is not None else "keep")
+
+
+class BatchSampler:
+    """Groups the indices of a sampler into batches (``list[int]``).
+
+    The incomplete last batch of an epoch is handled by ``last_batch``, with MXNet Gluon's
+    meaning: ``"keep"`` yields it, ``"discard"`` drops it, ``"rollover"`` holds its indices back
+    and yields them first in the next iteration, so across epochs every index is yielded exactly
+    once. torch's ``drop_last`` is accepted too (``True`` is ``"discard"``, ``False`` is
+    ``"keep"``), also as the third positional argument as in torch.
+
+    Args:
+        sampler: any iterable of ints: one of this module's samplers, a torch ``Sampler``, a
+            ``range``, a list. ``len()`` needs it to be Sized.
+        batch_size: indices per batch.
+        last_batch: ``"keep"`` (default), ``"discard"`` or ``"rollover"``.
+        drop_last: torch's spelling; must agree with ``last_batch`` when both are given.
+
+    Raises:
+        TypeError: if an argument has the wrong type.
+        ValueError: if ``batch_size`` is not positive, ``last_batch`` is unknown, or it
+            conflicts with ``drop_last``.
+    """
+
+    def __init__(
+        self,
+        sampler: Iterable[int],
+        batch_size: int,
+        last_batch: LastBatch | bool | None = None,
+        *,
+        drop_last: bool | None = None,
+    ) -> None:
+        if not isinstance(sampler, Iterable):
+            raise TypeError(f"sampler must be an iterable of ints, got {sampler!r}")
+        self.sampler = sampler
+        self.batch_size = validate_positive_int("batch_size", batch_size)
+        self.last_batch: LastBatch = _resolve_last_batch(last_batch, drop_last)
+        # Invariant: the carry is empty unless last_batch == "rollover", and always shorter
+        # than a batch when produced here (a loaded state may hold more; it is then batched).
+        self._carry: list[int] = []
+
+    @property
+    def drop_last(self) -> bool:
+        """torch's view of the policy: True when the incomplete last batch is discarded."""
+        return self.last_batch == "discard"
+
+    @property
+    def carry(self) -> tuple[int, ...]:
+        """The indices held back by ``"rollover"``, to be yielded first by the next iteration."""
+        return tuple(self._carry)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward ``epoch`` to the sampler if it has ``set_epoch``."""
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        # The sampler's iteration starts now (not at the first next()), so a state_dict() taken
+        # before iter() describes this whole iteration.
+        indices = iter(self.sampler)
+        carry = list(self._carry)
+        return self._batches(itertools.chain(carry, indices) if carry else indices)
+
+    def _batches(self, source: Iterator[int]) -> Iterator[list[int]]:
+        size = self.batch_size
+        pending = list(itertools.islice(source, size))
+        if len(pending) < size:
+            tail = pending
+            self._end_of_epoch(tail)
+        else:
+            while True:
+                # Read one batch ahead so the end of the epoch is known before the final full
+                # batch leaves: the carry is then committed even if the consumer stops there.
+                following = list(itertools.islice(source, size))
+                last = len(following) < size
+                if last:
+                    self._end_of_epoch(following)
+                yield pending
+                if last:
+                    tail = following
+                    break
+                pending = following
+        if tail and self.last_batch == "keep":
+            yield tail
+
+    def _end_of_epoch(self, tail: list[int]) -> None:
+        if self.last_batch == "rollover":
+            self._carry = tail
+
+    def __len__(self) -> int:
+        """The number of batches the next iteration yields (with rollover, carry included)."""
+        if not isinstance(self.sampler, Sized):
+            raise TypeError(f"len() needs a Sized sampler, got {self.sampler!r}")
+        n = len(self.sampler) + len(self._carry)
+        if self.last_batch == "keep":
+            return -(-n // self.batch_size)
+        return n // self.batch_size
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rollover carry, and the sampler's state when it has one."""
+        state: dict[str, Any] = {"carry": list(self._carry)}
+        if isinstance(self.sampler, Stateful):
+            state["sampler"] = self.sampler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (and the sampler's part of it)."""
+        state = _check_state_keys("BatchSampler", state, {"carry"})
+        carry = state["carry"]
+        if not isinstance(carry, list | tuple) or not all(map(_is_int, carry)):
+            raise TypeError(f"BatchSampler state 'carry' must be a list of ints, got {carry!r}")
+        if carry and self.last_batch != "rollover":
+            raise ValueError(
+                f"BatchSampler state 'carry' holds {len(carry)} indices but "
+                f"last_batch={self.last_batch!r}; only 'rollover' carries indices"
+            )
+        if "sampler" in state:
+            if not isinstance(self.sampler, Stateful):
+                raise ValueError(
+                    f"BatchSampler state holds a sampler state but the sampler "
+                    f"{self.sampler!r} has no load_state_dict"
+                )
+            self.sampler.load_state_dict(state["sampler"])
+        self._carry = [int(i) for i in carry]
+
+    def __repr__(self) -> str:
+        return (
+            f"BatchSampler({self.sampler!r}, batch_size={self.batch_size}, "
+            f"last_batch={self.last_batch!r}, carry={len(self._carry)})"
+        )
+
+
+def _split(batch: list[int], num_shards: int) -> list[list[int]]:
+    """Split ``batch`` into at most ``num_shards`` non-empty runs whose sizes differ by <= 1."""
+    count = min(num_shards, len(batch))
+    if count == 0:
+        return []
+    small, extra = divmod(len(batch), count)
+    shards = []
+    start = 0
+    for i in range(count):
+        stop = start + small + (1 if i < extra else 0)
+        shards.append(batch[start:stop])
+        start = stop
+    return shards
+
+
+class ShardedBatchSampler:
+    """Splits each batch of a batch sampler into ``num_shards`` parts, one per device.
+
+    For each batch of ``batch_sampler`` it yields a list of index lists, in order, whose sizes
+    differ by at most one (the first ones are the longer), as MXNet's ``split_and_load`` does
+    for data parallelism. Empty shards are never produced: a batch with fewer indices than
+    shards yields one shard per index. The loader turns each shard into its own batch.
+
+    Args:
+        batch_sampler: anything that yields lists of ints (ours or torch's ``BatchSampler``).
+        num_shards: how many parts to split each batch into (usually the number of devices).
+
+    Raises:
+        TypeError: if ``batch_sampler`` is not iterable or ``num_shards`` is not an int.
+        ValueError: if ``num_shards`` is not positive.
+    """
+
+    def __init__(self, batch_sampler: Iterable[list[int]], num_shards: int) -> None:
+        if not isinstance(batch_sampler, Iterable):
+            raise TypeError(f"batch_sampler must be an iterable of lists, got {batch_sampler!r}")
+        self.batch_sampler = batch_sampler
+        self.num_shards = validate_positive_int("num_shards", num_shards)
+
+    def __iter__(self) -> Iterator[list[list[int]]]:
+        batches = iter(self.batch_sampler)
+        return (_split(list(batch), self.num_shards) for batch in batches)
+
+    def __len__(self) -> int:
+        if not isinstance(self.batch_sampler, Sized):
+            raise TypeError(f"len() needs a Sized batch_sampler, got {self.batch_sampler!r}")
+        return len(self.batch_sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward ``epoch`` to the batch sampler if it has ``set_epoch``."""
+        set_epoch = getattr(self.batch_sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The batch sampler's state, when it has one."""
+        if isinstance(self.batch_sampler, Stateful):
+            return {"batch_sampler": self.batch_sampler.state_dict()}
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`."""
+        state = _check_state_keys("ShardedBatchSampler", state, set())
+        if "batch_sampler" in state:
+            if not isinstance(self.batch_sampler, Stateful):
+                raise ValueError(
+                    f"ShardedBatchSampler state holds a batch sampler state but "
+                    f"{self.batch_sampler!r} has no load_state_dict"
+                )
+            self.batch_sampler.load_state_dict(state["batch_sampler"])
+
+    def __repr__(self) -> str:
+        return f"ShardedBatchSampler({self.batch_sampler!r}, num_shards={self.num_shards})"

@@ -1,0 +1,523 @@
+"""Tests of aioloader._collate: torch parity, numpy output, the alloc path, error messages."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import decimal
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from torch.utils.data import default_collate as torch_collate
+
+from aioloader._collate import default_collate, numpy_collate
+from aioloader._errors import AioloaderError, CollateError
+
+relaxed = settings(deadline=None, max_examples=60)
+
+
+class Point(NamedTuple):
+    x: Any
+    y: Any
+
+
+class Other(NamedTuple):
+    x: Any
+    y: Any
+
+
+def assert_same(ours: Any, theirs: Any, path: str = "batch") -> None:
+    """Same types all the way down, same dtypes and shapes, equal values."""
+    assert type(ours) is type(theirs), f"{path}: {type(ours)} vs {type(theirs)}"
+    if isinstance(theirs, torch.Tensor):
+        assert ours.dtype == theirs.dtype, f"{path}: {ours.dtype} vs {theirs.dtype}"
+        assert ours.shape == theirs.shape, f"{path}: {ours.shape} vs {theirs.shape}"
+        assert torch.equal(ours, theirs), f"{path}: {ours} vs {theirs}"
+    elif isinstance(theirs, np.ndarray):
+        assert ours.dtype == theirs.dtype, f"{path}: {ours.dtype} vs {theirs.dtype}"
+        np.testing.assert_array_equal(ours, theirs)
+    elif isinstance(theirs, Mapping):
+        assert list(ours) == list(theirs), f"{path}: keys {list(ours)} vs {list(theirs)}"
+        for key in theirs:
+            assert_same(ours[key], theirs[key], f"{path}[{key!r}]")
+    elif isinstance(theirs, list | tuple):
+        assert len(ours) == len(theirs), f"{path}: length {len(ours)} vs {len(theirs)}"
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            assert_same(a, b, f"{path}[{i}]")
+    else:
+        assert ours == theirs, f"{path}: {ours!r} vs {theirs!r}"
+
+
+def as_numpy(batch: Any) -> Any:
+    """default_collate's output with every tensor turned into a numpy array."""
+    if isinstance(batch, torch.Tensor):
+        return batch.numpy()
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*map(as_numpy, batch))
+    if isinstance(batch, dict):  # a copy keeps the type (and a defaultdict's factory)
+        clone = copy.copy(batch)
+        clone.update((k, as_numpy(v)) for k, v in batch.items())
+        return clone
+    if isinstance(batch, list):
+        return [as_numpy(v) for v in batch]
+    return batch
+
+
+def leaves(batch: Any) -> list[Any]:
+    if isinstance(batch, Mapping):
+        return [x for v in batch.values() for x in leaves(v)]
+    if isinstance(batch, list | tuple):
+        return [x for v in batch for x in leaves(v)]
+    return [batch]
+
+
+# -- parity with torch --------------------------------------------------------------------------
+
+
+def _array(dtype: Any, shape: tuple[int, ...], seed: int) -> np.ndarray[Any, Any]:
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, 100, size=shape)).astype(dtype)
+
+
+TORCH_CASES: dict[str, list[Any]] = {
+    "ints": [1, -2, 3, 2**62],
+    "floats": [1.5, -2.25, float("inf")],
+    "bools": [True, False, True],
+    "strings": ["a", "bc", ""],
+    "bytes": [b"a", b"\x00"],
+    "numpy float32 scalars": [np.float32(1.5), np.float32(2)],
+    "numpy int32 scalars": [np.int32(7), np.int32(-1)],
+    "numpy uint8 scalars": [np.uint8(7), np.uint8(255)],
+    "numpy bool scalars": [np.bool_(True), np.bool_(False)],
+    "numpy float16 scalars": [np.float16(0.5), np.float16(1)],
+    "numpy str scalars": [np.str_("x"), np.str_("y")],
+    "0-d arrays": [np.array(1.5), np.array(2.5)],
+    "float32 arrays": [_array(np.float32, (3, 4), s) for s in range(3)],
+    "uint8 images": [_array(np.uint8, (2, 5, 5), s) for s in range(4)],
+    "int16 arrays": [_array(np.int16, (7,), s) for s in range(2)],
+    "bool arrays": [_array(np.bool_, (3,), s) for s in range(2)],
+    "complex arrays": [_array(np.complex64, (2,), s) for s in range(2)],
+    "float32 tensors": [torch.from_numpy(_array(np.float32, (2, 3), s)) for s in range(3)],
+    "int64 tensors": [torch.arange(4) * s for s in range(3)],
+    "bool tensors": [torch.tensor([True, False]), torch.tensor([False, False])],
+    "bfloat16 tensors": [torch.ones(3, dtype=torch.bfloat16) * s for s in range(2)],
+    "0-d tensors": [torch.tensor(1.0), torch.tensor(2.0)],
+    "tuples become lists, their strings tuples": [(1, 2.0, "a"), (3, 4.0, "b")],
+    "strings under keys stay lists": [{"path": "a"}, {"path": "b"}],
+    "tuple of samples": (1, 2),
+    "lists": [[1, 2], [3, 4]],
+    "namedtuples": [Point(1, np.zeros(2)), Point(2, np.ones(2))],
+    "dict of tuple of arrays": [
+        {"image": (_array(np.float32, (2, 2), s), _array(np.uint8, (3,), s)), "label": s}
+        for s in range(3)
+    ],
+    "nested": [
+        {"a": {"b": [torch.zeros(2) + s, {"c": float(s)}]}, "name": f"s{s}", "n": np.int64(s)}
+        for s in range(3)
+    ],
+    "ordered dict": [collections.OrderedDict(b=1, a=2.0), collections.OrderedDict(b=3, a=4.0)],
+    "defaultdict": [collections.defaultdict(list, x=1), collections.defaultdict(list, x=2)],
+}
+
+
+@pytest.mark.parametrize("samples", TORCH_CASES.values(), ids=TORCH_CASES.keys())
+def test_matches_torch_default_collate(samples: list[Any]) -> None:
+    assert_same(default_collate(samples), torch_collate(samples))
+
+
+@pytest.mark.parametrize("samples", TORCH_CASES.values(), ids=TORCH_CASES.keys())
+def test_numpy_collate_gives_numpy_leaves(samples: list[Any]) -> None:
+    if any(isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 for x in leaves(samples)):
+        pytest.skip("numpy has no bfloat16: refusal tested separately")
+    ours = numpy_collate(samples)
+    assert not any(isinstance(x, torch.Tensor) for x in leaves(ours))
+    assert_same(ours, as_numpy(default_collate(samples)))
+
+
+def test_defaultdict_keeps_its_factory() -> None:
+    batch = default_collate([collections.defaultdict(list, x=1)] * 2)
+    assert batch.default_factory is list
+
+
+def test_mappings_and_sequences_keep_their_type_where_possible() -> None:
+    class Tags(list[Any]):
+        pass
+
+    class Frozen(Mapping[str, Any]):
+        def __init__(self, *items: tuple[str, Any]) -> None:
+            self._data = dict(items)
+
+        def __getitem__(self, key: str) -> Any:
+            return self._data[key]
+
+        def __iter__(self) -> Any:
+            return iter(self._data)
+
+        def __len__(self) -> int:
+            return len(self._data)
+
+    proxy = default_collate([types.MappingProxyType({"k": 1})] * 2)
+    assert type(proxy) is types.MappingProxyType
+    assert torch.equal(proxy["k"], torch.tensor([1, 1]))
+    tags = default_collate([Tags([1, 2]), Tags([3, 4])])
+    assert type(tags) is Tags
+    # A Mapping that cannot be rebuilt from a dict comes back as a dict, as in torch.
+    frozen = default_collate([Frozen(("k", 1.0)), Frozen(("k", 2.0))])
+    assert type(frozen) is dict
+    assert torch.equal(frozen["k"], torch.tensor([1.0, 2.0], dtype=torch.float64))
+
+
+def test_none_is_kept_as_a_list() -> None:
+    batch = default_collate([{"x": 1, "mask": None}, {"x": 2, "mask": None}])
+    assert batch["mask"] == [None, None]
+    assert numpy_collate([None, None]) == [None, None]
+
+
+def test_numpy_collate_dtypes_of_python_numbers() -> None:
+    batch = numpy_collate([(1, 2.5, True), (2, 3.5, False)])
+    assert [leaf.dtype for leaf in batch] == [np.int64, np.float64, np.bool_]
+    assert batch[0].tolist() == [1, 2]
+
+
+def test_numpy_collate_converts_tensors() -> None:
+    batch = numpy_collate([torch.ones(2, dtype=torch.float16), torch.zeros(2, dtype=torch.float16)])
+    assert isinstance(batch, np.ndarray)
+    assert batch.dtype == np.float16
+    assert batch.tolist() == [[1, 1], [0, 0]]
+    grads = numpy_collate([torch.ones(2, requires_grad=True)] * 2)
+    assert isinstance(grads, np.ndarray)
+    assert grads.shape == (2, 2)
+
+
+def test_numpy_collate_keeps_string_arrays_that_torch_cannot_hold() -> None:
+    samples = [np.array(["ab", "c"]), np.array(["d", "ef"])]
+    assert numpy_collate(samples).tolist() == [["ab", "c"], ["d", "ef"]]
+    with pytest.raises(CollateError, match="no torch equivalent"):
+        default_collate(samples)
+
+
+# -- property: random structures agree with torch ----------------------------------------------
+
+LEAF_KINDS = ["int", "float", "bool", "str", "bytes", "np scalar", "array", "tensor"]
+ARRAY_DTYPES = [np.float32, np.float64, np.int64, np.int16, np.uint8, np.bool_]
+
+schemas = st.recursive(
+    st.tuples(
+        st.just("leaf"),
+        st.sampled_from(LEAF_KINDS),
+        st.sampled_from(ARRAY_DTYPES),
+        hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4),
+    ),
+    lambda children: st.one_of(
+        st.tuples(
+            st.just("dict"),
+            st.dictionaries(st.text("abcxyz", min_size=1, max_size=3), children, min_size=1),
+        ),
+        st.tuples(st.just("tuple"), st.lists(children, min_size=1, max_size=3)),
+        st.tuples(st.just("list"), st.lists(children, min_size=1, max_size=3)),
+        st.tuples(st.just("point"), st.tuples(children, children)),
+    ),
+    max_leaves=6,
+)
+
+
+def draw_sample(draw: Callable[[Any], Any], schema: Any) -> Any:
+    tag, *rest = schema
+    if tag == "dict":
+        return {key: draw_sample(draw, child) for key, child in rest[0].items()}
+    if tag == "tuple":
+        return tuple(draw_sample(draw, child) for child in rest[0])
+    if tag == "list":
+        return [draw_sample(draw, child) for child in rest[0]]
+    if tag == "point":
+        return Point(*(draw_sample(draw, child) for child in rest[0]))
+    kind, dtype, shape = rest
+    if kind == "int":
+        return draw(st.integers(-(2**63), 2**63 - 1))
+    if kind == "float":
+        return draw(st.floats(allow_nan=False))
+    if kind == "bool":
+        return draw(st.booleans())
+    if kind == "str":
+        return draw(st.text(max_size=3))
+    if kind == "bytes":
+        return draw(st.binary(max_size=3))
+    array = draw(
+        hnp.arrays(
+            dtype,
+            shape,
+            elements={"allow_nan": False} if dtype in (np.float32, np.float64) else None,
+        )
+    )
+    if kind == "np scalar":
+        return array.reshape(-1)[0] if array.size else dtype(0)
+    if kind == "tensor":
+        return torch.from_numpy(array.copy())
+    return array
+
+
+@relaxed
+@given(schema=schemas, size=st.integers(1, 5), data=st.data())
+def test_random_structures_match_torch(schema: Any, size: int, data: st.DataObject) -> None:
+    samples = [draw_sample(data.draw, schema) for _ in range(size)]
+    ours = default_collate(samples)
+    assert_same(ours, torch_collate(samples))
+    assert_same(numpy_collate(samples), as_numpy(ours))
+
+
+# -- the alloc path -----------------------------------------------------------------------------
+
+
+class Arena:
+    """A stand-in for a shared-memory slot: one buffer, carved into aligned arrays."""
+
+    ALIGN = 64
+
+    def __init__(self, size: int = 1 << 20) -> None:
+        self.buffer = np.zeros(size, dtype=np.uint8)
+        self.offset = 0
+        self.calls: list[tuple[tuple[int, ...], np.dtype[Any], np.ndarray[Any, Any]]] = []
+
+    def __call__(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+        assert isinstance(dtype, np.dtype)
+        assert all(type(d) is int for d in shape)
+        start = -(-self.offset // self.ALIGN) * self.ALIGN
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        array = self.buffer[start : start + nbytes].view(dtype).reshape(shape)
+        self.offset = start + nbytes
+        self.calls.append((shape, dtype, array))
+        return array
+
+    def owns(self, address: int) -> bool:
+        base = self.buffer.ctypes.data
+        return base <= address < base + self.buffer.size
+
+
+def test_alloc_result_shares_memory_with_what_alloc_returned() -> None:
+    samples = [
+        {
+            "image": _array(np.uint8, (3, 4, 4), s),
+            "label": s,
+            "score": s / 2,
+            "t": torch.ones(2) * s,
+        }
+        for s in range(5)
+    ]
+    arena = Arena()
+    batch = default_collate(samples, alloc=arena)
+    assert_same(batch, default_collate(samples))
+    assert [(shape, str(dtype)) for shape, dtype, _ in arena.calls] == [
+        ((5, 3, 4, 4), "uint8"),
+        ((5,), "int64"),
+        ((5,), "float64"),
+        ((5, 2), "float32"),
+    ]
+    for leaf, (_, _, array) in zip(batch.values(), arena.calls, strict=True):
+        assert leaf.data_ptr() == array.ctypes.data
+        assert arena.owns(leaf.data_ptr())
+        array[...] = 1  # a write through alloc's array is seen by the batch: no copy between
+        assert bool((leaf == 1).all())
+
+
+def test_numpy_collate_alloc_returns_the_allocated_arrays() -> None:
+    samples = [(np.full(3, s, dtype=np.float32), s, torch.tensor([s, s])) for s in range(4)]
+    arena = Arena()
+    batch = numpy_collate(samples, alloc=arena)
+    assert len(arena.calls) == 3
+    for leaf, (_, _, array) in zip(batch, arena.calls, strict=True):
+        assert leaf is array
+    assert batch[0][:, 0].tolist() == [0, 1, 2, 3]
+    assert batch[1].tolist() == [0, 1, 2, 3]
+    assert batch[2].tolist() == [[0, 0], [1, 1], [2, 2], [3, 3]]
+
+
+@relaxed
+@given(schema=schemas, size=st.integers(1, 5), data=st.data())
+def test_alloc_path_equals_the_plain_path(schema: Any, size: int, data: st.DataObject) -> None:
+    samples = [draw_sample(data.draw, schema) for _ in range(size)]
+    for collate in (default_collate, numpy_collate):
+        arena = Arena()
+        with_alloc = collate(samples, alloc=arena)
+        assert_same(with_alloc, collate(samples))
+        stacked = [x for x in leaves(with_alloc) if isinstance(x, np.ndarray | torch.Tensor)]
+        assert len(stacked) == len(arena.calls), "every stacked leaf must come from alloc"
+        for leaf in stacked:
+            if leaf.size if isinstance(leaf, np.ndarray) else leaf.numel():
+                address = leaf.ctypes.data if isinstance(leaf, np.ndarray) else leaf.data_ptr()
+                assert arena.owns(address)
+
+
+def test_alloc_is_bypassed_where_numpy_cannot_hold_the_tensor() -> None:
+    arena = Arena()
+    bf16 = default_collate([torch.ones(2, dtype=torch.bfloat16)] * 3, alloc=arena)
+    grads = default_collate([torch.ones(2, requires_grad=True)] * 3, alloc=arena)
+    assert arena.calls == []
+    assert bf16.dtype == torch.bfloat16
+    assert bf16.shape == (3, 2)
+    assert grads.requires_grad
+
+
+def test_alloc_gets_native_byte_order() -> None:
+    arena = Arena()
+    samples = [np.arange(3).astype(">i4"), (np.arange(3) + 10).astype(">i4")]
+    for alloc in (arena, None):
+        batch = default_collate(samples, alloc=alloc)  # torch itself refuses big-endian arrays
+        assert batch.dtype == torch.int32
+        assert batch.tolist() == [[0, 1, 2], [10, 11, 12]]
+    assert arena.calls[0][1] == np.dtype("=i4")
+    assert numpy_collate(samples).dtype == np.dtype("=i4")
+
+
+def test_a_wrong_alloc_result_is_refused() -> None:
+    def fortran(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+        return np.zeros(shape, dtype=dtype, order="F")
+
+    def too_small(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+        return np.zeros(shape[1:], dtype=dtype)
+
+    samples = [np.zeros((2, 3))] * 2
+    for bad in (fortran, too_small):
+        with pytest.raises(TypeError, match="alloc"):
+            default_collate(samples, alloc=bad)
+
+
+def test_errors_from_alloc_pass_through_unchanged() -> None:
+    class Full(MemoryError):
+        pass
+
+    def full(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+        raise Full(f"no room for {shape}")
+
+    with pytest.raises(Full, match=r"no room for \(2, 3\)"):
+        numpy_collate([np.zeros(3)] * 2, alloc=full)
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+def collate_error(samples: Any, collate: Callable[..., Any] = default_collate) -> str:
+    with pytest.raises(CollateError) as info:
+        collate(samples)
+    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, AioloaderError)
+    return str(info.value)
+
+
+def test_ragged_shapes_name_path_positions_and_shapes() -> None:
+    def sample(side: int) -> dict[str, Any]:
+        return {"image": [np.zeros(3), np.zeros((3, side, side), np.float32)], "label": 1}
+
+    message = collate_error([sample(32), sample(32), sample(28), sample(32)])
+    assert "batch['image'][1]" in message
+    assert "(3, 32, 32) at positions [0, 1, 3]" in message
+    assert "(3, 28, 28) at position 2" in message
+
+
+def test_ragged_tensors_name_shapes() -> None:
+    message = collate_error([torch.zeros(2, 3), torch.zeros(2, 4)])
+    assert "tensors have different shapes" in message
+    assert "(2, 3) at position 0" in message
+    assert "(2, 4) at position 1" in message
+
+
+def test_different_dtypes_are_refused() -> None:
+    message = collate_error({"x": np.zeros(2, d)} for d in (np.float32, np.float64, np.float32))
+    assert "batch['x']" in message
+    assert "float32 at positions [0, 2]" in message
+    assert "float64 at position 1" in message
+    message = collate_error([np.float32(1), np.float64(1)])
+    assert "float32 at position 0" in message
+
+
+def test_mixed_types_name_the_types_and_positions() -> None:
+    message = collate_error([{"label": 1}, {"label": 2}, {"label": 2.5}])
+    assert "batch['label']" in message
+    assert "int at positions [0, 1]" in message
+    assert "float at position 2" in message
+    assert "numpy.ndarray" in collate_error([np.zeros(2), torch.zeros(2)])
+    assert "bool" in collate_error([True, 1])
+
+
+def test_different_namedtuple_types_are_refused() -> None:
+    message = collate_error([Point(1, 2), Other(1, 2)])
+    assert "Point at position 0" in message
+    assert "Other at position 1" in message
+
+
+def test_missing_and_extra_keys() -> None:
+    samples = [{"a": 1, "b": 2}, {"a": 1}, {"a": 1, "b": 2}, {"a": 1, "b": 2, "c": 3}]
+    message = collate_error([{"meta": s} for s in samples])
+    assert "batch['meta']" in message
+    assert "position 0 has keys ['a', 'b']" in message
+    assert "position 1 lacks ['b']" in message
+    assert "position 3 has extra ['c']" in message
+    assert "position 2" not in message
+
+
+def test_sequences_of_different_lengths() -> None:
+    message = collate_error([(1, [1, 2]), (2, [3]), (3, [4, 5])])
+    assert "batch[1]" in message
+    assert "2 at positions [0, 2]" in message
+    assert "1 at position 1" in message
+
+
+def test_object_arrays_and_unsupported_types_are_refused_by_name() -> None:
+    message = collate_error([{"x": np.array([object()])}] * 2, numpy_collate)
+    assert "batch['x']" in message
+    assert "object" in message
+    message = collate_error([Point(decimal.Decimal(1), 0)] * 3)
+    assert "batch.x" in message
+    assert "decimal.Decimal" in message
+    assert "unsupported type" in message
+    assert "complex" in collate_error([1j, 2j])
+
+
+def test_numpy_collate_refuses_bfloat16_by_name() -> None:
+    message = collate_error([torch.zeros(2, dtype=torch.bfloat16)] * 2, numpy_collate)
+    assert "bfloat16" in message
+
+
+def test_int_overflow_names_the_position() -> None:
+    message = collate_error([{"id": 1}, {"id": 2**64}])
+    assert "batch['id']" in message
+    assert "int64 at position 1" in message
+
+
+def test_empty_batch_is_refused() -> None:
+    assert "empty batch" in collate_error([])
+
+
+def test_long_position_lists_are_summarised() -> None:
+    samples = [np.zeros(2)] * 20 + [np.zeros(3)]
+    message = collate_error(samples)
+    assert "positions [0, 1, 2, 3, 4, 5, 6, 7, ... 12 more]" in message
+    assert "(3,) at position 20" in message
+
+
+def test_any_sequence_of_samples_is_accepted() -> None:
+    batch: Sequence[int] = (1, 2, 3)
+    assert default_collate(batch).tolist() == [1, 2, 3]
+    assert default_collate(iter([1, 2])).tolist() == [1, 2]  # type: ignore[arg-type]
+
+
+@pytest.mark.cuda
+def test_device_tensors_stay_on_their_device_and_bypass_alloc() -> None:
+    arena = Arena()
+    samples = [torch.ones(2, device="cuda") * s for s in range(3)]
+    batch = default_collate(samples, alloc=arena)
+    assert batch.device.type == "cuda"
+    assert arena.calls == []
+    assert batch.tolist() == [[0, 0], [1, 1], [2, 2]]
+    array = numpy_collate(samples, alloc=arena)
+    assert array is arena.calls[0][2]
+    assert array.tolist() == [[0, 0], [1, 1], [2, 2]]
+    message = collate_error([torch.ones(2), torch.ones(2, device="cuda")])
+    assert "different devices" in message
+    assert "cpu at position 0" in message
