@@ -266,6 +266,11 @@ def _unlink(name: str) -> None:
         resource_tracker.unregister("/" + name, "shared_memory")
 
 
+def _mapping_address(mapping: mmap.mmap) -> int:
+    view = np.frombuffer(mapping, dtype=np.uint8, count=1)  # released again right away
+    return int(view.__array_interface__["data"][0])
+
+
 def _drop_mapping(mapping: mmap.mmap) -> None:
     with contextlib.suppress(BufferError):  # views alive: the mapping goes with the last one
         mapping.close()
@@ -303,6 +308,9 @@ class SlotPool:
         max_bytes: cap on the bytes of all segments together (free, leased and held).
         min_slot_bytes: the smallest segment created.
         shm_dir: the tmpfs behind POSIX shared memory, for free-space checks and the janitor.
+        on_map: called with ``(address, size)`` of each new segment's mapping, e.g. to register
+            it as page-locked memory for device copies (best effort: errors are ignored).
+        on_unmap: called with the address before a segment is unlinked and unmapped.
 
     Raises:
         ValueError: if a size is not a positive int or ``min_slot_bytes > max_bytes``.
@@ -310,7 +318,13 @@ class SlotPool:
     """
 
     def __init__(
-        self, max_bytes: int, *, min_slot_bytes: int = MIN_SLOT_BYTES, shm_dir: str = SHM_DIR
+        self,
+        max_bytes: int,
+        *,
+        min_slot_bytes: int = MIN_SLOT_BYTES,
+        shm_dir: str = SHM_DIR,
+        on_map: Callable[[int, int], Any] | None = None,
+        on_unmap: Callable[[int], Any] | None = None,
     ) -> None:
         for arg, value in (("max_bytes", max_bytes), ("min_slot_bytes", min_slot_bytes)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -324,6 +338,8 @@ class SlotPool:
         self.max_bytes = max_bytes
         self.min_slot_bytes = min_slot_bytes
         self.shm_dir = shm_dir
+        self._on_map = on_map
+        self._on_unmap = on_unmap
         # Invariant: every segment is FREE, LEASED to a worker, or HELD by a live batch, and the
         # sizes of all segments sum to at most max_bytes.
         self._segments: dict[str, _Segment] = {}
@@ -399,12 +415,21 @@ class SlotPool:
             if total + size <= self.max_bytes:
                 break
             del self._segments[seg.name]
+            self._unmapping(seg)
             _unlink(seg.name)
             _drop_mapping(seg.mapping)
             total -= seg.size
         seg = self._create(size)
         self._segments[seg.name] = seg
+        if self._on_map is not None:
+            with contextlib.suppress(Exception):
+                self._on_map(_mapping_address(seg.mapping), seg.size)
         return seg
+
+    def _unmapping(self, seg: _Segment) -> None:
+        if self._on_unmap is not None:
+            with contextlib.suppress(Exception):
+                self._on_unmap(_mapping_address(seg.mapping))
 
     def _create(self, size: int) -> _Segment:
         for _ in range(_NAME_ATTEMPTS):
@@ -579,6 +604,8 @@ class SlotPool:
             self._finalizer.detach()
             self._returned.clear()
             if os.getpid() == self._owner:
+                for seg in self._segments.values():
+                    self._unmapping(seg)
                 _destroy(self._segments)
             else:  # a forked copy: the segments belong to the parent
                 for seg in self._segments.values():

@@ -760,3 +760,41 @@ class PoolMachine(RuleBasedStateMachine):
 
 PoolMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=25, deadline=None)
 test_pool_state_machine = PoolMachine.TestCase
+
+
+def test_map_hooks_see_each_segment_once_with_its_address() -> None:
+    """on_map/on_unmap let the device stage page-lock each slot once (cudaHostRegister)."""
+    mapped: dict[int, int] = {}
+    unmapped: list[int] = []
+    pool = SlotPool(
+        8 << 20, min_slot_bytes=1 << 20, on_map=mapped.__setitem__, on_unmap=unmapped.append
+    )
+    try:
+        first = pool.lease(1000)
+        assert first is not None
+        pool.release(first)
+        again = pool.lease(1000)  # reused: no second registration
+        assert again is not None and again.name == first.name
+        assert len(mapped) == 1
+        ((address, size),) = mapped.items()
+        assert size == first.size
+        buf = attach(again)  # the worker's own mapping is elsewhere; ours starts at `address`
+        assert buf.nbytes == first.size
+        pool.release(again)
+    finally:
+        pool.close()
+        _shm.detach_all()
+    assert unmapped == [address]
+
+
+def test_a_failing_map_hook_does_not_break_leasing() -> None:
+    def boom(address: int, size: int) -> None:
+        raise RuntimeError("cudaHostRegister failed")
+
+    pool = SlotPool(4 << 20, min_slot_bytes=1 << 20, on_map=boom)
+    try:
+        slot = pool.lease(10)
+        assert slot is not None
+        pool.release(slot)
+    finally:
+        pool.close()
