@@ -1,0 +1,42 @@
+"""Ready datasets for real storage: local files, HTTP(S), object stores.
+
+Each source is an async map-style dataset in two stages: ``await fetch(i)`` does the IO on the
+event loop (with retries, for remote ones) and returns bytes whose length was checked;
+``decode(raw)`` does the CPU work, off the loop. ``await dataset[i]`` does both. The
+:class:`~aioloader.DataLoader` awaits ``fetch`` with ``io_concurrency`` requests in flight and
+runs ``decode`` in a thread or worker process.
+
+- :class:`FileDataset`: local files, through aiofiles.
+- :class:`HTTPDataset`: http:// and https:// URLs, through aiohttp (the ``remote`` extra).
+- :class:`FsspecDataset`: s3://, gs://, ... through fsspec's async filesystems (the ``remote``
+  extra).
+- :class:`RetryPolicy` and :func:`retrying`: the retry loop both remote sources share, for
+  writing another one.
+
+Importing this package imports neither aiohttp nor fsspec; a remote source imports its library
+when it is made, and says ``pip install 'aioloader[remote]'`` if it is missing.
+"""
+
+from __future__ import annotations
+
+from ._file import FileDataset as FileDataset
+from ._fsspec import FsspecDataset as FsspecDataset
+from ._http import HTTPDataset as HTTPDataset
+from ._retry import RetryableError as RetryableError
+from ._retry import RetryPolicy as RetryPolicy
+from ._retry import parse_retry_after as parse_retry_after
+from ._retry import retrying as retrying
+
+__all__ = [
+    "FileDataset",
+    "FsspecDataset",
+    "HTTPDataset",
+    "RetryPolicy",
+    "RetryableError",
+    "parse_retry_after",
+    "retrying",
+]
+
+for _name in __all__:
+    globals()[_name].__module__ = __name__
+del _name

@@ -1,0 +1,241 @@
+"""What every source shares: the two-stage protocol, index checks and per-loop resources.
+
+A source is an async map-style dataset that splits reading a sample into two stages, because
+the loader runs them in different places::
+
+    loader ──await fetch(i)──▶ IO on the event loop (hundreds in flight) ──▶ raw bytes
+      │                                                                        │
+      └──────────── decode(raw) in a thread or worker process ◀────────────────┘
+
+``fetch`` returns bytes whose length was checked, so a truncated body never reaches ``decode``.
+``await dataset[i]`` does both, for use without the loader.
+
+Sharp edges:
+
+- A source is pickled to worker processes. Connection pools (an ``aiohttp.ClientSession``, an
+  fsspec filesystem) belong to one event loop and cannot travel, so they are created lazily on
+  the loop that first needs them, kept in :class:`PerLoop`, and left out of the pickle.
+- Pools are keyed by loop: a source used from the loader's loop and from a synchronous
+  iteration thread's loop holds two pools, never one shared across loops (aiohttp forbids it).
+- ``aclose()`` closes the pool of the running loop normally, asks a pool's loop that is still
+  running in another thread to close it, and drops the pools of loops that are gone, best
+  effort (an HTTP session's sockets are closed without the polite shutdown, which needs the
+  loop; an fsspec filesystem is only forgotten). Close a source on its loop before closing
+  the loop, as the loader does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import operator
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from types import ModuleType, TracebackType
+from typing import Any, Generic, Self, TypeVar
+
+__all__ = ["CLOSE_TIMEOUT_S", "PerLoop", "Source", "require"]
+
+R = TypeVar("R")
+
+#: How long ``aclose()`` waits for another thread's loop to close its pool. Longer protects a
+#: slow but live loop's sockets; shorter bounds how long closing can hang on a stuck loop.
+CLOSE_TIMEOUT_S = 5.0
+
+REMOTE_EXTRA_HINT = "pip install 'aioloader[remote]'"
+
+
+def require(module: str, feature: str) -> ModuleType:
+    """Import an optional dependency, or say which extra provides it.
+
+    Raises:
+        ImportError: naming ``feature``, the missing module and the install command.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(
+            f"{feature} needs the {module!r} package, which is not installed: {REMOTE_EXTRA_HINT}"
+        ) from exc
+
+
+class PerLoop(Generic[R]):
+    """One resource per running event loop, created on first use by that loop.
+
+    Thread-safe: the loader's loop and a synchronous iteration thread's loop may ask at once.
+    Invariant: every entry's loop object is held, so ``id(loop)`` cannot be reused while the
+    entry exists.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[int, tuple[asyncio.AbstractEventLoop, R]] = {}
+
+    def get(self, create: Callable[[], R], discard: Callable[[R], None]) -> R:
+        """The running loop's resource, made with ``create()`` the first time.
+
+        Resources of loops that have been closed meanwhile are passed to ``discard`` (and
+        forgotten) on the way, so a program that runs ``asyncio.run`` repeatedly does not
+        accumulate them.
+        """
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            entry = self._entries.get(id(loop))
+            if entry is not None:
+                return entry[1]
+            dead = [key for key, (other, _) in self._entries.items() if other.is_closed()]
+            stale = [self._entries.pop(key)[1] for key in dead]
+            resource = create()
+            self._entries[id(loop)] = (loop, resource)
+        for old in stale:
+            discard(old)
+        return resource
+
+    def take_all(self) -> list[tuple[asyncio.AbstractEventLoop, R]]:
+        """Remove and return every entry (for closing)."""
+        with self._lock:
+            entries = list(self._entries.values())
+            self._entries.clear()
+        return entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _check_decode(decode: object) -> Callable[[bytes], Any] | None:
+    if decode is not None and not callable(decode):
+        raise TypeError(f"decode must be a callable taking bytes, or None; got {decode!r}")
+    return decode
+
+
+class Source(ABC):
+    """Base of the sources: length, index checks, the decode stage, pools and closing.
+
+    Subclasses implement :meth:`fetch`, and for pooled IO :meth:`_open_pool`,
+    :meth:`_close_pool` and :meth:`_discard_pool`.
+    """
+
+    def __init__(self, decode: Callable[[bytes], Any] | None) -> None:
+        self._decode_fn = _check_decode(decode)
+        self._pools: PerLoop[Any] = PerLoop()
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    async def fetch(self, index: int) -> bytes:
+        """Read the raw bytes of item ``index`` (the IO stage, awaited on the event loop)."""
+
+    def decode(self, raw: bytes) -> Any:
+        """Turn raw bytes into a sample (the CPU stage, run off the event loop).
+
+        The identity when the source was made with ``decode=None``.
+        """
+        if self._decode_fn is None:
+            return raw
+        return self._decode_fn(raw)
+
+    async def __getitem__(self, index: int) -> Any:
+        """``decode(await fetch(index))``: both stages, for use without the loader."""
+        return self.decode(await self.fetch(index))
+
+    def _check_index(self, index: int) -> int:
+        """``index`` as a non-negative int; negative indices count from the end, like a list.
+
+        Raises:
+            TypeError: ``index`` is not an integer.
+            IndexError: ``index`` is out of range, naming it and the length.
+        """
+        if isinstance(index, bool):
+            raise TypeError(f"index must be an int, got {index!r}")
+        try:
+            position = operator.index(index)
+        except TypeError:
+            raise TypeError(f"index must be an int, got {index!r}") from None
+        size = len(self)
+        if not -size <= position < size:
+            raise IndexError(f"index {position} is out of range for {size} items")
+        return position + size if position < 0 else position
+
+    # -- pools ---------------------------------------------------------------------------
+
+    def _open_pool(self) -> Any:
+        """Create the running loop's pool (sync: called under a lock, on the loop)."""
+        raise NotImplementedError
+
+    async def _close_pool(self, pool: Any) -> None:
+        """Close a pool on its own loop. The default holds nothing to close."""
+        return None
+
+    def _discard_pool(self, pool: Any) -> None:
+        """Release a pool whose loop is gone or idle, without awaiting anything."""
+        return None
+
+    def _pool(self) -> Any:
+        return self._pools.get(self._open_pool, self._discard_pool)
+
+    async def aclose(self) -> None:
+        """Close every pool this source opened; the source stays usable (pools reopen lazily).
+
+        Safe to call more than once, and from any loop.
+        """
+        current = asyncio.get_running_loop()
+        for loop, pool in self._pools.take_all():
+            if loop is current:
+                await self._close_pool(pool)
+            elif loop.is_running():
+                future = asyncio.run_coroutine_threadsafe(self._close_pool(pool), loop)
+                try:
+                    await asyncio.wait_for(asyncio.wrap_future(future), CLOSE_TIMEOUT_S)
+                except TimeoutError:
+                    self._discard_pool(pool)
+            else:
+                self._discard_pool(pool)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # -- pickling ------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_pools"]  # bound to this process's loops; reopened lazily after unpickling
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pools = PerLoop()
+
+
+def as_names(items: object, argument: str, *, paths: bool = False) -> tuple[str, ...]:
+    """Validate a sequence of URLs (or paths) and return it as a tuple of str.
+
+    A single string counts as one item, for convenience.
+
+    Raises:
+        TypeError: ``items`` is not a sequence of strings (or path-likes when ``paths``).
+    """
+    single = (str, os.PathLike) if paths else (str,)
+    if isinstance(items, single):
+        items = [items]
+    if not isinstance(items, Iterable) or isinstance(items, bytes | Mapping):
+        raise TypeError(f"{argument} must be a sequence of strings, got {items!r}")
+    names = []
+    for position, item in enumerate(items):
+        if isinstance(item, str):
+            names.append(item)
+        elif paths and isinstance(item, os.PathLike):
+            names.append(os.fsdecode(item))
+        else:
+            raise TypeError(f"{argument}[{position}] must be a string, got {item!r}")
+    return tuple(names)

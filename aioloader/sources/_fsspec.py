@@ -1,0 +1,339 @@
+"""Objects in object stores (s3://, gs://, http(s)://, ...) as an async two-stage dataset.
+
+``FsspecDataset(urls)`` reads each URL whole through fsspec's *asynchronous* filesystems
+(``await fs._cat_file(url)``), with the same retries and error contract as
+:class:`~aioloader.sources.HTTPDataset`::
+
+    fetch(i) ──▶ retrying(policy) ──▶ fs._cat_file(url) on the loop's own filesystem
+                                        │ raises: classified by _classify()
+      FileNotFoundError, NoSuchKey, 404 ─┼──▶ RemoteNotFoundError, no retry
+      PermissionError, AccessDenied, 403 ┼──▶ RemotePermissionError, no retry
+      SlowDown, 503, 5xx, throttling ────┼──▶ RetryableError
+      timeouts, resets, short reads ─────┼──▶ RetryableError (timeouts marked as such)
+      anything else ─────────────────────┴──▶ propagates unchanged
+
+Sharp edges:
+
+- All URLs share one protocol, because ``storage_options`` are the options of one filesystem
+  class (credentials for S3 mean nothing to GCS). Use one dataset per store.
+- Our :class:`RetryPolicy` is the only retry layer. For S3, s3fs's own retry loop is turned
+  off, and botocore's too unless ``storage_options["config_kwargs"]["retries"]`` says
+  otherwise; else attempts would multiply (5 x 5 x 5) and go unlisted.
+- A filesystem is made per event loop with ``skip_instance_cache=True``: fsspec caches
+  instances per thread, and a cached async instance holds a session bound to the loop that
+  first used it. ``aclose()`` closes the sessions (s3fs's client, an aiohttp session).
+- The length of the bytes is checked by the backend (botocore and aiohttp both fail a body
+  shorter than its Content-Length); such failures are retried here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any
+
+from .._errors import RemoteNotFoundError, RemotePermissionError
+from ._base import Source, as_names, require
+from ._http import check_timeout
+from ._retry import RetryableError, RetryPolicy, retrying
+
+__all__ = ["FsspecDataset"]
+
+#: Error codes of S3-compatible stores that mean "try again later".
+RETRYABLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "ServiceUnavailable",
+        "InternalError",
+        "RequestTimeout",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequestsException",
+    }
+)
+NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchVersion", "NotFound", "404"})
+PERMISSION_CODES = frozenset({"AccessDenied", "Forbidden", "InvalidAccessKeyId", "403"})
+
+#: errno values s3fs gives transient S3 errors it translated (SlowDown/503 -> EBUSY,
+#: InternalError/500 -> EREMOTEIO).
+RETRYABLE_ERRNOS = frozenset({errno.EBUSY, getattr(errno, "EREMOTEIO", errno.EIO)})
+
+#: botocore exception classes (by name, to avoid importing botocore) that are transient.
+BOTOCORE_TRANSIENT = frozenset(
+    {"ConnectionError", "HTTPClientError", "IncompleteReadError", "ResponseStreamingError"}
+)
+
+#: Options per protocol, under the user's storage_options. For S3: botocore's retries are off
+#: (our policy retries), and ``max_concurrency=1`` makes a read one GET instead of a HEAD (for
+#: the size) then parallel ranged GETs: the loader already keeps ``io_concurrency`` objects in
+#: flight, and the HEAD would double each object's latency.
+PROTOCOL_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
+    "s3": {"max_concurrency": 1, "config_kwargs": {"retries": {"total_max_attempts": 1}}},
+}
+
+#: Attributes set on a new filesystem, per protocol. s3fs's own retry loop is a class
+#: attribute, not an option; with ``retries=1`` it makes one attempt and leaves retrying to us,
+#: so attempts do not multiply (5 of ours x 5 of s3fs's) and each one is listed.
+PROTOCOL_ATTRIBUTES: Mapping[str, Mapping[str, Any]] = {"s3": {"retries": 1}}
+
+
+def _merge(defaults: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` over ``defaults``, merging one level of nested mappings."""
+    merged = dict(defaults)
+    for key, value in given.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def _protocols(cls: Any) -> tuple[str, ...]:
+    names = getattr(cls, "protocol", ())
+    return (names,) if isinstance(names, str) else tuple(names)
+
+
+def _name(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _chain(exc: BaseException) -> Iterable[BaseException]:
+    """``exc`` and its causes and contexts, each once."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _status_and_code(exc: BaseException) -> tuple[int | None, str | None]:
+    """The HTTP status and S3 error code carried anywhere in ``exc``'s chain."""
+    for link in _chain(exc):
+        response = getattr(link, "response", None)  # botocore ClientError
+        if isinstance(response, Mapping):
+            error = response.get("Error", {})
+            meta = response.get("ResponseMetadata", {})
+            code = error.get("Code") if isinstance(error, Mapping) else None
+            status = meta.get("HTTPStatusCode") if isinstance(meta, Mapping) else None
+            return (status if isinstance(status, int) else None), code
+        status = getattr(link, "status", None)  # aiohttp ClientResponseError
+        if isinstance(status, int) and not isinstance(status, bool):
+            return status, None
+    return None, None
+
+
+def _is_transient_transport(exc: BaseException) -> bool:
+    for link in _chain(exc):
+        for klass in type(link).__mro__:
+            module = klass.__module__
+            if module.startswith("botocore") and klass.__name__ in BOTOCORE_TRANSIENT:
+                return True
+            if module.startswith("aiohttp") and klass.__name__ in (
+                "ClientConnectionError",
+                "ClientPayloadError",
+            ):
+                return True
+    return False
+
+
+def _classify(exc: Exception, url: str, policy: RetryPolicy) -> Exception | None:
+    """Our exception for a backend's failure, or ``None`` to let it propagate unchanged."""
+    status, code = _status_and_code(exc)
+    detail = f"{url}: {_name(exc)}"
+    if isinstance(exc, FileNotFoundError) or status == 404 or code in NOT_FOUND_CODES:
+        return RemoteNotFoundError(detail, url=url)
+    if isinstance(exc, PermissionError) or status in (401, 403) or code in PERMISSION_CODES:
+        return RemotePermissionError(detail, url=url)
+    timed_out = any(isinstance(link, TimeoutError) for link in _chain(exc)) or any(
+        "Timeout" in type(link).__name__ for link in _chain(exc)
+    )
+    what = f"{code} (HTTP {status})" if code else f"HTTP {status}" if status else None
+    reason = f"{what}: {_name(exc)}" if what else _name(exc)
+    if (
+        code in RETRYABLE_CODES
+        or (status is not None and status in policy.retry_statuses)
+        or timed_out
+        or (isinstance(exc, OSError) and exc.errno in RETRYABLE_ERRNOS)
+        or _is_transient_transport(exc)
+    ):
+        return RetryableError(("timeout: " if timed_out else "") + reason, timed_out=timed_out)
+    return None
+
+
+class FsspecDataset(Source):
+    """Objects behind fsspec's asynchronous filesystems, one sample per URL, with retries.
+
+    Example::
+
+        ds = FsspecDataset([f"s3://bucket/shard-{i:05d}.bin" for i in range(1024)],
+                           storage_options={"anon": True})
+
+    Args:
+        urls: the objects' URLs, all of one protocol (one string counts as one URL).
+        decode: turns an object's bytes into a sample, off the event loop; ``None`` keeps
+            bytes. Must be picklable to be used with worker processes.
+        retry: attempts, backoff and Retry-After handling.
+        storage_options: keyword arguments of the filesystem (credentials, endpoint).
+        item_deadline: seconds for all attempts of one item, waits included (``None``: no
+            limit).
+        sleep: awaited between attempts with the delay in seconds (for tests).
+
+    Raises:
+        ValueError: a URL without a protocol, with a protocol fsspec does not know or has no
+            async filesystem for, or mixing protocols; names the URL.
+        ImportError: fsspec, or the package of the protocol (s3fs, gcsfs), is not installed.
+    """
+
+    def __init__(
+        self,
+        urls: Iterable[str] | str,
+        decode: Callable[[bytes], Any] | None = None,
+        *,
+        retry: RetryPolicy | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        item_deadline: float | None = None,
+        sleep: Callable[[float], Awaitable[object]] | None = None,
+    ) -> None:
+        super().__init__(decode)
+        require("fsspec", "FsspecDataset")
+        self._urls = as_names(urls, "urls")
+        self._protocol = _one_protocol(self._urls)
+        if retry is None:
+            retry = RetryPolicy()
+        if not isinstance(retry, RetryPolicy):
+            raise TypeError(f"retry must be a RetryPolicy, got {retry!r}")
+        self._retry = retry
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(f"storage_options must be a mapping, got {storage_options!r}")
+        options: dict[str, Any] = dict(storage_options or {})
+        attributes: Mapping[str, Any] = {}
+        if self._protocol is not None:
+            cls = _filesystem_class(self._protocol, self._urls[0])
+            for name in _protocols(cls):
+                if name in PROTOCOL_DEFAULTS or name in PROTOCOL_ATTRIBUTES:
+                    options = _merge(PROTOCOL_DEFAULTS.get(name, {}), options)
+                    attributes = PROTOCOL_ATTRIBUTES.get(name, {})
+                    break
+        self._options = options
+        self._attributes = dict(attributes)
+        self._item_deadline = check_timeout("item_deadline", item_deadline)
+        self._sleep = sleep
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """The URLs, in index order."""
+        return self._urls
+
+    @property
+    def protocol(self) -> str | None:
+        """The protocol of every URL (``None`` for an empty dataset)."""
+        return self._protocol
+
+    def __len__(self) -> int:
+        return len(self._urls)
+
+    def __repr__(self) -> str:
+        first = f", first={self._urls[0]!r}" if self._urls else ""
+        return f"FsspecDataset({len(self._urls)} urls{first}, open_filesystems={len(self._pools)})"
+
+    async def fetch(self, index: int) -> bytes:
+        """Read ``urls[index]`` whole, with retries.
+
+        Raises:
+            RemoteNotFoundError: the object does not exist; not retried.
+            RemotePermissionError: access refused; not retried.
+            RemoteTimeoutError: every attempt failed and the last one timed out.
+            RetriesExhaustedError: every attempt failed; the message lists them.
+        """
+        url = self._urls[self._check_index(index)]
+        fs = self._pool()
+        return await retrying(
+            lambda: self._attempt(fs, url),
+            policy=self._retry,
+            describe=url,
+            deadline=self._item_deadline,
+            sleep=asyncio.sleep if self._sleep is None else self._sleep,
+        )
+
+    async def _attempt(self, fs: Any, url: str) -> bytes:
+        try:
+            data = await fs._cat_file(url)
+        except Exception as exc:
+            ours = _classify(exc, url, self._retry)
+            if ours is None:
+                raise
+            raise ours from exc
+        return bytes(data) if not isinstance(data, bytes) else data
+
+    # -- the per-loop filesystem ---------------------------------------------------------
+
+    def _open_pool(self) -> Any:
+        import fsspec
+
+        fs = fsspec.filesystem(
+            self._protocol, asynchronous=True, skip_instance_cache=True, **self._options
+        )
+        for name, value in self._attributes.items():
+            setattr(fs, name, value)
+        return fs
+
+    async def _close_pool(self, pool: Any) -> None:
+        # fsspec has no common close for async filesystems: close what the known ones hold.
+        creator = getattr(pool, "_s3creator", None)  # s3fs: the aiobotocore client context
+        if creator is not None:
+            if hasattr(creator, "__aexit__"):
+                await creator.__aexit__(None, None, None)
+            elif hasattr(creator, "clear"):  # s3fs with cache_regions=True
+                await creator.clear()
+            pool._s3creator = None
+            pool._s3 = None
+        session = getattr(pool, "_session", None)  # fsspec's http, gcsfs: aiohttp session
+        if session is not None and hasattr(session, "close") and not session.closed:
+            await session.close()
+
+    def _discard_pool(self, pool: Any) -> None:
+        """Nothing can be awaited without the pool's loop: drop it (best effort)."""
+
+
+def _one_protocol(urls: tuple[str, ...]) -> str | None:
+    from fsspec.core import split_protocol
+
+    protocol: str | None = None
+    for position, url in enumerate(urls):
+        found, _ = split_protocol(url)
+        if found is None:
+            raise ValueError(
+                f"urls[{position}]={url!r} has no protocol (like s3://); use FileDataset for "
+                "local files"
+            )
+        if protocol is None:
+            protocol = found
+        elif found != protocol:
+            raise ValueError(
+                f"urls[{position}]={url!r} is a {found!r} URL but urls[0] is {protocol!r}; "
+                "one FsspecDataset reads one protocol (make one dataset per store)"
+            )
+    return protocol
+
+
+def _filesystem_class(protocol: str, url: str) -> Any:
+    import fsspec
+
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except ValueError as exc:
+        raise ValueError(f"urls[0]={url!r}: fsspec does not know protocol {protocol!r}") from exc
+    except ImportError as exc:
+        raise ImportError(
+            f"urls[0]={url!r}: the {protocol!r} filesystem is not installed: {exc}"
+        ) from exc
+    if not getattr(cls, "async_impl", False):
+        raise ValueError(
+            f"urls[0]={url!r}: fsspec's {protocol!r} filesystem is not asynchronous; "
+            "FsspecDataset needs one that is (s3, gs, http, ...); use FileDataset for local files"
+        )
+    return cls

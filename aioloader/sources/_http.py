@@ -1,0 +1,268 @@
+"""Objects over HTTP(S) as an async two-stage dataset, through aiohttp.
+
+``HTTPDataset(urls)`` makes ``fetch(i)`` GET ``urls[i]`` with retries::
+
+    fetch(i) ──▶ retrying(policy, deadline) ──▶ one attempt on the loop's pooled session
+                                                  │
+      2xx, length == Content-Length ──────────────┼──▶ bytes
+      timeout (connect, or read silence) ─────────┼──▶ RetryableError(timed_out)
+      reset, short body, payload error ───────────┼──▶ RetryableError
+      408/425/429/5xx (policy.retry_statuses) ────┼──▶ RetryableError(Retry-After)
+      404 ────────────────────────────────────────┼──▶ RemoteNotFoundError, no retry
+      401/403 ────────────────────────────────────┼──▶ RemotePermissionError, no retry
+      any other status ───────────────────────────┴──▶ RemoteError, no retry
+
+Timeouts are per attempt: ``connect_timeout`` bounds opening a socket (waiting for a free
+connection of the pool is not a failure and is not bounded), ``read_timeout`` bounds the silence
+between two reads, so a server that sends headers and then stalls is caught without limiting
+how long a large but flowing body may take. ``item_deadline`` bounds all attempts of one item.
+
+Sharp edges:
+
+- One ``aiohttp.ClientSession`` per event loop (see :mod:`._base`), created on first use: the
+  dataset pickles without it, and the sessions are closed by ``aclose()``.
+- Requests ask for ``Accept-Encoding: identity``: ``fetch`` returns the object's bytes as stored,
+  and their length can be checked against ``Content-Length``. If a server compresses anyway,
+  aiohttp decompresses and the length check is skipped (the header counts compressed bytes).
+- aiohttp is imported when the first dataset is made, not when :mod:`aioloader` is imported:
+  it is the ``remote`` extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import urllib.parse
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from .._errors import RemoteError, RemoteNotFoundError, RemotePermissionError
+from ._base import Source, as_names, require
+from ._retry import RetryableError, RetryPolicy, parse_retry_after, retrying
+
+if TYPE_CHECKING:
+    import aiohttp
+
+__all__ = ["HTTPDataset", "check_timeout"]
+
+SCHEMES = frozenset({"http", "https"})
+
+#: Default headers; the user's ``headers`` override them.
+BASE_HEADERS: Mapping[str, str] = {"Accept-Encoding": "identity"}
+
+
+def check_timeout(name: str, value: object, *, allow_none: bool = True) -> float | None:
+    """Validate a timeout argument: a positive finite number of seconds (or ``None``).
+
+    Raises:
+        ValueError: naming the argument and the value.
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
+    return float(value)
+
+
+def _check_url(url: str, position: int) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme.lower() not in SCHEMES or not parts.netloc:
+        raise ValueError(
+            f"urls[{position}]={url!r} is not an http:// or https:// URL; HTTPDataset reads "
+            "only those (FsspecDataset reads s3://, gs:// and others)"
+        )
+    return url
+
+
+def _name(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class HTTPDataset(Source):
+    """Objects over HTTP(S), one sample per URL, fetched concurrently with retries.
+
+    Example::
+
+        urls = [f"https://data.example.com/img/{i}.jpg" for i in range(100_000)]
+        ds = HTTPDataset(urls, decode=decode_jpeg, retry=RetryPolicy(max_attempts=8))
+        async with DataLoader(ds, batch_size=256, io_concurrency=256) as loader:
+            async for batch in loader: ...
+
+    Args:
+        urls: the objects' URLs (http or https; one string counts as one URL).
+        decode: turns an object's bytes into a sample, off the event loop; ``None`` keeps
+            bytes. Must be picklable to be used with worker processes.
+        retry: attempts, backoff and Retry-After handling.
+        connect_timeout: seconds to open a connection, per attempt (``None``: no limit).
+        read_timeout: longest silence between two reads, per attempt (``None``: no limit).
+        item_deadline: seconds for all attempts of one item, waits included (``None``: no
+            limit).
+        max_connections: connections open at once per event loop. Requests beyond it wait
+            for a free connection; keep it at least the loader's ``io_concurrency``.
+        headers: extra request headers (authorisation, user agent).
+        sleep: awaited between attempts with the delay in seconds; for tests to record the
+            delays instead of waiting them. ``None`` means :func:`asyncio.sleep`.
+
+    Raises:
+        ValueError: a URL that is not http(s), or a timeout or ``max_connections`` out of
+            range, naming the argument and the value.
+        TypeError: ``urls``, ``retry``, ``headers`` or ``decode`` of the wrong type.
+        ImportError: aiohttp is not installed (``pip install 'aioloader[remote]'``).
+    """
+
+    def __init__(
+        self,
+        urls: Iterable[str] | str,
+        decode: Callable[[bytes], Any] | None = None,
+        *,
+        retry: RetryPolicy | None = None,
+        connect_timeout: float | None = 10.0,
+        read_timeout: float | None = 30.0,
+        item_deadline: float | None = None,
+        max_connections: int = 256,
+        headers: Mapping[str, str] | None = None,
+        sleep: Callable[[float], Awaitable[object]] | None = None,
+    ) -> None:
+        super().__init__(decode)
+        require("aiohttp", "HTTPDataset")
+        names = as_names(urls, "urls")
+        self._urls = tuple(_check_url(url, i) for i, url in enumerate(names))
+        if retry is None:
+            retry = RetryPolicy()
+        if not isinstance(retry, RetryPolicy):
+            raise TypeError(f"retry must be a RetryPolicy, got {retry!r}")
+        self._retry = retry
+        self._connect_timeout = check_timeout("connect_timeout", connect_timeout)
+        self._read_timeout = check_timeout("read_timeout", read_timeout)
+        self._item_deadline = check_timeout("item_deadline", item_deadline)
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int):
+            raise ValueError(f"max_connections must be an int >= 1, got {max_connections!r}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be an int >= 1, got {max_connections!r}")
+        self._max_connections = max_connections
+        if headers is not None and not isinstance(headers, Mapping):
+            raise TypeError(f"headers must be a mapping of str to str, got {headers!r}")
+        self._headers = {**BASE_HEADERS, **(headers or {})}
+        self._sleep = sleep
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """The URLs, in index order."""
+        return self._urls
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """The retry policy every fetch follows."""
+        return self._retry
+
+    def __len__(self) -> int:
+        return len(self._urls)
+
+    def __repr__(self) -> str:
+        first = f", first={self._urls[0]!r}" if self._urls else ""
+        return f"HTTPDataset({len(self._urls)} urls{first}, open_sessions={len(self._pools)})"
+
+    async def fetch(self, index: int) -> bytes:
+        """GET ``urls[index]`` with retries and return the body, its length checked.
+
+        Raises:
+            RemoteNotFoundError: HTTP 404 (also a ``FileNotFoundError``); not retried.
+            RemotePermissionError: HTTP 401/403 (also a ``PermissionError``); not retried.
+            RemoteTimeoutError: every attempt failed and the last one timed out, or the item
+                deadline passed (also a ``TimeoutError``).
+            RetriesExhaustedError: every attempt failed; the message lists them.
+            RemoteError: a status that is neither success nor retryable.
+        """
+        url = self._urls[self._check_index(index)]
+        session: aiohttp.ClientSession = self._pool()
+        return await retrying(
+            lambda: self._attempt(session, url),
+            policy=self._retry,
+            describe=url,
+            deadline=self._item_deadline,
+            sleep=asyncio.sleep if self._sleep is None else self._sleep,
+        )
+
+    async def _attempt(self, session: aiohttp.ClientSession, url: str) -> bytes:
+        """One GET; classifies each failure as retryable or final (see the module diagram)."""
+        import aiohttp
+
+        try:
+            async with session.get(url) as response:
+                if not 200 <= response.status < 300:
+                    raise self._status_error(url, response)
+                body = await response.read()
+                expected = _expected_length(response)
+                if expected is not None and len(body) != expected:
+                    # Invariant: a body of the wrong length is never returned, so a truncated
+                    # buffer cannot reach decode.
+                    raise RetryableError(
+                        f"truncated body: got {len(body)} of {expected} bytes (Content-Length)"
+                    )
+                return body
+        except aiohttp.ServerTimeoutError as exc:  # before ClientConnectionError: a subclass
+            raise RetryableError(f"timeout: {_name(exc)}", timed_out=True) from exc
+        except aiohttp.ClientConnectorCertificateError:
+            raise  # a certificate does not become valid by asking again
+        except aiohttp.ClientPayloadError as exc:
+            raise RetryableError(f"truncated body: {_name(exc)}") from exc
+        except aiohttp.ClientConnectionError as exc:
+            raise RetryableError(f"connection failed: {_name(exc)}") from exc
+        except TimeoutError as exc:  # e.g. a resolver's own timeout
+            raise RetryableError(f"timeout: {_name(exc)}", timed_out=True) from exc
+
+    def _status_error(self, url: str, response: aiohttp.ClientResponse) -> Exception:
+        status = response.status
+        reason = f"HTTP {status} {response.reason or ''}".rstrip()
+        if status == 404:
+            return RemoteNotFoundError(f"{url}: {reason}", url=url)
+        if status in (401, 403):
+            return RemotePermissionError(f"{url}: {reason}", url=url)
+        if status in self._retry.retry_statuses:
+            header = response.headers.get("Retry-After")
+            if header is not None:
+                reason = f"{reason} (Retry-After: {header})"
+            return RetryableError(reason, retry_after=parse_retry_after(header))
+        return RemoteError(f"{url}: {reason} (not a retryable status)", url=url)
+
+    # -- the per-loop session ------------------------------------------------------------
+
+    def _open_pool(self) -> aiohttp.ClientSession:
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=None,  # waiting for a pooled connection is back-pressure, not a fault
+            sock_connect=self._connect_timeout,
+            sock_read=self._read_timeout,
+        )
+        connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0)
+        return aiohttp.ClientSession(
+            connector=connector, timeout=timeout, headers=self._headers, raise_for_status=False
+        )
+
+    async def _close_pool(self, pool: aiohttp.ClientSession) -> None:
+        await pool.close()
+
+    def _discard_pool(self, pool: aiohttp.ClientSession) -> None:
+        # The session's loop is closed or idle, so nothing can be awaited: close the sockets
+        # synchronously (aiohttp's connector has no public sync close) and mark the session
+        # closed, so it does not warn "Unclosed client session" when collected.
+        connector = pool.connector
+        close_now = getattr(connector, "_close", None)
+        if callable(close_now):
+            with contextlib.suppress(RuntimeError):  # a closed loop took its sockets along
+                close_now()
+        pool.detach()
+
+
+def _expected_length(response: aiohttp.ClientResponse) -> int | None:
+    """The body length the headers promise, when it is comparable with what read() returns."""
+    encoding = response.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        return None  # aiohttp decompressed; Content-Length counts the compressed bytes
+    return response.content_length

@@ -1,0 +1,324 @@
+"""Retries for remote reads: the policy, the backoff, and the loop that applies them.
+
+Every remote source reads one object through :func:`retrying`, which calls a zero-argument
+coroutine function (one *attempt*) until it returns, fails for good, or runs out of attempts::
+
+    retrying(op) ──▶ op() ──returns──────────────────────────────▶ bytes
+                      │
+                      ├─raises RetryableError─▶ record the attempt ─▶ attempts left?
+                      │                            yes: sleep(backoff or Retry-After), again
+                      │                            no:  RetriesExhaustedError / RemoteTimeoutError
+                      │
+                      └─raises anything else──▶ propagates as it is (404, 403, a bug), with
+                                                 the earlier attempts added as a note
+
+The split of work: an attempt *classifies* its own failure (only it knows that an aiohttp
+``ServerTimeoutError`` is a timeout or that S3's ``SlowDown`` is transient) by raising
+:class:`RetryableError`; this module decides *whether and when* to try again. So one policy,
+one backoff and one error format serve HTTP, S3, GCS and whatever comes next.
+
+Sharp edges:
+
+- ``sleep`` and ``clock`` are injectable so tests run instantly and can assert the exact
+  delays. ``deadline`` is enforced with :func:`asyncio.timeout`, i.e. on the event loop's own
+  clock, because only the loop can interrupt an attempt that hangs.
+- A ``Retry-After`` longer than ``backoff_max`` is cut to ``backoff_max``: no single wait of a
+  data loader is longer than the user allowed, whatever the server says.
+- Cancellation is never caught here: an attempt that is cancelled (the consumer gave up, the
+  loader closes) stops the whole read at once, without recording an attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TypeVar
+
+from .._errors import RemoteError, RemoteTimeoutError, RetriesExhaustedError
+
+__all__ = [
+    "DEFAULT_RETRY_STATUSES",
+    "NEVER_RETRY_STATUSES",
+    "Attempt",
+    "RetryPolicy",
+    "RetryableError",
+    "parse_retry_after",
+    "retrying",
+]
+
+T = TypeVar("T")
+
+#: Statuses worth another try: timeouts, "too early", throttling and transient server errors.
+DEFAULT_RETRY_STATUSES: frozenset[int] = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+#: The request itself is wrong or refused; asking again gives the same answer, only later.
+NEVER_RETRY_STATUSES: frozenset[int] = frozenset({400, 401, 403, 404})
+
+
+class RetryableError(Exception):
+    """Raised by one attempt to say "this failed, but another attempt may succeed".
+
+    It never reaches the caller of :func:`retrying`: it becomes one line of the final error's
+    attempt list, and its ``__cause__`` (the library's own exception, if any) becomes the final
+    error's cause.
+
+    Args:
+        reason: what happened, for the attempt list (``"HTTP 503 Service Unavailable"``).
+        retry_after: seconds the server asked us to wait (``Retry-After``), if it did.
+        timed_out: the attempt failed by a timeout; if the last attempt did, the final error is
+            a :class:`~aioloader.RemoteTimeoutError` (also a ``TimeoutError``).
+    """
+
+    def __init__(self, reason: str, *, retry_after: float | None = None, timed_out: bool = False):
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after = retry_after
+        self.timed_out = timed_out
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One failed attempt, as listed in the final error."""
+
+    number: int
+    outcome: str
+    elapsed: float
+    timed_out: bool = False
+
+    def __str__(self) -> str:
+        return f"attempt {self.number} ({self.elapsed:.3f} s): {self.outcome}"
+
+
+def _require_number(name: str, value: object, *, minimum: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"RetryPolicy.{name} must be a finite number, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"RetryPolicy.{name} must be >= {minimum}, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How often and how patiently a remote read is retried.
+
+    The wait before attempt ``n + 1`` is ``min(backoff_max, backoff_initial *
+    backoff_multiplier ** (n - 1))``; with ``jitter`` ("full jitter") it is drawn uniformly
+    from zero up to that, so clients that failed together do not come back together. When
+    the server sends ``Retry-After`` (seconds or an HTTP date) and ``respect_retry_after`` is
+    set, the wait is at least that long, but never more than ``backoff_max``.
+
+    Statuses 400, 401, 403 and 404 are never retried, whatever ``retry_statuses`` says: the
+    answer would not change.
+
+    Args:
+        max_attempts: attempts in all, the first one included (1 disables retries).
+        backoff_initial: the wait after the first failure, in seconds.
+        backoff_max: the longest single wait, in seconds.
+        backoff_multiplier: growth of the wait per failure (>= 1).
+        jitter: draw each wait uniformly from ``[0, wait]``.
+        retry_statuses: HTTP statuses that count as transient.
+        respect_retry_after: wait as long as the server's ``Retry-After`` asks (capped).
+
+    Raises:
+        ValueError: for a value out of range, naming the field and the value.
+    """
+
+    max_attempts: int = 5
+    backoff_initial: float = 0.1
+    backoff_max: float = 10.0
+    backoff_multiplier: float = 2.0
+    jitter: bool = True
+    retry_statuses: frozenset[int] = field(default=DEFAULT_RETRY_STATUSES)
+    respect_retry_after: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
+            raise ValueError(f"RetryPolicy.max_attempts must be an int, got {self.max_attempts!r}")
+        if self.max_attempts < 1:
+            raise ValueError(f"RetryPolicy.max_attempts must be >= 1, got {self.max_attempts!r}")
+        initial = _require_number("backoff_initial", self.backoff_initial, minimum=0.0)
+        cap = _require_number("backoff_max", self.backoff_max, minimum=0.0)
+        if cap < initial:
+            raise ValueError(
+                f"RetryPolicy.backoff_max must be >= backoff_initial ({initial!r}), got {cap!r}"
+            )
+        multiplier = _require_number("backoff_multiplier", self.backoff_multiplier, minimum=1.0)
+        for name in ("jitter", "respect_retry_after"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"RetryPolicy.{name} must be a bool, got {getattr(self, name)!r}")
+        statuses = _validate_statuses(self.retry_statuses)
+        # Normalise through object.__setattr__: the dataclass is frozen (the documented idiom).
+        object.__setattr__(self, "backoff_initial", initial)
+        object.__setattr__(self, "backoff_max", cap)
+        object.__setattr__(self, "backoff_multiplier", multiplier)
+        object.__setattr__(self, "retry_statuses", statuses)
+
+    def backoff(self, failures: int, *, rand: Callable[[], float] = random.random) -> float:
+        """The wait after the ``failures``-th failed attempt (1-based), before any Retry-After.
+
+        Args:
+            failures: how many attempts have failed so far (>= 1).
+            rand: a source of uniform numbers in ``[0, 1)``, for jitter.
+        """
+        if failures < 1:
+            raise ValueError(f"failures must be >= 1, got {failures!r}")
+        try:
+            wait = self.backoff_initial * self.backoff_multiplier ** (failures - 1)
+        except OverflowError:  # a huge exponent: the cap applies anyway
+            wait = self.backoff_max
+        wait = min(self.backoff_max, wait)
+        return wait * rand() if self.jitter else wait
+
+    def delay(
+        self,
+        failures: int,
+        retry_after: float | None = None,
+        *,
+        rand: Callable[[], float] = random.random,
+    ) -> float:
+        """The wait before the next attempt: the backoff, raised to ``retry_after`` if asked.
+
+        Args:
+            failures: how many attempts have failed so far (>= 1).
+            retry_after: the server's ``Retry-After`` in seconds, if any.
+            rand: a source of uniform numbers in ``[0, 1)``, for jitter.
+        """
+        wait = self.backoff(failures, rand=rand)
+        if retry_after is not None and self.respect_retry_after:
+            wait = max(wait, min(max(retry_after, 0.0), self.backoff_max))
+        return wait
+
+
+def _validate_statuses(statuses: Iterable[int]) -> frozenset[int]:
+    def refuse(why: str) -> ValueError:
+        return ValueError(f"RetryPolicy.retry_statuses {why}, got {statuses!r}")
+
+    try:
+        result = frozenset(statuses)
+    except TypeError:
+        raise refuse("must be a set of HTTP statuses") from None
+    for status in result:
+        if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
+            raise refuse(f"must hold HTTP statuses (100-599), and {status!r} is not one")
+    refused = sorted(result & NEVER_RETRY_STATUSES)
+    if refused:
+        raise refuse(f"must not contain {refused}: 400, 401, 403 and 404 are never retried")
+    return result
+
+
+def parse_retry_after(value: str | None, *, now: datetime | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header: delta-seconds or an HTTP date.
+
+    Returns ``None`` for a missing or malformed header (which is then ignored, not an error:
+    a server's typo must not fail a training run), and ``0.0`` for a date in the past.
+    """
+    if value is None:
+        return None
+    text = value.strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        pass
+    else:
+        return seconds if math.isfinite(seconds) and seconds >= 0 else None
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # RFC 9110 dates are GMT
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - (now or datetime.now(UTC))).total_seconds())
+
+
+def _give_up(
+    describe: str, attempts: list[Attempt], why: str, *, deadline: bool = False
+) -> RemoteError:
+    """The final error: a timeout if the deadline ended it or the last attempt timed out."""
+    lines = "\n".join(f"  {a}" for a in attempts)
+    message = f"{describe}: {why}; attempts:\n{lines}"
+    timed_out = deadline or (bool(attempts) and attempts[-1].timed_out)
+    cls = RemoteTimeoutError if timed_out else RetriesExhaustedError
+    return cls(message, url=describe, attempts=tuple(str(a) for a in attempts))
+
+
+async def retrying(
+    op: Callable[[], Awaitable[T]],
+    *,
+    policy: RetryPolicy,
+    describe: str,
+    deadline: float | None = None,
+    sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+    clock: Callable[[], float] = time.monotonic,
+    rand: Callable[[], float] = random.random,
+) -> T:
+    """Await ``op()`` until it succeeds, following ``policy``.
+
+    Args:
+        op: one attempt; raises :class:`RetryableError` for a transient failure, anything
+            else for a final one.
+        policy: attempts, backoff and Retry-After handling.
+        describe: the resource, as the errors name it (a URL); also the errors' ``url``.
+        deadline: seconds for all attempts and waits together, or ``None`` for no limit.
+        sleep: awaited between attempts with the delay in seconds (tests record it).
+        clock: monotonic seconds, for the elapsed times in the attempt list.
+        rand: uniform numbers in ``[0, 1)`` for jitter.
+
+    Returns:
+        What ``op`` returned.
+
+    Raises:
+        RemoteTimeoutError: the deadline passed (or would have during the next wait), or the
+            attempts ran out and the last one timed out (also a ``TimeoutError``).
+        RetriesExhaustedError: the attempts ran out otherwise. Its message names ``describe``
+            and lists every attempt; ``__cause__`` is the last failure's cause.
+        Exception: whatever ``op`` raised that is not a :class:`RetryableError`, unchanged,
+            with a note listing the earlier attempts.
+    """
+    if deadline is not None and not (math.isfinite(deadline) and deadline > 0):
+        raise ValueError(f"deadline must be a positive finite number or None, got {deadline!r}")
+    attempts: list[Attempt] = []
+    start = clock()
+    for number in range(1, policy.max_attempts + 1):
+        began = clock()
+        scope: asyncio.Timeout | None = None
+        try:
+            if deadline is None:
+                return await op()
+            async with asyncio.timeout(deadline - (began - start)) as scope:
+                return await op()
+        except RetryableError as exc:
+            failure = exc
+        except Exception as exc:
+            if scope is not None and scope.expired():
+                outcome = f"item deadline of {deadline} s passed"
+                attempts.append(Attempt(number, outcome, clock() - began, timed_out=True))
+                raise _give_up(describe, attempts, "deadline passed", deadline=True) from exc
+            _annotate(exc, describe, attempts, Attempt(number, str(exc), clock() - began))
+            raise
+        attempts.append(Attempt(number, failure.reason, clock() - began, failure.timed_out))
+        cause: BaseException = failure.__cause__ or failure
+        if number == policy.max_attempts:
+            why = f"gave up after {number} attempts (max_attempts={policy.max_attempts})"
+            raise _give_up(describe, attempts, why) from cause
+        wait = policy.delay(number, failure.retry_after, rand=rand)
+        if deadline is not None and clock() + wait - start >= deadline:
+            why = f"gave up: waiting {wait:.3f} s more would pass the {deadline} s deadline"
+            raise _give_up(describe, attempts, why, deadline=True) from cause
+        await sleep(wait)
+    raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
+
+
+def _annotate(exc: Exception, describe: str, attempts: list[Attempt], last: Attempt) -> None:
+    """Give a final (non-retryable) failure the history of the attempts before it."""
+    if isinstance(exc, RemoteError) and not exc.attempts:
+        exc.attempts = (*(str(a) for a in attempts), str(last))
+    if attempts:
+        exc.add_note(f"earlier attempts of {describe}:")
+        for attempt in attempts:
+            exc.add_note(f"  {attempt}")

@@ -1,0 +1,308 @@
+"""An HTTP server on loopback with fault injection, for tests and benchmarks.
+
+``FaultServer`` serves deterministic synthetic objects, ``GET /obj/{i}`` -> ``payload(i, size)``
+(``?size=N`` overrides the default size), on ``127.0.0.1`` at an ephemeral port. Faults are
+injected per path, either for the next requests (``fail(path, f1, f2)``: the next request to
+``path`` gets ``f1``, the one after ``f2``, then service is normal) or for every request
+(``fail_always(path, f)``). ``requests[path]`` counts the requests per path, so tests can
+assert exact attempt counts. ``latency`` delays every response.
+
+Three ways to run it:
+
+- in the test's own loop: ``async with FaultServer() as server: ...``;
+- in a background thread with its own loop: ``with FaultServer().in_thread() as server: ...``;
+- as a process: ``python tests/http_server.py --size 65536 --latency 0.02`` prints
+  ``PORT <n>`` once it listens and serves until SIGTERM / SIGINT or stdin closes.
+
+Every wait inside a handler (latency, stalls) ends when the server stops, so stopping never
+waits for a stall to run out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import random
+import sys
+import threading
+from collections import Counter, deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Self
+
+from aiohttp import web
+
+HOST = "127.0.0.1"
+#: How long stopping waits for handlers still running; they all wake on stop, so it is short.
+SHUTDOWN_TIMEOUT_S = 1.0
+#: How long starting or stopping the background thread may take before the test fails.
+THREAD_TIMEOUT_S = 10.0
+DEFAULT_SIZE = 1024
+
+
+#: Objects are windows into one random block per size, shifted by up to this many bytes.
+PAYLOAD_WINDOW = 4096
+
+
+@functools.lru_cache(maxsize=64)
+def _block(size: int) -> bytes:
+    return random.Random(size).randbytes(size + PAYLOAD_WINDOW)
+
+
+def payload(index: int, size: int = DEFAULT_SIZE) -> bytes:
+    """The bytes of object ``index``: deterministic, pseudo-random, different per index.
+
+    Eight bytes of ``index`` and then a window of a random block, shifted by ``index``: as
+    cheap as a copy, so the server spends its time serving, not generating (a fresh random
+    64 KiB costs ~0.4 ms, more than the whole request).
+    """
+    head = (index % 2**64).to_bytes(8, "little")
+    shift = (index * 2654435761) % PAYLOAD_WINDOW
+    return (head + _block(size)[shift : shift + size])[:size]
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """What to do to one response instead of serving it normally.
+
+    Kinds: ``status`` (answer ``status`` with an optional ``Retry-After``), ``latency`` (serve
+    normally after ``seconds``), ``reset`` (send half the body, then abort the connection),
+    ``short`` (promise the full Content-Length, send half, then close cleanly), ``stall``
+    (send the headers, then stay silent for ``seconds``, then send the body).
+    """
+
+    kind: str
+    status: int = 200
+    seconds: float = 0.0
+    retry_after: str | None = None
+
+    @classmethod
+    def http(cls, status: int, retry_after: str | None = None) -> Fault:
+        return cls("status", status=status, retry_after=retry_after)
+
+    @classmethod
+    def latency(cls, seconds: float) -> Fault:
+        return cls("latency", seconds=seconds)
+
+    @classmethod
+    def reset(cls) -> Fault:
+        return cls("reset")
+
+    @classmethod
+    def short(cls) -> Fault:
+        return cls("short")
+
+    @classmethod
+    def stall(cls, seconds: float = 30.0) -> Fault:
+        return cls("stall", seconds=seconds)
+
+
+class FaultServer:
+    """The server; see the module docstring.
+
+    Args:
+        size: default object size in bytes.
+        latency: seconds added before every response.
+    """
+
+    def __init__(self, *, size: int = DEFAULT_SIZE, latency: float = 0.0) -> None:
+        self.size = size
+        self.latency = latency
+        self.requests: Counter[str] = Counter()
+        self._lock = threading.Lock()  # the test thread and the server thread both touch state
+        self._script: dict[str, deque[Fault]] = {}
+        self._always: dict[str, Fault] = {}
+        self._runner: web.AppRunner | None = None
+        self._stopping: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.port = 0
+
+    # -- configuration (any thread) ------------------------------------------------------
+
+    def url(self, path: str) -> str:
+        return f"http://{HOST}:{self.port}{path}"
+
+    def obj_url(self, index: int, *, size: int | None = None) -> str:
+        query = f"?size={size}" if size is not None else ""
+        return self.url(f"/obj/{index}{query}")
+
+    def fail(self, path: str, *faults: Fault) -> None:
+        """The next requests to ``path`` get ``faults``, one each, in order."""
+        with self._lock:
+            self._script.setdefault(path, deque()).extend(faults)
+
+    def fail_always(self, path: str, fault: Fault) -> None:
+        """Every request to ``path`` gets ``fault``."""
+        with self._lock:
+            self._always[path] = fault
+
+    def count(self, path: str) -> int:
+        with self._lock:
+            return self.requests[path]
+
+    def _next_fault(self, path: str) -> Fault | None:
+        with self._lock:
+            self.requests[path] += 1
+            script = self._script.get(path)
+            if script:
+                return script.popleft()
+            return self._always.get(path)
+
+    # -- serving -------------------------------------------------------------------------
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep up to ``seconds``, or less if the server stops meanwhile."""
+        assert self._stopping is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        fault = self._next_fault(request.path)
+        if self.latency:
+            # A plain sleep: cheaper than _pause's wait_for, and short enough not to delay stop.
+            await asyncio.sleep(self.latency)
+        body = payload(int(request.match_info["index"]), int(request.query.get("size", self.size)))
+        if fault is None:
+            return web.Response(body=body, content_type="application/octet-stream")
+        if fault.kind == "status":
+            headers = {"Retry-After": fault.retry_after} if fault.retry_after is not None else {}
+            return web.Response(
+                status=fault.status, text=f"injected {fault.status}", headers=headers
+            )
+        if fault.kind == "latency":
+            await self._pause(fault.seconds)
+            return web.Response(body=body, content_type="application/octet-stream")
+        response = web.StreamResponse()
+        response.content_length = len(body)
+        await response.prepare(request)  # sends the status line and headers now
+        if fault.kind == "stall":
+            await self._pause(fault.seconds)
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                raise asyncio.CancelledError  # the client gave up meanwhile: nothing to send
+            await response.write(body)
+            return response
+        if fault.kind not in ("reset", "short"):  # pragma: no cover - a typo in a test
+            raise ValueError(f"unknown fault kind {fault.kind!r}")
+        await response.write(body[: len(body) // 2])
+        transport = request.transport
+        if transport is not None:
+            if fault.kind == "reset":
+                transport.abort()  # RST: the peer sees a reset, buffered bytes are dropped
+            else:
+                transport.close()  # FIN after the half already written: a clean short body
+        # The connection is gone; end the handler without aiohttp writing the rest.
+        raise asyncio.CancelledError
+
+    async def start(self) -> None:
+        """Listen on 127.0.0.1 at an ephemeral port (``self.port``)."""
+        self._stopping = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        app = web.Application()
+        app.router.add_get("/obj/{index}", self._handle)
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_TIMEOUT_S
+        )
+        await self._runner.setup()
+        try:
+            await web.TCPSite(self._runner, HOST, 0).start()
+            self.port = int(self._runner.addresses[0][1])
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        """Wake every waiting handler, then close the listener and every connection."""
+        if self._stopping is not None:
+            self._stopping.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    # -- in a background thread ----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def in_thread(self) -> Iterator[Self]:
+        """Serve from a thread with its own event loop while the ``with`` block runs."""
+        ready = threading.Event()
+        stop: list[asyncio.Event] = []
+        failure: list[BaseException] = []
+
+        async def serve() -> None:
+            await self.start()
+            done = asyncio.Event()
+            stop.append(done)
+            ready.set()
+            try:
+                await done.wait()
+            finally:
+                await self.stop()
+
+        def run() -> None:
+            try:
+                asyncio.run(serve())
+            except BaseException as exc:  # reported to the test thread below
+                failure.append(exc)
+                ready.set()
+
+        thread = threading.Thread(target=run, name="fault-http-server", daemon=True)
+        thread.start()
+        if not ready.wait(THREAD_TIMEOUT_S) or failure:
+            raise RuntimeError(f"the test server did not start: {failure}")
+        try:
+            yield self
+        finally:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(stop[0].set)
+            thread.join(THREAD_TIMEOUT_S)
+            if thread.is_alive():  # pragma: no cover - a bug in the server
+                raise RuntimeError("the test server thread did not stop")
+
+
+async def _main(args: argparse.Namespace) -> None:
+    import signal
+
+    server = FaultServer(size=args.size, latency=args.latency)
+    await server.start()
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, done.set)
+    # Stdin closing (the parent died) also stops the server.
+    loop.add_reader(sys.stdin.fileno(), lambda: done.set() if not sys.stdin.read(1) else None)
+    print(f"PORT {server.port}", flush=True)
+    try:
+        await done.wait()
+    finally:
+        loop.remove_reader(sys.stdin.fileno())
+        await server.stop()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=DEFAULT_SIZE, help="object size in bytes")
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds added per response")
+    parser.add_argument("--uvloop", action="store_true", help="serve on uvloop")
+    arguments = parser.parse_args()
+    if arguments.uvloop:
+        import uvloop
+
+        uvloop.run(_main(arguments))
+    else:
+        asyncio.run(_main(arguments))

@@ -1,0 +1,378 @@
+"""FsspecDataset against moto's S3-compatible server on 127.0.0.1, and fsspec's HTTP filesystem
+against the fault-injecting test server.
+
+S3 faults (SlowDown, InternalError, AccessDenied) are injected inside the real client: a
+``before-call`` hook on the aiobotocore session answers the first GetObject calls with an S3
+error response, and the rest go to moto. So s3fs's own error translation runs on them, and the
+hook counts every GetObject the client made, including any retry s3fs would add on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import pickle
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import aiobotocore.session
+import aiohttp
+import botocore.exceptions
+import botocore.session
+import pytest
+from http_server import Fault, FaultServer, payload
+from hypothesis import given
+from hypothesis import strategies as st
+from moto.server import ThreadedMotoServer
+
+from aioloader._errors import (
+    RemoteNotFoundError,
+    RemotePermissionError,
+    RemoteTimeoutError,
+    RetriesExhaustedError,
+)
+from aioloader.sources import FsspecDataset, RetryableError, RetryPolicy
+from aioloader.sources._fsspec import _classify
+
+BUCKET = "aiol-test"
+OBJECTS = 20
+SIZE = 3000
+FAST = RetryPolicy(max_attempts=3, backoff_initial=0.01, backoff_max=1.0, jitter=False)
+
+
+class Sleeps(list[float]):
+    async def __call__(self, seconds: float) -> None:
+        self.append(seconds)
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint() -> Iterator[str]:
+    """A moto S3 server on an ephemeral loopback port, with BUCKET holding OBJECTS objects."""
+    quiet = logging.getLogger("werkzeug")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # one access-log line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        client = botocore.session.get_session().create_client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
+        try:
+            client.create_bucket(Bucket=BUCKET)
+            for i in range(OBJECTS):
+                client.put_object(Bucket=BUCKET, Key=f"obj-{i}", Body=payload(i, SIZE))
+        finally:
+            client.close()
+        yield endpoint
+    finally:
+        server.stop()  # shuts serve_forever down and joins its thread
+        wsgi = server._server
+        if wsgi is not None:
+            wsgi.server_close()  # stop() leaves the listening socket open
+        quiet.setLevel(level)
+
+
+def options(endpoint: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "key": "testing",
+        "secret": "testing",
+        "endpoint_url": endpoint,
+        "client_kwargs": {"region_name": "us-east-1"},
+        **extra,
+    }
+
+
+def urls(*indices: int) -> list[str]:
+    return [f"s3://{BUCKET}/obj-{i}" for i in indices]
+
+
+class S3Faults:
+    """A before-call hook: the first GetObject calls get ``errors``, in order, then moto."""
+
+    def __init__(self, *errors: tuple[str, int]) -> None:
+        self.errors = list(errors)
+        self.calls = 0
+
+    def __call__(self, **_: Any) -> tuple[Any, dict[str, Any]] | None:
+        self.calls += 1
+        if self.calls > len(self.errors):
+            return None  # no answer: the request goes to the server
+        code, status = self.errors[self.calls - 1]
+        http = types.SimpleNamespace(status_code=status, headers={}, content=b"")
+        return http, {
+            "Error": {"Code": code, "Message": f"injected {code}"},
+            "ResponseMetadata": {"HTTPStatusCode": status, "HTTPHeaders": {}},
+        }
+
+    def session(self) -> aiobotocore.session.AioSession:
+        session = aiobotocore.session.AioSession()
+        session.register("before-call.s3.GetObject", self)
+        return session
+
+
+# -- reads ------------------------------------------------------------------------------------
+
+
+async def test_reads_objects_concurrently(moto_endpoint: str) -> None:
+    ds = FsspecDataset(urls(*range(OBJECTS)), storage_options=options(moto_endpoint))
+    async with ds:
+        got = await asyncio.gather(*(ds.fetch(i) for i in range(len(ds))))
+        assert "open_filesystems=1" in repr(ds)
+    assert got == [payload(i, SIZE) for i in range(OBJECTS)]
+    assert "open_filesystems=0" in repr(ds)
+
+
+async def test_getitem_decodes(moto_endpoint: str) -> None:
+    async with FsspecDataset(urls(4, 5), decode=len, storage_options=options(moto_endpoint)) as ds:
+        assert await ds[1] == SIZE
+        assert ds.protocol == "s3"
+
+
+@pytest.mark.parametrize("url", [f"s3://{BUCKET}/missing", "s3://no-such-bucket/obj-0"])
+async def test_missing_object_is_not_found_without_retry(moto_endpoint: str, url: str) -> None:
+    faults = S3Faults()
+    sleeps = Sleeps()
+    ds = FsspecDataset(
+        [url],
+        retry=FAST,
+        sleep=sleeps,
+        storage_options=options(moto_endpoint, session=faults.session()),
+    )
+    async with ds:
+        with pytest.raises(RemoteNotFoundError) as info:
+            await ds.fetch(0)
+    assert isinstance(info.value, FileNotFoundError)
+    assert url in str(info.value)
+    assert info.value.url == url
+    assert len(info.value.attempts) == 1
+    assert faults.calls == 1
+    assert sleeps == []
+
+
+# -- injected S3 faults -----------------------------------------------------------------------
+
+
+async def test_slowdown_then_success_is_retried_exactly(moto_endpoint: str) -> None:
+    faults = S3Faults(("SlowDown", 503), ("InternalError", 500))
+    sleeps = Sleeps()
+    ds = FsspecDataset(
+        urls(7),
+        retry=FAST,
+        sleep=sleeps,
+        storage_options=options(moto_endpoint, session=faults.session()),
+    )
+    async with ds:
+        assert await ds.fetch(0) == payload(7, SIZE)
+    assert faults.calls == 3
+    assert sleeps == [pytest.approx(0.01), pytest.approx(0.02)]
+
+
+async def test_slowdown_forever_lists_every_attempt(moto_endpoint: str) -> None:
+    faults = S3Faults(*[("SlowDown", 503)] * 10)
+    ds = FsspecDataset(
+        urls(1),
+        retry=FAST,
+        sleep=Sleeps(),
+        storage_options=options(moto_endpoint, session=faults.session()),
+    )
+    async with ds:
+        with pytest.raises(RetriesExhaustedError) as info:
+            await ds.fetch(0)
+    # Three attempts of ours and no hidden ones: s3fs's and botocore's retries are off.
+    assert faults.calls == 3
+    assert len(info.value.attempts) == 3
+    assert all("SlowDown (HTTP 503)" in line for line in info.value.attempts)
+    assert urls(1)[0] in str(info.value)
+    assert not isinstance(info.value, TimeoutError)
+
+
+async def test_access_denied_is_a_permission_error_without_retry(moto_endpoint: str) -> None:
+    faults = S3Faults(("AccessDenied", 403))
+    ds = FsspecDataset(
+        urls(2),
+        retry=FAST,
+        sleep=Sleeps(),
+        storage_options=options(moto_endpoint, session=faults.session()),
+    )
+    async with ds:
+        with pytest.raises(RemotePermissionError) as info:
+            await ds.fetch(0)
+    assert isinstance(info.value, PermissionError)
+    assert faults.calls == 1
+    assert urls(2)[0] in str(info.value)
+
+
+async def test_request_timeout_code_makes_a_timeout_error(moto_endpoint: str) -> None:
+    faults = S3Faults(*[("RequestTimeout", 400)] * 3)
+    ds = FsspecDataset(
+        urls(2),
+        retry=FAST,
+        sleep=Sleeps(),
+        storage_options=options(moto_endpoint, session=faults.session()),
+    )
+    async with ds:
+        with pytest.raises(RemoteTimeoutError):
+            await ds.fetch(0)
+    assert faults.calls == 3
+
+
+# -- lifetime ---------------------------------------------------------------------------------
+
+
+async def test_pickles_without_its_filesystem(moto_endpoint: str) -> None:
+    ds = FsspecDataset(urls(0, 1), decode=len, storage_options=options(moto_endpoint))
+    async with ds:
+        assert await ds[0] == SIZE
+        clone = pickle.loads(pickle.dumps(ds))
+        assert "open_filesystems=0" in repr(clone)
+        async with clone:
+            assert await clone.fetch(1) == payload(1, SIZE)
+
+
+def test_separate_runs_each_get_a_filesystem(moto_endpoint: str) -> None:
+    ds = FsspecDataset(urls(0, 1), storage_options=options(moto_endpoint))
+
+    async def read(i: int) -> bytes:
+        async with ds:
+            return await ds.fetch(i)
+
+    assert asyncio.run(read(0)) == payload(0, SIZE)
+    assert asyncio.run(read(1)) == payload(1, SIZE)
+
+
+# -- fsspec's HTTP filesystem ------------------------------------------------------------------
+
+
+async def test_http_through_fsspec_retries_and_maps_not_found() -> None:
+    sleeps = Sleeps()
+    async with FaultServer() as server:
+        ds = FsspecDataset([server.obj_url(1), server.obj_url(2)], retry=FAST, sleep=sleeps)
+        async with ds:
+            server.fail("/obj/1", Fault.http(503), Fault.http(502))
+            assert await ds.fetch(0) == payload(1)
+            server.fail_always("/obj/2", Fault.http(404))
+            with pytest.raises(RemoteNotFoundError):
+                await ds.fetch(1)
+    assert server.count("/obj/1") == 3
+    assert server.count("/obj/2") == 1
+    assert sleeps == [pytest.approx(0.01), pytest.approx(0.02)]
+
+
+async def test_http_through_fsspec_stall_is_a_timeout() -> None:
+    timeout = aiohttp.ClientTimeout(sock_read=0.2)
+    async with FaultServer() as server:
+        ds = FsspecDataset(
+            [server.obj_url(3)],
+            retry=RetryPolicy(max_attempts=2, backoff_initial=0.01, jitter=False),
+            sleep=Sleeps(),
+            storage_options={"client_kwargs": {"timeout": timeout}},
+        )
+        server.fail_always("/obj/3", Fault.stall(30))
+        async with ds:
+            with pytest.raises(RemoteTimeoutError) as info:
+                await ds.fetch(0)
+    assert server.count("/obj/3") == 2
+    assert len(info.value.attempts) == 2
+
+
+# -- construction -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given_urls", "match"),
+    [
+        (["bucket/key"], r"urls\[0\]='bucket/key' has no protocol"),
+        (["nosuchproto://a/b"], r"urls\[0\]='nosuchproto://a/b'.*does not know"),
+        (["s3://a/b", "gs://c/d"], r"urls\[1\]='gs://c/d' is a 'gs' URL"),
+        (["memory://a/b"], r"urls\[0\]='memory://a/b'.*not asynchronous"),
+    ],
+)
+def test_bad_urls_are_refused_at_construction(given_urls: list[str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        FsspecDataset(given_urls)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="storage_options"):
+        FsspecDataset(["s3://a/b"], storage_options=[("anon", True)])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="retry"):
+        FsspecDataset(["s3://a/b"], retry=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="item_deadline"):
+        FsspecDataset(["s3://a/b"], item_deadline=-1)
+    assert len(FsspecDataset([])) == 0
+
+
+# -- classification of backend errors ----------------------------------------------------------
+
+
+def client_error(code: str, status: int) -> botocore.exceptions.ClientError:
+    response: Any = {"Error": {"Code": code, "Message": code}}
+    response["ResponseMetadata"] = {"HTTPStatusCode": status}
+    return botocore.exceptions.ClientError(response, "GetObject")
+
+
+def translated(code: str, status: int) -> Exception:
+    from s3fs.errors import translate_boto_error
+
+    error: Exception = translate_boto_error(client_error(code, status))
+    return error
+
+
+@pytest.mark.parametrize(
+    ("make", "kind"),
+    [
+        (lambda: translated("SlowDown", 503), "retry"),
+        (lambda: translated("ServiceUnavailable", 503), "retry"),
+        (lambda: translated("InternalError", 500), "retry"),
+        (lambda: translated("NoSuchKey", 404), "missing"),
+        (lambda: translated("AccessDenied", 403), "denied"),
+        (lambda: translated("InvalidRange", 416), "final"),
+        (lambda: client_error("Throttling", 400), "retry"),
+        (lambda: OSError(errno.EBUSY, "busy"), "retry"),
+        (lambda: botocore.exceptions.EndpointConnectionError(endpoint_url="http://x"), "retry"),
+        (lambda: botocore.exceptions.ReadTimeoutError(endpoint_url="http://x"), "timeout"),
+        (lambda: aiohttp.ServerDisconnectedError(), "retry"),
+        (lambda: aiohttp.ClientPayloadError("short"), "retry"),
+        (lambda: TimeoutError(), "timeout"),
+        (lambda: FileNotFoundError("x"), "missing"),
+        (lambda: PermissionError("x"), "denied"),
+        (lambda: ValueError("a bug"), "final"),
+        (lambda: KeyError("a bug"), "final"),
+    ],
+)
+def test_classify(make: Any, kind: str) -> None:
+    result = _classify(make(), "s3://b/k", FAST)
+    if kind == "final":
+        assert result is None
+    elif kind == "missing":
+        assert isinstance(result, RemoteNotFoundError)
+        assert result.url == "s3://b/k"
+    elif kind == "denied":
+        assert isinstance(result, RemotePermissionError)
+    else:
+        assert isinstance(result, RetryableError)
+        assert result.timed_out == (kind == "timeout")
+
+
+@given(status=st.integers(100, 599), retry=st.sets(st.sampled_from([408, 429, 500, 503, 599])))
+def test_classify_http_statuses_follows_the_policy(status: int, retry: set[int]) -> None:
+    policy = RetryPolicy(retry_statuses=frozenset(retry))
+    info: Any = types.SimpleNamespace(real_url="http://x", method="GET")
+    error = aiohttp.ClientResponseError(info, (), status=status)
+    result = _classify(error, "http://x", policy)
+    if status == 404:
+        assert isinstance(result, RemoteNotFoundError)
+    elif status in (401, 403):
+        assert isinstance(result, RemotePermissionError)
+    elif status in retry:
+        assert isinstance(result, RetryableError)
+    else:
+        assert result is None
