@@ -25,16 +25,14 @@ import numpy as np
 
 from ._collate import default_collate, numpy_collate
 
-__all__ = ["Alloc", "BatchMaker", "BatchRequest", "Made"]
+__all__ = ["EMPTY_BATCH", "Alloc", "BatchMaker", "BatchRequest", "Made"]
 
 Alloc = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray[Any, Any]]
 
 # Collate functions that can write their output through an ``alloc`` (straight into shared
 # memory). Any other collate_fn is called plainly and its output copied into the slot once.
-_ALLOC_AWARE: dict[Callable[..., Any], Callable[..., Any]] = {
-    default_collate: default_collate,
-    numpy_collate: numpy_collate,
-}
+# Compared by identity, never hashed: a collate_fn may be an unhashable callable object.
+_ALLOC_AWARE: tuple[Callable[..., Any], ...] = (default_collate, numpy_collate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,10 +99,14 @@ class BatchMaker:
         if request.sharded:
             shards: Sequence[Sequence[int]] = request.indices  # type: ignore[assignment]
             raws = request.raw if request.raw is not None else [None] * len(shards)
-            made.batch = [
+            batches = [
                 self._one(request, list(shard), raw, alloc, made)
                 for shard, raw in zip(shards, raws, strict=True)
             ]
+            # A shard whose samples were all skipped is left out, as a batch with fewer indices
+            # than shards has fewer shards; a batch with none left is not yielded at all.
+            kept = [batch for batch in batches if batch is not EMPTY_BATCH]
+            made.batch = kept if kept else EMPTY_BATCH
         else:
             indices: Sequence[int] = request.indices  # type: ignore[assignment]
             made.batch = self._one(request, list(indices), request.raw, alloc, made)
@@ -125,15 +127,19 @@ class BatchMaker:
         t1 = time.perf_counter()
         made.read_s += t1 - t0
         made.samples += len(samples)
+        if not samples and self.skip_errors:
+            # Every sample was skipped (on_error='skip'): collating nothing would raise, and the
+            # skips are already reported; the epoch drops the batch instead of yielding it.
+            return EMPTY_BATCH
         try:
-            fn = _ALLOC_AWARE.get(self.collate_fn)
-            batch = fn(samples, alloc=alloc) if fn is not None and alloc is not None else (
-                self.collate_fn(samples)
+            alloc_aware = any(self.collate_fn is fn for fn in _ALLOC_AWARE)
+            batch = (
+                self.collate_fn(samples, alloc=alloc)  # type: ignore[call-arg]
+                if alloc_aware and alloc is not None
+                else self.collate_fn(samples)
             )
         except Exception as exc:
-            annotate(
-                exc, f"while collating batch {request.batch_id} of indices {_short(indices)}"
-            )
+            annotate(exc, f"while collating batch {request.batch_id} of indices {_short(indices)}")
             raise
         made.collate_s += time.perf_counter() - t1
         return batch
@@ -149,7 +155,14 @@ class BatchMaker:
                     exc, f"in __getitems__ of batch {request.batch_id}, indices {_short(indices)}"
                 )
                 raise
-            return [self._finish(request, i, item, made) for i, item in zip(indices, items)]
+            if len(items) != len(indices):  # zip() would silently drop or misalign samples
+                raise ValueError(
+                    f"__getitems__ returned {len(items)} samples for {len(indices)} indices "
+                    f"(batch {request.batch_id}, indices {_short(indices)})"
+                )
+            return [
+                self._finish(request, i, item, made) for i, item in zip(indices, items, strict=True)
+            ]
         samples: list[Any] = []
         for pos, index in enumerate(indices):
             try:
@@ -158,9 +171,7 @@ class BatchMaker:
                 if self.skip_errors:
                     made.skipped.append((index, _describe(exc)))
                     continue
-                annotate(
-                    exc, f"reading sample index {index} of batch {request.batch_id}"
-                )
+                annotate(exc, f"reading sample index {index} of batch {request.batch_id}")
                 raise
             sample = self._finish(request, index, item, made)
             if sample is not _SKIPPED:
@@ -179,14 +190,29 @@ class BatchMaker:
             if self.skip_errors:
                 made.skipped.append((index, _describe(exc)))
                 return _SKIPPED
-            annotate(
-                exc, f"transforming sample index {index} of batch {request.batch_id}"
-            )
+            annotate(exc, f"transforming sample index {index} of batch {request.batch_id}")
             raise
         return item
 
 
 _SKIPPED = object()
+
+
+class _EmptyBatch:
+    """The type of :data:`EMPTY_BATCH`: it pickles by reference, so it is the same object in
+    the main process after a round trip from a worker process, and ``is`` tests work."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> str:
+        return "EMPTY_BATCH"
+
+    def __repr__(self) -> str:
+        return "EMPTY_BATCH"
+
+
+EMPTY_BATCH: Any = _EmptyBatch()
+"""Made in place of a batch whose every sample was skipped; never reaches the consumer."""
 
 
 def _describe(exc: BaseException) -> str:

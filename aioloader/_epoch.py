@@ -23,7 +23,9 @@ Cancellation edges:
   loses nothing: a batch popped but not yet handed over is kept and returned by the next call;
 - ``aclose()`` cancels the scheduler and every produce task and waits for them; worker jobs
   that were already running release their shared-memory slots when they finish;
-- an iterator that is dropped without ``aclose()`` cancels its tasks from ``__del__``.
+- an iterator that is dropped without ``aclose()`` is closed by its handle's ``__del__``
+  (:class:`EpochIterator`: the handle, unlike the epoch, is not referenced by the tasks);
+- closing an epoch wakes a consumer that waits on it: it gets ``StopAsyncIteration``.
 
 Deadlines measure producer time: a batch's clock starts when its produce task starts (after its
 permit was taken), so a slow consumer never causes a timeout.
@@ -37,16 +39,16 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from ._batch import BatchRequest, Made, annotate
+from ._batch import EMPTY_BATCH, BatchRequest, Made, annotate
 from ._errors import LoaderTimeoutError, TooManyFailuresError, WorkerCrashedError
 from ._reorder import Outcome, ReorderBuffer
 from ._runner import END
 from ._stats import Counters
 from ._workers import IterJob
 
-__all__ = ["Epoch", "EpochConfig"]
+__all__ = ["Epoch", "EpochConfig", "EpochIterator"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,12 +133,19 @@ class Epoch:
             self._start()
         assert self._ready is not None
         while True:
+            if self._closed:  # closed while we waited (a new epoch, the loader's close)
+                raise StopAsyncIteration
             if self._handing:
                 return await self._hand_over()
             outcome = self.reorder.pop_ready()
             if outcome is not None:
                 if outcome.value is END:
                     self._release_permit()
+                    continue
+                if outcome.value is EMPTY_BATCH:  # every sample skipped: nothing to hand over
+                    self._release_permit()
+                    self._samples.pop(outcome.batch_id, None)
+                    self._on_batch(outcome.batch_id)  # done, for resume
                     continue
                 return await self._take(outcome)
             if self._scheduling_done and len(self.reorder) == 0:
@@ -159,12 +168,14 @@ class Epoch:
             self._release_permit()
             self._yielded(outcome.batch_id, outcome.value)
             return outcome.value
-        self._handing.append((outcome.batch_id, self._device.start(outcome.value, outcome.batch_id)))
+        self._handing.append(
+            (outcome.batch_id, self._device.start(outcome.value, outcome.batch_id))
+        )
         # Start the copies of the batches right behind, so batch i+1 crosses while i is used.
-        # An error or a stream end waits its turn in the buffer.
+        # An error, a stream end or an empty batch waits its turn in the buffer.
         while len(self._handing) <= self.config.device_prefetch:
             nxt = self.reorder.peek_ready()
-            if nxt is None or nxt.error is not None or nxt.value is END:
+            if nxt is None or nxt.error is not None or nxt.value is END or nxt.value is EMPTY_BATCH:
                 break
             self.reorder.pop_ready()
             self._handing.append((nxt.batch_id, self._device.start(nxt.value, nxt.batch_id)))
@@ -271,7 +282,6 @@ class Epoch:
         counter = itertools.count()
 
         async def body() -> None:
-            in_flight: dict[int, set[asyncio.Task[None]]] = {w: set() for w in range(streams)}
             for turn in itertools.cycle(range(streams)):
                 if len(ended) == streams:
                     return
@@ -439,16 +449,29 @@ class Epoch:
                     annotate(exc, f"fetching sample index {index} of batch {request.batch_id}")
                     raise
 
-        shards = request.indices if request.sharded else [request.indices]
-        raws = []
-        async with asyncio.TaskGroup() as group:
-            tasks = [[group.create_task(one(i)) for i in shard] for shard in shards]  # type: ignore[union-attr]
+        shards: list[Sequence[int]] = cast(
+            "list[Sequence[int]]", list(request.indices) if request.sharded else [request.indices]
+        )
+        raws: list[list[Any]] = []
+        tasks: list[list[asyncio.Task[Any]]] = []
+        failed_group: BaseExceptionGroup[BaseException] | None = None
+        try:
+            async with asyncio.TaskGroup() as group:
+                for shard in shards:
+                    tasks.append([group.create_task(one(i)) for i in shard])
+        except BaseExceptionGroup as exc:
+            failed_group = exc
+        if failed_group is not None:
+            # The user's exception, not a group: ``except KeyError`` must keep working. Raised
+            # outside the ``except`` block so the group does not become its context.
+            raise _first_failure(tasks, failed_group)
         for shard_tasks in tasks:
             raws.append([t.result() for t in shard_tasks])
         self._counters.fetch_s += time.perf_counter() - started
         failed = [r for shard in raws for r in shard if isinstance(r, _Failed)]
         if failed:
-            shards, raws = _drop_failed(shards, raws)
+            kept, raws = _drop_failed(shards, raws)
+            shards = list(kept)
             skipped = [(f.index, f"{type(f.error).__name__}: {f.error}") for f in failed]
             self._counters.skipped.extend(skipped)
             self._failures += len(skipped)
@@ -472,31 +495,97 @@ class Epoch:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        for outcome in self.reorder.drain():
-            _discard(outcome)
-        self._handing.clear()
+        self._release_all()
 
     def close_nowait(self) -> None:
-        """Cancel the tasks without waiting (from ``__del__`` or another thread's close)."""
+        """Cancel the tasks and release what was produced, without waiting (from ``__del__``,
+        from a new epoch, or from another thread's close). The work is done on the epoch's
+        loop, which alone touches the tasks and the reorder buffer."""
         if self._closed:
             return
         self._closed = True
         loop = self._loop
-        tasks = [t for t in (self._scheduler, *self._tasks) if t is not None]
         if loop is None or loop.is_closed():
+            self._release_all()  # never started, or its loop is gone: nothing runs any more
             return
-        for task in tasks:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(task.cancel)
+        tasks = [t for t in (self._scheduler, *self._tasks) if t is not None]
+
+        def stop() -> None:
+            for task in tasks:
+                task.cancel()
+            self._release_all()
+
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(stop)
+
+    def _release_all(self) -> None:
+        """Drop every produced batch (their shared-memory slots go back to the pool) and wake a
+        consumer still waiting, who then sees the epoch closed."""
+        for outcome in self.reorder.drain():
+            _discard(outcome)
+        self._handing.clear()
+        if self._ready is not None:
+            self._ready.set()
 
     def __del__(self) -> None:
         self.close_nowait()
+
+
+class EpochIterator:
+    """What ``aiter(loader)`` returns: the consumer's handle on an :class:`Epoch`.
+
+    The epoch's own tasks reference the epoch, so the epoch cannot notice that the consumer
+    dropped it. This thin handle can, because only the consumer holds it: when it is garbage
+    collected (``del it``, a ``break`` out of ``async for``, an exception that unwinds the
+    loop) the epoch is closed at once: its tasks are cancelled and its batches released.
+    """
+
+    __slots__ = ("__weakref__", "epoch")
+
+    def __init__(self, epoch: Epoch) -> None:
+        self.epoch = epoch
+
+    def __aiter__(self) -> EpochIterator:
+        return self
+
+    async def __anext__(self) -> Any:
+        # A coroutine of our own (rather than the epoch's) keeps this handle alive while the
+        # consumer awaits: ``await anext(aiter(loader))`` must not close the epoch under it.
+        return await self.epoch.__anext__()
+
+    async def aclose(self) -> None:
+        """Close the epoch now and wait until its tasks are over."""
+        await self.epoch.aclose()
+
+    def __del__(self) -> None:
+        self.epoch.close_nowait()
 
 
 @dataclass(frozen=True, slots=True)
 class _Failed:
     index: int
     error: BaseException
+
+
+def _first_failure(
+    tasks: list[list[asyncio.Task[Any]]], group: BaseExceptionGroup[BaseException]
+) -> BaseException:
+    """The exception of the first item, in sample order, whose fetch failed; the others are
+    summarised in a note."""
+    errors: list[BaseException] = [
+        error
+        for shard in tasks
+        for task in shard
+        if task.done() and not task.cancelled() and (error := task.exception()) is not None
+    ]
+    if not errors:  # pragma: no cover - a group always holds at least one task's error
+        errors = list(group.exceptions)
+    first = errors[0]
+    if len(errors) > 1:
+        others = ", ".join(f"{type(e).__name__}: {e}" for e in errors[1:4])
+        more = f" (and {len(errors) - 4} more)" if len(errors) > 4 else ""
+        annotate(first, f"{len(errors) - 1} other item(s) of this batch failed too: {others}{more}")
+    return first
 
 
 def _drop_failed(
@@ -535,4 +624,3 @@ def _indices_text(request: BatchRequest) -> str:
 def _discard(outcome: Outcome) -> None:
     """Drop a produced batch: its views go, so its shared-memory slot returns to the pool."""
     del outcome
-

@@ -51,7 +51,7 @@ from . import _shm
 from ._batch import BatchMaker
 from ._collate import default_collate
 from ._device import DeviceStage, parse_device
-from ._epoch import Epoch, EpochConfig
+from ._epoch import Epoch, EpochConfig, EpochIterator
 from ._runner import ProcessRunner, ThreadRunner
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler, _resolve_last_batch
 from ._stats import Counters, LoaderStatistics
@@ -200,7 +200,9 @@ class DataLoader:
         self.thread_pool = _bool("thread_pool", thread_pool)
         self.in_order = _bool("in_order", in_order)
         self.prefetch = (
-            2 * max(1, self.num_workers) if prefetch is None else _positive_int("prefetch", prefetch)
+            2 * max(1, self.num_workers)
+            if prefetch is None
+            else _positive_int("prefetch", prefetch)
         )
         self.timeout = _timeout(timeout)
         self.io_concurrency = _positive_int("io_concurrency", io_concurrency)
@@ -243,7 +245,9 @@ class DataLoader:
         elif mp_context is not None:
             resolve_context(mp_context, allow_fork=True)  # still validate the name
         cpus = os.cpu_count() or 1
-        if self.num_workers > cpus:
+        # Only processes compete for CPUs: threads (thread_pool=True) mostly wait on IO with the
+        # GIL released, where more threads than CPUs is the point.
+        if self.num_workers > cpus and self._payload is not None:
             warnings.warn(
                 f"num_workers={self.num_workers} is more than the {cpus} CPUs here; "
                 "extra workers only compete for them",
@@ -303,7 +307,11 @@ class DataLoader:
         size = _positive_int("batch_size", batch_size)
         if sampler is None:
             sampler = (
-                RandomSampler(self.dataset, generator=generator, seed=self.seed)
+                RandomSampler(
+                    self.dataset,
+                    generator=generator,
+                    seed=None if generator is not None else self.seed,
+                )
                 if shuffle
                 else SequentialSampler(self.dataset)
             )
@@ -385,7 +393,8 @@ class DataLoader:
         self._next_epoch = _non_negative_int("epoch", epoch)
 
     def __aiter__(self) -> AsyncIterator[Any]:
-        return self._new_epoch()
+        # The consumer gets a handle, not the epoch: dropping it closes the epoch at once.
+        return EpochIterator(self._new_epoch())
 
     def _new_epoch(self) -> Epoch:
         self._ensure_resources()
@@ -425,7 +434,9 @@ class DataLoader:
             max_failures=self.max_failures,
             device_prefetch=self.device_prefetch,
         )
-        device = self._res.device if self._res.device is not None and self._res.device.enabled else None
+        device = (
+            self._res.device if self._res.device is not None and self._res.device.enabled else None
+        )
         it = Epoch(
             config,
             epoch,
@@ -435,7 +446,10 @@ class DataLoader:
             dataset=self.dataset,
             device=device,
             on_batch=self._done_ids.append,
-            on_finish=self._epoch_finished,
+            # Weakly: the epoch lives in ``_res``, which the finalizer holds; a strong reference
+            # back to the loader would keep an unclosed loader alive forever (no warning, no
+            # release).
+            on_finish=_weak_call(self._epoch_finished),
         )
         self._epoch_open = True
         self._res.epoch = it
@@ -489,6 +503,9 @@ class DataLoader:
         self._res.dataset_aclose = None
         if aclose is not None:
             await aclose()
+        device = self._res.device
+        if device is not None and device.enabled:
+            await device.drain()  # copies still in flight finish without blocking the loop
         await asyncio.to_thread(self._close_now)
 
     def close(self) -> None:
@@ -546,8 +563,12 @@ class DataLoader:
                 "sampler": self._epoch_sampler_state,
                 "seed": self.seed,
             }
-        return {"epoch": self._next_epoch, "done": [], "sampler": self._sampler_state(),
-                "seed": self.seed}
+        return {
+            "epoch": self._next_epoch,
+            "done": [],
+            "sampler": self._sampler_state(),
+            "seed": self.seed,
+        }
 
     def _sampler_state(self) -> dict[str, Any] | None:
         state_dict = getattr(self.batch_sampler, "state_dict", None)
@@ -568,8 +589,11 @@ class DataLoader:
     def __repr__(self) -> str:
         s = self.statistics()
         mode = (
-            f"{self.num_workers} threads" if self.thread_pool and self.num_workers
-            else f"{self.num_workers} processes" if self.num_workers else "main-process thread"
+            f"{self.num_workers} threads"
+            if self.thread_pool and self.num_workers
+            else f"{self.num_workers} processes"
+            if self.num_workers
+            else "main-process thread"
         )
         return (
             f"<DataLoader {type(self.dataset).__name__} epoch={s.epoch} "
@@ -583,6 +607,18 @@ class DataLoader:
             return str(len(self))
         except TypeError:
             return "?"
+
+
+def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
+    """A callable that calls the bound ``method`` while its object is alive, else nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
 
 
 def _bool(name: str, value: object) -> bool:
@@ -620,8 +656,11 @@ def _timeout(value: object) -> float | None:
 def _max_failures(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"max_failures must be a count or a fraction, got {value!r}")
-    if not math.isfinite(value) or value < 0 or (isinstance(value, float) and 1 < value
-                                                  and not value.is_integer()):
+    if (
+        not math.isfinite(value)
+        or value < 0
+        or (isinstance(value, float) and value > 1 and not value.is_integer())
+    ):
         raise ValueError(
             f"max_failures must be a count >= 0 or a fraction 0 < f < 1, got {value!r}"
         )

@@ -43,14 +43,20 @@ class LoopThread:
 
     def __init__(self) -> None:
         self.loop = new_event_loop()
-        self._thread = threading.Thread(
-            target=self._run, name="aioloader-loop", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name="aioloader-loop", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+        finally:
+            # The loop winds down on its own thread: close() may be called from a thread whose
+            # own event loop is running, where run_until_complete() is refused.
+            with contextlib.suppress(Exception):
+                self.loop.run_until_complete(self.loop.shutdown_default_executor())
+            asyncio.set_event_loop(None)
+            self.loop.close()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop thread and wait for its result."""
@@ -83,17 +89,19 @@ class LoopThread:
 
     def close(self) -> None:
         """Cancel what still runs on the loop, stop it and join the thread. Idempotent."""
-        if self.loop.is_closed():
+        if not self._thread.is_alive() or self.loop.is_closed():
             return
-        if self._thread.is_alive() and self.loop.is_running():
+        if threading.current_thread() is self._thread:
+            # Closed from the loop itself (a finalizer run by the garbage collector there):
+            # waiting for the loop would wait for ourselves. Stop it; the thread winds down.
+            self.loop.stop()
+            return
+        if self.loop.is_running():
             with contextlib.suppress(Exception):
                 self.run(_cancel_all(), timeout=CLOSE_TIMEOUT_S)
+        with contextlib.suppress(RuntimeError):  # closed meanwhile: the thread is ending
             self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(CLOSE_TIMEOUT_S)
-        if not self._thread.is_alive():
-            with contextlib.suppress(Exception):
-                self.loop.run_until_complete(self.loop.shutdown_default_executor())
-            self.loop.close()
+        self._thread.join(CLOSE_TIMEOUT_S)
 
 
 async def _cancel_all() -> None:

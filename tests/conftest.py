@@ -70,8 +70,21 @@ def _helper_process(p: psutil.Process) -> bool:
 
 
 def child_pids() -> set[int]:
-    kids = psutil.Process().children(recursive=True)
-    return {p.pid for p in kids if not _helper_process(p)}
+    """Our descendants, minus the session-long helpers themselves (not their children).
+
+    Workers are forked by the forkserver, so they carry its command line: only the *direct*
+    children of this process are recognised as the forkserver or the resource tracker; every
+    process below them (a worker) counts.
+    """
+    pids: set[int] = set()
+    for child in psutil.Process().children():
+        if not _helper_process(child):
+            pids.add(child.pid)
+        try:
+            pids.update(p.pid for p in child.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    return pids
 
 
 def thread_names() -> set[str]:

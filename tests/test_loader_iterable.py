@@ -1,0 +1,275 @@
+"""Tests of the DataLoader over iterable datasets: sync streams (``__iter__``) on the helper
+thread, on a thread pool and sharded across worker processes, and async streams (``__aiter__``)
+pulled on the event loop.
+
+The contract: every item exactly once per epoch (whether the dataset shards itself with
+:func:`aioloader.get_worker_info` or leaves it to the loader), ``drop_last`` per stream, and a
+stream that fails mid-way delivers everything it produced before the error, then raises it:
+never a silent end. Datasets are defined at module level so worker processes can unpickle them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import psutil
+import pytest
+import torch
+import torch.utils.data as tud
+
+import aioloader
+from aioloader import DataLoader
+
+BOUND_S = 10.0  # no wait in these tests comes near this; it turns a hang into a failure
+
+
+# -- datasets ---------------------------------------------------------------------------------
+
+
+class Stream:
+    """Yields ``0 .. n-1``; does not know about workers (the loader shards it)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.n))
+
+
+class SelfSharded:
+    """Reads only its worker's share, as a torch user writes it (a generator, so the worker info
+    is asked for at the first ``next``, not at ``iter``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        info = aioloader.get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        yield from range(start, self.n, step)
+
+
+class Broken:
+    """Yields ``0 .. fail_at-1`` then raises ValueError."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at = fail_at
+
+    def __iter__(self) -> Iterator[int]:
+        for i in range(self.fail_at + 10):
+            if i == self.fail_at:
+                raise ValueError(f"the stream broke at item {i}")
+            yield i
+
+
+class TorchStream(tud.IterableDataset):  # type: ignore[type-arg]
+    """A torch IterableDataset (it inherits a ``__getitem__`` that must not make it map-style)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.n))
+
+
+class AsyncStream:
+    """An async stream of ``0 .. n-1``, optionally failing at item ``fail_at``."""
+
+    def __init__(self, n: int, fail_at: int | None = None) -> None:
+        self.n = n
+        self.fail_at = fail_at
+        self.closed = 0
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        try:
+            for i in range(self.n):
+                await asyncio.sleep(0)
+                if i == self.fail_at:
+                    raise ConnectionError(f"the async stream broke at item {i}")
+                yield i
+        finally:
+            self.closed += 1
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def worker_processes() -> set[int]:
+    """Live worker processes of ours: children of the forkserver (the conftest's leak check
+    cannot see them: they carry the forkserver's command line, which it ignores)."""
+    pids = set()
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            parent = process.parent()
+            if (
+                parent is not None
+                and process.status() != psutil.STATUS_ZOMBIE
+                and "forkserver" in " ".join(parent.cmdline())
+            ):
+                pids.add(process.pid)
+    return pids
+
+
+@contextlib.contextmanager
+def no_worker_left_behind() -> Iterator[None]:
+    """Fail if a worker process started inside the block is alive 5 s after it ends."""
+    before = worker_processes()
+    yield
+    deadline = time.monotonic() + 5.0
+    while (left := worker_processes() - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"worker processes left: {sorted(left)}"
+
+
+def as_lists(batches: list[Any]) -> list[list[int]]:
+    return [b.tolist() if isinstance(b, torch.Tensor) else list(b) for b in batches]
+
+
+def chunks(items: list[int], size: int, drop_last: bool = False) -> list[list[int]]:
+    out = [items[i : i + size] for i in range(0, len(items), size)]
+    if drop_last and out and len(out[-1]) < size:
+        out.pop()
+    return out
+
+
+async def drain(loader: DataLoader, into: list[list[int]]) -> None:
+    """Append every batch of one epoch (as lists) to ``into`` until it ends or raises."""
+    async with asyncio.timeout(BOUND_S):
+        async for batch in loader:
+            into.append(batch.tolist())
+
+
+def drain_sync(loader: DataLoader, into: list[list[int]]) -> None:
+    for batch in loader:
+        into.append(batch.tolist())
+
+
+async def collect(loader: DataLoader) -> list[list[int]]:
+    async with asyncio.timeout(BOUND_S):
+        return as_lists([batch async for batch in loader])
+
+
+# -- sync streams in this process -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+async def test_stream_on_threads_yields_every_item_once_in_order(threads: int) -> None:
+    kwargs: dict[str, Any] = {"num_workers": threads, "thread_pool": bool(threads)}
+    for dataset in (Stream(22), SelfSharded(22), TorchStream(22)):
+        async with DataLoader(dataset, batch_size=4, **kwargs) as loader:
+            for _ in range(2):  # each iteration restarts the stream
+                assert await collect(loader) == chunks(list(range(22)), 4)
+            stats = loader.statistics()
+            assert (stats.epoch, stats.samples_yielded, stats.batches_yielded) == (1, 44, 12)
+            assert "yielded=6/?" in repr(loader)  # a stream has no length
+
+
+async def test_stream_drop_last_and_an_exact_multiple() -> None:
+    async with DataLoader(Stream(22), batch_size=4, drop_last=True) as loader:
+        assert await collect(loader) == chunks(list(range(22)), 4, drop_last=True)
+    async with DataLoader(Stream(8), batch_size=4, drop_last=True) as loader:
+        assert await collect(loader) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    async with DataLoader(Stream(0), batch_size=4) as loader:
+        assert await collect(loader) == []
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+async def test_a_failing_stream_delivers_what_came_before_then_raises(threads: int) -> None:
+    kwargs: dict[str, Any] = {"num_workers": threads, "thread_pool": bool(threads)}
+    async with DataLoader(Broken(fail_at=7), batch_size=3, **kwargs) as loader:
+        for _ in range(2):  # the next epoch restarts the stream and fails the same way
+            got: list[list[int]] = []
+            with pytest.raises(ValueError, match="broke at item 7"):
+                await drain(loader, got)
+            assert got == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+def test_sync_iteration_of_a_stream() -> None:
+    with DataLoader(Stream(10), batch_size=4) as loader:
+        assert as_lists(list(loader)) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    with DataLoader(Broken(fail_at=5), batch_size=2) as loader:
+        got: list[list[int]] = []
+        with pytest.raises(ValueError, match="broke at item 5"):
+            drain_sync(loader, got)
+        assert got == [[0, 1], [2, 3], [4]]
+
+
+# -- sync streams sharded across worker processes ---------------------------------------------
+
+
+@no_worker_left_behind()
+def test_worker_processes_yield_every_item_exactly_once() -> None:
+    for dataset in (Stream(23), SelfSharded(23)):
+        with DataLoader(dataset, batch_size=4, num_workers=2) as loader:
+            for _ in range(2):
+                batches = as_lists(list(loader))
+                items = [i for b in batches for i in b]
+                assert Counter(items) == Counter(range(23)), type(dataset).__name__
+                assert all(1 <= len(b) <= 4 for b in batches)
+                # Each worker's share keeps its order: evens from worker 0, odds from worker 1.
+                assert [i for i in items if i % 2 == 0] == list(range(0, 23, 2))
+                assert [i for i in items if i % 2 == 1] == list(range(1, 23, 2))
+
+
+@no_worker_left_behind()
+def test_worker_processes_drop_last_per_stream_and_a_failing_stream() -> None:
+    with DataLoader(Stream(22), batch_size=4, num_workers=2, drop_last=True) as loader:
+        batches = as_lists(list(loader))
+    # Each worker streams 11 items: 2 full batches each, the 3 left over are dropped.
+    assert all(len(b) == 4 for b in batches)
+    items = [i for b in batches for i in b]
+    assert len(items) == len(set(items)) == 16
+    assert sorted(i for i in items if i % 2 == 0) == list(range(0, 16, 2))
+    assert sorted(i for i in items if i % 2 == 1) == list(range(1, 16, 2))
+    with DataLoader(Broken(fail_at=7), batch_size=3, num_workers=2) as loader:
+        got: list[list[int]] = []
+        with pytest.raises(ValueError, match="broke at item 7"):
+            drain_sync(loader, got)
+        # Both workers read the whole stream up to the failure; each kept its half of it.
+        assert sorted(i for batch in got for i in batch) == list(range(7))
+
+
+# -- async streams ----------------------------------------------------------------------------
+
+
+async def test_async_stream_yields_every_item_once_in_order() -> None:
+    dataset = AsyncStream(22)
+    async with DataLoader(dataset, batch_size=4) as loader:
+        assert await collect(loader) == chunks(list(range(22)), 4)
+        assert await collect(loader) == chunks(list(range(22)), 4)
+    assert dataset.closed == 2
+    async with DataLoader(AsyncStream(22), batch_size=4, drop_last=True) as loader:
+        assert await collect(loader) == chunks(list(range(22)), 4, drop_last=True)
+    async with DataLoader(AsyncStream(8), batch_size=4, drop_last=True) as loader:
+        assert await collect(loader) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+async def test_a_failing_async_stream_delivers_what_came_before_then_raises() -> None:
+    dataset = AsyncStream(20, fail_at=7)
+    async with DataLoader(dataset, batch_size=3) as loader:
+        got: list[list[int]] = []
+        with pytest.raises(ConnectionError, match="broke at item 7") as info:
+            await drain(loader, got)
+        assert got == [[0, 1, 2], [3, 4, 5], [6]]
+        assert "async stream" in "\n".join(getattr(info.value, "__notes__", ()))
+        # drop_last never drops the items that came before a failure.
+        dataset = AsyncStream(20, fail_at=7)
+    async with DataLoader(dataset, batch_size=3, drop_last=True) as loader:
+        got = []
+        with pytest.raises(ConnectionError):
+            await drain(loader, got)
+        assert got == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+async def test_abandoned_async_stream_is_closed_and_the_next_epoch_is_complete() -> None:
+    dataset = AsyncStream(30)
+    async with DataLoader(dataset, batch_size=2, prefetch=2) as loader:
+        async for _ in loader:
+            break
+        assert await collect(loader) == chunks(list(range(30)), 2)
+    assert dataset.closed == 2  # the abandoned stream's generator was closed too
