@@ -140,7 +140,9 @@ class DataLoader:
             epoch).
         timeout: seconds of producer time a batch may take (None or 0: no limit). A late batch
             raises :class:`LoaderTimeoutError`; its worker is killed and replaced.
-        prefetch: batches in flight or ready at once (default ``2 * max(1, num_workers)``).
+        prefetch: batches in flight or ready at once (default ``2 * max(1, num_workers)``; for
+            async datasets at least ``ceil(io_concurrency / batch_size) + 2``, so that
+            ``io_concurrency`` item fetches can be in flight).
         in_order: yield in sampler order (default) or as batches complete.
         worker_init_fn: called with the worker id in each worker process at start.
         seed: base seed for shuffling and per-batch worker seeding (random if None).
@@ -237,6 +239,10 @@ class DataLoader:
         self.batch_sampler = self._make_batch_sampler(
             batch_size, shuffle, sampler, batch_sampler, drop_last, last_batch, generator
         )
+        if prefetch is None and self._kind == "async_map" and isinstance(self.batch_size, int):
+            # Enough batches in flight to keep io_concurrency requests going: a batch waits
+            # for its slowest item, and the next batches' items fill the gap meanwhile.
+            self.prefetch = max(self.prefetch, -(-self.io_concurrency // self.batch_size) + 2)
         self._context: BaseContext | None = None
         self._payload: bytes | None = None
         if self.num_workers > 0 and not self.thread_pool:
@@ -356,22 +362,32 @@ class DataLoader:
             raise RuntimeError("this DataLoader is closed")
         res = self._res
         with res.lock:
+            if res.device is None and (self._device_spec is not None or self.pin_memory):
+                res.device = DeviceStage(self._device_spec, pin_memory=self.pin_memory)
             if res.runner is None:
                 if self._payload is not None:
                     assert self._context is not None
                     if res.slots is None and _shm.shm_available():
-                        cap = self._shm_cap()
-                        res.slots = _shm.SlotPool(cap) if cap > 0 else None
+                        res.slots = self._slot_pool(res.device)
                     pool = WorkerPool(self.num_workers, self._context, self._payload, self.seed)
                     res.runner = ProcessRunner(pool, res.slots)
                 else:
                     threads = self.num_workers if self.thread_pool and self.num_workers else 1
                     res.runner = ThreadRunner(self._maker(), threads)
-            if res.device is None and (self._device_spec is not None or self.pin_memory):
-                res.device = DeviceStage(self._device_spec, pin_memory=self.pin_memory)
             aclose = getattr(self.dataset, "aclose", None)
             if aclose is not None and callable(aclose):
                 res.dataset_aclose = aclose
+
+    def _slot_pool(self, device: DeviceStage | None) -> _shm.SlotPool | None:
+        cap = self._shm_cap()
+        if cap <= 0:
+            return None
+        if device is not None and device.enabled:
+            # Each slot is page-locked once when created, so device copies read it directly.
+            return _shm.SlotPool(
+                cap, on_map=device.register_host_memory, on_unmap=device.unregister_host_memory
+            )
+        return _shm.SlotPool(cap)
 
     def _shm_cap(self) -> int:
         if self._shm_max_bytes is not None:

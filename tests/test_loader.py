@@ -1109,6 +1109,18 @@ async def test_io_concurrency_bounds_concurrent_item_fetches() -> None:
     assert dataset.max_running == 5  # reached, never passed
 
 
+async def test_default_prefetch_keeps_io_concurrency_fetches_in_flight() -> None:
+    # Two batches of 4 would cap fetches at 8; the default for async data sets leaves room for
+    # io_concurrency of them: ceil(16 / 4) + 2 = 6 batches.
+    dataset = AsyncRange(96, delay=0.02)
+    async with DataLoader(dataset, batch_size=4, io_concurrency=16) as loader:
+        assert loader.prefetch == 6
+        assert flat(await collect(loader)) == list(range(96))
+    assert dataset.max_running == 16
+    # A sync data set keeps the documented default.
+    assert DataLoader(Range(8), batch_size=4).prefetch == 2
+
+
 async def test_async_dataset_error_keeps_its_type_and_no_task_error_is_lost() -> None:
     with LoopErrors() as handler:
         async with DataLoader(AsyncRange(12, delay=0.002, bad={5}), batch_size=4) as loader:
