@@ -26,7 +26,16 @@ from typing import Any
 
 from . import _shm
 from ._batch import BatchMaker, BatchRequest, Made
-from ._workers import IterJob, MapJob, Reply, WorkerPool, run_iter_job, run_map_job, take
+from ._workers import (
+    IterJob,
+    MapJob,
+    Reply,
+    WorkerPool,
+    from_wire,
+    run_iter_job,
+    run_map_job,
+    take,
+)
 
 __all__ = ["END", "INLINE_MAX_BYTES", "ProcessRunner", "ThreadRunner"]
 
@@ -69,8 +78,8 @@ class ThreadRunner:
                 self._stream_epoch = job.epoch
                 self._stream_error = None
             if self._stream_error is not None:
-                error, self._stream_error = self._stream_error, None
-                raise error
+                pending, self._stream_error = self._stream_error, None
+                raise pending
             samples, error = take(self._stream, job.batch_size)
             if error is not None:
                 # A failed stream ends for good; what it produced comes first, then the error.
@@ -118,7 +127,11 @@ class ProcessRunner:
         release = (lambda: self.slots.release(slot)) if slot is not None else None  # type: ignore[union-attr]
         try:
             reply: Reply = await self.pool.submit(
-                fn, job_of(slot), batch_id=batch_id, worker=worker, on_abandon=release,
+                fn,
+                job_of(slot),
+                batch_id=batch_id,
+                worker=worker,
+                on_abandon=release,
                 resubmit_innocent=worker is None,
             )
         except asyncio.CancelledError:
@@ -129,12 +142,17 @@ class ProcessRunner:
             raise
         self._batch_bytes = max(self._batch_bytes, reply.nbytes)
         if reply.encoded:
-            assert slot is not None and self.slots is not None
-            batch = self.slots.open(slot, reply.value.tree)
+            assert slot is not None
+            assert self.slots is not None
+            try:
+                batch = self.slots.open(slot, reply.value.tree)
+            except BaseException:
+                self.slots.release(slot)  # a failed open leaves the slot leased
+                raise
         else:
             if release is not None:
                 release()
-            batch = END if reply.end else reply.value
+            batch = END if reply.end else from_wire(reply.value)
         return Made(batch, list(reply.skipped), reply.read_s, reply.collate_s, reply.samples)
 
     async def make(self, request: BatchRequest) -> Made:

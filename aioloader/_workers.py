@@ -31,6 +31,13 @@ Sharp edges:
   a forked child inherits locks held by threads that do not exist in it. ``forkserver`` is the
   default; ``spawn`` works too. Both re-import ``aioloader`` in a fresh interpreter, so the
   forkserver preloads this module (and with it numpy and torch) once.
+- A worker that dies while starting (before it answers any job) gets no culprit batch, so its
+  jobs would be resubmitted to a fresh worker forever; after ``MAX_START_FAILURES`` such deaths
+  in a row they fail with ``WorkerInitError`` instead.
+- A worker killed for hanging (``kill_holding``) is not blamed for the jobs queued behind it,
+  including a retry of the hung batch itself: they go to its replacement.
+- The watchdog treats a zombie main process as dead: a killed process stays a zombie until its
+  parent reaps it, and ``kill(pid, 0)`` succeeds on zombies.
 - An exception that cannot be pickled would break the pool; jobs catch it and send a
   ``RuntimeError`` carrying the original type name, message and traceback text instead.
 """
@@ -70,7 +77,9 @@ __all__ = [
     "get_worker_info",
     "resolve_context",
     "seed_everything",
+    "from_wire",
     "take",
+    "to_wire",
 ]
 
 # How often a worker checks that the main process is still alive. Shorter: faster exit of
@@ -79,6 +88,17 @@ WATCHDOG_INTERVAL_S = 0.5
 
 # How long close() lets a worker finish its current job before killing it.
 SHUTDOWN_GRACE_S = 1.0
+
+# How long to wait for a dead worker's exit status (it names the signal that killed it). The
+# status normally arrives within milliseconds; the wait blocks the event loop, so keep it short.
+EXIT_STATUS_WAIT_S = 1.0
+
+# How many times in a row a worker may die before it ran any job (an import or unpickling that
+# crashes the interpreter, the OOM killer at start-up) before its jobs fail with
+# WorkerInitError instead of being resubmitted to yet another fresh worker. Higher: more
+# patience with a transient start-up fault; lower: a worker that can never start is reported
+# sooner. Each try costs one process start.
+MAX_START_FAILURES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,15 +152,29 @@ def seed_everything(seed: int, epoch: int, batch_id: int) -> int:
 
     A sample's randomness then depends on which batch it is in, never on which worker ran it or
     how many workers there are. Returns the derived 64-bit seed.
+
+    Runs before every batch, so it must be cheap: the mix is three rounds of splitmix64 in
+    Python (~2 us; ``SeedSequence`` costs ~120 us), and torch is seeded through its CPU
+    generator (``torch.manual_seed`` also reseeds every accelerator: ~300 us).
     """
-    state = np.random.SeedSequence([seed & 0xFFFFFFFFFFFFFFFF, epoch, batch_id]).generate_state(2)
-    derived = (int(state[0]) << 32) | int(state[1])
+    derived = _mix(_mix(_mix(seed) ^ epoch) ^ batch_id)
     random.seed(derived)
-    np.random.seed(int(state[0]))
+    np.random.seed(derived & 0xFFFFFFFF)
     import torch
 
-    torch.manual_seed(derived)
+    torch.default_generator.manual_seed(derived)
     return derived
+
+
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a bijection on 64-bit ints that spreads every input bit."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
 # -- jobs (pickled to the worker) ----------------------------------------------------------
@@ -234,12 +268,25 @@ def _ping() -> int:
 def _watchdog(main_pid: int) -> None:
     while True:
         time.sleep(WATCHDOG_INTERVAL_S)
-        try:
-            os.kill(main_pid, 0)
-        except ProcessLookupError:
+        if not _alive(main_pid):
             os._exit(1)
-        except PermissionError:  # pragma: no cover - pid reused by another user's process
-            os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs. A zombie does not: a killed main process stays a zombie until its
+    parent reaps it, and ``kill(pid, 0)`` still succeeds on a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - pid reused by another user's process
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):  # no procfs (macOS), or the process just went
+        return True
+    return state not in (b"Z", b"X")
 
 
 def _state() -> _WorkerState:
@@ -278,13 +325,58 @@ def _reply_from(
 ) -> Reply:
     """Encode ``batch`` into the slot behind ``writer``, or send it inline."""
     nbytes = batch_nbytes(batch)
-    ident = {"worker_id": state.info.id, "pid": os.getpid()}
+    worker_id, pid = state.info.id, os.getpid()
     if writer is None:
-        return Reply(batch_id, batch, False, nbytes, **ident)
+        return Reply(batch_id, to_wire(batch), False, nbytes, worker_id=worker_id, pid=pid)
     encoded = writer.encode(batch)
     if encoded.inline:  # did not fit: inline now, a bigger slot next time
-        return Reply(batch_id, encoded.tree, False, max(nbytes, encoded.needed_bytes), **ident)
-    return Reply(batch_id, encoded, True, nbytes, **ident)
+        needed = max(nbytes, encoded.needed_bytes)
+        return Reply(batch_id, to_wire(encoded.tree), False, needed, worker_id=worker_id, pid=pid)
+    return Reply(batch_id, encoded, True, nbytes, worker_id=worker_id, pid=pid)
+
+
+@dataclass(frozen=True, slots=True)
+class _WireTensor:
+    """A CPU tensor travelling inline as its numpy array.
+
+    torch registers a reduction with multiprocessing's pickler that moves every pickled tensor
+    into a new shared-memory file and passes its descriptor: for a small batch that costs far
+    more than the bytes (it is why tiny batches are slow through torch's own loader). A numpy
+    array pickles by value instead; the main process wraps it back without a copy.
+    """
+
+    array: Any
+
+    def restore(self) -> Any:
+        import torch
+
+        return torch.from_numpy(self.array)
+
+
+def to_wire(batch: Any) -> Any:
+    """Replace CPU tensors with :class:`_WireTensor` so an inline batch pickles by value."""
+    import torch
+
+    def leaf(x: Any) -> Any:
+        if (
+            isinstance(x, torch.Tensor)
+            and x.device.type == "cpu"
+            and x.layout == torch.strided
+            and not x.requires_grad
+            and str(x.dtype) not in _NO_NUMPY
+        ):
+            return _WireTensor(x.numpy())
+        return x
+
+    return _shm._map_tree(batch, leaf)
+
+
+def from_wire(batch: Any) -> Any:
+    """Undo :func:`to_wire` (in the main process)."""
+    return _shm._map_tree(batch, lambda x: x.restore() if isinstance(x, _WireTensor) else x)
+
+
+_NO_NUMPY = {"torch.bfloat16", "torch.float8_e4m3fn", "torch.float8_e5m2", "torch.complex32"}
 
 
 def _with_made(reply: Reply, made: Any) -> Reply:
@@ -308,8 +400,8 @@ def run_iter_job(job: IterJob) -> Reply:
                 state.iter_epoch = job.epoch
                 state.iter_error = None
             if state.iter_error is not None:
-                error, state.iter_error = state.iter_error, None
-                raise error
+                pending, state.iter_error = state.iter_error, None
+                raise pending
             samples, error = take(state.iterator, job.batch_size)
             if error is not None:
                 # A failed stream ends for good (re-iterating would repeat samples). What it
@@ -325,13 +417,12 @@ def run_iter_job(job: IterJob) -> Reply:
         t1 = time.perf_counter()
         short = len(samples) < job.batch_size and state.iter_error is None
         if not samples or (job.drop_last and short):
-            return Reply(job.batch_id, None, False, 0, worker_id=state.info.id,
-                         pid=os.getpid(), end=True)
+            return Reply(
+                job.batch_id, None, False, 0, worker_id=state.info.id, pid=os.getpid(), end=True
+            )
         try:
             writer = _shm.SlotWriter(_shm.attach(job.slot)) if job.slot is not None else None
-            request = BatchRequest(
-                job.epoch, job.batch_id, list(range(len(samples))), raw=samples
-            )
+            request = BatchRequest(job.epoch, job.batch_id, list(range(len(samples))), raw=samples)
             made = state.maker.make(request, writer.alloc if writer is not None else None)
             reply = _reply_from(state, job.batch_id, made.batch, writer)
         except BaseException as exc:
@@ -431,7 +522,7 @@ def resolve_context(mp_context: str | BaseContext | None, *, allow_fork: bool) -
         )
     if ctx.get_start_method() == "forkserver":
         with contextlib.suppress(Exception):  # only effective before the server starts
-            ctx.set_forkserver_preload(["aioloader._workers"])  # type: ignore[attr-defined]
+            ctx.set_forkserver_preload(["aioloader._workers"])
     return ctx
 
 
@@ -444,6 +535,9 @@ class _Slot:
     generation: int = 0
     outstanding: int = 0
     process: Any = None
+    served: bool = False  # this generation's process answered a job: it started fine
+    killed: bool = False  # this generation's process was killed by kill_holding (it hung)
+    failed_starts: int = 0  # consecutive generations that died before answering any job
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,6 +546,7 @@ class _Crash:
     pid: int | None
     exitcode: int | None
     culprit: int | None  # batch id the worker was running, if any
+    failed_starts: int = 0  # the slot's consecutive deaths before answering any job
 
 
 class WorkerPool:
@@ -469,7 +564,7 @@ class WorkerPool:
         self._context = context
         self._payload = payload
         self._seed = seed
-        self._current = context.Array(ctypes.c_int64, num_workers, lock=False)  # type: ignore[attr-defined]
+        self._current = context.Array(ctypes.c_int64, num_workers, lock=False)
         self._workers = [_Slot(i, self._new_executor(i)) for i in range(num_workers)]
         self._crashes: dict[tuple[int, int], _Crash] = {}
         self._closed = False
@@ -481,7 +576,12 @@ class WorkerPool:
             mp_context=self._context,
             initializer=_init_worker,
             initargs=(
-                self._payload, worker_id, self.num_workers, self._seed, self._current, os.getpid()
+                self._payload,
+                worker_id,
+                self.num_workers,
+                self._seed,
+                self._current,
+                os.getpid(),
             ),
         )
 
@@ -490,12 +590,14 @@ class WorkerPool:
         from a thread). Without it, workers start at their first job."""
         futures = []
         for slot in self._workers:
-            futures.append(slot.executor.submit(_ping))
+            futures.append((slot, slot.generation, slot.executor.submit(_ping)))
             if slot.process is None:
-                slot.process = next(iter(slot.executor._processes.values()), None)  # type: ignore[attr-defined]
-        for future in futures:
+                slot.process = next(iter(slot.executor._processes.values()), None)
+        for slot, generation, future in futures:
             with contextlib.suppress(Exception):  # a crash shows at the first real job
                 future.result()
+                if slot.generation == generation:
+                    slot.served = True
 
     def pids(self) -> list[int]:
         """Pids of the worker processes started so far."""
@@ -522,8 +624,13 @@ class WorkerPool:
         ``on_abandon`` is called once the worker is really done with it (so a shared-memory
         slot is never reused while a worker may still write into it).
 
+        A worker that dies before it answered any job is started afresh, at most
+        :data:`MAX_START_FAILURES` times in a row; then its jobs fail with
+        :class:`WorkerInitError` rather than loop through process starts forever.
+
         Raises:
             WorkerCrashedError: the worker died while running this job.
+            WorkerInitError: the worker keeps dying while it starts.
         """
         loop = asyncio.get_running_loop()
         while True:
@@ -536,10 +643,16 @@ class WorkerPool:
             try:
                 future = slot.executor.submit(fn, job)
                 if slot.process is None:
-                    slot.process = next(iter(slot.executor._processes.values()), None)  # type: ignore[attr-defined]
-                return await asyncio.wrap_future(future, loop=loop)
+                    slot.process = next(iter(slot.executor._processes.values()), None)
+                reply = await asyncio.wrap_future(future, loop=loop)
+                if slot.generation == generation:
+                    slot.served = True
+                    slot.failed_starts = 0
+                return reply
             except BrokenProcessPool as exc:
                 crash = self._on_broken(slot, generation)
+                if crash.culprit is None and crash.failed_starts >= MAX_START_FAILURES:
+                    raise self._start_error(crash, batch_id) from exc
                 if crash.culprit != batch_id and resubmit_innocent:
                     continue
                 raise self._crash_error(crash, batch_id) from exc
@@ -558,21 +671,41 @@ class WorkerPool:
         process = slot.process
         pid = getattr(process, "pid", None)
         exitcode = None
+        # The broken executor's manager thread reaps the dead process. A forkserver child's
+        # exit status is read from a pipe, once: a second reader at the same time gets EOF and
+        # records 255 instead of the signal. So let that thread finish before asking.
+        manager = getattr(slot.executor, "_executor_manager_thread", None)
+        if manager is not None and manager is not threading.current_thread():
+            manager.join(timeout=EXIT_STATUS_WAIT_S)
         if process is not None:
-            process.join(timeout=1.0)
+            process.join(timeout=EXIT_STATUS_WAIT_S)
             exitcode = process.exitcode
-        culprit = int(self._current[slot.id]) - 1
+        culprit: int | None = int(self._current[slot.id]) - 1
         self._current[slot.id] = 0
-        crash = _Crash(slot.id, pid, exitcode, culprit if culprit >= 0 else None)
+        if slot.killed:
+            # We killed it for hanging: that batch was already reported by its deadline, and
+            # a retry of it, submitted here before the death was noticed, is innocent.
+            culprit = None
+        elif culprit is not None and culprit < 0:
+            culprit = None
+        if culprit is None and not slot.served and not slot.killed:
+            slot.failed_starts += 1  # it died before it answered anything: while starting
+        else:
+            slot.failed_starts = 0
+        crash = _Crash(slot.id, pid, exitcode, culprit, slot.failed_starts)
         self._crashes[key] = crash
         self._replace(slot)
         return crash
 
     def _replace(self, slot: _Slot) -> None:
         old = slot.executor
-        old.shutdown(wait=False, cancel_futures=True)
+        # No cancel_futures: a broken executor has already failed every job it held, and a
+        # cancelled job would look like the awaiting task's own cancellation.
+        old.shutdown(wait=False)
         slot.generation += 1
         slot.process = None
+        slot.served = False
+        slot.killed = False
         self.rebuilds += 1
         if not self._closed:
             slot.executor = self._new_executor(slot.id)
@@ -587,11 +720,22 @@ class WorkerPool:
             exitcode=crash.exitcode,
         )
 
+    @staticmethod
+    def _start_error(crash: _Crash, batch_id: int) -> WorkerInitError:
+        how = _describe_exit(crash.exitcode)
+        return WorkerInitError(
+            f"worker {crash.worker_id} (pid {crash.pid}) {how} before it ran any job, "
+            f"{crash.failed_starts} times in a row, so batch {batch_id} was not run: the worker "
+            "cannot start. Check what a worker does at start: unpickling the dataset, "
+            "worker_init_fn, the imports they trigger, and the memory they need."
+        )
+
     def kill_holding(self, batch_id: int) -> int | None:
         """Kill the worker running ``batch_id`` (a hung batch); returns its pid, if any."""
         for slot in self._workers:
             if int(self._current[slot.id]) - 1 == batch_id and slot.process is not None:
                 pid = int(slot.process.pid)
+                slot.killed = True  # its death is ours: see _on_broken
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 return pid
@@ -603,6 +747,9 @@ class WorkerPool:
             return
         self._closed = True
         processes = [w.process for w in self._workers if w.process is not None]
+        # shutdown() forgets its manager thread even when it does not wait for it; keep them to
+        # wait for below.
+        managers = [getattr(w.executor, "_executor_manager_thread", None) for w in self._workers]
         for w in self._workers:
             w.executor.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
@@ -614,6 +761,18 @@ class WorkerPool:
                 p.join(timeout=5.0)
         for w in self._workers:
             w.executor.shutdown(wait=True)
+        for manager in managers:
+            if manager is not None and manager is not threading.current_thread():
+                manager.join(timeout=5.0)
+        # Release each process's pipes now, not when the process object is collected: an error
+        # the user keeps holds this pool through its traceback (a frame of submit), and with it
+        # every worker's last process. Only once no manager thread can still touch them.
+        for w in self._workers:
+            w.process = None
+        if all(m is None or not m.is_alive() for m in managers):
+            for p in processes:
+                with contextlib.suppress(ValueError):  # still running after the kill: leave it
+                    p.close()
 
 
 def _after(future: Future[Any], loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:

@@ -1,0 +1,276 @@
+"""Tests of the worker processes (``_workers``) and the process runner (``_runner``).
+
+What a worker is told and what it does with it (``get_worker_info``, seeding), how batches come
+back (views of shared memory, zero copies), how workers are started (forkserver, spawn; fork and
+unpicklable arguments refused up front) and stopped (a hung worker is killed on close; a worker
+whose main process died, even one not yet reaped, exits by itself). The failure scenarios of
+RELIABILITY.md are in ``test_faults.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import random
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fault_datasets as fd
+import numpy as np
+import psutil
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import aioloader
+from aioloader import _shm, _workers
+
+# -- what a worker knows -----------------------------------------------------------------------
+
+
+async def test_get_worker_info_names_the_worker_inside_and_is_none_outside() -> None:
+    assert aioloader.get_worker_info() is None
+    loader = fd.make_loader(
+        fd.WhoAmI(32), collate_fn=fd.stack_as_list, seed=1234, mp_context="forkserver"
+    )
+    async with asyncio.timeout(fd.SCENARIO_TIMEOUT_S), loader:
+        samples = [s async for batch in loader for s in batch]
+    assert sorted(s["index"] for s in samples) == list(range(32))
+    assert {s["id"] for s in samples} == {0, 1}  # both workers had work
+    assert {s["num_workers"] for s in samples} == {2}
+    assert {s["seed"] for s in samples} == {1234}
+    assert all(s["dataset_is_copy"] for s in samples)
+    pid_of = {s["id"]: s["pid"] for s in samples}
+    assert len(set(pid_of.values())) == 2  # one process per id
+    assert all(pid_of[s["id"]] == s["pid"] for s in samples)
+    assert aioloader.get_worker_info() is None
+
+
+# -- randomness (RELIABILITY.md row 25) --------------------------------------------------------
+
+
+async def _draws(dataset: Any, epochs: int = 2, **kwargs: Any) -> list[list[np.ndarray[Any, Any]]]:
+    async with asyncio.timeout(fd.SCENARIO_TIMEOUT_S), fd.make_loader(dataset, **kwargs) as loader:
+        return [[np.asarray(b) async for b in loader] for _ in range(epochs)]
+
+
+def _same(a: list[list[np.ndarray[Any, Any]]], b: list[list[np.ndarray[Any, Any]]]) -> bool:
+    return len(a) == len(b) and all(
+        len(x) == len(y) and all(np.array_equal(p, q) for p, q in zip(x, y, strict=True))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+async def test_randomness_depends_on_seed_epoch_and_index_not_on_workers_or_crashes(
+    tmp_path: Path,
+) -> None:
+    one = await _draws(fd.RandomSamples(24), num_workers=1, seed=7)
+    two = await _draws(fd.RandomSamples(24), num_workers=2, seed=7)
+    crash = fd.RandomFaulty(24, kill=9, marker_dir=str(tmp_path))
+    crashed = await _draws(crash, num_workers=2, seed=7, max_retries=1)
+    other = await _draws(fd.RandomSamples(24), num_workers=2, seed=8, epochs=1)
+    # Index 9 was read three times: killed, re-run by the replacement worker, then in epoch 1.
+    (killed, _), (rerun, _), _ = fd.visits(str(tmp_path), 9)
+    assert killed != rerun
+    assert _same(one, two)  # worker count does not matter
+    assert _same(one, crashed)  # nor a crash and a retry in another process
+    assert not _same(one[:1], other)  # the seed does
+    first, second = (np.concatenate(epoch) for epoch in one)
+    assert np.array_equal(first[:, 0], np.arange(24))  # sample i is in row i
+    assert not np.array_equal(first[:, 1:], second[:, 1:])  # the epoch does
+    for column in (1, 2, 3):  # numpy, random and torch are each seeded, and vary per sample
+        assert len(set(first[:, column].tolist())) == 24
+
+
+@pytest.fixture
+def _keep_global_rngs() -> Iterator[None]:
+    """seed_everything reseeds the process-wide generators; give them back afterwards."""
+    state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    yield
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    torch.set_rng_state(state[2])
+
+
+def _draw() -> tuple[float, float, float]:
+    return random.random(), float(np.random.rand()), float(torch.rand(1).item())
+
+
+@pytest.mark.usefixtures("_keep_global_rngs")
+@settings(max_examples=50, deadline=None)
+@given(
+    seed=st.integers(0, 2**63 - 1),
+    epoch=st.integers(0, 10**6),
+    batch_id=st.integers(0, 10**6),
+)
+def test_seed_everything_is_a_function_of_seed_epoch_and_batch(
+    seed: int, epoch: int, batch_id: int
+) -> None:
+    derived = _workers.seed_everything(seed, epoch, batch_id)
+    draws = _draw()
+    assert _workers.seed_everything(seed, epoch, batch_id) == derived
+    assert _draw() == draws  # every generator starts over from the same state
+    neighbours = {
+        (seed ^ 1, epoch, batch_id),
+        (seed, epoch + 1, batch_id),
+        (seed, epoch, batch_id + 1),
+    }
+    for args in neighbours:
+        assert _workers.seed_everything(*args) != derived
+
+
+# -- how batches come back ---------------------------------------------------------------------
+
+
+def _segment_ranges(loader: aioloader.DataLoader) -> list[tuple[int, int]]:
+    slots = loader._res.slots
+    assert slots is not None
+    ranges = []
+    for seg in slots._segments.values():
+        start = np.frombuffer(seg.mapping, dtype=np.uint8).ctypes.data
+        ranges.append((start, start + seg.size))
+    return ranges
+
+
+async def test_large_batches_are_views_of_shared_memory_until_dropped() -> None:
+    prefetch, count = 2, 10
+    ds = fd.Faulty(64 * count, shape=(3, 64, 64))  # batches of 64x3x64x64 uint8: 768 KiB
+    async with fd.make_loader(ds, batch_size=64, prefetch=prefetch) as loader:
+        held: list[torch.Tensor] = []
+        in_use = []
+        async with asyncio.timeout(fd.SCENARIO_TIMEOUT_S):
+            async for batch in loader:
+                held.append(batch)
+                in_use.append(loader.statistics().held_shm_slots)
+        del batch
+        for k, b in enumerate(held):
+            assert b.dtype == torch.uint8
+            assert tuple(b.shape) == (64, 3, 64, 64)
+            want = torch.arange(64 * k, 64 * k + 64, dtype=torch.int64) % 256
+            assert torch.equal(b.reshape(64, -1).to(torch.int64), want[:, None].expand(64, 12288))
+        ranges = _segment_ranges(loader)
+        in_shm = [any(lo <= b.data_ptr() < hi for lo, hi in ranges) for b in held]
+        # The first batches travel pickled (their size is not known yet); then every batch is
+        # a view of a slot, and each held batch keeps its slot.
+        assert sum(in_shm) >= count - prefetch - 1
+        assert in_shm[-1]
+        assert in_use[-1] == sum(in_shm)
+        assert in_use == sorted(in_use)  # rises while batches are held
+        del held, b
+        gc.collect()
+        stats = loader.statistics()
+        assert stats.held_shm_slots == 0
+        assert stats.live_shm_slots > 0  # kept for reuse, not unlinked
+
+
+async def test_failed_open_of_a_slot_releases_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = _shm.SlotPool.open
+    calls: list[object] = []
+
+    def flaky_open(self: _shm.SlotPool, slot: _shm.Slot, tree: Any) -> Any:
+        calls.append(slot)
+        if len(calls) == 1:
+            raise ValueError("injected failure to map a slot")
+        return real_open(self, slot, tree)
+
+    monkeypatch.setattr(_shm.SlotPool, "open", flaky_open)
+    ds = fd.Faulty(96, shape=(16, 32, 32))  # 128 KiB batches: shared memory
+    async with fd.make_loader(ds, batch_size=8, num_workers=1, prefetch=1) as loader:
+        run = await fd.run_epoch(aiter(loader))
+        gc.collect()
+        slots = loader._res.slots
+        assert slots is not None
+        stats = slots.stats()
+    [err] = run.errors
+    assert "injected failure to map a slot" in str(err)
+    assert len(run.batches) == 11
+    assert stats.leased == 0
+    assert stats.held == 0
+
+
+async def test_collate_fn_that_is_not_hashable_works_in_workers() -> None:
+    async with fd.make_loader(fd.Faulty(16), collate_fn=fd.UnhashableCollate(offset=100)) as loader:
+        run = await fd.run_epoch(aiter(loader))
+    assert run.errors == [], [repr(e) for e in run.errors]
+    assert run.batches == [[i + 100 for i in b] for b in fd.sequential_batches(16, 4)]
+
+
+# -- start methods and what can be sent to a worker (RELIABILITY.md row 24) -------------------
+
+
+@pytest.mark.slow
+def test_spawn_start_method_works() -> None:
+    with fd.make_loader(fd.Faulty(24), num_workers=1, mp_context="spawn") as loader:
+        assert loader._context is not None
+        assert loader._context.get_start_method() == "spawn"
+        assert [fd.batch_indices(b) for b in loader] == fd.sequential_batches(24, 4)
+
+
+def test_fork_is_refused_while_another_thread_runs() -> None:
+    stop = threading.Event()
+    busy = threading.Thread(target=stop.wait, name="test-busy-thread")
+    busy.start()
+    try:
+        with pytest.raises(ValueError, match=r"mp_context='fork' is refused while other threads"):
+            fd.make_loader(fd.Faulty(8), mp_context="fork")
+    finally:
+        stop.set()
+        busy.join()
+
+
+def test_unknown_start_method_is_named() -> None:
+    with pytest.raises(ValueError, match=r"mp_context='telepathy' is not a start method"):
+        fd.make_loader(fd.Faulty(8), mp_context="telepathy")
+    with pytest.raises(TypeError, match=r"mp_context must be a start method name or a context"):
+        fd.make_loader(fd.Faulty(8), mp_context=42)
+
+
+@pytest.mark.parametrize("arg", ["collate_fn", "worker_init_fn", "transform"])
+def test_unpicklable_callable_is_reported_at_construction(arg: str) -> None:
+    with pytest.raises(TypeError, match=rf"^{arg}=.*lambda.* cannot be sent to worker processes"):
+        fd.make_loader(fd.Faulty(8), **{arg: lambda x: x})
+
+
+def test_unpicklable_dataset_is_reported_at_construction() -> None:
+    with pytest.raises(TypeError, match=r"^dataset=Mapped\(.*cannot be sent.*lambda") as info:
+        fd.make_loader(fd.Mapped(8, lambda i: i))
+    assert "thread_pool=True" in str(info.value)  # and what to do instead
+
+
+# -- stopping ----------------------------------------------------------------------------------
+
+
+async def test_closing_while_a_worker_hangs_kills_it(tmp_path: Path) -> None:
+    ds = fd.Faulty(8, faults={0: fd.HANG}, marker_dir=str(tmp_path))
+    loader = fd.make_loader(ds, num_workers=1)
+    async with loader:
+        it = aiter(loader)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await anext(it)
+        [(pid, _)] = fd.visits(str(tmp_path), 0)
+        assert pid in loader._res.runner.pool.pids()  # type: ignore[union-attr]
+        closing = time.monotonic()
+    assert time.monotonic() - closing < _workers.SHUTDOWN_GRACE_S + 3.0
+    assert fd.wait_gone([pid]) == []
+
+
+def test_watchdog_sees_a_zombie_main_process_as_dead() -> None:
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        assert _workers._alive(proc.pid)
+        proc.kill()
+        deadline = time.monotonic() + 5.0
+        while psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the killed process never became a zombie"
+            time.sleep(0.01)
+        assert not _workers._alive(proc.pid)  # killed, not reaped yet: a zombie
+    finally:
+        proc.kill()
+        proc.wait(timeout=5)
+    assert not _workers._alive(proc.pid)
