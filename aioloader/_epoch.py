@@ -361,26 +361,19 @@ class Epoch:
     async def _with_deadline(
         self, batch_id: int, attempt: Callable[[], Any], what: str, *, retry: bool = True
     ) -> Outcome:
-        """Run ``attempt`` under the batch deadline, retrying crashes and timeouts if asked."""
+        """Run ``attempt`` under the batch deadline, retrying crashes and timeouts if asked.
+
+        The deadline counts only time in which the batch is being worked on: when it passes
+        while the batch still waits in a worker's queue (behind a slow or hung batch, which has
+        a deadline of its own), the clock starts again and the job keeps its place.
+        """
         tries = 0
         while True:
-            started = time.monotonic()
-            deadline = asyncio.timeout(self.config.timeout)
+            job = asyncio.ensure_future(attempt())
             try:
-                async with deadline:
-                    made: Made = await attempt()
+                timed_out, started = await self._await_job(job, batch_id)
             except asyncio.CancelledError:
                 raise
-            except TimeoutError as exc:
-                if not deadline.expired():  # a TimeoutError of user code, not our deadline
-                    return Outcome(batch_id, error=exc)
-                self._counters.timeouts += 1
-                pid = self._runner.on_deadline(batch_id)
-                if retry and tries < self.config.max_retries:
-                    tries += 1
-                    self._counters.retries += 1
-                    continue
-                return Outcome(batch_id, error=self._timeout_error(batch_id, what, started, pid))
             except WorkerCrashedError as exc:
                 if retry and tries < self.config.max_retries:
                     tries += 1
@@ -388,9 +381,41 @@ class Epoch:
                     continue
                 annotate(exc, f"batch {batch_id}: {what}")
                 return Outcome(batch_id, error=exc)
-            except BaseException as exc:
+            except BaseException as exc:  # user code's error, TimeoutError included
                 return Outcome(batch_id, error=exc)
-            return self._made(batch_id, made)
+            if not timed_out:
+                return self._made(batch_id, job.result())
+            self._counters.timeouts += 1
+            pid = self._runner.on_deadline(batch_id)
+            job.cancel()
+            await asyncio.gather(job, return_exceptions=True)
+            if retry and tries < self.config.max_retries:
+                tries += 1
+                self._counters.retries += 1
+                continue
+            return Outcome(batch_id, error=self._timeout_error(batch_id, what, started, pid))
+
+    async def _await_job(self, job: asyncio.Future[Any], batch_id: int) -> tuple[bool, float]:
+        """Wait for ``job``; ``(True, start)`` once it ran past the deadline, else ``(False, _)``
+        with the job done (its exception, if any, raised)."""
+        timeout = self.config.timeout
+        started = time.monotonic()
+        try:
+            if timeout is None:
+                await asyncio.wait([job])
+            else:
+                while True:
+                    done, _ = await asyncio.wait([job], timeout=timeout)
+                    if done:
+                        break
+                    if self._runner.is_running(batch_id):
+                        return True, started
+                    started = time.monotonic()  # still queued: its time has not begun
+        except asyncio.CancelledError:
+            job.cancel()
+            raise
+        job.result()  # raises the job's exception
+        return False, started
 
     def _made(self, batch_id: int, made: Made) -> Outcome:
         self._counters.read_s += made.read_s

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import _shm
+from ._shm import INLINE_MAX_BYTES
 from ._batch import BatchMaker, BatchRequest, Made
 from ._workers import (
     IterJob,
@@ -39,9 +42,9 @@ from ._workers import (
 
 __all__ = ["END", "INLINE_MAX_BYTES", "ProcessRunner", "ThreadRunner"]
 
-# Batches below this size come back pickled, not through shared memory. A pickle round trip
-# of 64 KiB costs ~20 us; a slot lease + mapping + finalizer costs about as much.
-INLINE_MAX_BYTES = 64 * 1024
+# How long closing waits for the loader's threads to finish what they run.
+THREAD_JOIN_TIMEOUT_S = 10.0
+
 
 END = object()  # a stream's end, in place of a batch
 
@@ -62,16 +65,31 @@ class ThreadRunner:
         self._stream_epoch = -1
         self._stream_error: BaseException | None = None
         self._stream_lock = threading.Lock()  # one stream, pulled by one thread at a time
+        self._running: set[int] = set()  # batch ids a thread is working on now
 
     async def make(self, request: BatchRequest) -> Made:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._maker.make, request)
+        return await loop.run_in_executor(self._executor, self._make, request)
+
+    def _make(self, request: BatchRequest) -> Made:
+        self._running.add(request.batch_id)  # set.add/discard are atomic: no lock needed
+        try:
+            return self._maker.make(request)
+        finally:
+            self._running.discard(request.batch_id)
 
     async def pull(self, job: IterJob, worker: int) -> Made:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._pull, job)
 
     def _pull(self, job: IterJob) -> Made:
+        self._running.add(job.batch_id)
+        try:
+            return self._pull_locked(job)
+        finally:
+            self._running.discard(job.batch_id)
+
+    def _pull_locked(self, job: IterJob) -> Made:
         with self._stream_lock:
             if self._stream is None or self._stream_epoch != job.epoch:
                 self._stream = iter(self._maker.dataset)
@@ -93,15 +111,31 @@ class ThreadRunner:
         request = BatchRequest(job.epoch, job.batch_id, list(range(len(samples))), raw=samples)
         return self._maker.make(request)
 
+    def is_running(self, batch_id: int) -> bool:
+        return batch_id in self._running
+
     def on_deadline(self, batch_id: int) -> int | None:
-        return None
+        return None  # a thread cannot be killed; its late result is dropped
 
     @property
     def streams(self) -> int:
         return 1
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        threads = list(getattr(self._executor, "_threads", ()))
+        deadline = time.monotonic() + THREAD_JOIN_TIMEOUT_S
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in threads if t.is_alive()]
+        if stuck:
+            warnings.warn(
+                f"{len(stuck)} loader thread(s) still run user code after close ({stuck}): "
+                "a dataset read or collate_fn that never returns cannot be interrupted in a "
+                "thread; use process workers (num_workers > 0) to have it killed",
+                ResourceWarning,
+                stacklevel=3,
+            )
 
 
 class ProcessRunner:
@@ -165,6 +199,9 @@ class ProcessRunner:
             return IterJob(job.epoch, job.batch_id, job.batch_size, job.drop_last, slot)
 
         return await self._run(run_iter_job, job_of, job.batch_id, worker)
+
+    def is_running(self, batch_id: int) -> bool:
+        return self.pool.is_running(batch_id)
 
     def on_deadline(self, batch_id: int) -> int | None:
         return self.pool.kill_holding(batch_id)

@@ -305,8 +305,8 @@ def run_map_job(job: MapJob) -> Reply:
     """Worker side: make one batch of a map-style dataset."""
     state = _state()
     request = job.request
+    state.current[state.info.id] = request.batch_id + 1  # first: the deadline asks for it
     seed_everything(state.info.seed, request.epoch, request.batch_id)
-    state.current[state.info.id] = request.batch_id + 1
     try:
         try:
             writer = _shm.SlotWriter(_shm.attach(job.slot)) if job.slot is not None else None
@@ -390,8 +390,8 @@ def _with_made(reply: Reply, made: Any) -> Reply:
 def run_iter_job(job: IterJob) -> Reply:
     """Worker side: pull the next batch of this worker's shard of an iterable dataset."""
     state = _state()
+    state.current[state.info.id] = job.batch_id + 1  # first: the deadline asks for it
     seed_everything(state.info.seed, job.epoch, job.batch_id)
-    state.current[state.info.id] = job.batch_id + 1
     try:
         t0 = time.perf_counter()
         try:
@@ -729,6 +729,10 @@ class WorkerPool:
             "cannot start. Check what a worker does at start: unpickling the dataset, "
             "worker_init_fn, the imports they trigger, and the memory they need."
         )
+
+    def is_running(self, batch_id: int) -> bool:
+        """Whether a worker has started ``batch_id`` and not finished it (not merely queued)."""
+        return any(int(self._current[w.id]) - 1 == batch_id for w in self._workers)
 
     def kill_holding(self, batch_id: int) -> int | None:
         """Kill the worker running ``batch_id`` (a hung batch); returns its pid, if any."""
