@@ -14,6 +14,12 @@ A batch that does not fit its slot comes back inline (pickled by the executor) w
 ``needed_bytes`` set, so the caller can lease bigger slots from then on. Tiny batches
 (under :data:`INLINE_MAX_BYTES`) always come back inline.
 
+This module is the segment side: creating, mapping, leasing, attaching and unlinking segments.
+How a batch is laid out in a slot and read back (:class:`SlotWriter`, :class:`Encoded`,
+:class:`ArrayRef`, the tree walks) lives in :mod:`aioloader._shm_tree`, which only works on
+buffers mapped here; this module re-exports those names, so callers import everything from
+``_shm``.
+
 Sharp edges, and what this module does about them:
 
 - **Resource tracker (Python 3.11).** ``SharedMemory(name)`` registers every segment it
@@ -57,7 +63,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import errno
 import itertools
 import math
@@ -68,33 +73,42 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from multiprocessing import resource_tracker
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from ._errors import SharedMemoryError
+from ._shm_tree import (
+    ALIGN,
+    INLINE_MAX_BYTES,
+    ArrayRef,
+    Encoded,
+    SlotWriter,
+    _import_torch,
+    _ref_end,
+    _view,
+)
+from ._shm_tree import _iter_leaves as _iter_leaves
+from ._shm_tree import _map_tree as _map_tree
 
 if sys.platform != "win32":
     import _posixshmem  # type: ignore[import-not-found]  # CPython's, without stubs
 
-if TYPE_CHECKING:
-    import torch
-
 __all__ = [
     "ALIGN",
     "ATTACH_CACHE_MAX",
+    "ArrayRef",
+    "Encoded",
     "GROWTH",
     "INLINE_MAX_BYTES",
     "MIN_SLOT_BYTES",
     "SHM_DIR",
     "SHM_PREFIX",
-    "ArrayRef",
-    "Encoded",
     "ShmStats",
     "Slot",
     "SlotPool",
@@ -109,10 +123,6 @@ __all__ = [
 SHM_PREFIX = "aiol_"
 SHM_DIR = "/dev/shm"
 
-# Every array starts at a multiple of 64 bytes: one cache line, and enough for any dtype and for
-# aligned SIMD loads. Costs at most 63 bytes per array.
-ALIGN = 64
-
 # A new segment gets this much headroom over the batch that asked for it, so batches that vary
 # a little in size (variable-length samples) reuse the slot instead of re-creating it. Higher
 # wastes /dev/shm; lower re-creates segments (slow first writes: page faults) more often.
@@ -121,10 +131,6 @@ GROWTH = 1.25
 # The smallest segment created. Larger wastes memory on small batches; smaller creates more
 # segments while batch sizes are still being learned.
 MIN_SLOT_BYTES = 1 << 20
-
-# Batches whose arrays total fewer bytes come back pickled: a pickle round trip of 64 KiB costs
-# about as much as a lease, a mapping and a finalizer.
-INLINE_MAX_BYTES = 64 << 10
 
 # Mappings a worker keeps. Each holds a file descriptor and pins its segment's memory even after
 # the owner unlinks it; the pool normally has about prefetch-depth slots, well under this.
@@ -158,10 +164,6 @@ def _page_round(n: int) -> int:
     return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 def _note_fd_limit(exc: OSError) -> None:
     if exc.errno in (errno.EMFILE, errno.ENFILE):
         exc.add_note("too many open files: each shared-memory slot holds one; raise `ulimit -n`")
@@ -182,44 +184,6 @@ class Slot:
     name: str
     size: int
     lease_id: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class ArrayRef:
-    """Where one array of a batch lies in its slot (a leaf of :attr:`Encoded.tree`).
-
-    Attributes:
-        offset: byte offset from the start of the segment.
-        dtype: numpy dtype string of the bytes (``'<f4'``).
-        shape: the array's shape.
-        kind: ``'numpy'`` or ``'torch'``: what :meth:`SlotPool.open` gives back.
-        torch_dtype: for torch dtypes numpy lacks (``'bfloat16'``, float8, ...), the bytes are
-            stored as a same-width integer ``dtype`` and reinterpreted as this torch dtype.
-    """
-
-    offset: int
-    dtype: str
-    shape: tuple[int, ...]
-    kind: Literal["numpy", "torch"]
-    torch_dtype: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Encoded:
-    """What a worker sends back for one batch.
-
-    Attributes:
-        tree: if ``inline`` is false, the batch's nesting with every array replaced by an
-            :class:`ArrayRef` (pass it to :meth:`SlotPool.open`); if true, the batch itself.
-        used_bytes: bytes of the slot the batch occupies (0 when inline).
-        needed_bytes: bytes a slot needs to hold this batch (also set when it did not fit).
-        inline: the batch travels pickled; the caller releases the slot.
-    """
-
-    tree: Any
-    used_bytes: int
-    needed_bytes: int
-    inline: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -617,36 +581,6 @@ class SlotPool:
         return self._closed
 
 
-def _ref_end(ref: ArrayRef, size: int) -> int:
-    dt = np.dtype(ref.dtype)
-    end = ref.offset + math.prod(ref.shape) * dt.itemsize
-    if ref.offset < 0 or end > size or any(d < 0 for d in ref.shape):
-        raise ValueError(f"descriptor {ref!r} lies outside the slot of {size} bytes")
-    return end
-
-
-def _view(root: npt.NDArray[np.uint8], leaf: Any, torch_mod: Any) -> Any:
-    if not isinstance(leaf, ArrayRef):
-        return leaf
-    dt = np.dtype(leaf.dtype)
-    end = leaf.offset + math.prod(leaf.shape) * dt.itemsize
-    # Views of views collapse to the first array that does not own its data: root. So every
-    # leaf, and anything derived from it, keeps root (and with it the slot) alive.
-    arr = root[leaf.offset : end].view(dt).reshape(leaf.shape)
-    if leaf.kind == "numpy":
-        return arr
-    tensor = torch_mod.from_numpy(arr)
-    if leaf.torch_dtype is not None:
-        tensor = tensor.view(getattr(torch_mod, leaf.torch_dtype))
-    return tensor
-
-
-def _import_torch() -> Any:
-    import torch
-
-    return torch
-
-
 # ---------------------------------------------------------------------------------------------
 # Worker side
 
@@ -722,219 +656,6 @@ def detach_all() -> None:
     with _attach_lock:
         for name in list(_attached):
             _detach(name)
-
-
-class SlotWriter:
-    """A bump allocator over one attached slot, for one batch; not thread-safe.
-
-    ``alloc`` hands out aligned views for a collate function to write into; ``encode`` turns
-    the finished batch into an :class:`Encoded`, copying in any array that is not in the slot.
-
-    Args:
-        buf: the slot, as returned by :func:`attach`.
-    """
-
-    def __init__(self, buf: npt.NDArray[np.uint8]) -> None:
-        if not (
-            isinstance(buf, np.ndarray)
-            and buf.dtype == np.uint8
-            and buf.ndim == 1
-            and buf.flags.c_contiguous
-            and buf.flags.writeable
-        ):
-            raise ValueError(f"buf must be a writable 1-D contiguous uint8 array, got {buf!r:.80}")
-        self._buf = buf
-        self._size = int(buf.size)
-        self._base = _address(buf)
-        self._offset = 0  # bump pointer; may pass _size once an alloc has overflowed
-        self._spilled: list[npt.NDArray[Any]] = []  # allocs that did not fit (plain memory)
-        self._encoded = False
-
-    @property
-    def needed_bytes(self) -> int:
-        """Bytes the allocations so far need in a slot."""
-        return self._offset
-
-    @property
-    def overflowed(self) -> bool:
-        """Whether an allocation did not fit and was given plain memory instead."""
-        return self._offset > self._size
-
-    def alloc(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike) -> npt.NDArray[Any]:
-        """A writable C-contiguous array in the slot, or plain memory if it does not fit.
-
-        Raises:
-            ValueError: for a negative dimension or a dtype that cannot live in shared memory
-                (object, structured, zero-width).
-        """
-        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
-        dt = np.dtype(dtype)
-        if any(d < 0 for d in shape):
-            raise ValueError(f"shape={shape} has a negative dimension")
-        if not _storable_dtype(dt):
-            raise ValueError(f"dtype={dt} cannot be placed in shared memory")
-        nbytes = math.prod(shape) * dt.itemsize
-        start = _align(self._offset)
-        self._offset = start + nbytes
-        if nbytes and self._offset <= self._size:
-            return self._buf[start : self._offset].view(dt).reshape(shape)
-        arr = np.empty(shape, dt)
-        if nbytes:
-            self._spilled.append(arr)
-        return arr
-
-    def encode(self, batch: Any, *, inline_below: int = INLINE_MAX_BYTES) -> Encoded:
-        """Describe ``batch`` by offsets into the slot, copying in arrays that are elsewhere.
-
-        Walks dicts (and other mappings), lists, tuples and namedtuples. numpy arrays and CPU
-        torch tensors become :class:`ArrayRef` leaves: arrays already in the slot (from
-        :meth:`alloc`) without a copy, others (non-contiguous ones too) copied once. Other leaves
-        (numbers, strings, None, object arrays, sparse or CUDA tensors) stay as they are and are
-        pickled. Tensors lose ``requires_grad``; torch dtypes numpy lacks (bfloat16) travel as raw
-        bytes and come back as the same dtype.
-
-        Args:
-            batch: the collated batch.
-            inline_below: batches with fewer array bytes than this are returned inline.
-
-        Returns:
-            The encoded batch; ``inline`` if it was tiny or did not fit the slot, in which case
-            arrays in the slot have been copied out, and ``needed_bytes`` says what would fit.
-
-        Raises:
-            RuntimeError: if called twice (one writer per batch).
-        """
-        if self._encoded:
-            raise RuntimeError("SlotWriter.encode() was already called; use one writer per batch")
-        self._encoded = True
-        spilled = {_address(a) for a in self._spilled}
-        end = min(self._offset, self._size)  # leaves inside [0, end) were handed out by alloc
-        refs: dict[int, ArrayRef] = {}  # id(leaf) -> its descriptor
-        copies: list[tuple[npt.NDArray[Any], ArrayRef]] = []
-        touching: set[int] = set()  # ids of leaves whose memory is in the slot
-        cursor, array_bytes = self._offset, 0
-        for leaf in _iter_leaves(batch):
-            if id(leaf) in refs:
-                continue
-            found = _as_numpy(leaf)
-            if found is None:
-                continue
-            arr, kind, torch_dtype = found
-            array_bytes += arr.nbytes
-            address = _address(arr)
-            start = address - self._base
-            if arr.nbytes and 0 <= start < self._size:
-                touching.add(id(leaf))
-            offset, copy_in = 0, False
-            if arr.nbytes == 0:
-                pass  # no bytes: any offset will do
-            elif (
-                id(leaf) in touching
-                and arr.flags.c_contiguous
-                and start + arr.nbytes <= end
-                and start % arr.dtype.alignment == 0
-            ):
-                offset = start  # made by alloc (or a contiguous view of it): no copy
-            elif address in spilled:
-                pass  # counted in self._offset already; the batch goes inline
-            else:
-                offset, copy_in = _align(cursor), True
-                cursor = offset + arr.nbytes
-            ref = ArrayRef(offset, arr.dtype.str, tuple(arr.shape), kind, torch_dtype)
-            refs[id(leaf)] = ref
-            if copy_in:
-                copies.append((arr, ref))
-        needed = cursor
-        if array_bytes < inline_below or needed > self._size or not refs:
-            tree = batch
-            if touching:  # nothing returned may point into a slot that is about to be reused
-                tree = _map_tree(batch, lambda x: _copy_out(x) if id(x) in touching else x)
-            return Encoded(tree, 0, needed, True)
-        for arr, ref in copies:
-            dst = self._buf[ref.offset : ref.offset + arr.nbytes].view(arr.dtype)
-            np.copyto(dst.reshape(arr.shape), arr)
-        tree = _map_tree(batch, lambda x: refs.get(id(x), x))
-        return Encoded(tree, needed, needed, False)
-
-
-def _address(arr: npt.NDArray[Any]) -> int:
-    return int(arr.__array_interface__["data"][0])
-
-
-def _copy_out(x: Any) -> Any:
-    return x.copy() if isinstance(x, np.ndarray) else x.clone()
-
-
-def _storable_dtype(dt: np.dtype[Any]) -> bool:
-    return not dt.hasobject and dt.fields is None and dt.subdtype is None and dt.itemsize > 0
-
-
-_RAW_INT = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
-
-
-def _as_numpy(
-    x: Any,
-) -> tuple[npt.NDArray[Any], Literal["numpy", "torch"], str | None] | None:
-    """The bytes of an array leaf as numpy (sharing memory), its kind, and a raw torch dtype."""
-    if type(x) is np.ndarray or isinstance(x, np.memmap):
-        return (x, "numpy", None) if _storable_dtype(x.dtype) else None
-    torch_mod = sys.modules.get("torch")  # no torch imported: no tensor can be a leaf
-    if torch_mod is None or not isinstance(x, torch_mod.Tensor):
-        return None
-    t: torch.Tensor = x
-    if t.layout != torch_mod.strided or t.device.type != "cpu" or t.is_quantized or t.is_nested:
-        return None
-    t = t.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    try:
-        return t.numpy(), "torch", None
-    except TypeError:  # no numpy dtype (bfloat16, float8, complex32): ship the raw bits
-        raw = _RAW_INT.get(t.element_size())
-        if raw is None:
-            return None
-        return t.view(getattr(torch_mod, raw)).numpy(), "torch", str(t.dtype).split(".")[-1]
-
-
-# ---------------------------------------------------------------------------------------------
-# Batch trees: the containers that encode/open walk; anything else is a leaf.
-
-
-def _iter_leaves(obj: Any) -> Iterator[Any]:
-    if isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _iter_leaves(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _iter_leaves(value)
-    else:
-        yield obj
-
-
-def _map_tree(obj: Any, fn: Callable[[Any], Any]) -> Any:
-    """Rebuild ``obj`` with ``fn`` applied to every leaf, keeping container types."""
-    if isinstance(obj, Mapping):
-        items = {key: _map_tree(value, fn) for key, value in obj.items()}
-        if isinstance(obj, dict):
-            clone = copy.copy(obj)  # keeps dict subclasses (defaultdict, OrderedDict) intact
-            clone.update(items)
-            return clone
-        factory: Any = type(obj)
-        try:
-            return factory(items)
-        except TypeError:
-            return items
-    if isinstance(obj, (list, tuple)):
-        values = [_map_tree(value, fn) for value in obj]
-        if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):  # namedtuple
-            return type(obj)(*values)
-        try:
-            return type(obj)(values)
-        except TypeError:
-            return tuple(values) if isinstance(obj, tuple) else values
-    return fn(obj)
 
 
 # ---------------------------------------------------------------------------------------------

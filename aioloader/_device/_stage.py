@@ -1,56 +1,29 @@
-"""The device stage: copy host batches to a CUDA device without blocking the event loop.
+"""The device stage itself: plan each leaf's route, enqueue copies, complete and hand them over.
 
-This is the only module that touches CUDA (streams, events, pinned memory, host registration).
-One batch flows through it like this::
-
-    host batch (views of a shared-memory slot, or any nested dict/list/tuple of
-    │           torch tensors and numpy arrays)
-    │  start(batch, batch_id)                 [sync, on the loop thread]
-    ▼
-    per leaf: already page-locked?  ── yes ──▶ copied from directly (zero extra copies)
-    │  no                                      (registered shm slot, or a pinned tensor)
-    ▼
-    memcpy into a pinned staging buffer (one per batch, leased from a pool)
-    ▼
-    tensor.to(device, non_blocking=True) on the stage's side stream; then an event
-    │  Transfer.wait()                        [async]
-    ▼
-    poll event.query() with asyncio.sleep backoff (never synchronize() on the loop)
-    ▼
-    copy complete: staging buffer back to the pool, host references dropped
-    ▼
-    hand-over: consumer_stream.wait_event(event); tensor.record_stream(consumer_stream)
-    ▼
-    device batch returned to the consumer
-
-Who owns what: :class:`DeviceStage` owns the side stream, the staging pool and the registry of
-page-locked host ranges; each :class:`Transfer` leases one staging buffer and keeps the host
-tensors it copies from *directly* alive until its event has completed. Tensors copied through
-staging are read synchronously inside ``start()``, so their host batch (and its shared-memory
-slot) can be released as soon as ``start()`` returns.
+:class:`DeviceStage` owns the side stream, the staging pool and the registry of page-locked host
+ranges. ``start()`` plans each leaf (kept, copied directly from page-locked memory, or staged),
+enqueues the copies on the side stream and records an event; :class:`Transfer` awaits that
+event; the stage then returns the staging buffer and hands the batch over.
 
 Sharp edges:
 
-- Invariant: a staging buffer is leased by at most one copy in flight. It returns to the pool
-  only after the event recorded after its copies completed; a failed ``start()`` retires its
-  buffer behind a fresh event on the side stream instead of returning it at once.
+- A failed ``start()`` retires its staging buffer behind a fresh event on the side stream
+  instead of returning it at once: copies already enqueued may still read it.
 - Device memory is allocated on the side stream but used on the consumer's stream. Without
   ``record_stream`` the caching allocator could hand a freed batch's block to the next copy
   while the consumer's kernels still read it (the side-stream/free race).
 - The staging memcpy runs on the calling thread, inside ``start()``: for a large pageable batch
   that is a few milliseconds of the loop. Batches in registered shared memory skip it entirely,
   which is why the loader registers its slots with :meth:`DeviceStage.register_host_memory`.
-- ``cudaHostRegister`` is best effort: where it fails, the slot is simply copied through
-  staging. A registered range must be unregistered before it is unmapped; the stage first
-  waits for any copy still reading from it.
+- A registered range must be unregistered before it is unmapped; the stage first waits for any
+  copy still reading from it.
 - ``close()`` blocks until in-flight copies finish (it is cleanup that must run from
   ``finally``); ``await drain()`` first to keep the loop free.
-- The stage is not thread-safe: call it from one thread (the event loop's). The hand-over uses
-  the *calling thread's* current stream unless ``wait(stream=...)`` names the consumer's stream.
-- Non-numeric numpy arrays (strings, objects, datetimes) and other objects pass through
-  unchanged; numeric numpy arrays come back as device tensors (``torch.from_numpy`` semantics).
-  Read-only, byte-swapped or non-contiguous leaves are staged even when their memory is
+- The stage is not thread-safe: call it from one thread (the event loop's).
+- Read-only, byte-swapped or non-contiguous numpy leaves are staged even when their memory is
   registered (torch cannot view them without a copy or a warning).
+- A ``TransferError`` from ``start()`` keeps no reference to the host batch (the cause's frames
+  are cleared), so the batch's shared-memory slot can be released.
 """
 
 from __future__ import annotations
@@ -58,59 +31,30 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import copy
-import ctypes
-import functools
-import os
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from ._errors import TransferError
+from .._errors import TransferError
+from ._backend import CudaBackend, TorchCudaBackend
+from ._leaves import (
+    _NUMERIC_KINDS,
+    _array_as_tensor_view,
+    _array_ptr,
+    _empty_like_leaf,
+    _map_tree,
+    _torch_dtype,
+)
+from ._parse import parse_device
+from ._staging import MAX_POOLED_STAGING_BYTES, _align, _StagingPool
+from ._transfer import Transfer, _next_delay
 
-__all__ = [
-    "CudaBackend",
-    "DeviceStage",
-    "DeviceStats",
-    "DeviceUnavailableWarning",
-    "TorchCudaBackend",
-    "Transfer",
-    "parse_device",
-]
-
-# Event polling. The first check after a miss only yields (sleep(0)), because small copies are
-# often done by the next loop iteration; then the delay doubles from POLL_FIRST_DELAY_S up to
-# POLL_MAX_DELAY_S. A lower cap hands batches over sooner but wakes the loop more often; at
-# 1 ms a pending copy costs at most ~1000 cheap wake-ups a second and adds at most ~1 ms to a
-# hand-over, small against the multi-millisecond copies and steps this stage overlaps.
-POLL_FIRST_DELAY_S = 50e-6
-POLL_MAX_DELAY_S = 1e-3
-POLL_GROWTH = 2.0
-
-# Each leaf starts at a multiple of this many bytes inside a batch's staging buffer: enough for
-# any dtype's alignment and for efficient DMA, at a cost of < 512 bytes per leaf.
-STAGING_ALIGN = 512
-# Staging buffers are allocated in multiples of this, so batches of slightly different size
-# (the last batch, variable-length samples) reuse the same buffers; wastes < 1 MiB per buffer.
-STAGING_GRANULE = 1 << 20
-# Free staging buffers beyond this many bytes are released. Pinned memory is locked RAM that
-# the rest of the machine cannot page; the pool normally holds (copies in flight + 1) buffers,
-# so the cap only matters when batch sizes keep changing. (A released buffer goes back to
-# torch's caching host allocator, which keeps it pinned for torch's own reuse.)
-MAX_POOLED_STAGING_BYTES = 1 << 30
-
-# cudaHostRegister flags: cudaHostRegisterDefault. Registration happens with the stage's device
-# current, which is the device that later reads the memory.
-_HOST_REGISTER_FLAGS = 0
-
-_NUMERIC_KINDS = frozenset("biufc")  # bool, signed, unsigned, float, complex
+__all__ = ["DeviceStage", "DeviceStats", "DeviceUnavailableWarning"]
 
 
 class DeviceUnavailableWarning(UserWarning):
@@ -141,418 +85,6 @@ class DeviceStats:
     registered_bytes: int
 
 
-def parse_device(device: str | torch.device | int | None) -> torch.device | None:
-    """Normalise the loader's ``device`` argument; ``None`` means "no device stage".
-
-    Accepts ``None``, ``"cpu"``, ``"cuda"``, ``"cuda:<index>"``, a :class:`torch.device` of type
-    cpu or cuda, or a CUDA ordinal. Parsing never initialises CUDA, so a bad value is reported
-    at construction even on a machine without a GPU.
-
-    Raises:
-        ValueError: for a malformed string, a negative ordinal or a device type other than
-            cpu and cuda, naming the value.
-        TypeError: for a value of another type.
-    """
-    if device is None:
-        return None
-    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
-        raise TypeError(
-            f"device={device!r} must be None, a string such as 'cuda:0', a torch.device "
-            "or a CUDA ordinal"
-        )
-    if isinstance(device, int):
-        if device < 0:
-            raise ValueError(f"device={device!r} is not a valid CUDA ordinal: it must be >= 0")
-        return torch.device("cuda", device)
-    if isinstance(device, str):
-        try:
-            parsed = torch.device(device)
-        except RuntimeError as exc:
-            raise ValueError(
-                f"device={device!r} is not a valid device: expected 'cpu', 'cuda' or 'cuda:<index>'"
-            ) from exc
-    else:
-        parsed = device
-    if parsed.type == "cpu":
-        return None
-    if parsed.type != "cuda":
-        raise ValueError(
-            f"device={device!r} is not supported: batches go to 'cuda' devices or stay on 'cpu'"
-        )
-    return parsed
-
-
-class CudaBackend(Protocol):
-    """The CUDA operations the stage uses, so tests can swap in a fake with scripted events.
-
-    Streams and events are opaque handles. ``to_device`` enqueues a copy on the stream entered
-    last with ``use_stream`` and returns without waiting for it; ``query_event`` never blocks,
-    ``synchronize_event`` does. ``elapsed_seconds`` is asked only once both events completed.
-    ``alloc_pinned`` returns a 1-D uint8 page-locked tensor; ``pin`` returns a page-locked copy
-    of a CPU tensor (or the tensor itself if it is already page-locked). ``host_register`` and
-    ``host_unregister`` report failure by returning False.
-    """
-
-    def is_available(self) -> bool: ...
-
-    def device_count(self) -> int: ...
-
-    def current_device(self) -> int: ...
-
-    def new_stream(self, device: torch.device) -> Any: ...
-
-    def current_stream(self, device: torch.device) -> Any: ...
-
-    def use_stream(self, stream: Any) -> AbstractContextManager[Any]: ...
-
-    def new_event(self) -> Any: ...
-
-    def record_event(self, event: Any, stream: Any) -> None: ...
-
-    def query_event(self, event: Any) -> bool: ...
-
-    def synchronize_event(self, event: Any) -> None: ...
-
-    def elapsed_seconds(self, start: Any, end: Any) -> float: ...
-
-    def wait_event(self, stream: Any, event: Any) -> None: ...
-
-    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None: ...
-
-    def to_device(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor: ...
-
-    def alloc_pinned(self, nbytes: int) -> torch.Tensor: ...
-
-    def is_pinned(self, tensor: torch.Tensor) -> bool: ...
-
-    def pin(self, tensor: torch.Tensor) -> torch.Tensor: ...
-
-    def host_register(self, ptr: int, nbytes: int, device: torch.device) -> bool: ...
-
-    def host_unregister(self, ptr: int) -> bool: ...
-
-
-class TorchCudaBackend:
-    """:class:`CudaBackend` over ``torch.cuda``."""
-
-    def is_available(self) -> bool:
-        return torch.cuda.is_available()
-
-    def device_count(self) -> int:
-        return torch.cuda.device_count()
-
-    def current_device(self) -> int:
-        return torch.cuda.current_device()
-
-    def new_stream(self, device: torch.device) -> torch.cuda.Stream:
-        return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-
-    def current_stream(self, device: torch.device) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(device)
-
-    def use_stream(self, stream: torch.cuda.Stream) -> AbstractContextManager[Any]:
-        return torch.cuda.stream(stream)
-
-    def new_event(self) -> torch.cuda.Event:
-        return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-
-    def record_event(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
-        event.record(stream)
-
-    def query_event(self, event: torch.cuda.Event) -> bool:
-        return bool(event.query())  # type: ignore[no-untyped-call]
-
-    def synchronize_event(self, event: torch.cuda.Event) -> None:
-        event.synchronize()
-
-    def elapsed_seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
-        return float(start.elapsed_time(end)) / 1000.0
-
-    def wait_event(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
-        stream.wait_event(event)
-
-    def record_stream(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        tensor.record_stream(stream)
-
-    def to_device(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-        return tensor.to(device, non_blocking=True)
-
-    def alloc_pinned(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def is_pinned(self, tensor: torch.Tensor) -> bool:
-        return bool(tensor.is_pinned())
-
-    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if tensor.is_pinned() else tensor.pin_memory()
-
-    def host_register(self, ptr: int, nbytes: int, device: torch.device) -> bool:
-        with torch.cuda.device(device):
-            err = int(_cudart().cudaHostRegister(ptr, nbytes, _HOST_REGISTER_FLAGS))
-        if err != 0:
-            _clear_last_cuda_error()
-            return False
-        return True
-
-    def host_unregister(self, ptr: int) -> bool:
-        err = int(_cudart().cudaHostUnregister(ptr))
-        if err != 0:
-            _clear_last_cuda_error()
-            return False
-        return True
-
-
-def _cudart() -> Any:
-    """torch's bindings of the CUDA runtime (initialises CUDA)."""
-    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
-
-
-@functools.cache
-def _loaded_cudart() -> Any:
-    # Only a libcudart that torch already loaded (RTLD_NOLOAD): its per-thread "last error"
-    # is the one torch's kernel-launch checks read.
-    noload = getattr(os, "RTLD_NOLOAD", None)
-    if noload is None:  # pragma: no cover - not Linux/macOS
-        return None
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
-        try:
-            lib = ctypes.CDLL(name, mode=noload | os.RTLD_NOW)
-        except OSError:
-            continue
-        lib.cudaGetLastError.restype = ctypes.c_int
-        return lib
-    return None
-
-
-def _clear_last_cuda_error() -> None:
-    """Reset CUDA's sticky-until-read "last error" after a failed (and handled) call.
-
-    torch's binding of cudaHostRegister returns the error without clearing it, and torch checks
-    ``cudaGetLastError()`` after every kernel launch: an unrelated kernel would then fail with
-    our registration error. Best effort: a statically linked runtime cannot be reached.
-    """
-    lib = _loaded_cudart()
-    if lib is not None:
-        lib.cudaGetLastError()
-
-
-# --- batches as trees -------------------------------------------------------------------------
-
-
-def _map_tree(obj: Any, fn: Callable[[Any], Any]) -> Any:
-    """Apply ``fn`` to every tensor and ndarray leaf, rebuilding the containers around them.
-
-    Containers keep their type where it can be rebuilt (dict subclasses through ``copy.copy``,
-    namedtuples field by field); leaves are visited in a deterministic order, which callers rely
-    on to pair a first walk with a second one.
-    """
-    if isinstance(obj, (torch.Tensor, np.ndarray)):
-        return fn(obj)
-    if isinstance(obj, Mapping):
-        items = {key: _map_tree(value, fn) for key, value in obj.items()}
-        if type(obj) is dict:
-            return items
-        if isinstance(obj, MutableMapping):
-            with contextlib.suppress(Exception):
-                clone = copy.copy(obj)
-                clone.update(items)
-                return clone
-        return items
-    if isinstance(obj, tuple):
-        values = [_map_tree(value, fn) for value in obj]
-        if type(obj) is tuple:
-            return tuple(values)
-        if hasattr(obj, "_fields"):  # namedtuple
-            return type(obj)(*values)
-        try:
-            return type(obj)(values)
-        except Exception:
-            return tuple(values)
-    if isinstance(obj, list):
-        values = [_map_tree(value, fn) for value in obj]
-        if type(obj) is list:
-            return values
-        if isinstance(obj, MutableSequence):
-            with contextlib.suppress(Exception):
-                seq = copy.copy(obj)
-                seq[:] = values
-                return seq
-        return values
-    return obj
-
-
-@functools.lru_cache(maxsize=64)
-def _torch_dtype(dtype: np.dtype[Any]) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype=dtype.newbyteorder("="))).dtype
-
-
-def _array_as_tensor_view(arr: np.ndarray[Any, Any]) -> torch.Tensor | None:
-    """A zero-copy tensor over ``arr``; None where ``torch.from_numpy`` cannot (or would warn)."""
-    if (
-        not arr.flags.writeable
-        or not arr.dtype.isnative
-        or not arr.flags.c_contiguous
-        or not arr.flags.aligned
-    ):
-        return None
-    return torch.from_numpy(arr)
-
-
-def _array_ptr(arr: np.ndarray[Any, Any]) -> int:
-    return int(arr.__array_interface__["data"][0])
-
-
-def _next_delay(delay: float) -> float:
-    """The poll back-off: 0, then POLL_FIRST_DELAY_S growing by POLL_GROWTH to the cap."""
-    return POLL_FIRST_DELAY_S if delay == 0.0 else min(delay * POLL_GROWTH, POLL_MAX_DELAY_S)
-
-
-def _empty_like_leaf(leaf: torch.Tensor | np.ndarray[Any, Any]) -> torch.Tensor:
-    dtype = _torch_dtype(leaf.dtype) if isinstance(leaf, np.ndarray) else leaf.dtype
-    return torch.empty(tuple(leaf.shape), dtype=dtype)
-
-
-def _align(n: int) -> int:
-    return -(-n // STAGING_ALIGN) * STAGING_ALIGN
-
-
-# --- staging pool -----------------------------------------------------------------------------
-
-
-class _StagingPool:
-    """Pinned staging buffers, reused across batches; a sync state machine.
-
-    Invariant: every buffer the pool allocated is either in ``_free`` (sorted by size) or
-    leased, and ``_bytes`` is the sum over both.
-    """
-
-    def __init__(self, alloc: Callable[[int], torch.Tensor], max_free_bytes: int) -> None:
-        self._alloc = alloc
-        self._max_free_bytes = max_free_bytes
-        self._free: list[torch.Tensor] = []
-        self._leased: dict[int, torch.Tensor] = {}
-        self._bytes = 0
-
-    def acquire(self, nbytes: int) -> torch.Tensor:
-        """Lease the smallest free buffer that fits, or allocate one rounded up to the granule."""
-        sizes = [buf.numel() for buf in self._free]
-        i = bisect.bisect_left(sizes, nbytes)
-        if i < len(self._free):
-            buf = self._free.pop(i)
-        else:
-            size = -(-nbytes // STAGING_GRANULE) * STAGING_GRANULE
-            buf = self._alloc(size)
-            self._bytes += buf.numel()
-        self._leased[id(buf)] = buf
-        return buf
-
-    def release(self, buf: torch.Tensor) -> None:
-        """Return a leased buffer whose copies have completed."""
-        if self._leased.pop(id(buf), None) is None:
-            return
-        bisect.insort(self._free, buf, key=lambda b: b.numel())
-        free_bytes = sum(b.numel() for b in self._free)
-        while free_bytes > self._max_free_bytes and self._free:
-            # The smallest buffers serve the fewest requests: drop them first.
-            dropped = self._free.pop(0)
-            free_bytes -= dropped.numel()
-            self._bytes -= dropped.numel()
-
-    def discard(self, buf: torch.Tensor) -> None:
-        """Forget a leased buffer that must not be reused (its copy failed on the device)."""
-        if self._leased.pop(id(buf), None) is not None:
-            self._bytes -= buf.numel()
-
-    def clear(self) -> None:
-        """Drop every free buffer and forget leased ones (they die with their last user)."""
-        self._free.clear()
-        self._leased.clear()
-        self._bytes = 0
-
-    @property
-    def buffers(self) -> int:
-        return len(self._free) + len(self._leased)
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
-
-# --- transfers --------------------------------------------------------------------------------
-
-_State = Literal["pending", "copied", "failed"]
-
-
-class Transfer:
-    """One batch on its way to the device, returned by :meth:`DeviceStage.start`.
-
-    ``await wait()`` returns the device batch. Cancelling ``wait()`` loses nothing: the copy
-    carries on and a later ``wait()`` returns the batch.
-    """
-
-    __slots__ = (
-        "_device_tensors",
-        "_end_event",
-        "_error",
-        "_lease",
-        "_nbytes",
-        "_ranges",
-        "_result",
-        "_sources",
-        "_stage",
-        "_start_event",
-        "_started_at",
-        "_state",
-        "batch_id",
-    )
-
-    def __init__(self, stage: DeviceStage, batch_id: int) -> None:
-        self.batch_id = batch_id
-        self._stage = stage
-        self._state: _State = "pending"
-        self._result: Any = None
-        self._error: TransferError | None = None
-        # Device tensors of the result: each gets record_stream(consumer) at hand-over.
-        self._device_tensors: list[torch.Tensor] = []
-        # Host tensors copied from directly: kept alive until the copy has completed.
-        self._sources: list[torch.Tensor] = []
-        # Bases of registered ranges this copy reads from.
-        self._ranges: set[int] = set()
-        self._lease: torch.Tensor | None = None
-        self._start_event: Any = None
-        self._end_event: Any = None
-        self._nbytes = 0
-        self._started_at = time.perf_counter()
-
-    def done(self) -> bool:
-        """Whether the copy has completed (or failed); never blocks."""
-        if self._state == "pending":
-            self._stage._poll(self)
-        return self._state != "pending"
-
-    async def wait(self, *, stream: Any = None) -> Any:
-        """Await the copy without blocking the loop, hand the batch over, and return it.
-
-        Args:
-            stream: the CUDA stream that will consume the batch; by default the calling
-                thread's current stream for the stage's device.
-
-        Raises:
-            TransferError: the copy failed on the device, naming the batch.
-        """
-        delay = 0.0
-        while not self.done():
-            await asyncio.sleep(delay)
-            delay = _next_delay(delay)
-        if self._error is not None:
-            raise self._error
-        self._stage._hand_over(self, stream)
-        return self._result
-
-    def __repr__(self) -> str:
-        return f"<Transfer batch_id={self.batch_id} {self._state}>"
-
-
 @dataclass(slots=True)
 class _Leaf:
     """How one leaf of a batch travels."""
@@ -562,9 +94,6 @@ class _Leaf:
     nbytes: int = 0
     offset: int = 0
     range_base: int | None = None
-
-
-# --- the stage --------------------------------------------------------------------------------
 
 
 class DeviceStage:

@@ -1,0 +1,327 @@
+"""Batch samplers: how the indices of an epoch are grouped into batches, and batches into shards.
+
+:class:`BatchSampler` turns any iterable of ints into ``list[int]`` batches under a last-batch
+policy (MXNet Gluon's ``last_batch``, or torch's ``drop_last``); :class:`ShardedBatchSampler`
+splits each batch into ``list[list[int]]``, one part per device. Both are pure and
+deterministic, like the index samplers of :mod:`aioloader._sampler`, which re-exports them.
+
+This module also holds the integer and state checks that every sampler shares
+(:func:`validate_positive_int`, :func:`validate_non_negative_int`, ``_check_state_keys``):
+``_sampler`` imports this module to re-export the batch samplers, so the checks live here to
+keep the import one-way.
+
+Sharp edges, each deliberate:
+
+- **Rollover is committed when the epoch's end is seen.** With ``last_batch="rollover"`` the
+  incomplete last batch is not yielded; its indices start the next iteration. The batch sampler
+  reads one batch ahead, so the carry is known (and ``len()`` already describes the next epoch)
+  when the final full batch is handed out, even to a consumer that stops after ``len()`` batches.
+  An iteration abandoned earlier leaves the previous carry in place, so nothing is lost.
+- **torch's positional ``drop_last``.** A bool as the third positional argument is read as
+  ``drop_last``, so ``BatchSampler(sampler, 32, False)`` means what it means in torch; giving
+  both spellings is allowed only when they agree.
+- **The sampler's iteration starts at ``iter()``**, not at the first ``next()``, so a
+  ``state_dict()`` taken before ``iter()`` describes the whole iteration.
+- **No empty shards.** A batch with fewer indices than shards yields one shard per index.
+- **bools are not ints here.** ``batch_size=True`` is a bug, never an intent: the checks refuse
+  it, while numpy integers are accepted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+from collections.abc import Iterable, Iterator, Sized
+from typing import Any, Literal, cast, get_args
+
+from ._types import Stateful
+
+__all__ = [
+    "BatchSampler",
+    "LastBatch",
+    "ShardedBatchSampler",
+    "validate_non_negative_int",
+    "validate_positive_int",
+]
+
+LastBatch = Literal["keep", "discard", "rollover"]
+_LAST_BATCH_POLICIES: tuple[str, ...] = get_args(LastBatch)
+
+
+# -- argument checks ----------------------------------------------------------------------------
+
+
+def _is_int(value: object) -> bool:
+    # numpy integers count (they are registered as numbers.Integral); bools do not, because
+    # ``batch_size=True`` is a bug, never an intent.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _checked_int(name: str, value: object, minimum: int | None, what: str) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{name} must be {what}, got {value!r}")
+    result = int(value)
+    if minimum is not None and result < minimum:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return result
+
+
+def validate_positive_int(name: str, value: object) -> int:
+    """Return ``value`` as a plain ``int`` if it is an integer greater than zero.
+
+    Raises:
+        TypeError: if ``value`` is not an integer (bools are refused), naming ``name``.
+        ValueError: if ``value`` is zero or negative, naming ``name``.
+    """
+    return _checked_int(name, value, 1, "a positive int")
+
+
+def validate_non_negative_int(name: str, value: object) -> int:
+    """Return ``value`` as a plain ``int`` if it is an integer of zero or more.
+
+    Raises:
+        TypeError: if ``value`` is not an integer (bools are refused), naming ``name``.
+        ValueError: if ``value`` is negative, naming ``name``.
+    """
+    return _checked_int(name, value, 0, "a non-negative int")
+
+
+def _check_state_keys(owner: str, state: object, required: set[str]) -> dict[str, Any]:
+    if not isinstance(state, dict):
+        raise TypeError(f"{owner}.load_state_dict needs a dict, got {state!r}")
+    missing = required - state.keys()
+    if missing:
+        raise ValueError(f"{owner}.load_state_dict: state lacks {sorted(missing)}, got {state!r}")
+    return state
+
+
+# -- batches ------------------------------------------------------------------------------------
+
+
+def _resolve_last_batch(last_batch: object, drop_last: object) -> LastBatch:
+    # torch's BatchSampler takes drop_last as its third positional argument, so a bool there is
+    # read as drop_last: ``BatchSampler(sampler, 32, False)`` means what it means in torch.
+    if isinstance(last_batch, bool):
+        if drop_last is not None:
+            raise ValueError(
+                f"drop_last given twice: positionally as {last_batch!r} and as "
+                f"drop_last={drop_last!r}"
+            )
+        last_batch, drop_last = None, last_batch
+    if drop_last is not None and not isinstance(drop_last, bool):
+        raise TypeError(f"drop_last must be a bool or None, got {drop_last!r}")
+    if last_batch is not None and last_batch not in _LAST_BATCH_POLICIES:
+        raise ValueError(f"last_batch must be one of {_LAST_BATCH_POLICIES}, got {last_batch!r}")
+    implied = None if drop_last is None else ("discard" if drop_last else "keep")
+    if last_batch is not None and implied is not None and last_batch != implied:
+        raise ValueError(
+            f"last_batch={last_batch!r} conflicts with drop_last={drop_last!r} "
+            f"(drop_last={drop_last!r} means last_batch={implied!r}); give only one"
+        )
+    chosen = last_batch if last_batch is not None else implied
+    return cast(LastBatch, chosen if chosen is not None else "keep")
+
+
+class BatchSampler:
+    """Groups the indices of a sampler into batches (``list[int]``).
+
+    The incomplete last batch of an epoch is handled by ``last_batch``, with MXNet Gluon's
+    meaning: ``"keep"`` yields it, ``"discard"`` drops it, ``"rollover"`` holds its indices back
+    and yields them first in the next iteration, so across epochs every index is yielded exactly
+    once. torch's ``drop_last`` is accepted too (``True`` is ``"discard"``, ``False`` is
+    ``"keep"``), also as the third positional argument as in torch.
+
+    Args:
+        sampler: any iterable of ints: one of this module's samplers, a torch ``Sampler``, a
+            ``range``, a list. ``len()`` needs it to be Sized.
+        batch_size: indices per batch.
+        last_batch: ``"keep"`` (default), ``"discard"`` or ``"rollover"``.
+        drop_last: torch's spelling; must agree with ``last_batch`` when both are given.
+
+    Raises:
+        TypeError: if an argument has the wrong type.
+        ValueError: if ``batch_size`` is not positive, ``last_batch`` is unknown, or it
+            conflicts with ``drop_last``.
+    """
+
+    def __init__(
+        self,
+        sampler: Iterable[int],
+        batch_size: int,
+        last_batch: LastBatch | bool | None = None,
+        *,
+        drop_last: bool | None = None,
+    ) -> None:
+        if not isinstance(sampler, Iterable):
+            raise TypeError(f"sampler must be an iterable of ints, got {sampler!r}")
+        self.sampler = sampler
+        self.batch_size = validate_positive_int("batch_size", batch_size)
+        self.last_batch: LastBatch = _resolve_last_batch(last_batch, drop_last)
+        # Invariant: the carry is empty unless last_batch == "rollover", and always shorter
+        # than a batch when produced here (a loaded state may hold more; it is then batched).
+        self._carry: list[int] = []
+
+    @property
+    def drop_last(self) -> bool:
+        """torch's view of the policy: True when the incomplete last batch is discarded."""
+        return self.last_batch == "discard"
+
+    @property
+    def carry(self) -> tuple[int, ...]:
+        """The indices held back by ``"rollover"``, to be yielded first by the next iteration."""
+        return tuple(self._carry)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward ``epoch`` to the sampler if it has ``set_epoch``."""
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        # The sampler's iteration starts now (not at the first next()), so a state_dict() taken
+        # before iter() describes this whole iteration.
+        indices = iter(self.sampler)
+        carry = list(self._carry)
+        return self._batches(itertools.chain(carry, indices) if carry else indices)
+
+    def _batches(self, source: Iterator[int]) -> Iterator[list[int]]:
+        size = self.batch_size
+        pending = list(itertools.islice(source, size))
+        if len(pending) < size:
+            tail = pending
+            self._end_of_epoch(tail)
+        else:
+            while True:
+                # Read one batch ahead so the end of the epoch is known before the final full
+                # batch leaves: the carry is then committed even if the consumer stops there.
+                following = list(itertools.islice(source, size))
+                last = len(following) < size
+                if last:
+                    self._end_of_epoch(following)
+                yield pending
+                if last:
+                    tail = following
+                    break
+                pending = following
+        if tail and self.last_batch == "keep":
+            yield tail
+
+    def _end_of_epoch(self, tail: list[int]) -> None:
+        if self.last_batch == "rollover":
+            self._carry = tail
+
+    def __len__(self) -> int:
+        """The number of batches the next iteration yields (with rollover, carry included)."""
+        if not isinstance(self.sampler, Sized):
+            raise TypeError(f"len() needs a Sized sampler, got {self.sampler!r}")
+        n = len(self.sampler) + len(self._carry)
+        if self.last_batch == "keep":
+            return -(-n // self.batch_size)
+        return n // self.batch_size
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rollover carry, and the sampler's state when it has one."""
+        state: dict[str, Any] = {"carry": list(self._carry)}
+        if isinstance(self.sampler, Stateful):
+            state["sampler"] = self.sampler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (and the sampler's part of it)."""
+        state = _check_state_keys("BatchSampler", state, {"carry"})
+        carry = state["carry"]
+        if not isinstance(carry, list | tuple) or not all(map(_is_int, carry)):
+            raise TypeError(f"BatchSampler state 'carry' must be a list of ints, got {carry!r}")
+        if carry and self.last_batch != "rollover":
+            raise ValueError(
+                f"BatchSampler state 'carry' holds {len(carry)} indices but "
+                f"last_batch={self.last_batch!r}; only 'rollover' carries indices"
+            )
+        if "sampler" in state:
+            if not isinstance(self.sampler, Stateful):
+                raise ValueError(
+                    f"BatchSampler state holds a sampler state but the sampler "
+                    f"{self.sampler!r} has no load_state_dict"
+                )
+            self.sampler.load_state_dict(state["sampler"])
+        self._carry = [int(i) for i in carry]
+
+    def __repr__(self) -> str:
+        return (
+            f"BatchSampler({self.sampler!r}, batch_size={self.batch_size}, "
+            f"last_batch={self.last_batch!r}, carry={len(self._carry)})"
+        )
+
+
+def _split(batch: list[int], num_shards: int) -> list[list[int]]:
+    """Split ``batch`` into at most ``num_shards`` non-empty runs whose sizes differ by <= 1."""
+    count = min(num_shards, len(batch))
+    if count == 0:
+        return []
+    small, extra = divmod(len(batch), count)
+    shards = []
+    start = 0
+    for i in range(count):
+        stop = start + small + (1 if i < extra else 0)
+        shards.append(batch[start:stop])
+        start = stop
+    return shards
+
+
+class ShardedBatchSampler:
+    """Splits each batch of a batch sampler into ``num_shards`` parts, one per device.
+
+    For each batch of ``batch_sampler`` it yields a list of index lists, in order, whose sizes
+    differ by at most one (the first ones are the longer), as MXNet's ``split_and_load`` does
+    for data parallelism. Empty shards are never produced: a batch with fewer indices than
+    shards yields one shard per index. The loader turns each shard into its own batch.
+
+    Args:
+        batch_sampler: anything that yields lists of ints (ours or torch's ``BatchSampler``).
+        num_shards: how many parts to split each batch into (usually the number of devices).
+
+    Raises:
+        TypeError: if ``batch_sampler`` is not iterable or ``num_shards`` is not an int.
+        ValueError: if ``num_shards`` is not positive.
+    """
+
+    def __init__(self, batch_sampler: Iterable[list[int]], num_shards: int) -> None:
+        if not isinstance(batch_sampler, Iterable):
+            raise TypeError(f"batch_sampler must be an iterable of lists, got {batch_sampler!r}")
+        self.batch_sampler = batch_sampler
+        self.num_shards = validate_positive_int("num_shards", num_shards)
+
+    def __iter__(self) -> Iterator[list[list[int]]]:
+        batches = iter(self.batch_sampler)
+        return (_split(list(batch), self.num_shards) for batch in batches)
+
+    def __len__(self) -> int:
+        if not isinstance(self.batch_sampler, Sized):
+            raise TypeError(f"len() needs a Sized batch_sampler, got {self.batch_sampler!r}")
+        return len(self.batch_sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward ``epoch`` to the batch sampler if it has ``set_epoch``."""
+        set_epoch = getattr(self.batch_sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The batch sampler's state, when it has one."""
+        if isinstance(self.batch_sampler, Stateful):
+            return {"batch_sampler": self.batch_sampler.state_dict()}
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`."""
+        state = _check_state_keys("ShardedBatchSampler", state, set())
+        if "batch_sampler" in state:
+            if not isinstance(self.batch_sampler, Stateful):
+                raise ValueError(
+                    f"ShardedBatchSampler state holds a batch sampler state but "
+                    f"{self.batch_sampler!r} has no load_state_dict"
+                )
+            self.batch_sampler.load_state_dict(state["batch_sampler"])
+
+    def __repr__(self) -> str:
+        return f"ShardedBatchSampler({self.batch_sampler!r}, num_shards={self.num_shards})"

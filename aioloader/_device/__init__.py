@@ -1,0 +1,67 @@
+"""The device stage: copy host batches to a CUDA device without blocking the event loop.
+
+This package is the only code that touches CUDA (streams, events, pinned memory, host
+registration); no module outside it imports ``torch.cuda`` or the CUDA runtime. One batch
+flows through it like this::
+
+    host batch (views of a shared-memory slot, or any nested dict/list/tuple of
+    │           torch tensors and numpy arrays)
+    │  start(batch, batch_id)                 [sync, on the loop thread]
+    ▼
+    per leaf: already page-locked?  ── yes ──▶ copied from directly (zero extra copies)
+    │  no                                      (registered shm slot, or a pinned tensor)
+    ▼
+    memcpy into a pinned staging buffer (one per batch, leased from a pool)
+    ▼
+    tensor.to(device, non_blocking=True) on the stage's side stream; then an event
+    │  Transfer.wait()                        [async]
+    ▼
+    poll event.query() with asyncio.sleep backoff (never synchronize() on the loop)
+    ▼
+    copy complete: staging buffer back to the pool, host references dropped
+    ▼
+    hand-over: consumer_stream.wait_event(event); tensor.record_stream(consumer_stream)
+    ▼
+    device batch returned to the consumer
+
+Who owns what: :class:`DeviceStage` owns the side stream, the staging pool and the registry of
+page-locked host ranges; each :class:`Transfer` leases one staging buffer and keeps the host
+tensors it copies from *directly* alive until its event has completed. Tensors copied through
+staging are read synchronously inside ``start()``, so their host batch (and its shared-memory
+slot) can be released as soon as ``start()`` returns.
+
+One job per module, each with its sharp edges in its own docstring:
+
+- ``_parse``: :func:`parse_device`, the loader's ``device`` argument (never initialises CUDA).
+- ``_backend``: the :class:`CudaBackend` protocol, :class:`TorchCudaBackend` over
+  ``torch.cuda``, and the CUDA runtime calls behind host registration.
+- ``_leaves``: walking a batch tree and viewing its numpy / torch leaves.
+- ``_staging``: the pool of pinned staging buffers.
+- ``_transfer``: :class:`Transfer`, one batch in flight, and the event-poll back-off.
+- ``_stage``: :class:`DeviceStage`, which plans, enqueues, completes and hands over copies.
+
+This module only re-exports.
+"""
+
+from __future__ import annotations
+
+from ._backend import CudaBackend as CudaBackend
+from ._backend import TorchCudaBackend as TorchCudaBackend
+from ._parse import parse_device as parse_device
+from ._stage import DeviceStage as DeviceStage
+from ._stage import DeviceStats as DeviceStats
+from ._stage import DeviceUnavailableWarning as DeviceUnavailableWarning
+from ._staging import MAX_POOLED_STAGING_BYTES as MAX_POOLED_STAGING_BYTES
+from ._staging import STAGING_GRANULE as STAGING_GRANULE
+from ._staging import _StagingPool as _StagingPool
+from ._transfer import Transfer as Transfer
+
+__all__ = [
+    "CudaBackend",
+    "DeviceStage",
+    "DeviceStats",
+    "DeviceUnavailableWarning",
+    "TorchCudaBackend",
+    "Transfer",
+    "parse_device",
+]

@@ -1,0 +1,61 @@
+"""Parsing the loader's ``device`` argument, without initialising CUDA.
+
+:func:`parse_device` turns what a user may pass (``None``, ``"cpu"``, ``"cuda:1"``, a
+:class:`torch.device`, a CUDA ordinal) into a :class:`torch.device` or ``None`` ("no device
+stage"). Whether the device exists is checked later, by :class:`DeviceStage`, because that needs
+CUDA.
+
+Sharp edges:
+
+- ``torch.device(text)`` raises ``RuntimeError`` for malformed text; it is translated to a
+  ``ValueError`` naming the value, so torch's error type never leaks to the user.
+- ``True`` is an ``int`` to Python but never a device: bools are refused with ``TypeError``.
+- ``"cpu"`` means "no device stage" and parses to ``None``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["parse_device"]
+
+
+def parse_device(device: str | torch.device | int | None) -> torch.device | None:
+    """Normalise the loader's ``device`` argument; ``None`` means "no device stage".
+
+    Accepts ``None``, ``"cpu"``, ``"cuda"``, ``"cuda:<index>"``, a :class:`torch.device` of type
+    cpu or cuda, or a CUDA ordinal. Parsing never initialises CUDA, so a bad value is reported
+    at construction even on a machine without a GPU.
+
+    Raises:
+        ValueError: for a malformed string, a negative ordinal or a device type other than
+            cpu and cuda, naming the value.
+        TypeError: for a value of another type.
+    """
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise TypeError(
+            f"device={device!r} must be None, a string such as 'cuda:0', a torch.device "
+            "or a CUDA ordinal"
+        )
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"device={device!r} is not a valid CUDA ordinal: it must be >= 0")
+        return torch.device("cuda", device)
+    if isinstance(device, str):
+        try:
+            parsed = torch.device(device)
+        except RuntimeError as exc:
+            raise ValueError(
+                f"device={device!r} is not a valid device: expected 'cpu', 'cuda' or 'cuda:<index>'"
+            ) from exc
+    else:
+        parsed = device
+    if parsed.type == "cpu":
+        return None
+    if parsed.type != "cuda":
+        raise ValueError(
+            f"device={device!r} is not supported: batches go to 'cuda' devices or stay on 'cpu'"
+        )
+    return parsed

@@ -1,0 +1,356 @@
+"""Batch trees in a slot: how a worker lays a batch out in a buffer, and how it is read back.
+
+A batch is a tree: dicts (and other mappings), lists, tuples and namedtuples are its containers;
+everything else is a leaf. In a worker, :class:`SlotWriter` places the batch's numpy arrays and
+CPU tensors in one attached slot and describes the batch as an :class:`Encoded` whose tree has
+an :class:`ArrayRef` (offset, dtype, shape) in place of each array. In the main process,
+``SlotPool.open`` validates every descriptor against the slot (:func:`_ref_end`) and rebuilds
+the batch as views of one root array over the slot (:func:`_view`)::
+
+    worker: SlotWriter(buf).alloc(shape, dtype) ──▶ collate writes straight into the slot
+            SlotWriter.encode(batch) ──▶ Encoded(tree of ArrayRef)  (other arrays copied in)
+    main:   _map_tree(tree, _view(root, ...)) ──▶ numpy / torch views of the slot, zero copies
+
+This module never opens, maps or unlinks a segment: it works on the ``uint8`` buffers it is
+given (mappings made by :mod:`aioloader._shm`), so ``_shm`` stays the only module that touches
+POSIX shared memory. ``_shm`` re-exports every public name here.
+
+Sharp edges:
+
+- **Spills go inline.** An ``alloc`` that does not fit the slot gets plain memory; the batch then
+  comes back inline with ``needed_bytes`` set, so the caller can lease a bigger slot next time.
+- **Nothing inline points into a slot.** An inline batch's arrays that lie in the slot are
+  copied out first, because the slot is reused as soon as the batch is returned.
+- **dtypes numpy lacks.** bfloat16, float8 and complex32 tensors travel as same-width integers
+  (:attr:`ArrayRef.torch_dtype` names the real dtype) and come back as the same dtype. Tensors
+  lose ``requires_grad``; conjugate and negative bits are resolved before the copy. Sparse,
+  quantized, nested and non-CPU tensors, and object or structured arrays, are not arrays here:
+  they stay leaves and are pickled.
+- **Views keep the slot alive.** Views of views collapse to the first array that does not own
+  its data, the root; so every leaf, and anything derived from it, keeps the root (and with it
+  the slot) alive until the last one is collected.
+- **torch is optional.** Leaves are recognised as tensors only if torch is already imported
+  (no torch, no tensors), and ``open`` imports torch only when a descriptor asks for a tensor.
+- **Containers are rebuilt with their type** where possible (dict subclasses through
+  ``copy.copy``, namedtuples field by field); walks visit leaves in a deterministic order.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ALIGN",
+    "ArrayRef",
+    "Encoded",
+    "INLINE_MAX_BYTES",
+    "SlotWriter",
+]
+
+# Every array starts at a multiple of 64 bytes: one cache line, and enough for any dtype and for
+# aligned SIMD loads. Costs at most 63 bytes per array.
+ALIGN = 64
+
+# Batches whose arrays total fewer bytes come back pickled: a pickle round trip of 64 KiB costs
+# about as much as a lease, a mapping and a finalizer.
+INLINE_MAX_BYTES = 64 << 10
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayRef:
+    """Where one array of a batch lies in its slot (a leaf of :attr:`Encoded.tree`).
+
+    Attributes:
+        offset: byte offset from the start of the segment.
+        dtype: numpy dtype string of the bytes (``'<f4'``).
+        shape: the array's shape.
+        kind: ``'numpy'`` or ``'torch'``: what :meth:`SlotPool.open` gives back.
+        torch_dtype: for torch dtypes numpy lacks (``'bfloat16'``, float8, ...), the bytes are
+            stored as a same-width integer ``dtype`` and reinterpreted as this torch dtype.
+    """
+
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+    kind: Literal["numpy", "torch"]
+    torch_dtype: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """What a worker sends back for one batch.
+
+    Attributes:
+        tree: if ``inline`` is false, the batch's nesting with every array replaced by an
+            :class:`ArrayRef` (pass it to :meth:`SlotPool.open`); if true, the batch itself.
+        used_bytes: bytes of the slot the batch occupies (0 when inline).
+        needed_bytes: bytes a slot needs to hold this batch (also set when it did not fit).
+        inline: the batch travels pickled; the caller releases the slot.
+    """
+
+    tree: Any
+    used_bytes: int
+    needed_bytes: int
+    inline: bool
+
+
+class SlotWriter:
+    """A bump allocator over one attached slot, for one batch; not thread-safe.
+
+    ``alloc`` hands out aligned views for a collate function to write into; ``encode`` turns
+    the finished batch into an :class:`Encoded`, copying in any array that is not in the slot.
+
+    Args:
+        buf: the slot, as returned by :func:`attach`.
+    """
+
+    def __init__(self, buf: npt.NDArray[np.uint8]) -> None:
+        if not (
+            isinstance(buf, np.ndarray)
+            and buf.dtype == np.uint8
+            and buf.ndim == 1
+            and buf.flags.c_contiguous
+            and buf.flags.writeable
+        ):
+            raise ValueError(f"buf must be a writable 1-D contiguous uint8 array, got {buf!r:.80}")
+        self._buf = buf
+        self._size = int(buf.size)
+        self._base = _address(buf)
+        self._offset = 0  # bump pointer; may pass _size once an alloc has overflowed
+        self._spilled: list[npt.NDArray[Any]] = []  # allocs that did not fit (plain memory)
+        self._encoded = False
+
+    @property
+    def needed_bytes(self) -> int:
+        """Bytes the allocations so far need in a slot."""
+        return self._offset
+
+    @property
+    def overflowed(self) -> bool:
+        """Whether an allocation did not fit and was given plain memory instead."""
+        return self._offset > self._size
+
+    def alloc(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike) -> npt.NDArray[Any]:
+        """A writable C-contiguous array in the slot, or plain memory if it does not fit.
+
+        Raises:
+            ValueError: for a negative dimension or a dtype that cannot live in shared memory
+                (object, structured, zero-width).
+        """
+        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        dt = np.dtype(dtype)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"shape={shape} has a negative dimension")
+        if not _storable_dtype(dt):
+            raise ValueError(f"dtype={dt} cannot be placed in shared memory")
+        nbytes = math.prod(shape) * dt.itemsize
+        start = _align(self._offset)
+        self._offset = start + nbytes
+        if nbytes and self._offset <= self._size:
+            return self._buf[start : self._offset].view(dt).reshape(shape)
+        arr = np.empty(shape, dt)
+        if nbytes:
+            self._spilled.append(arr)
+        return arr
+
+    def encode(self, batch: Any, *, inline_below: int = INLINE_MAX_BYTES) -> Encoded:
+        """Describe ``batch`` by offsets into the slot, copying in arrays that are elsewhere.
+
+        Walks dicts (and other mappings), lists, tuples and namedtuples. numpy arrays and CPU
+        torch tensors become :class:`ArrayRef` leaves: arrays already in the slot (from
+        :meth:`alloc`) without a copy, others (non-contiguous ones too) copied once. Other leaves
+        (numbers, strings, None, object arrays, sparse or CUDA tensors) stay as they are and are
+        pickled. Tensors lose ``requires_grad``; torch dtypes numpy lacks (bfloat16) travel as raw
+        bytes and come back as the same dtype.
+
+        Args:
+            batch: the collated batch.
+            inline_below: batches with fewer array bytes than this are returned inline.
+
+        Returns:
+            The encoded batch; ``inline`` if it was tiny or did not fit the slot, in which case
+            arrays in the slot have been copied out, and ``needed_bytes`` says what would fit.
+
+        Raises:
+            RuntimeError: if called twice (one writer per batch).
+        """
+        if self._encoded:
+            raise RuntimeError("SlotWriter.encode() was already called; use one writer per batch")
+        self._encoded = True
+        spilled = {_address(a) for a in self._spilled}
+        end = min(self._offset, self._size)  # leaves inside [0, end) were handed out by alloc
+        refs: dict[int, ArrayRef] = {}  # id(leaf) -> its descriptor
+        copies: list[tuple[npt.NDArray[Any], ArrayRef]] = []
+        touching: set[int] = set()  # ids of leaves whose memory is in the slot
+        cursor, array_bytes = self._offset, 0
+        for leaf in _iter_leaves(batch):
+            if id(leaf) in refs:
+                continue
+            found = _as_numpy(leaf)
+            if found is None:
+                continue
+            arr, kind, torch_dtype = found
+            array_bytes += arr.nbytes
+            address = _address(arr)
+            start = address - self._base
+            if arr.nbytes and 0 <= start < self._size:
+                touching.add(id(leaf))
+            offset, copy_in = 0, False
+            if arr.nbytes == 0:
+                pass  # no bytes: any offset will do
+            elif (
+                id(leaf) in touching
+                and arr.flags.c_contiguous
+                and start + arr.nbytes <= end
+                and start % arr.dtype.alignment == 0
+            ):
+                offset = start  # made by alloc (or a contiguous view of it): no copy
+            elif address in spilled:
+                pass  # counted in self._offset already; the batch goes inline
+            else:
+                offset, copy_in = _align(cursor), True
+                cursor = offset + arr.nbytes
+            ref = ArrayRef(offset, arr.dtype.str, tuple(arr.shape), kind, torch_dtype)
+            refs[id(leaf)] = ref
+            if copy_in:
+                copies.append((arr, ref))
+        needed = cursor
+        if array_bytes < inline_below or needed > self._size or not refs:
+            tree = batch
+            if touching:  # nothing returned may point into a slot that is about to be reused
+                tree = _map_tree(batch, lambda x: _copy_out(x) if id(x) in touching else x)
+            return Encoded(tree, 0, needed, True)
+        for arr, ref in copies:
+            dst = self._buf[ref.offset : ref.offset + arr.nbytes].view(arr.dtype)
+            np.copyto(dst.reshape(arr.shape), arr)
+        tree = _map_tree(batch, lambda x: refs.get(id(x), x))
+        return Encoded(tree, needed, needed, False)
+
+
+def _address(arr: npt.NDArray[Any]) -> int:
+    return int(arr.__array_interface__["data"][0])
+
+
+def _copy_out(x: Any) -> Any:
+    return x.copy() if isinstance(x, np.ndarray) else x.clone()
+
+
+def _storable_dtype(dt: np.dtype[Any]) -> bool:
+    return not dt.hasobject and dt.fields is None and dt.subdtype is None and dt.itemsize > 0
+
+
+_RAW_INT = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _as_numpy(
+    x: Any,
+) -> tuple[npt.NDArray[Any], Literal["numpy", "torch"], str | None] | None:
+    """The bytes of an array leaf as numpy (sharing memory), its kind, and a raw torch dtype."""
+    if type(x) is np.ndarray or isinstance(x, np.memmap):
+        return (x, "numpy", None) if _storable_dtype(x.dtype) else None
+    torch_mod = sys.modules.get("torch")  # no torch imported: no tensor can be a leaf
+    if torch_mod is None or not isinstance(x, torch_mod.Tensor):
+        return None
+    t: torch.Tensor = x
+    if t.layout != torch_mod.strided or t.device.type != "cpu" or t.is_quantized or t.is_nested:
+        return None
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    try:
+        return t.numpy(), "torch", None
+    except TypeError:  # no numpy dtype (bfloat16, float8, complex32): ship the raw bits
+        raw = _RAW_INT.get(t.element_size())
+        if raw is None:
+            return None
+        return t.view(getattr(torch_mod, raw)).numpy(), "torch", str(t.dtype).split(".")[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading back: descriptors checked against the slot, then views of its root array.
+
+
+def _ref_end(ref: ArrayRef, size: int) -> int:
+    dt = np.dtype(ref.dtype)
+    end = ref.offset + math.prod(ref.shape) * dt.itemsize
+    if ref.offset < 0 or end > size or any(d < 0 for d in ref.shape):
+        raise ValueError(f"descriptor {ref!r} lies outside the slot of {size} bytes")
+    return end
+
+
+def _view(root: npt.NDArray[np.uint8], leaf: Any, torch_mod: Any) -> Any:
+    if not isinstance(leaf, ArrayRef):
+        return leaf
+    dt = np.dtype(leaf.dtype)
+    end = leaf.offset + math.prod(leaf.shape) * dt.itemsize
+    # Views of views collapse to the first array that does not own its data: root. So every
+    # leaf, and anything derived from it, keeps root (and with it the slot) alive.
+    arr = root[leaf.offset : end].view(dt).reshape(leaf.shape)
+    if leaf.kind == "numpy":
+        return arr
+    tensor = torch_mod.from_numpy(arr)
+    if leaf.torch_dtype is not None:
+        tensor = tensor.view(getattr(torch_mod, leaf.torch_dtype))
+    return tensor
+
+
+def _import_torch() -> Any:
+    import torch
+
+    return torch
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch trees: the containers that encode/open walk; anything else is a leaf.
+
+
+def _iter_leaves(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _iter_leaves(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _iter_leaves(value)
+    else:
+        yield obj
+
+
+def _map_tree(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """Rebuild ``obj`` with ``fn`` applied to every leaf, keeping container types."""
+    if isinstance(obj, Mapping):
+        items = {key: _map_tree(value, fn) for key, value in obj.items()}
+        if isinstance(obj, dict):
+            clone = copy.copy(obj)  # keeps dict subclasses (defaultdict, OrderedDict) intact
+            clone.update(items)
+            return clone
+        factory: Any = type(obj)
+        try:
+            return factory(items)
+        except TypeError:
+            return items
+    if isinstance(obj, (list, tuple)):
+        values = [_map_tree(value, fn) for value in obj]
+        if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):  # namedtuple
+            return type(obj)(*values)
+        try:
+            return type(obj)(values)
+        except TypeError:
+            return tuple(values) if isinstance(obj, tuple) else values
+    return fn(obj)
