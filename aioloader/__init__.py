@@ -85,8 +85,5 @@ __all__ = [
 for _name in __all__:
     _obj = globals()[_name]
     if getattr(_obj, "__module__", "").startswith("aioloader."):
-        try:
-            _obj.__module__ = "aioloader"
-        except (AttributeError, TypeError):  # pragma: no cover - builtins-like objects
-            pass
+        _obj.__module__ = "aioloader"
 del _name, _obj

@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import _shm
-from ._shm import INLINE_MAX_BYTES
 from ._batch import BatchMaker, BatchRequest, Made
+from ._shm import INLINE_MAX_BYTES
 from ._workers import (
     IterJob,
     MapJob,

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import threading
@@ -80,10 +81,8 @@ def child_pids() -> set[int]:
     for child in psutil.Process().children():
         if not _helper_process(child):
             pids.add(child.pid)
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             pids.update(p.pid for p in child.children(recursive=True))
-        except psutil.NoSuchProcess:
-            pass
     return pids
 
 

@@ -774,7 +774,8 @@ def test_map_hooks_see_each_segment_once_with_its_address() -> None:
         assert first is not None
         pool.release(first)
         again = pool.lease(1000)  # reused: no second registration
-        assert again is not None and again.name == first.name
+        assert again is not None
+        assert again.name == first.name
         assert len(mapped) == 1
         ((address, size),) = mapped.items()
         assert size == first.size

@@ -1,0 +1,232 @@
+"""aioloader against torch's DataLoader, same data, same worker count, same run.
+
+Three workloads from the process-workers issue, each measured in a fresh child process (so one
+loader's workers and memory do not colour the next), reported as batches/s and as the ratio
+aioloader / torch. The machine is shared and noisy: read the ratios, not the absolute numbers.
+
+- ``large``: 64 x 3x224x224 uint8 (9.6 MB a batch) from an in-memory data set, with a cheap
+  per-sample transform (a horizontal flip);
+- ``cpu``: ~2 ms of per-sample Python work, batch 32;
+- ``tiny``: Python ints, batch 256.
+
+Each case runs one warm-up epoch (workers start, shared memory is faulted in), then times whole
+epochs. torch runs with ``persistent_workers=True`` so its workers, too, start once. Peak memory is
+the largest sum of PSS over the process and its children, sampled every 20 ms.
+
+    python benchmarks/bench_loader.py                 # all cases
+    python benchmarks/bench_loader.py --case tiny --epochs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+CASES = {
+    # name: (dataset kind, length, batch size, worker counts)
+    "large": ("large", 640, 64, (2, 0)),
+    "cpu": ("cpu", 640, 32, (2, 0)),
+    "tiny": ("tiny", 256 * 400, 256, (2, 0)),
+}
+
+
+class LargeImages:
+    """Images held in memory; each sample is flipped (a cheap per-sample transform)."""
+
+    def __init__(self, n: int) -> None:
+        rng = np.random.default_rng(0)
+        self.data = rng.integers(0, 255, size=(64, 3, 224, 224), dtype=np.uint8)
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.ascontiguousarray(self.data[i % 64][:, :, ::-1])
+
+
+def _burn(ms: float) -> float:
+    end = time.perf_counter() + ms / 1000
+    x = 0.0
+    while time.perf_counter() < end:
+        x += 1.0
+    return x
+
+
+class CpuHeavy:
+    """~2 ms of CPU per sample (a busy loop holding the GIL), then a small array."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        _burn(2.0)
+        return np.full(64, i, dtype=np.float32)
+
+
+class Tiny:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def make_dataset(kind: str, n: int) -> Any:
+    return {"large": LargeImages, "cpu": CpuHeavy, "tiny": Tiny}[kind](n)
+
+
+class PeakPss:
+    """Samples the PSS of this process and its children until stopped."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self._stop.is_set():
+            total = 0
+            for p in [me, *me.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error, AttributeError):
+                    total += p.memory_full_info().pss
+            self.peak = max(self.peak, total)
+            self._stop.wait(0.02)
+
+    def __enter__(self) -> PeakPss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_torch(kind: str, n: int, batch: int, workers: int, epochs: int) -> dict[str, float]:
+    import torch.utils.data as tud
+
+    loader = tud.DataLoader(
+        make_dataset(kind, n),
+        batch_size=batch,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        multiprocessing_context="forkserver" if workers else None,
+    )
+    with PeakPss() as mem:
+        for _ in loader:
+            pass
+        start = time.perf_counter()
+        batches = 0
+        for _ in range(epochs):
+            for _ in loader:
+                batches += 1
+        elapsed = time.perf_counter() - start
+    del loader
+    return {"batches_per_s": batches / elapsed, "peak_pss_mb": mem.peak / 2**20}
+
+
+def run_ours(kind: str, n: int, batch: int, workers: int, epochs: int) -> dict[str, float]:
+    import aioloader
+
+    async def main() -> dict[str, float]:
+        async with aioloader.DataLoader(
+            make_dataset(kind, n), batch_size=batch, num_workers=workers
+        ) as loader:
+            with PeakPss() as mem:
+                async for _ in loader:
+                    pass
+                start = time.perf_counter()
+                batches = 0
+                for _ in range(epochs):
+                    async for _ in loader:
+                        batches += 1
+                elapsed = time.perf_counter() - start
+        return {"batches_per_s": batches / elapsed, "peak_pss_mb": mem.peak / 2**20}
+
+    return aioloader.run(main())
+
+
+def child(args: argparse.Namespace) -> None:
+    kind, n, batch, _ = CASES[args.case]
+    fn = run_ours if args.impl == "aioloader" else run_torch
+    result = fn(kind, n, batch, args.workers, args.epochs)
+    print(json.dumps(result))
+
+
+def measure(case: str, impl: str, workers: int, epochs: int) -> dict[str, float]:
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            "--case",
+            case,
+            "--impl",
+            impl,
+            "--workers",
+            str(workers),
+            "--epochs",
+            str(epochs),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{impl} {case} workers={workers} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", choices=[*CASES, "all"], default="all")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--impl", default="aioloader", help=argparse.SUPPRESS)
+    parser.add_argument("--workers", type=int, default=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    cases = list(CASES) if args.case == "all" else [args.case]
+    print(
+        f"{'case':<6} {'workers':>7} {'torch b/s':>10} {'ours b/s':>10} {'ratio':>6} "
+        f"{'torch PSS MB':>12} {'ours PSS MB':>11}"
+    )
+    for case in cases:
+        for workers in CASES[case][3]:
+            theirs = measure(case, "torch", workers, args.epochs)
+            ours = measure(case, "aioloader", workers, args.epochs)
+            ratio = ours["batches_per_s"] / theirs["batches_per_s"]
+            print(
+                f"{case:<6} {workers:>7} {theirs['batches_per_s']:>10.1f} "
+                f"{ours['batches_per_s']:>10.1f} {ratio:>5.2f}x "
+                f"{theirs['peak_pss_mb']:>12.0f} {ours['peak_pss_mb']:>11.0f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    asyncio.set_event_loop_policy(None)
+    main()
