@@ -367,6 +367,17 @@ class Epoch:
         while the batch still waits in a worker's queue (behind a slow or hung batch, which has
         a deadline of its own), the clock starts again and the job keeps its place.
         """
+        if self.config.timeout is None and not (retry and self.config.max_retries):
+            # The common case, kept lean: no extra task per batch.
+            try:
+                return self._made(batch_id, await attempt())
+            except asyncio.CancelledError:
+                raise
+            except WorkerCrashedError as exc:
+                annotate(exc, f"batch {batch_id}: {what}")
+                return Outcome(batch_id, error=exc)
+            except BaseException as exc:
+                return Outcome(batch_id, error=exc)
         tries = 0
         while True:
             job = asyncio.ensure_future(attempt())

@@ -11,7 +11,7 @@ aioloader / torch. The machine is shared and noisy: read the ratios, not the abs
 
 Each case runs one warm-up epoch (workers start, shared memory is faulted in), then times whole
 epochs. torch runs with ``persistent_workers=True`` so its workers, too, start once. Peak memory is
-the largest sum of PSS over the process and its children, sampled every 20 ms.
+the largest sum of PSS over the process and its children, sampled every 100 ms.
 
     python benchmarks/bench_loader.py                 # all cases
     python benchmarks/bench_loader.py --case tiny --epochs 3
@@ -32,9 +32,13 @@ from typing import Any
 
 import numpy as np
 
+# Sampling PSS reads /proc/PID/smaps_rollup of every process: cheap at this interval, but at
+# 20 ms it took a visible share of the 2 CPUs from the loaders being measured.
+PSS_INTERVAL_S = 0.1
+
 CASES = {
     # name: (dataset kind, length, batch size, worker counts)
-    "large": ("large", 640, 64, (2, 0)),
+    "large": ("large", 1280, 64, (2, 0)),
     "cpu": ("cpu", 640, 32, (2, 0)),
     "tiny": ("tiny", 256 * 400, 256, (2, 0)),
 }
@@ -95,6 +99,8 @@ def make_dataset(kind: str, n: int) -> Any:
 class PeakPss:
     """Samples the PSS of this process and its children until stopped."""
 
+    enabled = True  # --no-memory turns sampling off, for the least disturbed throughput
+
     def __init__(self) -> None:
         self.peak = 0
         self._stop = threading.Event()
@@ -110,15 +116,17 @@ class PeakPss:
                 with contextlib.suppress(psutil.Error, AttributeError):
                     total += p.memory_full_info().pss
             self.peak = max(self.peak, total)
-            self._stop.wait(0.02)
+            self._stop.wait(PSS_INTERVAL_S)
 
     def __enter__(self) -> PeakPss:
-        self._thread.start()
+        if self.enabled:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        if self.enabled:
+            self._thread.join()
 
 
 def run_torch(kind: str, n: int, batch: int, workers: int, epochs: int) -> dict[str, float]:
@@ -172,11 +180,14 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
-def measure(case: str, impl: str, workers: int, epochs: int) -> dict[str, float]:
+def measure(
+    case: str, impl: str, workers: int, epochs: int, memory: bool = True
+) -> dict[str, float]:
     out = subprocess.run(
         [
             sys.executable,
             __file__,
+            *([] if memory else ["--no-memory"]),
             "--child",
             "--case",
             case,
@@ -201,11 +212,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", choices=[*CASES, "all"], default="all")
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument(
+        "--no-memory", action="store_true", help="do not sample PSS (less disturbance)"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--impl", default="aioloader", help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
+        PeakPss.enabled = not args.no_memory
         child(args)
         return
     cases = list(CASES) if args.case == "all" else [args.case]
@@ -215,8 +230,8 @@ def main() -> None:
     )
     for case in cases:
         for workers in CASES[case][3]:
-            theirs = measure(case, "torch", workers, args.epochs)
-            ours = measure(case, "aioloader", workers, args.epochs)
+            theirs = measure(case, "torch", workers, args.epochs, not args.no_memory)
+            ours = measure(case, "aioloader", workers, args.epochs, not args.no_memory)
             ratio = ours["batches_per_s"] / theirs["batches_per_s"]
             print(
                 f"{case:<6} {workers:>7} {theirs['batches_per_s']:>10.1f} "
