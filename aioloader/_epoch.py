@@ -343,7 +343,7 @@ class Epoch:
 
     async def _produce_request(self, request: BatchRequest) -> None:
         outcome = await self._with_deadline(
-            request.batch_id, lambda: self._runner.make(request), _indices_text(request)
+            request.batch_id, lambda: self._runner.make(request), lambda: _indices_text(request)
         )
         self._store(outcome)
 
@@ -351,7 +351,7 @@ class Epoch:
         outcome = await self._with_deadline(
             job.batch_id,
             lambda: self._runner.pull(job, worker),
-            f"the stream of worker {worker}",
+            lambda: f"the stream of worker {worker}",
             retry=False,  # a stream cannot be rewound: a lost batch is an error, never a re-read
         )
         if outcome.value is END or outcome.error is not None:
@@ -359,7 +359,12 @@ class Epoch:
         self._store(outcome)
 
     async def _with_deadline(
-        self, batch_id: int, attempt: Callable[[], Any], what: str, *, retry: bool = True
+        self,
+        batch_id: int,
+        attempt: Callable[[], Any],
+        what: Callable[[], str],
+        *,
+        retry: bool = True,
     ) -> Outcome:
         """Run ``attempt`` under the batch deadline, retrying crashes and timeouts if asked.
 
@@ -374,7 +379,7 @@ class Epoch:
             except asyncio.CancelledError:
                 raise
             except WorkerCrashedError as exc:
-                annotate(exc, f"batch {batch_id}: {what}")
+                annotate(exc, f"batch {batch_id}: {what()}")
                 return Outcome(batch_id, error=exc)
             except BaseException as exc:
                 return Outcome(batch_id, error=exc)
@@ -390,7 +395,7 @@ class Epoch:
                     tries += 1
                     self._counters.retries += 1
                     continue
-                annotate(exc, f"batch {batch_id}: {what}")
+                annotate(exc, f"batch {batch_id}: {what()}")
                 return Outcome(batch_id, error=exc)
             except BaseException as exc:  # user code's error, TimeoutError included
                 return Outcome(batch_id, error=exc)
@@ -404,7 +409,7 @@ class Epoch:
                 tries += 1
                 self._counters.retries += 1
                 continue
-            return Outcome(batch_id, error=self._timeout_error(batch_id, what, started, pid))
+            return Outcome(batch_id, error=self._timeout_error(batch_id, what(), started, pid))
 
     async def _await_job(self, job: asyncio.Future[Any], batch_id: int) -> tuple[bool, float]:
         """Wait for ``job``; ``(True, start)`` once it ran past the deadline, else ``(False, _)``
