@@ -119,7 +119,11 @@ class Epoch:
         self._samples: dict[int, int] = {}  # batch id -> samples in it, until yielded
         self._samples_seen = 0
         self._failures = 0
-        self.held = 0  # batches popped whose permits are held by the device stage
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop this epoch runs on, once started."""
+        return self._loop
 
     # -- consumer side -----------------------------------------------------------------------
 
@@ -168,9 +172,7 @@ class Epoch:
             self._release_permit()
             self._yielded(outcome.batch_id, outcome.value)
             return outcome.value
-        self._handing.append(
-            (outcome.batch_id, self._device.start(outcome.value, outcome.batch_id))
-        )
+        self._handing.append((outcome.batch_id, self._start_copy(outcome)))
         # Start the copies of the batches right behind, so batch i+1 crosses while i is used.
         # An error, a stream end or an empty batch waits its turn in the buffer.
         while len(self._handing) <= self.config.device_prefetch:
@@ -178,8 +180,17 @@ class Epoch:
             if nxt is None or nxt.error is not None or nxt.value is END or nxt.value is EMPTY_BATCH:
                 break
             self.reorder.pop_ready()
-            self._handing.append((nxt.batch_id, self._device.start(nxt.value, nxt.batch_id)))
+            self._handing.append((nxt.batch_id, self._start_copy(nxt)))
         return await self._hand_over()
+
+    def _start_copy(self, outcome: Outcome) -> Any:
+        """Start a batch's device copy; a failure to start waits its turn like the batch would,
+        so its permit and its place in the order are kept (and released) like any other."""
+        assert self._device is not None
+        try:
+            return self._device.start(outcome.value, outcome.batch_id)
+        except Exception as exc:
+            return _FailedCopy(exc)
 
     async def _hand_over(self) -> Any:
         batch_id, transfer = self._handing[0]
@@ -332,12 +343,25 @@ class Epoch:
         sharded = bool(indices) and isinstance(indices[0], list | tuple)
         request = BatchRequest(self.epoch, batch_id, indices, sharded=sharded)
         if self.config.kind == "async_map":
+            # The deadline covers the fetch too: an item that never arrives must not stall the
+            # epoch. (The CPU stage after it gets a deadline of its own.)
+            started = time.monotonic()
+            deadline = asyncio.timeout(self.config.timeout)
             try:
-                request = await self._fetch(request)
+                async with deadline:
+                    request = await self._fetch(request)
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:
-                self._store(Outcome(batch_id, error=exc))
+                if isinstance(exc, TimeoutError) and deadline.expired():
+                    self._counters.timeouts += 1
+                    error: BaseException = self._timeout_error(
+                        batch_id, f"fetching {_indices_text(request)}", started, None
+                    )
+                    error.__cause__ = exc
+                else:
+                    error = exc
+                self._store(Outcome(batch_id, error=error))
                 return
         await self._produce_request(request)
 
@@ -600,6 +624,18 @@ class EpochIterator:
 
     def __del__(self) -> None:
         self.epoch.close_nowait()
+
+
+class _FailedCopy:
+    """Stands in for a transfer that could not start: waiting on it raises its error."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error: BaseException | None = error
+
+    async def wait(self) -> Any:
+        error, self.error = self.error, None  # drop the reference: the batch's slot can go
+        assert error is not None
+        raise error
 
 
 @dataclass(frozen=True, slots=True)

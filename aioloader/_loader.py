@@ -145,7 +145,11 @@ class DataLoader:
             ``io_concurrency`` item fetches can be in flight).
         in_order: yield in sampler order (default) or as batches complete.
         worker_init_fn: called with the worker id in each worker process at start.
-        seed: base seed for shuffling and per-batch worker seeding (random if None).
+        seed: base seed for shuffling and per-batch worker seeding (random if None). Worker
+            processes reseed ``random``, ``numpy.random`` and torch before each batch from
+            (seed, epoch, batch id). Threads (``num_workers=0``, ``thread_pool=True``) share the
+            process's global generators with your own code, so they are not reseeded (as in
+            torch): draw per-sample randomness from a generator seeded by the index there.
         thread_pool: run ``num_workers`` threads instead of processes.
         batchify_fn: another name for ``collate_fn`` (MXNet).
         transform: applied to each sample off the event loop, before collation.
@@ -370,7 +374,7 @@ class DataLoader:
                     if res.slots is None and _shm.shm_available():
                         res.slots = self._slot_pool(res.device)
                     pool = WorkerPool(self.num_workers, self._context, self._payload, self.seed)
-                    res.runner = ProcessRunner(pool, res.slots)
+                    res.runner = ProcessRunner(pool, res.slots, self.prefetch)
                 else:
                     threads = self.num_workers if self.thread_pool and self.num_workers else 1
                     res.runner = ThreadRunner(self._maker(), threads)
@@ -494,7 +498,11 @@ class DataLoader:
         await self.aclose()
 
     def __enter__(self) -> DataLoader:
+        """Start the workers now (like ``async with``), so the first epoch is not slowed by it."""
         self._ensure_resources()
+        runner = self._res.runner
+        if isinstance(runner, ProcessRunner):
+            runner.pool.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -508,21 +516,30 @@ class DataLoader:
             await asyncio.to_thread(runner.pool.start)
 
     async def aclose(self) -> None:
-        """Stop everything and release every process, thread, task and segment. Idempotent."""
-        epoch, self._res.epoch = self._res.epoch, None
-        if epoch is not None:
-            if epoch._loop is asyncio.get_running_loop():
-                await epoch.aclose()
-            else:
-                epoch.close_nowait()
-        aclose = self._res.dataset_aclose
-        self._res.dataset_aclose = None
-        if aclose is not None:
-            await aclose()
-        device = self._res.device
-        if device is not None and device.enabled:
-            await device.drain()  # copies still in flight finish without blocking the loop
-        await asyncio.to_thread(self._close_now)
+        """Stop everything and release every process, thread, task and segment. Idempotent.
+
+        The processes, threads and segments are released even if closing the epoch, the
+        dataset or the device stage fails or is cancelled (that error is raised afterwards).
+        """
+        try:
+            epoch, self._res.epoch = self._res.epoch, None
+            if epoch is not None:
+                if epoch.loop is asyncio.get_running_loop():
+                    await epoch.aclose()
+                else:
+                    epoch.close_nowait()
+            aclose, self._res.dataset_aclose = self._res.dataset_aclose, None
+            if aclose is not None:
+                await aclose()
+            device = self._res.device
+            if device is not None and device.enabled:
+                await device.drain()  # copies still in flight finish without blocking the loop
+        finally:
+            try:
+                await asyncio.to_thread(self._close_now)
+            except asyncio.CancelledError:
+                self._close_now()  # cancelled while waiting: finish the job here, then go
+                raise
 
     def close(self) -> None:
         """Synchronous :meth:`aclose`, for code without an event loop. Idempotent."""

@@ -214,18 +214,29 @@ class ProcessRunner:
         slots: the shared-memory slot pool, or None to send every batch pickled.
     """
 
-    def __init__(self, pool: WorkerPool, slots: _shm.SlotPool | None) -> None:
+    def __init__(self, pool: WorkerPool, slots: _shm.SlotPool | None, prefetch: int = 1) -> None:
         self.pool = pool
         self.slots = slots
+        self._prefetch = prefetch
         self._batch_bytes = 0  # the largest batch seen: leases are sized from it
+        self._checked_bytes = 0  # the batch size /dev/shm was last checked for
 
-    def _lease(self) -> _shm.Slot | None:
-        if self.slots is None or self._batch_bytes < INLINE_MAX_BYTES:
+    async def _lease(self) -> _shm.Slot | None:
+        """A slot for the next batch; None sends it inline. Reuse is instant; creating a
+        segment reserves and maps its pages, so it runs in a thread, off the loop."""
+        size = self._batch_bytes
+        if self.slots is None or size < INLINE_MAX_BYTES:
             return None
-        return self.slots.lease(self._batch_bytes)
+        slot = self.slots.reuse(size)
+        if slot is not None:
+            return slot
+        if size > self._checked_bytes:  # warn up front if prefetch x batch will not fit
+            self._checked_bytes = size
+            self.slots.preflight(size, self._prefetch + 1)
+        return await asyncio.to_thread(self.slots.lease, size)
 
     async def _run(self, fn: Any, job_of: Any, batch_id: int, worker: int | None) -> Made:
-        slot = self._lease()
+        slot = await self._lease()
         release = (lambda: self.slots.release(slot)) if slot is not None else None  # type: ignore[union-attr]
         try:
             reply: Reply = await self.pool.submit(

@@ -325,6 +325,27 @@ class SlotPool:
             f"held={s.held} bytes={s.bytes_total}/{s.max_bytes}>"
         )
 
+    def reuse(self, nbytes: int) -> Slot | None:
+        """Lease a free slot of at least ``nbytes`` if there is one; never creates a segment.
+
+        Cheap (no system call), so the event loop may call it; when it returns None, call
+        :meth:`lease` from a thread, since creating a segment takes a while.
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("SlotPool is closed")
+            self._drain()
+            best = min(
+                (s for s in self._segments.values() if s.state is _State.FREE and s.size >= nbytes),
+                key=lambda s: s.size,
+                default=None,
+            )
+            if best is None:
+                return None
+            best.state = _State.LEASED
+            best.lease_id = next(self._lease_ids)
+            return Slot(best.name, best.size, best.lease_id)
+
     def lease(self, nbytes: int) -> Slot | None:
         """Lease a slot of at least ``nbytes`` for one batch.
 

@@ -514,11 +514,16 @@ def resolve_context(mp_context: str | BaseContext | None, *, allow_fork: bool) -
         ctx = mp_context
     else:
         raise TypeError(f"mp_context must be a start method name or a context, got {mp_context!r}")
-    if ctx.get_start_method() == "fork" and not allow_fork and threading.active_count() > 1:
+    if ctx.get_start_method() == "fork" and not allow_fork:
+        # Workers are forked while the loader runs: from the event loop's thread or a helper
+        # thread, with the loop's executor and the executors' manager threads alive. A forked
+        # child inherits locks those threads may hold and can deadlock, so fork is refused
+        # unless the caller insists; counting threads now would not tell what runs at fork time.
         raise ValueError(
-            "mp_context='fork' is refused while other threads run (an event loop's executor, "
-            f"{threading.active_count() - 1} thread(s) now): a forked worker inherits their "
-            "locks and can deadlock. Use 'forkserver' or 'spawn', or pass allow_fork=True."
+            "mp_context='fork' is refused while other threads run: workers are started from "
+            f"the event loop or a helper thread ({threading.active_count()} thread(s) now), "
+            "and a forked worker inherits their locks and can deadlock. Use 'forkserver' or "
+            "'spawn', or pass allow_fork=True."
         )
     if ctx.get_start_method() == "forkserver":
         with contextlib.suppress(Exception):  # only effective before the server starts
@@ -641,7 +646,8 @@ class WorkerPool:
             future: Future[Reply] | None = None
             slot.outstanding += 1
             try:
-                future = slot.executor.submit(fn, job)
+                executor = slot.executor
+                future = executor.submit(fn, job)
                 if slot.process is None:
                     slot.process = next(iter(slot.executor._processes.values()), None)
                 reply = await asyncio.wrap_future(future, loop=loop)
@@ -650,6 +656,10 @@ class WorkerPool:
                     slot.failed_starts = 0
                 return reply
             except BrokenProcessPool as exc:
+                # Reading the dead worker's exit status waits for threads: do the waiting off
+                # the loop, then the bookkeeping on it (no race with other jobs' submits).
+                if slot.generation == generation:
+                    await asyncio.to_thread(_reap, executor, slot.process)
                 crash = self._on_broken(slot, generation)
                 if crash.culprit is None and crash.failed_starts >= MAX_START_FAILURES:
                     raise self._start_error(crash, batch_id) from exc
@@ -793,6 +803,19 @@ def _after(future: Future[Any], loop: asyncio.AbstractEventLoop, fn: Callable[[]
             fn()
 
     future.add_done_callback(done)
+
+
+def _reap(executor: ProcessPoolExecutor, process: Any) -> None:
+    """Wait (bounded) until a broken executor's manager thread has reaped its dead process.
+
+    A forkserver child's exit status is read from a pipe, once: a second reader at the same
+    time gets EOF and records 255 instead of the signal. Blocking: call it from a thread.
+    """
+    manager = getattr(executor, "_executor_manager_thread", None)
+    if manager is not None and manager is not threading.current_thread():
+        manager.join(timeout=EXIT_STATUS_WAIT_S)
+    if process is not None:
+        process.join(timeout=EXIT_STATUS_WAIT_S)
 
 
 def _describe_exit(exitcode: int | None) -> str:

@@ -424,11 +424,13 @@ async def test_three_epochs_with_crashes_leave_nothing_and_stay_exact(tmp_path: 
     async with fd.make_loader(ds, batch_size=size, shuffle=True, seed=seed) as loader:
         # Epoch 0: stop at the crash, with other batches still in flight.
         run0 = await fd.run_epoch(aiter(loader), stop_at_error=True)
+        assert len(run0.errors) == 1, [f"{e!r} {getattr(e, '__notes__', '')}" for e in run0.errors]
         [err0] = run0.errors
         assert isinstance(err0, aioloader.WorkerCrashedError)
         seen_pids.update(_pool_pids(loader))
         # Epoch 1: the crash again, then every other batch, in this epoch's order only.
         run1 = await fd.run_epoch(aiter(loader))
+        assert len(run1.errors) == 1, [f"{e!r} {getattr(e, '__notes__', '')}" for e in run1.errors]
         [err1] = run1.errors
         assert isinstance(err1, aioloader.WorkerCrashedError)
         fd.assert_exact(run1, _shuffled_batches(n, size, seed, 1))
