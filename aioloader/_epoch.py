@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -110,7 +111,8 @@ class Epoch:
         self._io: asyncio.Semaphore | None = None
         self._ready: asyncio.Event | None = None
         self._scheduler: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        # produce tasks, and futures of batches made without one (the thread fast path)
+        self._tasks: set[asyncio.Future[Any]] = set()
         self._scheduling_done = False
         self._handing: list[tuple[int, Any]] = []  # popped, not yet handed over (device copy)
         self._closed = False
@@ -279,10 +281,23 @@ class Epoch:
     async def _schedule_plan(self) -> None:
         async def body() -> None:
             assert self._plan is not None
+            # A sync map dataset on threads with no deadline needs no task per batch: the
+            # thread's future reports straight into the reorder buffer. For batches that take
+            # tens of microseconds to make, the task machinery is most of the cost.
+            start_make: Callable[[BatchRequest], asyncio.Future[Made]] | None = getattr(
+                self._runner, "start_make", None
+            )
+            if self.config.kind != "map" or self.config.timeout is not None:
+                start_make = None
             for batch_id, indices in self._plan:
                 self._next_id = batch_id + 1
                 await self._scheduled(batch_id)
-                self._spawn(self._produce_map(batch_id, indices), batch_id)
+                if start_make is not None:
+                    future = start_make(_request(self.epoch, batch_id, indices))
+                    self._tasks.add(future)
+                    future.add_done_callback(functools.partial(self._made_by_thread, batch_id))
+                else:
+                    self._spawn(self._produce_map(batch_id, indices), batch_id)
 
         await self._run_scheduler(body)
 
@@ -339,9 +354,17 @@ class Epoch:
 
         await self._run_scheduler(body)
 
+    def _made_by_thread(self, batch_id: int, future: asyncio.Future[Made]) -> None:
+        self._tasks.discard(future)
+        if future.cancelled():
+            return
+        error = future.exception()
+        self._store(
+            Outcome(batch_id, error=error) if error else self._made(batch_id, future.result())
+        )
+
     async def _produce_map(self, batch_id: int, indices: Any) -> None:
-        sharded = bool(indices) and isinstance(indices[0], list | tuple)
-        request = BatchRequest(self.epoch, batch_id, indices, sharded=sharded)
+        request = _request(self.epoch, batch_id, indices)
         if self.config.kind == "async_map":
             # The deadline covers the fetch too: an item that never arrives must not stall the
             # epoch. (The CPU stage after it gets a deadline of its own.)
@@ -624,6 +647,11 @@ class EpochIterator:
 
     def __del__(self) -> None:
         self.epoch.close_nowait()
+
+
+def _request(epoch: int, batch_id: int, indices: Any) -> BatchRequest:
+    sharded = bool(indices) and isinstance(indices[0], list | tuple)
+    return BatchRequest(epoch, batch_id, indices, sharded=sharded)
 
 
 class _FailedCopy:

@@ -138,8 +138,12 @@ class DataLoader:
         drop_last: ``True`` means ``last_batch='discard'``.
         last_batch: ``'keep'``, ``'discard'`` or ``'rollover'`` (the remainder starts the next
             epoch).
-        timeout: seconds of producer time a batch may take (None or 0: no limit). A late batch
-            raises :class:`LoaderTimeoutError`; its worker is killed and replaced.
+        timeout: seconds of producer time a batch may take (None or 0: no limit); for async
+            datasets the fetch of its items counts too. A late batch raises
+            :class:`LoaderTimeoutError`; its worker process is killed and replaced. A thread
+            (``num_workers=0``, ``thread_pool=True``) cannot be killed: its batch times out,
+            but batches queued behind that thread wait for it. Use worker processes for code
+            that may hang.
         prefetch: batches in flight or ready at once (default ``2 * max(1, num_workers)``; for
             async datasets at least ``ceil(io_concurrency / batch_size) + 2``, so that
             ``io_concurrency`` item fetches can be in flight).

@@ -74,6 +74,10 @@ class ThreadRunner:
     async def make(self, request: BatchRequest) -> Made:
         return await self._threads.run(self._make, request)
 
+    def start_make(self, request: BatchRequest) -> asyncio.Future[Made]:
+        """:meth:`make` without a coroutine: the future of the batch, made on a thread."""
+        return self._threads.run(self._make, request)
+
     def _make(self, request: BatchRequest) -> Made:
         self._running.add(request.batch_id)  # set.add/discard are atomic: no lock needed
         try:

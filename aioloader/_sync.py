@@ -10,6 +10,11 @@ There is no queue between the two: the pipeline's own prefetch is the only buffe
 permit of a batch is still returned exactly when the caller takes it. Abandoning the iterator
 (``break``, an exception, garbage collection) closes the epoch on the loop thread; closing the
 loader stops the loop and joins the thread.
+
+Sharp edge: with a CUDA ``device``, the hand-over of each copied batch orders it before work on
+the *loop thread's* current stream (the default stream). A training thread that runs its own
+``torch.cuda.stream(s)`` should call ``s.wait_stream(torch.cuda.default_stream())`` or
+iterate asynchronously, where the consumer's stream is the current one.
 """
 
 from __future__ import annotations
