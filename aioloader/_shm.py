@@ -331,20 +331,7 @@ class SlotPool:
         Cheap (no system call), so the event loop may call it; when it returns None, call
         :meth:`lease` from a thread, since creating a segment takes a while.
         """
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("SlotPool is closed")
-            self._drain()
-            best = min(
-                (s for s in self._segments.values() if s.state is _State.FREE and s.size >= nbytes),
-                key=lambda s: s.size,
-                default=None,
-            )
-            if best is None:
-                return None
-            best.state = _State.LEASED
-            best.lease_id = next(self._lease_ids)
-            return Slot(best.name, best.size, best.lease_id)
+        return self._lease(nbytes, create=False)
 
     def lease(self, nbytes: int) -> Slot | None:
         """Lease a slot of at least ``nbytes`` for one batch.
@@ -365,6 +352,9 @@ class SlotPool:
             RuntimeError: if the pool is closed.
             SharedMemoryError: if ``/dev/shm`` has no room for the segment.
         """
+        return self._lease(nbytes, create=True)
+
+    def _lease(self, nbytes: int, *, create: bool) -> Slot | None:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
             raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
         with self._lock:
@@ -377,7 +367,7 @@ class SlotPool:
                 default=None,
             )
             if best is None:
-                best = self._make_room_and_create(nbytes)
+                best = self._make_room_and_create(nbytes) if create else None
                 if best is None:
                     return None
             best.state = _State.LEASED

@@ -799,3 +799,20 @@ def test_a_failing_map_hook_does_not_break_leasing() -> None:
         pool.release(slot)
     finally:
         pool.close()
+
+
+def test_reuse_never_creates_a_segment() -> None:
+    pool = SlotPool(8 << 20, min_slot_bytes=1 << 20)
+    try:
+        assert pool.reuse(1000) is None  # nothing free yet, and reuse does not create
+        assert pool.stats().slots == 0
+        slot = pool.lease(1000)
+        assert slot is not None
+        pool.release(slot)
+        again = pool.reuse(1000)
+        assert again is not None
+        assert again.name == slot.name
+        assert pool.reuse(1000) is None  # the only slot is leased now
+        pool.release(again)
+    finally:
+        pool.close()
