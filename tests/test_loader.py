@@ -13,7 +13,6 @@ shared-memory segment outlives a test.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import os
 import threading
@@ -23,11 +22,11 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import numpy as np
-import psutil
 import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from procs import no_worker_left_behind, worker_processes
 
 import aioloader
 from aioloader import (
@@ -244,33 +243,6 @@ def expected_batches(n: int, size: int, drop: bool = False) -> list[list[int]]:
     if drop and batches and len(batches[-1]) < size:
         batches.pop()
     return batches
-
-
-def worker_processes() -> set[int]:
-    """Live worker processes of ours: children of the forkserver (the conftest's leak check
-    cannot see them: they carry the forkserver's command line, which it ignores)."""
-    pids = set()
-    for process in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            parent = process.parent()
-            if (
-                parent is not None
-                and process.status() != psutil.STATUS_ZOMBIE
-                and "forkserver" in " ".join(parent.cmdline())
-            ):
-                pids.add(process.pid)
-    return pids
-
-
-@contextlib.contextmanager
-def no_worker_left_behind() -> Iterator[None]:
-    """Fail if a worker process started inside the block is alive 5 s after it ends."""
-    before = worker_processes()
-    yield
-    deadline = time.monotonic() + 5.0
-    while (left := worker_processes() - before) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not left, f"worker processes left: {sorted(left)}"
 
 
 class LoopErrors:

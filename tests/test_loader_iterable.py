@@ -11,16 +11,14 @@ never a silent end. Datasets are defined at module level so worker processes can
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import psutil
 import pytest
 import torch
 import torch.utils.data as tud
+from procs import no_worker_left_behind
 
 import aioloader
 from aioloader import DataLoader
@@ -97,33 +95,6 @@ class AsyncStream:
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-def worker_processes() -> set[int]:
-    """Live worker processes of ours: children of the forkserver (the conftest's leak check
-    cannot see them: they carry the forkserver's command line, which it ignores)."""
-    pids = set()
-    for process in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            parent = process.parent()
-            if (
-                parent is not None
-                and process.status() != psutil.STATUS_ZOMBIE
-                and "forkserver" in " ".join(parent.cmdline())
-            ):
-                pids.add(process.pid)
-    return pids
-
-
-@contextlib.contextmanager
-def no_worker_left_behind() -> Iterator[None]:
-    """Fail if a worker process started inside the block is alive 5 s after it ends."""
-    before = worker_processes()
-    yield
-    deadline = time.monotonic() + 5.0
-    while (left := worker_processes() - before) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not left, f"worker processes left: {sorted(left)}"
 
 
 def as_lists(batches: list[Any]) -> list[list[int]]:
