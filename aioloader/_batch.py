@@ -163,6 +163,8 @@ class BatchMaker:
             return [
                 self._finish(request, i, item, made) for i, item in zip(indices, items, strict=True)
             ]
+        if raw is None and not self.skip_errors and self.decode is None and self.transform is None:
+            return self._read_plain(request, indices)
         samples: list[Any] = []
         for pos, index in enumerate(indices):
             try:
@@ -177,6 +179,23 @@ class BatchMaker:
             if sample is not _SKIPPED:
                 samples.append(sample)
         return samples
+
+    def _read_plain(self, request: BatchRequest, indices: list[int]) -> list[Any]:
+        """Read ``indices`` with nothing to skip or transform: the common case, as a tight
+        loop. For small samples the general path's per-sample bookkeeping costs as much as
+        the reads themselves (measured: 256 ints, 24 us instead of 50)."""
+        dataset = self.dataset
+        get = type(dataset).__getitem__  # what dataset[i] calls
+        items: list[Any] = []
+        append = items.append
+        index = None
+        try:
+            for index in indices:
+                append(get(dataset, index))
+        except Exception as exc:
+            annotate(exc, f"reading sample index {index} of batch {request.batch_id}")
+            raise
+        return items
 
     def _finish(self, request: BatchRequest, index: int, item: Any, made: Made) -> Any:
         if self.decode is None and self.transform is None:
