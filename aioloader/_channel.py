@@ -20,7 +20,7 @@ main side sees end-of-file at once and fails every job the worker held with
 Sharp edges:
 - Pipe ends are bound to one event loop at a time. A loader iterated first synchronously (on
   its private loop) and later with ``async for`` moves them, which is only allowed while no job
-  is pending.
+  is still awaited on the old loop (abandoned ones move along).
 - A cancelled job still in the worker's pipe is skipped when the worker reaches it; one it has
   started runs to the end. Either way the canceller learns when the worker is done with it
   (``on_abandon``), so a shared-memory slot is never reused while a worker may write into it.
@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import itertools
 import os
 import pickle
 import select
@@ -53,6 +55,9 @@ _CANCEL = 1
 _RESULT = 0
 _ERROR = 1
 _CANCELLED = 2
+
+# Most buffers handed to one writev (the kernel's IOV_MAX is 1024 on Linux).
+_IOV_MAX = 64
 
 # Largest single read. Replies are small descriptors unless a batch travels inline.
 _READ_CHUNK = 1 << 20
@@ -198,10 +203,11 @@ class Channel:
         self._rfd = rfd
         self._wfd = wfd
         self._inbox = bytearray()
-        self._outbox = bytearray()
+        self._outbox: deque[memoryview] = deque()  # what the pipe did not take yet
         self._pending: dict[int, _Pending] = {}
         self._next_id = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop jobs are sent from
+        self._watching: set[asyncio.AbstractEventLoop] = set()  # loops that may watch the fds
         self._broken: str | None = None
         self._closed = False
 
@@ -224,7 +230,7 @@ class Channel:
         self._next_id += 1
         future: asyncio.Future[Any] = loop.create_future()
         self._pending[job_id] = _Pending(future)
-        self._write(_frame(job_id, _JOB, payload))
+        self._write(_HEADER.pack(len(payload), job_id, _JOB), payload)
         return job_id, future
 
     def abandon(self, job_id: int, on_abandon: Callable[[], None] | None) -> None:
@@ -239,22 +245,18 @@ class Channel:
             pending.future.cancel()
         pending.on_abandon = on_abandon
         if self._broken is None and not self._closed:
-            self._write(_frame(job_id, _CANCEL, b""))
+            self._write(_HEADER.pack(0, job_id, _CANCEL))
 
     def fail(self, reason: str) -> None:
         """The worker is gone: fail every pending job with ``BrokenProcessPool``. Must run on
         the event loop (see :meth:`fail_threadsafe`)."""
         if self._closed:
-            return  # closing failed the jobs; the pipe numbers may belong to others by now
+            return  # closing failed the jobs already
         if self._broken is None:
             self._broken = reason
-        self._unwatch()
-        pending, self._pending = self._pending, {}
-        for entry in pending.values():
-            if not entry.future.done():
-                entry.future.set_exception(BrokenProcessPool(reason))
-            elif entry.on_abandon is not None:
-                entry.on_abandon()
+        if self._loop is not None:
+            self._unwatch(self._loop)
+        self._fail_pending(reason)
 
     def fail_threadsafe(self, reason: str) -> None:
         """:meth:`fail`, from any thread."""
@@ -266,85 +268,120 @@ class Channel:
             loop.call_soon_threadsafe(self.fail, reason)
 
     def close(self) -> None:
-        """Stop watching and close both pipe ends (the worker sees end-of-file). Callable from
-        any thread; idempotent."""
+        """Stop watching, fail what is pending, and close both pipe ends (the worker sees
+        end-of-file). Callable from any thread; it waits (bounded) for a loop that runs in
+        another thread to let go of the pipes. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        loop = self._loop
-        if loop is not None:
-            _call_on(loop, self._close_now)
-        else:
-            self._close_now()
-
-    def _close_now(self) -> None:
-        self._unwatch()
-        pending, self._pending = self._pending, {}
-        for entry in pending.values():
-            if not entry.future.done():
-                entry.future.set_exception(BrokenProcessPool("the worker pool was closed"))
-            elif entry.on_abandon is not None:
-                entry.on_abandon()
+        if self._loop is not None:
+            _call_on(self._loop, lambda: self._fail_pending("the worker pool was closed"))
+        for loop in list(self._watching):
+            _call_on(loop, functools.partial(self._unwatch, loop))
+        if self._watching:
+            # A loop that did not let go in time may still poll these descriptors: closing
+            # them now could make it act on whatever reuses their numbers. Leave them open.
+            return
         for fd in (self._rfd, self._wfd):
             with contextlib.suppress(OSError):
                 os.close(fd)
 
+    def _fail_pending(self, reason: str) -> None:
+        pending, self._pending = self._pending, {}
+        for entry in pending.values():
+            # A closed loop cannot schedule the callbacks of the futures made on it.
+            with contextlib.suppress(RuntimeError):
+                if not entry.future.done():
+                    entry.future.set_exception(BrokenProcessPool(reason))
+                elif entry.on_abandon is not None:
+                    entry.on_abandon()
+
     # -- event-loop plumbing -----------------------------------------------------------------
+    #
+    # The pipes are watched by the loop jobs are sent from. A loader iterated on one loop and
+    # later on another (its private loop for ``for``, then the caller's for ``async for``)
+    # moves them: the old loop lets go on its own thread, and a callback that fires there in
+    # the meantime only unregisters itself.
 
     def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._loop is loop:
             return
-        if self._pending:
+        if any(not entry.future.done() for entry in self._pending.values()):
             raise RuntimeError(
-                "a loader's worker jobs are still pending on another event loop; iterate a "
+                "a loader's worker jobs are still awaited on another event loop; iterate a "
                 "loader from one event loop at a time"
             )
-        old = self._loop
+        # Abandoned jobs (an epoch broken off) move along: their on_abandon runs here.
+        old, self._loop = self._loop, loop
         if old is not None:
-            _call_on(old, self._unwatch)
-        self._loop = loop
-        loop.add_reader(self._rfd, self._on_readable)
+            _call_soon_on(old, lambda: self._unwatch(old))
+        self._watching.add(loop)
+        loop.add_reader(self._rfd, self._on_readable, loop)
         if self._outbox:
-            loop.add_writer(self._wfd, self._on_writable)
+            loop.add_writer(self._wfd, self._on_writable, loop)
 
-    def _unwatch(self) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
+    def _unwatch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Stop ``loop`` watching the pipes; on ``loop``'s thread (or with it stopped)."""
+        if loop not in self._watching:
+            return
+        self._watching.discard(loop)
+        if loop.is_closed():
             return
         with contextlib.suppress(OSError, ValueError, RuntimeError):
             loop.remove_reader(self._rfd)
         with contextlib.suppress(OSError, ValueError, RuntimeError):
             loop.remove_writer(self._wfd)
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, *parts: bytes) -> None:
+        """Write ``parts`` now as far as the pipe takes them; the rest waits in the outbox
+        (as views: a large request is never copied) until the pipe is writable again."""
         if self._outbox:
-            self._outbox += data
+            self._outbox.extend(memoryview(part) for part in parts if part)
             return
         try:
-            written = os.write(self._wfd, data)
+            written = os.writev(self._wfd, parts)
         except BlockingIOError:
             written = 0
-        except OSError as exc:  # EPIPE: the worker is gone; its end-of-file tells the rest
+        except OSError as exc:  # EPIPE: the worker is gone
             self.fail(f"writing to the worker failed: {exc}")
             return
-        if written < len(data):
-            self._outbox += memoryview(data)[written:]
-            assert self._loop is not None
-            self._loop.add_writer(self._wfd, self._on_writable)
+        for part in parts:
+            if written >= len(part):
+                written -= len(part)
+                continue
+            self._outbox.append(memoryview(part)[written:])
+            written = 0
+        if self._outbox:
+            loop = self._loop
+            assert loop is not None
+            loop.add_writer(self._wfd, self._on_writable, loop)
 
-    def _on_writable(self) -> None:
+    def _on_writable(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop is not self._loop:
+            self._unwatch(loop)
+            return
+        outbox = self._outbox
         try:
-            written = os.write(self._wfd, self._outbox)
+            written = os.writev(self._wfd, list(itertools.islice(outbox, _IOV_MAX)))
         except BlockingIOError:
             return
         except OSError as exc:
             self.fail(f"writing to the worker failed: {exc}")
             return
-        del self._outbox[:written]
-        if not self._outbox and self._loop is not None:
-            self._loop.remove_writer(self._wfd)
+        while written:
+            head = outbox[0]
+            if written < len(head):
+                outbox[0] = head[written:]
+                break
+            written -= len(head)
+            outbox.popleft()
+        if not outbox:
+            loop.remove_writer(self._wfd)
 
-    def _on_readable(self) -> None:
+    def _on_readable(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop is not self._loop:
+            self._unwatch(loop)
+            return
         try:
             eof = _drain(self._rfd, self._inbox)
         except OSError as exc:
@@ -378,14 +415,28 @@ class Channel:
             entry.future.set_exception(error)
 
 
-def _call_on(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
-    """Run ``fn`` where it may touch ``loop``'s watchers: here if the loop is this thread's
-    or is not running, else on the loop's thread (waiting, bounded, until it ran)."""
+def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
-        current = asyncio.get_running_loop()
+        return asyncio.get_running_loop()
     except RuntimeError:
-        current = None
-    if loop.is_closed() or current is loop or not loop.is_running():
+        return None
+
+
+def _call_soon_on(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
+    """Run ``fn`` on ``loop``'s thread: now if that is here or the loop is not running, else
+    soon, without waiting for it."""
+    if loop.is_closed() or _running_loop() is loop or not loop.is_running():
+        fn()
+        return
+    try:
+        loop.call_soon_threadsafe(fn)
+    except RuntimeError:  # closed meanwhile
+        fn()
+
+
+def _call_on(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
+    """:func:`_call_soon_on`, and wait (bounded) until ``fn`` ran."""
+    if loop.is_closed() or _running_loop() is loop or not loop.is_running():
         fn()
         return
     done = threading.Event()

@@ -242,6 +242,36 @@ def test_unpicklable_dataset_is_reported_at_construction() -> None:
     assert "thread_pool=True" in str(info.value)  # and what to do instead
 
 
+# -- one loader, several event loops ------------------------------------------------------------
+
+
+async def test_sync_and_async_epochs_alternate_on_one_set_of_workers() -> None:
+    # ``for`` runs on the loader's private loop, ``async for`` on this one: the workers' pipes
+    # move between the two loops, and the same worker processes serve every epoch.
+    expected = fd.sequential_batches(40, 4)
+    async with fd.make_loader(fd.Faulty(40)) as loader:
+        pool = loader._res.runner.pool  # type: ignore[union-attr]
+        pids = pool.pids()
+        for _ in range(2):
+            assert [fd.batch_indices(b) for b in loader] == expected  # blocks this loop: fine
+            run = await fd.run_epoch(aiter(loader))
+            assert run.errors == []
+            assert run.batches == expected
+        # An epoch broken off leaves abandoned jobs with the workers: the next epoch, on the
+        # other loop, still starts at once and is whole.
+        it = aiter(loader)
+        await anext(it)
+        await it.aclose()  # type: ignore[attr-defined]
+        assert [fd.batch_indices(b) for b in loader] == expected
+        it = iter(loader)
+        next(it)
+        it.close()  # type: ignore[attr-defined]
+        run = await fd.run_epoch(aiter(loader))
+        assert run.batches == expected
+        assert pool.pids() == pids
+        assert loader.statistics().worker_restarts == 0
+
+
 # -- stopping ----------------------------------------------------------------------------------
 
 

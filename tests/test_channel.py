@@ -1,0 +1,232 @@
+"""The wire to a worker (``aioloader._channel``), with a real process on the other end.
+
+Each test starts one process running the worker's serve loop over two real pipes and drives
+the main side from the event loop, as the worker pool does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import asynccontextmanager
+from multiprocessing import forkserver
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aioloader._channel import Channel, RemoteTraceback, serve
+from aioloader._workers import resolve_context
+
+# -- what the worker runs (module level: pickled by reference) ----------------------------------
+
+
+def _serve_in_child(requests: Connection, replies: Connection) -> None:
+    serve(requests.fileno(), replies.fileno())
+
+
+def echo(x: Any) -> Any:
+    return x
+
+
+def fail(message: str) -> None:
+    raise KeyError(message)
+
+
+def nap_then(arg: tuple[float, Any]) -> Any:
+    time.sleep(arg[0])
+    return arg[1]
+
+
+def touch(path: str) -> str:
+    Path(path).write_text("ran")
+    return path
+
+
+def a_lock(_: Any) -> Any:
+    return threading.Lock()  # cannot be pickled back
+
+
+def my_pid(_: Any) -> int:
+    return os.getpid()
+
+
+# -- harness -------------------------------------------------------------------------------------
+
+
+EXIT_CODES: dict[int, int | None] = {}  # pid: exit code, recorded as the harness ends a worker
+
+
+# The loader's own context: the forkserver preloads the worker module. Starting the forkserver
+# here without that preload would make every later test's workers import torch afresh.
+CONTEXT = resolve_context(None, allow_fork=False)
+
+
+def open_fds() -> int:
+    """Open descriptors of this process, once the forkserver (which keeps two) is running."""
+    forkserver.ensure_running()
+    return len(os.listdir("/proc/self/fd"))
+
+
+@asynccontextmanager
+async def worker() -> AsyncIterator[tuple[Channel, Any]]:
+    """A serving process and the main side's channel to it; both closed at the end."""
+    ctx = CONTEXT
+    requests_r, requests_w = os.pipe()
+    replies_r, replies_w = os.pipe()
+    child = (Connection(requests_r, writable=False), Connection(replies_w, readable=False))
+    process = ctx.Process(target=_serve_in_child, args=child, daemon=True)
+    process.start()
+    for end in child:
+        end.close()
+    channel = Channel(replies_r, requests_w)
+    try:
+        _, up = channel.send(echo, "up")
+        assert await asyncio.wait_for(up, 30.0) == "up"  # serving: timings below are its own
+        yield channel, process
+    finally:
+        channel.close()  # end-of-file: the serve loop returns and the process exits
+        await asyncio.to_thread(process.join, 5.0)
+        if process.exitcode is None:
+            process.kill()
+            await asyncio.to_thread(process.join, 5.0)
+        EXIT_CODES[process.pid] = process.exitcode
+        process.close()
+
+
+# -- tests ---------------------------------------------------------------------------------------
+
+
+async def test_results_come_back_to_their_own_job_in_any_number() -> None:
+    before = open_fds()
+    async with worker() as (channel, process):
+        futures = [channel.send(echo, i)[1] for i in range(200)]
+        assert await asyncio.gather(*futures) == list(range(200))
+        assert channel.pending == 0
+        await asyncio.to_thread(process.join, 0.2)
+        assert process.exitcode is None  # one process served them all and still runs
+        pid = process.pid
+    assert EXIT_CODES[pid] == 0  # closing the channel ended its serve loop: a clean exit
+    assert open_fds() == before  # both pipe ends closed
+
+
+async def test_an_error_keeps_its_type_with_the_worker_traceback_as_cause() -> None:
+    async with worker() as (channel, _):
+        _, future = channel.send(fail, "no such sample")
+        with pytest.raises(KeyError, match="no such sample") as info:
+            await future
+        cause = info.value.__cause__
+        assert isinstance(cause, RemoteTraceback)
+        assert "in fail" in str(cause)  # the worker's own frame
+        assert "test_channel.py" in str(cause)
+        _, future = channel.send(echo, "still serving")  # the worker goes on
+        assert await future == "still serving"
+
+
+async def test_a_reply_that_cannot_be_pickled_fails_only_its_job() -> None:
+    async with worker() as (channel, _):
+        _, bad = channel.send(a_lock, None)
+        _, good = channel.send(echo, 7)
+        with pytest.raises(TypeError, match="pickle"):
+            await bad
+        assert await good == 7
+
+
+async def test_megabytes_each_way_do_not_block_the_loop() -> None:
+    # The pipe holds 64 KiB. A 16 MiB request sent while the worker is busy cannot be written
+    # at once: the rest must go out as the worker reads, with the loop free meanwhile.
+    payload = os.urandom(16 << 20)
+    async with worker() as (channel, _):
+        _, busy = channel.send(nap_then, (0.5, "busy"))
+        started = time.perf_counter()
+        _, big = channel.send(echo, payload)
+        assert time.perf_counter() - started < 0.1  # send returned; it did not wait
+        ticks = 0
+        while not big.done():
+            await asyncio.sleep(0.01)
+            ticks += 1
+            assert ticks < 1000
+        assert ticks >= 5  # the loop kept running while the worker slept and then read
+        assert await busy == "busy"
+        assert await big == payload  # and 16 MiB came back intact, in many reads
+
+
+async def test_a_cancelled_job_still_queued_is_skipped_and_reported_done(
+    tmp_path: Path,
+) -> None:
+    marker = tmp_path / "ran"
+    abandoned = asyncio.Event()
+    async with worker() as (channel, _):
+        _, busy = channel.send(nap_then, (0.3, "busy"))
+        job_id, queued = channel.send(touch, str(marker))
+        channel.abandon(job_id, abandoned.set)
+        assert queued.cancelled()
+        assert not abandoned.is_set()  # the worker has not reached it yet
+        await asyncio.wait_for(abandoned.wait(), 5.0)
+        assert await busy == "busy"
+        assert not marker.exists()  # skipped, never run
+        assert channel.pending == 0
+
+
+async def test_abandoning_a_running_job_waits_until_the_worker_is_done() -> None:
+    abandoned_at: list[float] = []
+    async with worker() as (channel, _):
+        job_id, running = channel.send(nap_then, (0.3, "late"))
+        await asyncio.sleep(0.1)  # it has started
+        started = time.monotonic()
+        channel.abandon(job_id, lambda: abandoned_at.append(time.monotonic()))
+        _, after = channel.send(echo, "next")
+        assert await after == "next"
+        assert len(abandoned_at) == 1
+        assert abandoned_at[0] - started > 0.1  # only once it finished
+        assert running.cancelled()
+
+
+async def test_abandoning_an_answered_job_reports_done_at_once() -> None:
+    calls: list[str] = []
+    async with worker() as (channel, _):
+        job_id, future = channel.send(echo, 1)
+        assert await future == 1
+        channel.abandon(job_id, lambda: calls.append("done"))
+        assert calls == ["done"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV])
+async def test_a_dead_worker_fails_every_pending_job_at_once(sig: int) -> None:
+    async with worker() as (channel, process):
+        _, pid_future = channel.send(my_pid, None)
+        pid = await pid_future
+        assert pid == process.pid
+        _, running = channel.send(nap_then, (30.0, "never"))
+        _, queued = channel.send(echo, "never either")
+        abandoned: list[str] = []
+        job_id, dropped = channel.send(echo, "dropped")
+        channel.abandon(job_id, lambda: abandoned.append("done"))
+        await asyncio.sleep(0.1)
+        killed_at = time.monotonic()
+        os.kill(pid, sig)
+        for future in (running, queued):
+            with pytest.raises(BrokenProcessPool, match="closed its pipe"):
+                await asyncio.wait_for(future, 5.0)
+        assert time.monotonic() - killed_at < 1.0  # end-of-file, not a poll
+        assert dropped.cancelled()
+        assert abandoned == ["done"]  # a dead worker is done with what it held
+        with pytest.raises(BrokenProcessPool):
+            channel.send(echo, "after")  # refused at once, not queued forever
+
+
+async def test_close_from_another_thread_while_the_loop_runs() -> None:
+    before = open_fds()
+    async with worker() as (channel, _):
+        _, future = channel.send(echo, "x")
+        assert await future == "x"
+        await asyncio.to_thread(channel.close)  # as aclose() does: the loop is free meanwhile
+        with pytest.raises(BrokenProcessPool):
+            channel.send(echo, "y")
+    assert open_fds() == before
