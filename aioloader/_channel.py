@@ -51,6 +51,7 @@ _HEADER = struct.Struct("<QQB")  # payload length, job id, kind
 # Request kinds.
 _JOB = 0
 _CANCEL = 1
+_STOP = 2  # return from the serve loop (end-of-file does the same, unless a sibling holds the pipe)
 # Reply kinds.
 _RESULT = 0
 _ERROR = 1
@@ -112,6 +113,8 @@ def serve(rfd: int, wfd: int) -> None:
         if _drain(rfd, inbox):
             return  # the main process closed the channel: it wants no more replies
         for job_id, kind, payload in _frames(inbox):
+            if kind == _STOP:
+                return
             if kind == _CANCEL:
                 cancelled.add(job_id)
             else:
@@ -282,6 +285,9 @@ class Channel:
             # A loop that did not let go in time may still poll these descriptors: closing
             # them now could make it act on whatever reuses their numbers. Leave them open.
             return
+        if not self._outbox:  # best effort: a full pipe means the worker is busy or gone
+            with contextlib.suppress(OSError):
+                os.write(self._wfd, _HEADER.pack(0, 0, _STOP))
         for fd in (self._rfd, self._wfd):
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -657,3 +657,62 @@ def test_sigint_during_sync_iteration_exits_cleanly(tmp_path: Path) -> None:
     assert "resource_tracker" not in stderr, stderr
     assert "leaked" not in stderr, stderr
     assert fd.wait_gone(workers) == []
+
+
+# -- fork, where a sibling worker holds a dead worker's pipe open ---------------------------------
+
+_FORK_CHILD = """
+import asyncio, time
+import aioloader
+import fault_datasets as fd
+
+
+async def main() -> None:
+    ds = fd.Faulty(48, faults={{21: fd.SIGKILL}}, marker_dir={marker_dir!r})
+    expected = fd.sequential_batches(48, 4)
+    loader = fd.make_loader(ds, mp_context="fork", allow_fork=True)
+    async with loader:
+        run = await fd.run_epoch(aiter(loader))
+        [err] = run.errors
+        assert isinstance(err, aioloader.WorkerCrashedError), repr(err)
+        assert "was killed by SIGKILL" in str(err), str(err)
+        [(pid, fired_at)] = fd.visits({marker_dir!r}, 21)
+        assert err.pid == pid
+        print("noticed_after", run.error_times[0] - fired_at, flush=True)
+        fd.assert_exact(run, expected)
+        again = await fd.run_epoch(aiter(loader))
+        assert again.errors == [] and again.batches == expected
+        closing = time.monotonic()
+    print("closed_in", time.monotonic() - closing, flush=True)
+    print("ok", flush=True)
+
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_fork_workers_crash_is_detected_and_replaced(tmp_path: Path) -> None:
+    # Under fork each worker inherits the pipes of the workers started before it, so a dead
+    # worker's pipe does not reach end-of-file: the executor's report of the death must do.
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(_FORK_CHILD.format(marker_dir=str(tmp_path))))
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env=_child_env(),
+        timeout=CHILD_TIMEOUT_S,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[-1] == "ok"
+    assert _float_after(out.stdout, "noticed_after") < 2.0
+    # The workers are told to stop (end-of-file alone would not reach them): no grace period
+    # runs out and nobody is killed.
+    assert _float_after(out.stdout, "closed_in") < _workers.SHUTDOWN_GRACE_S
+
+
+def _float_after(text: str, key: str) -> float:
+    [line] = [line for line in text.splitlines() if line.startswith(key)]
+    return float(line.split()[1])
