@@ -12,10 +12,14 @@ detection); it runs one long job, :func:`serve`, and the batches travel here ins
 - worker side, :func:`serve`: a blocking loop that runs one job at a time.
 
 A frame is a fixed header ``(payload length, job id, kind)`` and a pickle. Requests are jobs
-``(fn, arg)`` or cancellations; replies are a result, an error ``(exception, traceback text)``,
-or "cancelled" (the job was dropped before it ran). A worker that dies closes its pipe: the
-main side sees end-of-file at once and fails every job the worker held with
-``BrokenProcessPool``.
+``(fn, arg)``, cancellations, or "stop"; replies are a result, an error ``(exception,
+traceback text)``, or "cancelled" (the job was dropped before it ran). A result's large buffers
+(the arrays of a batch that travels inline) go out of band, after the pickle: the main side
+reads a large frame straight into one buffer of its size and unpickles the arrays as views of
+it, so the bytes are copied once, by the kernel, and the loop reads at most a few MiB per
+callback (a 128 MiB reply kept the loop busy for 85 ms at most, not 430). A worker that dies
+closes its pipe: the main side sees end-of-file at once and fails every job the worker held
+with ``BrokenProcessPool``.
 
 Sharp edges:
 - Pipe ends are bound to one event loop at a time. A loader iterated first synchronously (on
@@ -63,6 +67,14 @@ _IOV_MAX = 64
 # Largest single read. Replies are small descriptors unless a batch travels inline.
 _READ_CHUNK = 1 << 20
 
+# Most bytes the event loop reads in one go before it lets other callbacks run. A large inline
+# batch (the first batch of a loader, or every batch without shared memory) then arrives over
+# several loop iterations instead of stalling the loop for all of it.
+_READ_BUDGET = 4 << 20
+
+# A reply frame at least this large is read straight into a buffer of its size (no copies).
+_BIG_FRAME = 256 << 10
+
 # How long moving a channel off a loop that runs in another thread may wait for that loop.
 _DETACH_WAIT_S = 5.0
 
@@ -101,22 +113,26 @@ def serve(rfd: int, wfd: int) -> None:
     """Run jobs read from ``rfd`` and write their replies to ``wfd`` until ``rfd`` closes.
 
     Before each job it drains whatever else has arrived, so a cancellation sent while the job
-    waited in the pipe is seen in time to skip it.
+    waited in the pipe is seen in time to skip it. (``poll``, not ``select``: under ``spawn``
+    and ``fork`` the pipes keep the main process's descriptor numbers, which may exceed 1023.)
     """
     os.set_blocking(rfd, False)
+    readable = select.poll()
+    readable.register(rfd, select.POLLIN)
     inbox = bytearray()
     queue: deque[tuple[int, bytes]] = deque()
-    cancelled: set[int] = set()
+    cancelled: set[int] = set()  # ids of queued jobs the main process no longer wants
     while True:
         if not queue:
-            select.select([rfd], [], [])
+            readable.poll()
         if _drain(rfd, inbox):
             return  # the main process closed the channel: it wants no more replies
         for job_id, kind, payload in _frames(inbox):
             if kind == _STOP:
                 return
             if kind == _CANCEL:
-                cancelled.add(job_id)
+                if any(queued == job_id for queued, _ in queue):  # else it ran already
+                    cancelled.add(job_id)
             else:
                 queue.append((job_id, payload))
         if not queue:
@@ -124,18 +140,18 @@ def serve(rfd: int, wfd: int) -> None:
         job_id, payload = queue.popleft()
         if job_id in cancelled:
             cancelled.discard(job_id)
-            _write_all(wfd, _frame(job_id, _CANCELLED, b""))
-            continue
+            kind, data = _CANCELLED, []
+        else:
+            try:
+                fn, arg = pickle.loads(payload)
+                kind, data = _RESULT, _pack_result(fn(arg))
+            except BaseException as exc:  # sent back, never raised here: the worker goes on
+                kind, data = _ERROR, [_dump_error(exc)]
+        del payload
         try:
-            fn, arg = pickle.loads(payload)
-            del payload
-            kind, data = _RESULT, pickle.dumps(fn(arg), protocol=pickle.HIGHEST_PROTOCOL)
-        except BaseException as exc:  # sent back, never raised here: the worker goes on
-            kind, data = _ERROR, _dump_error(exc)
-        try:
-            _write_all(wfd, _frame(job_id, kind, data))
+            _writev_all(wfd, [_HEADER.pack(sum(len(d) for d in data), job_id, kind), *data])
         except BrokenPipeError:
-            return
+            return  # the main process is gone or closed the channel
 
 
 def _dump_error(exc: BaseException) -> bytes:
@@ -155,14 +171,50 @@ def _drain(fd: int, inbox: bytearray) -> bool:
         inbox += chunk
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+def _writev_all(fd: int, parts: list[Any]) -> None:
+    views = deque(memoryview(p).cast("B") for p in parts if len(p))
+    while views:
+        written = os.writev(fd, list(itertools.islice(views, _IOV_MAX)))
+        while written:
+            head = views[0]
+            if written < len(head):
+                views[0] = head[written:]
+                break
+            written -= len(head)
+            views.popleft()
 
 
-def _frame(job_id: int, kind: int, payload: bytes) -> bytes:
-    return _HEADER.pack(len(payload), job_id, kind) + payload
+# A result travels as a pickle with its large buffers (numpy arrays) out of band: the main
+# process reads their bytes straight from the pipe into the buffer they end up in, and
+# unpickles without copying them again. Layout: buffer count, each buffer's length, the
+# pickle, the buffers.
+_COUNT = struct.Struct("<I")
+_LENGTH = struct.Struct("<Q")
+
+
+def _pack_result(value: Any) -> list[Any]:
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    raws = [b.raw() for b in buffers]
+    meta = _COUNT.pack(len(raws)) + b"".join(_LENGTH.pack(r.nbytes) for r in raws)
+    return [meta, data, *raws]
+
+
+def _unpack_result(payload: bytearray) -> Any:
+    """Unpickle a packed result; its arrays are views of ``payload`` (no copy)."""
+    (count,) = _COUNT.unpack_from(payload, 0)
+    lengths = [
+        _LENGTH.unpack_from(payload, _COUNT.size + i * _LENGTH.size)[0] for i in range(count)
+    ]
+    start = _COUNT.size + count * _LENGTH.size
+    end = len(payload) - sum(lengths)
+    view = memoryview(payload)
+    buffers = []
+    at = end
+    for length in lengths:
+        buffers.append(view[at : at + length])
+        at += length
+    return pickle.loads(view[start:end], buffers=buffers)
 
 
 def _frames(inbox: bytearray) -> list[tuple[int, int, bytes]]:
@@ -206,6 +258,8 @@ class Channel:
         self._rfd = rfd
         self._wfd = wfd
         self._inbox = bytearray()
+        self._big: tuple[int, int, bytearray] | None = None  # (job, kind, payload) being read
+        self._big_filled = 0
         self._outbox: deque[memoryview] = deque()  # what the pipe did not take yet
         self._pending: dict[int, _Pending] = {}
         self._next_id = 0
@@ -264,11 +318,16 @@ class Channel:
     def fail_threadsafe(self, reason: str) -> None:
         """:meth:`fail`, from any thread."""
         loop = self._loop
-        if loop is None:
-            self.fail(reason)
-            return
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits on it any more
-            loop.call_soon_threadsafe(self.fail, reason)
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self.fail, reason)
+                return
+            except RuntimeError:  # the loop is closed: nobody awaits its futures any more
+                pass
+        # No loop to run fail() on: only mark the channel, so the next send() (on whichever
+        # loop) is refused at once instead of waiting on a worker that is gone.
+        if self._broken is None:
+            self._broken = reason
 
     def close(self) -> None:
         """Stop watching, fail what is pending, and close both pipe ends (the worker sees
@@ -320,7 +379,17 @@ class Channel:
         # Abandoned jobs (an epoch broken off) move along: their on_abandon runs here.
         old, self._loop = self._loop, loop
         if old is not None:
-            _call_soon_on(old, lambda: self._unwatch(old))
+
+            def let_go() -> None:
+                if old is not self._loop:  # not if it became current again meanwhile
+                    self._unwatch(old)
+
+            if self._pending:
+                # Replies to abandoned jobs may still come: the old loop must have let go
+                # before this one reads, or both would read the same pipe (bounded wait).
+                _call_on(old, let_go)
+            else:
+                _call_soon_on(old, let_go)  # nothing can arrive: no need to wait
         self._watching.add(loop)
         loop.add_reader(self._rfd, self._on_readable, loop)
         if self._outbox:
@@ -388,17 +457,68 @@ class Channel:
         if loop is not self._loop:
             self._unwatch(loop)
             return
+        budget = _READ_BUDGET
         try:
-            eof = _drain(self._rfd, self._inbox)
+            while budget > 0 and not self._closed:
+                got = self._read_big() if self._big is not None else self._read_small(budget)
+                if got is None:
+                    return  # nothing more now; the loop calls again when there is
+                if got == 0:
+                    self.fail("the worker closed its pipe (it exited or was killed)")
+                    return
+                budget -= got
         except OSError as exc:
             self.fail(f"reading from the worker failed: {exc}")
-            return
-        for job_id, kind, payload in _frames(self._inbox):
-            self._deliver(job_id, kind, payload)
-        if eof:
-            self.fail("the worker closed its pipe (it exited or was killed)")
 
-    def _deliver(self, job_id: int, kind: int, payload: bytes) -> None:
+    def _read_small(self, budget: int) -> int | None:
+        """Read into the inbox and deliver the complete frames; a large frame's payload gets
+        a buffer of its own. Returns bytes read, 0 at end-of-file, None if nothing was there."""
+        try:
+            chunk = os.read(self._rfd, min(_READ_CHUNK, budget))
+        except BlockingIOError:
+            return None
+        if not chunk:
+            return 0
+        inbox = self._inbox
+        inbox += chunk
+        size = _HEADER.size
+        start = 0
+        with memoryview(inbox) as view:  # released before the inbox is resized below
+            while len(inbox) - start >= size:
+                length, job_id, kind = _HEADER.unpack_from(view, start)
+                body = start + size
+                if len(inbox) - body >= length:
+                    self._deliver(job_id, kind, bytearray(view[body : body + length]))
+                    start = body + length
+                    continue
+                if length >= _BIG_FRAME:
+                    payload = bytearray(length)
+                    have = len(inbox) - body
+                    payload[:have] = view[body:]
+                    self._big, self._big_filled = (job_id, kind, payload), have
+                    start = len(inbox)
+                break
+        del inbox[:start]
+        return len(chunk)
+
+    def _read_big(self) -> int | None:
+        """Read straight into the payload buffer of the large frame under way."""
+        assert self._big is not None
+        job_id, kind, payload = self._big
+        with memoryview(payload) as view:
+            try:
+                got = os.readv(self._rfd, [view[self._big_filled :]])
+            except BlockingIOError:
+                return None
+        if got == 0:
+            return 0
+        self._big_filled += got
+        if self._big_filled == len(payload):
+            self._big = None
+            self._deliver(job_id, kind, payload)
+        return got
+
+    def _deliver(self, job_id: int, kind: int, payload: bytearray) -> None:
         entry = self._pending.pop(job_id, None)
         if entry is None:
             return
@@ -408,10 +528,18 @@ class Channel:
             return
         try:
             if kind == _RESULT:
-                entry.future.set_result(pickle.loads(payload))
+                entry.future.set_result(_unpack_result(payload))
             elif kind == _ERROR:
                 exc, text = pickle.loads(payload)
                 exc.__cause__ = RemoteTraceback(text)
+                if isinstance(exc, StopIteration | StopAsyncIteration):
+                    # A future cannot hold these (they would end the awaiting coroutine's
+                    # iteration silently): carry them the way a generator does.
+                    wrapped = RuntimeError(f"a worker job raised {type(exc).__name__}: {exc}")
+                    for note in getattr(exc, "__notes__", ()):
+                        wrapped.add_note(note)
+                    wrapped.__cause__ = exc
+                    exc = wrapped
                 entry.future.set_exception(exc)
             else:
                 entry.future.cancel()

@@ -708,10 +708,17 @@ class WorkerPool:
                     slot.failed_starts = 0
                 return reply
             except BrokenProcessPool as exc:
+                if self._closed:
+                    raise RuntimeError("the worker pool was closed") from exc
                 # Reading the dead worker's exit status waits for threads: do the waiting off
                 # the loop, then the bookkeeping on it (no race with other jobs' submits).
                 if slot.generation == generation:
-                    await asyncio.to_thread(_reap, slot.executor, slot.process)
+                    try:
+                        await asyncio.to_thread(_reap, slot.executor, slot.process)
+                    except asyncio.CancelledError:
+                        if on_abandon is not None:  # the worker is dead: done with the job
+                            on_abandon()
+                        raise
                 crash = self._on_broken(slot, generation)
                 if crash.culprit is None and crash.failed_starts >= MAX_START_FAILURES:
                     raise self._start_error(crash, batch_id) from exc

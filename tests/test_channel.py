@@ -230,3 +230,43 @@ async def test_close_from_another_thread_while_the_loop_runs() -> None:
         with pytest.raises(BrokenProcessPool):
             channel.send(echo, "y")
     assert open_fds() == before
+
+
+def big_array(n: int) -> Any:
+    import numpy as np
+
+    return np.arange(n, dtype=np.uint8)
+
+
+def stop_iteration(_: Any) -> None:
+    raise StopIteration("sample 5 missing")
+
+
+async def test_a_large_array_reply_arrives_in_pieces_as_a_writable_array() -> None:
+    import numpy as np
+
+    n = 64 << 20
+    async with worker() as (channel, _):
+        _, future = channel.send(big_array, n)
+        iterations = 0
+        while not future.done():  # count loop iterations while the reply streams in
+            await asyncio.sleep(0)
+            iterations += 1
+            assert iterations < 10_000_000
+        array = future.result()
+    assert iterations > 16  # read over many iterations (4 MiB at a time), not in one stall
+    assert isinstance(array, np.ndarray)
+    assert array.shape == (n,)
+    assert array.flags.writeable  # torch.from_numpy would warn on a read-only array
+    assert np.array_equal(array[:1000], np.arange(1000, dtype=np.uint8))
+    assert int(array[-1]) == (n - 1) % 256
+
+
+async def test_stop_iteration_in_a_job_arrives_as_a_runtime_error() -> None:
+    async with worker() as (channel, _):
+        _, future = channel.send(stop_iteration, None)
+        with pytest.raises(RuntimeError, match="raised StopIteration: sample 5 missing") as info:
+            await future
+        assert isinstance(info.value.__cause__, StopIteration)
+        _, future = channel.send(echo, "still serving")
+        assert await future == "still serving"

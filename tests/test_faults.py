@@ -684,10 +684,29 @@ async def main() -> None:
         assert again.errors == [] and again.batches == expected
         closing = time.monotonic()
     print("closed_in", time.monotonic() - closing, flush=True)
-    print("ok", flush=True)
+
+
+async def epoch(loader) -> "fd.EpochRun":
+    return await fd.run_epoch(aiter(loader))
+
+
+def across_loops() -> None:
+    # An idle worker dies while no loop runs: the next loop is told, and its epoch is whole.
+    import os, signal
+    expected = fd.sequential_batches(24, 4)
+    with fd.make_loader(fd.Faulty(24), mp_context="fork", allow_fork=True) as loader:
+        first = asyncio.run(epoch(loader))
+        assert first.batches == expected
+        pid = loader._res.runner.pool.pids()[0]
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        second = asyncio.run(asyncio.wait_for(epoch(loader), 20))
+        assert second.errors == [] and second.batches == expected, second.errors
 
 
 asyncio.run(main())
+across_loops()
+print("ok", flush=True)
 """
 
 

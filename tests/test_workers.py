@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import pickle
 import random
+import resource
 import subprocess
 import threading
 import time
@@ -29,6 +32,7 @@ from hypothesis import strategies as st
 
 import aioloader
 from aioloader import _shm, _workers
+from aioloader._batch import BatchMaker
 
 # -- what a worker knows -----------------------------------------------------------------------
 
@@ -211,6 +215,23 @@ def test_spawn_start_method_works() -> None:
         assert [fd.batch_indices(b) for b in loader] == fd.sequential_batches(24, 4)
 
 
+@pytest.mark.slow
+def test_spawn_workers_serve_when_descriptors_exceed_1023() -> None:
+    # Under spawn a worker's pipes keep the main process's descriptor numbers; a process with
+    # many files open hands it numbers that select() cannot watch.
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        pytest.skip(f"needs 1200 open files, the limit is {soft}")
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        with fd.make_loader(fd.Faulty(24), num_workers=1, mp_context="spawn") as loader:
+            assert [fd.batch_indices(b) for b in loader] == fd.sequential_batches(24, 4)
+            assert loader.statistics().worker_restarts == 0
+    finally:
+        for handle in held:
+            os.close(handle)
+
+
 def test_fork_is_refused_while_another_thread_runs() -> None:
     stop = threading.Event()
     busy = threading.Thread(target=stop.wait, name="test-busy-thread")
@@ -240,6 +261,45 @@ def test_unpicklable_dataset_is_reported_at_construction() -> None:
     with pytest.raises(TypeError, match=r"^dataset=Mapped\(.*cannot be sent.*lambda") as info:
         fd.make_loader(fd.Mapped(8, lambda i: i))
     assert "thread_pool=True" in str(info.value)  # and what to do instead
+
+
+# -- a dead worker's job, when its awaiting task is cancelled --------------------------------------
+
+
+async def test_cancelled_while_a_dead_workers_status_is_read_the_job_is_still_released(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The slot of a job whose worker died is released (on_abandon) even if the task awaiting
+    # the job is cancelled while the pool reads the dead worker's exit status.
+    context = _workers.resolve_context(None, allow_fork=False)
+    pool = _workers.WorkerPool(1, context, pickle.dumps((BatchMaker([1], list), None)), 0)
+    loop = asyncio.get_running_loop()
+    task: asyncio.Task[Any] | None = None
+    real_reap = _workers._reap
+
+    def reap_then_cancel(*args: Any) -> None:
+        assert task is not None
+        loop.call_soon_threadsafe(task.cancel)
+        real_reap(*args)
+
+    monkeypatch.setattr(_workers, "_reap", reap_then_cancel)
+    released: list[int] = []
+    try:
+        task = asyncio.create_task(
+            pool.submit(
+                os._exit,
+                3,
+                batch_id=7,
+                worker=0,
+                on_abandon=lambda: released.append(1),
+                resubmit_innocent=False,
+            )
+        )
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert released == [1]
+    finally:
+        await asyncio.to_thread(pool.close)
 
 
 # -- one loader, several event loops ------------------------------------------------------------
