@@ -291,6 +291,11 @@ def _serve() -> None:
     requests, replies = _PIPES
     try:
         serve(requests.fileno(), replies.fileno())
+    except BaseException:
+        # The main process sees only end-of-file (and names the worker that stopped): the
+        # reason is printed here, on the worker's stderr.
+        traceback.print_exc()
+        raise
     finally:
         requests.close()
         replies.close()
