@@ -174,14 +174,18 @@ def _drain(fd: int, inbox: bytearray) -> bool:
 def _writev_all(fd: int, parts: list[Any]) -> None:
     views = deque(memoryview(p).cast("B") for p in parts if len(p))
     while views:
-        written = os.writev(fd, list(itertools.islice(views, _IOV_MAX)))
-        while written:
-            head = views[0]
-            if written < len(head):
-                views[0] = head[written:]
-                break
-            written -= len(head)
-            views.popleft()
+        _consume(views, os.writev(fd, list(itertools.islice(views, _IOV_MAX))))
+
+
+def _consume(views: deque[memoryview], written: int) -> None:
+    """Drop the first ``written`` bytes of ``views`` (what a writev took)."""
+    while written:
+        head = views[0]
+        if written < len(head):
+            views[0] = head[written:]
+            return
+        written -= len(head)
+        views.popleft()
 
 
 # A result travels as a pickle with its large buffers (numpy arrays) out of band: the main
@@ -443,13 +447,7 @@ class Channel:
         except OSError as exc:
             self.fail(f"writing to the worker failed: {exc}")
             return
-        while written:
-            head = outbox[0]
-            if written < len(head):
-                outbox[0] = head[written:]
-                break
-            written -= len(head)
-            outbox.popleft()
+        _consume(outbox, written)
         if not outbox:
             loop.remove_writer(self._wfd)
 
