@@ -46,9 +46,10 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
-__all__ = ["Channel", "RemoteTraceback", "picklable", "serve"]
+__all__ = ["Channel", "RemoteTraceback", "open_channel", "picklable", "serve", "serve_over"]
 
 _HEADER = struct.Struct("<QQB")  # payload length, job id, kind
 
@@ -154,6 +155,20 @@ def serve(rfd: int, wfd: int) -> None:
             return  # the main process is gone or closed the channel
 
 
+def serve_over(requests: Connection, replies: Connection) -> None:
+    """:func:`serve` on the worker's ends of the pipes from :func:`open_channel`, closing them
+    when it returns. The main process sees only end-of-file if serving fails, so the reason
+    is printed here, on the worker's stderr."""
+    try:
+        serve(requests.fileno(), replies.fileno())
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        requests.close()
+        replies.close()
+
+
 def _dump_error(exc: BaseException) -> bytes:
     text = "".join(traceback.format_exception(exc))
     return pickle.dumps((picklable(exc), text), protocol=pickle.HIGHEST_PROTOCOL)
@@ -240,6 +255,15 @@ def _frames(inbox: bytearray) -> list[tuple[int, int, bytes]]:
 
 
 # -- main side -------------------------------------------------------------------------------
+
+
+def open_channel() -> tuple[Channel, tuple[Connection, Connection]]:
+    """Two new pipes: the main side's :class:`Channel`, and the worker's ends (requests to
+    read, replies to write) to hand to the worker process, then close here once it started."""
+    requests_r, requests_w = os.pipe()
+    replies_r, replies_w = os.pipe()
+    child = (Connection(requests_r, writable=False), Connection(replies_w, readable=False))
+    return Channel(replies_r, requests_w), child
 
 
 @dataclass(slots=True)

@@ -74,7 +74,7 @@ import numpy as np
 
 from . import _shm
 from ._batch import BatchMaker, BatchRequest, annotate
-from ._channel import Channel, picklable, serve
+from ._channel import Channel, open_channel, picklable, serve_over
 from ._errors import WorkerCrashedError, WorkerInitError
 
 __all__ = [
@@ -288,17 +288,7 @@ def _serve() -> None:
     """The one executor job a worker runs: serve batches over its pipes until the main process
     closes them (see :mod:`aioloader._channel`)."""
     assert _PIPES is not None, "worker job run outside a worker"
-    requests, replies = _PIPES
-    try:
-        serve(requests.fileno(), replies.fileno())
-    except BaseException:
-        # The main process sees only end-of-file (and names the worker that stopped): the
-        # reason is printed here, on the worker's stderr.
-        traceback.print_exc()
-        raise
-    finally:
-        requests.close()
-        replies.close()
+    serve_over(*_PIPES)
 
 
 def _watchdog(main_pid: int) -> None:
@@ -603,9 +593,7 @@ class WorkerPool:
         self, worker_id: int
     ) -> tuple[ProcessPoolExecutor, Channel, tuple[Connection, Connection]]:
         """An executor for one worker (its process starts at :meth:`_launch`) and its pipes."""
-        requests_r, requests_w = os.pipe()
-        replies_r, replies_w = os.pipe()
-        child = (Connection(requests_r, writable=False), Connection(replies_w, readable=False))
+        channel, child = open_channel()
         executor = ProcessPoolExecutor(
             max_workers=1,
             mp_context=self._context,
@@ -620,7 +608,7 @@ class WorkerPool:
                 child,
             ),
         )
-        return executor, Channel(replies_r, requests_w), child
+        return executor, channel, child
 
     def _launch(self, slot: _Slot) -> None:
         """Start the worker's process if it has not started: the executor spawns it at the

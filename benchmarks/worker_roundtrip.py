@@ -18,23 +18,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from multiprocessing.connection import Connection
 from typing import Any
 
 import aioloader
-from aioloader._channel import Channel, serve
+from aioloader._channel import open_channel, serve_over
 from aioloader._workers import resolve_context
 
 
 def echo(x: Any) -> Any:
     return x
-
-
-def serve_in_child(requests: Connection, replies: Connection) -> None:
-    serve(requests.fileno(), replies.fileno())
 
 
 async def pump(submit: Any, jobs: int, depth: int, payload: bytes) -> tuple[float, float]:
@@ -69,14 +63,12 @@ async def run_channel(workers: int, jobs: int, depth: int, payload: bytes) -> tu
     context = resolve_context(None, allow_fork=False)
     channels, processes = [], []
     for _ in range(workers):
-        requests_r, requests_w = os.pipe()
-        replies_r, replies_w = os.pipe()
-        child = (Connection(requests_r, writable=False), Connection(replies_w, readable=False))
-        process = context.Process(target=serve_in_child, args=child, daemon=True)
+        channel, child = open_channel()
+        process = context.Process(target=serve_over, args=child, daemon=True)
         process.start()
         for end in child:
             end.close()
-        channels.append(Channel(replies_r, requests_w))
+        channels.append(channel)
         processes.append(process)
     try:
 

@@ -15,20 +15,15 @@ from collections.abc import AsyncIterator
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import asynccontextmanager
 from multiprocessing import forkserver
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from aioloader._channel import Channel, RemoteTraceback, serve
+from aioloader._channel import Channel, RemoteTraceback, open_channel, serve_over
 from aioloader._workers import resolve_context
 
 # -- what the worker runs (module level: pickled by reference) ----------------------------------
-
-
-def _serve_in_child(requests: Connection, replies: Connection) -> None:
-    serve(requests.fileno(), replies.fileno())
 
 
 def echo(x: Any) -> Any:
@@ -77,15 +72,11 @@ def open_fds() -> int:
 @asynccontextmanager
 async def worker() -> AsyncIterator[tuple[Channel, Any]]:
     """A serving process and the main side's channel to it; both closed at the end."""
-    ctx = CONTEXT
-    requests_r, requests_w = os.pipe()
-    replies_r, replies_w = os.pipe()
-    child = (Connection(requests_r, writable=False), Connection(replies_w, readable=False))
-    process = ctx.Process(target=_serve_in_child, args=child, daemon=True)
+    channel, child = open_channel()
+    process = CONTEXT.Process(target=serve_over, args=child, daemon=True)
     process.start()
     for end in child:
         end.close()
-    channel = Channel(replies_r, requests_w)
     try:
         _, up = channel.send(echo, "up")
         assert await asyncio.wait_for(up, 30.0) == "up"  # serving: timings below are its own
