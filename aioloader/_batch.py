@@ -17,15 +17,15 @@ Errors from user code keep their type; a note names the batch and the sample ind
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from ._collate import default_collate, numpy_collate
+from ._types import END, EMPTY_BATCH, BatchRequest, Made, StreamRequest
 
-__all__ = ["EMPTY_BATCH", "Alloc", "BatchMaker", "BatchRequest", "Made"]
+__all__ = ["Alloc", "BatchMaker", "StreamCursor", "annotate", "stream_batch", "take"]
 
 Alloc = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray[Any, Any]]
 
@@ -33,29 +33,6 @@ Alloc = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray[Any, Any]]
 # memory). Any other collate_fn is called plainly and its output copied into the slot once.
 # Compared by identity, never hashed: a collate_fn may be an unhashable callable object.
 _ALLOC_AWARE: tuple[Callable[..., Any], ...] = (default_collate, numpy_collate)
-
-
-@dataclass(frozen=True, slots=True)
-class BatchRequest:
-    """What one batch needs: its id, the indices (a list of shards for sharded batches), and the
-    samples already fetched by the event loop (async datasets), in the same nesting."""
-
-    epoch: int
-    batch_id: int
-    indices: Sequence[int] | Sequence[Sequence[int]]
-    sharded: bool = False
-    raw: Sequence[Any] | None = None
-
-
-@dataclass(slots=True)
-class Made:
-    """A collated batch, the samples skipped on the way, and where the time went."""
-
-    batch: Any
-    skipped: list[tuple[int, str]] = field(default_factory=list)
-    read_s: float = 0.0
-    collate_s: float = 0.0
-    samples: int = 0
 
 
 def annotate(exc: BaseException, text: str) -> BaseException:
@@ -214,24 +191,79 @@ class BatchMaker:
         return item
 
 
-_SKIPPED = object()
+_SKIPPED = object()  # _finish's answer for a sample skipped on the way (never leaves here)
 
 
-class _EmptyBatch:
-    """The type of :data:`EMPTY_BATCH`: it pickles by reference, so it is the same object in
-    the main process after a round trip from a worker process, and ``is`` tests work."""
+class StreamCursor:
+    """A position in one stream of samples (an iterable dataset, read by one thread or one
+    worker), turned into batches by the one rule of :func:`stream_batch`.
 
-    __slots__ = ()
+    A new epoch opens the stream afresh. A stream that fails ends for good (reading it again
+    would repeat samples): what it produced before the failure is delivered as a batch first,
+    and the error is raised by the next :meth:`next_samples`.
 
-    def __reduce__(self) -> str:
-        return "EMPTY_BATCH"
+    Args:
+        open_stream: makes a fresh iterator over the stream (called once per epoch).
+    """
 
-    def __repr__(self) -> str:
-        return "EMPTY_BATCH"
+    def __init__(self, open_stream: Callable[[], Iterator[Any]]) -> None:
+        self._open = open_stream
+        self._iterator: Iterator[Any] | None = None
+        self._epoch = -1
+        self._pending: BaseException | None = None
+
+    def next_samples(self, request: StreamRequest) -> list[Any] | Any:
+        """The samples of the next batch, or :data:`END`; raises the stream's error in turn."""
+        if self._iterator is None or self._epoch != request.epoch:
+            self._iterator = self._open()
+            self._epoch = request.epoch
+            self._pending = None
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            raise pending
+        samples, error = take(self._iterator, request.batch_size)
+        if error is not None:
+            self._iterator = iter(())
+        batch, self._pending = stream_batch(samples, error, request.batch_size, request.drop_last)
+        return batch
+
+    def fail(self) -> None:
+        """End the stream for this epoch (after an error outside the stream itself)."""
+        self._iterator = iter(())
+        self._pending = None
 
 
-EMPTY_BATCH: Any = _EmptyBatch()
-"""Made in place of a batch whose every sample was skipped; never reaches the consumer."""
+def stream_batch(
+    samples: list[Any], error: BaseException | None, batch_size: int, drop_last: bool
+) -> tuple[list[Any] | Any, BaseException | None]:
+    """The one rule that turns what a stream gave into a batch, for sync and async streams.
+
+    Returns ``(batch or END, error still to raise)``: a stream that failed after giving samples
+    delivers them first; a short last batch is dropped with ``drop_last`` unless the stream
+    failed (then nothing it produced may vanish unnamed).
+
+    Raises:
+        BaseException: ``error``, when the stream failed before giving any sample.
+    """
+    if error is not None and not samples:
+        raise error
+    short = len(samples) < batch_size and error is None
+    if not samples or (drop_last and short):
+        return END, error
+    return samples, error
+
+
+def take(it: Iterator[Any], n: int) -> tuple[list[Any], BaseException | None]:
+    """Up to ``n`` items of ``it``, and the error that stopped it early, if any."""
+    out: list[Any] = []
+    try:
+        for item in it:
+            out.append(item)
+            if len(out) == n:
+                break
+    except Exception as exc:
+        return out, exc
+    return out, None
 
 
 def _describe(exc: BaseException) -> str:

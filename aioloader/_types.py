@@ -9,23 +9,43 @@ the right methods fits. The loader tells the kinds of dataset apart at construct
   batch at once;
 - iterable: ``__iter__`` (an :class:`IterableDataset`) or ``__aiter__`` (an
   :class:`AsyncIterableDataset`) and no usable ``__getitem__``.
+
+It also holds the records and seams that cross module boundaries inside the package, so that
+every module can name them without importing a module above its own level:
+
+- :class:`BatchRequest` / :class:`StreamRequest`: what a producer asks a runner for;
+- :class:`Made`: a batch as made (in a thread or a worker) with its skips and timings; it is
+  the one record of a made batch from the worker back to the epoch;
+- :data:`END` and :data:`EMPTY_BATCH`: the only two "no batch here" markers (a stream ran out;
+  every sample of a batch was skipped);
+- :class:`Runner`: where the CPU work of a batch runs (threads or worker processes);
+- :class:`SourceDataset`: a two-stage dataset (``fetch`` on the loop, ``decode`` off it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
-from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, Protocol, TypeVar, runtime_checkable
 
 __all__ = [
+    "END",
+    "EMPTY_BATCH",
     "AsyncDataset",
     "AsyncIterableDataset",
+    "BatchRequest",
     "CollateFn",
     "Dataset",
     "DatasetKind",
     "IterableDataset",
+    "Made",
+    "Runner",
     "Sampler",
+    "SourceDataset",
     "Stateful",
+    "StreamRequest",
     "dataset_kind",
 ]
 
@@ -86,6 +106,125 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any], /) -> None: ...
+
+
+@runtime_checkable
+class SourceDataset(Protocol[T_co]):
+    """A two-stage async dataset: ``await fetch(i)`` gets raw bytes on the event loop (many at
+    once), ``decode(raw)`` turns them into a sample off the loop (in a worker or a thread).
+
+    The ready sources (:mod:`aioloader.sources`) are of this kind; so is any dataset with
+    ``__len__``, an async ``fetch`` and a sync ``decode``.
+    """
+
+    def __len__(self) -> int: ...
+
+    def fetch(self, index: int, /) -> Awaitable[Any]: ...
+
+    def decode(self, raw: Any, /) -> T_co: ...
+
+
+@runtime_checkable
+class AsyncCloseable(Protocol):
+    """A dataset that holds sessions or connections: the loader awaits ``aclose()`` when it
+    closes."""
+
+    def aclose(self) -> Awaitable[Any]: ...
+
+
+# -- records that cross module boundaries ----------------------------------------------------
+
+
+class _Marker:
+    """The type of :data:`END` and :data:`EMPTY_BATCH`. A marker pickles by reference, so it is
+    the same object in the main process after a round trip from a worker (``is`` tests work)."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __reduce__(self) -> str:
+        return self._name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+END: Final[Any] = _Marker("END")
+"""In place of a batch: the stream ran out (iterable datasets). Never reaches the consumer."""
+
+EMPTY_BATCH: Final[Any] = _Marker("EMPTY_BATCH")
+"""In place of a batch whose every sample was skipped (``on_error='skip'``). Never reaches the
+consumer; the batch counts as done for resume."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRequest:
+    """A map-style batch to make: its id, the indices (a list of shards for sharded batches), and
+    the samples already fetched by the event loop (async datasets), in the same nesting."""
+
+    epoch: int
+    batch_id: int
+    indices: Sequence[int] | Sequence[Sequence[int]]
+    sharded: bool = False
+    raw: Sequence[Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRequest:
+    """The next batch of a stream (iterable datasets) for ``epoch``."""
+
+    epoch: int
+    batch_id: int
+    batch_size: int
+    drop_last: bool
+
+
+@dataclass(slots=True)
+class Made:
+    """A made batch (or :data:`END` / :data:`EMPTY_BATCH`), the samples skipped on the way, and
+    where the time went. Made in a thread or a worker; a worker's travels back whole, with
+    ``batch`` in its wire form until the main process opens it."""
+
+    batch: Any
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    read_s: float = 0.0
+    collate_s: float = 0.0
+    samples: int = 0
+
+
+class Runner(Protocol):
+    """Where the CPU work of a batch runs: threads of this process or worker processes.
+
+    The producer side of an epoch (``_produce``) talks to either through this interface only.
+    """
+
+    @property
+    def streams(self) -> int:
+        """How many independent streams an iterable dataset is read as (one per worker)."""
+        ...
+
+    def start_make(self, request: BatchRequest) -> asyncio.Future[Made]:
+        """Start making a map-style batch; its future completes with the :class:`Made`."""
+        ...
+
+    async def pull(self, request: StreamRequest, stream: int) -> Made:
+        """Make the next batch of stream ``stream`` (``Made.batch is END`` once it ran out)."""
+        ...
+
+    def is_running(self, batch_id: int) -> bool:
+        """Whether ``batch_id`` is being worked on now (not merely queued)."""
+        ...
+
+    def on_deadline(self, batch_id: int) -> int | None:
+        """``batch_id`` missed its deadline: stop what runs it if possible; returns the pid of
+        a killed worker process, if one was killed."""
+        ...
+
+    def close(self) -> None:
+        """Release every thread, process and segment (blocking)."""
+        ...
 
 
 def _is_async_callable(fn: Any) -> bool:
