@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ._collate import default_collate, numpy_collate
-from ._types import END, EMPTY_BATCH, BatchRequest, Made, StreamRequest
+from ._types import EMPTY_BATCH, END, BatchRequest, Made, StreamRequest
 
 __all__ = ["Alloc", "BatchMaker", "StreamCursor", "annotate", "stream_batch", "take"]
 
@@ -89,6 +89,14 @@ class BatchMaker:
             made.batch = self._one(request, list(indices), request.raw, alloc, made)
         return made
 
+    def make_from_stream(
+        self, request: StreamRequest, samples: list[Any], alloc: Alloc | None = None
+    ) -> Made:
+        """Build a batch of ``samples`` pulled from a stream (named by their position in it)."""
+        positions = list(range(len(samples)))
+        made = BatchRequest(request.epoch, request.batch_id, positions, raw=samples)
+        return self.make(made, alloc)
+
     # -- internals ---------------------------------------------------------------------------
 
     def _one(
@@ -137,12 +145,13 @@ class BatchMaker:
                     f"__getitems__ returned {len(items)} samples for {len(indices)} indices "
                     f"(batch {request.batch_id}, indices {_short(indices)})"
                 )
-            return [
-                self._finish(request, i, item, made) for i, item in zip(indices, items, strict=True)
-            ]
+            samples: list[Any] = []
+            for index, item in zip(indices, items, strict=True):
+                self._finish_into(samples, request, index, item, made)
+            return samples
         if raw is None and not self.skip_errors and self.decode is None and self.transform is None:
             return self._read_plain(request, indices)
-        samples: list[Any] = []
+        samples = []
         for pos, index in enumerate(indices):
             try:
                 item = self.dataset[index] if raw is None else raw[pos]
@@ -152,9 +161,7 @@ class BatchMaker:
                     continue
                 annotate(exc, f"reading sample index {index} of batch {request.batch_id}")
                 raise
-            sample = self._finish(request, index, item, made)
-            if sample is not _SKIPPED:
-                samples.append(sample)
+            self._finish_into(samples, request, index, item, made)
         return samples
 
     def _read_plain(self, request: BatchRequest, indices: list[int]) -> list[Any]:
@@ -174,9 +181,13 @@ class BatchMaker:
             raise
         return items
 
-    def _finish(self, request: BatchRequest, index: int, item: Any, made: Made) -> Any:
+    def _finish_into(
+        self, samples: list[Any], request: BatchRequest, index: int, item: Any, made: Made
+    ) -> None:
+        """Decode and transform ``item`` and append it to ``samples``, or record it skipped."""
         if self.decode is None and self.transform is None:
-            return item
+            samples.append(item)
+            return
         try:
             if self.decode is not None:
                 item = self.decode(item)
@@ -185,13 +196,10 @@ class BatchMaker:
         except Exception as exc:
             if self.skip_errors:
                 made.skipped.append((index, _describe(exc)))
-                return _SKIPPED
+                return
             annotate(exc, f"transforming sample index {index} of batch {request.batch_id}")
             raise
-        return item
-
-
-_SKIPPED = object()  # _finish's answer for a sample skipped on the way (never leaves here)
+        samples.append(item)
 
 
 class StreamCursor:

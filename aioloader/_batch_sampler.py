@@ -40,6 +40,7 @@ __all__ = [
     "BatchSampler",
     "LastBatch",
     "ShardedBatchSampler",
+    "resolve_last_batch",
     "validate_non_negative_int",
     "validate_positive_int",
 ]
@@ -98,7 +99,7 @@ def _check_state_keys(owner: str, state: object, required: set[str]) -> dict[str
 # -- batches ------------------------------------------------------------------------------------
 
 
-def _resolve_last_batch(last_batch: object, drop_last: object) -> LastBatch:
+def resolve_last_batch(last_batch: object, drop_last: object) -> LastBatch:
     # torch's BatchSampler takes drop_last as its third positional argument, so a bool there is
     # read as drop_last: ``BatchSampler(sampler, 32, False)`` means what it means in torch.
     if isinstance(last_batch, bool):
@@ -156,7 +157,7 @@ class BatchSampler:
             raise TypeError(f"sampler must be an iterable of ints, got {sampler!r}")
         self.sampler = sampler
         self.batch_size = validate_positive_int("batch_size", batch_size)
-        self.last_batch: LastBatch = _resolve_last_batch(last_batch, drop_last)
+        self.last_batch: LastBatch = resolve_last_batch(last_batch, drop_last)
         # Invariant: the carry is empty unless last_batch == "rollover", and always shorter
         # than a batch when produced here (a loaded state may hold more; it is then batched).
         self._carry: list[int] = []

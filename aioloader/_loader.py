@@ -2,28 +2,35 @@
 
 ::
 
-    sampler ─(batch_id, indices)─▶ scheduler ── permit (prefetch) ──▶ produce task
+    sampler ─(batch_id, indices)─▶ scheduler ── permit (prefetch) ──▶ produce task   (_produce)
       BatchSampler / yours           one task per epoch                 │
                                                                         ▼
-    fetch    async datasets: items awaited on this loop, io_concurrency at once (_epoch)
+    fetch    async datasets: items awaited on this loop, io_concurrency at once (_fetch)
       │      sync datasets: indices go to the worker, which reads dataset[i] itself
       ▼
-    collate  thread (num_workers=0, thread_pool=True) or worker process (_runner, _workers);
-      │      a worker collates straight into a shared-memory slot and returns descriptors
+    collate  a thread (_threads) or a worker process (_workers), under the batch deadline
+      │      (_deadline); a worker collates straight into a shared-memory slot (_shm) and
+      │      returns descriptors
       ▼
     open     main process maps the slot: numpy / torch views, zero copies (_shm); the slot
       │      goes back to the pool when the last view of the batch is garbage collected
       ▼
-    reorder  ReorderBuffer: sampler order (in_order=True) or as completed; deadlines (_reorder)
+    reorder  ReorderBuffer: sampler order (in_order=True) or as completed (_reorder)
       ▼
     device   pinned memory → side CUDA stream → awaited event (_device); skipped on CPU
       ▼
-    consumer `async for` / `for`; the permit goes back when the consumer takes the batch
+    consumer `async for` / `for` (_epoch); the permit goes back when the consumer takes the batch
 
-Producers and consumers at each arrow: the scheduler produces permits-held batch ids and the
+Producers and consumers at each arrow: the scheduler produces permit-holding batch ids and the
 produce tasks consume them; produce tasks produce outcomes into the reorder buffer and the
-consumer (``__anext__``) takes them out. One number, ``prefetch``, bounds tasks, worker jobs,
-reorder entries and live shared-memory slots together.
+consumer (``__anext__``) takes them out. One number, ``prefetch``, bounds scheduled tasks,
+worker jobs and reorder entries together. Shared memory has a cap of its own
+(``shm_max_bytes``): batches the consumer keeps (``list(loader)``) keep their slots after their
+permits went back; past the cap, batches travel pickled.
+
+This module holds the arguments (checked once into a :class:`LoaderConfig`, ``_config``), the
+epochs' bookkeeping for resume, and the public lifecycle; what it holds between epochs lives in
+:class:`Resources` (``_resources``).
 
 Lifetimes: worker processes, the thread pool, the slot pool and the device stage are created on
 first use and live until :meth:`DataLoader.aclose` / :meth:`DataLoader.close` (or ``async with``
@@ -34,86 +41,26 @@ loader that is garbage collected unclosed warns ``ResourceWarning`` and releases
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import math
 import os
-import pickle
 import secrets
-import threading
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from . import _shm
-from ._batch import BatchMaker
+from ._batch_sampler import resolve_last_batch
 from ._collate import default_collate
-from ._device import DeviceStage, parse_device
-from ._epoch import Epoch, EpochConfig, EpochIterator
-from ._runner import ProcessRunner, ThreadRunner
-from ._sampler import BatchSampler, RandomSampler, SequentialSampler, _resolve_last_batch
+from ._config import LoaderConfig, batch_sampler_for
+from ._device import parse_device
+from ._epoch import Epoch, EpochIterator
+from ._resources import Resources, finalize, worker_payload
 from ._stats import Counters, LoaderStatistics
-from ._sync import LoopThread
-from ._types import dataset_kind
-from ._workers import WorkerPool, resolve_context
+from ._types import Runner, dataset_kind
+from ._validate import boolean, is_int, non_negative_int
+from ._workers import resolve_context
 
 __all__ = ["DataLoader"]
-
-# Default cap on shared memory: a quarter of /dev/shm's free space, at most 4 GiB. Above it,
-# batches the consumer keeps (a `list(loader)`) travel pickled rather than failing.
-SHM_FRACTION = 0.25
-SHM_MAX_DEFAULT = 4 << 30
-
-_ON_ERROR = ("raise", "skip")
-
-
-@dataclass(slots=True)
-class _Resources:
-    """Everything that must be released: kept apart from the loader so a finalizer can close
-    it without keeping the loader alive."""
-
-    runner: ThreadRunner | ProcessRunner | None = None
-    slots: _shm.SlotPool | None = None
-    device: DeviceStage | None = None
-    loop_thread: LoopThread | None = None
-    epoch: Epoch | None = None
-    dataset_aclose: Callable[[], Any] | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def close(self) -> None:
-        epoch, self.epoch = self.epoch, None
-        if epoch is not None:
-            epoch.close_nowait()
-        with self.lock:
-            runner, self.runner = self.runner, None
-            slots, self.slots = self.slots, None
-            device, self.device = self.device, None
-            loop_thread, self.loop_thread = self.loop_thread, None
-        if loop_thread is not None:
-            aclose, self.dataset_aclose = self.dataset_aclose, None
-            if aclose is not None:  # sessions the dataset opened on the private loop
-                with contextlib.suppress(Exception):
-                    loop_thread.run(aclose(), timeout=10.0)
-            loop_thread.close()
-        if runner is not None:
-            runner.close()
-        if device is not None:
-            device.close()
-        if slots is not None:
-            slots.close()
-
-
-def _finalize(resources: _Resources, name: str) -> None:
-    if resources.runner is None and resources.loop_thread is None and resources.slots is None:
-        return
-    warnings.warn(
-        f"{name} was not closed; use `async with` / `with`, or call aclose() / close()",
-        ResourceWarning,
-        stacklevel=2,
-    )
-    resources.close()
 
 
 class DataLoader:
@@ -205,65 +152,61 @@ class DataLoader:
         generator: Any = None,
     ) -> None:
         self.dataset = dataset
-        self._kind = dataset_kind(dataset)
-        self.num_workers = _non_negative_int("num_workers", num_workers)
-        self.thread_pool = _bool("thread_pool", thread_pool)
-        self.in_order = _bool("in_order", in_order)
-        self.prefetch = (
-            2 * max(1, self.num_workers)
-            if prefetch is None
-            else _positive_int("prefetch", prefetch)
-        )
-        self.timeout = _timeout(timeout)
-        self.io_concurrency = _positive_int("io_concurrency", io_concurrency)
-        self.max_retries = _non_negative_int("max_retries", max_retries)
-        self.device_prefetch = _positive_int("device_prefetch", device_prefetch)
-        if on_error not in _ON_ERROR:
-            raise ValueError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
-        self.on_error = on_error
-        self.max_failures = _max_failures(max_failures)
+        kind = dataset_kind(dataset)
         if collate_fn is not None and batchify_fn is not None and collate_fn is not batchify_fn:
             raise ValueError("give collate_fn or batchify_fn (the same thing), not both")
-        collate = collate_fn if collate_fn is not None else batchify_fn
-        if collate is not None and not callable(collate):
-            raise TypeError(f"collate_fn must be callable, got {collate!r}")
-        self.collate_fn: Callable[[list[Any]], Any] = collate or default_collate
-        for name, fn in (("worker_init_fn", worker_init_fn), ("transform", transform)):
-            if fn is not None and not callable(fn):
-                raise TypeError(f"{name} must be callable, got {fn!r}")
-        self.worker_init_fn = worker_init_fn
-        self.transform = transform
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        if seed is not None and not is_int(seed):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
-        self.seed = seed if seed is not None else secrets.randbits(63)
-        self._device_spec = parse_device(device)
-        self.pin_memory = _bool("pin_memory", pin_memory)
-        if shm_max_bytes is not None:
-            shm_max_bytes = _non_negative_int("shm_max_bytes", shm_max_bytes)
-        self._shm_max_bytes = shm_max_bytes
-        self.drop_last = _bool("drop_last", drop_last)
-        self._policy = _resolve_last_batch(last_batch, drop_last if drop_last else None)
-        self.batch_size = batch_size
-        self.batch_sampler = self._make_batch_sampler(
-            batch_size, shuffle, sampler, batch_sampler, drop_last, last_batch, generator
+        policy = resolve_last_batch(last_batch, drop_last if drop_last else None)
+        self._config = config = LoaderConfig.build(
+            kind=kind,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            thread_pool=thread_pool,
+            in_order=in_order,
+            prefetch=prefetch,
+            timeout=timeout,
+            io_concurrency=io_concurrency,
+            max_retries=max_retries,
+            device_prefetch=device_prefetch,
+            on_error=on_error,
+            max_failures=max_failures,
+            collate_fn=collate_fn if collate_fn is not None else batchify_fn,
+            worker_init_fn=worker_init_fn,
+            transform=transform,
+            seed=int(seed) if seed is not None else secrets.randbits(63),
+            pin_memory=pin_memory,
+            shm_max_bytes=shm_max_bytes,
+            last_batch=policy,
+            default_collate=default_collate,
         )
-        if prefetch is None and self._kind == "async_map" and isinstance(self.batch_size, int):
-            # Enough batches in flight to keep io_concurrency requests going: a batch waits
-            # for its slowest item, and the next batches' items fill the gap meanwhile.
-            self.prefetch = max(self.prefetch, -(-self.io_concurrency // self.batch_size) + 2)
+        self._device_spec = parse_device(device)
+        self.batch_sampler = batch_sampler_for(
+            dataset,
+            kind,
+            batch_size=config.batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            drop_last=boolean("drop_last", drop_last),
+            last_batch=last_batch,
+            policy=policy,
+            seed=config.seed,
+            generator=generator,
+        )
         self._context: BaseContext | None = None
         self._payload: bytes | None = None
-        if self.num_workers > 0 and not self.thread_pool:
+        if config.uses_processes:
             self._context = resolve_context(mp_context, allow_fork=allow_fork)
-            self._payload = self._pickle_payload()
+            self._payload = worker_payload(config, dataset)
         elif mp_context is not None:
             resolve_context(mp_context, allow_fork=True)  # still validate the name
         cpus = os.cpu_count() or 1
         # Only processes compete for CPUs: threads (thread_pool=True) mostly wait on IO with the
         # GIL released, where more threads than CPUs is the point.
-        if self.num_workers > cpus and self._payload is not None:
+        if config.num_workers > cpus and config.uses_processes:
             warnings.warn(
-                f"num_workers={self.num_workers} is more than the {cpus} CPUs here; "
+                f"num_workers={config.num_workers} is more than the {cpus} CPUs here; "
                 "extra workers only compete for them",
                 UserWarning,
                 stacklevel=2,
@@ -274,134 +217,99 @@ class DataLoader:
         self._done_ids: list[int] = []
         self._epoch_sampler_state: dict[str, Any] | None = None
         self._epoch_open = False  # an epoch started and not run to its end
-        self._res = _Resources()
+        self._res = Resources()
         self._closed = False
-        self._finalizer = weakref.finalize(self, _finalize, self._res, type(self).__name__)
+        self._finalizer = weakref.finalize(self, finalize, self._res, type(self).__name__)
 
-    # -- construction helpers ----------------------------------------------------------------
+    # -- settings, as attributes (read-only: the config is built once) --------------------------
 
-    def _make_batch_sampler(
-        self,
-        batch_size: int | None,
-        shuffle: bool,
-        sampler: Any,
-        batch_sampler: Any,
-        drop_last: bool,
-        last_batch: str | None,
-        generator: Any,
-    ) -> Any:
-        shuffle = _bool("shuffle", shuffle)
-        iterable = self._kind in ("iterable", "async_iterable")
-        if iterable:
-            if shuffle or sampler is not None or batch_sampler is not None:
-                raise ValueError(
-                    "shuffle, sampler and batch_sampler do not apply to an iterable dataset "
-                    f"({type(self.dataset).__name__}); shuffle inside the stream instead"
-                )
-            if self._policy == "rollover":
-                raise ValueError("last_batch='rollover' needs a map-style dataset")
-            if batch_size is None:
-                raise ValueError("batch_size=None needs a batch_sampler (map-style datasets)")
-            self.batch_size = _positive_int("batch_size", batch_size)
-            return None
-        if batch_sampler is not None:
-            if batch_size not in (None, 1) or shuffle or sampler is not None or drop_last:
-                raise ValueError(
-                    "batch_sampler excludes batch_size, shuffle, sampler and drop_last "
-                    f"(got batch_size={batch_size!r}, shuffle={shuffle!r}, "
-                    f"sampler={sampler!r}, drop_last={drop_last!r})"
-                )
-            if last_batch is not None:
-                raise ValueError(f"batch_sampler excludes last_batch (got {last_batch!r})")
-            return batch_sampler
-        if sampler is not None and shuffle:
-            raise ValueError(f"sampler={sampler!r} excludes shuffle=True; shuffle in the sampler")
-        if batch_size is None:
-            raise ValueError("batch_size=None needs a batch_sampler")
-        size = _positive_int("batch_size", batch_size)
-        if sampler is None:
-            sampler = (
-                RandomSampler(
-                    self.dataset,
-                    generator=generator,
-                    seed=None if generator is not None else self.seed,
-                )
-                if shuffle
-                else SequentialSampler(self.dataset)
-            )
-        return BatchSampler(sampler, size, self._policy)
+    @property
+    def kind(self) -> str:
+        """``'map'``, ``'async_map'``, ``'iterable'`` or ``'async_iterable'``."""
+        return self._config.kind
 
-    def _pickle_payload(self) -> bytes:
-        maker = self._maker()
-        for name, obj in (
-            ("dataset", self.dataset),
-            ("collate_fn", self.collate_fn),
-            ("transform", self.transform),
-            ("worker_init_fn", self.worker_init_fn),
-        ):
-            try:
-                pickle.dumps(obj)
-            except Exception as exc:
-                raise TypeError(
-                    f"{name}={obj!r} cannot be sent to worker processes: {exc}. Define it at "
-                    "module level (no lambdas or local functions), or use thread_pool=True"
-                ) from exc
-        return pickle.dumps((maker, self.worker_init_fn), protocol=pickle.HIGHEST_PROTOCOL)
+    @property
+    def batch_size(self) -> int | None:
+        return self._config.batch_size
 
-    def _maker(self) -> BatchMaker:
-        decode = None
-        dataset = self.dataset
-        if self._kind == "async_map":
-            if hasattr(dataset, "fetch") and hasattr(dataset, "decode"):
-                decode = dataset.decode
-            dataset = None  # items arrive fetched; the dataset stays on the loop
-        return BatchMaker(
-            dataset,
-            self.collate_fn,
-            transform=self.transform,
-            decode=decode,
-            skip_errors=self.on_error == "skip",
-        )
+    @property
+    def num_workers(self) -> int:
+        return self._config.num_workers
 
-    # -- resources ---------------------------------------------------------------------------
+    @property
+    def thread_pool(self) -> bool:
+        return self._config.thread_pool
 
-    def _ensure_resources(self) -> None:
+    @property
+    def in_order(self) -> bool:
+        return self._config.in_order
+
+    @property
+    def prefetch(self) -> int:
+        return self._config.prefetch
+
+    @property
+    def timeout(self) -> float | None:
+        return self._config.timeout
+
+    @property
+    def io_concurrency(self) -> int:
+        return self._config.io_concurrency
+
+    @property
+    def max_retries(self) -> int:
+        return self._config.max_retries
+
+    @property
+    def device_prefetch(self) -> int:
+        return self._config.device_prefetch
+
+    @property
+    def on_error(self) -> str:
+        return self._config.on_error
+
+    @property
+    def max_failures(self) -> float:
+        return self._config.max_failures
+
+    @property
+    def collate_fn(self) -> Callable[[list[Any]], Any]:
+        return self._config.collate_fn
+
+    @property
+    def worker_init_fn(self) -> Callable[[int], Any] | None:
+        return self._config.worker_init_fn
+
+    @property
+    def transform(self) -> Callable[[Any], Any] | None:
+        return self._config.transform
+
+    @property
+    def seed(self) -> int:
+        return self._config.seed
+
+    @property
+    def pin_memory(self) -> bool:
+        return self._config.pin_memory
+
+    @property
+    def drop_last(self) -> bool:
+        return self._config.drop_last
+
+    @property
+    def last_batch(self) -> str:
+        return self._config.last_batch
+
+    def _ensure_resources(self) -> Runner:
         if self._closed:
             raise RuntimeError("this DataLoader is closed")
-        res = self._res
-        with res.lock:
-            if res.device is None and (self._device_spec is not None or self.pin_memory):
-                res.device = DeviceStage(self._device_spec, pin_memory=self.pin_memory)
-            if res.runner is None:
-                if self._payload is not None:
-                    assert self._context is not None
-                    if res.slots is None and _shm.shm_available():
-                        res.slots = self._slot_pool(res.device)
-                    pool = WorkerPool(self.num_workers, self._context, self._payload, self.seed)
-                    res.runner = ProcessRunner(pool, res.slots, self.prefetch)
-                else:
-                    threads = self.num_workers if self.thread_pool and self.num_workers else 1
-                    res.runner = ThreadRunner(self._maker(), threads)
-            aclose = getattr(self.dataset, "aclose", None)
-            if aclose is not None and callable(aclose):
-                res.dataset_aclose = aclose
-
-    def _slot_pool(self, device: DeviceStage | None) -> _shm.SlotPool | None:
-        cap = self._shm_cap()
-        if cap <= 0:
-            return None
-        if device is not None and device.enabled:
-            # Each slot is page-locked once when created, so device copies read it directly.
-            return _shm.SlotPool(
-                cap, on_map=device.register_host_memory, on_unmap=device.unregister_host_memory
-            )
-        return _shm.SlotPool(cap)
-
-    def _shm_cap(self) -> int:
-        if self._shm_max_bytes is not None:
-            return self._shm_max_bytes
-        stat = os.statvfs("/dev/shm")
-        return int(min(SHM_MAX_DEFAULT, stat.f_bavail * stat.f_frsize * SHM_FRACTION))
+        return self._res.ensure(
+            self._config,
+            self.dataset,
+            device_spec=self._device_spec,
+            context=self._context,
+            payload=self._payload,
+        )
 
     # -- iteration ---------------------------------------------------------------------------
 
@@ -410,18 +318,18 @@ class DataLoader:
             return len(self.batch_sampler)
         n = len(self.dataset)
         assert self.batch_size is not None
-        return n // self.batch_size if self._policy == "discard" else -(-n // self.batch_size)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch`` (shuffling and seeds derive from it)."""
-        self._next_epoch = _non_negative_int("epoch", epoch)
+        self._next_epoch = non_negative_int("epoch", epoch)
 
     def __aiter__(self) -> AsyncIterator[Any]:
         # The consumer gets a handle, not the epoch: dropping it closes the epoch at once.
         return EpochIterator(self._new_epoch())
 
     def _new_epoch(self) -> Epoch:
-        self._ensure_resources()
+        runner = self._ensure_resources()
         previous = self._res.epoch
         if previous is not None:
             previous.close_nowait()
@@ -445,26 +353,13 @@ class DataLoader:
             state_dict = getattr(self.batch_sampler, "state_dict", None)
             self._epoch_sampler_state = state_dict() if callable(state_dict) else None
             plan = ((i, b) for i, b in enumerate(self.batch_sampler) if i not in done)
-        config = EpochConfig(
-            kind=self._kind,
-            prefetch=self.prefetch,
-            in_order=self.in_order,
-            timeout=self.timeout,
-            max_retries=self.max_retries,
-            io_concurrency=self.io_concurrency,
-            batch_size=self.batch_size or 1,
-            drop_last=self._policy == "discard",
-            skip_errors=self.on_error == "skip",
-            max_failures=self.max_failures,
-            device_prefetch=self.device_prefetch,
-        )
         device = (
             self._res.device if self._res.device is not None and self._res.device.enabled else None
         )
         it = Epoch(
-            config,
+            self._config,
             epoch,
-            self._res.runner,
+            runner,
             self._counters,
             plan=plan,
             dataset=self.dataset,
@@ -486,11 +381,8 @@ class DataLoader:
     def __iter__(self) -> Iterator[Any]:
         """Iterate synchronously: the pipeline runs on a private event loop in a thread."""
         self._ensure_resources()
-        with self._res.lock:
-            if self._res.loop_thread is None:
-                self._res.loop_thread = LoopThread()
-            loop_thread = self._res.loop_thread
-        return loop_thread.iterate(self._new_epoch)
+        batches: Iterator[Any] = self._res.loop().iterate(self._new_epoch)
+        return batches
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -503,10 +395,7 @@ class DataLoader:
 
     def __enter__(self) -> DataLoader:
         """Start the workers now (like ``async with``), so the first epoch is not slowed by it."""
-        self._ensure_resources()
-        runner = self._res.runner
-        if isinstance(runner, ProcessRunner):
-            runner.pool.start()
+        self._ensure_resources().start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -514,10 +403,7 @@ class DataLoader:
 
     async def astart(self) -> None:
         """Start the workers now (off the loop) rather than at the first batch."""
-        self._ensure_resources()
-        runner = self._res.runner
-        if isinstance(runner, ProcessRunner):
-            await asyncio.to_thread(runner.pool.start)
+        await asyncio.to_thread(self._ensure_resources().start)
 
     async def aclose(self) -> None:
         """Stop everything and release every process, thread, task and segment. Idempotent.
@@ -573,7 +459,7 @@ class DataLoader:
             live_shm_slots=slots.slots if slots is not None else 0,
             held_shm_slots=slots.held if slots is not None else 0,
             shm_bytes=slots.bytes_total if slots is not None else 0,
-            worker_restarts=runner.pool.rebuilds if isinstance(runner, ProcessRunner) else 0,
+            worker_restarts=runner.restarts if runner is not None else 0,
             retries=c.retries,
             timeouts=c.timeouts,
             skipped=tuple(c.skipped),
@@ -656,49 +542,3 @@ def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
             bound()
 
     return call
-
-
-def _bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-    return value
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a positive int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def _non_negative_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a non-negative int, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return value
-
-
-def _timeout(value: object) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"timeout must be a number of seconds or None, got {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"timeout must be finite and >= 0, got {value!r}")
-    return float(value) if value > 0 else None
-
-
-def _max_failures(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"max_failures must be a count or a fraction, got {value!r}")
-    if (
-        not math.isfinite(value)
-        or value < 0
-        or (isinstance(value, float) and value > 1 and not value.is_integer())
-    ):
-        raise ValueError(
-            f"max_failures must be a count >= 0 or a fraction 0 < f < 1, got {value!r}"
-        )
-    return float(value)

@@ -62,7 +62,6 @@ from ._batch_sampler import (
     validate_non_negative_int,
     validate_positive_int,
 )
-from ._batch_sampler import _resolve_last_batch as _resolve_last_batch
 
 __all__ = [
     "BatchSampler",

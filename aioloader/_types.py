@@ -205,6 +205,15 @@ class Runner(Protocol):
         """How many independent streams an iterable dataset is read as (one per worker)."""
         ...
 
+    @property
+    def restarts(self) -> int:
+        """Worker processes replaced after a crash or a kill (0 for threads)."""
+        ...
+
+    def start(self) -> None:
+        """Start the workers now and wait until they are ready (blocking; threads: nothing)."""
+        ...
+
     def start_make(self, request: BatchRequest) -> asyncio.Future[Made]:
         """Start making a map-style batch; its future completes with the :class:`Made`."""
         ...

@@ -73,9 +73,10 @@ from typing import Any
 import numpy as np
 
 from . import _shm
-from ._batch import BatchMaker, BatchRequest, annotate
+from ._batch import BatchMaker, annotate
 from ._channel import Channel, open_channel, picklable, serve_over
 from ._errors import WorkerCrashedError, WorkerInitError
+from ._types import BatchRequest
 
 __all__ = [
     "IterJob",

@@ -55,8 +55,15 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 
 def our_segments() -> set[str]:
+    """Segments of this process and its descendants (the pid is in the name). Other processes
+    on the machine (another test run, another user's loader) share /dev/shm: theirs are not
+    ours to count or remove."""
+    pids = {os.getpid()}
+    with contextlib.suppress(psutil.NoSuchProcess):
+        pids.update(p.pid for p in psutil.Process().children(recursive=True))
+    prefixes = tuple(f"{SHM_PREFIX}{pid}_" for pid in pids)
     try:
-        return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX)}
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(prefixes)}
     except FileNotFoundError:  # pragma: no cover - non-Linux
         return set()
 

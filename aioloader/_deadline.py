@@ -1,0 +1,143 @@
+"""One batch under its deadline: attempts, retries after a crash or a hang, the timeout error.
+
+::
+
+    produce task ──attempt()──▶ runner future ──(done)──▶ Made
+         │  every `timeout` s of waiting: is the runner working on it (not merely queued)?
+         │     yes ─▶ runner.on_deadline(batch): the worker is killed ─▶ retry or LoaderTimeoutError
+         │     no  ─▶ the clock starts again: time queued behind another batch is not its time
+         └─ WorkerCrashedError ─▶ retry (max_retries) or the error, annotated with the batch
+
+Deadlines measure producer time: a batch's clock starts when its attempt starts (after its
+permit was taken), so a slow consumer never causes a timeout. A retry is a fresh attempt with a
+fresh clock.
+
+Cancellation edges: cancelling the waiting task cancels the attempt's future (a runner then
+releases what the job held once its worker is done with it) and re-raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._batch import annotate
+from ._errors import LoaderTimeoutError, WorkerCrashedError
+from ._stats import Counters
+from ._types import Made, Runner
+
+__all__ = ["DeadlinePolicy", "run_attempts", "timeout_error"]
+
+
+@dataclass(frozen=True, slots=True)
+class DeadlinePolicy:
+    """How long a batch may take and how often it is re-run.
+
+    Attributes:
+        timeout: seconds of producer time per attempt, or None for no limit.
+        max_retries: re-runs of a batch whose worker crashed or hung.
+        clock: monotonic seconds, for the elapsed time in errors (injectable in tests).
+    """
+
+    timeout: float | None
+    max_retries: int
+    clock: Callable[[], float] = field(default=time.monotonic)
+
+
+async def run_attempts(
+    attempt: Callable[[], Awaitable[Made]],
+    *,
+    batch_id: int,
+    describe: Callable[[], str],
+    runner: Runner,
+    policy: DeadlinePolicy,
+    counters: Counters,
+    retry: bool = True,
+) -> Made:
+    """Run ``attempt`` under the batch deadline, re-running it after crashes and hangs if asked.
+
+    Args:
+        attempt: starts one attempt and returns what to await for its :class:`Made`.
+        batch_id: the batch, for errors and for asking the runner about it.
+        describe: what the batch is (its indices, a stream), for errors; called only then.
+        runner: where the batch runs (asked whether it is running, and to kill it).
+        policy: the deadline and retry settings.
+        counters: the loader's live statistics (timeouts, retries).
+        retry: whether this batch may be re-run (a stream's batch cannot be re-read).
+
+    Raises:
+        LoaderTimeoutError: the batch missed its deadline on its last attempt.
+        WorkerCrashedError: its worker died on its last attempt (annotated with the batch).
+        BaseException: the user's own error from making the batch, unchanged.
+    """
+    may_retry = retry and policy.max_retries > 0
+    if policy.timeout is None and not may_retry:
+        # The common case, kept lean: no extra task per batch.
+        try:
+            return await attempt()
+        except WorkerCrashedError as exc:
+            annotate(exc, f"batch {batch_id}: {describe()}")
+            raise
+    tries = 0
+    while True:
+        job = asyncio.ensure_future(attempt())
+        try:
+            timed_out, started = await _await_job(job, batch_id, runner, policy)
+        except WorkerCrashedError as exc:
+            if may_retry and tries < policy.max_retries:
+                tries += 1
+                counters.retries += 1
+                continue
+            annotate(exc, f"batch {batch_id}: {describe()}")
+            raise
+        if not timed_out:
+            return job.result()
+        counters.timeouts += 1
+        pid = runner.on_deadline(batch_id)
+        job.cancel()
+        await asyncio.gather(job, return_exceptions=True)
+        if may_retry and tries < policy.max_retries:
+            tries += 1
+            counters.retries += 1
+            continue
+        raise timeout_error(batch_id, describe(), policy.clock() - started, policy.timeout, pid)
+
+
+async def _await_job(
+    job: asyncio.Future[Any], batch_id: int, runner: Runner, policy: DeadlinePolicy
+) -> tuple[bool, float]:
+    """Wait for ``job``; ``(True, start)`` once it ran past the deadline, else ``(False, _)``
+    with the job done (its exception, if any, raised)."""
+    timeout = policy.timeout
+    started = policy.clock()
+    try:
+        if timeout is None:
+            await asyncio.wait([job])
+        else:
+            while True:
+                done, _ = await asyncio.wait([job], timeout=timeout)
+                if done:
+                    break
+                if runner.is_running(batch_id):
+                    return True, started
+                started = policy.clock()  # still queued: its time has not begun
+    except asyncio.CancelledError:
+        job.cancel()
+        raise
+    job.result()  # raises the job's exception
+    return False, started
+
+
+def timeout_error(
+    batch_id: int, what: str, waited: float, timeout: float | None, pid: int | None
+) -> LoaderTimeoutError:
+    """The error of a batch that missed its deadline, with what to try."""
+    killed = f"; worker pid {pid} was killed and replaced" if pid is not None else ""
+    return LoaderTimeoutError(
+        f"batch {batch_id} ({what}) was not ready after {waited:.2f} s "
+        f"(timeout={timeout}){killed}. Try a larger timeout, more workers, "
+        "or max_retries to re-run a batch whose worker hung."
+    )

@@ -1,0 +1,354 @@
+"""The producer side of an epoch: the scheduler task and one produce task per batch.
+
+::
+
+    scheduler task (one per epoch) ── permits.acquire() ──▶ reorder.expect(batch_id)
+       │ map data:   pulls (batch_id, indices) from the plan (the batch sampler)
+       │ streams:    round-robin over the runner's streams (one per worker)
+       │ async stream: pulls items on this loop, then hands them over like map data
+       ▼
+    produce task (one per batch)
+       │ async map data: Fetcher.fetch: await the items, io_concurrency at once   (_fetch)
+       │ make: runner.start_make / runner.pull under the deadline, with retries  (_deadline)
+       ▼
+    reorder.put_nowait(Outcome) ──▶ wake the consumer (_epoch)
+
+Who owns what: the scheduler owns the sampler iterator (or the streams) and creates produce
+tasks; it stops at the end of the plan or of every stream. A produce task owns its batch until
+it stores an :class:`Outcome` (a value or an exception) in the reorder buffer: it never raises,
+so no task exception goes unretrieved. A failing sampler or stream is delivered in order too: it
+takes a permit and the next unused batch id like any batch.
+
+Fast path: a sync map dataset on threads with no deadline and no retries needs no task per
+batch: the thread's future reports straight into the reorder buffer. For batches that take
+tens of microseconds to make, the task machinery is most of the cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from typing import Any
+
+from ._batch import annotate, stream_batch
+from ._config import LoaderConfig
+from ._deadline import DeadlinePolicy, run_attempts, timeout_error
+from ._errors import WorkerCrashedError
+from ._failures import FailureBudget
+from ._fetch import Fetcher
+from ._reorder import Outcome, ReorderBuffer
+from ._stats import Counters
+from ._types import END, BatchRequest, Made, Runner, StreamRequest
+
+__all__ = ["Producer"]
+
+
+class Producer:
+    """Schedules and produces the batches of one epoch into ``reorder``.
+
+    Args:
+        config: the loader's settings.
+        epoch: the epoch number.
+        runner: where batches are made.
+        counters: the loader's live statistics.
+        plan: for map-style data, the ``(batch_id, indices)`` pairs still to produce.
+        dataset: the dataset (async fetches and async streams read it on the loop).
+        reorder: where outcomes go; the consumer takes them out.
+        permits: taken per batch before it is scheduled; the consumer gives them back.
+        wake: tells the consumer an outcome arrived (or scheduling ended).
+    """
+
+    def __init__(
+        self,
+        config: LoaderConfig,
+        epoch: int,
+        runner: Runner,
+        counters: Counters,
+        *,
+        plan: Iterable[tuple[int, Any]] | None,
+        dataset: Any,
+        reorder: ReorderBuffer,
+        permits: asyncio.Semaphore,
+        wake: Callable[[], None],
+    ) -> None:
+        self._config = config
+        self._epoch = epoch
+        self._runner = runner
+        self._counters = counters
+        self._plan = plan
+        self._dataset = dataset
+        self._reorder = reorder
+        self._permits = permits
+        self._wake = wake
+        self._policy = DeadlinePolicy(config.timeout, config.max_retries)
+        self._budget = FailureBudget(config.max_failures, counters)
+        self._fetcher = (
+            Fetcher(
+                dataset,
+                config.io_concurrency,
+                skip_errors=config.skip_errors,
+                budget=self._budget,
+                counters=counters,
+            )
+            if config.kind == "async_map"
+            else None
+        )
+        self._scheduler: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Future[Any]] = set()  # produce tasks and fast-path futures
+        self._samples: dict[int, int] = {}  # batch id -> samples in it, until taken
+        self._next_id = 0  # the next batch id no scheduled batch uses
+        self.done = False  # the scheduler has scheduled its last batch
+        self.closed = False  # outcomes that arrive now are dropped
+
+    def start(self) -> None:
+        """Start the scheduler on the running loop."""
+        kind = self._config.kind
+        body: Callable[[], Awaitable[None]]
+        if kind in ("map", "async_map"):
+            body = self._schedule_plan
+        elif kind == "iterable":
+            body = self._schedule_streams
+        else:
+            body = self._schedule_async_stream
+        self._scheduler = asyncio.create_task(
+            self._run_scheduler(body), name=f"aioloader-epoch-{self._epoch}"
+        )
+
+    def samples_taken(self, batch_id: int) -> int:
+        """The number of samples in ``batch_id``, forgotten once asked (the batch was taken)."""
+        return self._samples.pop(batch_id, 0)
+
+    def cancel(self) -> list[asyncio.Future[Any]]:
+        """Stop storing outcomes and cancel every task; returns them, to be awaited."""
+        self.closed = True
+        tasks = [t for t in (self._scheduler, *self._tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        return tasks
+
+    # -- scheduling ----------------------------------------------------------------------------
+
+    async def _scheduled(self, batch_id: int) -> None:
+        await self._permits.acquire()
+        self._reorder.expect(batch_id)
+
+    def _store(self, outcome: Outcome) -> None:
+        if self.closed:
+            return  # dropped: its batch's views go, and with the last one its slot
+        self._reorder.put_nowait(outcome)
+        self._wake()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], batch_id: int) -> None:
+        task = asyncio.create_task(coro, name=f"aioloader-batch-{batch_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_scheduler(self, body: Callable[[], Awaitable[None]]) -> None:
+        """Run a scheduler body; if the sampler or stream fails, deliver the error in order."""
+        try:
+            await body()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            await self._scheduled(self._next_id)
+            self._reorder.put_nowait(Outcome(self._next_id, error=exc))
+        finally:
+            self.done = True
+            self._wake()
+
+    async def _schedule_plan(self) -> None:
+        assert self._plan is not None
+        config = self._config
+        fast = config.kind == "map" and config.timeout is None and config.max_retries == 0
+        for batch_id, indices in self._plan:
+            self._next_id = batch_id + 1
+            await self._scheduled(batch_id)
+            request = _request(self._epoch, batch_id, indices)
+            if fast:
+                future = self._runner.start_make(request)
+                self._tasks.add(future)
+                future.add_done_callback(functools.partial(self._made_fast, request))
+            else:
+                self._spawn(self._produce_map(request), batch_id)
+
+    async def _schedule_streams(self) -> None:
+        """Round-robin over the runner's streams (one per worker); ids stay in that order."""
+        ended: set[int] = set()
+        streams = self._runner.streams
+        counter = itertools.count()
+        for turn in itertools.cycle(range(streams)):
+            if len(ended) == streams:
+                return
+            if turn in ended:
+                continue
+            batch_id = next(counter)
+            self._next_id = batch_id + 1
+            await self._scheduled(batch_id)
+            if turn in ended:  # ended while we waited for the permit
+                self._store(Outcome(batch_id, value=END))
+                continue
+            request = StreamRequest(
+                self._epoch, batch_id, self._batch_size, self._config.drop_last
+            )
+            self._spawn(self._produce_stream(request, turn, ended), batch_id)
+
+    async def _schedule_async_stream(self) -> None:
+        iterator: AsyncIterator[Any] = aiter(self._dataset)
+        size = self._batch_size
+        try:
+            while True:
+                samples, error = await _take_async(iterator, size)
+                short = len(samples) < size
+                batch = END
+                if samples:
+                    batch, error = stream_batch(samples, error, size, self._config.drop_last)
+                if batch is not END:
+                    batch_id = self._next_id
+                    self._next_id += 1
+                    await self._scheduled(batch_id)
+                    request = BatchRequest(
+                        self._epoch, batch_id, list(range(len(batch))), raw=batch
+                    )
+                    self._spawn(self._produce_request(request), batch_id)
+                if error is not None:
+                    annotate(error, f"in the async stream, after batch {self._next_id - 1}")
+                    raise error
+                if short:
+                    return
+        finally:
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+    @property
+    def _batch_size(self) -> int:
+        return self._config.batch_size or 1
+
+    # -- producing -------------------------------------------------------------------------------
+
+    def _made_fast(self, request: BatchRequest, future: asyncio.Future[Made]) -> None:
+        self._tasks.discard(future)
+        if future.cancelled():
+            return
+        error = future.exception()
+        if error is not None:
+            if isinstance(error, WorkerCrashedError):
+                annotate(error, f"batch {request.batch_id}: {_indices_text(request)}")
+            self._store(Outcome(request.batch_id, error=error))
+        else:
+            self._store(self._accounted(request.batch_id, future.result()))
+
+    async def _produce_map(self, request: BatchRequest) -> None:
+        if self._fetcher is not None:
+            # The deadline covers the fetch too: an item that never arrives must not stall the
+            # epoch. (The CPU stage after it gets a deadline of its own.)
+            clock = self._policy.clock
+            started = clock()
+            deadline = asyncio.timeout(self._config.timeout)
+            try:
+                async with deadline:
+                    request = await self._fetcher.fetch(request)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                error = exc
+                if isinstance(exc, TimeoutError) and deadline.expired():
+                    self._counters.timeouts += 1
+                    error = timeout_error(
+                        request.batch_id,
+                        f"fetching {_indices_text(request)}",
+                        clock() - started,
+                        self._config.timeout,
+                        None,
+                    )
+                    error.__cause__ = exc
+                self._store(Outcome(request.batch_id, error=error))
+                return
+        await self._produce_request(request)
+
+    async def _produce_request(self, request: BatchRequest) -> None:
+        self._store(
+            await self._attempts(
+                request.batch_id,
+                lambda: self._runner.start_make(request),
+                lambda: _indices_text(request),
+            )
+        )
+
+    async def _produce_stream(self, request: StreamRequest, stream: int, ended: set[int]) -> None:
+        outcome = await self._attempts(
+            request.batch_id,
+            lambda: self._runner.pull(request, stream),
+            lambda: f"the stream of worker {stream}",
+            retry=False,  # a stream cannot be rewound: a lost batch is an error, never a re-read
+        )
+        if outcome.value is END or outcome.error is not None:
+            ended.add(stream)
+        self._store(outcome)
+
+    async def _attempts(
+        self,
+        batch_id: int,
+        attempt: Callable[[], Awaitable[Made]],
+        describe: Callable[[], str],
+        *,
+        retry: bool = True,
+    ) -> Outcome:
+        try:
+            made = await run_attempts(
+                attempt,
+                batch_id=batch_id,
+                describe=describe,
+                runner=self._runner,
+                policy=self._policy,
+                counters=self._counters,
+                retry=retry,
+            )
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            return Outcome(batch_id, error=exc)
+        return self._accounted(batch_id, made)
+
+    def _accounted(self, batch_id: int, made: Made) -> Outcome:
+        """Count a made batch in the statistics and the skip budget; its outcome."""
+        self._counters.read_s += made.read_s
+        self._counters.collate_s += made.collate_s
+        self._samples[batch_id] = made.samples
+        self._budget.record(made.samples, made.skipped)
+        if made.skipped:
+            error = self._budget.over()
+            if error is not None:
+                return Outcome(batch_id, error=error)  # the batch is dropped with ``made``
+        return Outcome(batch_id, value=made.batch)
+
+
+def _request(epoch: int, batch_id: int, indices: Any) -> BatchRequest:
+    sharded = bool(indices) and isinstance(indices[0], list | tuple)
+    return BatchRequest(epoch, batch_id, indices, sharded=sharded)
+
+
+async def _take_async(
+    iterator: AsyncIterator[Any], n: int
+) -> tuple[list[Any], BaseException | None]:
+    """Up to ``n`` items, and the error that stopped the stream early, if any."""
+    out: list[Any] = []
+    while len(out) < n:
+        try:
+            out.append(await anext(iterator))
+        except StopAsyncIteration:
+            break
+        except Exception as exc:
+            return out, exc
+    return out, None
+
+
+def _indices_text(request: BatchRequest) -> str:
+    indices = list(request.indices)
+    if len(indices) > 8:
+        return f"indices {indices[:8]}... ({len(indices)} in all)"
+    return f"indices {indices}"

@@ -1,0 +1,178 @@
+"""What a loader holds between epochs, and how it is made and released.
+
+A :class:`DataLoader` owns, once first needed and until it is closed: a runner (threads, or
+worker processes with the shared-memory slot pool they write into), the device stage, the
+private event-loop thread behind ``for batch in loader``, the epoch being iterated, and the
+dataset's own ``aclose``. :class:`Resources` keeps them apart from the loader object, so that
+a ``weakref.finalize`` on the loader can release them without keeping the loader alive
+(:func:`finalize` warns ``ResourceWarning`` first, as an unclosed file does).
+
+What goes to worker processes is decided here too: :func:`worker_payload` pickles the batch
+maker (dataset, collate_fn, transform) and ``worker_init_fn`` once, at construction, so an
+unpicklable one is reported there, naming what could not be pickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.context import BaseContext
+from typing import Any
+
+from . import _shm
+from ._batch import BatchMaker
+from ._config import LoaderConfig
+from ._device import DeviceStage
+from ._epoch import Epoch
+from ._runner import ProcessRunner
+from ._sync import LoopThread
+from ._threads import ThreadRunner
+from ._types import AsyncCloseable, Runner, SourceDataset
+from ._workers import WorkerPool
+
+__all__ = ["Resources", "batch_maker", "finalize", "worker_payload"]
+
+# How long closing the loader waits for the dataset's own aclose() on the private loop.
+DATASET_CLOSE_TIMEOUT_S = 10.0
+
+
+def batch_maker(config: LoaderConfig, dataset: Any) -> BatchMaker:
+    """The :class:`BatchMaker` for ``dataset``: for async datasets the items arrive fetched by
+    the loop, so the maker gets no dataset (only a :class:`SourceDataset`'s ``decode``)."""
+    decode = None
+    if config.kind == "async_map":
+        if isinstance(dataset, SourceDataset):
+            decode = dataset.decode
+        dataset = None  # items arrive fetched; the dataset stays on the loop
+    return BatchMaker(
+        dataset,
+        config.collate_fn,
+        transform=config.transform,
+        decode=decode,
+        skip_errors=config.skip_errors,
+    )
+
+
+def worker_payload(config: LoaderConfig, dataset: Any) -> bytes:
+    """What every worker process gets once: the pickled batch maker and ``worker_init_fn``.
+
+    Raises:
+        TypeError: something cannot be pickled; names it and what to do.
+    """
+    for name, obj in (
+        ("dataset", dataset),
+        ("collate_fn", config.collate_fn),
+        ("transform", config.transform),
+        ("worker_init_fn", config.worker_init_fn),
+    ):
+        try:
+            pickle.dumps(obj)
+        except Exception as exc:
+            raise TypeError(
+                f"{name}={obj!r} cannot be sent to worker processes: {exc}. Define it at "
+                "module level (no lambdas or local functions), or use thread_pool=True"
+            ) from exc
+    maker = batch_maker(config, dataset)
+    return pickle.dumps((maker, config.worker_init_fn), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+@dataclass(slots=True)
+class Resources:
+    """Everything a loader must release (see the module docstring)."""
+
+    runner: Runner | None = None
+    slots: _shm.SlotPool | None = None
+    device: DeviceStage | None = None
+    loop_thread: LoopThread | None = None
+    epoch: Epoch | None = None
+    dataset_aclose: Callable[[], Any] | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def ensure(
+        self,
+        config: LoaderConfig,
+        dataset: Any,
+        *,
+        device_spec: Any,
+        context: BaseContext | None,
+        payload: bytes | None,
+    ) -> Runner:
+        """Make what is missing (device stage, slot pool, runner); returns the runner."""
+        with self.lock:
+            if self.device is None and (device_spec is not None or config.pin_memory):
+                self.device = DeviceStage(device_spec, pin_memory=config.pin_memory)
+            if self.runner is None:
+                if payload is not None:
+                    assert context is not None
+                    if self.slots is None and _shm.shm_available():
+                        self.slots = _slot_pool(config, self.device)
+                    pool = WorkerPool(config.num_workers, context, payload, config.seed)
+                    self.runner = ProcessRunner(pool, self.slots, config.prefetch)
+                else:
+                    self.runner = ThreadRunner(batch_maker(config, dataset), config.threads)
+            if isinstance(dataset, AsyncCloseable):
+                self.dataset_aclose = dataset.aclose
+            return self.runner
+
+    def loop(self) -> LoopThread:
+        """The private event-loop thread for sync iteration, started on first use."""
+        with self.lock:
+            if self.loop_thread is None:
+                self.loop_thread = LoopThread()
+            return self.loop_thread
+
+    def close(self) -> None:
+        """Release everything (blocking). Idempotent."""
+        epoch, self.epoch = self.epoch, None
+        if epoch is not None:
+            epoch.close_nowait()
+        with self.lock:
+            runner, self.runner = self.runner, None
+            slots, self.slots = self.slots, None
+            device, self.device = self.device, None
+            loop_thread, self.loop_thread = self.loop_thread, None
+        if loop_thread is not None:
+            aclose, self.dataset_aclose = self.dataset_aclose, None
+            if aclose is not None:  # sessions the dataset opened on the private loop
+                with contextlib.suppress(Exception):
+                    loop_thread.run(aclose(), timeout=DATASET_CLOSE_TIMEOUT_S)
+            loop_thread.close()
+        if runner is not None:
+            runner.close()
+        if device is not None:
+            device.close()
+        if slots is not None:
+            slots.close()
+
+    @property
+    def held(self) -> bool:
+        """Whether anything is still held (a process, a thread, a segment)."""
+        return self.runner is not None or self.loop_thread is not None or self.slots is not None
+
+
+def finalize(resources: Resources, name: str) -> None:
+    """The loader was garbage collected unclosed: warn, then release everything."""
+    if not resources.held:
+        return
+    warnings.warn(
+        f"{name} was not closed; use `async with` / `with`, or call aclose() / close()",
+        ResourceWarning,
+        stacklevel=2,
+    )
+    resources.close()
+
+
+def _slot_pool(config: LoaderConfig, device: DeviceStage | None) -> _shm.SlotPool | None:
+    cap = config.shm_cap()
+    if cap <= 0:
+        return None
+    if device is not None and device.enabled:
+        # Each slot is page-locked once when created, so device copies read it directly.
+        return _shm.SlotPool(
+            cap, on_map=device.register_host_memory, on_unmap=device.unregister_host_memory
+        )
+    return _shm.SlotPool(cap)

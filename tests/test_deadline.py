@@ -1,0 +1,221 @@
+"""The batch deadline and retries (_deadline), against a fake runner and an injected clock.
+
+The runner is a fake (it only says whether a batch is running and records kills); the attempts
+are plain futures the test completes. The clock for elapsed times is injected, so the figures in
+errors are exact; only the deadline's own wake-ups use the loop's timer (a few milliseconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from aioloader import LoaderTimeoutError, WorkerCrashedError
+from aioloader._deadline import DeadlinePolicy, run_attempts, timeout_error
+from aioloader._stats import Counters
+from aioloader._types import BatchRequest, Made, StreamRequest
+
+TICK = 0.01  # the deadline used where one must pass: short, the clock is fake anyway
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        self.now += 1.0  # every reading is one "second" later
+        return self.now
+
+
+class FakeRunner:
+    """Says a batch is running (or only queued) and records which batches were killed."""
+
+    def __init__(self, running: bool = True) -> None:
+        self.running = running
+        self.killed: list[int] = []
+
+    @property
+    def streams(self) -> int:
+        return 1
+
+    @property
+    def restarts(self) -> int:
+        return 0
+
+    def start(self) -> None:
+        pass
+
+    def start_make(self, request: BatchRequest) -> asyncio.Future[Made]:
+        raise NotImplementedError
+
+    async def pull(self, request: StreamRequest, stream: int) -> Made:
+        raise NotImplementedError
+
+    def is_running(self, batch_id: int) -> bool:
+        return self.running
+
+    def on_deadline(self, batch_id: int) -> int | None:
+        self.killed.append(batch_id)
+        return 4242
+
+    def close(self) -> None:
+        pass
+
+
+def attempts(*behaviours: str) -> tuple[Callable[[], Awaitable[Made]], list[int]]:
+    """An attempt function whose n-th call does ``behaviours[n]``: 'ok', 'crash', 'hang',
+    'error'. Returns it and the list of calls made."""
+    calls: list[int] = []
+
+    async def attempt() -> Made:
+        calls.append(len(calls))
+        what = behaviours[min(len(calls) - 1, len(behaviours) - 1)]
+        if what == "ok":
+            return Made(batch=f"batch-{len(calls)}", samples=3)
+        if what == "crash":
+            raise WorkerCrashedError("worker 0 (pid 1) was killed by SIGKILL", pid=1, exitcode=-9)
+        if what == "error":
+            raise KeyError("user's own")
+        await asyncio.Event().wait()  # hangs until cancelled
+        raise AssertionError("unreachable")
+
+    return attempt, calls
+
+
+async def run(
+    attempt: Callable[[], Awaitable[Made]],
+    runner: FakeRunner,
+    policy: DeadlinePolicy,
+    counters: Counters,
+    retry: bool = True,
+) -> Made:
+    return await asyncio.wait_for(
+        run_attempts(
+            attempt,
+            batch_id=7,
+            describe=lambda: "indices [1, 2, 3]",
+            runner=runner,
+            policy=policy,
+            counters=counters,
+            retry=retry,
+        ),
+        timeout=10,
+    )
+
+
+async def test_no_deadline_no_retry_returns_the_made_batch() -> None:
+    attempt, calls = attempts("ok")
+    made = await run(attempt, FakeRunner(), DeadlinePolicy(None, 0), Counters())
+    assert made.batch == "batch-1"
+    assert calls == [0]
+
+
+async def test_a_crash_is_annotated_with_the_batch_and_not_retried_without_max_retries() -> None:
+    attempt, calls = attempts("crash", "ok")
+    counters = Counters()
+    with pytest.raises(WorkerCrashedError) as info:
+        await run(attempt, FakeRunner(), DeadlinePolicy(None, 0), counters)
+    assert "batch 7: indices [1, 2, 3]" in info.value.__notes__
+    assert calls == [0]
+    assert counters.retries == 0
+
+
+async def test_crashes_are_retried_up_to_max_retries() -> None:
+    attempt, calls = attempts("crash", "crash", "ok")
+    counters = Counters()
+    made = await run(attempt, FakeRunner(), DeadlinePolicy(None, 2), counters)
+    assert made.batch == "batch-3"
+    assert counters.retries == 2
+    attempt, calls = attempts("crash", "crash", "crash", "ok")
+    with pytest.raises(WorkerCrashedError):
+        await run(attempt, FakeRunner(), DeadlinePolicy(None, 2), Counters())
+    assert calls == [0, 1, 2]
+
+
+async def test_a_stream_batch_is_never_retried() -> None:
+    attempt, calls = attempts("crash", "ok")
+    with pytest.raises(WorkerCrashedError):
+        await run(attempt, FakeRunner(), DeadlinePolicy(None, 3), Counters(), retry=False)
+    assert calls == [0]
+
+
+async def test_the_users_error_is_raised_unchanged_and_never_retried() -> None:
+    attempt, calls = attempts("error", "ok")
+    with pytest.raises(KeyError, match="user's own"):
+        await run(attempt, FakeRunner(), DeadlinePolicy(TICK, 3), Counters())
+    assert calls == [0]
+
+
+async def test_a_hung_running_batch_times_out_its_worker_killed_and_named() -> None:
+    attempt, _calls = attempts("hang")
+    runner = FakeRunner(running=True)
+    counters = Counters()
+    clock = FakeClock()
+    with pytest.raises(LoaderTimeoutError) as info:
+        await run(attempt, runner, DeadlinePolicy(TICK, 0, clock=clock), counters)
+    message = str(info.value)
+    assert "batch 7 (indices [1, 2, 3])" in message
+    assert "after 1.00 s" in message  # two readings of the fake clock, one second apart
+    assert "worker pid 4242 was killed and replaced" in message
+    assert isinstance(info.value, TimeoutError)
+    assert runner.killed == [7]
+    assert counters.timeouts == 1
+
+
+async def test_a_hung_batch_is_retried_then_succeeds() -> None:
+    attempt, _calls = attempts("hang", "ok")
+    runner = FakeRunner(running=True)
+    counters = Counters()
+    made = await run(attempt, runner, DeadlinePolicy(TICK, 1), counters)
+    assert made.batch == "batch-2"
+    assert (counters.timeouts, counters.retries, runner.killed) == (1, 1, [7])
+
+
+async def test_time_queued_behind_another_batch_does_not_count() -> None:
+    """While the runner says the batch is only queued, its deadline starts again."""
+    runner = FakeRunner(running=False)
+    gate: asyncio.Future[Made] = asyncio.get_running_loop().create_future()
+
+    async def attempt() -> Made:
+        return await gate
+
+    task = asyncio.ensure_future(run(attempt, runner, DeadlinePolicy(TICK, 0), Counters()))
+    await asyncio.sleep(TICK * 10)  # ten deadlines pass while queued
+    assert not task.done()
+    assert runner.killed == []
+    gate.set_result(Made(batch="late but fine"))
+    assert (await task).batch == "late but fine"
+
+
+async def test_cancelling_the_wait_cancels_the_attempt() -> None:
+    started = asyncio.Event()
+    cancelled = asyncio.Event()
+
+    async def attempt() -> Made:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cancelled.set()
+        raise AssertionError("unreachable")
+
+    task = asyncio.ensure_future(run(attempt, FakeRunner(), DeadlinePolicy(5.0, 0), Counters()))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(cancelled.wait(), 5)
+
+
+def test_timeout_error_says_what_to_try() -> None:
+    error = timeout_error(3, "the stream of worker 1", 2.5, 2.0, None)
+    assert isinstance(error, LoaderTimeoutError)
+    assert "batch 3 (the stream of worker 1) was not ready after 2.50 s (timeout=2.0)" in str(
+        error
+    )
+    assert "killed" not in str(error)
+    assert "max_retries" in str(error)
+
+

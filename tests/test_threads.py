@@ -1,0 +1,113 @@
+"""The thread runner (_threads) and its small pool: results, errors, cancellation, streams, and
+closing with a stuck job."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from aioloader import _threads
+from aioloader._batch import BatchMaker
+from aioloader._collate import default_collate
+from aioloader._threads import ThreadPool, ThreadRunner
+from aioloader._types import END, BatchRequest, StreamRequest
+
+
+async def test_results_and_errors_reach_the_awaiting_task() -> None:
+    threads = ThreadPool(2)
+    try:
+        assert await threads.run(lambda x: x * 2, 21) == 42
+        with pytest.raises(KeyError, match="missing"):
+            await threads.run(lambda key: {}[key], "missing")
+    finally:
+        assert threads.close(5.0) == []
+
+
+async def test_a_job_cancelled_before_it_starts_never_runs() -> None:
+    threads = ThreadPool(1)
+    gate, ran = threading.Event(), []
+    try:
+        first = threads.run(lambda _: gate.wait(5.0), None)  # occupies the only thread
+        second = threads.run(ran.append, "second")
+        second.cancel()
+        gate.set()
+        assert await first is True
+        assert await threads.run(ran.append, "third") is None
+        assert ran == ["third"]
+    finally:
+        gate.set()
+        assert threads.close(5.0) == []
+
+
+class Gated:
+    """A dataset whose reads wait for a gate."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.reading = threading.Event()
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        self.reading.set()
+        self.gate.wait(10.0)
+        return i
+
+
+async def test_closing_names_a_thread_stuck_in_user_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_threads, "THREAD_JOIN_TIMEOUT_S", 0.1)
+    dataset = Gated()
+    runner = ThreadRunner(BatchMaker(dataset, default_collate), threads=1)
+    stuck = runner.start_make(BatchRequest(0, 0, [0, 1]))
+    await asyncio.to_thread(dataset.reading.wait, 5.0)
+    assert runner.is_running(0)
+    try:
+        with pytest.warns(ResourceWarning, match=r"1 loader thread\(s\) still run user code"):
+            runner.close()
+    finally:
+        dataset.gate.set()
+        assert (await stuck).batch.tolist() == [0, 1]
+
+
+class Stream:
+    def __init__(self, n: int, fail_at: int | None = None) -> None:
+        self.n, self.fail_at = n, fail_at
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        for i in range(self.n):
+            if i == self.fail_at:
+                raise OSError(f"stream broke at {i}")
+            yield i
+
+
+async def test_a_stream_is_cut_into_batches_then_ends() -> None:
+    runner = ThreadRunner(BatchMaker(Stream(5), default_collate), threads=1)
+    try:
+        got = []
+        for batch_id in range(4):
+            made = await runner.pull(StreamRequest(0, batch_id, 2, drop_last=False), 0)
+            got.append(made.batch if made.batch is END else made.batch.tolist())
+        assert got == [[0, 1], [2, 3], [4], END]
+        # a new epoch reads the stream afresh
+        made = await runner.pull(StreamRequest(1, 0, 2, drop_last=True), 0)
+        assert made.batch.tolist() == [0, 1]
+    finally:
+        runner.close()
+
+
+async def test_a_failed_stream_delivers_what_it_read_then_its_error() -> None:
+    runner = ThreadRunner(BatchMaker(Stream(10, fail_at=3), default_collate), threads=1)
+    try:
+        first = await runner.pull(StreamRequest(0, 0, 2, drop_last=True), 0)
+        assert first.batch.tolist() == [0, 1]
+        partial = await runner.pull(StreamRequest(0, 1, 2, drop_last=True), 0)
+        assert partial.batch.tolist() == [2]  # short, but never dropped: the stream failed
+        with pytest.raises(OSError, match="stream broke at 3"):
+            await runner.pull(StreamRequest(0, 2, 2, drop_last=True), 0)
+        ended = await runner.pull(StreamRequest(0, 3, 2, drop_last=True), 0)
+        assert ended.batch is END  # a failed stream ends for good: no repeated samples
+    finally:
+        runner.close()
