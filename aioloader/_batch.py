@@ -202,13 +202,20 @@ class BatchMaker:
         samples.append(item)
 
 
+# Streams one cursor keeps open at once, one per epoch being read: two iterators of one loader
+# (``zip(loader, loader)``) read two epochs at once. More: more concurrent iterators before the
+# oldest stream is dropped (it then ends early); each open stream holds its dataset iterator.
+MAX_OPEN_STREAMS = 4
+
+
 class StreamCursor:
-    """A position in one stream of samples (an iterable dataset, read by one thread or one
-    worker), turned into batches by the one rule of :func:`stream_batch`.
+    """Positions in one stream of samples (an iterable dataset, read by one thread or one
+    worker), one per epoch being read, turned into batches by the one rule of
+    :func:`stream_batch`.
 
     A new epoch opens the stream afresh. A stream that fails ends for good (reading it again
     would repeat samples): what it produced before the failure is delivered as a batch first,
-    and the error is raised by the next :meth:`next_samples`.
+    and the error is raised by the next :meth:`next_samples` of that epoch.
 
     Args:
         open_stream: makes a fresh iterator over the stream (called once per epoch).
@@ -216,29 +223,26 @@ class StreamCursor:
 
     def __init__(self, open_stream: Callable[[], Iterator[Any]]) -> None:
         self._open = open_stream
-        self._iterator: Iterator[Any] | None = None
-        self._epoch = -1
-        self._pending: BaseException | None = None
+        # epoch -> [iterator, error still to raise]; oldest first
+        self._streams: dict[int, list[Any]] = {}
 
     def next_samples(self, request: StreamRequest) -> list[Any] | Any:
         """The samples of the next batch, or :data:`END`; raises the stream's error in turn."""
-        if self._iterator is None or self._epoch != request.epoch:
-            self._iterator = self._open()
-            self._epoch = request.epoch
-            self._pending = None
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
+        stream = self._streams.get(request.epoch)
+        if stream is None:
+            while len(self._streams) >= MAX_OPEN_STREAMS:
+                del self._streams[next(iter(self._streams))]
+            stream = self._streams[request.epoch] = [self._open(), None]
+        if stream[1] is not None:
+            pending, stream[1] = stream[1], None
             raise pending
-        samples, error = take(self._iterator, request.batch_size)
+        samples, error = take(stream[0], request.batch_size)
         if error is not None:
-            self._iterator = iter(())
-        batch, self._pending = stream_batch(samples, error, request.batch_size, request.drop_last)
+            stream[0] = iter(())
+        batch, stream[1] = stream_batch(samples, error, request.batch_size, request.drop_last)
+        if batch is END:
+            stream[0] = iter(())  # drop the dataset's iterator now; END again if asked
         return batch
-
-    def fail(self) -> None:
-        """End the stream for this epoch (after an error outside the stream itself)."""
-        self._iterator = iter(())
-        self._pending = None
 
 
 def stream_batch(

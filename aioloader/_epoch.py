@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from ._config import LoaderConfig
@@ -37,7 +39,7 @@ from ._reorder import Outcome, ReorderBuffer
 from ._stats import Counters
 from ._types import EMPTY_BATCH, END, Runner
 
-__all__ = ["DeviceStage", "Epoch", "EpochIterator"]
+__all__ = ["DeviceStage", "Epoch", "EpochIterator", "Plan"]
 
 
 class Transfer(Protocol):
@@ -50,6 +52,40 @@ class DeviceStage(Protocol):
     """What an epoch needs of the device stage (:mod:`aioloader._device`)."""
 
     def start(self, batch: Any, batch_id: int) -> Transfer: ...
+
+
+class Plan:
+    """The ``(batch_id, indices)`` pairs of a map-style epoch still to schedule.
+
+    Read lazily from the batch sampler, so an epoch of millions of samples starts at once.
+    The batch sampler is the loader's, shared by its epochs: when a second epoch starts while
+    this one is still being iterated (``zip(loader, loader)``, an evaluation pass in another
+    task), :meth:`freeze` first reads the rest of this epoch's plan, so the new epoch's
+    ``set_epoch`` cannot change it. A lock makes that safe from the thread of a sync iterator
+    while the producer reads on the loop's thread.
+    """
+
+    def __init__(self, pairs: Iterator[tuple[int, Any]]) -> None:
+        self._source = pairs
+        self._rest: deque[tuple[int, Any]] | None = None
+        self._lock = threading.Lock()
+
+    def __iter__(self) -> Plan:
+        return self
+
+    def __next__(self) -> tuple[int, Any]:
+        with self._lock:
+            if self._rest is None:
+                return next(self._source)
+            if not self._rest:
+                raise StopIteration
+            return self._rest.popleft()
+
+    def freeze(self) -> None:
+        """Read the rest of the plan now (the batch sampler is about to move on)."""
+        with self._lock:
+            if self._rest is None:
+                self._rest = deque(self._source)
 
 
 class Epoch:
@@ -74,7 +110,7 @@ class Epoch:
         runner: Runner,
         counters: Counters,
         *,
-        plan: Iterable[tuple[int, Any]] | None,
+        plan: Plan | None,
         dataset: Any,
         device: DeviceStage | None,
         on_batch: Callable[[int], None],
@@ -84,9 +120,9 @@ class Epoch:
         self.epoch = epoch
         self._runner = runner
         self._counters = counters
-        self._plan = plan
         self._dataset = dataset
         self._device = device
+        self.plan = plan
         self._on_batch = on_batch
         self._on_finish = on_finish
         self.reorder = ReorderBuffer(in_order=config.in_order)
@@ -96,6 +132,20 @@ class Epoch:
         self._handing: list[tuple[int, Transfer]] = []  # popped, not yet handed over (copies)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the epoch was closed or has nothing more to give (its next ``__anext__``
+        would end it): e.g. its last batch raised, and a traceback keeps the iterator alive."""
+        if self._closed:
+            return True
+        producer = self._producer
+        return (
+            producer is not None
+            and producer.done
+            and len(self.reorder) == 0
+            and not self._handing
+        )
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -148,7 +198,7 @@ class Epoch:
             self.epoch,
             self._runner,
             self._counters,
-            plan=self._plan,
+            plan=self.plan,
             dataset=self._dataset,
             reorder=self.reorder,
             permits=self._permits,
@@ -264,16 +314,22 @@ class Epoch:
 class EpochIterator:
     """What ``aiter(loader)`` returns: the consumer's handle on an :class:`Epoch`.
 
+    Lazy: the epoch starts at the first ``__anext__``, so an iterator made and dropped unused
+    (a framework probing ``iter(loader)``) consumes no epoch, no resume state and no
+    randomness. It holds ``start`` (a bound method of the loader), so the loader lives as long
+    as an iterator of it: ``await anext(aiter(DataLoader(...)))`` works.
+
     The epoch's own tasks reference the epoch, so the epoch cannot notice that the consumer
     dropped it. This thin handle can, because only the consumer holds it: when it is garbage
     collected (``del it``, a ``break`` out of ``async for``, an exception that unwinds the
     loop) the epoch is closed at once: its tasks are cancelled and its batches released.
     """
 
-    __slots__ = ("__weakref__", "epoch")
+    __slots__ = ("__weakref__", "_start", "epoch")
 
-    def __init__(self, epoch: Epoch) -> None:
-        self.epoch = epoch
+    def __init__(self, start: Callable[[], Epoch]) -> None:
+        self._start: Callable[[], Epoch] | None = start
+        self.epoch: Epoch | None = None
 
     def __aiter__(self) -> EpochIterator:
         return self
@@ -281,14 +337,21 @@ class EpochIterator:
     async def __anext__(self) -> Any:
         # A coroutine of our own (rather than the epoch's) keeps this handle alive while the
         # consumer awaits: ``await anext(aiter(loader))`` must not close the epoch under it.
+        if self.epoch is None:
+            if self._start is None:  # closed before it started
+                raise StopAsyncIteration
+            self.epoch = self._start()
         return await self.epoch.__anext__()
 
     async def aclose(self) -> None:
         """Close the epoch now and wait until its tasks are over."""
-        await self.epoch.aclose()
+        self._start = None
+        if self.epoch is not None:
+            await self.epoch.aclose()
 
     def __del__(self) -> None:
-        self.epoch.close_nowait()
+        if self.epoch is not None:
+            self.epoch.close_nowait()
 
 
 class _FailedCopy:

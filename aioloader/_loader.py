@@ -53,7 +53,7 @@ from ._batch_sampler import resolve_last_batch
 from ._collate import default_collate
 from ._config import LoaderConfig, batch_sampler_for
 from ._device import parse_device
-from ._epoch import Epoch, EpochIterator
+from ._epoch import Epoch, EpochIterator, Plan
 from ._resources import Resources, finalize, worker_payload
 from ._stats import Counters, LoaderStatistics
 from ._types import Runner, dataset_kind
@@ -300,9 +300,12 @@ class DataLoader:
     def last_batch(self) -> str:
         return self._config.last_batch
 
-    def _ensure_resources(self) -> Runner:
+    def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this DataLoader is closed")
+
+    def _ensure_resources(self) -> Runner:
+        self._check_open()
         return self._res.ensure(
             self._config,
             self.dataset,
@@ -325,14 +328,21 @@ class DataLoader:
         self._next_epoch = non_negative_int("epoch", epoch)
 
     def __aiter__(self) -> AsyncIterator[Any]:
-        # The consumer gets a handle, not the epoch: dropping it closes the epoch at once.
-        return EpochIterator(self._new_epoch())
+        # The consumer gets a handle, not the epoch: dropping it closes the epoch at once. The
+        # epoch starts at the first batch asked for, not here.
+        self._check_open()
+        return EpochIterator(self._new_epoch)
 
     def _new_epoch(self) -> Epoch:
         runner = self._ensure_resources()
         previous = self._res.epoch
-        if previous is not None:
-            previous.close_nowait()
+        if previous is not None and not previous.finished:
+            # Another iterator is mid-epoch: both run a full epoch, as torch's do. The older
+            # one's plan is read out first, before set_epoch moves the shared sampler on; a
+            # stream is read afresh for each epoch (see _batch.StreamCursor).
+            if previous.plan is not None:
+                previous.plan.freeze()
+            self._res.others.add(previous)
         resume, self._resume = self._resume, None
         if resume is not None:
             epoch = int(resume["epoch"])
@@ -352,7 +362,7 @@ class DataLoader:
                 self.batch_sampler.set_epoch(epoch)
             state_dict = getattr(self.batch_sampler, "state_dict", None)
             self._epoch_sampler_state = state_dict() if callable(state_dict) else None
-            plan = ((i, b) for i, b in enumerate(self.batch_sampler) if i not in done)
+            plan = Plan((i, b) for i, b in enumerate(self.batch_sampler) if i not in done)
         device = (
             self._res.device if self._res.device is not None and self._res.device.enabled else None
         )
@@ -368,21 +378,33 @@ class DataLoader:
             # Weakly: the epoch lives in ``_res``, which the finalizer holds; a strong reference
             # back to the loader would keep an unclosed loader alive forever (no warning, no
             # release).
-            on_finish=_weak_call(self._epoch_finished),
+            on_finish=_weak_call(self._epoch_finished, epoch),
         )
         self._epoch_open = True
         self._res.epoch = it
         return it
 
-    def _epoch_finished(self) -> None:
+    def _epoch_finished(self, epoch: int) -> None:
+        # Only the newest epoch's end counts for resume: an older one running beside it (two
+        # iterators at once) finishes without touching the newest's bookkeeping.
+        current = self._res.epoch
+        if current is not None and current.epoch != epoch:
+            return
         self._epoch_open = False
         self._done_ids = []
 
     def __iter__(self) -> Iterator[Any]:
-        """Iterate synchronously: the pipeline runs on a private event loop in a thread."""
+        """Iterate synchronously: the pipeline runs on a private event loop in a thread.
+
+        Lazy, like ``aiter``: nothing starts until the first ``next()``; the iterator keeps
+        this loader alive (``for batch in DataLoader(...)`` works).
+        """
+        self._check_open()
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[Any]:
         self._ensure_resources()
-        batches: Iterator[Any] = self._res.loop().iterate(self._new_epoch)
-        return batches
+        yield from self._res.loop().iterate(self._new_epoch)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -412,8 +434,7 @@ class DataLoader:
         dataset or the device stage fails or is cancelled (that error is raised afterwards).
         """
         try:
-            epoch, self._res.epoch = self._res.epoch, None
-            if epoch is not None:
+            for epoch in self._res.take_epochs():
                 if epoch.loop is asyncio.get_running_loop():
                     await epoch.aclose()
                 else:
@@ -532,13 +553,14 @@ class DataLoader:
             return "?"
 
 
-def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
-    """A callable that calls the bound ``method`` while its object is alive, else nothing."""
+def _weak_call(method: Callable[[int], None], arg: int) -> Callable[[], None]:
+    """A callable that calls the bound ``method(arg)`` while its object is alive, else
+    nothing."""
     ref = weakref.WeakMethod(method)
 
     def call() -> None:
         bound = ref()
         if bound is not None:
-            bound()
+            bound(arg)
 
     return call

@@ -150,8 +150,8 @@ class Producer:
         """Run a scheduler body; if the sampler or stream fails, deliver the error in order."""
         try:
             await body()
-        except asyncio.CancelledError:
-            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            raise  # cancelled, or the task is being collected with its abandoned epoch
         except BaseException as exc:
             await self._scheduled(self._next_id)
             self._reorder.put_nowait(Outcome(self._next_id, error=exc))

@@ -7,6 +7,15 @@ dataset's own ``aclose``. :class:`Resources` keeps them apart from the loader ob
 a ``weakref.finalize`` on the loader can release them without keeping the loader alive
 (:func:`finalize` warns ``ResourceWarning`` first, as an unclosed file does).
 
+At interpreter exit, loaders that were never closed (a module-level ``loader = DataLoader(...)``,
+an exception from the training step that was not caught, Ctrl-C without ``with``) are closed
+by :func:`close_all_at_exit` *before* the executors' own exit hook runs: that hook joins each
+worker's executor, whose one long job (the serve loop) only ends when the pool closes its
+pipes, so without this the interpreter would wait forever. The hook is registered with
+``threading._register_atexit``, the CPython hook ``concurrent.futures`` itself uses (called in
+reverse order of registration, so ours, registered after ``concurrent.futures.process`` is
+imported, runs first); ``atexit`` would run too late, after the threads are joined.
+
 What goes to worker processes is decided here too: :func:`worker_payload` pickles the batch
 maker (dataset, collate_fn, transform) and ``worker_init_fn`` once, at construction, so an
 unpicklable one is reported there, naming what could not be pickled.
@@ -18,6 +27,7 @@ import contextlib
 import pickle
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
@@ -34,7 +44,7 @@ from ._threads import ThreadRunner
 from ._types import AsyncCloseable, Runner, SourceDataset
 from ._workers import WorkerPool
 
-__all__ = ["Resources", "batch_maker", "finalize", "worker_payload"]
+__all__ = ["Resources", "batch_maker", "close_all_at_exit", "finalize", "worker_payload"]
 
 # How long closing the loader waits for the dataset's own aclose() on the private loop.
 DATASET_CLOSE_TIMEOUT_S = 10.0
@@ -80,7 +90,7 @@ def worker_payload(config: LoaderConfig, dataset: Any) -> bytes:
     return pickle.dumps((maker, config.worker_init_fn), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False, weakref_slot=True)  # identity: kept in a WeakSet
 class Resources:
     """Everything a loader must release (see the module docstring)."""
 
@@ -88,7 +98,8 @@ class Resources:
     slots: _shm.SlotPool | None = None
     device: DeviceStage | None = None
     loop_thread: LoopThread | None = None
-    epoch: Epoch | None = None
+    epoch: Epoch | None = None  # the newest epoch: its progress is the resume state
+    others: weakref.WeakSet[Epoch] = field(default_factory=weakref.WeakSet)  # older, still live
     dataset_aclose: Callable[[], Any] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -116,6 +127,7 @@ class Resources:
                     self.runner = ThreadRunner(batch_maker(config, dataset), config.threads)
             if isinstance(dataset, AsyncCloseable):
                 self.dataset_aclose = dataset.aclose
+            _LIVE.add(self)
             return self.runner
 
     def loop(self) -> LoopThread:
@@ -123,12 +135,19 @@ class Resources:
         with self.lock:
             if self.loop_thread is None:
                 self.loop_thread = LoopThread()
+            _LIVE.add(self)
             return self.loop_thread
+
+    def take_epochs(self) -> list[Epoch]:
+        """Every epoch still held, newest first, forgotten here (the caller closes them)."""
+        epochs = [e for e in (self.epoch, *self.others) if e is not None]
+        self.epoch = None
+        self.others = weakref.WeakSet()
+        return epochs
 
     def close(self) -> None:
         """Release everything (blocking). Idempotent."""
-        epoch, self.epoch = self.epoch, None
-        if epoch is not None:
+        for epoch in self.take_epochs():
             epoch.close_nowait()
         with self.lock:
             runner, self.runner = self.runner, None
@@ -152,6 +171,21 @@ class Resources:
     def held(self) -> bool:
         """Whether anything is still held (a process, a thread, a segment)."""
         return self.runner is not None or self.loop_thread is not None or self.slots is not None
+
+
+# Resources that may hold something: closed at interpreter exit if their loader never was.
+_LIVE: weakref.WeakSet[Resources] = weakref.WeakSet()
+
+
+def close_all_at_exit() -> None:
+    """Close every loader's resources still held (see the module docstring). Silent: the end
+    of the program is a normal end of life for a module-level loader, as in torch."""
+    for resources in list(_LIVE):
+        with contextlib.suppress(Exception):
+            resources.close()
+
+
+threading._register_atexit(close_all_at_exit)  # type: ignore[attr-defined]
 
 
 def finalize(resources: Resources, name: str) -> None:

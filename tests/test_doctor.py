@@ -13,8 +13,8 @@ import pytest
 
 from aioloader import _doctor
 from aioloader.__main__ import main
-from aioloader._doctor import Check, Facts, Status, TorchFacts
 from aioloader._config import SHM_FRACTION, SHM_MAX_DEFAULT
+from aioloader._doctor import Check, Facts, Status, TorchFacts
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20

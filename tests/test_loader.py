@@ -774,16 +774,13 @@ async def test_a_dropped_iterator_is_closed_at_once() -> None:
         assert len(dataset.read) <= 2 * (3 + 4)  # nothing was read after the drop
         # A one-off `anext(aiter(...))` keeps its iterator alive while it waits.
         assert (await anext(aiter(loader))).tolist() == [0, 1]
-        # A consumer still waiting on an epoch that gets closed is told it is over.
+        # A consumer still waiting when the loader closes is told it is over.
         slow = DataLoader(Slow(4, lambda i: 0.3), batch_size=1)
         async with slow:
-            old = aiter(slow)
-            waiting = asyncio.ensure_future(anext(old))
+            waiting = asyncio.ensure_future(anext(aiter(slow)))
             await asyncio.sleep(0.05)
-            new = aiter(slow)  # a new epoch closes the old one
-            with pytest.raises(StopAsyncIteration):
-                await asyncio.wait_for(waiting, BOUND_S)
-            assert flat(await take(new, 4)) == [0, 1, 2, 3]
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(waiting, BOUND_S)
         assert flat(await collect(loader)) == list(range(400))
 
 
@@ -1220,3 +1217,69 @@ def test_worker_processes_give_the_same_batches_as_threads() -> None:
         [[4, 5], [6], [7]],
         [[8]],
     ]
+
+
+async def test_two_iterators_at_once_each_run_a_full_epoch() -> None:
+    """As torch's do: neither is cut short, and each is in sampler order."""
+    async with DataLoader(Range(10), batch_size=3, shuffle=True, seed=5) as reference:
+        epoch0 = flat(await collect(reference))
+        epoch1 = flat(await collect(reference))
+    async with DataLoader(
+        Range(10), batch_size=3, shuffle=True, seed=5, num_workers=2, thread_pool=True
+    ) as loader:
+        first, second = aiter(loader), aiter(loader)  # made, nothing started yet
+        a = [await anext(first)]
+        b = [batch async for batch in second]  # a whole epoch while `first` is mid-way
+        a += [batch async for batch in first]
+    assert flat(a) == epoch0  # the first iterator is epoch 0, in sampler order, complete
+    assert flat(b) == epoch1  # the second is epoch 1
+    assert epoch0 != epoch1
+
+
+def test_zip_of_a_loader_with_itself_in_sync_code() -> None:
+    with DataLoader(Range(7), batch_size=2) as loader:
+        pairs = list(zip(loader, loader, strict=True))
+    assert len(pairs) == 4
+    assert [a.tolist() for a, _ in pairs] == [b.tolist() for _, b in pairs]
+
+
+class SixStream:
+    def __iter__(self) -> Any:
+        return iter(range(6))
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+async def test_two_iterators_of_a_stream_each_read_it_whole(threads: int) -> None:
+    async with DataLoader(
+        SixStream(), batch_size=2, num_workers=threads, thread_pool=bool(threads)
+    ) as loader:
+        first = aiter(loader)
+        a = [await anext(first)]
+        b = [batch async for batch in loader]
+        a += [batch async for batch in first]
+    assert sorted(flat(a)) == list(range(6))  # neither is cut short
+    assert sorted(flat(b)) == list(range(6))
+
+
+def test_iter_starts_nothing_until_next() -> None:
+    """A framework's `iter(loader)` probe consumes no epoch and no resume state."""
+    with DataLoader(Range(6), batch_size=2, shuffle=True, seed=1) as other:
+        reference = [b.tolist() for b in other]
+    with DataLoader(Range(6), batch_size=2, shuffle=True, seed=1) as loader:
+        probe = iter(loader)
+        del probe
+        aprobe = loader.__aiter__()
+        del aprobe
+        assert loader.state_dict()["epoch"] == 0
+        assert [b.tolist() for b in loader] == reference
+
+
+def test_a_temporary_loader_iterated_directly() -> None:
+    """The iterator keeps its loader alive; once both are dropped the loader is released (with
+    the ResourceWarning an unclosed file gives, hidden by default)."""
+    with pytest.warns(ResourceWarning, match="not closed"):
+        first = next(iter(DataLoader(Range(5), batch_size=2))).tolist()
+    assert first == [0, 1]
+    with pytest.warns(ResourceWarning, match="not closed"):
+        batches = [b.tolist() for b in DataLoader(Range(5), batch_size=2)]
+    assert batches == [[0, 1], [2, 3], [4]]
