@@ -301,3 +301,14 @@ def test_visiting_order_is_stable_across_walks(tree: Any) -> None:
     again = list(iter_leaves(map_tree(tree, lambda leaf: leaf)))
     assert all(a is b for a, b in zip(first, again, strict=True))
     assert len(first) == len(again)
+
+
+# -- every walk of the package is this one ------------------------------------------------------
+
+
+def test_shared_memory_walks_with_tree() -> None:
+    from aioloader import _shm_tree
+
+    assert _shm_tree.map_tree is map_tree
+    assert _shm_tree.iter_leaves is iter_leaves
+    assert not hasattr(_shm_tree, "_map_tree")
