@@ -312,3 +312,17 @@ def test_shared_memory_walks_with_tree() -> None:
     assert _shm_tree.map_tree is map_tree
     assert _shm_tree.iter_leaves is iter_leaves
     assert not hasattr(_shm_tree, "_map_tree")
+
+
+def test_the_device_stage_walks_with_tree_and_maps_only_arrays_and_tensors() -> None:
+    import torch
+
+    from aioloader._device import _leaves
+
+    assert not hasattr(_leaves, "_map_tree")
+    tree = collections.UserList([np.arange(2), torch.ones(2), 3, "s", Point(np.zeros(1), None)])
+    seen: list[Any] = []
+    out = _leaves.map_arrays(tree, lambda leaf: seen.append(leaf) or "moved")
+    assert type(out) is collections.UserList
+    assert list(out) == ["moved", "moved", 3, "s", Point("moved", None)]
+    assert [type(x).__name__ for x in seen] == ["ndarray", "Tensor", "ndarray"]

@@ -47,8 +47,8 @@ from ._leaves import (
     _array_as_tensor_view,
     _array_ptr,
     _empty_like_leaf,
-    _map_tree,
     _torch_dtype,
+    map_arrays,
 )
 from ._parse import parse_device
 from ._staging import MAX_POOLED_STAGING_BYTES, _align, _StagingPool
@@ -354,7 +354,7 @@ class DeviceStage:
             plans.append(self._plan(leaf))
             return leaf
 
-        _map_tree(batch, collect)
+        map_arrays(batch, collect)
         total = 0
         for plan in plans:
             if plan.kind == "stage":
@@ -393,7 +393,7 @@ class DeviceStage:
                     return out
 
                 with torch.no_grad():
-                    result = _map_tree(batch, move)
+                    result = map_arrays(batch, move)
                 backend.record_event(end_event, self._side_stream)
         except BaseException:
             # Closures of this walk outlive their frames in the traceback (a frame keeps its
@@ -457,7 +457,7 @@ class DeviceStage:
 
         started = time.perf_counter()
         with torch.no_grad():
-            transfer._result = _map_tree(batch, pin)
+            transfer._result = map_arrays(batch, pin)
         transfer._state = "copied"
         self._batches += 1
         self._bytes += nbytes
