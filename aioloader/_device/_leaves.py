@@ -10,10 +10,10 @@ Sharp edges:
   rely on it to pair a first walk with a second one) and containers are rebuilt by its one rule
   (namedtuples field by field, a ``defaultdict`` keeps its factory).
 - Only tensors and ndarrays are array leaves; anything else (numbers, strings) is kept as is.
-- Only numeric numpy arrays (:data:`_NUMERIC_KINDS`) become device tensors (``torch.from_numpy``
+- Only numeric numpy arrays (:data:`NUMERIC_KINDS`) become device tensors (``torch.from_numpy``
   semantics); strings, objects and datetimes pass through unchanged.
 - ``torch.from_numpy`` refuses (or warns about) read-only, byte-swapped, non-contiguous and
-  misaligned arrays: :func:`_array_as_tensor_view` returns ``None`` for them and the caller
+  misaligned arrays: :func:`array_as_tensor_view` returns ``None`` for them and the caller
   copies them instead.
 """
 
@@ -28,9 +28,16 @@ import torch
 
 from .._tree import map_tree
 
-__all__ = ["map_arrays"]
+__all__ = [
+    "NUMERIC_KINDS",
+    "array_as_tensor_view",
+    "array_ptr",
+    "empty_like_leaf",
+    "map_arrays",
+    "torch_dtype",
+]
 
-_NUMERIC_KINDS = frozenset("biufc")  # bool, signed, unsigned, float, complex
+NUMERIC_KINDS = frozenset("biufc")  # bool, signed, unsigned, float, complex
 
 
 def map_arrays(obj: Any, fn: Callable[[Any], Any]) -> Any:
@@ -47,11 +54,12 @@ def map_arrays(obj: Any, fn: Callable[[Any], Any]) -> Any:
 
 
 @functools.lru_cache(maxsize=64)
-def _torch_dtype(dtype: np.dtype[Any]) -> torch.dtype:
+def torch_dtype(dtype: np.dtype[Any]) -> torch.dtype:
+    """The torch dtype of a numpy dtype of either byte order."""
     return torch.from_numpy(np.empty(0, dtype=dtype.newbyteorder("="))).dtype
 
 
-def _array_as_tensor_view(arr: np.ndarray[Any, Any]) -> torch.Tensor | None:
+def array_as_tensor_view(arr: np.ndarray[Any, Any]) -> torch.Tensor | None:
     """A zero-copy tensor over ``arr``; None where ``torch.from_numpy`` cannot (or would warn)."""
     if (
         not arr.flags.writeable
@@ -63,10 +71,12 @@ def _array_as_tensor_view(arr: np.ndarray[Any, Any]) -> torch.Tensor | None:
     return torch.from_numpy(arr)
 
 
-def _array_ptr(arr: np.ndarray[Any, Any]) -> int:
+def array_ptr(arr: np.ndarray[Any, Any]) -> int:
+    """The address of ``arr``'s first byte."""
     return int(arr.__array_interface__["data"][0])
 
 
-def _empty_like_leaf(leaf: torch.Tensor | np.ndarray[Any, Any]) -> torch.Tensor:
-    dtype = _torch_dtype(leaf.dtype) if isinstance(leaf, np.ndarray) else leaf.dtype
+def empty_like_leaf(leaf: torch.Tensor | np.ndarray[Any, Any]) -> torch.Tensor:
+    """An uninitialised CPU tensor of ``leaf``'s shape and (torch) dtype."""
+    dtype = torch_dtype(leaf.dtype) if isinstance(leaf, np.ndarray) else leaf.dtype
     return torch.empty(tuple(leaf.shape), dtype=dtype)
