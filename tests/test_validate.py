@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -11,6 +12,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from aioloader import _validate
+from aioloader._sampler import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    ShardedBatchSampler,
+    validate_non_negative_int,
+    validate_positive_int,
+)
 from aioloader._validate import (
     WrongTypeError,
     boolean,
@@ -155,3 +166,92 @@ def test_value_errors_makes_type_errors_both() -> None:
     ):
         positive_int("n", 0)
     assert not isinstance(plain.value, TypeError)
+
+
+# -- every public argument: numpy ints accepted, and each error's type and message --------------
+
+
+def test_the_sampler_names_are_the_checks() -> None:
+    assert validate_positive_int is positive_int
+    assert validate_non_negative_int is non_negative_int
+
+
+def test_numpy_integers_and_bools_are_accepted_by_the_samplers() -> None:
+    sampler = BatchSampler(range(10), np.int64(4))
+    assert sampler.batch_size == 4
+    assert type(sampler.batch_size) is int
+    assert [len(b) for b in sampler] == [4, 4, 2]
+    assert type(ShardedBatchSampler(sampler, np.int32(2)).num_shards) is int
+    assert list(SequentialSampler(np.int64(3))) == [0, 1, 2]
+    rollover = BatchSampler(range(4), 2, "rollover")
+    rollover.load_state_dict({"carry": [np.int64(1)]})
+    assert rollover.carry == (1,)
+    assert type(rollover.carry[0]) is int
+    random_sampler = RandomSampler(np.int64(5), num_samples=np.uint8(3), seed=np.int64(7))
+    assert len(random_sampler) == 3
+    assert type(random_sampler.seed) is int
+    random_sampler.set_epoch(np.int64(2))
+    assert random_sampler.epoch == 2
+    dist = DistributedSampler(np.int64(10), np.int64(2), np.int64(1), seed=np.uint16(3))
+    assert (dist.num_replicas, dist.rank, dist.seed) == (2, 1, 3)
+    assert type(dist.rank) is int
+    assert RandomSampler(4, replacement=np.False_, seed=0).replacement is False
+    dist = DistributedSampler(4, 2, 0, shuffle=np.True_, drop_last=np.False_)
+    assert (dist.shuffle, dist.drop_last) == (True, False)
+    assert BatchSampler(range(4), 2, drop_last=np.True_).last_batch == "discard"
+
+
+SAMPLER_CASES: list[tuple[Callable[[], object], type[Exception], list[str]]] = [
+    (lambda: BatchSampler(range(4), True), TypeError, ["batch_size", "True"]),
+    (lambda: BatchSampler(range(4), -2), ValueError, ["batch_size", "-2"]),
+    (lambda: BatchSampler(range(4), 2, drop_last=1), TypeError, ["drop_last", "1"]),
+    (lambda: ShardedBatchSampler([[0]], 2.0), TypeError, ["num_shards", "2.0"]),
+    (lambda: SequentialSampler(-1), ValueError, ["data_source", "-1"]),
+    (lambda: RandomSampler(4, seed=1.5), TypeError, ["seed", "1.5"]),
+    (lambda: RandomSampler(4, num_samples=-1), ValueError, ["num_samples", "-1"]),
+    (lambda: RandomSampler(4, replacement=1), TypeError, ["replacement", "1"]),
+    (lambda: RandomSampler(4).set_epoch(True), TypeError, ["epoch", "True"]),
+    (lambda: DistributedSampler(4, True, 0), TypeError, ["num_replicas", "True"]),
+    (lambda: DistributedSampler(4, 2, "0"), TypeError, ["rank", "'0'"]),
+    (lambda: DistributedSampler(4, 2, 0, drop_last="no"), TypeError, ["drop_last", "'no'"]),
+    (
+        lambda: DistributedSampler(4, 2, 0).load_state_dict({"seed": 1, "epoch": -1}),
+        ValueError,
+        ["epoch", "-1"],
+    ),
+]
+CASES = SAMPLER_CASES
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "needles"),
+    CASES,
+    ids=[f"{i}-{needles[0]}" for i, (_, _, needles) in enumerate(CASES)],
+)
+def test_errors_have_the_right_type_and_name_the_argument_and_value(
+    make: Callable[[], object], error: type[Exception], needles: list[str]
+) -> None:
+    with pytest.raises(error) as info:
+        make()
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
+
+
+# -- one set of checks --------------------------------------------------------------------------
+
+
+DUPLICATES_REMOVED = [
+    ("aioloader._batch_sampler", ["_checked_int", "_is_int", "_check_state_keys"]),
+    ("aioloader._batch_sampler", ["validate_positive_int", "validate_non_negative_int"]),
+    ("aioloader._sampler", ["_validate_int", "_checked_int", "_is_int", "_check_state_keys"]),
+]
+
+
+def test_the_duplicated_helpers_are_gone() -> None:
+    import importlib
+
+    for module, names in DUPLICATES_REMOVED:
+        for name in names:
+            assert not hasattr(importlib.import_module(module), name), f"{module}.{name}"
+    assert sorted(_validate.__all__) == _validate.__all__
