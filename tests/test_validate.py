@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aioloader import _validate
+from aioloader._device import parse_device
 from aioloader._sampler import (
     BatchSampler,
     DistributedSampler,
@@ -37,7 +39,9 @@ from aioloader._validate import (
     to_int,
     value_errors,
 )
+from aioloader.sources import HTTPDataset, RetryPolicy, retrying
 
+URL = "http://127.0.0.1/x"
 NUMPY_INTS = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
 URL = "http://127.0.0.1/x"
 
@@ -220,7 +224,58 @@ SAMPLER_CASES: list[tuple[Callable[[], object], type[Exception], list[str]]] = [
         ["epoch", "-1"],
     ),
 ]
-CASES = SAMPLER_CASES
+
+
+def test_numpy_integers_are_accepted_by_the_sources_and_the_device() -> None:
+    policy = RetryPolicy(max_attempts=np.int64(3), retry_statuses=frozenset({np.int64(503)}))
+    assert policy.max_attempts == 3
+    assert type(policy.max_attempts) is int
+    assert policy.retry_statuses == frozenset({503})
+    assert all(type(status) is int for status in policy.retry_statuses)
+    assert RetryPolicy(backoff_multiplier=np.float32(1.5)).backoff_multiplier == 1.5
+    HTTPDataset([URL], max_connections=np.int64(4), connect_timeout=np.float32(2.5))
+    assert parse_device(np.int64(1)) == parse_device(1)
+
+
+def _retrying_with(deadline: Any) -> Callable[[], object]:
+    async def op() -> None:
+        return None
+
+    def call() -> object:
+        return asyncio.run(retrying(op, policy=RetryPolicy(), describe="x", deadline=deadline))
+
+    return call
+
+
+SOURCE_CASES: list[tuple[Callable[[], object], type[Exception], list[str]]] = [
+    (lambda: RetryPolicy(max_attempts=True), TypeError, ["RetryPolicy.max_attempts", "True"]),
+    (lambda: RetryPolicy(max_attempts=0), ValueError, ["RetryPolicy.max_attempts", "0"]),
+    (
+        lambda: RetryPolicy(backoff_initial=math.nan),
+        ValueError,
+        ["RetryPolicy.backoff_initial", "nan"],
+    ),
+    (lambda: RetryPolicy(backoff_max="1"), TypeError, ["RetryPolicy.backoff_max", "'1'"]),
+    (lambda: RetryPolicy(jitter=1), TypeError, ["RetryPolicy.jitter", "1"]),
+    (
+        lambda: RetryPolicy(retry_statuses=frozenset({"503"})),
+        TypeError,
+        ["RetryPolicy.retry_statuses", "'503'"],
+    ),
+    (lambda: RetryPolicy().backoff(0), ValueError, ["failures", "0"]),
+    (lambda: HTTPDataset([URL], read_timeout=-1), ValueError, ["read_timeout", "-1"]),
+    (lambda: HTTPDataset([URL], read_timeout=math.inf), ValueError, ["read_timeout", "inf"]),
+    (lambda: HTTPDataset([URL], connect_timeout=True), TypeError, ["connect_timeout", "True"]),
+    (lambda: HTTPDataset([URL], max_connections=1.0), TypeError, ["max_connections", "1.0"]),
+    (lambda: HTTPDataset([URL], decode=3), TypeError, ["decode", "3"]),
+    (_retrying_with(0), ValueError, ["deadline", "0"]),
+    (_retrying_with("1"), TypeError, ["deadline", "'1'"]),
+]
+DEVICE_CASES: list[tuple[Callable[[], object], type[Exception], list[str]]] = [
+    (lambda: parse_device(np.int64(-1)), ValueError, ["device", "-1"]),
+    (lambda: parse_device(np.float64(0)), TypeError, ["device", "0.0"]),
+]
+CASES = SAMPLER_CASES + SOURCE_CASES + DEVICE_CASES
 
 
 @pytest.mark.parametrize(
@@ -238,6 +293,19 @@ def test_errors_have_the_right_type_and_name_the_argument_and_value(
         assert needle in message, f"{needle!r} not in {message!r}"
 
 
+def test_the_sources_still_raise_value_errors_for_wrong_types() -> None:
+    """The sources always promised ``ValueError``; a wrong type is now also a ``TypeError``."""
+    for make in (
+        lambda: RetryPolicy(max_attempts=2.0),
+        lambda: RetryPolicy(retry_statuses=503),
+        lambda: HTTPDataset([URL], item_deadline="5"),
+        lambda: HTTPDataset([URL], max_connections=2.5),
+    ):
+        with pytest.raises(ValueError, match="must") as info:
+            make()
+        assert isinstance(info.value, TypeError)
+
+
 # -- one set of checks --------------------------------------------------------------------------
 
 
@@ -245,6 +313,9 @@ DUPLICATES_REMOVED = [
     ("aioloader._batch_sampler", ["_checked_int", "_is_int", "_check_state_keys"]),
     ("aioloader._batch_sampler", ["validate_positive_int", "validate_non_negative_int"]),
     ("aioloader._sampler", ["_validate_int", "_checked_int", "_is_int", "_check_state_keys"]),
+    ("aioloader.sources._retry", ["_require_number"]),
+    ("aioloader.sources._http", ["check_timeout"]),
+    ("aioloader.sources._base", ["_check_decode"]),
 ]
 
 

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from .._errors import TransferError
+from .._validate import is_int
 from ._backend import CudaBackend, TorchCudaBackend
 from ._leaves import (
     NUMERIC_KINDS,
@@ -267,10 +268,11 @@ class DeviceStage:
         Raises:
             ValueError: ``ptr`` or ``nbytes`` is negative or not an int.
         """
-        if isinstance(ptr, bool) or not isinstance(ptr, int) or ptr < 0:
+        if not is_int(ptr) or ptr < 0:
             raise ValueError(f"ptr={ptr!r} must be a non-negative int address")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        if not is_int(nbytes) or nbytes < 0:
             raise ValueError(f"nbytes={nbytes!r} must be a non-negative int")
+        ptr, nbytes = int(ptr), int(nbytes)
         if not self._cuda or self._closed or nbytes == 0 or not self.enabled:
             return False
         if ptr in self._registered:
