@@ -23,7 +23,13 @@ from typing import Any
 import numpy as np
 
 from ._collate import default_collate, numpy_collate
-from ._types import END, EMPTY_BATCH, BatchRequest, Made, StreamRequest
+
+# ``X as X``: _epoch, _runner and _workers still import EMPTY_BATCH, BatchRequest and Made from
+# here, so they are re-exported until those modules import them from _types, where they live.
+from ._types import EMPTY_BATCH as EMPTY_BATCH
+from ._types import END, StreamRequest
+from ._types import BatchRequest as BatchRequest
+from ._types import Made as Made
 
 __all__ = ["Alloc", "BatchMaker", "StreamCursor", "annotate", "stream_batch", "take"]
 
