@@ -5,10 +5,7 @@ policy (MXNet Gluon's ``last_batch``, or torch's ``drop_last``); :class:`Sharded
 splits each batch into ``list[list[int]]``, one part per device. Both are pure and
 deterministic, like the index samplers of :mod:`aioloader._sampler`, which re-exports them.
 
-This module also holds the integer and state checks that every sampler shares
-(:func:`validate_positive_int`, :func:`validate_non_negative_int`, ``_check_state_keys``):
-``_sampler`` imports this module to re-export the batch samplers, so the checks live here to
-keep the import one-way.
+Arguments and loaded states are checked by :mod:`aioloader._validate`, as everywhere.
 
 Sharp edges, each deliberate:
 
@@ -24,76 +21,22 @@ Sharp edges, each deliberate:
   ``state_dict()`` taken before ``iter()`` describes the whole iteration.
 - **No empty shards.** A batch with fewer indices than shards yields one shard per index.
 - **bools are not ints here.** ``batch_size=True`` is a bug, never an intent: the checks refuse
-  it, while numpy integers are accepted.
+  it, while numpy integers are accepted (:mod:`aioloader._validate`'s rule).
 """
 
 from __future__ import annotations
 
 import itertools
-import numbers
 from collections.abc import Iterable, Iterator, Sized
 from typing import Any, Literal, cast, get_args
 
 from ._types import Stateful
+from ._validate import boolean, check_state_keys, is_int, one_of, positive_int
 
-__all__ = [
-    "BatchSampler",
-    "LastBatch",
-    "ShardedBatchSampler",
-    "resolve_last_batch",
-    "validate_non_negative_int",
-    "validate_positive_int",
-]
+__all__ = ["BatchSampler", "LastBatch", "ShardedBatchSampler", "resolve_last_batch"]
 
 LastBatch = Literal["keep", "discard", "rollover"]
 _LAST_BATCH_POLICIES: tuple[str, ...] = get_args(LastBatch)
-
-
-# -- argument checks ----------------------------------------------------------------------------
-
-
-def _is_int(value: object) -> bool:
-    # numpy integers count (they are registered as numbers.Integral); bools do not, because
-    # ``batch_size=True`` is a bug, never an intent.
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _checked_int(name: str, value: object, minimum: int | None, what: str) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise TypeError(f"{name} must be {what}, got {value!r}")
-    result = int(value)
-    if minimum is not None and result < minimum:
-        raise ValueError(f"{name} must be {what}, got {value!r}")
-    return result
-
-
-def validate_positive_int(name: str, value: object) -> int:
-    """Return ``value`` as a plain ``int`` if it is an integer greater than zero.
-
-    Raises:
-        TypeError: if ``value`` is not an integer (bools are refused), naming ``name``.
-        ValueError: if ``value`` is zero or negative, naming ``name``.
-    """
-    return _checked_int(name, value, 1, "a positive int")
-
-
-def validate_non_negative_int(name: str, value: object) -> int:
-    """Return ``value`` as a plain ``int`` if it is an integer of zero or more.
-
-    Raises:
-        TypeError: if ``value`` is not an integer (bools are refused), naming ``name``.
-        ValueError: if ``value`` is negative, naming ``name``.
-    """
-    return _checked_int(name, value, 0, "a non-negative int")
-
-
-def _check_state_keys(owner: str, state: object, required: set[str]) -> dict[str, Any]:
-    if not isinstance(state, dict):
-        raise TypeError(f"{owner}.load_state_dict needs a dict, got {state!r}")
-    missing = required - state.keys()
-    if missing:
-        raise ValueError(f"{owner}.load_state_dict: state lacks {sorted(missing)}, got {state!r}")
-    return state
 
 
 # -- batches ------------------------------------------------------------------------------------
@@ -109,10 +52,10 @@ def resolve_last_batch(last_batch: object, drop_last: object) -> LastBatch:
                 f"drop_last={drop_last!r}"
             )
         last_batch, drop_last = None, last_batch
-    if drop_last is not None and not isinstance(drop_last, bool):
-        raise TypeError(f"drop_last must be a bool or None, got {drop_last!r}")
-    if last_batch is not None and last_batch not in _LAST_BATCH_POLICIES:
-        raise ValueError(f"last_batch must be one of {_LAST_BATCH_POLICIES}, got {last_batch!r}")
+    if drop_last is not None:
+        drop_last = boolean("drop_last", drop_last)
+    if last_batch is not None:
+        one_of("last_batch", last_batch, _LAST_BATCH_POLICIES)
     implied = None if drop_last is None else ("discard" if drop_last else "keep")
     if last_batch is not None and implied is not None and last_batch != implied:
         raise ValueError(
@@ -156,7 +99,7 @@ class BatchSampler:
         if not isinstance(sampler, Iterable):
             raise TypeError(f"sampler must be an iterable of ints, got {sampler!r}")
         self.sampler = sampler
-        self.batch_size = validate_positive_int("batch_size", batch_size)
+        self.batch_size = positive_int("batch_size", batch_size)
         self.last_batch: LastBatch = resolve_last_batch(last_batch, drop_last)
         # Invariant: the carry is empty unless last_batch == "rollover", and always shorter
         # than a batch when produced here (a loaded state may hold more; it is then batched).
@@ -229,9 +172,9 @@ class BatchSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (and the sampler's part of it)."""
-        state = _check_state_keys("BatchSampler", state, {"carry"})
+        state = check_state_keys("BatchSampler", state, {"carry"})
         carry = state["carry"]
-        if not isinstance(carry, list | tuple) or not all(map(_is_int, carry)):
+        if not isinstance(carry, list | tuple) or not all(map(is_int, carry)):
             raise TypeError(f"BatchSampler state 'carry' must be a list of ints, got {carry!r}")
         if carry and self.last_batch != "rollover":
             raise ValueError(
@@ -290,7 +233,7 @@ class ShardedBatchSampler:
         if not isinstance(batch_sampler, Iterable):
             raise TypeError(f"batch_sampler must be an iterable of lists, got {batch_sampler!r}")
         self.batch_sampler = batch_sampler
-        self.num_shards = validate_positive_int("num_shards", num_shards)
+        self.num_shards = positive_int("num_shards", num_shards)
 
     def __iter__(self) -> Iterator[list[list[int]]]:
         batches = iter(self.batch_sampler)
@@ -315,7 +258,7 @@ class ShardedBatchSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`."""
-        state = _check_state_keys("ShardedBatchSampler", state, set())
+        state = check_state_keys("ShardedBatchSampler", state, set())
         if "batch_sampler" in state:
             if not isinstance(self.batch_sampler, Stateful):
                 raise ValueError(

@@ -17,8 +17,8 @@ torch's samplers follow the same conventions and may be used wherever these are:
     the loader
 
 This module holds the index samplers. The batch samplers and their last-batch policy live in
-:mod:`aioloader._batch_sampler` (with the argument checks all samplers share); this module
-re-exports them, so callers import every sampler from ``_sampler``.
+:mod:`aioloader._batch_sampler`; this module re-exports them, so callers import every sampler
+from ``_sampler``. Arguments and loaded states are checked by :mod:`aioloader._validate`.
 
 Sharp edges, each deliberate:
 
@@ -52,16 +52,12 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-from ._batch_sampler import (
-    BatchSampler,
-    LastBatch,
-    ShardedBatchSampler,
-    _check_state_keys,
-    _checked_int,
-    _is_int,
-    validate_non_negative_int,
-    validate_positive_int,
-)
+from ._batch_sampler import BatchSampler, LastBatch, ShardedBatchSampler
+from ._validate import boolean, check_state_keys, is_int, non_negative_int, positive_int, to_int
+
+# The checks under the names this module has always exported.
+validate_positive_int = positive_int
+validate_non_negative_int = non_negative_int
 
 __all__ = [
     "BatchSampler",
@@ -85,14 +81,10 @@ _SEED_BITS = 63  # a fresh seed fits a signed 64-bit int, so it survives any ser
 # -- argument checks ----------------------------------------------------------------------------
 
 
-def _validate_int(name: str, value: object) -> int:
-    return _checked_int(name, value, None, "an int")
-
-
 def _length_of(name: str, data_source: object) -> int:
     """The number of samples of a Sized data source, or the int length given instead."""
-    if _is_int(data_source):
-        return validate_non_negative_int(name, data_source)
+    if is_int(data_source):
+        return non_negative_int(name, data_source)
     if isinstance(data_source, Sized):
         return len(data_source)
     raise TypeError(f"{name} must be a Sized (with __len__) or an int length, got {data_source!r}")
@@ -212,10 +204,9 @@ class RandomSampler:
         seed: int | None = None,
     ) -> None:
         n = _length_of("data_source", data_source)
-        if not isinstance(replacement, bool):
-            raise TypeError(f"replacement must be a bool, got {replacement!r}")
+        replacement = boolean("replacement", replacement)
         if num_samples is not None:
-            num_samples = validate_non_negative_int("num_samples", num_samples)
+            num_samples = non_negative_int("num_samples", num_samples)
             if num_samples > 0 and n == 0:
                 raise ValueError(
                     f"num_samples={num_samples} cannot be drawn from an empty data_source"
@@ -232,7 +223,7 @@ class RandomSampler:
         self.generator = generator
         self.seed: int | None = None
         if generator is None:
-            self.seed = _fresh_seed() if seed is None else _validate_int("seed", seed)
+            self.seed = _fresh_seed() if seed is None else to_int("seed", seed)
         self._epoch = 0
 
     @property
@@ -249,7 +240,7 @@ class RandomSampler:
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter()`` use epoch ``epoch`` (a non-negative int)."""
-        self._epoch = validate_non_negative_int("epoch", epoch)
+        self._epoch = non_negative_int("epoch", epoch)
 
     def __iter__(self) -> Iterator[int]:
         n = _length_of("data_source", self.data_source)
@@ -293,13 +284,13 @@ class RandomSampler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; the next ``iter()`` repeats the one it described."""
         if self.generator is not None:
-            state = _check_state_keys("RandomSampler", state, {"epoch", "generator_state"})
-            epoch = validate_non_negative_int("epoch", state["epoch"])
+            state = check_state_keys("RandomSampler", state, {"epoch", "generator_state"})
+            epoch = non_negative_int("epoch", state["epoch"])
             self.generator.set_state(state["generator_state"])
         else:
-            state = _check_state_keys("RandomSampler", state, {"seed", "epoch"})
-            epoch = validate_non_negative_int("epoch", state["epoch"])
-            self.seed = _validate_int("seed", state["seed"])
+            state = check_state_keys("RandomSampler", state, {"seed", "epoch"})
+            epoch = non_negative_int("epoch", state["epoch"])
+            self.seed = to_int("seed", state["seed"])
         self._epoch = epoch
 
     def __repr__(self) -> str:
@@ -380,18 +371,15 @@ class DistributedSampler:
             )
         if rank is None:
             rank = group_rank if group_rank is not None else _from_environment("RANK", 0)
-        self.num_replicas = validate_positive_int("num_replicas", num_replicas)
-        rank = _validate_int("rank", rank)
+        self.num_replicas = positive_int("num_replicas", num_replicas)
+        rank = to_int("rank", rank)
         if not 0 <= rank < self.num_replicas:
             raise ValueError(f"rank must be in [0, num_replicas={self.num_replicas}), got {rank}")
-        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {flag!r}")
         self.dataset = dataset
         self.rank = rank
-        self.shuffle = shuffle
-        self.seed = _validate_int("seed", seed)
-        self.drop_last = drop_last
+        self.shuffle = boolean("shuffle", shuffle)
+        self.seed = to_int("seed", seed)
+        self.drop_last = boolean("drop_last", drop_last)
         self._epoch = 0
 
     @property
@@ -414,7 +402,7 @@ class DistributedSampler:
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter()`` use epoch ``epoch``; give every rank the same value."""
-        self._epoch = validate_non_negative_int("epoch", epoch)
+        self._epoch = non_negative_int("epoch", epoch)
 
     def __iter__(self) -> Iterator[int]:
         n = _length_of("dataset", self.dataset)
@@ -439,9 +427,9 @@ class DistributedSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; the next ``iter()`` repeats the one it described."""
-        state = _check_state_keys("DistributedSampler", state, {"seed", "epoch"})
-        epoch = validate_non_negative_int("epoch", state["epoch"])
-        self.seed = _validate_int("seed", state["seed"])
+        state = check_state_keys("DistributedSampler", state, {"seed", "epoch"})
+        epoch = non_negative_int("epoch", state["epoch"])
+        self.seed = to_int("seed", state["seed"])
         self._epoch = epoch
 
     def __repr__(self) -> str:

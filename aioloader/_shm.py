@@ -93,8 +93,12 @@ from ._shm_tree import (
     _ref_end,
     _view,
 )
-from ._shm_tree import _iter_leaves as _iter_leaves
-from ._shm_tree import _map_tree as _map_tree
+from ._tree import iter_leaves as _iter_leaves
+from ._tree import map_tree
+
+# _workers' to_wire / from_wire still call ``_shm._map_tree``: this alias goes when the workers
+# package switches to ``_tree.map_tree``.
+_map_tree = map_tree
 
 if sys.platform != "win32":
     import _posixshmem  # type: ignore[import-not-found]  # CPython's, without stubs

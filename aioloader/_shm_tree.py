@@ -1,15 +1,15 @@
 """Batch trees in a slot: how a worker lays a batch out in a buffer, and how it is read back.
 
-A batch is a tree: dicts (and other mappings), lists, tuples and namedtuples are its containers;
-everything else is a leaf. In a worker, :class:`SlotWriter` places the batch's numpy arrays and
-CPU tensors in one attached slot and describes the batch as an :class:`Encoded` whose tree has
-an :class:`ArrayRef` (offset, dtype, shape) in place of each array. In the main process,
-``SlotPool.open`` validates every descriptor against the slot (:func:`_ref_end`) and rebuilds
-the batch as views of one root array over the slot (:func:`_view`)::
+A batch is a tree of containers around leaves, walked with :mod:`aioloader._tree`. In a
+worker, :class:`SlotWriter` places the batch's numpy arrays and CPU tensors in one attached slot
+and describes the batch as an :class:`Encoded` whose tree has an :class:`ArrayRef` (offset,
+dtype, shape) in place of each array. In the main process, ``SlotPool.open`` validates every
+descriptor against the slot (:func:`_ref_end`) and rebuilds the batch as views of one root array
+over the slot (:func:`_view`)::
 
     worker: SlotWriter(buf).alloc(shape, dtype) ──▶ collate writes straight into the slot
             SlotWriter.encode(batch) ──▶ Encoded(tree of ArrayRef)  (other arrays copied in)
-    main:   _map_tree(tree, _view(root, ...)) ──▶ numpy / torch views of the slot, zero copies
+    main:   map_tree(tree, _view(root, ...))  ──▶ numpy / torch views of the slot, zero copies
 
 This module never opens, maps or unlinks a segment: it works on the ``uint8`` buffers it is
 given (mappings made by :mod:`aioloader._shm`), so ``_shm`` stays the only module that touches
@@ -31,21 +31,21 @@ Sharp edges:
   the slot) alive until the last one is collected.
 - **torch is optional.** Leaves are recognised as tensors only if torch is already imported
   (no torch, no tensors), and ``open`` imports torch only when a descriptor asks for a tensor.
-- **Containers are rebuilt with their type** where possible (dict subclasses through
-  ``copy.copy``, namedtuples field by field); walks visit leaves in a deterministic order.
+- **Containers are rebuilt by** :mod:`aioloader._tree`'s **one rule** (namedtuples field by
+  field, a ``defaultdict`` keeps its factory); its walks visit leaves in a deterministic order.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import sys
-from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
+
+from ._tree import iter_leaves, map_tree
 
 if TYPE_CHECKING:
     import torch
@@ -171,8 +171,8 @@ class SlotWriter:
     def encode(self, batch: Any, *, inline_below: int = INLINE_MAX_BYTES) -> Encoded:
         """Describe ``batch`` by offsets into the slot, copying in arrays that are elsewhere.
 
-        Walks dicts (and other mappings), lists, tuples and namedtuples. numpy arrays and CPU
-        torch tensors become :class:`ArrayRef` leaves: arrays already in the slot (from
+        Walks the batch's containers (:mod:`aioloader._tree`). numpy arrays and CPU torch
+        tensors become :class:`ArrayRef` leaves: arrays already in the slot (from
         :meth:`alloc`) without a copy, others (non-contiguous ones too) copied once. Other leaves
         (numbers, strings, None, object arrays, sparse or CUDA tensors) stay as they are and are
         pickled. Tensors lose ``requires_grad``; torch dtypes numpy lacks (bfloat16) travel as raw
@@ -198,7 +198,7 @@ class SlotWriter:
         copies: list[tuple[npt.NDArray[Any], ArrayRef]] = []
         touching: set[int] = set()  # ids of leaves whose memory is in the slot
         cursor, array_bytes = self._offset, 0
-        for leaf in _iter_leaves(batch):
+        for leaf in iter_leaves(batch):
             if id(leaf) in refs:
                 continue
             found = _as_numpy(leaf)
@@ -233,12 +233,12 @@ class SlotWriter:
         if array_bytes < inline_below or needed > self._size or not refs:
             tree = batch
             if touching:  # nothing returned may point into a slot that is about to be reused
-                tree = _map_tree(batch, lambda x: _copy_out(x) if id(x) in touching else x)
+                tree = map_tree(batch, lambda x: _copy_out(x) if id(x) in touching else x)
             return Encoded(tree, 0, needed, True)
         for arr, ref in copies:
             dst = self._buf[ref.offset : ref.offset + arr.nbytes].view(arr.dtype)
             np.copyto(dst.reshape(arr.shape), arr)
-        tree = _map_tree(batch, lambda x: refs.get(id(x), x))
+        tree = map_tree(batch, lambda x: refs.get(id(x), x))
         return Encoded(tree, needed, needed, False)
 
 
@@ -315,42 +315,3 @@ def _import_torch() -> Any:
     import torch
 
     return torch
-
-
-# ---------------------------------------------------------------------------------------------
-# Batch trees: the containers that encode/open walk; anything else is a leaf.
-
-
-def _iter_leaves(obj: Any) -> Iterator[Any]:
-    if isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _iter_leaves(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _iter_leaves(value)
-    else:
-        yield obj
-
-
-def _map_tree(obj: Any, fn: Callable[[Any], Any]) -> Any:
-    """Rebuild ``obj`` with ``fn`` applied to every leaf, keeping container types."""
-    if isinstance(obj, Mapping):
-        items = {key: _map_tree(value, fn) for key, value in obj.items()}
-        if isinstance(obj, dict):
-            clone = copy.copy(obj)  # keeps dict subclasses (defaultdict, OrderedDict) intact
-            clone.update(items)
-            return clone
-        factory: Any = type(obj)
-        try:
-            return factory(items)
-        except TypeError:
-            return items
-    if isinstance(obj, (list, tuple)):
-        values = [_map_tree(value, fn) for value in obj]
-        if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):  # namedtuple
-            return type(obj)(*values)
-        try:
-            return type(obj)(values)
-        except TypeError:
-            return tuple(values) if isinstance(obj, tuple) else values
-    return fn(obj)

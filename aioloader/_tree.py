@@ -1,40 +1,69 @@
 """Batch trees: the one walker over the containers of a batch.
 
-A batch is a tree: mappings, lists and tuples (namedtuples included) are containers, anything
-else is a leaf. Shared memory (encoding a batch into a slot and opening it), the wire (tensors
-sent inline as numpy) and the device stage (copying each tensor) all walk batches with
-:func:`map_tree` and :func:`iter_leaves`, so they agree on what a container is and how it is
-rebuilt.
+A batch is a tree of containers around leaves. Shared memory (encoding a batch into a slot and
+opening it), the wire (tensors sent inline as numpy) and the device stage (copying each tensor)
+all walk batches with :func:`map_tree` and :func:`iter_leaves`, so they agree on what a
+container is, in which order its leaves come, and how it is rebuilt.
+
+Containers:
+
+- every ``Mapping`` (``dict``, ``OrderedDict``, ``defaultdict``, ``UserDict``, ...);
+- every ``tuple`` (namedtuples included) and every ``list``;
+- other mutable sequences (``UserList``, ``deque``, ...), but not ``bytearray`` or
+  ``array.array``: those are buffers of numbers, leaves like ``str`` and ``bytes``.
+
+Everything else is a leaf: arrays, tensors, numbers, strings, ``None``, immutable sequences
+other than tuples (``range``), which cannot be rebuilt around new leaves in general.
 
 The rule for rebuilding a container around new leaves, in order:
 
-- ``dict`` and ``list`` and ``tuple`` exactly: a new one of the same type;
+- ``dict``, ``list`` and ``tuple`` exactly: a new one of the same type;
 - a namedtuple: its type, field by field;
-- a mutable mapping / sequence subclass (``OrderedDict``, ``defaultdict``, a ``UserList``...):
-  a shallow copy with its items replaced, which keeps extra state (a default factory);
-- any other mapping / sequence type: ``type(obj)(items)``;
-- where that fails: a plain ``dict``, ``tuple`` or ``list``.
+- a ``dict``, ``list`` or ``UserDict`` / ``UserList`` subclass, or a ``deque``: a shallow copy
+  with its items replaced, which keeps what a constructor call would lose (a ``defaultdict``'s
+  factory, a ``deque``'s ``maxlen``, attributes of a subclass). These types' copies never share
+  their items with the original, so the input is never changed;
+- any other container: ``type(obj)(items)`` (a mapping's items as a ``dict``, a sequence's as a
+  ``list``). Its shallow copy is not used: it may share storage with the original, and
+  replacing items in it would change the caller's batch;
+- where that fails: a plain ``dict``, ``tuple`` (for a tuple) or ``list``.
 
-Leaves are visited in a deterministic order (mapping order, then sequence order); callers may
-pair the leaves of two walks by that order.
+Leaves are visited in a deterministic order: a mapping's in its iteration order, a sequence's
+by position, depth first. ``iter_leaves`` and ``map_tree`` visit the same leaves in the same
+order, so callers may pair the leaves of two walks by position. Neither changes its input.
 """
 
 from __future__ import annotations
 
+import array
+import collections
 import contextlib
 import copy
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence
+from collections.abc import Callable, Iterator, Mapping, MutableSequence
 from typing import Any
 
 __all__ = ["iter_leaves", "map_tree"]
 
+# Containers whose shallow copy holds its own items: rebuilt as a copy with new items.
+_COPYABLE_MAPPINGS = (dict, collections.UserDict)
+_COPYABLE_SEQUENCES = (list, collections.UserList, collections.deque)
+# Mutable sequences that are buffers of numbers: leaves, like str and bytes.
+_BUFFERS = (bytearray, array.array)
+
+
+def _is_sequence(obj: object) -> bool:
+    """Whether ``obj`` is a sequence container (see the module's list)."""
+    return isinstance(obj, tuple | list) or (
+        isinstance(obj, MutableSequence) and not isinstance(obj, _BUFFERS)
+    )
+
 
 def iter_leaves(obj: Any) -> Iterator[Any]:
-    """Every leaf of ``obj``, in visiting order."""
+    """Every leaf of ``obj``, in visiting order (the order :func:`map_tree` visits them)."""
     if isinstance(obj, Mapping):
         for value in obj.values():
             yield from iter_leaves(value)
-    elif isinstance(obj, list | tuple):
+    elif _is_sequence(obj):
         for value in obj:
             yield from iter_leaves(value)
     else:
@@ -42,40 +71,48 @@ def iter_leaves(obj: Any) -> Iterator[Any]:
 
 
 def map_tree(obj: Any, fn: Callable[[Any], Any]) -> Any:
-    """``obj`` rebuilt with ``fn`` applied to every leaf (see the module's rule)."""
+    """``obj`` rebuilt with ``fn`` applied to every leaf (see the module's rule).
+
+    ``fn`` is called once per leaf, in visiting order; ``obj`` itself is not changed.
+    """
     if isinstance(obj, Mapping):
         return _rebuild_mapping(obj, {key: map_tree(value, fn) for key, value in obj.items()})
-    if isinstance(obj, list | tuple):
+    if _is_sequence(obj):
         return _rebuild_sequence(obj, [map_tree(value, fn) for value in obj])
     return fn(obj)
 
 
 def _rebuild_mapping(obj: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
-    if type(obj) is dict:
+    cls = type(obj)
+    if cls is dict:
         return items
-    if isinstance(obj, MutableMapping):
+    if isinstance(obj, _COPYABLE_MAPPINGS):
         with contextlib.suppress(Exception):
             clone = copy.copy(obj)
             clone.update(items)
             return clone
     with contextlib.suppress(Exception):
-        return type(obj)(items)  # type: ignore[call-arg]
+        return cls(items)  # type: ignore[call-arg]
     return items
 
 
-def _rebuild_sequence(obj: list[Any] | tuple[Any, ...], values: list[Any]) -> Any:
+def _rebuild_sequence(obj: Any, values: list[Any]) -> Any:
     cls = type(obj)
     if cls is list:
         return values
     if cls is tuple:
         return tuple(values)
     if isinstance(obj, tuple) and hasattr(cls, "_fields"):  # namedtuple
-        return cls(*values)
-    if isinstance(obj, MutableSequence):
+        try:
+            return cls(*values)
+        except Exception:  # never cls(values): that would put every field into the first
+            return tuple(values)
+    if isinstance(obj, _COPYABLE_SEQUENCES):
         with contextlib.suppress(Exception):
-            seq = copy.copy(obj)
-            seq[:] = values
-            return seq
+            clone = copy.copy(obj)
+            for i, value in enumerate(values):
+                clone[i] = value
+            return clone
     with contextlib.suppress(Exception):
         return cls(values)
     return tuple(values) if isinstance(obj, tuple) else values

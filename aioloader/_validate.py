@@ -7,21 +7,27 @@ and to ``BatchSampler`` alike) and every error names the argument and the value 
 Rules:
 - integers are ``numbers.Integral`` (numpy integers included) and never ``bool``: ``batch_size=
   True`` is a bug, not an intent; the value comes back as a plain ``int``;
-- numbers of seconds are finite real numbers (numpy floats included), never ``bool``;
+- numbers (and numbers of seconds) are finite real numbers (numpy floats included), never
+  ``bool``; they come back as a plain ``float``;
 - a wrong type raises ``TypeError``, a value of the right type out of range ``ValueError``.
+  Where an API has always promised ``ValueError`` for both (the sources, ``RetryPolicy``), its
+  checks run under :func:`value_errors`, which raises a :class:`WrongTypeError`: both at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
-from collections.abc import Callable, Collection
-from typing import Any, TypeVar
+from collections.abc import Callable, Collection, Iterator
+from typing import Any, Literal, TypeGuard, TypeVar, overload
 
 __all__ = [
+    "WrongTypeError",
     "boolean",
     "callable_or_none",
     "check_state_keys",
+    "finite_number",
     "fraction_or_count",
     "is_int",
     "non_negative_int",
@@ -29,12 +35,13 @@ __all__ = [
     "positive_int",
     "seconds",
     "to_int",
+    "value_errors",
 ]
 
 T = TypeVar("T")
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[numbers.Integral]:
     """Whether ``value`` counts as an integer argument (numpy integers yes, bools no)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -42,7 +49,7 @@ def is_int(value: object) -> bool:
 def _int(name: str, value: object, minimum: int | None, what: str) -> int:
     if not is_int(value):
         raise TypeError(f"{name} must be {what}, got {value!r}")
-    result: int = value.__index__()  # type: ignore[attr-defined]
+    result = int(value)
     if minimum is not None and result < minimum:
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return result
@@ -77,13 +84,56 @@ def boolean(name: str, value: object) -> bool:
     """``value`` if it is a ``bool`` (numpy bools too); raises ``TypeError`` otherwise."""
     if isinstance(value, bool):
         return value
-    if type(value).__name__ == "bool" and type(value).__module__ == "numpy":  # numpy.bool
+    # numpy.bool (numpy.bool_ before numpy 2), without importing numpy here.
+    if type(value).__name__ in ("bool", "bool_") and type(value).__module__ == "numpy":
         return bool(value)
     raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
+def _real(name: str, value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {what}, got {value!r}")
+    return float(value)
+
+
+def finite_number(name: str, value: object, *, minimum: float | None = None) -> float:
+    """A finite real number (numpy floats too, bools not) as a ``float``, at least ``minimum``.
+
+    Raises:
+        TypeError: not a real number.
+        ValueError: NaN, infinite, or below ``minimum``.
+    """
+    result = _real(name, value, "a number")
+    if not math.isfinite(result) or (minimum is not None and result < minimum):
+        bound = "" if minimum is None else f" and >= {minimum}"
+        raise ValueError(f"{name} must be finite{bound}, got {value!r}")
+    return result
+
+
+@overload
 def seconds(
-    name: str, value: object, *, allow_none: bool = True, zero_is_none: bool = False
+    name: str, value: object, *, allow_none: Literal[False], positive: bool = ...
+) -> float: ...
+
+
+@overload
+def seconds(
+    name: str,
+    value: object,
+    *,
+    allow_none: bool = ...,
+    zero_is_none: bool = ...,
+    positive: bool = ...,
+) -> float | None: ...
+
+
+def seconds(
+    name: str,
+    value: object,
+    *,
+    allow_none: bool = True,
+    zero_is_none: bool = False,
+    positive: bool = False,
 ) -> float | None:
     """A finite, non-negative number of seconds as a ``float`` (or ``None`` where allowed).
 
@@ -92,19 +142,17 @@ def seconds(
         value: what was given.
         allow_none: ``None`` means "no limit".
         zero_is_none: ``0`` also means "no limit" (torch's ``timeout=0``).
+        positive: ``0`` is refused too (a timeout of no time at all is a bug).
 
     Raises:
         TypeError: not a number (bools are refused), or ``None`` where not allowed.
-        ValueError: negative, NaN or infinite.
+        ValueError: negative, NaN or infinite (or zero, with ``positive``).
     """
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        what = "a number of seconds" + (" or None" if allow_none else "")
-        raise TypeError(f"{name} must be {what}, got {value!r}")
-    result = float(value)
-    if not math.isfinite(result) or result < 0:
-        raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+    result = _real(name, value, f"a number of seconds{' or None' * allow_none}")
+    if not math.isfinite(result) or result < 0 or (positive and result == 0):
+        raise ValueError(f"{name} must be finite and {'>' if positive else '>='} 0, got {value!r}")
     if result == 0 and zero_is_none:
         return None
     return result
@@ -115,9 +163,7 @@ def fraction_or_count(name: str, value: object) -> float:
 
     Returned as a float: ``>= 1`` (or 0) is a count, ``< 1`` a fraction.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a count or a fraction, got {value!r}")
-    result = float(value)
+    result = _real(name, value, "a count or a fraction")
     if (
         not math.isfinite(result)
         or result < 0
@@ -149,3 +195,25 @@ def check_state_keys(owner: str, state: object, required: Collection[str]) -> di
     if missing:
         raise ValueError(f"{owner}.load_state_dict: state lacks {sorted(missing)}, got {state!r}")
     return state
+
+
+class WrongTypeError(TypeError, ValueError):
+    """An argument of the wrong type, where an API has always promised ``ValueError``.
+
+    It is a ``TypeError``, as the rule says, and still a ``ValueError``, so the ``except``
+    clauses callers wrote against either keep working.
+    """
+
+
+@contextlib.contextmanager
+def value_errors() -> Iterator[None]:
+    """Run checks whose ``TypeError`` must also be a ``ValueError`` (see :class:`WrongTypeError`).
+
+    Wrap only calls of this module's checks: any ``TypeError`` raised inside is translated.
+    """
+    try:
+        yield
+    except TypeError as exc:
+        if isinstance(exc, WrongTypeError):
+            raise
+        raise WrongTypeError(*exc.args) from None

@@ -30,9 +30,9 @@ from aioloader._device import (
     DeviceStage,
     DeviceUnavailableWarning,
     Transfer,
-    _StagingPool,
     parse_device,
 )
+from aioloader._device._staging import StagingPool
 from aioloader._errors import TransferError
 
 CUDA0 = torch.device("cuda", 0)
@@ -815,7 +815,7 @@ def test_any_batch_arrives_with_its_structure_and_values(batch: Any) -> None:
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 5 * STAGING_GRANULE)), max_size=30))
 def test_staging_pool_never_double_leases(ops: list[tuple[bool, int]]) -> None:
     cap = 3 * STAGING_GRANULE
-    pool = _StagingPool(lambda n: torch.empty(n, dtype=torch.uint8), cap)
+    pool = StagingPool(lambda n: torch.empty(n, dtype=torch.uint8), cap)
     leased: list[torch.Tensor] = []
     for acquire, nbytes in ops:
         if acquire or not leased:
@@ -829,3 +829,26 @@ def test_staging_pool_never_double_leases(ops: list[tuple[bool, int]]) -> None:
         assert 0 <= free_bytes <= cap
         assert pool.buffers >= len(leased)
     assert MAX_POOLED_STAGING_BYTES >= STAGING_GRANULE
+
+
+# --- structure --------------------------------------------------------------------------------
+
+
+def test_device_modules_import_one_way_and_no_private_names() -> None:
+    """``_stage`` uses the other modules, none of them uses it, and none reads ``_private``."""
+    import ast
+    import pathlib
+
+    import aioloader._device
+
+    package = pathlib.Path(aioloader._device.__file__).parent
+    for path in sorted(package.glob("_*.py")):
+        if path.name == "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not node.level:
+                continue
+            if path.name != "_stage.py":
+                assert node.module != "_stage", f"{path.name} imports _stage"
+            private = [a.name for a in node.names if a.name.startswith("_")]
+            assert not private, f"{path.name} imports {private} from {node.module}"

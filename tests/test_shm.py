@@ -33,6 +33,7 @@ from hypothesis.stateful import (
 from aioloader import _shm
 from aioloader._errors import SharedMemoryError
 from aioloader._shm import ArrayRef, Encoded, Slot, SlotPool, SlotWriter, attach
+from aioloader._tree import iter_leaves
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_DIR = os.path.dirname(TESTS_DIR)
@@ -671,7 +672,7 @@ def test_any_tree_round_trips_through_a_slot() -> None:
             batch = pool.open(slot, encoded.tree)
             _assert_same(batch, tree)
             lo, hi = _segment_span(pool, slot)
-            for leaf in _shm._iter_leaves(batch):
+            for leaf in iter_leaves(batch):
                 if isinstance(leaf, np.ndarray) and leaf.nbytes:
                     assert lo <= _address(leaf)
                     assert _address(leaf) + leaf.nbytes <= hi

@@ -25,20 +25,26 @@ flows through it like this::
     device batch returned to the consumer
 
 Who owns what: :class:`DeviceStage` owns the side stream, the staging pool and the registry of
-page-locked host ranges; each :class:`Transfer` leases one staging buffer and keeps the host
+page-locked host ranges; its record of each copy leases one staging buffer and keeps the host
 tensors it copies from *directly* alive until its event has completed. Tensors copied through
 staging are read synchronously inside ``start()``, so their host batch (and its shared-memory
-slot) can be released as soon as ``start()`` returns.
+slot) can be released as soon as ``start()`` returns. A :class:`Transfer` is the consumer's
+handle on one such record, which it sees only through the ``Copy`` protocol.
 
 One job per module, each with its sharp edges in its own docstring:
 
 - ``_parse``: :func:`parse_device`, the loader's ``device`` argument (never initialises CUDA).
 - ``_backend``: the :class:`CudaBackend` protocol, :class:`TorchCudaBackend` over
   ``torch.cuda``, and the CUDA runtime calls behind host registration.
-- ``_leaves``: walking a batch tree and viewing its numpy / torch leaves.
+- ``_leaves``: mapping a batch's array leaves (on :mod:`aioloader._tree`) and viewing numpy
+  leaves as tensors.
 - ``_staging``: the pool of pinned staging buffers.
-- ``_transfer``: :class:`Transfer`, one batch in flight, and the event-poll back-off.
+- ``_transfer``: :class:`Transfer`, the handle on one batch in flight, the ``Copy`` protocol it
+  sees the stage through, and the event-poll back-off. It imports nothing from ``_stage``.
 - ``_stage``: :class:`DeviceStage`, which plans, enqueues, completes and hands over copies.
+
+Imports go one way (``_stage`` uses the others; none of them uses ``_stage``) and no module
+reads another's ``_private`` names.
 
 This module only re-exports.
 """
@@ -53,7 +59,6 @@ from ._stage import DeviceStats as DeviceStats
 from ._stage import DeviceUnavailableWarning as DeviceUnavailableWarning
 from ._staging import MAX_POOLED_STAGING_BYTES as MAX_POOLED_STAGING_BYTES
 from ._staging import STAGING_GRANULE as STAGING_GRANULE
-from ._staging import _StagingPool as _StagingPool
 from ._transfer import Transfer as Transfer
 
 __all__ = [

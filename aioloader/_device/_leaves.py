@@ -1,85 +1,65 @@
 """Batches as trees: walking a host batch and viewing its numpy / torch leaves as tensors.
 
 The device stage walks a batch twice (once to plan each leaf's route, once to enqueue its copy)
-with :func:`_map_tree`, pairing the walks by visiting order; the other helpers turn numpy leaves
+with :func:`map_arrays`, pairing the walks by visiting order; the other helpers turn numpy leaves
 into tensors without copying where torch allows it.
 
 Sharp edges:
 
-- Leaves are visited in a deterministic order; callers rely on it to pair a first walk with a
-  second one. Containers keep their type where it can be rebuilt (dict subclasses through
-  ``copy.copy``, namedtuples field by field), else they come back as plain dicts, tuples, lists.
-- Only numeric numpy arrays (:data:`_NUMERIC_KINDS`) become device tensors (``torch.from_numpy``
+- The walk is :mod:`aioloader._tree`'s: leaves are visited in a deterministic order (callers
+  rely on it to pair a first walk with a second one) and containers are rebuilt by its one rule
+  (namedtuples field by field, a ``defaultdict`` keeps its factory).
+- Only tensors and ndarrays are array leaves; anything else (numbers, strings) is kept as is.
+- Only numeric numpy arrays (:data:`NUMERIC_KINDS`) become device tensors (``torch.from_numpy``
   semantics); strings, objects and datetimes pass through unchanged.
 - ``torch.from_numpy`` refuses (or warns about) read-only, byte-swapped, non-contiguous and
-  misaligned arrays: :func:`_array_as_tensor_view` returns ``None`` for them and the caller
+  misaligned arrays: :func:`array_as_tensor_view` returns ``None`` for them and the caller
   copies them instead.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import functools
-from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__: list[str] = []
+from .._tree import map_tree
 
-_NUMERIC_KINDS = frozenset("biufc")  # bool, signed, unsigned, float, complex
+__all__ = [
+    "NUMERIC_KINDS",
+    "array_as_tensor_view",
+    "array_ptr",
+    "empty_like_leaf",
+    "map_arrays",
+    "torch_dtype",
+]
+
+NUMERIC_KINDS = frozenset("biufc")  # bool, signed, unsigned, float, complex
 
 
-def _map_tree(obj: Any, fn: Callable[[Any], Any]) -> Any:
-    """Apply ``fn`` to every tensor and ndarray leaf, rebuilding the containers around them.
+def map_arrays(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """``obj`` rebuilt with ``fn`` applied to its tensor and ndarray leaves (others kept).
 
-    Containers keep their type where it can be rebuilt (dict subclasses through ``copy.copy``,
-    namedtuples field by field); leaves are visited in a deterministic order, which callers rely
-    on to pair a first walk with a second one.
+    The walk is :func:`aioloader._tree.map_tree`: ``fn`` sees the array leaves in visiting
+    order, which callers rely on to pair a first walk with a second one.
     """
-    if isinstance(obj, (torch.Tensor, np.ndarray)):
-        return fn(obj)
-    if isinstance(obj, Mapping):
-        items = {key: _map_tree(value, fn) for key, value in obj.items()}
-        if type(obj) is dict:
-            return items
-        if isinstance(obj, MutableMapping):
-            with contextlib.suppress(Exception):
-                clone = copy.copy(obj)
-                clone.update(items)
-                return clone
-        return items
-    if isinstance(obj, tuple):
-        values = [_map_tree(value, fn) for value in obj]
-        if type(obj) is tuple:
-            return tuple(values)
-        if hasattr(obj, "_fields"):  # namedtuple
-            return type(obj)(*values)
-        try:
-            return type(obj)(values)
-        except Exception:
-            return tuple(values)
-    if isinstance(obj, list):
-        values = [_map_tree(value, fn) for value in obj]
-        if type(obj) is list:
-            return values
-        if isinstance(obj, MutableSequence):
-            with contextlib.suppress(Exception):
-                seq = copy.copy(obj)
-                seq[:] = values
-                return seq
-        return values
-    return obj
+
+    def on_leaf(leaf: Any) -> Any:
+        return fn(leaf) if isinstance(leaf, torch.Tensor | np.ndarray) else leaf
+
+    return map_tree(obj, on_leaf)
 
 
 @functools.lru_cache(maxsize=64)
-def _torch_dtype(dtype: np.dtype[Any]) -> torch.dtype:
+def torch_dtype(dtype: np.dtype[Any]) -> torch.dtype:
+    """The torch dtype of a numpy dtype of either byte order."""
     return torch.from_numpy(np.empty(0, dtype=dtype.newbyteorder("="))).dtype
 
 
-def _array_as_tensor_view(arr: np.ndarray[Any, Any]) -> torch.Tensor | None:
+def array_as_tensor_view(arr: np.ndarray[Any, Any]) -> torch.Tensor | None:
     """A zero-copy tensor over ``arr``; None where ``torch.from_numpy`` cannot (or would warn)."""
     if (
         not arr.flags.writeable
@@ -91,10 +71,12 @@ def _array_as_tensor_view(arr: np.ndarray[Any, Any]) -> torch.Tensor | None:
     return torch.from_numpy(arr)
 
 
-def _array_ptr(arr: np.ndarray[Any, Any]) -> int:
+def array_ptr(arr: np.ndarray[Any, Any]) -> int:
+    """The address of ``arr``'s first byte."""
     return int(arr.__array_interface__["data"][0])
 
 
-def _empty_like_leaf(leaf: torch.Tensor | np.ndarray[Any, Any]) -> torch.Tensor:
-    dtype = _torch_dtype(leaf.dtype) if isinstance(leaf, np.ndarray) else leaf.dtype
+def empty_like_leaf(leaf: torch.Tensor | np.ndarray[Any, Any]) -> torch.Tensor:
+    """An uninitialised CPU tensor of ``leaf``'s shape and (torch) dtype."""
+    dtype = torch_dtype(leaf.dtype) if isinstance(leaf, np.ndarray) else leaf.dtype
     return torch.empty(tuple(leaf.shape), dtype=dtype)

@@ -9,13 +9,16 @@ Sharp edges:
 
 - ``torch.device(text)`` raises ``RuntimeError`` for malformed text; it is translated to a
   ``ValueError`` naming the value, so torch's error type never leaks to the user.
-- ``True`` is an ``int`` to Python but never a device: bools are refused with ``TypeError``.
+- ``True`` is an ``int`` to Python but never a device: bools are refused with ``TypeError``,
+  while numpy integers are ordinals (:mod:`aioloader._validate`'s int rule).
 - ``"cpu"`` means "no device stage" and parses to ``None``.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .._validate import is_int
 
 __all__ = ["parse_device"]
 
@@ -34,15 +37,16 @@ def parse_device(device: str | torch.device | int | None) -> torch.device | None
     """
     if device is None:
         return None
-    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+    if is_int(device):
+        ordinal = int(device)
+        if ordinal < 0:
+            raise ValueError(f"device={device!r} is not a valid CUDA ordinal: it must be >= 0")
+        return torch.device("cuda", ordinal)
+    if not isinstance(device, str | torch.device):
         raise TypeError(
             f"device={device!r} must be None, a string such as 'cuda:0', a torch.device "
             "or a CUDA ordinal"
         )
-    if isinstance(device, int):
-        if device < 0:
-            raise ValueError(f"device={device!r} is not a valid CUDA ordinal: it must be >= 0")
-        return torch.device("cuda", device)
     if isinstance(device, str):
         try:
             parsed = torch.device(device)

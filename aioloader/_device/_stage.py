@@ -2,8 +2,11 @@
 
 :class:`DeviceStage` owns the side stream, the staging pool and the registry of page-locked host
 ranges. ``start()`` plans each leaf (kept, copied directly from page-locked memory, or staged),
-enqueues the copies on the side stream and records an event; :class:`Transfer` awaits that
-event; the stage then returns the staging buffer and hands the batch over.
+enqueues the copies on the side stream and records an event. The stage keeps a record of each
+copy (``_CopyRecord``, which implements :class:`~aioloader._device._transfer.Copy`) and returns
+a :class:`Transfer` over it; the transfer polls the record, which asks the stage to query the
+event, return the staging buffer and hand the batch over. Only this module touches a record's
+fields.
 
 Sharp edges:
 
@@ -28,31 +31,31 @@ Sharp edges:
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import contextlib
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from .._errors import TransferError
+from .._validate import is_int
 from ._backend import CudaBackend, TorchCudaBackend
 from ._leaves import (
-    _NUMERIC_KINDS,
-    _array_as_tensor_view,
-    _array_ptr,
-    _empty_like_leaf,
-    _map_tree,
-    _torch_dtype,
+    NUMERIC_KINDS,
+    array_as_tensor_view,
+    array_ptr,
+    empty_like_leaf,
+    map_arrays,
+    torch_dtype,
 )
 from ._parse import parse_device
-from ._staging import MAX_POOLED_STAGING_BYTES, _align, _StagingPool
-from ._transfer import Transfer, _next_delay
+from ._staging import MAX_POOLED_STAGING_BYTES, StagingPool, align_up
+from ._transfer import CopyState, Transfer, until_done
 
 __all__ = ["DeviceStage", "DeviceStats", "DeviceUnavailableWarning"]
 
@@ -94,6 +97,46 @@ class _Leaf:
     nbytes: int = 0
     offset: int = 0
     range_base: int | None = None
+
+
+@dataclass(eq=False, slots=True)
+class _CopyRecord:
+    """The stage's record of one batch's copy: what its :class:`Transfer` waits on.
+
+    Implements :class:`~aioloader._device._transfer.Copy`; only this module reads or writes
+    its fields. Invariant: ``lease`` and ``sources`` are held only while ``state`` is
+    ``"pending"``; a failed copy holds no result and no device tensors.
+    """
+
+    stage: DeviceStage
+    batch_id: int
+    state: CopyState = "pending"
+    result: Any = None
+    error: TransferError | None = None
+    # Device tensors of the result: each gets record_stream(consumer) at hand-over.
+    device_tensors: list[torch.Tensor] = field(default_factory=list)
+    # Host tensors copied from directly: kept alive until the copy has completed.
+    sources: list[torch.Tensor] = field(default_factory=list)
+    # Bases of registered ranges this copy reads from.
+    ranges: set[int] = field(default_factory=set)
+    lease: torch.Tensor | None = None
+    start_event: Any = None
+    end_event: Any = None
+    nbytes: int = 0
+    started_at: float = field(default_factory=time.perf_counter)
+
+    def done(self) -> bool:
+        """Whether the copy has completed (or failed); polls its event, never blocks."""
+        if self.state == "pending":
+            self.stage._poll(self)
+        return self.state != "pending"
+
+    def hand_over(self, stream: Any) -> Any:
+        """The device batch, once ``stream`` is ordered after the copy (see the protocol)."""
+        if self.error is not None:
+            raise self.error
+        self.stage._hand_over(self, stream)
+        return self.result
 
 
 class DeviceStage:
@@ -152,10 +195,10 @@ class DeviceStage:
             self._side_stream = self._backend.new_stream(self._device)
         elif pin_memory:
             self._pin_only = True
-        self._pool = _StagingPool(self._backend.alloc_pinned, MAX_POOLED_STAGING_BYTES)
-        # Transfers whose copy has not completed, in start order (= completion order: one
-        # stream runs them in order). Insertion-ordered dict as an ordered set.
-        self._in_flight: dict[int, Transfer] = {}
+        self._pool = StagingPool(self._backend.alloc_pinned, MAX_POOLED_STAGING_BYTES)
+        # Copies not completed yet, in start order (= completion order: one stream runs them
+        # in order). Insertion-ordered dict as an ordered set.
+        self._in_flight: dict[int, _CopyRecord] = {}
         # Staging buffers of failed starts, free once their event has completed.
         self._retiring: list[tuple[Any, torch.Tensor | None, set[int]]] = []
         # Registered page-locked host ranges: base pointer -> size, plus sorted bases.
@@ -188,17 +231,18 @@ class DeviceStage:
         """
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
-        transfer = Transfer(self, batch_id)
+        record = _CopyRecord(self, batch_id)
+        transfer = Transfer(batch_id, record)
         if not self.enabled:
-            transfer._result = batch
-            transfer._state = "copied"
+            record.result = batch
+            record.state = "copied"
             return transfer
         self._reap()
         try:
             if self._pin_only:
-                self._pin(transfer, batch)
+                self._pin(record, batch)
             else:
-                self._copy(transfer, batch)
+                self._copy(record, batch)
         except Exception as exc:
             del batch
             # The cause's traceback holds the frames that walked the batch; clear their locals
@@ -210,11 +254,8 @@ class DeviceStage:
 
     async def drain(self) -> None:
         """Await every copy in flight without blocking the loop (results stay with transfers)."""
-        for transfer in list(self._in_flight.values()):
-            delay = 0.0
-            while not transfer.done():
-                await asyncio.sleep(delay)
-                delay = _next_delay(delay)
+        for record in list(self._in_flight.values()):
+            await until_done(record.done)
         self._reap()
 
     def register_host_memory(self, ptr: int, nbytes: int) -> bool:
@@ -227,10 +268,11 @@ class DeviceStage:
         Raises:
             ValueError: ``ptr`` or ``nbytes`` is negative or not an int.
         """
-        if isinstance(ptr, bool) or not isinstance(ptr, int) or ptr < 0:
+        if not is_int(ptr) or ptr < 0:
             raise ValueError(f"ptr={ptr!r} must be a non-negative int address")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        if not is_int(nbytes) or nbytes < 0:
             raise ValueError(f"nbytes={nbytes!r} must be a non-negative int")
+        ptr, nbytes = int(ptr), int(nbytes)
         if not self._cuda or self._closed or nbytes == 0 or not self.enabled:
             return False
         if ptr in self._registered:
@@ -252,9 +294,9 @@ class DeviceStage:
         """
         if ptr not in self._registered:
             return
-        for transfer in list(self._in_flight.values()):
-            if ptr in transfer._ranges:
-                self._settle(transfer)
+        for record in list(self._in_flight.values()):
+            if ptr in record.ranges:
+                self._settle(record)
         for entry in list(self._retiring):
             if ptr in entry[2]:
                 with contextlib.suppress(Exception):
@@ -276,8 +318,8 @@ class DeviceStage:
         if self._closed:
             return
         self._closed = True
-        for transfer in list(self._in_flight.values()):
-            self._settle(transfer)
+        for record in list(self._in_flight.values()):
+            self._settle(record)
         for event, _buf, _ranges in self._retiring:
             with contextlib.suppress(Exception):
                 self._backend.synchronize_event(event)
@@ -326,11 +368,11 @@ class DeviceStage:
         device = self._device
         assert device is not None
         if isinstance(leaf, np.ndarray):
-            if leaf.dtype.kind not in _NUMERIC_KINDS:
+            if leaf.dtype.kind not in NUMERIC_KINDS:
                 return _Leaf("keep", leaf)
             if leaf.nbytes and leaf.flags.c_contiguous:
-                base = self._registered_base(_array_ptr(leaf), leaf.nbytes)
-                view = _array_as_tensor_view(leaf) if base is not None else None
+                base = self._registered_base(array_ptr(leaf), leaf.nbytes)
+                view = array_as_tensor_view(leaf) if base is not None else None
                 if view is not None:
                     return _Leaf("direct", view, leaf.nbytes, range_base=base)
             return _Leaf("stage", leaf, leaf.nbytes)
@@ -347,19 +389,19 @@ class DeviceStage:
                 return _Leaf("direct", tensor, nbytes, range_base=base)
         return _Leaf("stage", tensor, nbytes)
 
-    def _copy(self, transfer: Transfer, batch: Any) -> None:
+    def _copy(self, record: _CopyRecord, batch: Any) -> None:
         plans: list[_Leaf] = []
 
         def collect(leaf: Any) -> Any:
             plans.append(self._plan(leaf))
             return leaf
 
-        _map_tree(batch, collect)
+        map_arrays(batch, collect)
         total = 0
         for plan in plans:
             if plan.kind == "stage":
                 plan.offset = total
-                total += _align(plan.nbytes)
+                total += align_up(plan.nbytes)
         lease = self._pool.acquire(total) if total else None
         device = self._device
         assert device is not None
@@ -377,39 +419,39 @@ class DeviceStage:
                         return leaf
                     if plan.kind == "direct":
                         src: torch.Tensor = plan.leaf
-                        transfer._sources.append(src)
+                        record.sources.append(src)
                         if plan.range_base is not None:
-                            transfer._ranges.add(plan.range_base)
+                            record.ranges.add(plan.range_base)
                     elif plan.nbytes == 0:
-                        src = _empty_like_leaf(plan.leaf)  # nothing to stage or to wait for
+                        src = empty_like_leaf(plan.leaf)  # nothing to stage or to wait for
                     else:
                         assert lease is not None
                         src = self._stage_leaf(lease, plan)
                     nonlocal enqueued
                     enqueued = True
                     out = backend.to_device(src, device)
-                    transfer._device_tensors.append(out)
-                    transfer._nbytes += plan.nbytes
+                    record.device_tensors.append(out)
+                    record.nbytes += plan.nbytes
                     return out
 
                 with torch.no_grad():
-                    result = _map_tree(batch, move)
+                    result = map_arrays(batch, move)
                 backend.record_event(end_event, self._side_stream)
         except BaseException:
             # Closures of this walk outlive their frames in the traceback (a frame keeps its
             # function, a function its cells): empty the plan so no host leaf stays reachable.
             plans.clear()
             if enqueued:
-                self._retire(lease, transfer._ranges)
+                self._retire(lease, record.ranges)
             elif lease is not None:
                 self._pool.release(lease)  # nothing was enqueued: nobody reads it
-            transfer._sources.clear()
-            transfer._device_tensors.clear()
+            record.sources.clear()
+            record.device_tensors.clear()
             raise
-        transfer._result = result
-        transfer._lease = lease
-        transfer._start_event, transfer._end_event = start_event, end_event
-        self._in_flight[id(transfer)] = transfer
+        record.result = result
+        record.lease = lease
+        record.start_event, record.end_event = start_event, end_event
+        self._in_flight[id(record)] = record
 
     @staticmethod
     def _stage_leaf(lease: torch.Tensor, plan: _Leaf) -> torch.Tensor:
@@ -417,7 +459,7 @@ class DeviceStage:
         raw = lease[plan.offset : plan.offset + plan.nbytes]
         leaf = plan.leaf
         if isinstance(leaf, np.ndarray):
-            staged = raw.view(_torch_dtype(leaf.dtype)).view(leaf.shape)
+            staged = raw.view(torch_dtype(leaf.dtype)).view(leaf.shape)
             if leaf.nbytes:
                 # numpy reads any layout, read-only and byte-swapped arrays without a warning.
                 np.copyto(staged.numpy(), leaf, casting="equiv")
@@ -426,16 +468,16 @@ class DeviceStage:
         staged.copy_(leaf)
         return staged
 
-    def _pin(self, transfer: Transfer, batch: Any) -> None:
+    def _pin(self, record: _CopyRecord, batch: Any) -> None:
         backend = self._backend
         nbytes = 0
 
         def pin(leaf: Any) -> Any:
             nonlocal nbytes
             if isinstance(leaf, np.ndarray):
-                if leaf.dtype.kind not in _NUMERIC_KINDS:
+                if leaf.dtype.kind not in NUMERIC_KINDS:
                     return leaf
-                view = _array_as_tensor_view(leaf)
+                view = array_as_tensor_view(leaf)
                 if view is None:
                     # Arrays torch cannot view (read-only, byte-swapped, strided): copy once.
                     native = leaf.dtype.newbyteorder("=")
@@ -457,8 +499,8 @@ class DeviceStage:
 
         started = time.perf_counter()
         with torch.no_grad():
-            transfer._result = _map_tree(batch, pin)
-        transfer._state = "copied"
+            record.result = map_arrays(batch, pin)
+        record.state = "copied"
         self._batches += 1
         self._bytes += nbytes
         self._seconds += time.perf_counter() - started
@@ -477,8 +519,8 @@ class DeviceStage:
 
     def _reap(self) -> None:
         """Complete finished copies and free retired buffers; stops at the first pending one."""
-        for transfer in list(self._in_flight.values()):
-            if not transfer.done():
+        for record in list(self._in_flight.values()):
+            if not record.done():
                 break
         while self._retiring:
             event, lease, _ranges = self._retiring[0]
@@ -498,65 +540,65 @@ class DeviceStage:
                 else:
                     self._pool.discard(lease)
 
-    def _poll(self, transfer: Transfer) -> None:
+    def _poll(self, record: _CopyRecord) -> None:
         try:
-            ready = self._backend.query_event(transfer._end_event)
+            ready = self._backend.query_event(record.end_event)
         except Exception as exc:
-            self._fail(transfer, exc)
+            self._fail(record, exc)
             return
         if ready:
-            self._finish(transfer)
+            self._finish(record)
 
-    def _settle(self, transfer: Transfer) -> None:
-        """Block until ``transfer``'s copy is done (cleanup paths only)."""
+    def _settle(self, record: _CopyRecord) -> None:
+        """Block until ``record``'s copy is done (cleanup paths only)."""
         try:
-            self._backend.synchronize_event(transfer._end_event)
+            self._backend.synchronize_event(record.end_event)
         except Exception as exc:
-            self._fail(transfer, exc)
+            self._fail(record, exc)
             return
-        self._finish(transfer)
+        self._finish(record)
 
-    def _finish(self, transfer: Transfer) -> None:
+    def _finish(self, record: _CopyRecord) -> None:
         try:
-            seconds = self._backend.elapsed_seconds(transfer._start_event, transfer._end_event)
+            seconds = self._backend.elapsed_seconds(record.start_event, record.end_event)
         except Exception:
-            seconds = time.perf_counter() - transfer._started_at
-        if transfer._lease is not None:
-            self._pool.release(transfer._lease)
-        transfer._lease = None
-        transfer._sources.clear()
-        transfer._state = "copied"
-        self._in_flight.pop(id(transfer), None)
+            seconds = time.perf_counter() - record.started_at
+        if record.lease is not None:
+            self._pool.release(record.lease)
+        record.lease = None
+        record.sources.clear()
+        record.state = "copied"
+        self._in_flight.pop(id(record), None)
         self._batches += 1
-        self._bytes += transfer._nbytes
+        self._bytes += record.nbytes
         self._seconds += seconds
 
-    def _fail(self, transfer: Transfer, exc: Exception) -> None:
+    def _fail(self, record: _CopyRecord, exc: Exception) -> None:
         error = TransferError(
-            f"batch {transfer.batch_id}: the copy to {self._device} failed on the device: {exc!r}"
+            f"batch {record.batch_id}: the copy to {self._device} failed on the device: {exc!r}"
         )
         error.__cause__ = exc
-        transfer._error = error
-        if transfer._lease is not None:
-            self._pool.discard(transfer._lease)
-        transfer._lease = None
-        transfer._sources.clear()
-        transfer._device_tensors.clear()
-        transfer._result = None
-        transfer._state = "failed"
-        self._in_flight.pop(id(transfer), None)
+        record.error = error
+        if record.lease is not None:
+            self._pool.discard(record.lease)
+        record.lease = None
+        record.sources.clear()
+        record.device_tensors.clear()
+        record.result = None
+        record.state = "failed"
+        self._in_flight.pop(id(record), None)
 
-    def _hand_over(self, transfer: Transfer, stream: Any) -> None:
+    def _hand_over(self, record: _CopyRecord, stream: Any) -> None:
         """Order the consumer's stream after the copy and tell the allocator who uses the data."""
-        if self._device is None or not transfer._device_tensors:
+        if self._device is None or not record.device_tensors:
             return
         try:
             consumer = stream if stream is not None else self._backend.current_stream(self._device)
-            self._backend.wait_event(consumer, transfer._end_event)
-            for tensor in transfer._device_tensors:
+            self._backend.wait_event(consumer, record.end_event)
+            for tensor in record.device_tensors:
                 self._backend.record_stream(tensor, consumer)
         except Exception as exc:
             raise TransferError(
-                f"batch {transfer.batch_id}: handing the batch over to the consumer's stream "
+                f"batch {record.batch_id}: handing the batch over to the consumer's stream "
                 f"failed: {exc!r}"
             ) from exc

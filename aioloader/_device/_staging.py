@@ -2,7 +2,7 @@
 
 A copy from pageable host memory is synchronous in CUDA; from page-locked memory it is not. So
 :class:`DeviceStage` memcpys each pageable leaf of a batch into one pinned buffer leased from
-:class:`_StagingPool`, and copies to the device from there. The pool is a synchronous state
+:class:`StagingPool`, and copies to the device from there. The pool is a synchronous state
 machine: it never waits for the device; the stage tells it when a buffer's copies completed.
 
 Sharp edges:
@@ -23,7 +23,13 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["MAX_POOLED_STAGING_BYTES", "STAGING_ALIGN", "STAGING_GRANULE"]
+__all__ = [
+    "MAX_POOLED_STAGING_BYTES",
+    "STAGING_ALIGN",
+    "STAGING_GRANULE",
+    "StagingPool",
+    "align_up",
+]
 
 # Each leaf starts at a multiple of this many bytes inside a batch's staging buffer: enough for
 # any dtype's alignment and for efficient DMA, at a cost of < 512 bytes per leaf.
@@ -38,11 +44,12 @@ STAGING_GRANULE = 1 << 20
 MAX_POOLED_STAGING_BYTES = 1 << 30
 
 
-def _align(n: int) -> int:
+def align_up(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`STAGING_ALIGN`: where the next leaf may start."""
     return -(-n // STAGING_ALIGN) * STAGING_ALIGN
 
 
-class _StagingPool:
+class StagingPool:
     """Pinned staging buffers, reused across batches; a sync state machine.
 
     Invariant: every buffer the pool allocated is either in ``_free`` (sorted by size) or

@@ -1,17 +1,22 @@
 """One batch on its way to the device, and how the event loop waits for it.
 
-A :class:`Transfer` is what :meth:`DeviceStage.start` returns. ``await wait()`` polls the
-copy's CUDA event with an ``asyncio.sleep`` back-off (:func:`_next_delay`), then hands the
-device batch over to the consumer's stream.
+A :class:`Transfer` is what :meth:`DeviceStage.start` returns: a handle on the stage's record of
+one copy, which it sees only through the small :class:`Copy` protocol. ``await wait()`` polls
+the copy with an ``asyncio.sleep`` back-off (:func:`until_done`), then asks it to hand the device
+batch over to the consumer's stream.
+
+The dependency goes one way: ``_stage`` drives the copies and imports this module; this module
+knows nothing of the stage, only the protocol it implements::
+
+    DeviceStage.start(batch) ──▶ its record of the copy (implements Copy) ──▶ Transfer(record)
+    Transfer.wait() ──▶ until_done(record.done) ──▶ record.hand_over(stream) ──▶ device batch
 
 Sharp edges:
 
-- The loop never blocks on the device: ``wait()`` polls ``event.query()``; only the stage's
-  cleanup paths (``close()``, unregistering memory) synchronize.
+- The loop never blocks on the device: ``wait()`` polls ``done()``, which queries the copy's
+  event; only the stage's cleanup paths (``close()``, unregistering memory) synchronize.
 - Cancelling ``wait()`` loses nothing: the copy carries on and a later ``wait()`` returns the
   batch.
-- A transfer keeps the host tensors it copies from *directly* alive until its event has
-  completed; leaves copied through staging were already read inside ``start()``.
 - The hand-over uses the *calling thread's* current stream unless ``wait(stream=...)`` names the
   consumer's stream.
 """
@@ -19,17 +24,18 @@ Sharp edges:
 from __future__ import annotations
 
 import asyncio
-import time
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, Protocol
 
-import torch
-
-from .._errors import TransferError
-
-if TYPE_CHECKING:
-    from ._stage import DeviceStage
-
-__all__ = ["POLL_FIRST_DELAY_S", "POLL_GROWTH", "POLL_MAX_DELAY_S", "Transfer"]
+__all__ = [
+    "POLL_FIRST_DELAY_S",
+    "POLL_GROWTH",
+    "POLL_MAX_DELAY_S",
+    "Copy",
+    "CopyState",
+    "Transfer",
+    "until_done",
+]
 
 # Event polling. The first check after a miss only yields (sleep(0)), because small copies are
 # often done by the next loop iteration; then the delay doubles from POLL_FIRST_DELAY_S up to
@@ -40,13 +46,43 @@ POLL_FIRST_DELAY_S = 50e-6
 POLL_MAX_DELAY_S = 1e-3
 POLL_GROWTH = 2.0
 
+CopyState = Literal["pending", "copied", "failed"]
+
+
+class Copy(Protocol):
+    """One copy to the device as its :class:`Transfer` sees it (the stage implements it)."""
+
+    @property
+    def state(self) -> CopyState:
+        """``"pending"`` until the copy has completed (``"copied"``) or failed."""
+        ...
+
+    def done(self) -> bool:
+        """Whether the copy has completed or failed; may poll the device, never blocks."""
+        ...
+
+    def hand_over(self, stream: Any) -> Any:
+        """Order ``stream`` (``None``: the current one) after the copy; return the batch.
+
+        Called only once :meth:`done` is true, and again for every ``wait()``.
+
+        Raises:
+            TransferError: the copy failed on the device, or the hand-over did.
+        """
+        ...
+
 
 def _next_delay(delay: float) -> float:
     """The poll back-off: 0, then POLL_FIRST_DELAY_S growing by POLL_GROWTH to the cap."""
     return POLL_FIRST_DELAY_S if delay == 0.0 else min(delay * POLL_GROWTH, POLL_MAX_DELAY_S)
 
 
-_State = Literal["pending", "copied", "failed"]
+async def until_done(done: Callable[[], bool]) -> None:
+    """Return once ``done()`` is true, polling with the back-off; never blocks the loop."""
+    delay = 0.0
+    while not done():
+        await asyncio.sleep(delay)
+        delay = _next_delay(delay)
 
 
 class Transfer:
@@ -54,47 +90,21 @@ class Transfer:
 
     ``await wait()`` returns the device batch. Cancelling ``wait()`` loses nothing: the copy
     carries on and a later ``wait()`` returns the batch.
+
+    Args:
+        batch_id: the batch's id, as given to ``start()``.
+        copy: the stage's record of the copy.
     """
 
-    __slots__ = (
-        "_device_tensors",
-        "_end_event",
-        "_error",
-        "_lease",
-        "_nbytes",
-        "_ranges",
-        "_result",
-        "_sources",
-        "_stage",
-        "_start_event",
-        "_started_at",
-        "_state",
-        "batch_id",
-    )
+    __slots__ = ("_copy", "batch_id")
 
-    def __init__(self, stage: DeviceStage, batch_id: int) -> None:
+    def __init__(self, batch_id: int, copy: Copy) -> None:
         self.batch_id = batch_id
-        self._stage = stage
-        self._state: _State = "pending"
-        self._result: Any = None
-        self._error: TransferError | None = None
-        # Device tensors of the result: each gets record_stream(consumer) at hand-over.
-        self._device_tensors: list[torch.Tensor] = []
-        # Host tensors copied from directly: kept alive until the copy has completed.
-        self._sources: list[torch.Tensor] = []
-        # Bases of registered ranges this copy reads from.
-        self._ranges: set[int] = set()
-        self._lease: torch.Tensor | None = None
-        self._start_event: Any = None
-        self._end_event: Any = None
-        self._nbytes = 0
-        self._started_at = time.perf_counter()
+        self._copy = copy
 
     def done(self) -> bool:
         """Whether the copy has completed (or failed); never blocks."""
-        if self._state == "pending":
-            self._stage._poll(self)
-        return self._state != "pending"
+        return self._copy.done()
 
     async def wait(self, *, stream: Any = None) -> Any:
         """Await the copy without blocking the loop, hand the batch over, and return it.
@@ -106,14 +116,8 @@ class Transfer:
         Raises:
             TransferError: the copy failed on the device, naming the batch.
         """
-        delay = 0.0
-        while not self.done():
-            await asyncio.sleep(delay)
-            delay = _next_delay(delay)
-        if self._error is not None:
-            raise self._error
-        self._stage._hand_over(self, stream)
-        return self._result
+        await until_done(self._copy.done)
+        return self._copy.hand_over(stream)
 
     def __repr__(self) -> str:
-        return f"<Transfer batch_id={self.batch_id} {self._state}>"
+        return f"<Transfer batch_id={self.batch_id} {self._copy.state}>"

@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType, TracebackType
 from typing import Any, Generic, Self, TypeVar
 
+from .._validate import callable_or_none
+
 __all__ = ["CLOSE_TIMEOUT_S", "PerLoop", "Source", "require"]
 
 R = TypeVar("R")
@@ -104,12 +106,6 @@ class PerLoop(Generic[R]):
         return len(self._entries)
 
 
-def _check_decode(decode: object) -> Callable[[bytes], Any] | None:
-    if decode is not None and not callable(decode):
-        raise TypeError(f"decode must be a callable taking bytes, or None; got {decode!r}")
-    return decode
-
-
 class Source(ABC):
     """Base of the sources: length, index checks, the decode stage, pools and closing.
 
@@ -118,7 +114,7 @@ class Source(ABC):
     """
 
     def __init__(self, decode: Callable[[bytes], Any] | None) -> None:
-        self._decode_fn = _check_decode(decode)
+        self._decode_fn: Callable[[bytes], Any] | None = callable_or_none("decode", decode)
         self._pools: PerLoop[Any] = PerLoop()
 
     @abstractmethod
@@ -148,6 +144,8 @@ class Source(ABC):
             TypeError: ``index`` is not an integer.
             IndexError: ``index`` is out of range, naming it and the length.
         """
+        # Python's indexing protocol (``__index__``), as a list takes it, not _validate's int
+        # rule: a 0-d integer tensor is a valid index; a bool never is.
         if isinstance(index, bool):
             raise TypeError(f"index must be an int, got {index!r}")
         try:

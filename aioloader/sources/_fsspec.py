@@ -34,8 +34,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from .._errors import RemoteNotFoundError, RemotePermissionError
+from .._validate import seconds, value_errors
 from ._base import Source, as_names, require
-from ._http import check_timeout
 from ._retry import RetryableError, RetryPolicy, retrying
 
 __all__ = ["FsspecDataset"]
@@ -184,7 +184,9 @@ class FsspecDataset(Source):
 
     Raises:
         ValueError: a URL without a protocol, with a protocol fsspec does not know or has no
-            async filesystem for, or mixing protocols; names the URL.
+            async filesystem for, or mixing protocols; names the URL. An ``item_deadline`` that
+            is not a positive finite number of seconds (of the wrong type, also a ``TypeError``).
+        TypeError: ``retry`` or ``storage_options`` of the wrong type.
         ImportError: fsspec, or the package of the protocol (s3fs, gcsfs), is not installed.
     """
 
@@ -220,7 +222,8 @@ class FsspecDataset(Source):
                     break
         self._options = options
         self._attributes = dict(attributes)
-        self._item_deadline = check_timeout("item_deadline", item_deadline)
+        with value_errors():  # ValueError for any bad deadline, as always (also a TypeError)
+            self._item_deadline = seconds("item_deadline", item_deadline, positive=True)
         self._sleep = sleep
 
     @property

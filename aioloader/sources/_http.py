@@ -32,39 +32,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._errors import RemoteError, RemoteNotFoundError, RemotePermissionError
+from .._validate import positive_int, seconds, value_errors
 from ._base import Source, as_names, require
 from ._retry import RetryableError, RetryPolicy, parse_retry_after, retrying
 
 if TYPE_CHECKING:
     import aiohttp
 
-__all__ = ["HTTPDataset", "check_timeout"]
+__all__ = ["HTTPDataset"]
 
 SCHEMES = frozenset({"http", "https"})
 
 #: Default headers; the user's ``headers`` override them.
 BASE_HEADERS: Mapping[str, str] = {"Accept-Encoding": "identity"}
-
-
-def check_timeout(name: str, value: object, *, allow_none: bool = True) -> float | None:
-    """Validate a timeout argument: a positive finite number of seconds (or ``None``).
-
-    Raises:
-        ValueError: naming the argument and the value.
-    """
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
-    return float(value)
 
 
 def _check_url(url: str, position: int) -> str:
@@ -109,7 +94,8 @@ class HTTPDataset(Source):
 
     Raises:
         ValueError: a URL that is not http(s), or a timeout or ``max_connections`` out of
-            range, naming the argument and the value.
+            range or of the wrong type (then also a ``TypeError``), naming the argument and the
+            value.
         TypeError: ``urls``, ``retry``, ``headers`` or ``decode`` of the wrong type.
         ImportError: aiohttp is not installed (``pip install 'aioloader[remote]'``).
     """
@@ -136,14 +122,11 @@ class HTTPDataset(Source):
         if not isinstance(retry, RetryPolicy):
             raise TypeError(f"retry must be a RetryPolicy, got {retry!r}")
         self._retry = retry
-        self._connect_timeout = check_timeout("connect_timeout", connect_timeout)
-        self._read_timeout = check_timeout("read_timeout", read_timeout)
-        self._item_deadline = check_timeout("item_deadline", item_deadline)
-        if isinstance(max_connections, bool) or not isinstance(max_connections, int):
-            raise ValueError(f"max_connections must be an int >= 1, got {max_connections!r}")
-        if max_connections < 1:
-            raise ValueError(f"max_connections must be an int >= 1, got {max_connections!r}")
-        self._max_connections = max_connections
+        with value_errors():  # ValueError for any bad timeout, as always (also a TypeError)
+            self._connect_timeout = seconds("connect_timeout", connect_timeout, positive=True)
+            self._read_timeout = seconds("read_timeout", read_timeout, positive=True)
+            self._item_deadline = seconds("item_deadline", item_deadline, positive=True)
+            self._max_connections = positive_int("max_connections", max_connections)
         if headers is not None and not isinstance(headers, Mapping):
             raise TypeError(f"headers must be a mapping of str to str, got {headers!r}")
         self._headers = {**BASE_HEADERS, **(headers or {})}

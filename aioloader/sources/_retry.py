@@ -41,6 +41,15 @@ from datetime import UTC, datetime
 from typing import TypeVar
 
 from .._errors import RemoteError, RemoteTimeoutError, RetriesExhaustedError
+from .._validate import (
+    WrongTypeError,
+    boolean,
+    finite_number,
+    is_int,
+    positive_int,
+    seconds,
+    value_errors,
+)
 
 __all__ = [
     "DEFAULT_RETRY_STATUSES",
@@ -95,14 +104,6 @@ class Attempt:
         return f"attempt {self.number} ({self.elapsed:.3f} s): {self.outcome}"
 
 
-def _require_number(name: str, value: object, *, minimum: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"RetryPolicy.{name} must be a finite number, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"RetryPolicy.{name} must be >= {minimum}, got {value!r}")
-    return float(value)
-
-
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
     """How often and how patiently a remote read is retried.
@@ -126,7 +127,8 @@ class RetryPolicy:
         respect_retry_after: wait as long as the server's ``Retry-After`` asks (capped).
 
     Raises:
-        ValueError: for a value out of range, naming the field and the value.
+        ValueError: for a value out of range or of the wrong type (that one is also a
+            ``TypeError``), naming the field and the value.
     """
 
     max_attempts: int = 5
@@ -138,25 +140,27 @@ class RetryPolicy:
     respect_retry_after: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
-            raise ValueError(f"RetryPolicy.max_attempts must be an int, got {self.max_attempts!r}")
-        if self.max_attempts < 1:
-            raise ValueError(f"RetryPolicy.max_attempts must be >= 1, got {self.max_attempts!r}")
-        initial = _require_number("backoff_initial", self.backoff_initial, minimum=0.0)
-        cap = _require_number("backoff_max", self.backoff_max, minimum=0.0)
+        with value_errors():
+            attempts = positive_int("RetryPolicy.max_attempts", self.max_attempts)
+            initial = seconds("RetryPolicy.backoff_initial", self.backoff_initial, allow_none=False)
+            cap = seconds("RetryPolicy.backoff_max", self.backoff_max, allow_none=False)
+            multiplier = finite_number(
+                "RetryPolicy.backoff_multiplier", self.backoff_multiplier, minimum=1.0
+            )
+            jitter = boolean("RetryPolicy.jitter", self.jitter)
+            respect = boolean("RetryPolicy.respect_retry_after", self.respect_retry_after)
         if cap < initial:
             raise ValueError(
                 f"RetryPolicy.backoff_max must be >= backoff_initial ({initial!r}), got {cap!r}"
             )
-        multiplier = _require_number("backoff_multiplier", self.backoff_multiplier, minimum=1.0)
-        for name in ("jitter", "respect_retry_after"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"RetryPolicy.{name} must be a bool, got {getattr(self, name)!r}")
         statuses = _validate_statuses(self.retry_statuses)
         # Normalise through object.__setattr__: the dataclass is frozen (the documented idiom).
+        object.__setattr__(self, "max_attempts", attempts)
         object.__setattr__(self, "backoff_initial", initial)
         object.__setattr__(self, "backoff_max", cap)
         object.__setattr__(self, "backoff_multiplier", multiplier)
+        object.__setattr__(self, "jitter", jitter)
+        object.__setattr__(self, "respect_retry_after", respect)
         object.__setattr__(self, "retry_statuses", statuses)
 
     def backoff(self, failures: int, *, rand: Callable[[], float] = random.random) -> float:
@@ -166,8 +170,8 @@ class RetryPolicy:
             failures: how many attempts have failed so far (>= 1).
             rand: a source of uniform numbers in ``[0, 1)``, for jitter.
         """
-        if failures < 1:
-            raise ValueError(f"failures must be >= 1, got {failures!r}")
+        with value_errors():
+            failures = positive_int("failures", failures)
         try:
             wait = self.backoff_initial * self.backoff_multiplier ** (failures - 1)
         except OverflowError:  # a huge exponent: the cap applies anyway
@@ -196,16 +200,23 @@ class RetryPolicy:
 
 
 def _validate_statuses(statuses: Iterable[int]) -> frozenset[int]:
-    def refuse(why: str) -> ValueError:
-        return ValueError(f"RetryPolicy.retry_statuses {why}, got {statuses!r}")
+    def refuse(why: str, error: type[ValueError] = ValueError) -> ValueError:
+        return error(f"RetryPolicy.retry_statuses {why}, got {statuses!r}")
 
     try:
-        result = frozenset(statuses)
+        given = frozenset(statuses)
     except TypeError:
-        raise refuse("must be a set of HTTP statuses") from None
-    for status in result:
-        if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
+        raise refuse("must be a set of HTTP statuses", WrongTypeError) from None
+    codes: set[int] = set()
+    for status in given:
+        if not is_int(status):
+            raise refuse(
+                f"must hold HTTP statuses (ints), and {status!r} is not one", WrongTypeError
+            )
+        if not 100 <= int(status) <= 599:
             raise refuse(f"must hold HTTP statuses (100-599), and {status!r} is not one")
+        codes.add(int(status))
+    result = frozenset(codes)
     refused = sorted(result & NEVER_RETRY_STATUSES)
     if refused:
         raise refuse(f"must not contain {refused}: 400, 401, 403 and 404 are never retried")
@@ -280,8 +291,8 @@ async def retrying(
         Exception: whatever ``op`` raised that is not a :class:`RetryableError`, unchanged,
             with a note listing the earlier attempts.
     """
-    if deadline is not None and not (math.isfinite(deadline) and deadline > 0):
-        raise ValueError(f"deadline must be a positive finite number or None, got {deadline!r}")
+    with value_errors():
+        deadline = seconds("deadline", deadline, positive=True)
     attempts: list[Attempt] = []
     start = clock()
     for number in range(1, policy.max_attempts + 1):
