@@ -28,7 +28,7 @@ Sharp edges, and what this module does about them:
   unregisters right after attaching deletes the *owner's* entry: the owner's own unregister
   then makes the tracker print a ``KeyError`` traceback, and an owner crash leaks the segment.
   ``SharedMemory.__del__`` also reports a ``BufferError`` when views outlive it. So neither side
-  uses ``SharedMemory``: both call ``_posixshmem.shm_open`` and ``mmap`` directly. Only the
+  uses ``SharedMemory``: both call ``_posixshmem.shm_open`` and libc's ``mmap`` directly. Only the
   owner registers its segments with the tracker (and unregisters on unlink), so if the owner is
   killed, the tracker unlinks them once the owner's workers are gone (printing a "leaked" warning,
   which is then true). Workers never talk to the tracker.
@@ -38,9 +38,11 @@ Sharp edges, and what this module does about them:
   lacks it, by writing zeros), so a full ``/dev/shm`` raises :class:`SharedMemoryError` at
   ``lease`` time, naming the bytes asked and the bytes free. tmpfs pages are charged to the
   memory cgroup of the process that allocates them: a tight container limit can still OOM-kill.
-- **BufferError on close.** An ``mmap`` cannot be closed while numpy views export its buffer.
-  :meth:`SlotPool.close` unlinks every segment at once; a mapping with live views is left to the
-  views, and the kernel frees the memory when the last view dies.
+- **A mapping lives as long as its last view.** A segment is mapped into a plain buffer object
+  (:func:`_map`) that every numpy view of it keeps alive; a finalizer unmaps it when the last
+  reference goes, so nothing can unmap memory that a view still reads (Python's ``mmap.close``
+  would refuse with ``BufferError`` instead). :meth:`SlotPool.close` unlinks every segment at
+  once and drops its own references; a batch still alive keeps its mapping until it dies.
 - **Unlinked is not freed.** A segment's memory lives until every mapping of it is gone, in
   every process. Workers cache their mappings; on each new attach they drop mappings of
   segments that no longer exist, and the cache is bounded (:data:`ATTACH_CACHE_MAX`).
@@ -49,8 +51,14 @@ Sharp edges, and what this module does about them:
   may be reused (its segments then wait for the new process to die too), and processes in
   another PID namespace that share ``/dev/shm`` look dead; segments of other users cannot be
   unlinked (``/dev/shm`` is sticky) and are skipped.
-- **File descriptors.** Python's ``mmap`` keeps a duplicate of the segment's descriptor, so each
-  mapping holds one open file: one per slot in the main process, one per cached slot in a worker.
+- **File descriptors.** A mapping needs no open file: the descriptor from ``shm_open`` is
+  closed as soon as the segment is mapped, so a live batch, a slot of the pool and a worker's
+  cached attachment hold none, and ``list(loader)`` may keep thousands of batches under
+  ``ulimit -n 1024``. Python's ``mmap.mmap`` would keep a duplicate of the descriptor for the
+  mapping's life (until 3.13's ``trackfd=False``), which is why :func:`_map` calls libc through
+  ``ctypes``. A descriptor is still needed for a moment to create or attach a segment; if the
+  process has none left, :class:`SharedMemoryError` names the slot's size, the limit and
+  ``ulimit -n``.
 - **Timing of returns.** A slot comes back when the last view of its batch is collected; views
   caught in a reference cycle wait for the cycle collector. Returns are queued by the finalizer
   and applied by the next pool call, so finalizers never take a lock (they may run inside a GC
@@ -63,6 +71,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import errno
 import itertools
 import math
@@ -102,6 +111,7 @@ _map_tree = map_tree
 
 if sys.platform != "win32":
     import _posixshmem  # type: ignore[import-not-found]  # CPython's, without stubs
+    import resource
 
 __all__ = [
     "ALIGN",
@@ -136,13 +146,14 @@ GROWTH = 1.25
 # segments while batch sizes are still being learned.
 MIN_SLOT_BYTES = 1 << 20
 
-# Mappings a worker keeps. Each holds a file descriptor and pins its segment's memory even after
-# the owner unlinks it; the pool normally has about prefetch-depth slots, well under this.
+# Mappings a worker keeps. Each pins its segment's memory even after the owner unlinks it (but
+# holds no descriptor); the pool normally has about prefetch-depth slots, well under this.
 ATTACH_CACHE_MAX = 32
 
 # Mappings are populated up front (page tables filled in one call): about 3x cheaper than
 # faulting the pages in one by one on first write, and paid once per slot per process.
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+_PROT = mmap.PROT_READ | mmap.PROT_WRITE
 _RESERVE_CHUNK = 1 << 20  # zeros written per call when posix_fallocate is unavailable
 _NAME_ATTEMPTS = 8  # name collisions are ~2**-32 each; retry a few times, then give up
 _NO_ROOM = {errno.ENOSPC, errno.EFBIG, errno.ENOMEM}
@@ -168,9 +179,71 @@ def _page_round(n: int) -> int:
     return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
-def _note_fd_limit(exc: OSError) -> None:
-    if exc.errno in (errno.EMFILE, errno.ENFILE):
-        exc.add_note("too many open files: each shared-memory slot holds one; raise `ulimit -n`")
+def _out_of_fds(exc: OSError, what: str, size: int) -> SharedMemoryError | None:
+    """What to raise instead of ``exc`` (from opening a segment) if descriptors ran out."""
+    if exc.errno == errno.EMFILE:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return SharedMemoryError(
+            f"cannot {what} a shared-memory segment of {size} bytes for a batch slot: this "
+            f"process has no file descriptor left (the limit is {soft}). Batches and slots hold "
+            "none, so other open files use them up; raise the limit (`ulimit -n 4096` in the "
+            "shell, or resource.setrlimit(RLIMIT_NOFILE) before creating the loader)."
+        )
+    if exc.errno == errno.ENFILE:
+        return SharedMemoryError(
+            f"cannot {what} a shared-memory segment of {size} bytes for a batch slot: the "
+            "system's table of open files is full (fs.file-max); `ulimit -n` does not help."
+        )
+    return None
+
+
+# libc's mmap and munmap, through ctypes: unlike mmap.mmap, the mapping keeps no descriptor.
+if sys.platform != "win32":
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.mmap.restype = ctypes.c_void_p
+    _libc.mmap.argtypes = (
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,  # off_t: as wide as long on LP64 Linux and macOS; the offset is always 0
+    )
+    _libc.munmap.restype = ctypes.c_int
+    _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+# A mapped segment: a ctypes byte array at the mapping's address, which numpy views can share.
+_Mapping = ctypes.Array[ctypes.c_ubyte]
+
+
+def _map(fd: int, size: int) -> _Mapping:
+    """Map ``size`` bytes of ``fd`` shared and writable; the caller may close ``fd`` at once.
+
+    The mapping lives as long as the returned buffer: every numpy array made from it keeps it
+    alive (views of views collapse to the first array over it), and a finalizer unmaps it when
+    the last reference is gone. Not at exit (``atexit = False``): the process's end unmaps
+    everything anyway, and a view in a module global may still be read by other exit code.
+
+    Raises:
+        OSError: if the kernel refuses the mapping (e.g. ENOMEM).
+    """
+    address = _libc.mmap(None, size, _PROT, _MAP_FLAGS, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
+    try:
+        buf = (ctypes.c_ubyte * size).from_address(address)
+        weakref.finalize(buf, _libc.munmap, address, size).atexit = False
+    except BaseException:
+        _libc.munmap(address, size)
+        raise
+    return buf
+
+
+def _bytes(mapping: _Mapping, count: int) -> npt.NDArray[np.uint8]:
+    """The first ``count`` bytes of a mapping as a ``uint8`` array that keeps it mapped."""
+    return np.frombuffer(memoryview(mapping), dtype=np.uint8, count=count)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +294,7 @@ class _State(Enum):
 class _Segment:
     name: str
     size: int
-    mapping: mmap.mmap
+    mapping: _Mapping
     state: _State = _State.FREE
     lease_id: int = 0
 
@@ -234,21 +307,10 @@ def _unlink(name: str) -> None:
         resource_tracker.unregister("/" + name, "shared_memory")
 
 
-def _mapping_address(mapping: mmap.mmap) -> int:
-    view = np.frombuffer(mapping, dtype=np.uint8, count=1)  # released again right away
-    return int(view.__array_interface__["data"][0])
-
-
-def _drop_mapping(mapping: mmap.mmap) -> None:
-    with contextlib.suppress(BufferError):  # views alive: the mapping goes with the last one
-        mapping.close()
-
-
 def _destroy(segments: dict[str, _Segment]) -> None:
     for seg in segments.values():
         _unlink(seg.name)
-        _drop_mapping(seg.mapping)
-    segments.clear()
+    segments.clear()  # our mappings go now; those of live batches go with their last view
 
 
 def _finalize_pool(segments: dict[str, _Segment], owner: int) -> None:
@@ -393,22 +455,21 @@ class SlotPool:
         for seg in free:  # all too small for this batch; drop the smallest first
             if total + size <= self.max_bytes:
                 break
-            del self._segments[seg.name]
+            del self._segments[seg.name]  # FREE: no view holds it; unmapped with our last ref
             self._unmapping(seg)
             _unlink(seg.name)
-            _drop_mapping(seg.mapping)
             total -= seg.size
         seg = self._create(size)
         self._segments[seg.name] = seg
         if self._on_map is not None:
             with contextlib.suppress(Exception):
-                self._on_map(_mapping_address(seg.mapping), seg.size)
+                self._on_map(ctypes.addressof(seg.mapping), seg.size)
         return seg
 
     def _unmapping(self, seg: _Segment) -> None:
         if self._on_unmap is not None:
             with contextlib.suppress(Exception):
-                self._on_unmap(_mapping_address(seg.mapping))
+                self._on_unmap(ctypes.addressof(seg.mapping))
 
     def _create(self, size: int) -> _Segment:
         for _ in range(_NAME_ATTEMPTS):
@@ -418,8 +479,9 @@ class SlotPool:
             except FileExistsError:
                 continue
             except OSError as exc:
-                _note_fd_limit(exc)
-                raise
+                if (error := _out_of_fds(exc, "create", size)) is None:
+                    raise
+                raise error from exc
             break
         else:  # pragma: no cover - needs _NAME_ATTEMPTS collisions of 32 random bits
             raise FileExistsError(f"no free shared-memory name after {_NAME_ATTEMPTS} attempts")
@@ -428,12 +490,12 @@ class SlotPool:
         try:
             os.ftruncate(fd, size)
             self._reserve(fd, size)
-            mapping = mmap.mmap(fd, size, flags=_MAP_FLAGS)
+            mapping = _map(fd, size)
         except BaseException:
             _unlink(name)
             raise
         finally:
-            os.close(fd)
+            os.close(fd)  # the mapping needs no descriptor
         return _Segment(name, size, mapping)
 
     def _reserve(self, fd: int, size: int) -> None:
@@ -513,7 +575,7 @@ class SlotPool:
             if not refs:  # nothing points into the slot: it is free again at once
                 seg.state, seg.lease_id = _State.FREE, 0
                 return tree
-            root = np.frombuffer(seg.mapping, dtype=np.uint8, count=used)
+            root = _bytes(seg.mapping, used)
             torch_mod = _import_torch() if any(r.kind == "torch" for r in refs) else None
             batch = _map_tree(tree, lambda leaf: _view(root, leaf, torch_mod))
             seg.state = _State.HELD
@@ -586,9 +648,7 @@ class SlotPool:
                 for seg in self._segments.values():
                     self._unmapping(seg)
                 _destroy(self._segments)
-            else:  # a forked copy: the segments belong to the parent
-                for seg in self._segments.values():
-                    _drop_mapping(seg.mapping)
+            else:  # a forked copy: the segments belong to the parent; drop our mappings only
                 self._segments.clear()
 
     @property
@@ -600,10 +660,9 @@ class SlotPool:
 # Worker side
 
 
-# name -> (mapping, whole-segment uint8 view); most recently used last.
-_attached: collections.OrderedDict[str, tuple[mmap.mmap, npt.NDArray[np.uint8]]] = (
-    collections.OrderedDict()
-)
+# name -> whole-segment uint8 view (which keeps the mapping alive); most recently used last.
+# Invariant: holds no descriptor; a dropped entry is unmapped once no batch views it.
+_attached: collections.OrderedDict[str, npt.NDArray[np.uint8]] = collections.OrderedDict()
 _attach_lock = threading.Lock()
 
 
@@ -619,33 +678,34 @@ def attach(slot: Slot) -> npt.NDArray[np.uint8]:
     Raises:
         FileNotFoundError: if the owner has unlinked the segment (pool closed).
         ValueError: if the segment's size differs from ``slot.size``.
+        SharedMemoryError: if this process has no file descriptor left to open the segment.
     """
     with _attach_lock:
         hit = _attached.get(slot.name)
-        if hit is not None and hit[1].size == slot.size:
+        if hit is not None and hit.size == slot.size:
             _attached.move_to_end(slot.name)
-            return hit[1]
+            return hit
         if hit is not None:
-            _detach(slot.name)
+            del _attached[slot.name]
         # A new name: the pool may have unlinked slots we still map, pinning their memory.
         for name in [n for n in _attached if not _exists(n)]:
-            _detach(name)
+            del _attached[name]
         try:
             fd = _posixshmem.shm_open("/" + slot.name, os.O_RDWR, 0)
         except OSError as exc:
-            _note_fd_limit(exc)
-            raise
+            if (error := _out_of_fds(exc, "attach", slot.size)) is None:
+                raise
+            raise error from exc
         try:
             size = os.fstat(fd).st_size
             if size != slot.size:
                 raise ValueError(f"segment {slot.name} has {size} bytes, slot.size={slot.size}")
-            mapping = mmap.mmap(fd, size, flags=_MAP_FLAGS)
+            buf = _bytes(_map(fd, size), size)
         finally:
-            os.close(fd)
-        buf = np.frombuffer(mapping, dtype=np.uint8)
-        _attached[slot.name] = (mapping, buf)
+            os.close(fd)  # the mapping needs no descriptor
+        _attached[slot.name] = buf
         while len(_attached) > ATTACH_CACHE_MAX:
-            _detach(next(iter(_attached)))
+            _attached.popitem(last=False)
         return buf
 
 
@@ -660,17 +720,10 @@ def _exists(name: str) -> bool:
     return True
 
 
-def _detach(name: str) -> None:
-    mapping, buf = _attached.pop(name)
-    del buf  # our export; the mapping closes now unless a batch still holds a view
-    _drop_mapping(mapping)
-
-
 def detach_all() -> None:
-    """Drop every cached mapping (worker shutdown)."""
+    """Drop every cached mapping (worker shutdown); each is unmapped once no batch views it."""
     with _attach_lock:
-        for name in list(_attached):
-            _detach(name)
+        _attached.clear()
 
 
 # ---------------------------------------------------------------------------------------------

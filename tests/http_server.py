@@ -70,7 +70,8 @@ class Fault:
 
     Kinds: ``status`` (answer ``status`` with an optional ``Retry-After``), ``latency`` (serve
     normally after ``seconds``), ``reset`` (send half the body, then abort the connection),
-    ``short`` (promise the full Content-Length, send half, then close cleanly), ``stall``
+    ``short`` (promise the full Content-Length, send half, then close cleanly), ``long``
+    (promise a Content-Length of half the body, send all of it, then close cleanly), ``stall``
     (send the headers, then stay silent for ``seconds``, then send the body).
     """
 
@@ -94,6 +95,10 @@ class Fault:
     @classmethod
     def short(cls) -> Fault:
         return cls("short")
+
+    @classmethod
+    def long(cls) -> Fault:
+        return cls("long")
 
     @classmethod
     def stall(cls, seconds: float = 30.0) -> Fault:
@@ -177,7 +182,7 @@ class FaultServer:
             await self._pause(fault.seconds)
             return web.Response(body=body, content_type="application/octet-stream")
         response = web.StreamResponse()
-        response.content_length = len(body)
+        response.content_length = len(body) // 2 if fault.kind == "long" else len(body)
         await response.prepare(request)  # sends the status line and headers now
         if fault.kind == "stall":
             await self._pause(fault.seconds)
@@ -186,10 +191,17 @@ class FaultServer:
                 raise asyncio.CancelledError  # the client gave up meanwhile: nothing to send
             await response.write(body)
             return response
-        if fault.kind not in ("reset", "short"):  # pragma: no cover - a typo in a test
+        if fault.kind not in ("reset", "short", "long"):  # pragma: no cover - a typo in a test
             raise ValueError(f"unknown fault kind {fault.kind!r}")
-        await response.write(body[: len(body) // 2])
         transport = request.transport
+        if fault.kind == "long":
+            if transport is not None:
+                # Straight to the socket, in one write: aiohttp's writer would stop at the
+                # Content-Length it announced.
+                transport.write(body)
+                transport.close()
+            raise asyncio.CancelledError
+        await response.write(body[: len(body) // 2])
         if transport is not None:
             if fault.kind == "reset":
                 transport.abort()  # RST: the peer sees a reset, buffered bytes are dropped

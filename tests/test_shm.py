@@ -817,3 +817,165 @@ def test_reuse_never_creates_a_segment() -> None:
         pool.release(again)
     finally:
         pool.close()
+
+
+# --- file descriptors: a live batch holds none (RELIABILITY.md row 22) -----------------------
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _mapped_in(pid: int | str, name: str) -> bool:
+    """Whether process ``pid`` has segment ``name`` mapped (``/proc/<pid>/maps``)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return any(line.rstrip().endswith(f"/{name}") or f"/{name} " in line for line in maps)
+
+
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads /proc/self")
+
+
+@needs_proc
+def test_held_batches_and_cached_attachments_hold_no_descriptor(pool: SlotPool) -> None:
+    before = _open_fds()
+    batches = []
+    for i in range(8):  # each: a new segment, mapped by the pool and by attach(), then held
+        slot = pool.lease(2 << 20)
+        assert slot is not None
+        encoded = SlotWriter(attach(slot)).encode({"x": np.full(1000, i)}, inline_below=0)
+        batches.append(pool.open(slot, encoded.tree))
+    assert pool.stats().held == 8
+    assert len(_shm._attached) == 8
+    assert _open_fds() == before
+    assert [int(b["x"][999]) for b in batches] == list(range(8))
+
+
+@needs_proc
+def test_a_mapping_lives_exactly_as_long_as_its_last_view() -> None:
+    pool = SlotPool(8 << 20)
+    try:
+        slot, encoded = _encode_here(pool, {"x": np.arange(10_000, dtype=np.int32)})
+        kept = pool.open(slot, encoded.tree)["x"][5:]
+        _shm.detach_all()  # the worker side lets go of its mapping at once
+        pool.close()  # unlinked; the pool's mapping is left to the view
+        assert slot.name not in _mine()
+        assert _mapped_in("self", slot.name)
+        assert int(kept[-1]) == 9_999  # still readable
+    finally:
+        pool.close()
+        _shm.detach_all()
+    del kept
+    gc.collect()
+    assert not _mapped_in("self", slot.name)  # unmapped with its last view: memory given back
+
+
+# Run in a child: the limit holds for the whole process and its workers. Samples are 64 KiB
+# arrays of int32 filled with their index, one per batch, so every batch travels in a slot
+# (after the first few, sent inline while the loader learns the batch size).
+_HELD_BATCHES_CHILD = """
+import functools, gc, os, resource, sys, time
+import numpy as np
+sys.path.insert(0, {tests!r})
+limit, count = int(sys.argv[1]), int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+import fault_datasets as fd
+
+def fds():
+    return len(os.listdir("/proc/self/fd"))
+
+if __name__ == "__main__":
+    dataset = fd.Mapped(count, functools.partial(np.full, 16384, dtype=np.int32))
+    with fd.make_loader(dataset, batch_size=1) as loader:
+        start = time.monotonic()
+        batches = list(loader)
+        took = time.monotonic() - start
+        held_fds, held_slots = fds(), loader.statistics().held_shm_slots
+        assert [(b.shape, int(b.min()), int(b.max())) for b in batches] == [
+            ((1, 16384), i, i) for i in range(count)
+        ]
+        del batches
+        gc.collect()
+        print(held_fds, fds(), held_slots, loader.statistics().held_shm_slots, took)
+"""
+
+
+def _hold_all_batches(limit: int, count: int) -> tuple[int, int, int, int, float]:
+    proc = subprocess.run(
+        [sys.executable, "-c", _HELD_BATCHES_CHILD.format(tests=TESTS_DIR), str(limit), str(count)],
+        cwd=REPO_DIR,
+        capture_output=True,
+        text=True,
+        timeout=45,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr
+    held_fds, released_fds, held, left, took = proc.stdout.split()
+    return int(held_fds), int(released_fds), int(held), int(left), float(took)
+
+
+@needs_proc
+def test_more_batches_held_than_the_descriptor_limit_allows_files() -> None:
+    held_fds, released_fds, held, left, _ = _hold_all_batches(limit=64, count=80)
+    assert held >= 80 - 8  # all but the first few, sent inline, live in shared memory
+    assert left == 0
+    assert held_fds == released_fds  # holding 70-odd batches costs no descriptor
+
+
+@needs_proc
+@pytest.mark.slow
+def test_1500_batches_held_under_ulimit_1024() -> None:
+    held_fds, released_fds, held, left, took = _hold_all_batches(limit=1024, count=1500)
+    assert held >= 1500 - 8
+    assert left == 0
+    assert held_fds == released_fds
+    assert took < 30
+
+
+_OUT_OF_FDS_CHILD = """
+import os, resource
+from aioloader import _shm
+from aioloader._errors import SharedMemoryError
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+pool = _shm.SlotPool(1 << 24)
+slot = pool.lease(1000)
+filler = []
+try:
+    while True:
+        filler.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+for call in (lambda: pool.lease(3 << 20), lambda: _shm.attach(slot)):
+    try:
+        call()
+    except SharedMemoryError as exc:
+        print(exc.__cause__.errno, exc, sep="|")
+    else:
+        print("no error")
+for handle in filler:
+    os.close(handle)
+pool.release(slot)
+print(pool.stats().slots, pool.stats().free)
+pool.close()
+"""
+
+
+@needs_proc
+def test_out_of_descriptors_names_the_slot_and_the_fix() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _OUT_OF_FDS_CHILD],
+        cwd=REPO_DIR,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lease_line, attach_line, stats_line = proc.stdout.splitlines()
+    wanted = _shm._page_round(math.ceil((3 << 20) * _shm.GROWTH))
+    for line, size in ((lease_line, wanted), (attach_line, _shm.MIN_SLOT_BYTES)):
+        cause, message = line.split("|", 1)
+        assert int(cause) == errno.EMFILE
+        assert f"{size} bytes" in message
+        assert "ulimit -n" in message
+        assert "limit is 64" in message
+    assert stats_line == "1 1"  # the failed lease created nothing and left the pool intact

@@ -173,6 +173,44 @@ async def test_short_body_then_success() -> None:
     assert server.count("/obj/2") == 3
 
 
+# A body longer than its Content-Length, sent with it: a small one reaches aiohttp in the same
+# read as the headers, whose parser then fails on the extra bytes before there is a response; a
+# large one is read in many pieces, so the promised half completes a response of its own and the
+# extra bytes trip the parser only afterwards.
+LONG_BODIES = pytest.mark.parametrize(
+    ("size", "reason"),
+    [(1024, "malformed response"), (4 << 20, "longer than its Content-Length")],
+    ids=["one-read", "many-reads"],
+)
+
+
+@LONG_BODIES
+async def test_long_body_once_is_retried_and_read_whole(size: int, reason: str) -> None:
+    async with FaultServer(size=size) as server, dataset(server, [6], sleep=Sleeps()) as ds:
+        server.fail("/obj/6", Fault.long())
+        assert await ds.fetch(0) == payload(6, size)
+    assert server.count("/obj/6") == 2
+
+
+@LONG_BODIES
+async def test_long_body_never_reaches_decode(size: int, reason: str) -> None:
+    decoded: list[bytes] = []
+    async with FaultServer(size=size) as server:
+        ds = dataset(server, [6], decode=decoded.append, sleep=Sleeps())
+        server.fail_always("/obj/6", Fault.long())
+        with pytest.raises(RetriesExhaustedError) as info:
+            await ds[0]
+        await ds.aclose()
+    assert decoded == []
+    error = info.value
+    assert isinstance(error, RemoteError)
+    assert error.url == server.obj_url(6)
+    assert server.count("/obj/6") == 3 == len(error.attempts)
+    assert all(reason in attempt for attempt in error.attempts), error.attempts
+    assert len(str(error)) < 2000  # the parser's dump of the stray bytes is cut short
+    assert isinstance(error.__cause__, Exception)
+
+
 async def test_stall_after_headers_is_caught_by_read_timeout() -> None:
     policy = RetryPolicy(max_attempts=2, backoff_initial=0.01, jitter=False)
     async with FaultServer() as server:

@@ -7,6 +7,7 @@
       2xx, length == Content-Length ──────────────┼──▶ bytes
       timeout (connect, or read silence) ─────────┼──▶ RetryableError(timed_out)
       reset, short body, payload error ───────────┼──▶ RetryableError
+      long body, bytes that are not HTTP ─────────┼──▶ RetryableError
       408/425/429/5xx (policy.retry_statuses) ────┼──▶ RetryableError(Retry-After)
       404 ────────────────────────────────────────┼──▶ RemoteNotFoundError, no retry
       401/403 ────────────────────────────────────┼──▶ RemotePermissionError, no retry
@@ -24,6 +25,15 @@ Sharp edges:
 - Requests ask for ``Accept-Encoding: identity``: ``fetch`` returns the object's bytes as stored,
   and their length can be checked against ``Content-Length``. If a server compresses anyway,
   aiohttp decompresses and the length check is skipped (the header counts compressed bytes).
+- A body longer than its ``Content-Length`` is only visible as bytes after the response: aiohttp
+  reads exactly the promised length and hands what follows to its parser as the next response.
+  If the extra bytes arrive with the headers, the parser fails before there is a response
+  (``ClientResponseError`` caused by ``HttpProcessingError``): retried as a malformed response.
+  If they arrive with the end of a body read in several pieces, the promised part completes
+  and would pass the length check; the connection's parser has failed meanwhile, so the body
+  is refused and the read retried. Extra bytes that arrive only after the body was returned
+  cannot be told from a correct response; they fail the next request on that connection, as
+  a malformed response, which is retried.
 - aiohttp is imported when the first dataset is made, not when :mod:`aioloader` is imported:
   it is the ``remote`` extra.
 """
@@ -62,9 +72,22 @@ def _check_url(url: str, position: int) -> str:
     return url
 
 
+# aiohttp's parse errors quote the bytes they could not read; the attempt list keeps this much.
+_MESSAGE_MAX = 120
+_QUOTED = ("b'", 'b"')  # how aiohttp quotes the bytes it could not parse
+
+
 def _name(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _parse_failure(message: str) -> str:
+    """The gist of an aiohttp parse error: its words, without the quoted bytes and the caret."""
+    lines = (line.strip() for line in message.splitlines())
+    words = (line for line in lines if line.strip("^ ") and not line.startswith(_QUOTED))
+    text = " ".join(words)
+    return text if len(text) <= _MESSAGE_MAX else text[: _MESSAGE_MAX - 3] + "..."
 
 
 class HTTPDataset(Source):
@@ -173,20 +196,41 @@ class HTTPDataset(Source):
     async def _attempt(self, session: aiohttp.ClientSession, url: str) -> bytes:
         """One GET; classifies each failure as retryable or final (see the module diagram)."""
         import aiohttp
+        from aiohttp.http_exceptions import HttpProcessingError
 
         try:
             async with session.get(url) as response:
                 if not 200 <= response.status < 300:
                     raise self._status_error(url, response)
+                connection = response.connection  # released when the body is read
+                protocol = connection.protocol if connection is not None else None
                 body = await response.read()
                 expected = _expected_length(response)
+                # Invariant: a body of the wrong length is never returned, so a truncated
+                # buffer (or one cut at a Content-Length that promised too little) cannot
+                # reach decode.
                 if expected is not None and len(body) != expected:
-                    # Invariant: a body of the wrong length is never returned, so a truncated
-                    # buffer cannot reach decode.
                     raise RetryableError(
                         f"truncated body: got {len(body)} of {expected} bytes (Content-Length)"
                     )
+                stray = protocol.exception() if protocol is not None else None
+                if isinstance(stray, HttpProcessingError):
+                    promised = (
+                        "it" if expected is None else f"its Content-Length ({expected} bytes)"
+                    )
+                    raise RetryableError(
+                        f"body longer than {promised}: more bytes followed"
+                    ) from stray
                 return body
+        except aiohttp.ClientResponseError as exc:
+            if not isinstance(exc.__cause__, HttpProcessingError):
+                raise  # not a parse error (too many redirects, a proxy's refusal)
+            # Bytes that are not HTTP where a response should begin: most often the excess of
+            # a body longer than its Content-Length, read together with the headers.
+            raise RetryableError(
+                "malformed response (bytes that are not HTTP, e.g. the excess of a body longer "
+                f"than its Content-Length): {_parse_failure(exc.message)}"
+            ) from exc
         except aiohttp.ServerTimeoutError as exc:  # before ClientConnectionError: a subclass
             raise RetryableError(f"timeout: {_name(exc)}", timed_out=True) from exc
         except aiohttp.ClientConnectorCertificateError:
