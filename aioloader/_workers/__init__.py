@@ -72,10 +72,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _shm
-from ._batch import BatchMaker, BatchRequest, annotate
+from .. import _shm
+from .._batch import BatchMaker, BatchRequest, annotate
+from .._errors import WorkerCrashedError, WorkerInitError
 from ._channel import Channel, open_channel, picklable, serve_over
-from ._errors import WorkerCrashedError, WorkerInitError
 
 __all__ = [
     "IterJob",
