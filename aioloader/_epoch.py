@@ -42,12 +42,13 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from ._batch import EMPTY_BATCH, BatchRequest, Made, annotate
+from ._batch import annotate
 from ._errors import LoaderTimeoutError, TooManyFailuresError, WorkerCrashedError
 from ._reorder import Outcome, ReorderBuffer
-from ._runner import END
+from ._runner import END as THREAD_END
 from ._stats import Counters
-from ._workers import IterJob
+from ._types import EMPTY_BATCH, END, BatchRequest, Made, StreamRequest
+from ._workers import ProcessRunner
 
 __all__ = ["Epoch", "EpochConfig", "EpochIterator"]
 
@@ -287,7 +288,11 @@ class Epoch:
             start_make: Callable[[BatchRequest], asyncio.Future[Made]] | None = getattr(
                 self._runner, "start_make", None
             )
-            if self.config.kind != "map" or self.config.timeout is not None:
+            if (
+                self.config.kind != "map"
+                or self.config.timeout is not None
+                or isinstance(self._runner, ProcessRunner)  # crashes: retries and notes
+            ):
                 start_make = None
             for batch_id, indices in self._plan:
                 self._next_id = batch_id + 1
@@ -319,10 +324,10 @@ class Epoch:
                 if turn in ended:  # ended while we waited for the permit
                     self._store(Outcome(batch_id, value=END))
                     continue
-                job = IterJob(
-                    self.epoch, batch_id, self.config.batch_size, self.config.drop_last, None
+                request = StreamRequest(
+                    self.epoch, batch_id, self.config.batch_size, self.config.drop_last
                 )
-                self._spawn(self._produce_stream(job, turn, ended), batch_id)
+                self._spawn(self._produce_stream(request, turn, ended), batch_id)
 
         await self._run_scheduler(body)
 
@@ -390,17 +395,21 @@ class Epoch:
 
     async def _produce_request(self, request: BatchRequest) -> None:
         outcome = await self._with_deadline(
-            request.batch_id, lambda: self._runner.make(request), lambda: _indices_text(request)
+            request.batch_id,
+            lambda: self._runner.start_make(request),
+            lambda: _indices_text(request),
         )
         self._store(outcome)
 
-    async def _produce_stream(self, job: IterJob, worker: int, ended: set[int]) -> None:
+    async def _produce_stream(self, request: StreamRequest, worker: int, ended: set[int]) -> None:
         outcome = await self._with_deadline(
-            job.batch_id,
-            lambda: self._runner.pull(job, worker),
+            request.batch_id,
+            lambda: self._runner.pull(request, worker),
             lambda: f"the stream of worker {worker}",
             retry=False,  # a stream cannot be rewound: a lost batch is an error, never a re-read
         )
+        if outcome.value is THREAD_END:  # the thread runner's own marker: until it uses END
+            outcome = Outcome(request.batch_id, value=END)
         if outcome.value is END or outcome.error is not None:
             ended.add(worker)
         self._store(outcome)

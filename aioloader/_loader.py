@@ -52,12 +52,12 @@ from ._batch import BatchMaker
 from ._collate import default_collate
 from ._device import DeviceStage, parse_device
 from ._epoch import Epoch, EpochConfig, EpochIterator
-from ._runner import ProcessRunner, ThreadRunner
+from ._runner import ThreadRunner
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler, _resolve_last_batch
 from ._stats import Counters, LoaderStatistics
 from ._sync import LoopThread
 from ._types import dataset_kind
-from ._workers import WorkerPool, resolve_context
+from ._workers import ProcessRunner, WorkerPool, resolve_context
 
 __all__ = ["DataLoader"]
 
