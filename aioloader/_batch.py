@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ._collate import default_collate, numpy_collate
-from ._types import END, EMPTY_BATCH, BatchRequest, Made, StreamRequest
+from ._types import EMPTY_BATCH, END, BatchRequest, Made, StreamRequest
 
 __all__ = ["Alloc", "BatchMaker", "StreamCursor", "annotate", "stream_batch", "take"]
 

@@ -42,7 +42,7 @@ def is_int(value: object) -> bool:
 def _int(name: str, value: object, minimum: int | None, what: str) -> int:
     if not is_int(value):
         raise TypeError(f"{name} must be {what}, got {value!r}")
-    result = int(value)  # type: ignore[call-overload]
+    result: int = int(value)  # type: ignore[call-overload]
     if minimum is not None and result < minimum:
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return result
@@ -100,7 +100,9 @@ def seconds(
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number of seconds{' or None' * allow_none}, got {value!r}")
+        raise TypeError(
+            f"{name} must be a number of seconds{' or None' * allow_none}, got {value!r}"
+        )
     result = float(value)
     if not math.isfinite(result) or result < 0:
         raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
