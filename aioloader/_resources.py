@@ -38,11 +38,10 @@ from ._batch import BatchMaker
 from ._config import LoaderConfig
 from ._device import DeviceStage
 from ._epoch import Epoch
-from ._runner import ProcessRunner
 from ._sync import LoopThread
 from ._threads import ThreadRunner
 from ._types import AsyncCloseable, Runner, SourceDataset
-from ._workers import WorkerPool
+from ._workers import ProcessRunner, WorkerPool
 
 __all__ = ["Resources", "batch_maker", "close_all_at_exit", "finalize", "worker_payload"]
 

@@ -98,16 +98,11 @@ from ._shm_tree import (
     ArrayRef,
     Encoded,
     SlotWriter,
-    _import_torch,
-    _ref_end,
-    _view,
+    import_torch,
+    ref_end,
+    view_leaf,
 )
-from ._tree import iter_leaves as _iter_leaves
-from ._tree import map_tree
-
-# _workers' to_wire / from_wire still call ``_shm._map_tree``: this alias goes when the workers
-# package switches to ``_tree.map_tree``.
-_map_tree = map_tree
+from ._tree import iter_leaves, map_tree
 
 if sys.platform != "win32":
     import _posixshmem  # type: ignore[import-not-found]  # CPython's, without stubs
@@ -562,7 +557,7 @@ class SlotPool:
         """
         if isinstance(tree, Encoded):
             raise TypeError("open() takes Encoded.tree, not the Encoded record")
-        refs = [leaf for leaf in _iter_leaves(tree) if isinstance(leaf, ArrayRef)]
+        refs = [leaf for leaf in iter_leaves(tree) if isinstance(leaf, ArrayRef)]
         with self._lock:
             if self._closed:
                 raise RuntimeError("SlotPool is closed")
@@ -571,13 +566,13 @@ class SlotPool:
             if seg is None or seg.state is not _State.LEASED or seg.lease_id != slot.lease_id:
                 state = "unknown" if seg is None else f"{seg.state.value}, lease {seg.lease_id}"
                 raise ValueError(f"slot={slot!r} is not leased under this lease id ({state})")
-            used = max((_ref_end(ref, seg.size) for ref in refs), default=0)
+            used = max((ref_end(ref, seg.size) for ref in refs), default=0)
             if not refs:  # nothing points into the slot: it is free again at once
                 seg.state, seg.lease_id = _State.FREE, 0
                 return tree
             root = _bytes(seg.mapping, used)
-            torch_mod = _import_torch() if any(r.kind == "torch" for r in refs) else None
-            batch = _map_tree(tree, lambda leaf: _view(root, leaf, torch_mod))
+            torch_mod = import_torch() if any(r.kind == "torch" for r in refs) else None
+            batch = map_tree(tree, lambda leaf: view_leaf(root, leaf, torch_mod))
             seg.state = _State.HELD
             fin = weakref.finalize(root, self._returned.append, (seg.name, seg.lease_id))
             fin.atexit = False

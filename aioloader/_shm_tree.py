@@ -4,12 +4,12 @@ A batch is a tree of containers around leaves, walked with :mod:`aioloader._tree
 worker, :class:`SlotWriter` places the batch's numpy arrays and CPU tensors in one attached slot
 and describes the batch as an :class:`Encoded` whose tree has an :class:`ArrayRef` (offset,
 dtype, shape) in place of each array. In the main process, ``SlotPool.open`` validates every
-descriptor against the slot (:func:`_ref_end`) and rebuilds the batch as views of one root array
-over the slot (:func:`_view`)::
+descriptor against the slot (:func:`ref_end`) and rebuilds the batch as views of one root array
+over the slot (:func:`view_leaf`)::
 
     worker: SlotWriter(buf).alloc(shape, dtype) ──▶ collate writes straight into the slot
             SlotWriter.encode(batch) ──▶ Encoded(tree of ArrayRef)  (other arrays copied in)
-    main:   map_tree(tree, _view(root, ...))  ──▶ numpy / torch views of the slot, zero copies
+    main:   map_tree(tree, view_leaf(root, ...))  ──▶ numpy / torch views of the slot, zero copies
 
 This module never opens, maps or unlinks a segment: it works on the ``uint8`` buffers it is
 given (mappings made by :mod:`aioloader._shm`), so ``_shm`` stays the only module that touches
@@ -56,6 +56,9 @@ __all__ = [
     "Encoded",
     "INLINE_MAX_BYTES",
     "SlotWriter",
+    "import_torch",
+    "ref_end",
+    "view_leaf",
 ]
 
 # Every array starts at a multiple of 64 bytes: one cache line, and enough for any dtype and for
@@ -287,7 +290,7 @@ def _as_numpy(
 # Reading back: descriptors checked against the slot, then views of its root array.
 
 
-def _ref_end(ref: ArrayRef, size: int) -> int:
+def ref_end(ref: ArrayRef, size: int) -> int:
     dt = np.dtype(ref.dtype)
     end = ref.offset + math.prod(ref.shape) * dt.itemsize
     if ref.offset < 0 or end > size or any(d < 0 for d in ref.shape):
@@ -295,7 +298,7 @@ def _ref_end(ref: ArrayRef, size: int) -> int:
     return end
 
 
-def _view(root: npt.NDArray[np.uint8], leaf: Any, torch_mod: Any) -> Any:
+def view_leaf(root: npt.NDArray[np.uint8], leaf: Any, torch_mod: Any) -> Any:
     if not isinstance(leaf, ArrayRef):
         return leaf
     dt = np.dtype(leaf.dtype)
@@ -311,7 +314,7 @@ def _view(root: npt.NDArray[np.uint8], leaf: Any, torch_mod: Any) -> Any:
     return tensor
 
 
-def _import_torch() -> Any:
+def import_torch() -> Any:
     import torch
 
     return torch

@@ -6,7 +6,7 @@ only in the way there:
 
 - ``executor``: ``loop.run_in_executor(ProcessPoolExecutor(1), ...)``: the caller, the call
   queue's feeder thread and the manager thread hand each job on, then a hop back to the loop;
-- ``channel``: :class:`aioloader._channel.Channel` over two pipes the loop watches itself.
+- ``channel``: :class:`aioloader._workers._channel.Channel` over two pipes the loop watches itself.
 
 Reported per job: wall time (throughput) and the main process's CPU time, which is what a
 tiny batch pays in the loader's process.
@@ -23,8 +23,8 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import aioloader
-from aioloader._channel import open_channel, serve_over
 from aioloader._workers import resolve_context
+from aioloader._workers._channel import open_channel, serve_over
 
 
 def echo(x: Any) -> Any:

@@ -32,8 +32,9 @@ import fault_datasets as fd
 import pytest
 
 import aioloader
-from aioloader import _shm, _workers
+from aioloader import _shm
 from aioloader._sampler import BatchSampler, RandomSampler
+from aioloader._workers import _pool
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -168,7 +169,7 @@ async def test_worker_dying_while_it_starts_fails_fast_instead_of_restarting_for
     assert re.search(r"worker 0 \(pid \d+\) exited unexpectedly with code 3", text), text
     assert "before it ran any job" in text
     assert "batch 0" in text
-    assert restarts <= 2 * _workers.MAX_START_FAILURES  # bounded, not a loop
+    assert restarts <= 2 * _pool.MAX_START_FAILURES  # bounded, not a loop
     assert time.monotonic() - started < 15.0
 
 
@@ -733,7 +734,7 @@ def test_fork_workers_crash_is_detected_and_replaced(tmp_path: Path) -> None:
     assert _float_after(out.stdout, "noticed_after") < 2.0
     # The workers are told to stop (end-of-file alone would not reach them): no grace period
     # runs out and nobody is killed.
-    assert _float_after(out.stdout, "closed_in") < _workers.SHUTDOWN_GRACE_S
+    assert _float_after(out.stdout, "closed_in") < _pool.SHUTDOWN_GRACE_S
 
 
 def _float_after(text: str, key: str) -> float:

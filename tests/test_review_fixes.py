@@ -130,6 +130,6 @@ def test_fork_is_refused_unless_insisted_on() -> None:
 def test_workers_start_on_enter_for_sync_use() -> None:
     with DataLoader(Range(8), batch_size=4, num_workers=1) as loader:
         runner = loader._res.runner
-        assert isinstance(runner, aioloader._runner.ProcessRunner)
+        assert isinstance(runner, aioloader._workers.ProcessRunner)
         assert len(runner.pool.pids()) == 1  # started before the first batch was asked for
         assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]

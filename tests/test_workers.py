@@ -1,4 +1,4 @@
-"""Tests of the worker processes (``_workers``) and the process runner (``_runner``).
+"""Tests of the worker processes (``_workers``) and the process runner (``_workers._runner``).
 
 What a worker is told and what it does with it (``get_worker_info``, seeding), how batches come
 back (views of shared memory, zero copies), how workers are started (forkserver, spawn; fork and
@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 import aioloader
 from aioloader import _shm, _workers
 from aioloader._batch import BatchMaker
+from aioloader._workers import _context, _pool, _worker
 
 # -- what a worker knows -----------------------------------------------------------------------
 
@@ -207,6 +208,13 @@ async def test_collate_fn_that_is_not_hashable_works_in_workers() -> None:
 # -- start methods and what can be sent to a worker (RELIABILITY.md row 24) -------------------
 
 
+def test_the_forkserver_preloads_the_module_workers_run() -> None:
+    # Everything a worker runs is pickled by reference to one module; the forkserver imports
+    # that module once, so that each worker forks with it (and numpy, torch) already loaded.
+    jobs = (_worker.init_worker, _worker.ping, _worker.serve, _worker.run_map_job)
+    assert {fn.__module__ for fn in jobs} == {_context.WORKER_MODULE}
+
+
 @pytest.mark.slow
 def test_spawn_start_method_works() -> None:
     with fd.make_loader(fd.Faulty(24), num_workers=1, mp_context="spawn") as loader:
@@ -275,14 +283,14 @@ async def test_cancelled_while_a_dead_workers_status_is_read_the_job_is_still_re
     pool = _workers.WorkerPool(1, context, pickle.dumps((BatchMaker([1], list), None)), 0)
     loop = asyncio.get_running_loop()
     task: asyncio.Task[Any] | None = None
-    real_reap = _workers._reap
+    real_reap = _pool._reap
 
     def reap_then_cancel(*args: Any) -> None:
         assert task is not None
         loop.call_soon_threadsafe(task.cancel)
         real_reap(*args)
 
-    monkeypatch.setattr(_workers, "_reap", reap_then_cancel)
+    monkeypatch.setattr(_pool, "_reap", reap_then_cancel)
     released: list[int] = []
     try:
         task = asyncio.create_task(
@@ -346,21 +354,21 @@ async def test_closing_while_a_worker_hangs_kills_it(tmp_path: Path) -> None:
         [(pid, _)] = fd.visits(str(tmp_path), 0)
         assert pid in loader._res.runner.pool.pids()  # type: ignore[union-attr]
         closing = time.monotonic()
-    assert time.monotonic() - closing < _workers.SHUTDOWN_GRACE_S + 3.0
+    assert time.monotonic() - closing < _pool.SHUTDOWN_GRACE_S + 3.0
     assert fd.wait_gone([pid]) == []
 
 
 def test_watchdog_sees_a_zombie_main_process_as_dead() -> None:
     proc = subprocess.Popen(["sleep", "30"])
     try:
-        assert _workers._alive(proc.pid)
+        assert _worker._alive(proc.pid)
         proc.kill()
         deadline = time.monotonic() + 5.0
         while psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE:
             assert time.monotonic() < deadline, "the killed process never became a zombie"
             time.sleep(0.01)
-        assert not _workers._alive(proc.pid)  # killed, not reaped yet: a zombie
+        assert not _worker._alive(proc.pid)  # killed, not reaped yet: a zombie
     finally:
         proc.kill()
         proc.wait(timeout=5)
-    assert not _workers._alive(proc.pid)
+    assert not _worker._alive(proc.pid)

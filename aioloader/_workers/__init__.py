@@ -1,0 +1,70 @@
+"""Worker processes: the only package that creates processes.
+
+One module a job::
+
+    _context   which start method (forkserver by default; fork refused while threads run)
+    _worker    everything that runs inside a worker: initializer, get_worker_info, seeding,
+               the map and stream jobs, stream sharding, the watchdog
+    _wire      the job records and the batch's way back: the one place that decides shared
+               memory or inline, on both sides
+    _channel   the pipes a job and its reply travel over, watched by the event loop
+    _pool      WorkerPool: one single-process executor per worker; deaths and rebuilds
+    _runner    ProcessRunner: the epoch's Runner over the pool
+
+One map-style batch on its way (a stream's batch goes the same way, as ``pull`` →
+``StreamJob`` → ``run_stream_job``, always to the stream's own worker)::
+
+    main process                                              worker process (least loaded)
+    ────────────                                              ─────────────────────────────
+    epoch ── BatchRequest ──▶ _runner.ProcessRunner.start_make
+      _wire.Receiver.lease() ──▶ a slot, or None (inline)
+      _wire.MapJob(request, slot)
+      _pool.WorkerPool.submit(run_map_job, job)
+      _channel.Channel.send ──── pipe: pickle((fn, job)) ────▶ _channel.serve_over
+                                                              _worker.run_map_job(job)
+                                                                BatchMaker.make(request,
+                                                                    _wire.Packer(slot).alloc)
+                                                                Packer.pack(batch) ─▶ Parcel
+      _channel.Channel ◀── pipe: pickle(Made(batch=Parcel)) ──┘
+      _wire.Receiver.open(made, slot): views of the slot, or the inline batch
+    epoch ◀── Made(batch) ──┘
+
+The record that comes back is :class:`~aioloader._types.Made` from the worker to the epoch;
+only its ``batch`` changes, from the :class:`._wire.Parcel` to the batch, when it is opened.
+
+Sharp edges (each module's docstring tells its own in full):
+- ``fork`` is refused while threads run (an event loop's executor, a sync iterator's thread):
+  a forked child inherits locks held by threads that do not exist in it. ``forkserver`` and
+  ``spawn`` re-import ``aioloader`` in a fresh interpreter; the forkserver preloads the
+  worker module once (``_context``).
+- Workers ignore SIGINT, and a watchdog ends a worker whose main process died, zombies
+  included (``_worker``).
+- A worker's death is seen twice, as end-of-file on its pipe and as the executor's broken
+  serve job; the job it was running gets ``WorkerCrashedError``, jobs only queued behind it go
+  to its replacement, and a worker that keeps dying while it starts ends in
+  ``WorkerInitError`` (``_pool``).
+- A slot goes back to the pool only once no worker can write into it: a cancelled job's slot
+  waits for the worker to finish or die (``_channel``, ``_pool``, ``_wire``).
+- Pipe ends are bound to one event loop at a time; a loader iterated with ``for`` and later
+  with ``async for`` moves them between loops (``_channel``).
+- CPU tensors of an inline batch travel as numpy arrays: torch's own pickling would put each
+  into a new shared-memory file (``_wire``).
+"""
+
+from __future__ import annotations
+
+from ._context import resolve_context as resolve_context
+from ._pool import WorkerPool as WorkerPool
+from ._runner import ProcessRunner as ProcessRunner
+from ._worker import WorkerInfo as WorkerInfo
+from ._worker import get_worker_info as get_worker_info
+from ._worker import seed_everything as seed_everything
+
+__all__ = [
+    "ProcessRunner",
+    "WorkerInfo",
+    "WorkerPool",
+    "get_worker_info",
+    "resolve_context",
+    "seed_everything",
+]

@@ -1,0 +1,109 @@
+"""ProcessRunner: the epoch's :class:`~aioloader._types.Runner` over worker processes.
+
+It only routes: a slot for the job (:class:`._wire.Receiver`), the job to a worker
+(:class:`._pool.WorkerPool`), and the worker's :class:`~aioloader._types.Made` opened back into
+a batch (:class:`._wire.Receiver`). Whether a batch travels in shared memory or inline is not
+decided here (see :mod:`._wire`).
+
+Slot ownership, which every path keeps: a leased slot is either opened into the batch (its
+views own it then), released when the batch came back inline or the job failed, or released by
+the channel once the worker is done with a job whose awaiting task was cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from typing import TypeVar
+
+from .. import _shm
+from .._types import BatchRequest, Made, StreamRequest
+from ._pool import WorkerPool
+from ._wire import MapJob, Receiver, StreamJob
+from ._worker import run_map_job, run_stream_job
+
+__all__ = ["ProcessRunner"]
+
+J = TypeVar("J")
+
+
+class ProcessRunner:
+    """CPU work in worker processes, batches back through shared memory.
+
+    Args:
+        pool: the worker processes (``pool.start()``, ``pool.pids()`` and ``pool.rebuilds``
+            are the loader's to use).
+        slots: the shared-memory slot pool, or None to send every batch inline.
+        prefetch: batches in flight at once (to check /dev/shm for that many slots).
+    """
+
+    def __init__(self, pool: WorkerPool, slots: _shm.SlotPool | None, prefetch: int = 1) -> None:
+        self.pool = pool
+        self._receiver = Receiver(slots, prefetch)
+
+    @property
+    def streams(self) -> int:
+        """One stream per worker: each keeps its own iterator over an iterable dataset."""
+        return self.pool.num_workers
+
+    @property
+    def restarts(self) -> int:
+        """Worker processes replaced after a crash or a kill."""
+        return self.pool.rebuilds
+
+    def start(self) -> None:
+        """Start every worker and wait until each ran its initializer (blocking)."""
+        self.pool.start()
+
+    def start_make(self, request: BatchRequest) -> asyncio.Future[Made]:
+        """Start making a map-style batch on the least-loaded worker."""
+        job_of = functools.partial(MapJob, request)
+        return asyncio.ensure_future(self._run(run_map_job, job_of, request.batch_id, None))
+
+    async def pull(self, request: StreamRequest, stream: int) -> Made:
+        """Make the next batch of worker ``stream``'s stream (``Made.batch is END`` at its end).
+
+        A stream's batch is never resubmitted to another worker: only that worker's iterator
+        knows where the stream stands.
+        """
+        job_of = functools.partial(StreamJob, request)
+        return await self._run(run_stream_job, job_of, request.batch_id, stream)
+
+    async def _run(
+        self,
+        fn: Callable[[J], Made],
+        job_of: Callable[[_shm.Slot | None], J],
+        batch_id: int,
+        worker: int | None,
+    ) -> Made:
+        slot = await self._receiver.lease()
+        release = self._receiver.releaser(slot)
+        try:
+            made = await self.pool.submit(
+                fn,
+                job_of(slot),
+                batch_id=batch_id,
+                worker=worker,
+                on_abandon=release,
+                resubmit_innocent=worker is None,
+            )
+        except asyncio.CancelledError:
+            raise  # on_abandon releases the slot once the worker is done with it
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        return self._receiver.open(made, slot)
+
+    def is_running(self, batch_id: int) -> bool:
+        """Whether a worker runs ``batch_id`` now (not merely has it queued)."""
+        return self.pool.is_running(batch_id)
+
+    def on_deadline(self, batch_id: int) -> int | None:
+        """Kill the worker that runs ``batch_id`` (it hung); returns its pid, if one was."""
+        return self.pool.kill_holding(batch_id)
+
+    def close(self) -> None:
+        """Stop every worker (blocking)."""
+        self.pool.close()
