@@ -480,6 +480,7 @@ class DataLoader:
             live_shm_slots=slots.slots if slots is not None else 0,
             held_shm_slots=slots.held if slots is not None else 0,
             shm_bytes=slots.bytes_total if slots is not None else 0,
+            shm_fallbacks=runner.shm_fallbacks if runner is not None else 0,
             worker_restarts=runner.restarts if runner is not None else 0,
             retries=c.retries,
             timeouts=c.timeouts,

@@ -27,6 +27,8 @@ class LoaderStatistics:
         live_shm_slots: shared-memory segments alive (free, leased or held by batches).
         held_shm_slots: segments holding batches the consumer or the pipeline still holds.
         shm_bytes: bytes of all shared-memory segments.
+        shm_fallbacks: batches that travelled inline (pickled) because no shared-memory segment
+            could be had (``/dev/shm`` full, descriptors exhausted); logged once as a warning.
         worker_restarts: worker processes replaced after a crash or a kill.
         retries: batches re-run after a worker crash or a deadline (``max_retries``).
         timeouts: batches that missed their deadline.
@@ -48,6 +50,7 @@ class LoaderStatistics:
     live_shm_slots: int = 0
     held_shm_slots: int = 0
     shm_bytes: int = 0
+    shm_fallbacks: int = 0
     worker_restarts: int = 0
     retries: int = 0
     timeouts: int = 0

@@ -68,6 +68,10 @@ class ThreadRunner:
     def restarts(self) -> int:
         return 0
 
+    @property
+    def shm_fallbacks(self) -> int:
+        return 0  # threads hand batches over in memory
+
     def start(self) -> None:
         """Threads start on demand: nothing to do ahead."""
 

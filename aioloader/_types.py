@@ -210,6 +210,11 @@ class Runner(Protocol):
         """Worker processes replaced after a crash or a kill (0 for threads)."""
         ...
 
+    @property
+    def shm_fallbacks(self) -> int:
+        """Batches sent inline because no shared-memory segment could be had."""
+        ...
+
     def start(self) -> None:
         """Start the workers now and wait until they are ready (blocking; threads: nothing)."""
         ...

@@ -44,6 +44,10 @@ class FakeRunner:
     def restarts(self) -> int:
         return 0
 
+    @property
+    def shm_fallbacks(self) -> int:
+        return 0
+
     def start(self) -> None:
         pass
 

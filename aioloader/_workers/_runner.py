@@ -52,6 +52,11 @@ class ProcessRunner:
         """Worker processes replaced after a crash or a kill."""
         return self.pool.rebuilds
 
+    @property
+    def shm_fallbacks(self) -> int:
+        """Batches sent inline because no shared-memory segment could be had."""
+        return self._receiver.fallbacks
+
     def start(self) -> None:
         """Start every worker and wait until each ran its initializer (blocking)."""
         self.pool.start()

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,7 @@ import numpy as np
 
 from .. import _shm
 from .._batch import Alloc
+from .._errors import SharedMemoryError
 from .._tree import iter_leaves, map_tree
 from .._types import BatchRequest, Made, StreamRequest
 
@@ -142,6 +144,9 @@ class Packer:
         return Parcel(encoded.tree, True, nbytes)
 
 
+_log = logging.getLogger("aioloader.shm")
+
+
 class Receiver:
     """Main side: a slot for each job, and the worker's parcel opened into the batch.
 
@@ -155,6 +160,7 @@ class Receiver:
         self._prefetch = prefetch
         self._batch_bytes = 0  # the largest batch seen: leases are sized from it
         self._checked_bytes = 0  # the batch size /dev/shm was last checked for
+        self.fallbacks = 0  # batches sent inline because no segment could be had
 
     async def lease(self) -> _shm.Slot | None:
         """A slot for the next batch; None sends it inline. Reuse is instant; creating a
@@ -168,7 +174,15 @@ class Receiver:
         if size > self._checked_bytes:  # warn up front if prefetch x batch will not fit
             self._checked_bytes = size
             self._slots.preflight(size, self._prefetch + 1)
-        return await asyncio.to_thread(self._slots.lease, size)
+        try:
+            return await asyncio.to_thread(self._slots.lease, size)
+        except SharedMemoryError as exc:
+            # /dev/shm filled up (another process, another rank's loader) or descriptors ran
+            # out: the batch still travels, inline, slower but whole. Said once, then counted.
+            self.fallbacks += 1
+            if self.fallbacks == 1:
+                _log.warning("batches travel inline (pickled) instead: %s", exc)
+            return None
 
     def releaser(self, slot: _shm.Slot | None) -> Callable[[], None] | None:
         """What gives ``slot`` back to the pool, to call once no worker can write into it."""
