@@ -12,7 +12,7 @@ over the slot (:func:`view_leaf`)::
     main:   map_tree(tree, view_leaf(root, ...))  ──▶ numpy / torch views of the slot, zero copies
 
 This module never opens, maps or unlinks a segment: it works on the ``uint8`` buffers it is
-given (mappings made by :mod:`aioloader._shm`), so ``_shm`` stays the only module that touches
+given (mappings made by :mod:`aioloader._shm`), so ``_shm`` stays the only package that touches
 POSIX shared memory. ``_shm`` re-exports every public name here.
 
 Sharp edges:

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from aioloader._workers import resolve_context
-from aioloader._workers._channel import Channel, RemoteTraceback, open_channel, serve_over
+from aioloader._workers._channel import Channel, open_channel, serve_over
+from aioloader._workers._frames import RemoteTraceback
 
 # -- what the worker runs (module level: pickled by reference) ----------------------------------
 

@@ -582,7 +582,7 @@ def test_killed_loader_process_workers_exit_and_janitor_removes_segments(
     planted = os.path.join(_shm.SHM_DIR, f"{prefix}0badc0de")
     with open(planted, "wb"):
         pass
-    monkeypatch.setattr(_shm, "_janitor_pid", None)
+    monkeypatch.setattr(_shm._segment, "_janitor_pid", None)
     with fd.make_loader(fd.Faulty(8)):
         pass
     assert [s for s in os.listdir(_shm.SHM_DIR) if s.startswith(prefix)] == []

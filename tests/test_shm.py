@@ -68,7 +68,7 @@ def _make_batch(scale: int, alloc: Any = None) -> dict[str, Any]:
 
 def _fill_job(slot: Slot, scale: int) -> tuple[Encoded, bool, int]:
     """Worker side: collate into the slot the way a worker does."""
-    cached = slot.name in _shm._attached
+    cached = slot.name in _shm.attached
     writer = SlotWriter(attach(slot))
     batch = _make_batch(scale, writer.alloc)
     return writer.encode(batch), cached, os.getpid()
@@ -390,7 +390,7 @@ def test_free_slots_too_small_are_dropped_to_make_room() -> None:
             p.release(s)  # type: ignore[arg-type]
         big = p.lease(7 * PAGE)  # gets 9 pages: 3 small ones must go, no more
         assert big is not None
-        assert big.size == _shm._page_round(math.ceil(7 * PAGE * _shm.GROWTH))
+        assert big.size == _shm.page_round(math.ceil(7 * PAGE * _shm.GROWTH))
         gone = {s.name for s in small if s is not None} - _mine()
         assert len(gone) == 3
         stats = p.stats()
@@ -540,7 +540,7 @@ def test_full_shm_raises_a_clear_error(pool: SlotPool, monkeypatch: pytest.Monke
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "posix_fallocate", no_room)
-    asked = _shm._page_round(math.ceil((3 << 20) * _shm.GROWTH))
+    asked = _shm.page_round(math.ceil((3 << 20) * _shm.GROWTH))
     with pytest.raises(SharedMemoryError) as info:
         pool.lease(3 << 20)
     message = str(info.value)
@@ -622,15 +622,15 @@ def test_worker_cache_drops_mappings_of_unlinked_segments() -> None:
         assert attach(a) is attach(a)  # cached
         first.close()  # unlinks a; a mapping of it would pin its memory
         attach(b)
-        assert a.name not in _shm._attached
-        assert b.name in _shm._attached
+        assert a.name not in _shm.attached
+        assert b.name in _shm.attached
         with pytest.raises(FileNotFoundError):
             attach(a)
     finally:
         first.close()
         second.close()
         _shm.detach_all()
-    assert not _shm._attached
+    assert not _shm.attached
 
 
 def test_shm_available_here() -> None:
@@ -706,7 +706,7 @@ class PoolMachine(RuleBasedStateMachine):
         slot = self.pool.lease(nbytes)
         busy_bytes = sum(s.size for s in self.leased) + sum(s.size for s, _, _ in self.held)
         if slot is None:
-            assert busy_bytes + _shm._page_round(max(nbytes, PAGE)) > self.MAX
+            assert busy_bytes + _shm.page_round(max(nbytes, PAGE)) > self.MAX
             return
         assert slot.size >= nbytes
         assert slot.name not in self._busy()
@@ -845,7 +845,7 @@ def test_held_batches_and_cached_attachments_hold_no_descriptor(pool: SlotPool) 
         encoded = SlotWriter(attach(slot)).encode({"x": np.full(1000, i)}, inline_below=0)
         batches.append(pool.open(slot, encoded.tree))
     assert pool.stats().held == 8
-    assert len(_shm._attached) == 8
+    assert len(_shm.attached) == 8
     assert _open_fds() == before
     assert [int(b["x"][999]) for b in batches] == list(range(8))
 
@@ -971,7 +971,7 @@ def test_out_of_descriptors_names_the_slot_and_the_fix() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lease_line, attach_line, stats_line = proc.stdout.splitlines()
-    wanted = _shm._page_round(math.ceil((3 << 20) * _shm.GROWTH))
+    wanted = _shm.page_round(math.ceil((3 << 20) * _shm.GROWTH))
     for line, size in ((lease_line, wanted), (attach_line, _shm.MIN_SLOT_BYTES)):
         cause, message = line.split("|", 1)
         assert int(cause) == errno.EMFILE

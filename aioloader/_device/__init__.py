@@ -39,9 +39,11 @@ One job per module, each with its sharp edges in its own docstring:
 - ``_leaves``: mapping a batch's array leaves (on :mod:`aioloader._tree`) and viewing numpy
   leaves as tensors.
 - ``_staging``: the pool of pinned staging buffers.
+- ``_plan``: each leaf's route (kept, copied directly from page-locked memory, or staged) and
+  its place in the batch's staging buffer; no CUDA call.
 - ``_transfer``: :class:`Transfer`, the handle on one batch in flight, the ``Copy`` protocol it
   sees the stage through, and the event-poll back-off. It imports nothing from ``_stage``.
-- ``_stage``: :class:`DeviceStage`, which plans, enqueues, completes and hands over copies.
+- ``_stage``: :class:`DeviceStage`, which enqueues, completes and hands over copies.
 
 Imports go one way (``_stage`` uses the others; none of them uses ``_stage``) and no module
 reads another's ``_private`` names.

@@ -1,12 +1,12 @@
 """The device stage itself: plan each leaf's route, enqueue copies, complete and hand them over.
 
 :class:`DeviceStage` owns the side stream, the staging pool and the registry of page-locked host
-ranges. ``start()`` plans each leaf (kept, copied directly from page-locked memory, or staged),
-enqueues the copies on the side stream and records an event. The stage keeps a record of each
-copy (``_CopyRecord``, which implements :class:`~aioloader._device._transfer.Copy`) and returns
-a :class:`Transfer` over it; the transfer polls the record, which asks the stage to query the
-event, return the staging buffer and hand the batch over. Only this module touches a record's
-fields.
+ranges. ``start()`` plans each leaf's route (kept, copied directly from page-locked memory, or
+staged: :mod:`._plan`), enqueues the copies on the side stream and records an event. The stage
+keeps a record of each copy (``_CopyRecord``, which implements
+:class:`~aioloader._device._transfer.Copy`) and returns a :class:`Transfer` over it; the
+transfer polls the record, which asks the stage to query the event, return the staging buffer
+and hand the batch over. Only this module touches a record's fields.
 
 Sharp edges:
 
@@ -23,8 +23,6 @@ Sharp edges:
 - ``close()`` blocks until in-flight copies finish (it is cleanup that must run from
   ``finally``); ``await drain()`` first to keep the loop free.
 - The stage is not thread-safe: call it from one thread (the event loop's).
-- Read-only, byte-swapped or non-contiguous numpy leaves are staged even when their memory is
-  registered (torch cannot view them without a copy or a warning).
 - A ``TransferError`` from ``start()`` keeps no reference to the host batch (the cause's frames
   are cleared), so the batch's shared-memory slot can be released.
 """
@@ -37,7 +35,7 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,16 +43,10 @@ import torch
 from .._errors import TransferError
 from .._validate import is_int
 from ._backend import CudaBackend, TorchCudaBackend
-from ._leaves import (
-    NUMERIC_KINDS,
-    array_as_tensor_view,
-    array_ptr,
-    empty_like_leaf,
-    map_arrays,
-    torch_dtype,
-)
+from ._leaves import NUMERIC_KINDS, array_as_tensor_view, empty_like_leaf, map_arrays
 from ._parse import parse_device
-from ._staging import MAX_POOLED_STAGING_BYTES, StagingPool, align_up
+from ._plan import plan_batch, stage_leaf
+from ._staging import MAX_POOLED_STAGING_BYTES, StagingPool
 from ._transfer import CopyState, Transfer, until_done
 
 __all__ = ["DeviceStage", "DeviceStats", "DeviceUnavailableWarning"]
@@ -86,17 +78,6 @@ class DeviceStats:
     staging_buffers: int
     pinned_bytes: int
     registered_bytes: int
-
-
-@dataclass(slots=True)
-class _Leaf:
-    """How one leaf of a batch travels."""
-
-    kind: Literal["keep", "stage", "direct"]
-    leaf: Any
-    nbytes: int = 0
-    offset: int = 0
-    range_base: int | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -363,48 +344,11 @@ class DeviceStage:
         base = self._bases[i]
         return base if ptr + nbytes <= base + self._registered[base] else None
 
-    def _plan(self, leaf: Any) -> _Leaf:
-        """Decide how one leaf travels: kept as is, copied directly, or staged."""
-        device = self._device
-        assert device is not None
-        if isinstance(leaf, np.ndarray):
-            if leaf.dtype.kind not in NUMERIC_KINDS:
-                return _Leaf("keep", leaf)
-            if leaf.nbytes and leaf.flags.c_contiguous:
-                base = self._registered_base(array_ptr(leaf), leaf.nbytes)
-                view = array_as_tensor_view(leaf) if base is not None else None
-                if view is not None:
-                    return _Leaf("direct", view, leaf.nbytes, range_base=base)
-            return _Leaf("stage", leaf, leaf.nbytes)
-        tensor: torch.Tensor = leaf.detach()
-        if tensor.device == device:
-            return _Leaf("keep", leaf)
-        if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized:
-            # Other devices, sparse and quantized tensors: torch's own copy is correct for them.
-            return _Leaf("direct", tensor, tensor.nbytes)
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes and tensor.is_contiguous():
-            base = self._registered_base(tensor.data_ptr(), nbytes)
-            if base is not None or self._backend.is_pinned(tensor):
-                return _Leaf("direct", tensor, nbytes, range_base=base)
-        return _Leaf("stage", tensor, nbytes)
-
     def _copy(self, record: _CopyRecord, batch: Any) -> None:
-        plans: list[_Leaf] = []
-
-        def collect(leaf: Any) -> Any:
-            plans.append(self._plan(leaf))
-            return leaf
-
-        map_arrays(batch, collect)
-        total = 0
-        for plan in plans:
-            if plan.kind == "stage":
-                plan.offset = total
-                total += align_up(plan.nbytes)
-        lease = self._pool.acquire(total) if total else None
         device = self._device
         assert device is not None
+        plans, total = plan_batch(batch, device, self._registered_base, self._backend.is_pinned)
+        lease = self._pool.acquire(total) if total else None
         backend = self._backend
         start_event, end_event = backend.new_event(), backend.new_event()
         enqueued = False
@@ -426,7 +370,7 @@ class DeviceStage:
                         src = empty_like_leaf(plan.leaf)  # nothing to stage or to wait for
                     else:
                         assert lease is not None
-                        src = self._stage_leaf(lease, plan)
+                        src = stage_leaf(lease, plan)
                     nonlocal enqueued
                     enqueued = True
                     out = backend.to_device(src, device)
@@ -452,21 +396,6 @@ class DeviceStage:
         record.lease = lease
         record.start_event, record.end_event = start_event, end_event
         self._in_flight[id(record)] = record
-
-    @staticmethod
-    def _stage_leaf(lease: torch.Tensor, plan: _Leaf) -> torch.Tensor:
-        """Copy one leaf into its slice of the staging buffer and return that slice."""
-        raw = lease[plan.offset : plan.offset + plan.nbytes]
-        leaf = plan.leaf
-        if isinstance(leaf, np.ndarray):
-            staged = raw.view(torch_dtype(leaf.dtype)).view(leaf.shape)
-            if leaf.nbytes:
-                # numpy reads any layout, read-only and byte-swapped arrays without a warning.
-                np.copyto(staged.numpy(), leaf, casting="equiv")
-            return staged
-        staged = raw.view(leaf.dtype).view(leaf.shape)
-        staged.copy_(leaf)
-        return staged
 
     def _pin(self, record: _CopyRecord, batch: Any) -> None:
         backend = self._backend

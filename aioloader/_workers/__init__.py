@@ -8,6 +8,7 @@ One module a job::
     _wire      the job records and the batch's way back: the one place that decides shared
                memory or inline, on both sides
     _channel   the pipes a job and its reply travel over, watched by the event loop
+    _frames    what travels on them: frame header and kinds, results and errors packed
     _pool      WorkerPool: one single-process executor per worker; deaths and rebuilds
     _runner    ProcessRunner: the epoch's Runner over the pool
 

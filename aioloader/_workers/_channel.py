@@ -11,15 +11,15 @@ detection); it runs one long job, :func:`serve`, and the batches travel here ins
   (``add_reader`` / ``add_writer``), no thread, no hop: ~25 us of CPU per job;
 - worker side, :func:`serve`: a blocking loop that runs one job at a time.
 
-A frame is a fixed header ``(payload length, job id, kind)`` and a pickle. Requests are jobs
-``(fn, arg)``, cancellations, or "stop"; replies are a result, an error ``(exception,
-traceback text)``, or "cancelled" (the job was dropped before it ran). A result's large buffers
-(the arrays of a batch that travels inline) go out of band, after the pickle: the main side
-reads a large frame straight into one buffer of its size and unpickles the arrays as views of
-it, so the bytes are copied once, by the kernel, and the loop reads at most a few MiB per
-callback (a 128 MiB reply kept the loop busy for 85 ms at most, not 430). A worker that dies
-closes its pipe: the main side sees end-of-file at once and fails every job the worker held
-with ``BrokenProcessPool``.
+A frame is a fixed header ``(payload length, job id, kind)`` and a pickle (:mod:`._frames`
+builds and takes them apart). Requests are jobs ``(fn, arg)``, cancellations, or "stop";
+replies are a result, an error ``(exception, traceback text)``, or "cancelled" (the job was
+dropped before it ran). A result's large buffers (the arrays of a batch that travels inline) go
+out of band, after the pickle: the main side reads a large frame straight into one buffer of
+its size and unpickles the arrays as views of it, so the bytes are copied once, by the kernel,
+and the loop reads at most a few MiB per callback (a 128 MiB reply kept the loop busy for
+85 ms at most, not 430). A worker that dies closes its pipe: the main side sees end-of-file at
+once and fails every job the worker held with ``BrokenProcessPool``.
 
 Sharp edges:
 - Pipe ends are bound to one event loop at a time. A loader iterated first synchronously (on
@@ -39,7 +39,6 @@ import itertools
 import os
 import pickle
 import select
-import struct
 import threading
 import traceback
 from collections import deque
@@ -49,18 +48,22 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-__all__ = ["Channel", "RemoteTraceback", "open_channel", "picklable", "serve", "serve_over"]
+from ._frames import (
+    CANCEL,
+    CANCELLED,
+    ERROR,
+    HEADER,
+    JOB,
+    RESULT,
+    STOP,
+    pack_error,
+    pack_result,
+    take_frames,
+    unpack_error,
+    unpack_result,
+)
 
-_HEADER = struct.Struct("<QQB")  # payload length, job id, kind
-
-# Request kinds.
-_JOB = 0
-_CANCEL = 1
-_STOP = 2  # return from the serve loop (end-of-file does the same, unless a sibling holds the pipe)
-# Reply kinds.
-_RESULT = 0
-_ERROR = 1
-_CANCELLED = 2
+__all__ = ["Channel", "open_channel", "serve", "serve_over"]
 
 # Most buffers handed to one writev (the kernel's IOV_MAX is 1024 on Linux).
 _IOV_MAX = 64
@@ -78,33 +81,6 @@ _BIG_FRAME = 256 << 10
 
 # How long moving a channel off a loop that runs in another thread may wait for that loop.
 _DETACH_WAIT_S = 5.0
-
-
-class RemoteTraceback(Exception):
-    """The worker's traceback text, attached as ``__cause__`` of an exception it raised."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-        self.text = text
-
-    def __str__(self) -> str:
-        return self.text
-
-
-def picklable(exc: BaseException) -> BaseException:
-    """``exc`` itself if it survives pickling, else a RuntimeError that tells what it was."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:
-        text = "".join(traceback.format_exception(exc))
-        replacement = RuntimeError(
-            f"{type(exc).__module__}.{type(exc).__qualname__}: {exc} "
-            f"(the exception could not be pickled; its traceback follows)\n{text}"
-        )
-        for note in getattr(exc, "__notes__", ()):
-            replacement.add_note(note)
-        return replacement
-    return exc
 
 
 # -- worker side -----------------------------------------------------------------------------
@@ -128,10 +104,10 @@ def serve(rfd: int, wfd: int) -> None:
             readable.poll()
         if _drain(rfd, inbox):
             return  # the main process closed the channel: it wants no more replies
-        for job_id, kind, payload in _frames(inbox):
-            if kind == _STOP:
+        for job_id, kind, payload in take_frames(inbox):
+            if kind == STOP:
                 return
-            if kind == _CANCEL:
+            if kind == CANCEL:
                 if any(queued == job_id for queued, _ in queue):  # else it ran already
                     cancelled.add(job_id)
             else:
@@ -141,16 +117,16 @@ def serve(rfd: int, wfd: int) -> None:
         job_id, payload = queue.popleft()
         if job_id in cancelled:
             cancelled.discard(job_id)
-            kind, data = _CANCELLED, []
+            kind, data = CANCELLED, []
         else:
             try:
                 fn, arg = pickle.loads(payload)
-                kind, data = _RESULT, _pack_result(fn(arg))
+                kind, data = RESULT, pack_result(fn(arg))
             except BaseException as exc:  # sent back, never raised here: the worker goes on
-                kind, data = _ERROR, [_dump_error(exc)]
+                kind, data = ERROR, [pack_error(exc)]
         del payload
         try:
-            _writev_all(wfd, [_HEADER.pack(sum(len(d) for d in data), job_id, kind), *data])
+            _writev_all(wfd, [HEADER.pack(sum(len(d) for d in data), job_id, kind), *data])
         except BrokenPipeError:
             return  # the main process is gone or closed the channel
 
@@ -167,11 +143,6 @@ def serve_over(requests: Connection, replies: Connection) -> None:
     finally:
         requests.close()
         replies.close()
-
-
-def _dump_error(exc: BaseException) -> bytes:
-    text = "".join(traceback.format_exception(exc))
-    return pickle.dumps((picklable(exc), text), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _drain(fd: int, inbox: bytearray) -> bool:
@@ -201,57 +172,6 @@ def _consume(views: deque[memoryview], written: int) -> None:
             return
         written -= len(head)
         views.popleft()
-
-
-# A result travels as a pickle with its large buffers (numpy arrays) out of band: the main
-# process reads their bytes straight from the pipe into the buffer they end up in, and
-# unpickles without copying them again. Layout: buffer count, each buffer's length, the
-# pickle, the buffers.
-_COUNT = struct.Struct("<I")
-_LENGTH = struct.Struct("<Q")
-
-
-def _pack_result(value: Any) -> list[Any]:
-    buffers: list[pickle.PickleBuffer] = []
-    data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-    raws = [b.raw() for b in buffers]
-    meta = _COUNT.pack(len(raws)) + b"".join(_LENGTH.pack(r.nbytes) for r in raws)
-    return [meta, data, *raws]
-
-
-def _unpack_result(payload: bytearray) -> Any:
-    """Unpickle a packed result; its arrays are views of ``payload`` (no copy)."""
-    (count,) = _COUNT.unpack_from(payload, 0)
-    lengths = [
-        _LENGTH.unpack_from(payload, _COUNT.size + i * _LENGTH.size)[0] for i in range(count)
-    ]
-    start = _COUNT.size + count * _LENGTH.size
-    end = len(payload) - sum(lengths)
-    view = memoryview(payload)
-    buffers = []
-    at = end
-    for length in lengths:
-        buffers.append(view[at : at + length])
-        at += length
-    return pickle.loads(view[start:end], buffers=buffers)
-
-
-def _frames(inbox: bytearray) -> list[tuple[int, int, bytes]]:
-    """Take the complete frames off the front of ``inbox``."""
-    out: list[tuple[int, int, bytes]] = []
-    start = 0
-    size = _HEADER.size
-    with memoryview(inbox) as view:  # released before the buffer is resized below
-        while len(inbox) - start >= size:
-            length, job_id, kind = _HEADER.unpack_from(view, start)
-            end = start + size + length
-            if len(inbox) < end:
-                break
-            out.append((job_id, kind, bytes(view[start + size : end])))
-            start = end
-    if start:
-        del inbox[:start]
-    return out
 
 
 # -- main side -------------------------------------------------------------------------------
@@ -315,7 +235,7 @@ class Channel:
         self._next_id += 1
         future: asyncio.Future[Any] = loop.create_future()
         self._pending[job_id] = _Pending(future)
-        self._write(_HEADER.pack(len(payload), job_id, _JOB), payload)
+        self._write(HEADER.pack(len(payload), job_id, JOB), payload)
         return job_id, future
 
     def abandon(self, job_id: int, on_abandon: Callable[[], None] | None) -> None:
@@ -330,7 +250,7 @@ class Channel:
             pending.future.cancel()
         pending.on_abandon = on_abandon
         if self._broken is None and not self._closed:
-            self._write(_HEADER.pack(0, job_id, _CANCEL))
+            self._write(HEADER.pack(0, job_id, CANCEL))
 
     def fail(self, reason: str) -> None:
         """The worker is gone: fail every pending job with ``BrokenProcessPool``. Must run on
@@ -374,7 +294,7 @@ class Channel:
             return
         if not self._outbox:  # best effort: a full pipe means the worker is busy or gone
             with contextlib.suppress(OSError):
-                os.write(self._wfd, _HEADER.pack(0, 0, _STOP))
+                os.write(self._wfd, HEADER.pack(0, 0, STOP))
         for fd in (self._rfd, self._wfd):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -503,11 +423,11 @@ class Channel:
             return 0
         inbox = self._inbox
         inbox += chunk
-        size = _HEADER.size
+        size = HEADER.size
         start = 0
         with memoryview(inbox) as view:  # released before the inbox is resized below
             while len(inbox) - start >= size:
-                length, job_id, kind = _HEADER.unpack_from(view, start)
+                length, job_id, kind = HEADER.unpack_from(view, start)
                 body = start + size
                 if len(inbox) - body >= length:
                     self._deliver(job_id, kind, bytearray(view[body : body + length]))
@@ -549,20 +469,10 @@ class Channel:
                 entry.on_abandon()
             return
         try:
-            if kind == _RESULT:
-                entry.future.set_result(_unpack_result(payload))
-            elif kind == _ERROR:
-                exc, text = pickle.loads(payload)
-                exc.__cause__ = RemoteTraceback(text)
-                if isinstance(exc, StopIteration | StopAsyncIteration):
-                    # A future cannot hold these (they would end the awaiting coroutine's
-                    # iteration silently): carry them the way a generator does.
-                    wrapped = RuntimeError(f"a worker job raised {type(exc).__name__}: {exc}")
-                    for note in getattr(exc, "__notes__", ()):
-                        wrapped.add_note(note)
-                    wrapped.__cause__ = exc
-                    exc = wrapped
-                entry.future.set_exception(exc)
+            if kind == RESULT:
+                entry.future.set_result(unpack_result(payload))
+            elif kind == ERROR:
+                entry.future.set_exception(unpack_error(payload))
             else:
                 entry.future.cancel()
         except Exception as exc:  # a reply that does not unpickle here

@@ -48,7 +48,8 @@ from .._batch import BatchMaker, StreamCursor, annotate
 from .._errors import WorkerInitError
 from .._shm import Slot
 from .._types import END, BatchRequest, Made
-from ._channel import picklable, serve_over
+from ._channel import serve_over
+from ._frames import picklable
 from ._wire import MapJob, Packer, StreamJob, inline
 
 __all__ = [

@@ -1,0 +1,130 @@
+"""Leaf routes: how each leaf of a batch travels to the device, and where it sits in staging.
+
+Before it enqueues anything, :class:`~aioloader._device._stage.DeviceStage` walks the batch once
+with :func:`plan_batch`, which gives every array leaf one of three routes:
+
+- ``keep``: already on the target device, or not numeric (strings, objects, datetimes);
+- ``direct``: copied to the device straight from where it lies: page-locked host memory (a range
+  registered with the stage, or a pinned tensor), or a tensor torch must copy itself (another
+  device, sparse, quantized);
+- ``stage``: pageable host memory, first copied into the batch's pinned staging buffer by
+  :func:`stage_leaf`, at an offset :func:`plan_batch` laid out.
+
+Planning makes no CUDA call: the stage passes in how to find a registered range and how to ask
+whether a tensor is pinned.
+
+Sharp edges:
+
+- Read-only, byte-swapped or non-contiguous numpy leaves are staged even when their memory is
+  registered (torch cannot view them without a copy or a warning).
+- The plans pair with a second walk of the batch by visiting order (:func:`map_arrays`), so the
+  batch must not change between the two walks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from ._leaves import NUMERIC_KINDS, array_as_tensor_view, array_ptr, map_arrays, torch_dtype
+from ._staging import align_up
+
+__all__ = ["LeafPlan", "RegisteredBase", "plan_batch", "plan_leaf", "stage_leaf"]
+
+# ``(address, nbytes)`` -> the base of the registered page-locked range that holds all of those
+# bytes, or None.
+RegisteredBase = Callable[[int, int], int | None]
+
+
+@dataclass(slots=True)
+class LeafPlan:
+    """How one leaf of a batch travels.
+
+    Attributes:
+        kind: the route: ``keep``, ``direct`` or ``stage``.
+        leaf: what the copy reads: the leaf, or a tensor view of it (``direct`` numpy leaves).
+        nbytes: bytes copied to the device (0 for ``keep``).
+        offset: where a ``stage`` leaf starts in the batch's staging buffer.
+        range_base: the registered range a ``direct`` leaf is read from, if any.
+    """
+
+    kind: Literal["keep", "stage", "direct"]
+    leaf: Any
+    nbytes: int = 0
+    offset: int = 0
+    range_base: int | None = None
+
+
+def plan_leaf(
+    leaf: Any,
+    device: torch.device,
+    registered_base: RegisteredBase,
+    is_pinned: Callable[[torch.Tensor], bool],
+) -> LeafPlan:
+    """Decide how one leaf travels: kept as is, copied directly, or staged."""
+    if isinstance(leaf, np.ndarray):
+        if leaf.dtype.kind not in NUMERIC_KINDS:
+            return LeafPlan("keep", leaf)
+        if leaf.nbytes and leaf.flags.c_contiguous:
+            base = registered_base(array_ptr(leaf), leaf.nbytes)
+            view = array_as_tensor_view(leaf) if base is not None else None
+            if view is not None:
+                return LeafPlan("direct", view, leaf.nbytes, range_base=base)
+        return LeafPlan("stage", leaf, leaf.nbytes)
+    tensor: torch.Tensor = leaf.detach()
+    if tensor.device == device:
+        return LeafPlan("keep", leaf)
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized:
+        # Other devices, sparse and quantized tensors: torch's own copy is correct for them.
+        return LeafPlan("direct", tensor, tensor.nbytes)
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes and tensor.is_contiguous():
+        base = registered_base(tensor.data_ptr(), nbytes)
+        if base is not None or is_pinned(tensor):
+            return LeafPlan("direct", tensor, nbytes, range_base=base)
+    return LeafPlan("stage", tensor, nbytes)
+
+
+def plan_batch(
+    batch: Any,
+    device: torch.device,
+    registered_base: RegisteredBase,
+    is_pinned: Callable[[torch.Tensor], bool],
+) -> tuple[list[LeafPlan], int]:
+    """Plan every array leaf of ``batch``, in visiting order, and lay out the staged ones.
+
+    Returns:
+        The plans, and the bytes of staging buffer the batch needs (0 if nothing is staged).
+    """
+    plans: list[LeafPlan] = []
+
+    def collect(leaf: Any) -> Any:
+        plans.append(plan_leaf(leaf, device, registered_base, is_pinned))
+        return leaf
+
+    map_arrays(batch, collect)
+    total = 0
+    for plan in plans:
+        if plan.kind == "stage":
+            plan.offset = total
+            total += align_up(plan.nbytes)
+    return plans, total
+
+
+def stage_leaf(lease: torch.Tensor, plan: LeafPlan) -> torch.Tensor:
+    """Copy one leaf into its slice of the staging buffer and return that slice."""
+    raw = lease[plan.offset : plan.offset + plan.nbytes]
+    leaf = plan.leaf
+    if isinstance(leaf, np.ndarray):
+        staged = raw.view(torch_dtype(leaf.dtype)).view(leaf.shape)
+        if leaf.nbytes:
+            # numpy reads any layout, read-only and byte-swapped arrays without a warning.
+            np.copyto(staged.numpy(), leaf, casting="equiv")
+        return staged
+    staged = raw.view(leaf.dtype).view(leaf.shape)
+    staged.copy_(leaf)
+    return staged

@@ -1,0 +1,387 @@
+"""The slot pool: the main process's segments, leased to workers and held by batches.
+
+:class:`SlotPool` is the only owner of segments: it creates them on demand (through
+:mod:`._segment`), leases them one batch at a time, rebuilds a worker's batch as views of its
+slot, takes a slot back when the last view dies, and unlinks every segment on ``close``.
+Invariant: every segment is FREE, LEASED to a worker, or HELD by a live batch, and the sizes of
+all segments sum to at most ``max_bytes``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import itertools
+import math
+import os
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from .._shm_tree import ArrayRef, Encoded, import_torch, ref_end, view_leaf
+from .._tree import iter_leaves, map_tree
+from ._segment import (
+    SHM_DIR,
+    SegmentMapping,
+    Slot,
+    as_bytes,
+    create_segment,
+    free_bytes,
+    janitor_once,
+    page_round,
+    unlink,
+)
+
+__all__ = ["GROWTH", "MIN_SLOT_BYTES", "ShmStats", "SlotPool"]
+
+# A new segment gets this much headroom over the batch that asked for it, so batches that vary
+# a little in size (variable-length samples) reuse the slot instead of re-creating it. Higher
+# wastes /dev/shm; lower re-creates segments (slow first writes: page faults) more often.
+GROWTH = 1.25
+
+# The smallest segment created. Larger wastes memory on small batches; smaller creates more
+# segments while batch sizes are still being learned.
+MIN_SLOT_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ShmStats:
+    """A snapshot of a :class:`SlotPool`.
+
+    Attributes:
+        slots: segments alive (``free + leased + held``).
+        free: ready for the next lease.
+        leased: sent to a worker, not yet opened or released.
+        held: holding a batch whose views are still alive.
+        bytes_total: bytes of all segments (at most ``max_bytes``).
+        max_bytes: the pool's cap.
+    """
+
+    slots: int
+    free: int
+    leased: int
+    held: int
+    bytes_total: int
+    max_bytes: int
+
+
+class _State(Enum):
+    FREE = "free"
+    LEASED = "leased"  # sent to a worker; only release() or open() may change it
+    HELD = "held"  # views of a batch are alive; only their finalizer may free it
+
+
+@dataclass(slots=True)
+class _Segment:
+    name: str
+    size: int
+    mapping: SegmentMapping
+    state: _State = _State.FREE
+    lease_id: int = 0
+
+
+def _destroy(segments: dict[str, _Segment]) -> None:
+    for seg in segments.values():
+        unlink(seg.name)
+    segments.clear()  # our mappings go now; those of live batches go with their last view
+
+
+def _finalize_pool(segments: dict[str, _Segment], owner: int) -> None:
+    # Runs when an unclosed pool is collected or at interpreter exit.
+    if os.getpid() != owner:
+        return
+    if segments:
+        warnings.warn(
+            f"SlotPool with {len(segments)} shared-memory segment(s) was never closed; "
+            "unlinking them now. Call close() (the loader's aclose()).",
+            ResourceWarning,
+            stacklevel=1,
+        )
+    _destroy(segments)
+
+
+class SlotPool:
+    """The main process's pool of shared-memory slots, reused from batch to batch.
+
+    Segments are created on demand, kept after use, and handed out again, because a fresh
+    segment is written several times slower than a reused one (page faults). Methods are
+    thread-safe.
+
+    Args:
+        max_bytes: cap on the bytes of all segments together (free, leased and held).
+        min_slot_bytes: the smallest segment created.
+        shm_dir: the tmpfs behind POSIX shared memory, for free-space checks and the janitor.
+        on_map: called with ``(address, size)`` of each new segment's mapping, e.g. to register
+            it as page-locked memory for device copies (best effort: errors are ignored).
+        on_unmap: called with the address before a segment is unlinked and unmapped.
+
+    Raises:
+        ValueError: if a size is not a positive int or ``min_slot_bytes > max_bytes``.
+        OSError: where POSIX shared memory does not exist (check :func:`shm_available`).
+    """
+
+    def __init__(
+        self,
+        max_bytes: int,
+        *,
+        min_slot_bytes: int = MIN_SLOT_BYTES,
+        shm_dir: str = SHM_DIR,
+        on_map: Callable[[int, int], Any] | None = None,
+        on_unmap: Callable[[int], Any] | None = None,
+    ) -> None:
+        for arg, value in (("max_bytes", max_bytes), ("min_slot_bytes", min_slot_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        if min_slot_bytes > max_bytes:
+            raise ValueError(
+                f"min_slot_bytes={min_slot_bytes} must not exceed max_bytes={max_bytes}"
+            )
+        if sys.platform == "win32":  # pragma: no cover
+            raise OSError("POSIX shared memory is not available here; check shm_available()")
+        self.max_bytes = max_bytes
+        self.min_slot_bytes = min_slot_bytes
+        self.shm_dir = shm_dir
+        self._on_map = on_map
+        self._on_unmap = on_unmap
+        # Invariant: every segment is FREE, LEASED to a worker, or HELD by a live batch, and the
+        # sizes of all segments sum to at most max_bytes.
+        self._segments: dict[str, _Segment] = {}
+        self._lock = threading.Lock()
+        self._lease_ids = itertools.count(1)
+        # (name, lease_id) of held batches whose views died; appended by finalizers (any thread,
+        # any time, lock-free: deque.append is atomic), applied under the lock by _drain().
+        self._returned: collections.deque[tuple[str, int]] = collections.deque()
+        self._closed = False
+        self._owner = os.getpid()
+        self._finalizer = weakref.finalize(self, _finalize_pool, self._segments, self._owner)
+        janitor_once(shm_dir)
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        state = "closed" if self._closed else "open"
+        return (
+            f"<SlotPool {state} slots={s.slots} free={s.free} leased={s.leased} "
+            f"held={s.held} bytes={s.bytes_total}/{s.max_bytes}>"
+        )
+
+    def reuse(self, nbytes: int) -> Slot | None:
+        """Lease a free slot of at least ``nbytes`` if there is one; never creates a segment.
+
+        Cheap (no system call), so the event loop may call it; when it returns None, call
+        :meth:`lease` from a thread, since creating a segment takes a while.
+        """
+        return self._lease(nbytes, create=False)
+
+    def lease(self, nbytes: int) -> Slot | None:
+        """Lease a slot of at least ``nbytes`` for one batch.
+
+        Prefers the smallest free slot that fits; otherwise creates a segment with headroom
+        (:data:`GROWTH`), first unlinking free slots that are too small if the cap requires.
+        Creating blocks while the segment's pages are reserved and mapped (a fraction of a
+        second per GB; call it from a thread if that matters).
+
+        Args:
+            nbytes: bytes the batch needs (e.g. the largest ``needed_bytes`` seen).
+
+        Returns:
+            The slot, or None if it cannot fit under ``max_bytes``: send the batch inline.
+
+        Raises:
+            ValueError: if ``nbytes`` is not a non-negative int.
+            RuntimeError: if the pool is closed.
+            SharedMemoryError: if ``/dev/shm`` has no room for the segment.
+        """
+        return self._lease(nbytes, create=True)
+
+    def _lease(self, nbytes: int, *, create: bool) -> Slot | None:
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("SlotPool is closed")
+            self._drain()
+            best = min(
+                (s for s in self._segments.values() if s.state is _State.FREE and s.size >= nbytes),
+                key=lambda s: s.size,
+                default=None,
+            )
+            if best is None:
+                best = self._make_room_and_create(nbytes) if create else None
+                if best is None:
+                    return None
+            best.state = _State.LEASED
+            best.lease_id = next(self._lease_ids)
+            return Slot(best.name, best.size, best.lease_id)
+
+    def _make_room_and_create(self, nbytes: int) -> _Segment | None:
+        # Called with the lock held, when no free slot is big enough.
+        free = sorted(
+            (s for s in self._segments.values() if s.state is _State.FREE), key=lambda s: s.size
+        )
+        busy = sum(s.size for s in self._segments.values()) - sum(s.size for s in free)
+        exact = page_round(max(nbytes, self.min_slot_bytes))
+        roomy = page_round(max(math.ceil(nbytes * GROWTH), self.min_slot_bytes))
+        size = next((n for n in (roomy, exact) if busy + n <= self.max_bytes), None)
+        if size is None:
+            return None
+        total = busy + sum(s.size for s in free)
+        for seg in free:  # all too small for this batch; drop the smallest first
+            if total + size <= self.max_bytes:
+                break
+            del self._segments[seg.name]  # FREE: no view holds it; unmapped with our last ref
+            self._unmapping(seg)
+            unlink(seg.name)
+            total -= seg.size
+        seg = self._create(size)
+        self._segments[seg.name] = seg
+        if self._on_map is not None:
+            with contextlib.suppress(Exception):
+                self._on_map(ctypes.addressof(seg.mapping), seg.size)
+        return seg
+
+    def _unmapping(self, seg: _Segment) -> None:
+        if self._on_unmap is not None:
+            with contextlib.suppress(Exception):
+                self._on_unmap(ctypes.addressof(seg.mapping))
+
+    def _create(self, size: int) -> _Segment:
+        name, mapping = create_segment(size, self.shm_dir)
+        return _Segment(name, size, mapping)
+
+    def release(self, slot: Slot) -> None:
+        """Return a leased slot whose batch came back inline or was abandoned.
+
+        Call it only once the worker can no longer write into the slot (its job finished, or the
+        worker is dead). Releases that do not match the current lease are ignored: a second
+        release, a release after :meth:`open` (the batch's views own the slot now), a release of
+        an older lease of the same segment, or any release after :meth:`close`. So a double
+        release never hands one slot to two batches.
+        """
+        with self._lock:
+            self._drain()
+            seg = self._segments.get(slot.name)
+            if seg is not None and seg.state is _State.LEASED and seg.lease_id == slot.lease_id:
+                seg.state = _State.FREE
+                seg.lease_id = 0
+
+    def open(self, slot: Slot, tree: Any) -> Any:
+        """Rebuild a batch from a worker's descriptor tree as views of the slot: zero copies.
+
+        Every array is a view of one root ``uint8`` array over the used bytes; when the root is
+        collected (every view of the batch is gone, including torch tensors made from them),
+        the slot becomes free. If this raises, the slot stays leased: release it.
+
+        Args:
+            slot: the slot leased for this batch.
+            tree: :attr:`Encoded.tree` of a non-inline :class:`Encoded`.
+
+        Returns:
+            The batch, with the nesting of the worker's batch.
+
+        Raises:
+            RuntimeError: if the pool is closed.
+            ValueError: if ``slot`` is not currently leased under this lease id (stale, already
+                opened or released) or a descriptor lies outside the slot.
+            TypeError: if ``tree`` is an :class:`Encoded` rather than its ``tree``.
+        """
+        if isinstance(tree, Encoded):
+            raise TypeError("open() takes Encoded.tree, not the Encoded record")
+        refs = [leaf for leaf in iter_leaves(tree) if isinstance(leaf, ArrayRef)]
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("SlotPool is closed")
+            self._drain()
+            seg = self._segments.get(slot.name)
+            if seg is None or seg.state is not _State.LEASED or seg.lease_id != slot.lease_id:
+                state = "unknown" if seg is None else f"{seg.state.value}, lease {seg.lease_id}"
+                raise ValueError(f"slot={slot!r} is not leased under this lease id ({state})")
+            used = max((ref_end(ref, seg.size) for ref in refs), default=0)
+            if not refs:  # nothing points into the slot: it is free again at once
+                seg.state, seg.lease_id = _State.FREE, 0
+                return tree
+            root = as_bytes(seg.mapping, used)
+            torch_mod = import_torch() if any(r.kind == "torch" for r in refs) else None
+            batch = map_tree(tree, lambda leaf: view_leaf(root, leaf, torch_mod))
+            seg.state = _State.HELD
+            fin = weakref.finalize(root, self._returned.append, (seg.name, seg.lease_id))
+            fin.atexit = False
+            return batch
+
+    def _drain(self) -> None:
+        # Lock held. Apply the returns that finalizers queued.
+        while self._returned:
+            name, lease_id = self._returned.popleft()
+            seg = self._segments.get(name)
+            if seg is not None and seg.state is _State.HELD and seg.lease_id == lease_id:
+                seg.state, seg.lease_id = _State.FREE, 0
+
+    def stats(self) -> ShmStats:
+        """Count the slots in each state and the bytes of all segments."""
+        with self._lock:
+            self._drain()
+            states = collections.Counter(s.state for s in self._segments.values())
+            return ShmStats(
+                slots=len(self._segments),
+                free=states[_State.FREE],
+                leased=states[_State.LEASED],
+                held=states[_State.HELD],
+                bytes_total=sum(s.size for s in self._segments.values()),
+                max_bytes=self.max_bytes,
+            )
+
+    def free_bytes(self) -> int:
+        """Bytes still free in this pool's ``shm_dir``."""
+        return free_bytes(self.shm_dir)
+
+    def preflight(self, batch_bytes: int, count: int) -> None:
+        """Warn (:class:`RuntimeWarning`) if ``count`` batches of ``batch_bytes`` may not fit.
+
+        The loader calls this once it knows the batch size, with ``count`` = prefetch depth.
+        Bytes this pool already holds count as available to it. A RuntimeWarning is shown by
+        default (a ResourceWarning would be hidden), and the run may still succeed if batches
+        come back inline, so this warns rather than raises.
+        """
+        for arg, value in (("batch_bytes", batch_bytes), ("count", count)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{arg} must be a non-negative int, got {value!r}")
+        want = batch_bytes * count
+        have = self.free_bytes() + self.stats().bytes_total
+        if want > have:
+            warnings.warn(
+                f"{count} batches of {batch_bytes} bytes need {want} bytes of shared memory, "
+                f"but {self.shm_dir} has {have} bytes available; batches may fail with "
+                "SharedMemoryError. Enlarge it (docker run --shm-size=...) or lower prefetch "
+                "or batch size.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def close(self) -> None:
+        """Unlink every segment; idempotent, never raises.
+
+        Views of batches still alive stay readable: their mapping is released when they die.
+        After ``close``, :meth:`lease` and :meth:`open` raise and :meth:`release` does nothing.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._finalizer.detach()
+            self._returned.clear()
+            if os.getpid() == self._owner:
+                for seg in self._segments.values():
+                    self._unmapping(seg)
+                _destroy(self._segments)
+            else:  # a forked copy: the segments belong to the parent; drop our mappings only
+                self._segments.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+

@@ -1,0 +1,330 @@
+"""Segments: naming, creating, mapping, attaching and unlinking one POSIX shared-memory segment.
+
+Every system call on a segment is made here; :mod:`._pool` and :mod:`._attach` only keep state
+over what this module returns. A segment is named ``aiol_<pid>_<8 hex>``, created with its pages
+reserved, mapped through libc (the mapping keeps no descriptor and lives as long as its last
+view), and unlinked by its owner; :func:`janitor` unlinks those of processes that died. The
+package docstring tells the sharp edges behind each of these choices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import mmap
+import os
+import secrets
+import sys
+import weakref
+from dataclasses import dataclass
+from multiprocessing import resource_tracker
+
+import numpy as np
+import numpy.typing as npt
+
+from .._errors import SharedMemoryError
+
+if sys.platform != "win32":
+    import _posixshmem  # type: ignore[import-not-found]  # CPython's, without stubs
+    import resource
+
+__all__ = [
+    "SHM_DIR",
+    "SHM_PREFIX",
+    "SegmentMapping",
+    "Slot",
+    "as_bytes",
+    "create_segment",
+    "free_bytes",
+    "janitor",
+    "janitor_once",
+    "map_existing",
+    "page_round",
+    "segment_exists",
+    "shm_available",
+    "unlink",
+]
+
+SHM_PREFIX = "aiol_"
+SHM_DIR = "/dev/shm"
+
+# Mappings are populated up front (page tables filled in one call): about 3x cheaper than
+# faulting the pages in one by one on first write, and paid once per slot per process.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+_PROT = mmap.PROT_READ | mmap.PROT_WRITE
+_RESERVE_CHUNK = 1 << 20  # zeros written per call when posix_fallocate is unavailable
+_NAME_ATTEMPTS = 8  # name collisions are ~2**-32 each; retry a few times, then give up
+_NO_ROOM = {errno.ENOSPC, errno.EFBIG, errno.ENOMEM}
+_NO_FALLOCATE = {errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS, errno.ENODEV}
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """A leased segment, sent to the worker that fills it.
+
+    Attributes:
+        name: the segment's name (without the leading slash).
+        size: the segment's size in bytes; the worker may use all of it.
+        lease_id: which lease this is. The pool ignores a release or open that names an older
+            lease of the same segment, so a stale release can never free a slot that a later
+            batch is using. 0 means "not a lease" (enough for ``attach``).
+    """
+
+    name: str
+    size: int
+    lease_id: int = 0
+
+
+def shm_available() -> bool:
+    """Whether POSIX shared memory under ``/dev/shm`` is usable; if not, send batches inline."""
+    return sys.platform != "win32" and os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+def free_bytes(shm_dir: str = SHM_DIR) -> int:
+    """Bytes still free in ``shm_dir`` (the tmpfs that backs shared memory)."""
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
+
+
+def page_round(n: int) -> int:
+    """``n`` rounded up to a whole number of pages: the size a segment of ``n`` bytes gets."""
+    return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def _new_name() -> str:
+    return f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
+
+
+def _out_of_fds(exc: OSError, what: str, size: int) -> SharedMemoryError | None:
+    """What to raise instead of ``exc`` (from opening a segment) if descriptors ran out."""
+    if exc.errno == errno.EMFILE:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return SharedMemoryError(
+            f"cannot {what} a shared-memory segment of {size} bytes for a batch slot: this "
+            f"process has no file descriptor left (the limit is {soft}). Batches and slots hold "
+            "none, so other open files use them up; raise the limit (`ulimit -n 4096` in the "
+            "shell, or resource.setrlimit(RLIMIT_NOFILE) before creating the loader)."
+        )
+    if exc.errno == errno.ENFILE:
+        return SharedMemoryError(
+            f"cannot {what} a shared-memory segment of {size} bytes for a batch slot: the "
+            "system's table of open files is full (fs.file-max); `ulimit -n` does not help."
+        )
+    return None
+
+
+# -- mapping ----------------------------------------------------------------------------------
+
+# libc's mmap and munmap, through ctypes: unlike mmap.mmap, the mapping keeps no descriptor.
+if sys.platform != "win32":
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.mmap.restype = ctypes.c_void_p
+    _libc.mmap.argtypes = (
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,  # off_t: as wide as long on LP64 Linux and macOS; the offset is always 0
+    )
+    _libc.munmap.restype = ctypes.c_int
+    _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+# A mapped segment: a ctypes byte array at the mapping's address, which numpy views can share.
+SegmentMapping = ctypes.Array[ctypes.c_ubyte]
+
+
+def _map(fd: int, size: int) -> SegmentMapping:
+    """Map ``size`` bytes of ``fd`` shared and writable; the caller may close ``fd`` at once.
+
+    The mapping lives as long as the returned buffer: every numpy array made from it keeps it
+    alive (views of views collapse to the first array over it), and a finalizer unmaps it when
+    the last reference is gone. Not at exit (``atexit = False``): the process's end unmaps
+    everything anyway, and a view in a module global may still be read by other exit code.
+
+    Raises:
+        OSError: if the kernel refuses the mapping (e.g. ENOMEM).
+    """
+    address = _libc.mmap(None, size, _PROT, _MAP_FLAGS, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
+    try:
+        buf = (ctypes.c_ubyte * size).from_address(address)
+        weakref.finalize(buf, _libc.munmap, address, size).atexit = False
+    except BaseException:
+        _libc.munmap(address, size)
+        raise
+    return buf
+
+
+def as_bytes(mapping: SegmentMapping, count: int) -> npt.NDArray[np.uint8]:
+    """The first ``count`` bytes of a mapping as a ``uint8`` array that keeps it mapped."""
+    return np.frombuffer(memoryview(mapping), dtype=np.uint8, count=count)
+
+
+# -- the owner's side: create and unlink ----------------------------------------------------
+
+
+def create_segment(size: int, shm_dir: str) -> tuple[str, SegmentMapping]:
+    """Create a segment of ``size`` bytes under a fresh name, reserve its pages and map it.
+
+    The segment is registered with the resource tracker before anything can fail, so a crash
+    from then on still gets it unlinked; if creating fails, it is unlinked here. No descriptor
+    stays open.
+
+    Args:
+        size: bytes, a whole number of pages.
+        shm_dir: the tmpfs behind POSIX shared memory, named in the error when it is full.
+
+    Returns:
+        The segment's name and its mapping.
+
+    Raises:
+        SharedMemoryError: if ``shm_dir`` has no room for the segment or this process has no
+            file descriptor left.
+    """
+    for _ in range(_NAME_ATTEMPTS):
+        name = _new_name()
+        try:
+            fd = _posixshmem.shm_open("/" + name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            if (error := _out_of_fds(exc, "create", size)) is None:
+                raise
+            raise error from exc
+        break
+    else:  # pragma: no cover - needs _NAME_ATTEMPTS collisions of 32 random bits
+        raise FileExistsError(f"no free shared-memory name after {_NAME_ATTEMPTS} attempts")
+    # Registered before anything can fail, so a crash from here on is still cleaned up.
+    resource_tracker.register("/" + name, "shared_memory")
+    try:
+        os.ftruncate(fd, size)
+        _reserve(fd, size, shm_dir)
+        mapping = _map(fd, size)
+    except BaseException:
+        unlink(name)
+        raise
+    finally:
+        os.close(fd)  # the mapping needs no descriptor
+    return name, mapping
+
+
+def _reserve(fd: int, size: int, shm_dir: str) -> None:
+    """Allocate every page of the segment now, so a full tmpfs fails here, not with SIGBUS."""
+    try:
+        fallocate = getattr(os, "posix_fallocate", None)
+        try:
+            if fallocate is None:
+                raise OSError(errno.EOPNOTSUPP, "posix_fallocate is not available")
+            fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno not in _NO_FALLOCATE:
+                raise
+            zeros = memoryview(bytes(min(size, _RESERVE_CHUNK)))
+            offset = 0
+            while offset < size:  # pwrite may write less than asked
+                offset += os.pwrite(fd, zeros[: size - offset], offset)
+    except OSError as exc:
+        if exc.errno not in _NO_ROOM:
+            raise
+        free = free_bytes(shm_dir)
+        raise SharedMemoryError(
+            f"cannot reserve {size} bytes of shared memory for a batch slot: {shm_dir} "
+            f"has {free} bytes free ({errno.errorcode.get(exc.errno or 0, exc.errno)}). "
+            "Give it more room (docker run --shm-size=..., or a memory-backed emptyDir on "
+            "Kubernetes) or lower prefetch / batch size."
+        ) from exc
+
+
+def unlink(name: str) -> None:
+    """Unlink an owned segment and tell the tracker; never raises."""
+    with contextlib.suppress(OSError):  # already gone (a janitor, or unlinked by hand)
+        _posixshmem.shm_unlink("/" + name)
+    with contextlib.suppress(Exception):  # the tracker died: nothing left to tell it
+        resource_tracker.unregister("/" + name, "shared_memory")
+
+
+# -- a worker's side: map what the owner created ----------------------------------------------
+
+
+def map_existing(slot: Slot) -> npt.NDArray[np.uint8]:
+    """Map the whole segment of ``slot``, without the resource tracker; no descriptor stays open.
+
+    Raises:
+        FileNotFoundError: if the owner has unlinked the segment.
+        ValueError: if the segment's size differs from ``slot.size``.
+        SharedMemoryError: if this process has no file descriptor left to open the segment.
+    """
+    try:
+        fd = _posixshmem.shm_open("/" + slot.name, os.O_RDWR, 0)
+    except OSError as exc:
+        if (error := _out_of_fds(exc, "attach", slot.size)) is None:
+            raise
+        raise error from exc
+    try:
+        size = os.fstat(fd).st_size
+        if size != slot.size:
+            raise ValueError(f"segment {slot.name} has {size} bytes, slot.size={slot.size}")
+        return as_bytes(_map(fd, size), size)
+    finally:
+        os.close(fd)  # the mapping needs no descriptor
+
+
+def segment_exists(name: str) -> bool:
+    """Whether segment ``name`` still exists; True when that cannot be told (e.g. no fds)."""
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, 0)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # cannot tell (e.g. out of fds): keep it
+    os.close(fd)
+    return True
+
+
+# -- janitor: segments of processes that died without closing their pool -----------------------
+
+_janitor_pid: int | None = None  # the process the janitor last ran in
+
+
+def janitor_once(shm_dir: str) -> None:
+    """Run :func:`janitor` once per process (the first pool of each process calls it)."""
+    global _janitor_pid
+    if _janitor_pid != os.getpid():
+        _janitor_pid = os.getpid()
+        janitor(shm_dir)
+
+
+def janitor(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink ``aiol_<pid>_*`` segments whose process is gone; return the names removed.
+
+    Segments of live processes, of other users, and names that do not parse are left alone.
+    """
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return []
+    removed = []
+    for name in sorted(names):
+        if not name.startswith(SHM_PREFIX):
+            continue
+        pid_text = name[len(SHM_PREFIX) :].split("_", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid() or int(pid_text) <= 0:
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue  # alive, another user's; or not a pid at all
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+        except OSError:
+            continue  # gone already, or another user's
+        removed.append(name)
+    return removed

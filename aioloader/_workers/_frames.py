@@ -1,0 +1,166 @@
+"""The frame format of the pipes between the main process and a worker: pure encoding, no IO.
+
+A frame is a fixed header ``(payload length, job id, kind)`` (:data:`HEADER`) and a payload.
+Requests (main → worker)::
+
+    JOB        pickle((fn, arg))
+    CANCEL     empty: skip job ``job id`` if it has not started
+    STOP       empty: return from the serve loop
+
+Replies (worker → main)::
+
+    RESULT     pack_result(value): buffer count, each buffer's length, the pickle, the buffers
+    ERROR      pack_error(exc): pickle((exception, traceback text))
+    CANCELLED  empty: the job was dropped before it ran
+
+A result's large buffers (the arrays of a batch that travels inline) go out of band, after the
+pickle, so the main side can read a large frame straight into one buffer of its size and
+unpickle the arrays as views of it (:func:`unpack_result`): the bytes are copied once, by the
+kernel. :mod:`._channel` moves the frames; this module only builds and takes them apart.
+
+Sharp edges:
+
+- An exception that does not survive pickling is replaced, in the worker, by a RuntimeError
+  that names its type and carries its traceback text (:func:`picklable`).
+- ``StopIteration`` and ``StopAsyncIteration`` cannot be set on a future (they would end the
+  awaiting coroutine's iteration silently): :func:`unpack_error` wraps them in a RuntimeError.
+- The arrays :func:`unpack_result` returns are views of the payload: they keep it alive.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import traceback
+from typing import Any
+
+__all__ = [
+    "CANCEL",
+    "CANCELLED",
+    "ERROR",
+    "HEADER",
+    "JOB",
+    "RESULT",
+    "STOP",
+    "RemoteTraceback",
+    "pack_error",
+    "pack_result",
+    "picklable",
+    "take_frames",
+    "unpack_error",
+    "unpack_result",
+]
+
+HEADER = struct.Struct("<QQB")  # payload length, job id, kind
+
+# Request kinds.
+JOB = 0
+CANCEL = 1
+STOP = 2  # return from the serve loop (end-of-file does the same, unless a sibling holds the pipe)
+# Reply kinds.
+RESULT = 0
+ERROR = 1
+CANCELLED = 2
+
+
+class RemoteTraceback(Exception):
+    """The worker's traceback text, attached as ``__cause__`` of an exception it raised."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def picklable(exc: BaseException) -> BaseException:
+    """``exc`` itself if it survives pickling, else a RuntimeError that tells what it was."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        text = "".join(traceback.format_exception(exc))
+        replacement = RuntimeError(
+            f"{type(exc).__module__}.{type(exc).__qualname__}: {exc} "
+            f"(the exception could not be pickled; its traceback follows)\n{text}"
+        )
+        for note in getattr(exc, "__notes__", ()):
+            replacement.add_note(note)
+        return replacement
+    return exc
+
+
+def pack_error(exc: BaseException) -> bytes:
+    """The payload of an ERROR reply: the exception (made picklable) and its traceback text."""
+    text = "".join(traceback.format_exception(exc))
+    return pickle.dumps((picklable(exc), text), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack_error(payload: bytearray) -> BaseException:
+    """The exception of an ERROR reply, its traceback text as ``__cause__``, ready to be set
+    on a future."""
+    exc: BaseException
+    text: str
+    exc, text = pickle.loads(payload)
+    exc.__cause__ = RemoteTraceback(text)
+    if isinstance(exc, StopIteration | StopAsyncIteration):
+        # A future cannot hold these (they would end the awaiting coroutine's iteration
+        # silently): carry them the way a generator does.
+        wrapped = RuntimeError(f"a worker job raised {type(exc).__name__}: {exc}")
+        for note in getattr(exc, "__notes__", ()):
+            wrapped.add_note(note)
+        wrapped.__cause__ = exc
+        return wrapped
+    return exc
+
+
+# A result travels as a pickle with its large buffers (numpy arrays) out of band: the main
+# process reads their bytes straight from the pipe into the buffer they end up in, and
+# unpickles without copying them again. Layout: buffer count, each buffer's length, the
+# pickle, the buffers.
+_COUNT = struct.Struct("<I")
+_LENGTH = struct.Struct("<Q")
+
+
+def pack_result(value: Any) -> list[Any]:
+    """The payload of a RESULT reply, as the parts to write one after the other."""
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    raws = [b.raw() for b in buffers]
+    meta = _COUNT.pack(len(raws)) + b"".join(_LENGTH.pack(r.nbytes) for r in raws)
+    return [meta, data, *raws]
+
+
+def unpack_result(payload: bytearray) -> Any:
+    """Unpickle a packed result; its arrays are views of ``payload`` (no copy)."""
+    (count,) = _COUNT.unpack_from(payload, 0)
+    lengths = [
+        _LENGTH.unpack_from(payload, _COUNT.size + i * _LENGTH.size)[0] for i in range(count)
+    ]
+    start = _COUNT.size + count * _LENGTH.size
+    end = len(payload) - sum(lengths)
+    view = memoryview(payload)
+    buffers = []
+    at = end
+    for length in lengths:
+        buffers.append(view[at : at + length])
+        at += length
+    return pickle.loads(view[start:end], buffers=buffers)
+
+
+def take_frames(inbox: bytearray) -> list[tuple[int, int, bytes]]:
+    """Take the complete frames off the front of ``inbox``: ``(job id, kind, payload)`` each."""
+    out: list[tuple[int, int, bytes]] = []
+    start = 0
+    size = HEADER.size
+    with memoryview(inbox) as view:  # released before the buffer is resized below
+        while len(inbox) - start >= size:
+            length, job_id, kind = HEADER.unpack_from(view, start)
+            end = start + size + length
+            if len(inbox) < end:
+                break
+            out.append((job_id, kind, bytes(view[start + size : end])))
+            start = end
+    if start:
+        del inbox[:start]
+    return out
