@@ -24,6 +24,7 @@ unpicklable one is reported there, naming what could not be pickled.
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import threading
 import warnings
@@ -185,6 +186,10 @@ def close_all_at_exit() -> None:
 
 
 threading._register_atexit(close_all_at_exit)  # type: ignore[attr-defined]
+# A forked child (a worker under mp_context='fork') inherits the set: the resources are its
+# parent's, never its own to close. Closing them at the child's exit would wait on the parent's
+# worker processes.
+os.register_at_fork(after_in_child=_LIVE.clear)
 
 
 def finalize(resources: Resources, name: str) -> None:
