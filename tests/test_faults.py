@@ -30,6 +30,7 @@ from pathlib import Path
 
 import fault_datasets as fd
 import pytest
+from datasets import Slow
 
 import aioloader
 from aioloader import _shm
@@ -376,7 +377,7 @@ async def test_cancelled_wait_for_a_batch_loses_nothing() -> None:
     expected = fd.sequential_batches(12, 2)
     got: list[list[int]] = []
     cancelled = 0
-    async with fd.make_loader(fd.Slow(12, 0.05), batch_size=2, num_workers=1) as loader:
+    async with fd.make_loader(Slow(12, 0.05), batch_size=2, num_workers=1) as loader:
         it = aiter(loader)
         async with asyncio.timeout(fd.SCENARIO_TIMEOUT_S):
             while True:
