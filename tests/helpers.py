@@ -1,4 +1,4 @@
-"""Helpers the loader tests share: bounded iteration, batches as lists, a config to build.
+"""Helpers the tests share: bounded iteration, batches as lists, a config to build, a fake sleep.
 
 Every wait here is bounded by :data:`BOUND_S`, which no wait in the tests comes near: it only
 turns a hang into a failure.
@@ -78,6 +78,13 @@ async def quiet(dataset: Recorder, for_s: float = 0.1) -> None:
                 return
             last = count
             await asyncio.sleep(for_s)
+
+
+class Sleeps(list[float]):
+    """An injectable ``sleep`` that records each delay and returns at once."""
+
+    async def __call__(self, seconds: float) -> None:
+        self.append(seconds)
 
 
 def build_config(**overrides: Any) -> LoaderConfig:

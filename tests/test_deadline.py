@@ -218,9 +218,7 @@ async def test_cancelling_the_wait_cancels_the_attempt() -> None:
 def test_timeout_error_says_what_to_try() -> None:
     error = timeout_error(3, "the stream of worker 1", 2.5, 2.0, None)
     assert isinstance(error, LoaderTimeoutError)
-    assert "batch 3 (the stream of worker 1) was not ready after 2.50 s (timeout=2.0)" in str(
-        error
-    )
+    assert "batch 3 (the stream of worker 1) was not ready after 2.50 s (timeout=2.0)" in str(error)
     assert "killed" not in str(error)
     assert "max_retries" in str(error)
 

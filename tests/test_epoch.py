@@ -52,6 +52,7 @@ async def an_epoch(
         await epoch.aclose()
         runner.close()
 
+
 class _Copied:
     def __init__(self, batch: Any) -> None:
         self.batch = batch
@@ -71,6 +72,7 @@ class FlakyDevice:
         if batch_id in self.failing:
             raise TransferError(f"batch {batch_id}: cannot pin")
         return _Copied(batch)
+
 
 @pytest.mark.parametrize("device_prefetch", [1, 3])
 async def test_a_copy_that_fails_to_start_is_raised_in_turn_and_loses_no_permit(
@@ -94,6 +96,7 @@ async def test_a_copy_that_fails_to_start_is_raised_in_turn_and_loses_no_permit(
         assert got == [[0, 1], [4, 5], [8, 9], [10, 11]]
         assert epoch.reorder.pending == 0  # what statistics().in_flight reports
         assert epoch.finished
+
 
 # -- cancellation of the consumer -------------------------------------------------------------
 

@@ -77,9 +77,9 @@ async def test_async_dataset_error_keeps_its_type_and_no_task_error_is_lost() ->
         # first in sample order, the others mentioned.
         dataset = AsyncRange(8, bad={1, 2}, error_type=OSError)
         async with DataLoader(dataset, batch_size=4) as loader:
-            with pytest.raises(OSError, match="async sample 1 is broken") as info:
+            with pytest.raises(OSError, match="async sample 1 is broken") as first:
                 await collect(loader)
-            assert "async sample 2 is broken" in notes_of(info.value)
+            assert "async sample 2 is broken" in notes_of(first.value)
             await asyncio.sleep(0.05)  # let the sibling fetches of the failed batches settle
     assert handler.calls == []
 

@@ -84,6 +84,7 @@ async def test_stream_drop_last_and_an_exact_multiple() -> None:
     async with DataLoader(Stream(0), batch_size=4) as loader:
         assert await collect(loader) == []
 
+
 def test_sync_iteration_of_a_stream() -> None:
     with DataLoader(Stream(10), batch_size=4) as loader:
         assert as_lists(list(loader)) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
@@ -142,6 +143,7 @@ async def test_async_stream_yields_every_item_once_in_order() -> None:
         assert await collect(loader) == chunks(list(range(22)), 4, drop_last=True)
     async with DataLoader(AsyncStream(8), batch_size=4, drop_last=True) as loader:
         assert await collect(loader) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
 
 async def test_abandoned_async_stream_is_closed_and_the_next_epoch_is_complete() -> None:
     dataset = AsyncStream(30)

@@ -21,21 +21,23 @@ async def test_results_and_errors_reach_the_awaiting_task() -> None:
     try:
         assert await threads.run(lambda x: x * 2, 21) == 42
         with pytest.raises(KeyError, match="missing"):
-            await threads.run(lambda key: {}[key], "missing")
+            await threads.run(lambda key: dict[str, int]()[key], "missing")
     finally:
         assert threads.close(5.0) == []
 
 
 async def test_a_job_cancelled_before_it_starts_never_runs() -> None:
     threads = ThreadPool(1)
-    gate, ran = threading.Event(), []
+    gate = threading.Event()
+    ran: list[str] = []
     try:
         first = threads.run(lambda _: gate.wait(5.0), None)  # occupies the only thread
         second = threads.run(ran.append, "second")
         second.cancel()
         gate.set()
         assert await first is True
-        assert await threads.run(ran.append, "third") is None
+        result: object = await threads.run(ran.append, "third")
+        assert result is None
         assert ran == ["third"]
     finally:
         gate.set()

@@ -349,9 +349,9 @@ async def test_sync_and_async_epochs_alternate_on_one_set_of_workers() -> None:
         await anext(it)
         await it.aclose()  # type: ignore[attr-defined]
         assert [fd.batch_indices(b) for b in loader] == expected
-        it = iter(loader)
-        next(it)
-        it.close()  # type: ignore[attr-defined]
+        sync_it = iter(loader)
+        next(sync_it)
+        sync_it.close()  # type: ignore[attr-defined]
         run = await fd.run_epoch(aiter(loader))
         assert run.batches == expected
         assert loader.worker_pids == pids
@@ -408,10 +408,10 @@ def test_errors_in_worker_processes_keep_their_type() -> None:
             assert "batch 2" in notes
     with DataLoader(Range(10), batch_size=3, num_workers=2, collate_fn=fail_collate_on_7) as dl:
         got = []
-        with pytest.raises(ValueError, match="cannot collate 7") as info:
+        with pytest.raises(ValueError, match="cannot collate 7") as collate_info:
             drain_sync(dl, got)
         assert got == [[0, 1, 2], [3, 4, 5]]
-        assert "batch 2" in notes_of(info.value)
+        assert "batch 2" in notes_of(collate_info.value)
 
 
 @no_worker_left_behind()
