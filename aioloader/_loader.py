@@ -300,6 +300,11 @@ class DataLoader:
     def last_batch(self) -> str:
         return self._config.last_batch
 
+    @property
+    def mp_context(self) -> BaseContext | None:
+        """The multiprocessing context worker processes start from (None without them)."""
+        return self._context
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this DataLoader is closed")
@@ -456,6 +461,11 @@ class DataLoader:
         """Synchronous :meth:`aclose`, for code without an event loop. Idempotent."""
         self._close_now()
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` or :meth:`close` was called: a closed loader cannot iterate."""
+        return self._closed
+
     def _close_now(self) -> None:
         self._closed = True
         self._res.close()
@@ -478,6 +488,7 @@ class DataLoader:
             waiting=epoch.reorder.waiting if epoch is not None else 0,
             prefetch=self.prefetch,
             live_shm_slots=slots.slots if slots is not None else 0,
+            leased_shm_slots=slots.leased if slots is not None else 0,
             held_shm_slots=slots.held if slots is not None else 0,
             shm_bytes=slots.bytes_total if slots is not None else 0,
             shm_fallbacks=runner.shm_fallbacks if runner is not None else 0,
@@ -491,6 +502,15 @@ class DataLoader:
             transfer_s=c.transfer_s,
             consumer_wait_s=c.consumer_wait_s,
         )
+
+    @property
+    def worker_pids(self) -> tuple[int, ...]:
+        """Pids of the worker processes, for diagnostics (a profiler, memory per worker).
+
+        Empty with threads, before the workers start and once the loader is closed; a worker
+        that died is listed until it is replaced (``statistics().worker_restarts`` counts those).
+        """
+        return self._res.worker_pids()
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is: restoring it with :meth:`load_state_dict` makes the next

@@ -167,6 +167,11 @@ class Resources:
         if slots is not None:
             slots.close()
 
+    def worker_pids(self) -> tuple[int, ...]:
+        """Pids of the worker processes started so far (none with threads)."""
+        runner = self.runner
+        return tuple(runner.pool.pids()) if isinstance(runner, ProcessRunner) else ()
+
     @property
     def held(self) -> bool:
         """Whether anything is still held (a process, a thread, a segment)."""

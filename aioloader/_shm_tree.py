@@ -52,9 +52,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALIGN",
+    "INLINE_MAX_BYTES",
     "ArrayRef",
     "Encoded",
-    "INLINE_MAX_BYTES",
     "SlotWriter",
     "import_torch",
     "ref_end",

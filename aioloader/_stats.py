@@ -25,6 +25,7 @@ class LoaderStatistics:
         waiting: batches finished, waiting in the reorder buffer for their turn.
         prefetch: the permit count bounding in_flight + waiting (+ batches being handed over).
         live_shm_slots: shared-memory segments alive (free, leased or held by batches).
+        leased_shm_slots: segments lent to a worker for a batch it is making.
         held_shm_slots: segments holding batches the consumer or the pipeline still holds.
         shm_bytes: bytes of all shared-memory segments.
         shm_fallbacks: batches that travelled inline (pickled) because no shared-memory segment
@@ -48,6 +49,7 @@ class LoaderStatistics:
     waiting: int = 0
     prefetch: int = 0
     live_shm_slots: int = 0
+    leased_shm_slots: int = 0
     held_shm_slots: int = 0
     shm_bytes: int = 0
     shm_fallbacks: int = 0

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol, TypeVar, runtime_checkable
 
 __all__ = [
-    "END",
     "EMPTY_BATCH",
+    "END",
     "AsyncDataset",
     "AsyncIterableDataset",
     "BatchRequest",

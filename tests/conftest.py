@@ -47,6 +47,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if not inspect.iscoroutinefunction(pyfuncitem.obj):
         return None
     kind = pyfuncitem.callspec.params["_loop_kind"]
+    assert isinstance(kind, str)
     names = pyfuncitem._fixtureinfo.argnames
     kwargs = {name: pyfuncitem.funcargs[name] for name in names}
     with asyncio.Runner(loop_factory=LOOPS[kind]) as runner:

@@ -221,21 +221,6 @@ class WhoAmI:
 
 
 @dataclass
-class Slow:
-    """Sample ``i`` is ``i``, after ``delay_s`` seconds of sleep."""
-
-    n: int
-    delay_s: float
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        time.sleep(self.delay_s)
-        return index
-
-
-@dataclass
 class Mapped:
     """Sample ``i`` is ``fn(i)``: unpicklable when ``fn`` is a lambda."""
 

@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import asynccontextmanager
 from multiprocessing import forkserver
+from multiprocessing.context import ForkServerContext, SpawnContext
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -61,7 +62,7 @@ EXIT_CODES: dict[int, int | None] = {}  # pid: exit code, recorded as the harnes
 
 # The loader's own context: the forkserver preloads the worker module. Starting the forkserver
 # here without that preload would make every later test's workers import torch afresh.
-CONTEXT = resolve_context(None, allow_fork=False)
+CONTEXT = cast("ForkServerContext | SpawnContext", resolve_context(None, allow_fork=False))
 
 
 def open_fds() -> int:
@@ -88,6 +89,7 @@ async def worker() -> AsyncIterator[tuple[Channel, Any]]:
         if process.exitcode is None:
             process.kill()
             await asyncio.to_thread(process.join, 5.0)
+        assert process.pid is not None  # started above
         EXIT_CODES[process.pid] = process.exitcode
         process.close()
 

@@ -1,16 +1,19 @@
-"""The loader's settings (_config): checked once, derived once, the same rules everywhere."""
+"""The loader's settings (_config): checked once, derived once, the same rules everywhere; and
+through the loader, every bad argument rejected at construction, naming it."""
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numpy as np
 import pytest
+from datasets import Range, Stream
+from helpers import build_config
 
 from aioloader import BatchSampler, DataLoader, SequentialSampler
 from aioloader._collate import default_collate
-from aioloader._config import LoaderConfig
 
 
 class Squares:
@@ -29,67 +32,42 @@ class AsyncSquares:
         return i * i
 
 
-def build(**overrides: Any) -> LoaderConfig:
-    arguments: dict[str, Any] = {
-        "kind": "map",
-        "batch_size": 4,
-        "num_workers": 0,
-        "thread_pool": False,
-        "in_order": True,
-        "prefetch": None,
-        "timeout": None,
-        "io_concurrency": 64,
-        "max_retries": 0,
-        "device_prefetch": 1,
-        "on_error": "raise",
-        "max_failures": 0,
-        "collate_fn": None,
-        "worker_init_fn": None,
-        "transform": None,
-        "seed": 0,
-        "pin_memory": False,
-        "shm_max_bytes": None,
-        "last_batch": "keep",
-        "default_collate": default_collate,
-    }
-    arguments.update(overrides)
-    return LoaderConfig.build(**arguments)
-
-
 def test_numpy_integers_are_ints_for_the_loader_as_for_the_batch_sampler() -> None:
-    with DataLoader(Squares(), batch_size=np.int64(4), num_workers=np.int32(0)) as loader:
+    # numpy integers are not ints to the type checker; accepting them at runtime is the point.
+    four, zero = np.int64(4), np.int32(0)
+    with DataLoader(Squares(), batch_size=four, num_workers=zero) as loader:  # type: ignore[arg-type]
         assert loader.batch_size == 4
         assert type(loader.batch_size) is int
         assert [b.tolist() for b in loader] == [[0, 1, 4, 9], [16, 25, 36, 49], [64, 81]]
-    sampler = BatchSampler(SequentialSampler(10), np.int64(4))
+    sampler = BatchSampler(SequentialSampler(10), four)  # type: ignore[arg-type]
     assert [len(b) for b in sampler] == [4, 4, 2]
 
 
 def test_default_prefetch_is_two_per_worker() -> None:
-    assert build(num_workers=0).prefetch == 2
-    assert build(num_workers=3).prefetch == 6
-    assert build(num_workers=3, prefetch=1).prefetch == 1
+    assert build_config(num_workers=0).prefetch == 2
+    assert build_config(num_workers=3).prefetch == 6
+    assert build_config(num_workers=3, prefetch=1).prefetch == 1
 
 
 def test_default_prefetch_of_async_data_keeps_io_concurrency_fetches_in_flight() -> None:
-    config = build(kind="async_map", batch_size=8, io_concurrency=64)
+    config = build_config(kind="async_map", batch_size=8, io_concurrency=64)
     assert config.prefetch == math.ceil(64 / 8) + 2
     assert DataLoader(AsyncSquares(), batch_size=8, io_concurrency=64).prefetch == 10
 
 
 def test_timeout_zero_means_no_limit_as_in_torch() -> None:
-    assert build(timeout=0).timeout is None
-    assert build(timeout=np.float32(1.5)).timeout == 1.5
+    assert build_config(timeout=0).timeout is None
+    assert build_config(timeout=np.float32(1.5)).timeout == 1.5
 
 
 def test_derived_views() -> None:
-    config = build(num_workers=3, thread_pool=True, on_error="skip", last_batch="discard")
+    config = build_config(num_workers=3, thread_pool=True, on_error="skip", last_batch="discard")
     assert (config.uses_processes, config.threads) == (False, 3)
     assert config.skip_errors
     assert config.drop_last
-    assert build(num_workers=2).uses_processes
-    assert build(num_workers=0).threads == 1
-    assert build().collate_fn is default_collate
+    assert build_config(num_workers=2).uses_processes
+    assert build_config(num_workers=0).threads == 1
+    assert build_config().collate_fn is default_collate
 
 
 @pytest.mark.parametrize(
@@ -122,7 +100,121 @@ def test_derived_views() -> None:
 )
 def test_a_bad_argument_is_named_with_its_value(argument: str, value: Any, error: type) -> None:
     with pytest.raises(error, match=argument) as info:
-        build(**{argument: value})
+        build_config(**{argument: value})
     assert repr(value) in str(info.value)
     with pytest.raises(error, match=argument):  # and the loader says the same
         DataLoader(Squares(), **{"batch_size": 2, argument: value})
+
+
+# -- through the loader: every argument checked, named in the error ---------------------------
+
+
+BAD_ARGUMENTS: list[tuple[dict[str, Any], type[Exception], str]] = [
+    ({"num_workers": -1}, ValueError, "num_workers"),
+    ({"num_workers": 1.5}, TypeError, "num_workers"),
+    ({"num_workers": True}, TypeError, "num_workers"),
+    ({"num_workers": "2"}, TypeError, "num_workers"),
+    ({"batch_size": 0}, ValueError, "batch_size"),
+    ({"batch_size": -3}, ValueError, "batch_size"),
+    ({"batch_size": 2.0}, TypeError, "batch_size"),
+    ({"batch_size": True}, TypeError, "batch_size"),
+    ({"batch_size": None}, ValueError, "batch_size"),
+    ({"prefetch": 0}, ValueError, "prefetch"),
+    ({"prefetch": -1}, ValueError, "prefetch"),
+    ({"prefetch": 2.5}, TypeError, "prefetch"),
+    ({"prefetch": False}, TypeError, "prefetch"),
+    ({"timeout": -1}, ValueError, "timeout"),
+    ({"timeout": float("nan")}, ValueError, "timeout"),
+    ({"timeout": float("inf")}, ValueError, "timeout"),
+    ({"timeout": "1"}, TypeError, "timeout"),
+    ({"timeout": True}, TypeError, "timeout"),
+    ({"sampler": SequentialSampler(10), "shuffle": True}, ValueError, "shuffle"),
+    ({"batch_sampler": [[0, 1]], "batch_size": 2}, ValueError, "batch_size"),
+    ({"batch_sampler": [[0, 1]], "shuffle": True}, ValueError, "shuffle"),
+    ({"batch_sampler": [[0, 1]], "sampler": [0, 1]}, ValueError, "sampler"),
+    ({"batch_sampler": [[0, 1]], "drop_last": True}, ValueError, "drop_last"),
+    ({"batch_sampler": [[0, 1]], "last_batch": "discard"}, ValueError, "last_batch"),
+    ({"last_batch": "drop"}, ValueError, "last_batch"),
+    ({"last_batch": 3}, ValueError, "last_batch"),
+    ({"drop_last": True, "last_batch": "keep"}, ValueError, "drop_last"),
+    ({"drop_last": 1}, TypeError, "drop_last"),
+    ({"shuffle": 1}, TypeError, "shuffle"),
+    ({"mp_context": "telepathy"}, ValueError, "mp_context"),
+    ({"mp_context": "telepathy", "num_workers": 2}, ValueError, "mp_context"),
+    ({"mp_context": 3}, TypeError, "mp_context"),
+    ({"collate_fn": "stack"}, TypeError, "collate_fn"),
+    ({"batchify_fn": 3}, TypeError, "collate_fn"),
+    ({"transform": 3}, TypeError, "transform"),
+    ({"worker_init_fn": "init"}, TypeError, "worker_init_fn"),
+    ({"max_failures": -1}, ValueError, "max_failures"),
+    ({"max_failures": float("nan")}, ValueError, "max_failures"),
+    ({"max_failures": float("inf")}, ValueError, "max_failures"),
+    ({"max_failures": 1.5}, ValueError, "max_failures"),
+    ({"max_failures": "3"}, TypeError, "max_failures"),
+    ({"max_failures": True}, TypeError, "max_failures"),
+    ({"on_error": "ignore"}, ValueError, "on_error"),
+    ({"device": "cuda:x"}, ValueError, "device"),
+    ({"device": "gpu"}, ValueError, "device"),
+    ({"device": -1}, ValueError, "device"),
+    ({"device": 1.0}, TypeError, "device"),
+    ({"seed": "42"}, TypeError, "seed"),
+    ({"io_concurrency": 0}, ValueError, "io_concurrency"),
+    ({"max_retries": -1}, ValueError, "max_retries"),
+    ({"in_order": "yes"}, TypeError, "in_order"),
+    ({"thread_pool": None}, TypeError, "thread_pool"),
+    ({"shm_max_bytes": -1}, ValueError, "shm_max_bytes"),
+]
+
+
+BAD_FOR_ITERABLES: list[tuple[dict[str, Any], type[Exception], str]] = [
+    ({"shuffle": True}, ValueError, "shuffle"),
+    ({"sampler": SequentialSampler(5)}, ValueError, "sampler"),
+    ({"batch_sampler": [[0, 1]]}, ValueError, "batch_sampler"),
+    ({"last_batch": "rollover"}, ValueError, "rollover"),
+    ({"batch_size": None}, ValueError, "batch_size"),
+]
+
+
+def _construction_error(dataset: Any, kwargs: dict[str, Any]) -> Exception | None:
+    try:
+        DataLoader(dataset, **kwargs).close()
+    except Exception as exc:
+        return exc
+    return None
+
+
+def test_bad_arguments_are_rejected_naming_the_argument() -> None:
+    # One test over a table (each case is cheap; a test each would mostly measure teardown).
+    cases: list[tuple[Any, dict[str, Any], type[Exception], str]]
+    cases = [(Range(10), *case) for case in BAD_ARGUMENTS]
+    cases += [(Stream(5), *case) for case in BAD_FOR_ITERABLES]
+    cases += [(42, {}, TypeError, "dataset")]
+    wrong = []
+    for dataset, kwargs, error, name in cases:
+        exc = _construction_error(dataset, kwargs)
+        if type(exc) is not error or name not in str(exc):
+            wrong.append(
+                f"{type(dataset).__name__} {kwargs}: want {error.__name__} naming "
+                f"{name!r}, got {exc!r}"
+            )
+    assert wrong == []
+
+
+def test_unpicklable_dataset_for_worker_processes_is_reported_at_construction() -> None:
+    local = Range(4)
+    local.fn = lambda x: x  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match="dataset"):
+        DataLoader(local, num_workers=2)
+    with pytest.raises(TypeError, match="collate_fn"):
+        DataLoader(Range(4), num_workers=2, collate_fn=lambda s: s)
+    # Threads need no pickling.
+    DataLoader(local, num_workers=2, thread_pool=True, collate_fn=lambda s: s).close()
+
+
+def test_more_worker_processes_than_cpus_warns() -> None:
+    cpus = os.cpu_count() or 1
+    with pytest.warns(UserWarning, match=f"num_workers={cpus + 1}"):
+        loader = DataLoader(Range(4), num_workers=cpus + 1)
+    loader.close()
+    # Threads wait on IO; more of them than CPUs is normal and does not warn.
+    DataLoader(Range(4), num_workers=cpus + 1, thread_pool=True).close()

@@ -3,16 +3,22 @@
 The runner is a fake (it only says whether a batch is running and records kills); the attempts
 are plain futures the test completes. The clock for elapsed times is injected, so the figures in
 errors are exact; only the deadline's own wake-ups use the loop's timer (a few milliseconds).
+The last tests take the same contract through a loader, on its helper thread (a hung read, a
+slow consumer, an async item that never arrives), with deadlines of a few tenths of a second.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 import pytest
+from datasets import HangAt, Range
+from helpers import BOUND_S, as_lists, expected_batches, take
 
-from aioloader import LoaderTimeoutError, WorkerCrashedError
+import aioloader
+from aioloader import DataLoader, LoaderTimeoutError, WorkerCrashedError
 from aioloader._deadline import DeadlinePolicy, run_attempts, timeout_error
 from aioloader._stats import Counters
 from aioloader._types import BatchRequest, Made, StreamRequest
@@ -216,10 +222,70 @@ async def test_cancelling_the_wait_cancels_the_attempt() -> None:
 def test_timeout_error_says_what_to_try() -> None:
     error = timeout_error(3, "the stream of worker 1", 2.5, 2.0, None)
     assert isinstance(error, LoaderTimeoutError)
-    assert "batch 3 (the stream of worker 1) was not ready after 2.50 s (timeout=2.0)" in str(
-        error
-    )
+    assert "batch 3 (the stream of worker 1) was not ready after 2.50 s (timeout=2.0)" in str(error)
     assert "killed" not in str(error)
     assert "max_retries" in str(error)
 
 
+# -- through the loader -----------------------------------------------------------------------
+
+
+async def test_a_hung_batch_raises_loader_timeout_error_naming_it() -> None:
+    dataset = HangAt(8, bad=4)
+    loader = DataLoader(dataset, batch_size=2, timeout=0.3)
+    try:
+        it = aiter(loader)
+        assert as_lists(await take(it, 2)) == [[0, 1], [2, 3]]
+        started = time.monotonic()
+        with pytest.raises(LoaderTimeoutError) as info:
+            await take(it, 1)
+        assert time.monotonic() - started < BOUND_S / 2
+        assert isinstance(info.value, TimeoutError)
+        assert isinstance(info.value, aioloader.AioloaderError)
+        assert "batch 2" in str(info.value)
+        assert "timeout=0.3" in str(info.value)
+        assert loader.statistics().timeouts >= 1
+    finally:
+        dataset.release.set()  # a thread cannot be killed: let it finish
+        await loader.aclose()
+
+
+async def test_a_slow_consumer_causes_no_timeout() -> None:
+    async with DataLoader(Range(6), batch_size=2, timeout=0.2, prefetch=2) as loader:
+        got = []
+        async with asyncio.timeout(BOUND_S):
+            async for batch in loader:
+                got.append(batch.tolist())
+                await asyncio.sleep(0.3)  # longer than the timeout, between batches
+        assert got == expected_batches(6, 2)
+        assert loader.statistics().timeouts == 0
+
+
+class NeverArrives:
+    def __init__(self, n: int, stuck: int) -> None:
+        self.n, self.stuck = n, stuck
+
+    def __len__(self) -> int:
+        return self.n
+
+    async def __getitem__(self, i: int) -> int:
+        if i == self.stuck:
+            await asyncio.sleep(3600)
+        return i
+
+
+async def test_an_async_item_that_never_arrives_misses_its_batch_deadline() -> None:
+    loader = DataLoader(NeverArrives(8, stuck=5), batch_size=4, timeout=0.3)
+    async with loader, asyncio.timeout(BOUND_S):
+        it = aiter(loader)
+        assert (await anext(it)).tolist() == [0, 1, 2, 3]
+        with pytest.raises(
+            LoaderTimeoutError, match=r"batch 1 \(fetching indices \[4, 5, 6, 7\]\)"
+        ):
+            await anext(it)
+        assert loader.statistics().timeouts == 1
+        # The loader stays usable: the next epoch delivers, then misses the same deadline.
+        again = aiter(loader)
+        assert (await anext(again)).tolist() == [0, 1, 2, 3]
+        with pytest.raises(TimeoutError):  # LoaderTimeoutError is also a TimeoutError
+            await anext(again)

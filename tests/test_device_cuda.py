@@ -27,6 +27,7 @@ BUSY_CYCLES = 20_000_000
 def as_host(value: Any) -> torch.Tensor:
     if isinstance(value, np.ndarray):
         return torch.from_numpy(np.array(value, dtype=value.dtype.newbyteorder("=")))
+    assert isinstance(value, torch.Tensor)
     return value
 
 
@@ -60,7 +61,7 @@ async def test_values_arrive_intact() -> None:
 
 async def test_consumer_on_its_own_stream_sees_the_batch() -> None:
     stage = DeviceStage("cuda")
-    consumer = torch.cuda.Stream()
+    consumer = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     host = torch.arange(1 << 20, dtype=torch.float32)
     out = await stage.start({"x": host}, 0).wait(stream=consumer)
     with torch.cuda.stream(consumer):
@@ -75,7 +76,9 @@ async def test_no_corruption_when_batches_are_freed_while_the_next_copy_runs(
     consumer_kind: str,
 ) -> None:
     stage = DeviceStage("cuda")
-    consumer = torch.cuda.current_stream() if consumer_kind == "default" else torch.cuda.Stream()
+    consumer = (
+        torch.cuda.current_stream() if consumer_kind == "default" else torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    )
     n = 1 << 20
     batches = 24
     kept: list[torch.Tensor] = []
@@ -83,7 +86,7 @@ async def test_no_corruption_when_batches_are_freed_while_the_next_copy_runs(
     for i in range(batches):
         dev = await transfer.wait(stream=consumer)
         with torch.cuda.stream(consumer):
-            torch.cuda._sleep(BUSY_CYCLES)  # the consumer reads this batch only later
+            torch.cuda._sleep(BUSY_CYCLES)  # type: ignore[no-untyped-call]  # read only later
             kept.append(dev["x"].clone())
         # Drop every reference (the batch and its transfer): the block is freed on the host
         # while the consumer's read is still queued, and the next copy allocates right after.
@@ -123,7 +126,7 @@ async def test_registered_host_memory_is_copied_directly() -> None:
 
 async def test_pin_only_mode_returns_pinned_host_memory() -> None:
     stage = DeviceStage(None, pin_memory=True)
-    batch = {"x": torch.randn(10), "y": np.arange(4)}
+    batch: dict[str, Any] = {"x": torch.randn(10), "y": np.arange(4)}
     out = await stage.start(batch, 0).wait()
     assert out["x"].is_pinned()
     assert out["y"].is_pinned()

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import fault_datasets as fd
 import pytest
+from datasets import Slow
 
 import aioloader
 from aioloader import _shm
@@ -40,12 +41,6 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # A child scenario must finish inside this, start-up (importing torch twice) included.
 CHILD_TIMEOUT_S = 60.0
-
-
-def _pool_pids(loader: aioloader.DataLoader) -> list[int]:
-    runner = loader._res.runner
-    assert runner is not None
-    return list(runner.pool.pids())  # type: ignore[union-attr]
 
 
 def _open_fds() -> set[int]:
@@ -127,13 +122,10 @@ async def test_collate_error_names_batch_and_indices_and_leaves_no_slot_leased()
         assert re.search(r"in worker [01] \(pid \d+\)", notes), notes
         fd.assert_exact(run, expected)
         gc.collect()
-        slots = loader._res.slots
-        assert slots is not None
-        stats = slots.stats()
-        assert stats.slots > 0  # the shared-memory path was used
-        assert stats.leased == 0
-        assert stats.held == 0
-        assert loader.statistics().held_shm_slots == 0
+        stats = loader.statistics()
+        assert stats.live_shm_slots > 0  # the shared-memory path was used
+        assert stats.leased_shm_slots == 0
+        assert stats.held_shm_slots == 0
 
 
 # -- row 4: an exception in worker_init_fn ----------------------------------------------------
@@ -210,7 +202,7 @@ async def test_worker_dying_mid_batch_is_reported_then_replaced(
         again = await fd.run_epoch(aiter(loader))  # the rebuilt pool serves the next epoch
         assert again.errors == []
         assert again.batches == expected
-        assert pid not in _pool_pids(loader)
+        assert pid not in loader.worker_pids
 
 
 async def test_every_crash_names_its_own_pid_and_signal(tmp_path: Path) -> None:
@@ -274,7 +266,7 @@ async def test_hung_worker_misses_its_deadline_and_is_killed_and_replaced(tmp_pa
         stats = loader.statistics()
         assert stats.timeouts == 1
         assert stats.worker_restarts == 1
-        assert pid not in _pool_pids(loader)
+        assert pid not in loader.worker_pids
 
 
 async def test_hung_batch_is_rerun_by_the_replacement_worker_with_max_retries(
@@ -317,7 +309,7 @@ async def test_error_in_the_training_loop_tears_everything_down() -> None:
     async def train() -> None:
         async with asyncio.timeout(fd.SCENARIO_TIMEOUT_S), loader:
             async for batch in loader:
-                pids.extend(_pool_pids(loader))
+                pids.extend(loader.worker_pids)
                 del batch
                 raise RuntimeError("training step failed")
 
@@ -376,7 +368,7 @@ async def test_cancelled_wait_for_a_batch_loses_nothing() -> None:
     expected = fd.sequential_batches(12, 2)
     got: list[list[int]] = []
     cancelled = 0
-    async with fd.make_loader(fd.Slow(12, 0.05), batch_size=2, num_workers=1) as loader:
+    async with fd.make_loader(Slow(12, 0.05), batch_size=2, num_workers=1) as loader:
         it = aiter(loader)
         async with asyncio.timeout(fd.SCENARIO_TIMEOUT_S):
             while True:
@@ -428,7 +420,7 @@ async def test_three_epochs_with_crashes_leave_nothing_and_stay_exact(tmp_path: 
         assert len(run0.errors) == 1, [f"{e!r} {getattr(e, '__notes__', '')}" for e in run0.errors]
         [err0] = run0.errors
         assert isinstance(err0, aioloader.WorkerCrashedError)
-        seen_pids.update(_pool_pids(loader))
+        seen_pids.update(loader.worker_pids)
         # Abandon epoch 0: its error's traceback holds the iterator, so drop them. (A new
         # iterator no longer closes an older one still held: each runs a full epoch.)
         del run0, err0
@@ -438,12 +430,12 @@ async def test_three_epochs_with_crashes_leave_nothing_and_stay_exact(tmp_path: 
         [err1] = run1.errors
         assert isinstance(err1, aioloader.WorkerCrashedError)
         fd.assert_exact(run1, _shuffled_batches(n, size, seed, 1))
-        seen_pids.update(_pool_pids(loader))
+        seen_pids.update(loader.worker_pids)
         # Epoch 2: clean, complete, exact: no stale batch of an earlier epoch.
         run2 = await fd.run_epoch(aiter(loader))
         assert run2.errors == []
         assert run2.batches == _shuffled_batches(n, size, seed, 2)
-        seen_pids.update(_pool_pids(loader))
+        seen_pids.update(loader.worker_pids)
         stats = loader.statistics()
         assert stats.worker_restarts == 2
         assert stats.live_shm_slots > 0  # 128 KiB batches: the shared-memory path was used
@@ -507,7 +499,7 @@ async def main():
             if len(held) == 8:
                 break
         kids = [p.pid for p in psutil.Process().children(recursive=True)]
-        print("pids", *loader._res.runner.pool.pids(), flush=True)
+        print("pids", *loader.worker_pids, flush=True)
         print("descendants", *kids, flush=True)
         print("ready", flush=True)
         await asyncio.sleep(1000)
@@ -609,7 +601,7 @@ def main():
             for batch in loader:
                 count += 1
                 if count == 8:
-                    print("pids", *loader._res.runner.pool.pids(), flush=True)
+                    print("pids", *loader.worker_pids, flush=True)
                     print("ready", flush=True)
     except KeyboardInterrupt:
         print("interrupted", count, flush=True)
@@ -702,7 +694,7 @@ def across_loops() -> None:
     with fd.make_loader(fd.Faulty(24), mp_context="fork", allow_fork=True) as loader:
         first = asyncio.run(epoch(loader))
         assert first.batches == expected
-        pid = loader._res.runner.pool.pids()[0]
+        pid = loader.worker_pids[0]
         os.kill(pid, signal.SIGKILL)
         time.sleep(0.5)
         second = asyncio.run(asyncio.wait_for(epoch(loader), 20))

@@ -5,38 +5,28 @@ pulled on the event loop.
 The contract: every item exactly once per epoch (whether the dataset shards itself with
 :func:`aioloader.get_worker_info` or leaves it to the loader), ``drop_last`` per stream, and a
 stream that fails mid-way delivers everything it produced before the error, then raises it:
-never a silent end. Datasets are defined at module level so worker processes can unpickle them.
+never a silent end (on threads and the loop that is in ``test_produce``, which delivers it in
+turn). Datasets are defined at module level so worker processes can unpickle them; the plain
+and failing streams are in ``datasets``.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 import torch.utils.data as tud
+from datasets import AsyncStream, Broken, Stream
+from helpers import BOUND_S, as_lists, chunks, drain_sync
 from procs import no_worker_left_behind
 
 import aioloader
 from aioloader import DataLoader
 
-BOUND_S = 10.0  # no wait in these tests comes near this; it turns a hang into a failure
-
-
 # -- datasets ---------------------------------------------------------------------------------
-
-
-class Stream:
-    """Yields ``0 .. n-1``; does not know about workers (the loader shards it)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.n))
 
 
 class SelfSharded:
@@ -52,19 +42,6 @@ class SelfSharded:
         yield from range(start, self.n, step)
 
 
-class Broken:
-    """Yields ``0 .. fail_at-1`` then raises ValueError."""
-
-    def __init__(self, fail_at: int) -> None:
-        self.fail_at = fail_at
-
-    def __iter__(self) -> Iterator[int]:
-        for i in range(self.fail_at + 10):
-            if i == self.fail_at:
-                raise ValueError(f"the stream broke at item {i}")
-            yield i
-
-
 class TorchStream(tud.IterableDataset):  # type: ignore[type-arg]
     """A torch IterableDataset (it inherits a ``__getitem__`` that must not make it map-style)."""
 
@@ -75,52 +52,11 @@ class TorchStream(tud.IterableDataset):  # type: ignore[type-arg]
         return iter(range(self.n))
 
 
-class AsyncStream:
-    """An async stream of ``0 .. n-1``, optionally failing at item ``fail_at``."""
-
-    def __init__(self, n: int, fail_at: int | None = None) -> None:
-        self.n = n
-        self.fail_at = fail_at
-        self.closed = 0
-
-    async def __aiter__(self) -> AsyncIterator[int]:
-        try:
-            for i in range(self.n):
-                await asyncio.sleep(0)
-                if i == self.fail_at:
-                    raise ConnectionError(f"the async stream broke at item {i}")
-                yield i
-        finally:
-            self.closed += 1
-
-
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def as_lists(batches: list[Any]) -> list[list[int]]:
-    return [b.tolist() if isinstance(b, torch.Tensor) else list(b) for b in batches]
-
-
-def chunks(items: list[int], size: int, drop_last: bool = False) -> list[list[int]]:
-    out = [items[i : i + size] for i in range(0, len(items), size)]
-    if drop_last and out and len(out[-1]) < size:
-        out.pop()
-    return out
-
-
-async def drain(loader: DataLoader, into: list[list[int]]) -> None:
-    """Append every batch of one epoch (as lists) to ``into`` until it ends or raises."""
-    async with asyncio.timeout(BOUND_S):
-        async for batch in loader:
-            into.append(batch.tolist())
-
-
-def drain_sync(loader: DataLoader, into: list[list[int]]) -> None:
-    for batch in loader:
-        into.append(batch.tolist())
-
-
 async def collect(loader: DataLoader) -> list[list[int]]:
+    """One epoch's batches, as lists."""
     async with asyncio.timeout(BOUND_S):
         return as_lists([batch async for batch in loader])
 
@@ -147,17 +83,6 @@ async def test_stream_drop_last_and_an_exact_multiple() -> None:
         assert await collect(loader) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     async with DataLoader(Stream(0), batch_size=4) as loader:
         assert await collect(loader) == []
-
-
-@pytest.mark.parametrize("threads", [0, 2])
-async def test_a_failing_stream_delivers_what_came_before_then_raises(threads: int) -> None:
-    kwargs: dict[str, Any] = {"num_workers": threads, "thread_pool": bool(threads)}
-    async with DataLoader(Broken(fail_at=7), batch_size=3, **kwargs) as loader:
-        for _ in range(2):  # the next epoch restarts the stream and fails the same way
-            got: list[list[int]] = []
-            with pytest.raises(ValueError, match="broke at item 7"):
-                await drain(loader, got)
-            assert got == [[0, 1, 2], [3, 4, 5], [6]]
 
 
 def test_sync_iteration_of_a_stream() -> None:
@@ -218,23 +143,6 @@ async def test_async_stream_yields_every_item_once_in_order() -> None:
         assert await collect(loader) == chunks(list(range(22)), 4, drop_last=True)
     async with DataLoader(AsyncStream(8), batch_size=4, drop_last=True) as loader:
         assert await collect(loader) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-
-
-async def test_a_failing_async_stream_delivers_what_came_before_then_raises() -> None:
-    dataset = AsyncStream(20, fail_at=7)
-    async with DataLoader(dataset, batch_size=3) as loader:
-        got: list[list[int]] = []
-        with pytest.raises(ConnectionError, match="broke at item 7") as info:
-            await drain(loader, got)
-        assert got == [[0, 1, 2], [3, 4, 5], [6]]
-        assert "async stream" in "\n".join(getattr(info.value, "__notes__", ()))
-        # drop_last never drops the items that came before a failure.
-        dataset = AsyncStream(20, fail_at=7)
-    async with DataLoader(dataset, batch_size=3, drop_last=True) as loader:
-        got = []
-        with pytest.raises(ConnectionError):
-            await drain(loader, got)
-        assert got == [[0, 1, 2], [3, 4, 5], [6]]
 
 
 async def test_abandoned_async_stream_is_closed_and_the_next_epoch_is_complete() -> None:

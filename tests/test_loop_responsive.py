@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import pytest
+from datasets import Slow
 
 from aioloader import DataLoader
 
@@ -23,27 +24,13 @@ MAX_P99_LAG_S = 0.010
 BOUND_S = 20.0
 
 
-class Sleepy:
-    """``dataset[i] == i`` after blocking the calling thread for :data:`READ_S`."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        time.sleep(READ_S)
-        return index
-
-
 def p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
 async def _load_while_ticking(
-    dataset: Sleepy, batch_size: int, **kwargs: Any
+    dataset: Slow, batch_size: int, **kwargs: Any
 ) -> tuple[list[int], list[float]]:
     lags: list[float] = []
     stop = asyncio.Event()
@@ -77,7 +64,7 @@ async def _load_while_ticking(
 async def test_blocking_reads_never_block_the_loop(
     n: int, batch_size: int, kwargs: dict[str, Any]
 ) -> None:
-    items, lags = await _load_while_ticking(Sleepy(n), batch_size, **kwargs)
+    items, lags = await _load_while_ticking(Slow(n, READ_S), batch_size, **kwargs)
     assert items == list(range(n))
     # Blocking reads take n * READ_S / threads seconds; the ticker must have run all along.
     threads = kwargs.get("num_workers", 0) or 1

@@ -53,7 +53,7 @@ def test_not_in_order_leaves_in_completion_order(data: st.DataObject, n: int) ->
     buffer = ReorderBuffer(in_order=False)
     for batch_id in range(n):
         buffer.expect(batch_id)
-    popped = []
+    popped: list[int] = []
     for batch_id in completion:
         assert buffer.pop_ready() is None  # nothing finished that was not taken yet
         buffer.put_nowait(Outcome(batch_id, value=batch_id))

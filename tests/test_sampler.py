@@ -9,7 +9,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import psutil
 import pytest
@@ -234,7 +234,11 @@ def test_distributed_ranks_are_equal_and_cover_the_dataset(
 def test_distributed_without_shuffle_equals_torch(n: int, world: int, drop_last: bool) -> None:
     for rank in range(world):
         ours = DistributedSampler(n, world, rank, shuffle=False, drop_last=drop_last)
-        theirs = tud.DistributedSampler(range(n), world, rank, shuffle=False, drop_last=drop_last)
+        # torch's annotation asks for a Dataset; any sized sequence is one to it at runtime.
+        data = cast("tud.Dataset[int]", range(n))
+        theirs: tud.DistributedSampler[int] = tud.DistributedSampler(
+            data, world, rank, shuffle=False, drop_last=drop_last
+        )
         assert list(ours) == list(theirs)
         assert len(ours) == len(theirs)
 
@@ -286,7 +290,7 @@ def test_distributed_refuses_bad_environment(
 def _loopback_interface() -> str:
     for name, addresses in psutil.net_if_addrs().items():
         if any(a.address == "127.0.0.1" for a in addresses):
-            return name
+            return str(name)
     pytest.skip("no loopback interface with 127.0.0.1")
 
 

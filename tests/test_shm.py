@@ -106,7 +106,7 @@ def _byte_view(t: Any) -> Any:
 def _segment_span(pool: SlotPool, slot: Slot) -> tuple[int, int]:
     """Address range of the pool's own mapping of ``slot``."""
     mapping = pool._segments[slot.name].mapping
-    start = np.frombuffer(mapping, np.uint8).__array_interface__["data"][0]
+    start = np.frombuffer(memoryview(mapping), np.uint8).__array_interface__["data"][0]
     return start, start + slot.size
 
 
@@ -284,7 +284,7 @@ def test_a_torch_tensor_made_from_a_leaf_holds_the_slot(pool: SlotPool) -> None:
 def test_torch_leaves_come_back_as_tensors_in_the_slot(pool: SlotPool) -> None:
     import torch
 
-    src = {
+    src: dict[str, Any] = {
         "f": torch.arange(12, dtype=torch.float32).reshape(3, 4),
         "bf16": torch.linspace(-2, 2, 10, dtype=torch.bfloat16),  # no numpy dtype
         "grad": torch.ones(5, requires_grad=True),
@@ -453,7 +453,7 @@ def test_bad_arguments_name_the_argument() -> None:
     finally:
         p.close()
     with pytest.raises(ValueError, match="buf"):
-        SlotWriter(np.zeros(10, np.float32))  # type: ignore[arg-type]
+        SlotWriter(np.zeros(10, np.float32))
     with pytest.raises(ValueError, match="dtype"):
         SlotWriter(np.zeros(64, np.uint8)).alloc(2, object)
 

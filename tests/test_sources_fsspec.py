@@ -22,6 +22,7 @@ import aiohttp
 import botocore.exceptions
 import botocore.session
 import pytest
+from helpers import Sleeps
 from http_server import Fault, FaultServer, payload
 from hypothesis import given
 from hypothesis import strategies as st
@@ -40,11 +41,6 @@ BUCKET = "aiol-test"
 OBJECTS = 20
 SIZE = 3000
 FAST = RetryPolicy(max_attempts=3, backoff_initial=0.01, backoff_max=1.0, jitter=False)
-
-
-class Sleeps(list[float]):
-    async def __call__(self, seconds: float) -> None:
-        self.append(seconds)
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +168,7 @@ async def test_slowdown_then_success_is_retried_exactly(moto_endpoint: str) -> N
     async with ds:
         assert await ds.fetch(0) == payload(7, SIZE)
     assert faults.calls == 3
-    assert sleeps == [pytest.approx(0.01), pytest.approx(0.02)]
+    assert sleeps == pytest.approx([0.01, 0.02])
 
 
 async def test_slowdown_forever_lists_every_attempt(moto_endpoint: str) -> None:
@@ -263,7 +259,7 @@ async def test_http_through_fsspec_retries_and_maps_not_found() -> None:
                 await ds.fetch(1)
     assert server.count("/obj/1") == 3
     assert server.count("/obj/2") == 1
-    assert sleeps == [pytest.approx(0.01), pytest.approx(0.02)]
+    assert sleeps == pytest.approx([0.01, 0.02])
 
 
 async def test_http_through_fsspec_stall_is_a_timeout() -> None:

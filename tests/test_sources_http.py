@@ -22,6 +22,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from helpers import Sleeps
 from http_server import Fault, FaultServer, payload
 from hypothesis import given
 from hypothesis import strategies as st
@@ -38,13 +39,6 @@ from aioloader._errors import (
 from aioloader.sources import HTTPDataset, RetryableError, RetryPolicy, parse_retry_after, retrying
 
 FAST = RetryPolicy(max_attempts=3, backoff_initial=0.01, backoff_max=1.0, jitter=False)
-
-
-class Sleeps(list[float]):
-    """An injectable ``sleep`` that records each delay and returns at once."""
-
-    async def __call__(self, seconds: float) -> None:
-        self.append(seconds)
 
 
 def digest(data: bytes) -> str:
@@ -92,7 +86,7 @@ async def test_503_then_success_backs_off_exponentially() -> None:
         server.fail("/obj/7", Fault.http(503), Fault.http(503))
         assert await ds.fetch(0) == payload(7)
     assert server.count("/obj/7") == 3
-    assert sleeps == [pytest.approx(0.01), pytest.approx(0.02)]
+    assert sleeps == pytest.approx([0.01, 0.02])
 
 
 async def test_503_forever_exhausts_retries_and_lists_every_attempt() -> None:
@@ -122,7 +116,7 @@ async def test_429_honours_retry_after_seconds() -> None:
         server.fail("/obj/1", Fault.http(429, retry_after="0.75"))
         assert await ds.fetch(0) == payload(1)
     assert server.count("/obj/1") == 2
-    assert sleeps == [pytest.approx(0.75)]
+    assert sleeps == pytest.approx([0.75])
 
 
 async def test_retry_after_as_http_date_and_capped_by_backoff_max() -> None:
@@ -143,7 +137,7 @@ async def test_retry_after_ignored_when_the_policy_says_so() -> None:
     async with FaultServer() as server, dataset(server, [1], retry=policy, sleep=sleeps) as ds:
         server.fail("/obj/1", Fault.http(429, retry_after="3"))
         assert await ds.fetch(0) == payload(1)
-    assert sleeps == [pytest.approx(0.01)]
+    assert sleeps == pytest.approx([0.01])
 
 
 async def test_reset_mid_body_is_retried_and_the_whole_object_read_again() -> None:
@@ -373,7 +367,7 @@ def test_unsupported_urls_are_refused_at_construction(url: str) -> None:
         ("max_connections", 2.5),
     ],
 )
-def test_bad_arguments_are_refused_naming_them(argument: str, value: object) -> None:
+def test_bad_arguments_are_refused_naming_them(argument: str, value: Any) -> None:
     with pytest.raises(ValueError, match=argument) as info:
         HTTPDataset(["http://127.0.0.1/x"], **{argument: value})
     assert repr(value) in str(info.value)
@@ -497,7 +491,7 @@ def test_public_names() -> None:
         ("retry_statuses", 503),
     ],
 )
-def test_retry_policy_validates_naming_field_and_value(field: str, value: object) -> None:
+def test_retry_policy_validates_naming_field_and_value(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=f"RetryPolicy.{field}") as info:
         RetryPolicy(**{field: value})
     assert repr(value) in str(info.value)

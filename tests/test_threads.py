@@ -7,6 +7,7 @@ import asyncio
 import threading
 
 import pytest
+from datasets import Stream
 
 from aioloader import _threads
 from aioloader._batch import BatchMaker
@@ -20,21 +21,23 @@ async def test_results_and_errors_reach_the_awaiting_task() -> None:
     try:
         assert await threads.run(lambda x: x * 2, 21) == 42
         with pytest.raises(KeyError, match="missing"):
-            await threads.run(lambda key: {}[key], "missing")
+            await threads.run(lambda key: dict[str, int]()[key], "missing")
     finally:
         assert threads.close(5.0) == []
 
 
 async def test_a_job_cancelled_before_it_starts_never_runs() -> None:
     threads = ThreadPool(1)
-    gate, ran = threading.Event(), []
+    gate = threading.Event()
+    ran: list[str] = []
     try:
         first = threads.run(lambda _: gate.wait(5.0), None)  # occupies the only thread
         second = threads.run(ran.append, "second")
         second.cancel()
         gate.set()
         assert await first is True
-        assert await threads.run(ran.append, "third") is None
+        result: object = await threads.run(ran.append, "third")
+        assert result is None
         assert ran == ["third"]
     finally:
         gate.set()
@@ -72,17 +75,6 @@ async def test_closing_names_a_thread_stuck_in_user_code(monkeypatch: pytest.Mon
         assert (await stuck).batch.tolist() == [0, 1]
 
 
-class Stream:
-    def __init__(self, n: int, fail_at: int | None = None) -> None:
-        self.n, self.fail_at = n, fail_at
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        for i in range(self.n):
-            if i == self.fail_at:
-                raise OSError(f"stream broke at {i}")
-            yield i
-
-
 async def test_a_stream_is_cut_into_batches_then_ends() -> None:
     runner = ThreadRunner(BatchMaker(Stream(5), default_collate), threads=1)
     try:
@@ -105,7 +97,7 @@ async def test_a_failed_stream_delivers_what_it_read_then_its_error() -> None:
         assert first.batch.tolist() == [0, 1]
         partial = await runner.pull(StreamRequest(0, 1, 2, drop_last=True), 0)
         assert partial.batch.tolist() == [2]  # short, but never dropped: the stream failed
-        with pytest.raises(OSError, match="stream broke at 3"):
+        with pytest.raises(OSError, match="stream broke at item 3"):
             await runner.pull(StreamRequest(0, 2, 2, drop_last=True), 0)
         ended = await runner.pull(StreamRequest(0, 3, 2, drop_last=True), 0)
         assert ended.batch is END  # a failed stream ends for good: no repeated samples

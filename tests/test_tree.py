@@ -203,7 +203,12 @@ def test_mutable_mapping_whose_copy_shares_storage_is_never_changed() -> None:
 )
 def test_strings_buffers_ranges_arrays_and_scalars_are_leaves(leaf: Any) -> None:
     seen: list[Any] = []
-    out = map_tree({"k": leaf}, lambda x: seen.append(x) or x)
+
+    def visit(x: Any) -> Any:
+        seen.append(x)
+        return x
+
+    out = map_tree({"k": leaf}, visit)
     assert len(seen) == 1
     assert seen[0] is leaf
     assert out["k"] is leaf
@@ -309,8 +314,8 @@ def test_visiting_order_is_stable_across_walks(tree: Any) -> None:
 def test_shared_memory_walks_with_tree() -> None:
     from aioloader import _shm_tree
 
-    assert _shm_tree.map_tree is map_tree
-    assert _shm_tree.iter_leaves is iter_leaves
+    assert vars(_shm_tree)["map_tree"] is map_tree
+    assert vars(_shm_tree)["iter_leaves"] is iter_leaves
     assert not hasattr(_shm_tree, "_map_tree")
 
 
@@ -322,7 +327,12 @@ def test_the_device_stage_walks_with_tree_and_maps_only_arrays_and_tensors() -> 
     assert not hasattr(_leaves, "_map_tree")
     tree = collections.UserList([np.arange(2), torch.ones(2), 3, "s", Point(np.zeros(1), None)])
     seen: list[Any] = []
-    out = _leaves.map_arrays(tree, lambda leaf: seen.append(leaf) or "moved")
+
+    def move(leaf: Any) -> str:
+        seen.append(leaf)
+        return "moved"
+
+    out = _leaves.map_arrays(tree, move)
     assert type(out) is collections.UserList
     assert list(out) == ["moved", "moved", 3, "s", Point("moved", None)]
     assert [type(x).__name__ for x in seen] == ["ndarray", "Tensor", "ndarray"]

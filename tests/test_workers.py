@@ -3,8 +3,9 @@
 What a worker is told and what it does with it (``get_worker_info``, seeding), how batches come
 back (views of shared memory, zero copies), how workers are started (forkserver, spawn; fork and
 unpicklable arguments refused up front) and stopped (a hung worker is killed on close; a worker
-whose main process died, even one not yet reaped, exits by itself). The failure scenarios of
-RELIABILITY.md are in ``test_faults.py``.
+whose main process died, even one not yet reaped, exits by itself), and that worker processes
+give what threads give, errors included. The failure scenarios of RELIABILITY.md are in
+``test_faults.py``.
 """
 
 from __future__ import annotations
@@ -27,11 +28,21 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from datasets import AsyncRange, FailAt, Range, fail_collate_on_7
+from helpers import as_lists, drain_sync, flat, notes_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from procs import no_worker_left_behind, worker_processes
 
 import aioloader
-from aioloader import _shm, _workers
+from aioloader import (
+    BatchSampler,
+    DataLoader,
+    SequentialSampler,
+    ShardedBatchSampler,
+    _shm,
+    _workers,
+)
 from aioloader._batch import BatchMaker
 from aioloader._workers import _context, _pool, _worker
 
@@ -132,13 +143,17 @@ def test_seed_everything_is_a_function_of_seed_epoch_and_batch(
 # -- how batches come back ---------------------------------------------------------------------
 
 
-def _segment_ranges(loader: aioloader.DataLoader) -> list[tuple[int, int]]:
-    slots = loader._res.slots
-    assert slots is not None
+def _segment_ranges() -> list[tuple[int, int]]:
+    """Address ranges at which this process maps shared-memory segments of ours, as the kernel
+    lists them (``/proc/self/maps``): where a batch that is a view of a slot must lie."""
+    ours = os.path.join(_shm.SHM_DIR, _shm.SHM_PREFIX)
     ranges = []
-    for seg in slots._segments.values():
-        start = np.frombuffer(seg.mapping, dtype=np.uint8).ctypes.data
-        ranges.append((start, start + seg.size))
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(ours):
+                low, high = (int(address, 16) for address in fields[0].split("-"))
+                ranges.append((low, high))
     return ranges
 
 
@@ -158,7 +173,7 @@ async def test_large_batches_are_views_of_shared_memory_until_dropped() -> None:
             assert tuple(b.shape) == (64, 3, 64, 64)
             want = torch.arange(64 * k, 64 * k + 64, dtype=torch.int64) % 256
             assert torch.equal(b.reshape(64, -1).to(torch.int64), want[:, None].expand(64, 12288))
-        ranges = _segment_ranges(loader)
+        ranges = _segment_ranges()
         in_shm = [any(lo <= b.data_ptr() < hi for lo, hi in ranges) for b in held]
         # The first batches travel pickled (their size is not known yet); then every batch is
         # a view of a slot, and each held batch keeps its slot.
@@ -188,14 +203,13 @@ async def test_failed_open_of_a_slot_releases_it(monkeypatch: pytest.MonkeyPatch
     async with fd.make_loader(ds, batch_size=8, num_workers=1, prefetch=1) as loader:
         run = await fd.run_epoch(aiter(loader))
         gc.collect()
-        slots = loader._res.slots
-        assert slots is not None
-        stats = slots.stats()
+        stats = loader.statistics()
     [err] = run.errors
     assert "injected failure to map a slot" in str(err)
     assert len(run.batches) == 11
-    assert stats.leased == 0
-    assert stats.held == 0
+    assert stats.live_shm_slots > 0  # the shared-memory path was used
+    assert stats.leased_shm_slots == 0
+    assert stats.held_shm_slots == 0
 
 
 async def test_collate_fn_that_is_not_hashable_works_in_workers() -> None:
@@ -218,8 +232,8 @@ def test_the_forkserver_preloads_the_module_workers_run() -> None:
 @pytest.mark.slow
 def test_spawn_start_method_works() -> None:
     with fd.make_loader(fd.Faulty(24), num_workers=1, mp_context="spawn") as loader:
-        assert loader._context is not None
-        assert loader._context.get_start_method() == "spawn"
+        assert loader.mp_context is not None
+        assert loader.mp_context.get_start_method() == "spawn"
         assert [fd.batch_indices(b) for b in loader] == fd.sequential_batches(24, 4)
 
 
@@ -238,6 +252,11 @@ def test_spawn_workers_serve_when_descriptors_exceed_1023() -> None:
     finally:
         for handle in held:
             os.close(handle)
+
+
+def test_fork_is_refused_unless_insisted_on() -> None:
+    with pytest.raises(ValueError, match=r"mp_context='fork' is refused.*allow_fork=True"):
+        DataLoader(Range(4), num_workers=1, mp_context="fork")
 
 
 def test_fork_is_refused_while_another_thread_runs() -> None:
@@ -318,8 +337,7 @@ async def test_sync_and_async_epochs_alternate_on_one_set_of_workers() -> None:
     # move between the two loops, and the same worker processes serve every epoch.
     expected = fd.sequential_batches(40, 4)
     async with fd.make_loader(fd.Faulty(40)) as loader:
-        pool = loader._res.runner.pool  # type: ignore[union-attr]
-        pids = pool.pids()
+        pids = loader.worker_pids
         for _ in range(2):
             assert [fd.batch_indices(b) for b in loader] == expected  # blocks this loop: fine
             run = await fd.run_epoch(aiter(loader))
@@ -331,12 +349,12 @@ async def test_sync_and_async_epochs_alternate_on_one_set_of_workers() -> None:
         await anext(it)
         await it.aclose()  # type: ignore[attr-defined]
         assert [fd.batch_indices(b) for b in loader] == expected
-        it = iter(loader)
-        next(it)
-        it.close()  # type: ignore[attr-defined]
+        sync_it = iter(loader)
+        next(sync_it)
+        sync_it.close()  # type: ignore[attr-defined]
         run = await fd.run_epoch(aiter(loader))
         assert run.batches == expected
-        assert pool.pids() == pids
+        assert loader.worker_pids == pids
         assert loader.statistics().worker_restarts == 0
 
 
@@ -352,7 +370,7 @@ async def test_closing_while_a_worker_hangs_kills_it(tmp_path: Path) -> None:
             async with asyncio.timeout(0.5):
                 await anext(it)
         [(pid, _)] = fd.visits(str(tmp_path), 0)
-        assert pid in loader._res.runner.pool.pids()  # type: ignore[union-attr]
+        assert pid in loader.worker_pids
         closing = time.monotonic()
     assert time.monotonic() - closing < _pool.SHUTDOWN_GRACE_S + 3.0
     assert fd.wait_gone([pid]) == []
@@ -372,3 +390,51 @@ def test_watchdog_sees_a_zombie_main_process_as_dead() -> None:
         proc.kill()
         proc.wait(timeout=5)
     assert not _worker._alive(proc.pid)
+
+
+# -- worker processes behave like threads -----------------------------------------------------
+
+
+@no_worker_left_behind()
+def test_errors_in_worker_processes_keep_their_type() -> None:
+    with DataLoader(FailAt(12, {5}), batch_size=2, num_workers=2) as loader:
+        for _ in range(2):  # the loader stays usable: the next epoch starts from the beginning
+            got: list[Any] = []
+            with pytest.raises(KeyError) as info:
+                drain_sync(loader, got)
+            assert got == [[0, 1], [2, 3]]
+            notes = notes_of(info.value)
+            assert "sample index 5" in notes
+            assert "batch 2" in notes
+    with DataLoader(Range(10), batch_size=3, num_workers=2, collate_fn=fail_collate_on_7) as dl:
+        got = []
+        with pytest.raises(ValueError, match="cannot collate 7") as collate_info:
+            drain_sync(dl, got)
+        assert got == [[0, 1, 2], [3, 4, 5]]
+        assert "batch 2" in notes_of(collate_info.value)
+
+
+@no_worker_left_behind()
+def test_worker_processes_give_the_same_batches_as_threads() -> None:
+    kwargs: dict[str, Any] = {"batch_size": 5, "shuffle": True, "seed": 21}
+    with DataLoader(Range(33), **kwargs) as threads:
+        want = [as_lists(list(threads)) for _ in range(2)]
+    before = worker_processes()
+    with DataLoader(Range(33), num_workers=2, **kwargs) as processes:
+        assert [as_lists(list(processes)) for _ in range(2)] == want
+        assert len(worker_processes() - before) == 2  # really two processes, now running
+        assert len(processes) == 7
+        for _ in processes:  # a break mid-epoch, then a complete epoch
+            break
+        assert sorted(flat(list(processes))) == list(range(33))
+    # Async items are fetched on the loop, then collated in a worker; sharded batches too.
+    sampler = ShardedBatchSampler(BatchSampler(SequentialSampler(9), 4), num_shards=3)
+    with DataLoader(
+        AsyncRange(9), batch_size=None, batch_sampler=sampler, num_workers=2
+    ) as processes:
+        batches = list(processes)
+    assert [[shard.tolist() for shard in batch] for batch in batches] == [
+        [[0, 1], [2], [3]],
+        [[4, 5], [6], [7]],
+        [[8]],
+    ]

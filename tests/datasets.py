@@ -1,0 +1,227 @@
+"""The small datasets the loader tests share, one definition each.
+
+Defined at module level so that worker processes can unpickle them by reference (workers
+import this module by name: ``tests/`` is on ``sys.path``, and the forkserver passes
+``sys.path`` on to its children). Datasets that hold a lock or an event (:class:`Recorder`,
+:class:`HangAt`) do not pickle: use them with threads (``num_workers=0`` or
+``thread_pool=True``). The fault-injection datasets for worker processes are in
+``fault_datasets``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import namedtuple
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+# How long a blocked read waits for its release at most: it only turns a hang into a failure.
+BLOCK_BOUND_S = 10.0
+
+
+class Range:
+    """``dataset[i] == i``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        if not 0 <= index < self.n:
+            raise IndexError(index)
+        return index
+
+
+class FailAt(Range):
+    """Raises ``error_type`` for the indices in ``bad``."""
+
+    def __init__(self, n: int, bad: set[int], error_type: type[Exception] = KeyError) -> None:
+        super().__init__(n)
+        self.bad = bad
+        self.error_type = error_type
+
+    def __getitem__(self, index: int) -> int:
+        if index in self.bad:
+            raise self.error_type(f"sample {index} is broken")
+        return super().__getitem__(index)
+
+
+class FailOnce(Range):
+    """Raises KeyError the first time index ``bad`` is read, then behaves (threads only: a
+    worker process would fail on its own copy)."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        super().__init__(n)
+        self.bad = bad
+        self.failed = False
+
+    def __getitem__(self, index: int) -> int:
+        if index == self.bad and not self.failed:
+            self.failed = True
+            raise KeyError(index)
+        return super().__getitem__(index)
+
+
+Point = namedtuple("Point", ["x", "y"])
+
+
+class Nested(Range):
+    """Samples with every container kind the default collate handles."""
+
+    def __getitem__(self, index: int) -> Any:  # a dict, not Range's int
+        return {
+            "image": np.full((2, 3), index, dtype=np.float32),
+            "label": index,
+            "name": f"item-{index}",
+            "pair": (index, float(index) / 2),
+            "point": Point(index, -index),
+        }
+
+
+class Slow(Range):
+    """Sleeps in ``__getitem__`` and records the order in which indices finished.
+
+    Args:
+        n: length.
+        delay: seconds to sleep, or a function of the index giving them (a function defined
+            at module level, for worker processes).
+    """
+
+    def __init__(self, n: int, delay: float | Callable[[int], float]) -> None:
+        super().__init__(n)
+        self.delay = delay
+        self.finished: list[int] = []  # list.append is atomic: threads need no lock for it
+
+    def __getitem__(self, index: int) -> int:
+        time.sleep(self.delay(index) if callable(self.delay) else self.delay)
+        self.finished.append(index)
+        return index
+
+
+class Recorder(Range):
+    """Records every index read and the largest number of reads running at once."""
+
+    def __init__(self, n: int, delay: float = 0.0) -> None:
+        super().__init__(n)
+        self.delay = delay
+        self.read: list[int] = []
+        self.running = 0
+        self.max_running = 0
+        self._lock = threading.Lock()
+
+    def __getitem__(self, index: int) -> int:
+        with self._lock:
+            self.read.append(index)
+            self.running += 1
+            self.max_running = max(self.max_running, self.running)
+        try:
+            time.sleep(self.delay)
+            return index
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+class HangAt(Range):
+    """Blocks reading index ``bad`` until ``release`` is set (or :data:`BLOCK_BOUND_S`
+    passes)."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        super().__init__(n)
+        self.bad = bad
+        self.release = threading.Event()
+
+    def __getitem__(self, index: int) -> int:
+        if index == self.bad:
+            self.release.wait(BLOCK_BOUND_S)
+        return index
+
+
+class AsyncRange:
+    """``await dataset[i] == i`` after a short sleep; records concurrency; fails on ``bad``."""
+
+    def __init__(
+        self,
+        n: int,
+        delay: float = 0.0,
+        bad: set[int] | None = None,
+        error_type: type[Exception] = KeyError,
+    ) -> None:
+        self.n = n
+        self.delay = delay
+        self.bad = bad or set()
+        self.error_type = error_type
+        self.running = 0
+        self.max_running = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    async def __getitem__(self, index: int) -> int:
+        self.running += 1
+        self.max_running = max(self.max_running, self.running)
+        try:
+            await asyncio.sleep(self.delay)
+            if index in self.bad:
+                raise self.error_type(f"async sample {index} is broken")
+            return index
+        finally:
+            self.running -= 1
+
+
+class Stream:
+    """Yields ``0 .. n-1``; does not know about workers (the loader shards it). With
+    ``fail_at``, raises ``error_type`` when it reaches that item instead."""
+
+    def __init__(
+        self, n: int, fail_at: int | None = None, error_type: type[Exception] = OSError
+    ) -> None:
+        self.n = n
+        self.fail_at = fail_at
+        self.error_type = error_type
+
+    def __iter__(self) -> Iterator[int]:
+        for i in range(self.n):
+            if i == self.fail_at:
+                raise self.error_type(f"the stream broke at item {i}")
+            yield i
+
+
+class Broken(Stream):
+    """Yields ``0 .. fail_at-1`` then raises ValueError."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__(fail_at + 10, fail_at=fail_at, error_type=ValueError)
+
+
+class AsyncStream:
+    """An async stream of ``0 .. n-1``, optionally failing at item ``fail_at``; counts how
+    often its generator was closed."""
+
+    def __init__(self, n: int, fail_at: int | None = None) -> None:
+        self.n = n
+        self.fail_at = fail_at
+        self.closed = 0
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        try:
+            for i in range(self.n):
+                await asyncio.sleep(0)
+                if i == self.fail_at:
+                    raise ConnectionError(f"the async stream broke at item {i}")
+                yield i
+        finally:
+            self.closed += 1
+
+
+def fail_collate_on_7(samples: list[int]) -> list[int]:
+    """A collate_fn that fails for a batch holding sample 7."""
+    if 7 in samples:
+        raise ValueError("cannot collate 7")
+    return list(samples)
