@@ -45,7 +45,7 @@ import os
 import secrets
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Generator
 from multiprocessing.context import BaseContext
 from typing import Any
 
@@ -332,7 +332,7 @@ class DataLoader:
         """Make the next iteration epoch ``epoch`` (shuffling and seeds derive from it)."""
         self._next_epoch = non_negative_int("epoch", epoch)
 
-    def __aiter__(self) -> AsyncIterator[Any]:
+    def __aiter__(self) -> EpochIterator:
         # The consumer gets a handle, not the epoch: dropping it closes the epoch at once. The
         # epoch starts at the first batch asked for, not here.
         self._check_open()
@@ -398,7 +398,7 @@ class DataLoader:
         self._epoch_open = False
         self._done_ids = []
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Generator[Any, None, None]:
         """Iterate synchronously: the pipeline runs on a private event loop in a thread.
 
         Lazy, like ``aiter``: nothing starts until the first ``next()``; the iterator keeps
@@ -407,7 +407,7 @@ class DataLoader:
         self._check_open()
         return self._iterate()
 
-    def _iterate(self) -> Iterator[Any]:
+    def _iterate(self) -> Generator[Any, None, None]:
         self._ensure_resources()
         yield from self._res.loop().iterate(self._new_epoch)
 

@@ -347,11 +347,11 @@ async def test_sync_and_async_epochs_alternate_on_one_set_of_workers() -> None:
         # other loop, still starts at once and is whole.
         it = aiter(loader)
         await anext(it)
-        await it.aclose()  # type: ignore[attr-defined]
+        await it.aclose()
         assert [fd.batch_indices(b) for b in loader] == expected
         sync_it = iter(loader)
         next(sync_it)
-        sync_it.close()  # type: ignore[attr-defined]
+        sync_it.close()
         run = await fd.run_epoch(aiter(loader))
         assert run.batches == expected
         assert loader.worker_pids == pids
