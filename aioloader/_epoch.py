@@ -118,17 +118,26 @@ class Epoch:
     ) -> None:
         self.config = config
         self.epoch = epoch
-        self._runner = runner
         self._counters = counters
-        self._dataset = dataset
         self._device = device
         self.plan = plan
         self._on_batch = on_batch
         self._on_finish = on_finish
         self.reorder = ReorderBuffer(in_order=config.in_order)
-        self._permits: asyncio.Semaphore | None = None
-        self._ready: asyncio.Event | None = None
-        self._producer: Producer | None = None
+        # The semaphore and the event bind to a loop at first use: made here, used on the loop.
+        self._permits = asyncio.Semaphore(config.prefetch)
+        self._ready = asyncio.Event()
+        self._producer = Producer(
+            config,
+            epoch,
+            runner,
+            counters,
+            plan=plan,
+            dataset=dataset,
+            reorder=self.reorder,
+            permits=self._permits,
+            wake=self._ready.set,
+        )
         self._handing: list[tuple[int, Transfer]] = []  # popped, not yet handed over (copies)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -139,13 +148,7 @@ class Epoch:
         would end it): e.g. its last batch raised, and a traceback keeps the iterator alive."""
         if self._closed:
             return True
-        producer = self._producer
-        return (
-            producer is not None
-            and producer.done
-            and len(self.reorder) == 0
-            and not self._handing
-        )
+        return self._producer.done and len(self.reorder) == 0 and not self._handing
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -158,10 +161,9 @@ class Epoch:
     async def __anext__(self) -> Any:
         if self._closed:
             raise StopAsyncIteration
-        if self._producer is None:
-            self._start()
-        assert self._ready is not None
-        assert self._producer is not None
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._producer.start()
         while True:
             if self._closed:  # closed while we waited (a new epoch, the loader's close)
                 raise StopAsyncIteration
@@ -188,23 +190,6 @@ class Epoch:
                 await self._ready.wait()
             finally:
                 self._counters.consumer_wait_s += time.perf_counter() - started
-
-    def _start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._permits = asyncio.Semaphore(self.config.prefetch)
-        self._ready = asyncio.Event()
-        self._producer = Producer(
-            self.config,
-            self.epoch,
-            self._runner,
-            self._counters,
-            plan=self.plan,
-            dataset=self._dataset,
-            reorder=self.reorder,
-            permits=self._permits,
-            wake=self._ready.set,
-        )
-        self._producer.start()
 
     async def _take(self, outcome: Outcome) -> Any:
         if outcome.error is not None:
@@ -255,14 +240,12 @@ class Epoch:
         return batch
 
     def _yielded(self, batch_id: int) -> None:
-        assert self._producer is not None
         self._counters.batches_yielded += 1
         self._counters.epoch_batches_yielded += 1
         self._counters.samples_yielded += self._producer.samples_taken(batch_id)
         self._on_batch(batch_id)
 
     def _release_permit(self) -> None:
-        assert self._permits is not None
         self._permits.release()
 
     # -- closing -----------------------------------------------------------------------------
@@ -272,7 +255,7 @@ class Epoch:
         if self._closed:
             return
         self._closed = True
-        tasks = self._producer.cancel() if self._producer is not None else []
+        tasks = self._producer.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._release_all()
@@ -288,11 +271,8 @@ class Epoch:
         if loop is None or loop.is_closed():
             self._release_all()  # never started, or its loop is gone: nothing runs any more
             return
-        producer = self._producer
-
         def stop() -> None:
-            if producer is not None:
-                producer.cancel()
+            self._producer.cancel()
             self._release_all()
 
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
@@ -304,8 +284,7 @@ class Epoch:
         when the last view is gone (the consumer may still hold some)."""
         self.reorder.drain()
         self._handing.clear()
-        if self._ready is not None:
-            self._ready.set()
+        self._ready.set()
 
     def __del__(self) -> None:
         self.close_nowait()
