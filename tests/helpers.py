@@ -7,9 +7,10 @@ turns a hang into a failure.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from typing import Any
 
+import pytest
 import torch
 from datasets import Recorder
 
@@ -37,6 +38,18 @@ def chunks(items: list[int], size: int, drop_last: bool = False) -> list[list[in
 def expected_batches(n: int, size: int, drop: bool = False) -> list[list[int]]:
     """The batches of a sequential sampler over ``range(n)``."""
     return chunks(list(range(n)), size, drop)
+
+
+def assert_raises_naming(
+    make: Callable[[], object], error: type[Exception], needles: list[str]
+) -> None:
+    """``make()`` raises ``error`` whose message contains every one of ``needles`` (the
+    argument's name and the value it got, for bad-input errors)."""
+    with pytest.raises(error) as info:
+        make()
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
 
 
 def notes_of(exc: BaseException) -> str:
