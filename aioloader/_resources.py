@@ -14,7 +14,8 @@ worker's executor, whose one long job (the serve loop) only ends when the pool c
 pipes, so without this the interpreter would wait forever. The hook is registered with
 ``threading._register_atexit``, the CPython hook ``concurrent.futures`` itself uses (called in
 reverse order of registration, so ours, registered after ``concurrent.futures.process`` is
-imported, runs first); ``atexit`` would run too late, after the threads are joined.
+imported, runs first); ``atexit`` would run too late, after the threads are joined. A SIGTERM,
+which skips both, releases them too (:mod:`._signals`) before it ends the process.
 
 What goes to worker processes is decided here too: :func:`worker_payload` pickles the batch
 maker (dataset, collate_fn, transform) and ``worker_init_fn`` once, at construction, so an
@@ -39,6 +40,7 @@ from ._batch import BatchMaker
 from ._config import LoaderConfig
 from ._device import DeviceStage
 from ._epoch import Epoch
+from ._signals import release_before_sigterm
 from ._sync import LoopThread
 from ._threads import ThreadRunner
 from ._types import AsyncCloseable, Runner, SourceDataset
@@ -122,6 +124,7 @@ class Resources:
                     if self.slots is None and _shm.shm_available():
                         self.slots = _slot_pool(config, self.device)
                     pool = WorkerPool(config.num_workers, context, payload, config.seed)
+                    release_before_sigterm(close_all_at_exit)
                     self.runner = ProcessRunner(pool, self.slots, config.prefetch)
                 else:
                     self.runner = ThreadRunner(batch_maker(config, dataset), config.threads)
