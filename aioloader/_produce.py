@@ -17,7 +17,11 @@ Who owns what: the scheduler owns the sampler iterator (or the streams) and crea
 tasks; it stops at the end of the plan or of every stream. A produce task owns its batch until
 it stores an :class:`Outcome` (a value or an exception) in the reorder buffer: it never raises,
 so no task exception goes unretrieved. A failing sampler or stream is delivered in order too: it
-takes a permit and the next unused batch id like any batch.
+takes a permit and the next unused batch id like any batch, or, if it failed after its batch id
+was already expected (a batch that cannot become a request), that id.
+
+Invariant: every batch id the reorder buffer expects gets exactly one outcome (else the consumer
+waits for it forever: no deadline covers a batch that no task produces).
 
 Fast path: a sync map dataset on threads with no deadline and no retries needs no task per
 batch: the thread's future reports straight into the reorder buffer. For batches that take
@@ -100,6 +104,7 @@ class Producer:
         self._tasks: set[asyncio.Future[Any]] = set()  # produce tasks and fast-path futures
         self._samples: dict[int, int] = {}  # batch id -> samples in it, until taken
         self._next_id = 0  # the next batch id no scheduled batch uses
+        self._claimed: int | None = None  # expected, and not yet handed to a task or future
         self.done = False  # the scheduler has scheduled its last batch
         self.closed = False  # outcomes that arrive now are dropped
 
@@ -134,8 +139,11 @@ class Producer:
     async def _scheduled(self, batch_id: int) -> None:
         await self._permits.acquire()
         self._reorder.expect(batch_id)
+        self._claimed = batch_id  # until a task, a future or an outcome owns it
 
     def _store(self, outcome: Outcome) -> None:
+        if outcome.batch_id == self._claimed:
+            self._claimed = None
         if self.closed:
             return  # dropped: its batch's views go, and with the last one its slot
         self._reorder.put_nowait(outcome)
@@ -143,6 +151,7 @@ class Producer:
 
     def _spawn(self, coro: Coroutine[Any, Any, None], batch_id: int) -> None:
         task = asyncio.create_task(coro, name=f"aioloader-batch-{batch_id}")
+        self._claimed = None
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -153,8 +162,12 @@ class Producer:
         except (asyncio.CancelledError, GeneratorExit):
             raise  # cancelled, or the task is being collected with its abandoned epoch
         except BaseException as exc:
-            await self._scheduled(self._next_id)
-            self._reorder.put_nowait(Outcome(self._next_id, error=exc))
+            batch_id = self._claimed
+            if batch_id is None:  # failed before taking a batch id: the error takes the next
+                batch_id = self._next_id
+                await self._scheduled(batch_id)
+            self._claimed = None
+            self._reorder.put_nowait(Outcome(batch_id, error=exc))
         finally:
             self.done = True
             self._wake()
@@ -169,6 +182,7 @@ class Producer:
             request = _request(self._epoch, batch_id, indices)
             if fast:
                 future = self._runner.start_make(request)
+                self._claimed = None
                 self._tasks.add(future)
                 future.add_done_callback(functools.partial(self._made_fast, request))
             else:
