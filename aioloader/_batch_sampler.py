@@ -22,6 +22,11 @@ Sharp edges, each deliberate:
 - **No empty shards.** A batch with fewer indices than shards yields one shard per index.
 - **bools are not ints here.** ``batch_size=True`` is a bug, never an intent: the checks refuse
   it, while numpy integers are accepted (:mod:`aioloader._validate`'s rule).
+- **Indices are integers, in whatever container.** :class:`IndexCheck` turns what a sampler or
+  batch sampler yields (a list, a numpy array or torch tensor of integers, numpy or torch
+  integer scalars) into plain ``list[int]`` before a batch is scheduled, and refuses anything
+  else with an error naming the sampler, the batch and the value. torch accepts any key a
+  dataset takes; integer indices are what every aioloader dataset kind and worker speaks.
 """
 
 from __future__ import annotations
@@ -33,7 +38,13 @@ from typing import Any, Literal, cast, get_args
 from ._types import Stateful
 from ._validate import boolean, check_state_keys, is_int, one_of, positive_int
 
-__all__ = ["BatchSampler", "LastBatch", "ShardedBatchSampler", "resolve_last_batch"]
+__all__ = [
+    "BatchSampler",
+    "IndexCheck",
+    "LastBatch",
+    "ShardedBatchSampler",
+    "resolve_last_batch",
+]
 
 LastBatch = Literal["keep", "discard", "rollover"]
 _LAST_BATCH_POLICIES: tuple[str, ...] = get_args(LastBatch)
@@ -195,6 +206,100 @@ class BatchSampler:
             f"BatchSampler({self.sampler!r}, batch_size={self.batch_size}, "
             f"last_batch={self.last_batch!r}, carry={len(self._carry)})"
         )
+
+
+# -- what samplers yield -------------------------------------------------------------------------
+
+_PLAIN_INT = {int}
+
+_WHAT_AN_INDEX_IS = "an int, a numpy or torch integer, or a 0-d integer array"
+
+
+def _index(value: object) -> int | None:
+    """``value`` as a plain int if it is an index (numpy/torch integers and 0-d integer arrays
+    and tensors too; bools never), else None."""
+    if is_int(value):
+        return int(value)
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "tolist"):
+        item = value.tolist()  # a 0-d array or tensor: its Python scalar
+        if type(item) is int:
+            return item
+    return None
+
+
+def _indices(values: object) -> list[int] | None:
+    """``values`` as a list of plain ints if it is a flat collection of indices, else None."""
+    if type(values) is list and set(map(type, values)) <= _PLAIN_INT:
+        return values  # the common case: a list of ints, checked at C speed
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        return None
+    ndim = getattr(values, "ndim", None)
+    if ndim is not None and hasattr(values, "tolist"):  # a numpy array or a torch tensor
+        if ndim != 1:
+            return None
+        values = values.tolist()  # its Python scalars
+    out = []
+    for value in values:  # type: ignore[attr-defined]
+        index = _index(value)
+        if index is None:
+            return None
+        out.append(index)
+    return out
+
+
+class IndexCheck:
+    """Turns what a batch sampler yields into the ``list[int]`` (or, for sharded batches,
+    ``list[list[int]]``) the loader schedules; refuses what is not indices, naming the source.
+
+    Args:
+        name: the argument the culprit came from (``"sampler"`` or ``"batch_sampler"``).
+        source: the user's object, for the error message.
+        sharded: whether a batch may be a list of shards (lists of indices): true for a
+            user's batch sampler (a :class:`ShardedBatchSampler`), false when the loader groups
+            a sampler's indices itself (then a nested value is a sampler yielding batches).
+    """
+
+    __slots__ = ("name", "sharded", "source")
+
+    def __init__(self, name: str, source: object, *, sharded: bool) -> None:
+        self.name = name
+        self.source = source
+        self.sharded = sharded
+
+    def __call__(self, batch_id: int, batch: object) -> list[int] | list[list[int]]:
+        """``batch`` as plain ints. Raises ``TypeError`` naming the source, the batch and the
+        value when it is not a batch of indices."""
+        if isinstance(batch, Iterator):
+            batch = list(batch)  # read once: it may be looked at twice below
+        flat = _indices(batch)
+        if flat is not None:
+            return flat
+        if self.sharded and isinstance(batch, Iterable) and not isinstance(batch, str | bytes):
+            shards = [_indices(shard) for shard in batch]
+            if shards and all(shard is not None for shard in shards):
+                return shards  # type: ignore[return-value]
+        raise TypeError(self._describe(batch_id, batch))
+
+    def _describe(self, batch_id: int, batch: object) -> str:
+        if self.name == "sampler":
+            values = list(batch) if isinstance(batch, list | tuple) else [batch]
+            bad = next((v for v in values if _index(v) is None), batch)
+            return (
+                f"sampler={self.source!r} yielded {bad!r} (for batch {batch_id}), which is not "
+                f"an index: a sampler yields indices ({_WHAT_AN_INDEX_IS}); one that yields "
+                "batches of indices is a batch_sampler"
+            )
+        shape = "a batch of indices, or a list of such batches (shards)"
+        return (
+            f"batch_sampler={self.source!r} yielded {_short_repr(batch)} as batch {batch_id}, "
+            f"which is not {shape if self.sharded else 'a batch of indices'}: a batch is a "
+            f"list, tuple, numpy array or torch tensor of indices ({_WHAT_AN_INDEX_IS})"
+        )
+
+
+def _short_repr(value: object, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({type(value).__name__})"
 
 
 def _split(batch: list[int], num_shards: int) -> list[list[int]]:
