@@ -7,6 +7,7 @@ tree). ``__all__`` is sorted and every export reports ``aioloader`` as its ``__m
 from __future__ import annotations
 
 from ._collate import default_collate as default_collate
+from ._collate import default_convert as default_convert
 from ._collate import numpy_collate as numpy_collate
 from ._device import DeviceUnavailableWarning as DeviceUnavailableWarning
 from ._errors import AioloaderError as AioloaderError
@@ -75,6 +76,7 @@ __all__ = [
     "WorkerInfo",
     "WorkerInitError",
     "default_collate",
+    "default_convert",
     "get_worker_info",
     "numpy_collate",
     "run",

@@ -44,7 +44,7 @@ import torch
 
 from ._errors import CollateError
 
-__all__ = ["Alloc", "default_collate", "numpy_collate"]
+__all__ = ["Alloc", "default_collate", "default_convert", "numpy_collate"]
 
 Alloc = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray[Any, Any]]
 """``alloc(shape, dtype)`` returns a writable C-contiguous array of exactly that shape and dtype."""
@@ -472,3 +472,71 @@ def _key_mismatch(samples: Sequence[Mapping[Any, Any]]) -> str:
             what.append(f"has extra {list(extra)!r}")
         parts.append(f"{_positions(positions)} {' and '.join(what)}")
     return f"samples have different keys: {'; '.join(parts)}"
+
+
+# -- one sample, no batching --------------------------------------------------------------------
+
+# numpy dtype kinds ``default_convert`` leaves as they are: bytes, str, void/structured, objects,
+# datetimes (torch has no tensor of them; torch's own default_convert leaves the first four).
+_KEEP_AS_NUMPY = frozenset("SUVOMm")
+
+
+def default_convert(data: Any) -> Any:
+    """Convert one sample's numpy arrays and scalars to tensors, as torch's ``default_convert``.
+
+    The loader calls it on each sample when ``batch_size=None`` (no automatic batching) and no
+    ``collate_fn`` is given. Numeric numpy arrays become tensors sharing their memory (a
+    read-only array or one in non-native byte order is copied first: torch cannot share those),
+    numpy scalars 0-d tensors; arrays and scalars of strings, bytes, objects, records or dates
+    stay as they are. Mappings, namedtuples and sequences are converted item by item and keep
+    their type where it can be rebuilt (a tuple becomes a list, as in torch); everything else,
+    tensors and Python numbers included, is returned unchanged.
+
+    Args:
+        data: one sample.
+
+    Returns:
+        The sample with its numpy leaves as tensors.
+    """
+    import torch  # here, not at import: only loaders without batching need it
+
+    return _convert(data, torch)
+
+
+def _convert(data: Any, torch: Any) -> Any:
+    if isinstance(data, torch.Tensor):
+        return data
+    if isinstance(data, np.ndarray | np.generic):
+        if data.dtype.kind in _KEEP_AS_NUMPY:
+            return data
+        if isinstance(data, np.ndarray) and (not data.flags.writeable or not data.dtype.isnative):
+            data = np.array(data, dtype=data.dtype.newbyteorder("="))
+        return torch.as_tensor(data)
+    if isinstance(data, str | bytes):
+        return data
+    if isinstance(data, Mapping):
+        items = {key: _convert(value, torch) for key, value in data.items()}
+        try:
+            if isinstance(data, MutableMapping):
+                clone = copy.copy(data)  # keeps what a constructor call would lose
+                clone.update(items)
+                return clone
+            return type(data)(items)  # type: ignore[call-arg]
+        except (TypeError, ValueError):
+            return items
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(_convert(item, torch) for item in data))
+    if isinstance(data, tuple):
+        return [_convert(item, torch) for item in data]  # tuples become lists, as in torch
+    if isinstance(data, Sequence):
+        converted = [_convert(item, torch) for item in data]
+        try:
+            if isinstance(data, MutableSequence):
+                rebuilt = copy.copy(data)
+                for i, item in enumerate(converted):
+                    rebuilt[i] = item
+                return rebuilt
+            return type(data)(converted)  # type: ignore[call-arg]
+        except (TypeError, ValueError):
+            return converted  # a range, or a type that cannot be rebuilt from a list
+    return data
