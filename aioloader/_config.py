@@ -6,22 +6,43 @@ themselves live in :mod:`aioloader._validate`; this module knows which argument 
 check, which arguments exclude each other, and the defaults that depend on others (the default
 ``prefetch``, the shared-memory cap). :func:`batch_sampler_for` turns ``batch_size`` /
 ``shuffle`` / ``sampler`` / ``batch_sampler`` / ``drop_last`` / ``last_batch`` into the one batch
-sampler the loader iterates (or ``None`` for an iterable dataset).
+sampler the loader iterates (or ``None`` for an iterable dataset), :func:`resolve_seed` picks the
+loader's base seed as torch does, and :func:`context_argument` reconciles torch's
+``multiprocessing_context`` with aioloader's ``mp_context``.
+
+Without automatic batching (``batch_size=None``, as in torch) every sample is its own batch:
+the loader iterates a batch sampler of size 1 and :class:`PerSample` hands the one sample to
+the user's ``collate_fn`` (or :func:`~aioloader.default_convert`), so threads, worker
+processes and async datasets need no second code path.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
-from collections.abc import Callable
+import re
+import secrets
+import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from multiprocessing.context import BaseContext
 from typing import Any
 
 from . import _validate as check
-from ._batch_sampler import BatchSampler, LastBatch
+from ._batch_sampler import BatchSampler, IndexCheck, LastBatch
 from ._sampler import RandomSampler, SequentialSampler
 from ._types import DatasetKind
 
-__all__ = ["SHM_FRACTION", "SHM_MAX_DEFAULT", "LoaderConfig", "batch_sampler_for"]
+__all__ = [
+    "SHM_FRACTION",
+    "SHM_MAX_DEFAULT",
+    "LoaderConfig",
+    "PerSample",
+    "Sampling",
+    "batch_sampler_for",
+    "context_argument",
+    "resolve_seed",
+]
 
 # Default cap on shared memory: a quarter of /dev/shm's free space, at most 4 GiB. Larger: more
 # batches the consumer keeps (a `list(loader)`) stay zero-copy; smaller: more room left for other
@@ -30,6 +51,33 @@ SHM_FRACTION = 0.25
 SHM_MAX_DEFAULT = 4 << 30
 
 ON_ERROR = ("raise", "skip")
+
+# torch's default prefetch_factor: batches in flight per worker.
+DEFAULT_PREFETCH_FACTOR = 2
+
+_SEED_BITS = 63  # a drawn seed fits a signed 64-bit int, as torch's base seed does
+
+_CUDA_DEVICE = re.compile(r"cuda(:\d+)?")
+
+
+class PerSample:
+    """The collate function of a loader without automatic batching (``batch_size=None``): each
+    "batch" holds one sample, handed to ``fn`` alone (torch calls ``collate_fn(sample)``)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, samples: list[Any]) -> Any:
+        return self.fn(samples[0])
+
+    def __repr__(self) -> str:
+        return f"PerSample({self.fn!r})"
+
+
+def _as_is(sample: Any) -> Any:
+    return sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +103,10 @@ class LoaderConfig:
     pin_memory: bool
     shm_max_bytes: int | None
     last_batch: LastBatch
+    batched: bool = True  # torch's automatic batching: False with batch_size=None
+    prefetch_factor: int | None = None  # as given (torch's argument); ``prefetch`` is the depth
+    persistent_workers: bool = False
+    pin_memory_device: str = ""
 
     @property
     def skip_errors(self) -> bool:
@@ -98,19 +150,46 @@ class LoaderConfig:
         shm_max_bytes: object,
         last_batch: LastBatch,
         default_collate: Callable[[list[Any]], Any],
+        default_convert: Callable[[Any], Any] | None = None,
+        batch_sampler_given: bool = False,
+        prefetch_factor: object = None,
+        persistent_workers: object = False,
+        pin_memory_device: object = "",
     ) -> LoaderConfig:
-        """Check every argument and derive the defaults that depend on others."""
+        """Check every argument and derive the defaults that depend on others.
+
+        ``batch_size`` is ``None`` in the result when a batch sampler is given (as torch's
+        attribute is); ``batched`` says whether samples are collated into batches at all.
+        """
         workers = check.non_negative_int("num_workers", num_workers)
         size = None if batch_size is None else check.positive_int("batch_size", batch_size)
+        batched = size is not None or batch_sampler_given
+        if batch_sampler_given:
+            size = None  # the batch sampler decides (its conflicts are checked with it)
         io = check.positive_int("io_concurrency", io_concurrency)
-        if prefetch is None:
-            depth = 2 * max(1, workers)
-            if kind == "async_map" and size is not None:
+        factor = _prefetch_factor(prefetch_factor, prefetch, workers)
+        if factor is not None:
+            depth = factor * workers
+        elif prefetch is None:
+            depth = DEFAULT_PREFETCH_FACTOR * max(1, workers)
+            if kind == "async_map":
                 # Enough batches in flight to keep io_concurrency requests going: a batch waits
-                # for its slowest item, and the next batches' items fill the gap meanwhile.
-                depth = max(depth, -(-io // size) + 2)
+                # for its slowest item, and the next batches' items fill the gap meanwhile. A
+                # batch sampler's size is unknown here: assume the smallest.
+                depth = max(depth, -(-io // (size or 1)) + 2)
         else:
             depth = check.positive_int("prefetch", prefetch)
+        persistent = check.boolean("persistent_workers", persistent_workers)
+        if persistent and workers == 0:
+            raise ValueError(
+                "persistent_workers=True needs num_workers > 0 (workers to keep alive between "
+                "epochs), got num_workers=0"
+            )
+        collate = check.callable_or_none("collate_fn", collate_fn)
+        if batched:
+            collate = collate or default_collate
+        else:
+            collate = PerSample(collate or default_convert or _as_is)
         return cls(
             kind=kind,
             batch_size=size,
@@ -124,7 +203,7 @@ class LoaderConfig:
             device_prefetch=check.positive_int("device_prefetch", device_prefetch),
             on_error=check.one_of("on_error", on_error, ON_ERROR),
             max_failures=check.fraction_or_count("max_failures", max_failures),
-            collate_fn=check.callable_or_none("collate_fn", collate_fn) or default_collate,
+            collate_fn=collate,
             worker_init_fn=check.callable_or_none("worker_init_fn", worker_init_fn),
             transform=check.callable_or_none("transform", transform),
             seed=seed,
@@ -135,6 +214,10 @@ class LoaderConfig:
                 else check.non_negative_int("shm_max_bytes", shm_max_bytes)
             ),
             last_batch=last_batch,
+            batched=batched,
+            prefetch_factor=factor,
+            persistent_workers=persistent,
+            pin_memory_device=_pin_memory_device(pin_memory_device),
         )
 
     def shm_cap(self) -> int:
@@ -143,6 +226,108 @@ class LoaderConfig:
             return self.shm_max_bytes
         stat = os.statvfs("/dev/shm")
         return int(min(SHM_MAX_DEFAULT, stat.f_bavail * stat.f_frsize * SHM_FRACTION))
+
+
+def _prefetch_factor(factor: object, prefetch: object, workers: int) -> int | None:
+    """torch's ``prefetch_factor`` (batches per worker), checked by torch's rule: only with
+    workers, and not beside aioloader's own ``prefetch`` (the total)."""
+    if factor is None:
+        return None
+    if workers == 0:
+        raise ValueError(
+            f"prefetch_factor={factor!r} needs num_workers > 0 (it counts batches per worker), "
+            "got num_workers=0; leave it None, or set prefetch= for the total depth"
+        )
+    if prefetch is not None:
+        raise ValueError(
+            f"give prefetch (batches in flight in all) or prefetch_factor (per worker), not "
+            f"both: got prefetch={prefetch!r}, prefetch_factor={factor!r}"
+        )
+    return check.positive_int("prefetch_factor", factor)
+
+
+def _pin_memory_device(device: object) -> str:
+    """torch's ``pin_memory_device``: ``""`` (the current accelerator) or a CUDA device."""
+    if not isinstance(device, str):
+        raise TypeError(f"pin_memory_device must be a str, got {device!r}")
+    if device and not _CUDA_DEVICE.fullmatch(device):
+        raise ValueError(
+            f"pin_memory_device={device!r} is not supported: memory is pinned for CUDA "
+            "('cuda' or 'cuda:<index>'), or leave it '' for the current device"
+        )
+    return device
+
+
+def resolve_seed(seed: object, generator: Any) -> int:
+    """The loader's base seed: ``seed`` if given, else drawn as torch draws its base seed.
+
+    From ``generator`` when one is given, else from torch's global generator, so that
+    ``torch.manual_seed(s)`` before the loader is made repeats its shuffling and worker seeds.
+    If torch was never imported nobody can have seeded it: then a fresh random seed, without
+    importing torch (seconds) for it.
+
+    Raises:
+        TypeError: ``seed`` is not an int, or ``generator`` is not a ``torch.Generator``.
+    """
+    if seed is not None:
+        return check.to_int("seed", seed)
+    torch: Any = sys.modules.get("torch")
+    if generator is not None:
+        if torch is None or not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {generator!r}")
+        return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+    if torch is not None:
+        return int(torch.empty((), dtype=torch.int64).random_().item())
+    return secrets.randbits(_SEED_BITS)
+
+
+def context_argument(
+    multiprocessing_context: object, mp_context: object
+) -> tuple[str, str | BaseContext | None]:
+    """torch's ``multiprocessing_context`` or its aioloader alias ``mp_context``, checked.
+
+    Returns ``(the name it was given under, the start method name or context)``.
+
+    Raises:
+        ValueError: both given and different; an unknown start method (named).
+        TypeError: neither a start method name nor a context.
+    """
+    name, value = "multiprocessing_context", multiprocessing_context
+    if value is None:
+        name, value = "mp_context", mp_context
+    elif mp_context is not None and mp_context is not value and mp_context != value:
+        raise ValueError(
+            "multiprocessing_context and mp_context are the same setting; give one: got "
+            f"multiprocessing_context={multiprocessing_context!r}, mp_context={mp_context!r}"
+        )
+    if isinstance(value, str):
+        methods = mp.get_all_start_methods()
+        if value not in methods:
+            raise ValueError(f"{name}={value!r} is not a start method here; use one of {methods}")
+        return name, value
+    if value is None or isinstance(value, BaseContext):
+        return name, value
+    raise TypeError(f"{name} must be a start method name or a context, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Which indices a map-style loader visits, and the samplers it shows as attributes.
+
+    Attributes:
+        batches: the batch sampler the loader iterates (``None`` for an iterable dataset).
+        sampler: the index sampler (``loader.sampler``): the user's, the one the loader made,
+            or the one inside the user's batch sampler.
+        batch_sampler: ``loader.batch_sampler``: ``None`` without automatic batching.
+        built: whether the loader made the index sampler, and so drives its ``set_epoch``.
+        check: turns each batch of ``batches`` into plain int indices (None: they are).
+    """
+
+    batches: Iterable[Any] | None
+    sampler: Any
+    batch_sampler: Any
+    built: bool
+    check: IndexCheck | None
 
 
 def batch_sampler_for(
@@ -158,15 +343,25 @@ def batch_sampler_for(
     policy: LastBatch,
     seed: int,
     generator: Any,
-) -> Any:
-    """The batch sampler the loader iterates, or ``None`` for an iterable dataset.
+) -> Sampling:
+    """The samplers of a loader (see :class:`Sampling`), from torch's and MXNet's arguments.
+
+    ``batch_size=None`` without a batch sampler turns automatic batching off: the loader then
+    iterates batches of one index.
 
     Raises:
         ValueError: arguments that exclude each other (``sampler`` with ``shuffle``,
             ``batch_sampler`` with ``batch_size``/``shuffle``/``sampler``/``drop_last``, a
-            sampler or shuffle with an iterable dataset, ...), each named with its value.
+            sampler or shuffle with an iterable dataset, ``batch_size=None`` with
+            ``drop_last``, ...), each named with its value.
     """
-    shuffle = check.boolean("shuffle", shuffle)
+    shuffle = False if shuffle is None else check.boolean("shuffle", shuffle)
+    if batch_size is None and batch_sampler is None and (drop_last or last_batch is not None):
+        # Without batching every batch is one sample: no batch is ever incomplete.
+        raise ValueError(
+            "batch_size=None turns automatic batching off and excludes drop_last and "
+            f"last_batch (got drop_last={drop_last!r}, last_batch={last_batch!r})"
+        )
     if kind in ("iterable", "async_iterable"):
         if shuffle or sampler is not None or batch_sampler is not None:
             raise ValueError(
@@ -175,9 +370,7 @@ def batch_sampler_for(
             )
         if policy == "rollover":
             raise ValueError("last_batch='rollover' needs a map-style dataset")
-        if batch_size is None:
-            raise ValueError("batch_size=None needs a batch_sampler (map-style datasets)")
-        return None
+        return Sampling(None, None, None, built=True, check=None)
     if batch_sampler is not None:
         if batch_size not in (None, 1) or shuffle or sampler is not None or drop_last:
             raise ValueError(
@@ -187,11 +380,17 @@ def batch_sampler_for(
             )
         if last_batch is not None:
             raise ValueError(f"batch_sampler excludes last_batch (got {last_batch!r})")
-        return batch_sampler
+        inner = getattr(batch_sampler, "sampler", None)  # torch's and ours have one
+        return Sampling(
+            batch_sampler,
+            inner if inner is not None else SequentialSampler(dataset),
+            batch_sampler,
+            built=False,
+            check=IndexCheck("batch_sampler", batch_sampler, sharded=True),
+        )
     if sampler is not None and shuffle:
         raise ValueError(f"sampler={sampler!r} excludes shuffle=True; shuffle in the sampler")
-    if batch_size is None:
-        raise ValueError("batch_size=None needs a batch_sampler")
+    built = sampler is None
     if sampler is None:
         sampler = (
             RandomSampler(
@@ -202,4 +401,12 @@ def batch_sampler_for(
             if shuffle
             else SequentialSampler(dataset)
         )
-    return BatchSampler(sampler, batch_size, policy)
+    batches = BatchSampler(sampler, batch_size or 1, policy)
+    return Sampling(
+        batches,
+        sampler,
+        batches if batch_size is not None else None,
+        built=built,
+        # The loader's own samplers yield plain ints: their batches need no check.
+        check=None if built else IndexCheck("sampler", sampler, sharded=False),
+    )

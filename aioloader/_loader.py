@@ -41,8 +41,8 @@ loader that is garbage collected unclosed warns ``ResourceWarning`` and releases
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
-import secrets
 import warnings
 import weakref
 from collections.abc import Callable, Generator
@@ -50,93 +50,131 @@ from multiprocessing.context import BaseContext
 from typing import Any
 
 from ._batch_sampler import resolve_last_batch
-from ._collate import default_collate
-from ._config import LoaderConfig, batch_sampler_for
+from ._collate import default_collate, default_convert
+from ._config import LoaderConfig, batch_sampler_for, context_argument, resolve_seed
 from ._device import parse_device
 from ._epoch import Epoch, EpochIterator, Plan
 from ._resources import Resources, finalize, worker_payload
+from ._resume import EpochBook
+from ._settings import SettingsView
 from ._stats import Counters, LoaderStatistics
 from ._types import Runner, dataset_kind
-from ._validate import boolean, is_int, non_negative_int
+from ._validate import boolean, check_state_keys, to_int
 from ._workers import resolve_context
 
 __all__ = ["DataLoader"]
 
 
-class DataLoader:
+class DataLoader(SettingsView):
     """Loads batches from a dataset, asynchronously, in order, without blocking the event loop.
 
     ``async for batch in loader`` (inside ``async with``) and ``for batch in loader`` each run
-    one epoch. A torch user changes one import: the dataset, sampler and collate conventions are
-    torch's; MXNet Gluon's ``last_batch``, ``batchify_fn``, ``thread_pool``, ``prefetch`` and
-    ``timeout`` mean what they mean there.
+    one epoch. A torch user changes one import: the parameters begin with torch's, in torch's
+    order and with its defaults, and the dataset, sampler and collate conventions are torch's;
+    aioloader's own and MXNet Gluon's (``last_batch``, ``batchify_fn``, ``thread_pool``,
+    ``prefetch``) follow, keyword-only.
 
     Args:
         dataset: map-style (``__getitem__`` + ``__len__``; ``__getitem__`` may be ``async``),
             iterable (``__iter__``, sharded across workers) or async iterable (``__aiter__``).
-        batch_size: samples per batch (``None`` only with ``batch_sampler``).
-        shuffle: random order, seeded from ``seed`` and the epoch.
+        batch_size: samples per batch. ``None`` turns automatic batching off, as in torch:
+            each sample is yielded alone, through ``collate_fn(sample)`` (default
+            :func:`default_convert`: numpy arrays become tensors).
+        shuffle: random order, seeded from the loader's seed and the epoch.
         sampler: yields indices; excludes ``shuffle``.
-        batch_sampler: yields lists of indices (or lists of such lists: the loader then yields
-            a list of batches, one per shard); excludes batch_size/shuffle/sampler/drop_last.
+        batch_sampler: yields batches of indices (lists, numpy arrays or torch tensors), or
+            lists of such batches (the loader then yields a list of batches, one per shard);
+            excludes batch_size/shuffle/sampler/drop_last.
         num_workers: worker processes (or threads with ``thread_pool=True``); 0 runs the CPU
             work on one helper thread.
         collate_fn: turns samples into a batch (default :func:`default_collate`).
+        pin_memory: return batches in pinned (page-locked) host memory, for fast copies to
+            CUDA. Without CUDA it warns :class:`DeviceUnavailableWarning` once at the first
+            iteration and batches stay as they are (torch warns too).
         drop_last: ``True`` means ``last_batch='discard'``.
-        last_batch: ``'keep'``, ``'discard'`` or ``'rollover'`` (the remainder starts the next
-            epoch).
-        timeout: seconds of producer time a batch may take (None or 0: no limit); for async
-            datasets the fetch of its items counts too. A late batch raises
+        timeout: seconds of producer time a batch may take (0, as in torch, or None: no
+            limit); for async datasets the fetch of its items counts too. A late batch raises
             :class:`LoaderTimeoutError`; its worker process is killed and replaced. A thread
             (``num_workers=0``, ``thread_pool=True``) cannot be killed: its batch times out,
             but batches queued behind that thread wait for it. Use worker processes for code
             that may hang.
-        prefetch: batches in flight or ready at once (default ``2 * max(1, num_workers)``; for
-            async datasets at least ``ceil(io_concurrency / batch_size) + 2``, so that
-            ``io_concurrency`` item fetches can be in flight).
-        in_order: yield in sampler order (default) or as batches complete.
         worker_init_fn: called with the worker id in each worker process at start.
-        seed: base seed for shuffling and per-batch worker seeding (random if None). Worker
-            processes reseed ``random``, ``numpy.random`` and torch before each batch from
-            (seed, epoch, batch id). Threads (``num_workers=0``, ``thread_pool=True``) share the
-            process's global generators with your own code, so they are not reseeded (as in
-            torch): draw per-sample randomness from a generator seeded by the index there.
+        multiprocessing_context: ``'forkserver'`` (default), ``'spawn'``, ``'fork'`` or a
+            context; ``mp_context`` is its other name.
+        generator: a ``torch.Generator`` for the default random sampler and the base seed (as
+            in torch).
+        prefetch_factor: batches in flight per worker (torch's; needs ``num_workers > 0``):
+            ``prefetch = prefetch_factor * num_workers``.
+        persistent_workers: keep the worker processes between epochs (needs workers).
+        pin_memory_device: torch's (deprecated there): ``''`` or a CUDA device to pin for.
+        in_order: yield in sampler order (default) or as batches complete.
+        last_batch: ``'keep'``, ``'discard'`` or ``'rollover'`` (the remainder starts the next
+            epoch).
+        prefetch: batches in flight or ready at once, in all (default ``2 * max(1,
+            num_workers)``; for async datasets at least ``ceil(io_concurrency / batch_size) +
+            2``, so that ``io_concurrency`` item fetches can be in flight).
+        seed: base seed for shuffling and per-batch worker seeding. Without it the seed is
+            drawn as torch draws its base seed: from ``generator``, else from torch's global
+            generator (``torch.manual_seed`` makes runs repeat), or at random when torch was
+            never imported. Worker processes reseed ``random``, ``numpy.random`` and torch
+            before each batch from (seed, epoch, batch id). Threads (``num_workers=0``,
+            ``thread_pool=True``) share the process's global generators with your own code, so
+            they are not reseeded (as in torch): draw per-sample randomness from a generator
+            seeded by the index there.
         thread_pool: run ``num_workers`` threads instead of processes.
         batchify_fn: another name for ``collate_fn`` (MXNet).
         transform: applied to each sample off the event loop, before collation.
         io_concurrency: item fetches in flight at once for async datasets (all batches).
-        mp_context: ``'forkserver'`` (default), ``'spawn'``, ``'fork'`` or a context.
+        mp_context: another name for ``multiprocessing_context``.
         allow_fork: allow ``'fork'`` even while threads run (unsafe; you insist).
         max_retries: re-run a batch whose worker crashed or hung this many times.
         on_error: ``'raise'`` (default) or ``'skip'`` samples that fail to read or decode.
         max_failures: with ``'skip'``: a count (int >= 0) or fraction (0 < f < 1) of samples
             that may fail before :class:`TooManyFailuresError`.
         device: ``'cuda'``, ``'cuda:1'``, a ``torch.device`` or None; batches arrive there.
-        pin_memory: stage host batches in pinned memory (with a CUDA device).
         device_prefetch: batches copied to the device ahead of the consumer.
         shm_max_bytes: cap on shared memory for batches (default: a quarter of free /dev/shm,
             at most 4 GiB); 0 sends every batch pickled.
-        generator: a ``torch.Generator`` for the default random sampler (as in torch).
+
+    Epochs and ``set_epoch``: each iteration is the next epoch, and shuffling and worker seeds
+    derive from its number. The loader calls ``set_epoch(epoch)`` on the samplers it made
+    itself (``shuffle``) before every epoch. A sampler or batch sampler you pass is yours:
+    the loader calls its ``set_epoch`` only for an epoch you name with
+    :meth:`DataLoader.set_epoch`, and on resume from a :meth:`state_dict` saved in such an
+    epoch; ``sampler.set_epoch(e)`` called by your own loop (the usual torch
+    ``DistributedSampler`` idiom) is never overridden.
+
+    Attributes are torch's (``dataset``, ``batch_size``, ``sampler``, ``batch_sampler``,
+    ``num_workers``, ``collate_fn``, ``pin_memory``, ``drop_last``, ``timeout``, ...) and
+    aioloader's own. Settings are checked once, at construction: assigning any of them
+    afterwards raises ``ValueError`` (torch refuses the same for ``dataset``, ``batch_size``,
+    ``sampler``, ``batch_sampler``, ``drop_last`` and ``persistent_workers``).
     """
 
     def __init__(
         self,
         dataset: Any,
         batch_size: int | None = 1,
-        shuffle: bool = False,
+        shuffle: bool | None = None,
         sampler: Any = None,
         batch_sampler: Any = None,
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
         drop_last: bool = False,
-        last_batch: str | None = None,
-        timeout: float | None = None,
-        prefetch: int | None = None,
-        in_order: bool = True,
+        timeout: float | None = 0,
         worker_init_fn: Callable[[int], Any] | None = None,
+        multiprocessing_context: str | BaseContext | None = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        last_batch: str | None = None,
+        prefetch: int | None = None,
         seed: int | None = None,
         thread_pool: bool = False,
-        *,
         batchify_fn: Callable[[list[Any]], Any] | None = None,
         transform: Callable[[Any], Any] | None = None,
         io_concurrency: int = 64,
@@ -146,17 +184,15 @@ class DataLoader:
         on_error: str = "raise",
         max_failures: float = 0,
         device: Any = None,
-        pin_memory: bool = False,
         device_prefetch: int = 1,
         shm_max_bytes: int | None = None,
-        generator: Any = None,
     ) -> None:
         self.dataset = dataset
         kind = dataset_kind(dataset)
         if collate_fn is not None and batchify_fn is not None and collate_fn is not batchify_fn:
             raise ValueError("give collate_fn or batchify_fn (the same thing), not both")
-        if seed is not None and not is_int(seed):
-            raise TypeError(f"seed must be an int or None, got {seed!r}")
+        self._seed_given = seed is not None
+        self._generator = generator
         policy = resolve_last_batch(last_batch, drop_last if drop_last else None)
         self._config = config = LoaderConfig.build(
             kind=kind,
@@ -174,17 +210,22 @@ class DataLoader:
             collate_fn=collate_fn if collate_fn is not None else batchify_fn,
             worker_init_fn=worker_init_fn,
             transform=transform,
-            seed=int(seed) if seed is not None else secrets.randbits(63),
+            seed=resolve_seed(seed, generator),
             pin_memory=pin_memory,
             shm_max_bytes=shm_max_bytes,
             last_batch=policy,
             default_collate=default_collate,
+            default_convert=default_convert,
+            batch_sampler_given=batch_sampler is not None,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
         )
         self._device_spec = parse_device(device)
-        self.batch_sampler = batch_sampler_for(
+        self._sampling = batch_sampler_for(
             dataset,
             kind,
-            batch_size=config.batch_size,
+            batch_size=batch_size,
             shuffle=shuffle,
             sampler=sampler,
             batch_sampler=batch_sampler,
@@ -194,13 +235,12 @@ class DataLoader:
             seed=config.seed,
             generator=generator,
         )
+        _, context = context_argument(multiprocessing_context, mp_context)
         self._context: BaseContext | None = None
         self._payload: bytes | None = None
         if config.uses_processes:
-            self._context = resolve_context(mp_context, allow_fork=allow_fork)
+            self._context = resolve_context(context, allow_fork=allow_fork)
             self._payload = worker_payload(config, dataset)
-        elif mp_context is not None:
-            resolve_context(mp_context, allow_fork=True)  # still validate the name
         cpus = os.cpu_count() or 1
         # Only processes compete for CPUs: threads (thread_pool=True) mostly wait on IO with the
         # GIL released, where more threads than CPUs is the point.
@@ -212,98 +252,11 @@ class DataLoader:
                 stacklevel=2,
             )
         self._counters = Counters()
-        self._next_epoch = 0
-        self._resume: dict[str, Any] | None = None
-        self._done_ids: list[int] = []
-        self._epoch_sampler_state: dict[str, Any] | None = None
-        self._epoch_open = False  # an epoch started and not run to its end
+        self._book = EpochBook(self._sampling)
         self._res = Resources()
         self._closed = False
         self._finalizer = weakref.finalize(self, finalize, self._res, type(self).__name__)
-
-    # -- settings, as attributes (read-only: the config is built once) --------------------------
-
-    @property
-    def kind(self) -> str:
-        """``'map'``, ``'async_map'``, ``'iterable'`` or ``'async_iterable'``."""
-        return self._config.kind
-
-    @property
-    def batch_size(self) -> int | None:
-        return self._config.batch_size
-
-    @property
-    def num_workers(self) -> int:
-        return self._config.num_workers
-
-    @property
-    def thread_pool(self) -> bool:
-        return self._config.thread_pool
-
-    @property
-    def in_order(self) -> bool:
-        return self._config.in_order
-
-    @property
-    def prefetch(self) -> int:
-        return self._config.prefetch
-
-    @property
-    def timeout(self) -> float | None:
-        return self._config.timeout
-
-    @property
-    def io_concurrency(self) -> int:
-        return self._config.io_concurrency
-
-    @property
-    def max_retries(self) -> int:
-        return self._config.max_retries
-
-    @property
-    def device_prefetch(self) -> int:
-        return self._config.device_prefetch
-
-    @property
-    def on_error(self) -> str:
-        return self._config.on_error
-
-    @property
-    def max_failures(self) -> float:
-        return self._config.max_failures
-
-    @property
-    def collate_fn(self) -> Callable[[list[Any]], Any]:
-        return self._config.collate_fn
-
-    @property
-    def worker_init_fn(self) -> Callable[[int], Any] | None:
-        return self._config.worker_init_fn
-
-    @property
-    def transform(self) -> Callable[[Any], Any] | None:
-        return self._config.transform
-
-    @property
-    def seed(self) -> int:
-        return self._config.seed
-
-    @property
-    def pin_memory(self) -> bool:
-        return self._config.pin_memory
-
-    @property
-    def drop_last(self) -> bool:
-        return self._config.drop_last
-
-    @property
-    def last_batch(self) -> str:
-        return self._config.last_batch
-
-    @property
-    def mp_context(self) -> BaseContext | None:
-        """The multiprocessing context worker processes start from (None without them)."""
-        return self._context
+        self._initialized = True
 
     def _check_open(self) -> None:
         if self._closed:
@@ -322,15 +275,15 @@ class DataLoader:
     # -- iteration ---------------------------------------------------------------------------
 
     def __len__(self) -> int:
-        if self.batch_sampler is not None:
-            return len(self.batch_sampler)
-        n = len(self.dataset)
-        assert self.batch_size is not None
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        if self._sampling.batches is not None:
+            return len(self._sampling.batches)  # type: ignore[arg-type]
+        n, size = len(self.dataset), self.batch_size or 1
+        return n // size if self.drop_last else -(-n // size)
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration epoch ``epoch`` (shuffling and seeds derive from it)."""
-        self._next_epoch = non_negative_int("epoch", epoch)
+        """Make the next iteration epoch ``epoch`` (shuffling and seeds derive from it); a
+        sampler you passed gets ``set_epoch(epoch)`` at its start (see the class docstring)."""
+        self._book.set_epoch(epoch)
 
     def __aiter__(self) -> EpochIterator:
         # The consumer gets a handle, not the epoch: dropping it closes the epoch at once. The
@@ -348,26 +301,18 @@ class DataLoader:
             if previous.plan is not None:
                 previous.plan.freeze()
             self._res.others.add(previous)
-        resume, self._resume = self._resume, None
-        if resume is not None:
-            epoch = int(resume["epoch"])
-            done = set(resume["done"])
-        else:
-            epoch = self._next_epoch
-            done = set()
-        self._next_epoch = epoch + 1
+        epoch, done = self._book.begin()
         self._counters.epoch = epoch
         self._counters.epoch_batches_yielded = 0
-        self._done_ids = sorted(done)
         plan = None
-        if self.batch_sampler is not None:
-            if resume is not None and resume.get("sampler") is not None:
-                self.batch_sampler.load_state_dict(resume["sampler"])
-            if hasattr(self.batch_sampler, "set_epoch"):
-                self.batch_sampler.set_epoch(epoch)
-            state_dict = getattr(self.batch_sampler, "state_dict", None)
-            self._epoch_sampler_state = state_dict() if callable(state_dict) else None
-            plan = Plan((i, b) for i, b in enumerate(self.batch_sampler) if i not in done)
+        batches, check = self._sampling.batches, self._sampling.check
+        if batches is not None:
+            # The batch sampler's iter() runs here, at once; each batch of a user's sampler is
+            # made plain ints as the producer reads it (a bad one fails at its turn).
+            pairs = enumerate(batches)
+            plan = Plan(
+                (i, check(i, b) if check is not None else b) for i, b in pairs if i not in done
+            )
         device = (
             self._res.device if self._res.device is not None and self._res.device.enabled else None
         )
@@ -379,13 +324,12 @@ class DataLoader:
             plan=plan,
             dataset=self.dataset,
             device=device,
-            on_batch=self._done_ids.append,
+            on_batch=self._book.took,
             # Weakly: the epoch lives in ``_res``, which the finalizer holds; a strong reference
             # back to the loader would keep an unclosed loader alive forever (no warning, no
             # release).
             on_finish=_weak_call(self._epoch_finished, epoch),
         )
-        self._epoch_open = True
         self._res.epoch = it
         return it
 
@@ -395,8 +339,7 @@ class DataLoader:
         current = self._res.epoch
         if current is not None and current.epoch != epoch:
             return
-        self._epoch_open = False
-        self._done_ids = []
+        self._book.finished()
 
     def __iter__(self) -> Generator[Any, None, None]:
         """Iterate synchronously: the pipeline runs on a private event loop in a thread.
@@ -515,41 +458,52 @@ class DataLoader:
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is: restoring it with :meth:`load_state_dict` makes the next
         iteration yield exactly the batches of this epoch not yet taken (or, between epochs,
-        start the next epoch).
+        start the next epoch). Holds the base seed, drawn or given.
 
-        Exact for map-style datasets whose sampler is deterministic given the epoch (the
-        built-in samplers are; ``shuffle=True`` with a ``generator`` is not). Iterable datasets
+        Exact for map-style datasets whose sampler is deterministic given its state: the
+        built-in samplers are, ``shuffle=True`` with a ``generator`` included (the generator's
+        state is saved, and restored into the resumed loader's generator). Iterable datasets
         restart their stream.
         """
-        if self._epoch_open:
-            return {
-                "epoch": self._counters.epoch,
-                "done": list(self._done_ids),
-                "sampler": self._epoch_sampler_state,
-                "seed": self.seed,
-            }
-        return {
-            "epoch": self._next_epoch,
-            "done": [],
-            "sampler": self._sampler_state(),
-            "seed": self.seed,
-        }
-
-    def _sampler_state(self) -> dict[str, Any] | None:
-        state_dict = getattr(self.batch_sampler, "state_dict", None)
-        return state_dict() if callable(state_dict) else None
+        return self._book.state_dict(self.seed)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: the next iteration continues that epoch."""
-        for key in ("epoch", "done", "seed"):
-            if key not in state:
-                raise ValueError(f"state is missing {key!r}; got keys {sorted(state)}")
-        if state["seed"] != self.seed:
+        """Resume from :meth:`state_dict`: the next iteration continues that epoch.
+
+        A loader made without ``seed=`` adopts the saved seed (its worker processes, if
+        already started with another one, are restarted at the next epoch); one made with
+        a different ``seed=`` refuses the state.
+
+        Raises:
+            ValueError: the state lacks a key, its seed differs from an explicit ``seed=``,
+                or the seed must change while an epoch is being iterated.
+        """
+        saved = check_state_keys("DataLoader", state, ("epoch", "done", "seed"))["seed"]
+        if saved != self.seed:
+            if self._seed_given:
+                raise ValueError(
+                    f"state was saved with seed={saved}, this loader has seed={self.seed}; "
+                    "pass the same seed (or none: the loader then adopts the saved one)"
+                )
+            self._adopt_seed(to_int("seed", saved))
+        self._book.load(state)
+
+    def _adopt_seed(self, seed: int) -> None:
+        """Use ``seed`` from now on. Worker processes were given the old one when they
+        started, so started ones go (the next epoch starts new ones); threads never had it."""
+        processes = self._config.uses_processes
+        epochs = (self._res.epoch, *self._res.others)
+        if processes and any(e is not None and not e.finished for e in epochs):
             raise ValueError(
-                f"state was saved with seed={state['seed']}, this loader has seed={self.seed}; "
-                "pass the same seed to resume exactly"
+                f"cannot adopt the state's seed={seed} while an epoch is being iterated "
+                "(its workers use the current seed); load the state before iterating"
             )
-        self._resume = dict(state)
+        self._config = dataclasses.replace(self._config, seed=seed)
+        if processes:
+            with self._res.lock:
+                runner, self._res.runner = self._res.runner, None
+            if runner is not None:
+                runner.close()
 
     def __repr__(self) -> str:
         s = self.statistics()

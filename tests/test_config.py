@@ -118,7 +118,7 @@ BAD_ARGUMENTS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"batch_size": -3}, ValueError, "batch_size"),
     ({"batch_size": 2.0}, TypeError, "batch_size"),
     ({"batch_size": True}, TypeError, "batch_size"),
-    ({"batch_size": None}, ValueError, "batch_size"),
+    ({"batch_size": None, "drop_last": True}, ValueError, "drop_last"),
     ({"prefetch": 0}, ValueError, "prefetch"),
     ({"prefetch": -1}, ValueError, "prefetch"),
     ({"prefetch": 2.5}, TypeError, "prefetch"),
@@ -171,7 +171,7 @@ BAD_FOR_ITERABLES: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"sampler": SequentialSampler(5)}, ValueError, "sampler"),
     ({"batch_sampler": [[0, 1]]}, ValueError, "batch_sampler"),
     ({"last_batch": "rollover"}, ValueError, "rollover"),
-    ({"batch_size": None}, ValueError, "batch_size"),
+    ({"batch_size": None, "drop_last": True}, ValueError, "batch_size=None"),
 ]
 
 

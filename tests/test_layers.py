@@ -59,6 +59,9 @@ LEVELS: dict[str, int] = {
     "_deadline": 3,
     # 4 - the producer side of an epoch
     "_produce": 4,
+    # 4 - the loader's settings as attributes, and its epochs' bookkeeping for resume
+    "_settings": 4,
+    "_resume": 4,
     # 5 - the consumer side of an epoch
     "_epoch": 5,
     # 6 - what a loader holds between epochs: runner, slots, device stage, loop thread

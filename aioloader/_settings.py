@@ -1,0 +1,155 @@
+"""The loader's settings as attributes: torch's names and aioloader's, read-only.
+
+:class:`SettingsView` is the part of :class:`aioloader.DataLoader` that shows its settings.
+They live in the loader's frozen :class:`LoaderConfig` (``_config``), checked once at
+construction, and in its :class:`Sampling` (``_sampling``); the attributes read them there.
+
+Assigning a setting after construction raises ``ValueError``: torch refuses the same for
+``dataset``, ``batch_size``, ``sampler``, ``batch_sampler``, ``drop_last`` and
+``persistent_workers`` (its message is kept for those); aioloader refuses it for every
+other setting too, because nothing would read the new value (the checks and everything
+derived from them ran once). Private attributes, and attributes a user adds, stay assignable.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from multiprocessing.context import BaseContext
+from typing import Any, Generic, TypeVar, overload
+
+from ._config import LoaderConfig, PerSample, Sampling
+
+__all__ = ["Setting", "SettingsView"]
+
+T = TypeVar("T")
+
+# The attributes torch itself refuses to reassign after construction.
+_TORCH_FIXED = frozenset(
+    ("dataset", "batch_size", "batch_sampler", "sampler", "drop_last", "persistent_workers")
+)
+
+
+class Setting(Generic[T]):
+    """A read-only attribute, read from the loader's :class:`LoaderConfig` field of its name."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, loader: None, owner: type) -> Setting[T]: ...
+
+    @overload
+    def __get__(self, loader: SettingsView, owner: type) -> T: ...
+
+    def __get__(self, loader: SettingsView | None, owner: type) -> Setting[T] | T:
+        if loader is None:
+            return self
+        return getattr(loader._config, self.name)  # type: ignore[no-any-return]
+
+
+_SETTINGS: dict[type, frozenset[str]] = {}
+
+
+def _settings_of(cls: type) -> frozenset[str]:
+    """Every constructor argument of ``cls`` and every attribute that shows a setting."""
+    names = _SETTINGS.get(cls)
+    if names is not None:
+        return names
+    shown = {
+        name
+        for klass in cls.__mro__
+        for name, value in vars(klass).items()
+        if isinstance(value, property | Setting)
+    }
+    names = _SETTINGS[cls] = frozenset(inspect.signature(cls).parameters) | shown | _TORCH_FIXED
+    return names
+
+
+class SettingsView:
+    """Read-only attributes over a loader's ``_config`` and ``_sampling`` (see the module
+    docstring); the loader sets ``_initialized`` once its constructor is done."""
+
+    _config: LoaderConfig
+    _sampling: Sampling
+    _context: BaseContext | None
+    _generator: Any
+    _initialized = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._initialized and name in _settings_of(type(self)):
+            owner = type(self).__name__
+            if name in _TORCH_FIXED:
+                raise ValueError(f"{name} attribute should not be set after {owner} is initialized")
+            raise ValueError(
+                f"{name} attribute should not be set after {owner} is initialized: settings "
+                "are checked once, at construction; make a new loader instead"
+            )
+        super().__setattr__(name, value)
+
+    batch_size = Setting[int | None]()
+    num_workers = Setting[int]()
+    thread_pool = Setting[bool]()
+    in_order = Setting[bool]()
+    prefetch = Setting[int]()
+    io_concurrency = Setting[int]()
+    max_retries = Setting[int]()
+    device_prefetch = Setting[int]()
+    on_error = Setting[str]()
+    max_failures = Setting[float]()
+    worker_init_fn = Setting[Callable[[int], Any] | None]()
+    transform = Setting[Callable[[Any], Any] | None]()
+    seed = Setting[int]()
+    pin_memory = Setting[bool]()
+    drop_last = Setting[bool]()
+    last_batch = Setting[str]()
+    persistent_workers = Setting[bool]()
+    pin_memory_device = Setting[str]()
+
+    @property
+    def kind(self) -> str:
+        """``'map'``, ``'async_map'``, ``'iterable'`` or ``'async_iterable'``."""
+        return self._config.kind
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a batch may take; 0 means no limit (as in torch)."""
+        return self._config.timeout or 0.0
+
+    @property
+    def collate_fn(self) -> Callable[[Any], Any]:
+        """What makes a batch of samples (or, with ``batch_size=None``, converts one)."""
+        collate = self._config.collate_fn
+        return collate.fn if isinstance(collate, PerSample) else collate
+
+    @property
+    def sampler(self) -> Any:
+        """The index sampler: yours, the one the loader made (``shuffle``), or the one inside
+        your batch sampler (else a sequential one, as torch shows); None for iterable data."""
+        return self._sampling.sampler
+
+    @property
+    def batch_sampler(self) -> Any:
+        """The batch sampler (yours or the loader's); None without batching or for iterables."""
+        return self._sampling.batch_sampler
+
+    @property
+    def generator(self) -> Any:
+        """The ``torch.Generator`` given, or None."""
+        return self._generator
+
+    @property
+    def prefetch_factor(self) -> int | None:
+        """Batches in flight per worker (torch's view of ``prefetch``); None without workers,
+        as in torch."""
+        if self._config.prefetch_factor is not None:
+            return self._config.prefetch_factor
+        workers = self._config.num_workers
+        return max(1, self._config.prefetch // workers) if workers else None
+
+    @property
+    def multiprocessing_context(self) -> BaseContext | None:
+        """The multiprocessing context worker processes start from (None without them)."""
+        return self._context
+
+    mp_context = multiprocessing_context
