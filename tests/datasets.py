@@ -225,3 +225,31 @@ def fail_collate_on_7(samples: list[int]) -> list[int]:
     if 7 in samples:
         raise ValueError("cannot collate 7")
     return list(samples)
+
+
+class NumpySamples(Range):
+    """Samples with numpy leaves: a numeric array, a string array, a numpy scalar and an int
+    (what ``default_convert`` turns into tensors, or leaves alone)."""
+
+    def __getitem__(self, index: int) -> Any:  # a dict, not Range's int
+        index = super().__getitem__(index)
+        return {
+            "x": np.full(3, index, dtype=np.int64),
+            "name": np.array([f"s{index}"]),
+            "scalar": np.float32(index),
+            "index": index,
+        }
+
+
+class TorchDraws(Range):
+    """``(index, a draw from torch's global generator)``: shows how a worker was seeded."""
+
+    def __getitem__(self, index: int) -> Any:  # a tuple, not Range's int
+        import torch
+
+        return super().__getitem__(index), float(torch.rand(()).item())
+
+
+def one_sample_tagged(sample: Any) -> tuple[str, Any]:
+    """A collate_fn for ``batch_size=None``: torch hands it one sample, not a list."""
+    return ("one", sample)
