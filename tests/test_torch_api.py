@@ -292,6 +292,14 @@ def test_pin_memory_without_cuda_warns_once_and_yields_the_batches() -> None:
     assert len(caught) == 1
 
 
+@pytest.mark.cuda
+def test_pin_memory_device_pins_for_that_cuda_device() -> None:
+    loader = DataLoader(Range(5), batch_size=2, pin_memory=True, pin_memory_device="cuda:0")
+    batches = _batches(loader)
+    assert as_lists(batches) == [[0, 1], [2, 3], [4]]
+    assert all(b.is_pinned() for b in batches)
+
+
 def test_timeout_zero_is_no_limit_and_a_negative_one_is_named() -> None:
     assert DataLoader(Range(4)).timeout == 0
     assert DataLoader(Range(4), timeout=None).timeout == 0  # aioloader's spelling
