@@ -72,10 +72,12 @@ def our_segments() -> set[str]:
 def _helper_process(p: psutil.Process) -> bool:
     try:
         cmd = " ".join(p.cmdline())
+        name = p.name()
     except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
         return True
-    # The forkserver and the resource tracker live as long as the test session, by design.
-    return "forkserver" in cmd or "resource_tracker" in cmd
+    # The forkservers (the stdlib's, and the one forked from this process, which names itself)
+    # and the resource tracker live as long as the test session, by design.
+    return "forkserver" in cmd or "resource_tracker" in cmd or name == "aiol-forkserver"
 
 
 def child_pids() -> set[int]:

@@ -23,7 +23,10 @@ def worker_processes() -> set[int]:
             if (
                 parent is not None
                 and process.status() != psutil.STATUS_ZOMBIE
-                and "forkserver" in " ".join(parent.cmdline())
+                and (
+                    "forkserver" in " ".join(parent.cmdline())
+                    or parent.name() == "aiol-forkserver"
+                )
             ):
                 pids.add(process.pid)
     return pids

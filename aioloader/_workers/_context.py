@@ -18,6 +18,8 @@ import multiprocessing as mp
 import threading
 from multiprocessing.context import BaseContext
 
+from ._zygote import zygote_context
+
 __all__ = ["WORKER_MODULE", "resolve_context"]
 
 # What a worker process imports to run its jobs (initializer, serve loop, map and stream jobs).
@@ -37,6 +39,9 @@ def resolve_context(mp_context: str | BaseContext | None, *, allow_fork: bool) -
         TypeError: ``mp_context`` is neither a name nor a context.
     """
     if mp_context is None:
+        zygote = zygote_context()
+        if zygote is not None:
+            return zygote
         method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
         ctx: BaseContext = mp.get_context(method)
     elif isinstance(mp_context, str):

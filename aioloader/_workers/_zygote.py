@@ -1,0 +1,247 @@
+"""A forkserver forked from this process, rather than started as a fresh interpreter.
+
+The standard ``forkserver`` start method starts its server by executing a new Python, which
+imports the main module, aioloader, numpy and torch before it forks the first worker: about a
+second here, paid by every program's first batch. A server *forked* from the main process has
+all of that already, copy-on-write, at the cost of one ``fork()`` (milliseconds). Workers are
+then forked from it as from any forkserver: from a single-threaded process, so they inherit no
+lock held by another thread, which is what makes ``fork`` from a running loader unsafe.
+
+The fork itself is only safe where no other thread may hold something the copy would need
+(:func:`fork_is_safe`): :func:`zygote_context` forks the server only then (typically when the
+first loader with worker processes is made, in the main thread, before any loader thread
+exists) and returns ``None`` otherwise, for the caller to use a standard start method. One
+server serves every loader of the process; if it dies it is forked again when that is safe.
+
+Because the server is a copy of the main process, the main module is already there: workers do
+not run the main script again (an unguarded script works, as with torch's ``fork``), and
+classes defined in ``__main__`` before the server was forked unpickle by reference. What the
+server must not keep from the main process, it drops at once: every socket and pipe (a peer
+would otherwise never see them close: a TCP connection, a torch.distributed store, a
+subprocess's pipe), signal handlers other than the default, the signal wake-up descriptor.
+
+The server names itself ``aiol-forkserver`` (``/proc/PID/comm``, what ``ps`` and ``top`` show).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import importlib
+import io
+import os
+import signal
+import socket
+import stat
+import sys
+import threading
+from multiprocessing import connection, forkserver, popen_forkserver, resource_tracker, spawn, util
+from multiprocessing import context as mp_context
+from multiprocessing.context import ForkServerContext, ForkServerProcess
+from typing import Any
+
+# The stdlib's forkserver internals this module builds on, typed loosely (their stubs are not
+# complete): the server class, the launcher, and the helpers they use.
+_ServerBase: Any = forkserver.ForkServer
+_PopenBase: Any = popen_forkserver.Popen
+_util: Any = util
+_connection: Any = connection
+_context: Any = mp_context
+
+__all__ = ["PRELOAD", "SERVER_NAME", "zygote_context", "zygote_pid"]
+
+# What a worker imports as it starts or at its first batch that the main process may not have
+# imported yet (numpy.random: the per-batch reseeding; ~20 ms a worker otherwise).
+PRELOAD = ("numpy.random", "aioloader._workers._worker", "concurrent.futures.process")
+
+SERVER_NAME = b"aiol-forkserver"  # at most 15 bytes: the kernel's limit for a process name
+
+_PR_SET_NAME = 15
+
+
+class _ForkedServer(_ServerBase):  # type: ignore[misc]
+    """``ForkServer`` whose server process is forked from this one (see the module doc)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._preload_modules: list[str] = []
+        self._owner = os.getpid()
+        self._forkserver_pid: int | None = None
+        self._forkserver_alive_fd: int | None = None
+        self._forkserver_address: Any = None
+
+    def ensure_running(self) -> None:
+        with self._lock:
+            resource_tracker.ensure_running()
+            if self._forkserver_pid is not None:
+                pid, _ = os.waitpid(self._forkserver_pid, os.WNOHANG)
+                if not pid:
+                    return  # alive
+                if self._forkserver_alive_fd is not None:
+                    os.close(self._forkserver_alive_fd)
+                self._forkserver_address = None
+                self._forkserver_alive_fd = None
+                self._forkserver_pid = None
+            if not fork_is_safe():
+                raise RuntimeError(
+                    "the worker server died and cannot be forked again while other threads "
+                    "run; close this loader and make a new one"
+                )
+            self._fork_server()
+
+    def _fork_server(self) -> None:
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = _connection.arbitrary_address("AF_UNIX")
+            listener.bind(address)
+            if not _util.is_abstract_socket_namespace(address):
+                os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()  # the server ends when every writer has gone
+            _util._flush_std_streams()  # else the child writes them out again
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the server process (its coverage is not seen)
+                _serve(listener.fileno(), alive_r, alive_w)
+            os.close(alive_r)
+        self._forkserver_address = address
+        self._forkserver_alive_fd = alive_w
+        self._forkserver_pid = pid
+
+
+def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
+    """The server process: shed what it must not hold, then run the stdlib server loop."""
+    code = 1
+    try:
+        os.close(alive_w)
+        _name_process(SERVER_NAME)
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_DFL)
+        _release_sockets_and_pipes(keep={0, 1, 2, listener_fd, alive_r})
+        for module in PRELOAD:  # once here, rather than once in every worker
+            with contextlib.suppress(ImportError):
+                importlib.import_module(module)
+        forkserver.main(listener_fd, alive_r, [])
+    except SystemExit:
+        code = 0  # every client has gone: the normal end
+    except BaseException:
+        with contextlib.suppress(Exception):
+            sys.excepthook(*sys.exc_info())
+    finally:
+        os._exit(code)  # never the main program's atexit hooks or buffered output
+
+
+def _release_sockets_and_pipes(keep: set[int]) -> None:
+    """Point every inherited socket and pipe at /dev/null, so that this process no longer holds
+    them open. Not ``close()``: objects copied from the main process still own those numbers and
+    close them when collected; a number closed now could be reused meanwhile by a descriptor
+    this server needs, which that late close would then take away."""
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no procfs: nothing to walk
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in fds:
+            if fd in keep or fd == null:
+                continue
+            with contextlib.suppress(OSError):
+                mode = os.fstat(fd).st_mode
+                if stat.S_ISSOCK(mode) or stat.S_ISFIFO(mode):
+                    os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+def _name_process(name: bytes) -> None:
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
+
+
+class _Popen(_PopenBase):  # type: ignore[misc]
+    """Start a process through the forked server instead of the stdlib's global one: the
+    stdlib's launch, with the server it connects to swapped."""
+
+    def _launch(self, process_obj: Any) -> None:
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        buf = io.BytesIO()
+        _context.set_spawning_popen(self)
+        try:
+            _context.reduction.dump(prep_data, buf)
+            _context.reduction.dump(process_obj, buf)
+        finally:
+            _context.set_spawning_popen(None)
+        self.sentinel, w = _server().connect_to_new_process(self._fds)
+        # The data pipe's write end, kept open: the child reads its end's closing as this
+        # process's death.
+        parent_w = os.dup(w)
+        self.finalizer = _util.Finalize(self, _util.close_fds, (parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _Process(ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _Popen(process_obj)
+
+
+class _Context(ForkServerContext):
+    """A forkserver context whose server is forked from this process."""
+
+    Process = _Process
+
+
+_SERVER_LOCK = threading.Lock()
+_SERVER_BOX: list[_ForkedServer] = []
+
+
+def _server() -> _ForkedServer:
+    with _SERVER_LOCK:
+        if not _SERVER_BOX or _SERVER_BOX[0]._owner != os.getpid():
+            _SERVER_BOX[:] = [_ForkedServer()]
+        return _SERVER_BOX[0]
+
+
+def fork_is_safe() -> bool:
+    """Whether this process may fork the server now: from the main thread, with every other
+    thread a daemon of someone else's (a notebook kernel's heartbeat and output threads are).
+
+    The server itself only runs the stdlib's server loop, and CPython re-initialises the import
+    lock and the GIL in a forked child; what a thread might hold at the fork that a worker would
+    then wait on forever is program state. A non-daemon thread (an executor's, a program's
+    own) may be in the middle of anything, and a loader's own threads hold its locks: with
+    either running, the caller uses a standard start method instead.
+    """
+    me = threading.current_thread()
+    if me is not threading.main_thread():
+        return False
+    others = [t for t in threading.enumerate() if t is not me]
+    return all(t.daemon and not t.name.startswith("aioloader") for t in others)
+
+
+def zygote_context() -> ForkServerContext | None:
+    """A context whose workers fork from a server forked from this process, with the server
+    running; ``None`` where it cannot be started safely now (threads run) and is not running
+    yet, or where ``fork`` does not exist."""
+    if not hasattr(os, "fork") or sys.platform != "linux":
+        return None
+    server = _server()
+    try:
+        with server._lock:
+            running = server._forkserver_pid is not None
+        if not running and not fork_is_safe():
+            return None
+        server.ensure_running()
+    except (OSError, RuntimeError):
+        return None
+    return _Context()
+
+
+def zygote_pid() -> int | None:
+    """The server's pid, if it was started (for diagnostics and tests)."""
+    if not _SERVER_BOX:
+        return None
+    return _SERVER_BOX[0]._forkserver_pid

@@ -1,0 +1,224 @@
+"""The forkserver forked from the main process: fast, no second run of the main script, and it
+keeps nothing of the main process's that others wait on.
+
+Most checks run a script in a fresh interpreter: the server is forked once per process, and this
+test process forked its own long ago (or could not, with threads running).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import psutil
+
+from aioloader._workers._zygote import SERVER_NAME, fork_is_safe
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+BOUND_S = 60.0
+
+
+def _run(code: str, tmp_path: Path, *, as_file: bool = True) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]))
+    env["PYTHONWARNINGS"] = "default"
+    source = textwrap.dedent(code)
+    if as_file:
+        path = tmp_path / "script.py"
+        path.write_text(source)
+        argv = [sys.executable, str(path)]
+    else:
+        argv = [sys.executable, "-c", source]
+    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=BOUND_S)
+
+
+def test_a_script_without_a_main_guard_runs_once_with_workers(tmp_path: Path) -> None:
+    """As with torch's fork on Linux: the workers do not run the script again."""
+    proc = _run(
+        """
+        import os
+        from aioloader import DataLoader
+
+        class Squares:
+            def __len__(self):
+                return 40
+            def __getitem__(self, i):
+                return i * i
+
+        print("script body ran in", os.getpid(), flush=True)
+        loader = DataLoader(Squares(), batch_size=8, num_workers=2)
+        print("total", sum(int(x) for batch in loader for x in batch))
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("script body ran in") == 1, proc.stdout
+    assert f"total {sum(i * i for i in range(40))}" in proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "was not closed" not in proc.stderr, proc.stderr
+
+
+def test_a_dataset_class_defined_in_python_c_works_with_workers(tmp_path: Path) -> None:
+    proc = _run(
+        """
+        from aioloader import DataLoader
+        class Doubles:
+            def __len__(self): return 10
+            def __getitem__(self, i): return 2 * i
+        with DataLoader(Doubles(), batch_size=5, num_workers=2) as loader:
+            print([[int(x) for x in b] for b in loader])
+        """,
+        tmp_path,
+        as_file=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[[0, 2, 4, 6, 8], [10, 12, 14, 16, 18]]"
+
+
+def test_the_server_holds_no_socket_or_pipe_of_the_main_process(tmp_path: Path) -> None:
+    """A connection the program closes is closed for its peer, though the server was forked
+    while it was open (a TCP connection, a torch.distributed store, a subprocess pipe)."""
+    proc = _run(
+        """
+        import os, socket
+        from aioloader import DataLoader
+        from datasets import Range
+
+        mine, peer = socket.socketpair()
+        read_end, write_end = os.pipe()
+        with DataLoader(Range(8), batch_size=4, num_workers=2) as loader:
+            assert [len(b) for b in loader] == [4, 4]
+            mine.close()
+            os.close(write_end)
+            peer.settimeout(10)
+            print("socket peer sees", peer.recv(1))  # b'' once every holder has closed it
+            print("pipe reader sees", os.read(read_end, 1))
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "socket peer sees b''" in proc.stdout, proc.stdout
+    assert "pipe reader sees b''" in proc.stdout, proc.stdout
+
+
+def test_output_buffered_before_the_fork_is_written_once(tmp_path: Path) -> None:
+    proc = _run(
+        """
+        from aioloader import DataLoader
+        from datasets import Range
+        print("buffered, not flushed")  # stdout is a pipe: block-buffered
+        with DataLoader(Range(8), batch_size=4, num_workers=2) as loader:
+            list(loader)
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("buffered, not flushed") == 1, proc.stdout
+
+
+def test_the_server_names_itself_and_ends_with_the_program(tmp_path: Path) -> None:
+    proc = _run(
+        """
+        from aioloader import DataLoader
+        from aioloader._workers._zygote import zygote_pid
+        from datasets import Range
+        loader = DataLoader(Range(8), batch_size=4, num_workers=2)
+        print(sum(len(b) for b in loader), zygote_pid())
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    total, pid = (int(x) for x in proc.stdout.split())
+    assert total == 8
+    try:
+        process = psutil.Process(pid)
+        process.wait(timeout=5)  # not ours to reap: it was the script's child
+    except psutil.NoSuchProcess:
+        pass
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+THREAD_SCRIPT = """
+import threading
+from aioloader import DataLoader
+from aioloader._workers._zygote import zygote_pid
+from datasets import Range
+
+if __name__ == "__main__":  # the standard forkserver imports the main module in its server
+    release = threading.Event()
+    {setup}
+    with DataLoader(Range(8), batch_size=4, num_workers=2) as loader:
+        method = loader.mp_context.get_start_method()
+        print([len(b) for b in loader], zygote_pid() is not None, method)
+    release.set()
+"""
+
+
+def test_a_daemon_thread_of_someone_else_does_not_stop_the_fork(tmp_path: Path) -> None:
+    """A notebook kernel runs daemon threads (heartbeat, output) all the time."""
+    setup = 'threading.Thread(target=release.wait, args=(30,), daemon=True).start()'
+    proc = _run(THREAD_SCRIPT.format(setup=setup), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["[4,", "4]", "True", "forkserver"], proc.stdout
+
+
+def test_a_non_daemon_thread_makes_the_loader_use_the_standard_forkserver(tmp_path: Path) -> None:
+    setup = 'threading.Thread(target=release.wait, args=(30,)).start()'
+    proc = _run(THREAD_SCRIPT.format(setup=setup), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["[4,", "4]", "False", "forkserver"], proc.stdout
+
+
+def test_off_the_main_thread_the_loader_uses_the_standard_forkserver(tmp_path: Path) -> None:
+    proc = _run(
+        """
+        import threading
+        from aioloader import DataLoader
+        from aioloader._workers._zygote import zygote_pid
+        from datasets import Range
+
+        def build():
+            with DataLoader(Range(8), batch_size=4, num_workers=2) as loader:
+                print([len(b) for b in loader], zygote_pid() is not None)
+
+        if __name__ == "__main__":
+            thread = threading.Thread(target=build)
+            thread.start()
+            thread.join()
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["[4,", "4]", "False"], proc.stdout
+
+
+def test_the_server_is_named_for_ps_and_top(tmp_path: Path) -> None:
+    proc = _run(
+        """
+        import psutil
+        from aioloader import DataLoader
+        from aioloader._workers._zygote import zygote_pid
+        from datasets import Range
+        with DataLoader(Range(8), batch_size=4, num_workers=1) as loader:
+            list(loader)
+            print(psutil.Process(zygote_pid()).name())
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == SERVER_NAME.decode()
+
+
+def test_fork_is_unsafe_while_a_non_daemon_thread_runs() -> None:
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait, args=(10,), name="busy")
+    thread.start()
+    try:
+        assert not fork_is_safe()
+    finally:
+        release.set()
+        thread.join()
