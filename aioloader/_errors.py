@@ -28,6 +28,7 @@ from __future__ import annotations
 __all__ = [
     "AioloaderError",
     "CollateError",
+    "DeviceUnavailableWarning",
     "LoaderTimeoutError",
     "RemoteError",
     "RemoteNotFoundError",
@@ -111,3 +112,7 @@ class RetriesExhaustedError(RemoteError):
 
 class RemoteTimeoutError(RetriesExhaustedError, TimeoutError):
     """Every attempt failed and the last one timed out."""
+
+
+class DeviceUnavailableWarning(UserWarning):
+    """A device copy or pinning was requested but CUDA is not available; batches stay on CPU."""

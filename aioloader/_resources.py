@@ -33,18 +33,20 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _shm
 from ._batch import BatchMaker
 from ._config import LoaderConfig
-from ._device import DeviceStage
 from ._epoch import Epoch
 from ._signals import release_before_sigterm
 from ._sync import LoopThread
 from ._threads import ThreadRunner
 from ._types import AsyncCloseable, Runner, SourceDataset
 from ._workers import ProcessRunner, WorkerPool
+
+if TYPE_CHECKING:
+    from ._device import DeviceStage
 
 __all__ = ["Resources", "batch_maker", "close_all_at_exit", "finalize", "worker_payload"]
 
@@ -117,6 +119,8 @@ class Resources:
         """Make what is missing (device stage, slot pool, runner); returns the runner."""
         with self.lock:
             if self.device is None and (device_spec is not None or config.pin_memory):
+                from ._device import DeviceStage  # imports torch: only for a device stage
+
                 self.device = DeviceStage(device_spec, pin_memory=config.pin_memory)
             if self.runner is None:
                 if payload is not None:

@@ -48,20 +48,26 @@ One job per module, each with its sharp edges in its own docstring:
 Imports go one way (``_stage`` uses the others; none of them uses ``_stage``) and no module
 reads another's ``_private`` names.
 
-This module only re-exports.
+This module only re-exports, and imports torch only when something that needs it is asked for:
+``parse_device(None)`` and the warning class do not, so ``import aioloader`` stays light.
 """
 
 from __future__ import annotations
 
-from ._backend import CudaBackend as CudaBackend
-from ._backend import TorchCudaBackend as TorchCudaBackend
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .._errors import DeviceUnavailableWarning as DeviceUnavailableWarning
 from ._parse import parse_device as parse_device
-from ._stage import DeviceStage as DeviceStage
-from ._stage import DeviceStats as DeviceStats
-from ._stage import DeviceUnavailableWarning as DeviceUnavailableWarning
-from ._staging import MAX_POOLED_STAGING_BYTES as MAX_POOLED_STAGING_BYTES
-from ._staging import STAGING_GRANULE as STAGING_GRANULE
-from ._transfer import Transfer as Transfer
+
+if TYPE_CHECKING:
+    from ._backend import CudaBackend as CudaBackend
+    from ._backend import TorchCudaBackend as TorchCudaBackend
+    from ._stage import DeviceStage as DeviceStage
+    from ._stage import DeviceStats as DeviceStats
+    from ._staging import MAX_POOLED_STAGING_BYTES as MAX_POOLED_STAGING_BYTES
+    from ._staging import STAGING_GRANULE as STAGING_GRANULE
+    from ._transfer import Transfer as Transfer
 
 __all__ = [
     "CudaBackend",
@@ -72,3 +78,23 @@ __all__ = [
     "Transfer",
     "parse_device",
 ]
+
+# Names whose modules import torch: loaded on first access (PEP 562).
+_LAZY = {
+    "CudaBackend": "._backend",
+    "TorchCudaBackend": "._backend",
+    "DeviceStage": "._stage",
+    "DeviceStats": "._stage",
+    "MAX_POOLED_STAGING_BYTES": "._staging",
+    "STAGING_GRANULE": "._staging",
+    "Transfer": "._transfer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value

@@ -16,9 +16,12 @@ Sharp edges:
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from .._validate import is_int
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["parse_device"]
 
@@ -35,8 +38,10 @@ def parse_device(device: str | torch.device | int | None) -> torch.device | None
             cpu and cuda, naming the value.
         TypeError: for a value of another type.
     """
-    if device is None:
-        return None
+    if device is None or (isinstance(device, str) and device == "cpu"):
+        return None  # no device stage: nothing of torch is needed
+    import torch  # a device is a torch feature; importing it here keeps `import aioloader` light
+
     if is_int(device):
         ordinal = int(device)
         if ordinal < 0:

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import TransferError
+from .._errors import DeviceUnavailableWarning, TransferError
 from .._validate import is_int
 from ._backend import CudaBackend, TorchCudaBackend
 from ._leaves import NUMERIC_KINDS, array_as_tensor_view, empty_like_leaf, map_arrays
@@ -50,10 +50,6 @@ from ._staging import MAX_POOLED_STAGING_BYTES, StagingPool
 from ._transfer import CopyState, Transfer, until_done
 
 __all__ = ["DeviceStage", "DeviceStats", "DeviceUnavailableWarning"]
-
-
-class DeviceUnavailableWarning(UserWarning):
-    """A device copy or pinning was requested but CUDA is not available; batches stay on CPU."""
 
 
 @dataclass(frozen=True, slots=True)
