@@ -26,6 +26,7 @@ from typing import Any
 
 from ._batch import annotate
 from ._errors import LoaderTimeoutError, WorkerCrashedError
+from ._log import workers_log
 from ._stats import Counters
 from ._types import Made, Runner
 
@@ -90,6 +91,7 @@ async def run_attempts(
             if may_retry and tries < policy.max_retries:
                 tries += 1
                 counters.retries += 1
+                _log_rerun(batch_id, tries, policy.max_retries, f"its worker crashed: {exc}")
                 continue
             annotate(exc, f"batch {batch_id}: {describe()}")
             raise
@@ -102,8 +104,17 @@ async def run_attempts(
         if may_retry and tries < policy.max_retries:
             tries += 1
             counters.retries += 1
+            killed = f", worker pid {pid} killed" if pid is not None else ""
+            why = f"it passed its {policy.timeout} s deadline{killed}"
+            _log_rerun(batch_id, tries, policy.max_retries, why)
             continue
         raise timeout_error(batch_id, describe(), policy.clock() - started, policy.timeout, pid)
+
+
+def _log_rerun(batch_id: int, retry: int, retries: int, why: str) -> None:
+    workers_log.warning(
+        "re-running batch %d now (retry %d of max_retries=%d): %s", batch_id, retry, retries, why
+    )
 
 
 async def _await_job(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections import deque
@@ -34,9 +35,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from ._config import LoaderConfig
+from ._log import epoch_log
 from ._produce import Producer
 from ._reorder import Outcome, ReorderBuffer
-from ._stats import Counters
+from ._stats import WAIT_SHARE_THRESHOLD, Capacity, Counters, EpochStatistics
 from ._types import EMPTY_BATCH, END, Runner
 
 __all__ = ["DeviceStage", "Epoch", "EpochIterator", "Plan"]
@@ -46,6 +48,14 @@ class Transfer(Protocol):
     """A batch on its way to the device."""
 
     async def wait(self) -> Any: ...
+
+
+class Progress(Protocol):
+    """What an epoch tells a progress display (:mod:`aioloader._progress`)."""
+
+    def advance(self, samples: int, nbytes: int) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class DeviceStage(Protocol):
@@ -101,6 +111,7 @@ class Epoch:
         device: the device stage, or None.
         on_batch: called with the batch id when the consumer takes a batch (resume bookkeeping).
         on_finish: called once when the epoch has run to its end.
+        progress: told of each batch handed over, closed with the epoch.
     """
 
     def __init__(
@@ -115,6 +126,7 @@ class Epoch:
         device: DeviceStage | None,
         on_batch: Callable[[int], None],
         on_finish: Callable[[], None] = lambda: None,
+        progress: Progress | None = None,
     ) -> None:
         self.config = config
         self.epoch = epoch
@@ -141,6 +153,8 @@ class Epoch:
         self._handing: list[tuple[int, Transfer]] = []  # popped, not yet handed over (copies)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._progress = progress
+        self._stats_token = object()  # this epoch's claim on the counters' epoch clock
 
     @property
     def finished(self) -> bool:
@@ -163,6 +177,7 @@ class Epoch:
             raise StopAsyncIteration
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
+            self._counters.begin_epoch(self.epoch, _capacity(self.config), self._stats_token)
             self._producer.start()
         while True:
             if self._closed:  # closed while we waited (a new epoch, the loader's close)
@@ -176,7 +191,7 @@ class Epoch:
                     continue
                 if outcome.value is EMPTY_BATCH:  # every sample skipped: nothing to hand over
                     self._release_permit()
-                    self._producer.samples_taken(outcome.batch_id)
+                    self._producer.taken(outcome.batch_id)
                     self._on_batch(outcome.batch_id)  # done, for resume
                     continue
                 return await self._take(outcome)
@@ -240,9 +255,14 @@ class Epoch:
         return batch
 
     def _yielded(self, batch_id: int) -> None:
-        self._counters.batches_yielded += 1
-        self._counters.epoch_batches_yielded += 1
-        self._counters.samples_yielded += self._producer.samples_taken(batch_id)
+        samples, nbytes = self._producer.taken(batch_id)
+        counters = self._counters
+        counters.batches_yielded += 1
+        counters.epoch_batches_yielded += 1
+        counters.samples_yielded += samples
+        counters.bytes_yielded += nbytes
+        if self._progress is not None:
+            self._progress.advance(samples, nbytes)
         self._on_batch(batch_id)
 
     def _release_permit(self) -> None:
@@ -255,6 +275,7 @@ class Epoch:
         if self._closed:
             return
         self._closed = True
+        self._end_stats()
         tasks = self._producer.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -270,13 +291,24 @@ class Epoch:
         loop = self._loop
         if loop is None or loop.is_closed():
             self._release_all()  # never started, or its loop is gone: nothing runs any more
+            self._end_stats()
             return
         def stop() -> None:
+            self._end_stats()
             self._producer.cancel()
             self._release_all()
 
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
             loop.call_soon_threadsafe(stop)
+
+    def _end_stats(self) -> None:
+        """Stop the epoch's clock, log its verdict once, close its progress display."""
+        progress, self._progress = self._progress, None
+        if progress is not None:
+            progress.close()
+        stats = self._counters.end_epoch(self._stats_token)
+        if stats is not None and stats.batches:
+            _log_verdict(stats)
 
     def _release_all(self) -> None:
         """Drop every produced batch and wake a consumer still waiting, who then sees the epoch
@@ -331,6 +363,40 @@ class EpochIterator:
     def __del__(self) -> None:
         if self.epoch is not None:
             self.epoch.close_nowait()
+
+
+def _capacity(config: LoaderConfig) -> Capacity:
+    """How parallel each stage of an epoch may be (for the shares and the verdict)."""
+    return Capacity(
+        makers=config.num_workers if config.uses_processes else config.threads,
+        io_concurrency=config.io_concurrency if config.kind == "async_map" else 0,
+        prefetch=config.prefetch,
+        batch_size=config.batch_size or 1,
+        processes=config.uses_processes,
+        stream=config.kind == "async_iterable",
+    )
+
+
+def _log_verdict(stats: EpochStatistics) -> None:
+    """The epoch's summary and verdict: a WARNING when the consumer waited for more than
+    :data:`WAIT_SHARE_THRESHOLD` of the epoch (the loader is the bottleneck), else INFO."""
+    slow = stats.wait_share > WAIT_SHARE_THRESHOLD
+    level = logging.WARNING if slow else logging.INFO
+    if not epoch_log.isEnabledFor(level):
+        return
+    epoch_log.log(
+        level,
+        "epoch %s: %d batches in %.2f s (%.1f batches/s, %.1f samples/s, %.1f MB/s); "
+        "bottleneck: %s: %s",
+        stats.epoch,
+        stats.batches,
+        stats.wall_s,
+        stats.batches_per_s,
+        stats.samples_per_s,
+        stats.bytes_per_s / 1e6,
+        stats.bottleneck,
+        stats.hint,
+    )
 
 
 class _FailedCopy:

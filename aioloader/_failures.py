@@ -8,7 +8,10 @@ batch that crossed it. A pure state machine: no IO, no loop, testable alone.
 
 from __future__ import annotations
 
+import logging
+
 from ._errors import TooManyFailuresError
+from ._log import epoch_log
 from ._stats import Counters
 
 __all__ = ["FailureBudget"]
@@ -34,7 +37,10 @@ class FailureBudget:
         self.seen += delivered + len(skipped)
         if skipped:
             self.failures += len(skipped)
-            self._counters.skipped.extend(skipped)
+            self._counters.skip(skipped)
+            if epoch_log.isEnabledFor(logging.WARNING):
+                for index, reason in skipped:
+                    epoch_log.warning("skipped sample index %d: %s", index, reason)
 
     def over(self) -> TooManyFailuresError | None:
         """The error to raise if more samples failed than allowed, else ``None``."""

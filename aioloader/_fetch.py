@@ -29,7 +29,7 @@ from typing import Any, cast
 
 from ._batch import annotate
 from ._failures import FailureBudget
-from ._stats import Counters
+from ._stats import Counters, current_counters
 from ._types import BatchRequest, SourceDataset
 
 __all__ = ["Fetcher"]
@@ -75,12 +75,17 @@ class Fetcher:
         )
         tasks: list[list[asyncio.Task[Any]]] = []
         failed_group: BaseExceptionGroup[BaseException] | None = None
+        # The item tasks inherit this context: remote sources count their requests, retries
+        # and bytes in this loader's statistics.
+        token = current_counters.set(self._counters)
         try:
             async with asyncio.TaskGroup() as group:
                 for shard in shards:
                     tasks.append([group.create_task(self._one(i, request)) for i in shard])
         except BaseExceptionGroup as exc:
             failed_group = exc
+        finally:
+            current_counters.reset(token)
         if failed_group is not None:
             # Raised outside the ``except`` block so the group does not become its context.
             raise _first_failure(tasks, failed_group)
@@ -100,6 +105,7 @@ class Fetcher:
 
     async def _one(self, index: int, request: BatchRequest) -> Any:
         async with self._io:
+            started = time.perf_counter()  # the fetch slot's busy time (fetch_share)
             try:
                 return await self._get(index)
             except Exception as exc:
@@ -107,6 +113,8 @@ class Fetcher:
                     return _Failed(index, exc)
                 annotate(exc, f"fetching sample index {index} of batch {request.batch_id}")
                 raise
+            finally:
+                self._counters.io_busy_s += time.perf_counter() - started
 
 
 @dataclass(frozen=True, slots=True)

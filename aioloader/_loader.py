@@ -54,6 +54,7 @@ from ._collate import default_collate, default_convert
 from ._config import LoaderConfig, batch_sampler_for, context_argument, resolve_seed
 from ._device import parse_device
 from ._epoch import Epoch, EpochIterator, Plan
+from ._progress import EpochProgress, progress_display
 from ._resources import Resources, finalize, worker_payload
 from ._resume import EpochBook
 from ._settings import SettingsView
@@ -135,6 +136,8 @@ class DataLoader(SettingsView):
         device_prefetch: batches copied to the device ahead of the consumer.
         shm_max_bytes: cap on shared memory for batches (default: a quarter of free /dev/shm,
             at most 4 GiB); 0 sends every batch pickled.
+        progress: a progress bar per epoch: ``True`` (tqdm, the ``progress`` extra), a tqdm
+            bar to reuse, or a callable making one from tqdm's arguments (see ``_progress``).
 
     Epochs and ``set_epoch``: each iteration is the next epoch, and shuffling and worker seeds
     derive from its number. The loader calls ``set_epoch(epoch)`` on the samplers it made
@@ -186,6 +189,7 @@ class DataLoader(SettingsView):
         device: Any = None,
         device_prefetch: int = 1,
         shm_max_bytes: int | None = None,
+        progress: Any = False,
     ) -> None:
         self.dataset = dataset
         kind = dataset_kind(dataset)
@@ -253,6 +257,7 @@ class DataLoader(SettingsView):
             )
         self._counters = Counters()
         self._book = EpochBook(self._sampling)
+        self._progress = progress_display(progress)
         self._res = Resources()
         self._closed = False
         self._finalizer = weakref.finalize(self, finalize, self._res, type(self).__name__)
@@ -329,9 +334,17 @@ class DataLoader(SettingsView):
             # back to the loader would keep an unclosed loader alive forever (no warning, no
             # release).
             on_finish=_weak_call(self._epoch_finished, epoch),
+            progress=self._epoch_progress(epoch, len(done)),
         )
         self._res.epoch = it
         return it
+
+    def _epoch_progress(self, epoch: int, done: int) -> EpochProgress | None:
+        if self._progress is None:
+            return None
+        total = self._len_or_q()
+        batches = int(total) - done if total.isdigit() else None
+        return self._progress.epoch(epoch, batches, self._counters)
 
     def _epoch_finished(self, epoch: int) -> None:
         # Only the newest epoch's end counts for resume: an older one running beside it (two
@@ -412,39 +425,17 @@ class DataLoader(SettingsView):
     def _close_now(self) -> None:
         self._closed = True
         self._res.close()
+        if self._progress is not None:
+            self._progress.close()
         self._finalizer.detach()
 
     # -- state -------------------------------------------------------------------------------
 
     def statistics(self) -> LoaderStatistics:
-        """A snapshot of what the loader is doing and where the time went."""
-        c = self._counters
-        epoch = self._res.epoch
-        slots = self._res.slots.stats() if self._res.slots is not None else None
-        runner = self._res.runner
-        return LoaderStatistics(
-            epoch=c.epoch,
-            batches_yielded=c.batches_yielded,
-            samples_yielded=c.samples_yielded,
-            epoch_batches_yielded=c.epoch_batches_yielded,
-            in_flight=epoch.reorder.pending if epoch is not None else 0,
-            waiting=epoch.reorder.waiting if epoch is not None else 0,
-            prefetch=self.prefetch,
-            live_shm_slots=slots.slots if slots is not None else 0,
-            leased_shm_slots=slots.leased if slots is not None else 0,
-            held_shm_slots=slots.held if slots is not None else 0,
-            shm_bytes=slots.bytes_total if slots is not None else 0,
-            shm_fallbacks=runner.shm_fallbacks if runner is not None else 0,
-            worker_restarts=runner.restarts if runner is not None else 0,
-            retries=c.retries,
-            timeouts=c.timeouts,
-            skipped=tuple(c.skipped),
-            fetch_s=c.fetch_s,
-            read_s=c.read_s,
-            collate_s=c.collate_s,
-            transfer_s=c.transfer_s,
-            consumer_wait_s=c.consumer_wait_s,
-        )
+        """A snapshot of what the loader is doing and where the time went, cheap enough to
+        read while it runs: counters of all epochs, ``epoch_stats`` / ``total`` (rates, busy
+        shares, the ``bottleneck`` verdict), ``str()`` a table, ``as_dict()`` for dashboards."""
+        return LoaderStatistics.build(self._counters, **self._res.live(self.prefetch))
 
     @property
     def worker_pids(self) -> tuple[int, ...]:

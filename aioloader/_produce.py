@@ -34,8 +34,12 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from typing import Any
+
+import numpy as np
 
 from ._batch import annotate, stream_batch
 from ._config import LoaderConfig
@@ -45,6 +49,7 @@ from ._failures import FailureBudget
 from ._fetch import Fetcher
 from ._reorder import Outcome, ReorderBuffer
 from ._stats import Counters
+from ._tree import iter_leaves
 from ._types import END, BatchRequest, Made, Runner, StreamRequest
 
 __all__ = ["Producer"]
@@ -102,7 +107,7 @@ class Producer:
         )
         self._scheduler: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Future[Any]] = set()  # produce tasks and fast-path futures
-        self._samples: dict[int, int] = {}  # batch id -> samples in it, until taken
+        self._sizes: dict[int, tuple[int, int]] = {}  # batch id -> (samples, bytes), until taken
         self._next_id = 0  # the next batch id no scheduled batch uses
         self._claimed: int | None = None  # expected, and not yet handed to a task or future
         self.done = False  # the scheduler has scheduled its last batch
@@ -122,9 +127,9 @@ class Producer:
             self._run_scheduler(body), name=f"aioloader-epoch-{self._epoch}"
         )
 
-    def samples_taken(self, batch_id: int) -> int:
-        """The number of samples in ``batch_id``, forgotten once asked (the batch was taken)."""
-        return self._samples.pop(batch_id, 0)
+    def taken(self, batch_id: int) -> tuple[int, int]:
+        """The samples and bytes in ``batch_id``, forgotten once asked (the batch was taken)."""
+        return self._sizes.pop(batch_id, (0, 0))
 
     def cancel(self) -> list[asyncio.Future[Any]]:
         """Stop storing outcomes and cancel every task; returns them, to be awaited."""
@@ -137,7 +142,14 @@ class Producer:
     # -- scheduling ----------------------------------------------------------------------------
 
     async def _scheduled(self, batch_id: int) -> None:
-        await self._permits.acquire()
+        if self._permits.locked():  # every permit taken: the time until one comes back counts
+            started = time.perf_counter()
+            try:
+                await self._permits.acquire()
+            finally:
+                self._counters.permit_wait_s += time.perf_counter() - started
+        else:
+            await self._permits.acquire()
         self._reorder.expect(batch_id)
         self._claimed = batch_id  # until a task, a future or an outcome owns it
 
@@ -214,7 +226,9 @@ class Producer:
         size = self._batch_size
         try:
             while True:
+                started = time.perf_counter()
                 samples, error = await _take_async(iterator, size)
+                self._counters.stream_s += time.perf_counter() - started
                 short = len(samples) < size
                 batch = END
                 if samples:
@@ -332,13 +346,25 @@ class Producer:
         """Count a made batch in the statistics and the skip budget; its outcome."""
         self._counters.read_s += made.read_s
         self._counters.collate_s += made.collate_s
-        self._samples[batch_id] = made.samples
+        self._sizes[batch_id] = (made.samples, _nbytes(made.batch))
         self._budget.record(made.samples, made.skipped)
         if made.skipped:
             error = self._budget.over()
             if error is not None:
                 return Outcome(batch_id, error=error)  # the batch is dropped with ``made``
         return Outcome(batch_id, value=made.batch)
+
+
+def _nbytes(batch: Any) -> int:
+    """Bytes of the arrays and tensors in ``batch`` (for the bytes/s of the statistics)."""
+    torch = sys.modules.get("torch")  # a batch can hold tensors only once torch is imported
+    total = 0
+    for leaf in iter_leaves(batch):
+        if isinstance(leaf, np.ndarray):
+            total += leaf.nbytes
+        elif torch is not None and isinstance(leaf, torch.Tensor):
+            total += leaf.element_size() * leaf.nelement()
+    return total
 
 
 def _request(epoch: int, batch_id: int, indices: Any) -> BatchRequest:

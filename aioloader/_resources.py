@@ -179,6 +179,24 @@ class Resources:
         runner = self.runner
         return tuple(runner.pool.pids()) if isinstance(runner, ProcessRunner) else ()
 
+    def live(self, prefetch: int) -> dict[str, int]:
+        """The statistics only these resources know: batches in flight and waiting, shared
+        memory, restarts and fallbacks (see :class:`aioloader.LoaderStatistics`)."""
+        epoch = self.epoch
+        slots = self.slots.stats() if self.slots is not None else None
+        runner = self.runner
+        return {
+            "in_flight": epoch.reorder.pending if epoch is not None else 0,
+            "waiting": epoch.reorder.waiting if epoch is not None else 0,
+            "prefetch": prefetch,
+            "live_shm_slots": slots.slots if slots is not None else 0,
+            "leased_shm_slots": slots.leased if slots is not None else 0,
+            "held_shm_slots": slots.held if slots is not None else 0,
+            "shm_bytes": slots.bytes_total if slots is not None else 0,
+            "shm_fallbacks": runner.shm_fallbacks if runner is not None else 0,
+            "worker_restarts": runner.restarts if runner is not None else 0,
+        }
+
     @property
     def held(self) -> bool:
         """Whether anything is still held (a process, a thread, a segment)."""

@@ -36,6 +36,7 @@ LEVELS: dict[str, int] = {
     "_tree": 0,
     "_signals": 0,
     "_stats": 0,
+    "_log": 0,
     "_reorder": 0,
     "_sync": 0,
     # 1 - pure building blocks
@@ -44,6 +45,7 @@ LEVELS: dict[str, int] = {
     "_shm_tree": 1,
     "_failures": 1,
     "_run": 1,
+    "_progress": 1,
     # 2 - one batch, one resource: samplers, making a batch, shared memory, CUDA, storage
     "_sampler": 2,
     "_batch": 2,

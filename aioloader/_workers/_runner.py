@@ -18,6 +18,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from .. import _shm
+from .._errors import WorkerCrashedError
+from .._log import workers_log
 from .._types import BatchRequest, Made, StreamRequest
 from ._pool import WorkerPool
 from ._wire import MapJob, Receiver, StreamJob
@@ -41,6 +43,7 @@ class ProcessRunner:
     def __init__(self, pool: WorkerPool, slots: _shm.SlotPool | None, prefetch: int = 1) -> None:
         self.pool = pool
         self._receiver = Receiver(slots, prefetch)
+        self._restarts_logged = 0  # worker replacements said in the log so far
 
     @property
     def streams(self) -> int:
@@ -95,11 +98,23 @@ class ProcessRunner:
             )
         except asyncio.CancelledError:
             raise  # on_abandon releases the slot once the worker is done with it
-        except BaseException:
+        except BaseException as exc:
             if release is not None:
                 release()
+            self._log_restarts(exc)
             raise
+        if self.pool.rebuilds > self._restarts_logged:  # a worker died with nothing of ours
+            self._log_restarts(None)
         return self._receiver.open(made, slot)
+
+    def _log_restarts(self, error: BaseException | None) -> None:
+        """Log worker replacements not logged yet, with the cause where it is known."""
+        rebuilds = self.pool.rebuilds
+        if rebuilds <= self._restarts_logged:
+            return
+        self._restarts_logged = rebuilds
+        cause = str(error) if isinstance(error, WorkerCrashedError) else "a worker process died"
+        workers_log.warning("worker process replaced (%d so far): %s", rebuilds, cause)
 
     def is_running(self, batch_id: int) -> bool:
         """Whether a worker runs ``batch_id`` now (not merely has it queued)."""
@@ -107,7 +122,16 @@ class ProcessRunner:
 
     def on_deadline(self, batch_id: int) -> int | None:
         """Kill the worker that runs ``batch_id`` (it hung); returns its pid, if one was."""
-        return self.pool.kill_holding(batch_id)
+        pid = self.pool.kill_holding(batch_id)
+        if pid is not None:
+            # Said here, with its cause; the replacement this causes is then not said again.
+            self._restarts_logged += 1
+            workers_log.warning(
+                "worker process pid %d killed and replaced: batch %d passed its deadline",
+                pid,
+                batch_id,
+            )
+        return pid
 
     def close(self) -> None:
         """Stop every worker (blocking)."""

@@ -17,6 +17,9 @@ Timeouts are per attempt: ``connect_timeout`` bounds opening a socket (waiting f
 connection of the pool is not a failure and is not bounded), ``read_timeout`` bounds the silence
 between two reads, so a server that sends headers and then stalls is caught without limiting
 how long a large but flowing body may take. ``item_deadline`` bounds all attempts of one item.
+Before a timeout, ``stall_warning`` seconds without a byte (headers or body, counted from the
+attempt's start) log a WARNING on ``aioloader.remote``, once per attempt, and count in the
+loader's ``statistics().remote_stalls``: a read that hangs is visible while it hangs.
 
 Sharp edges:
 
@@ -47,6 +50,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._errors import RemoteError, RemoteNotFoundError, RemotePermissionError
+from .._log import remote_log
+from .._stats import current_counters
 from .._validate import positive_int, seconds, value_errors
 from ._base import Source, as_names, require
 from ._retry import RetryableError, RetryPolicy, parse_retry_after, retrying
@@ -57,6 +62,11 @@ if TYPE_CHECKING:
 __all__ = ["HTTPDataset"]
 
 SCHEMES = frozenset({"http", "https"})
+
+#: Seconds without a byte before an attempt is said to stall (``stall_warning``): long enough
+#: that a slow but live server is not reported (a first byte rarely takes seconds), short
+#: enough to be seen well before the default ``read_timeout`` of 30 s ends the attempt.
+STALL_WARNING_S = 10.0
 
 #: Default headers; the user's ``headers`` override them.
 BASE_HEADERS: Mapping[str, str] = {"Accept-Encoding": "identity"}
@@ -111,6 +121,9 @@ class HTTPDataset(Source):
             limit).
         max_connections: connections open at once per event loop. Requests beyond it wait
             for a free connection; keep it at least the loader's ``io_concurrency``.
+        stall_warning: seconds an attempt may go without receiving a byte before a WARNING is
+            logged (once per attempt; waiting for a free connection counts too), or ``None``
+            for never. Below ``read_timeout``, so a hang is said before it is retried.
         headers: extra request headers (authorisation, user agent).
         sleep: awaited between attempts with the delay in seconds; for tests to record the
             delays instead of waiting them. ``None`` means :func:`asyncio.sleep`.
@@ -135,6 +148,7 @@ class HTTPDataset(Source):
         max_connections: int = 256,
         headers: Mapping[str, str] | None = None,
         sleep: Callable[[float], Awaitable[object]] | None = None,
+        stall_warning: float | None = STALL_WARNING_S,
     ) -> None:
         super().__init__(decode)
         require("aiohttp", "HTTPDataset")
@@ -150,6 +164,7 @@ class HTTPDataset(Source):
             self._read_timeout = seconds("read_timeout", read_timeout, positive=True)
             self._item_deadline = seconds("item_deadline", item_deadline, positive=True)
             self._max_connections = positive_int("max_connections", max_connections)
+            self._stall_warning = seconds("stall_warning", stall_warning, positive=True)
         if headers is not None and not isinstance(headers, Mapping):
             raise TypeError(f"headers must be a mapping of str to str, got {headers!r}")
         self._headers = {**BASE_HEADERS, **(headers or {})}
@@ -198,8 +213,11 @@ class HTTPDataset(Source):
         import aiohttp
         from aiohttp.http_exceptions import HttpProcessingError
 
+        watch = None if self._stall_warning is None else _StallWatch(url, self._stall_warning)
         try:
             async with session.get(url) as response:
+                if watch is not None:
+                    watch.reading(response.content)
                 if not 200 <= response.status < 300:
                     raise self._status_error(url, response)
                 connection = response.connection  # released when the body is read
@@ -241,6 +259,9 @@ class HTTPDataset(Source):
             raise RetryableError(f"connection failed: {_name(exc)}") from exc
         except TimeoutError as exc:  # e.g. a resolver's own timeout
             raise RetryableError(f"timeout: {_name(exc)}", timed_out=True) from exc
+        finally:
+            if watch is not None:
+                watch.cancel()
 
     def _status_error(self, url: str, response: aiohttp.ClientResponse) -> Exception:
         status = response.status
@@ -285,6 +306,55 @@ class HTTPDataset(Source):
             with contextlib.suppress(RuntimeError):  # a closed loop took its sockets along
                 close_now()
         pool.detach()
+
+
+class _StallWatch:
+    """Warns once if an attempt goes ``after`` seconds without a byte.
+
+    Progress is the response's arrival, then the body's byte count (aiohttp's
+    ``StreamReader.total_bytes``), sampled every quarter of ``after`` by one timer on the loop:
+    nothing is done per chunk, and the warning comes between ``after`` and ``1.25 * after``
+    seconds into a silence.
+    """
+
+    def __init__(self, url: str, after: float) -> None:
+        self._url = url
+        self._after = after
+        self._loop = asyncio.get_running_loop()
+        self._counters = current_counters.get()
+        self._reader: aiohttp.StreamReader | None = None
+        self._seen = -1  # progress at the last check: -1 before the response
+        self._since = self._loop.time()
+        self._handle: asyncio.TimerHandle | None = self._loop.call_later(after / 4, self._check)
+
+    def reading(self, reader: aiohttp.StreamReader) -> None:
+        """The response arrived: from now on, its body's bytes are the progress."""
+        self._reader = reader
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        seen = -1 if self._reader is None else self._reader.total_bytes
+        if seen != self._seen:
+            self._seen, self._since = seen, now
+        elif now - self._since >= self._after:
+            self._handle = None
+            if self._counters is not None:
+                self._counters.remote_stalls += 1
+            what = "no response" if seen < 0 else f"no byte after {seen} bytes of the body"
+            remote_log.warning(
+                "%s stalls: %s for %.1f s (stall_warning=%s s); the read timeout ends it",
+                self._url,
+                what,
+                now - self._since,
+                self._after,
+            )
+            return
+        self._handle = self._loop.call_later(self._after / 4, self._check)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 def _expected_length(response: aiohttp.ClientResponse) -> int | None:

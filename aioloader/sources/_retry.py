@@ -24,6 +24,9 @@ Sharp edges:
   clock, because only the loop can interrupt an attempt that hangs.
 - A ``Retry-After`` longer than ``backoff_max`` is cut to ``backoff_max``: no single wait of a
   data loader is longer than the user allowed, whatever the server says.
+- Each attempt is counted in the statistics of the loader whose fetch awaits it (requests, in
+  flight, retries, bytes returned; see :data:`aioloader._stats.current_counters`), and each
+  retry is logged at INFO on ``aioloader.remote`` with its cause and delay.
 - Cancellation is never caught here: an attempt that is cancelled (the consumer gave up, the
   loader closes) stops the whole read at once, without recording an attempt.
 """
@@ -41,6 +44,8 @@ from datetime import UTC, datetime
 from typing import TypeVar
 
 from .._errors import RemoteError, RemoteTimeoutError, RetriesExhaustedError
+from .._log import remote_log
+from .._stats import current_counters
 from .._validate import (
     WrongTypeError,
     boolean,
@@ -295,14 +300,22 @@ async def retrying(
         deadline = seconds("deadline", deadline, positive=True)
     attempts: list[Attempt] = []
     start = clock()
+    counters = current_counters.get()
     for number in range(1, policy.max_attempts + 1):
         began = clock()
         scope: asyncio.Timeout | None = None
+        if counters is not None:
+            counters.remote_requests += 1
+            counters.remote_in_flight += 1
         try:
             if deadline is None:
-                return await op()
-            async with asyncio.timeout(deadline - (began - start)) as scope:
-                return await op()
+                result = await op()
+            else:
+                async with asyncio.timeout(deadline - (began - start)) as scope:
+                    result = await op()
+            if counters is not None and isinstance(result, bytes | bytearray | memoryview):
+                counters.remote_bytes += len(result)
+            return result
         except RetryableError as exc:
             failure = exc
         except Exception as exc:
@@ -312,6 +325,9 @@ async def retrying(
                 raise _give_up(describe, attempts, "deadline passed", deadline=True) from exc
             _annotate(exc, describe, attempts, Attempt(number, str(exc), clock() - began))
             raise
+        finally:
+            if counters is not None:
+                counters.remote_in_flight -= 1
         attempts.append(Attempt(number, failure.reason, clock() - began, failure.timed_out))
         cause: BaseException = failure.__cause__ or failure
         if number == policy.max_attempts:
@@ -321,6 +337,16 @@ async def retrying(
         if deadline is not None and clock() + wait - start >= deadline:
             why = f"gave up: waiting {wait:.3f} s more would pass the {deadline} s deadline"
             raise _give_up(describe, attempts, why, deadline=True) from cause
+        if counters is not None:
+            counters.remote_retries += 1
+        remote_log.info(
+            "retrying %s in %.3f s (attempt %d of %d failed): %s",
+            describe,
+            wait,
+            number,
+            policy.max_attempts,
+            failure.reason,
+        )
         await sleep(wait)
     raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
 

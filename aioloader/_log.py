@@ -1,0 +1,38 @@
+"""The loggers: one per area under ``aioloader``, silent until the application configures
+logging.
+
+The library never configures logging and never prints: ``aioloader`` gets a
+:class:`logging.NullHandler` (so Python's last-resort handler does not print our warnings to
+stderr when the application set nothing up), and records propagate to the application's
+handlers as usual. ``logging.basicConfig(level=logging.INFO)`` shows them all.
+
+- ``aioloader.workers``: WARNING when a worker process is replaced (a crash, a kill at a
+  deadline), with the cause; WARNING when a batch is re-run after a crash or a hang
+  (``max_retries``).
+- ``aioloader.remote``: INFO for each retried remote read, with its cause and the delay before
+  the next attempt (INFO: under throttling they come by the hundred, and each is recovered);
+  WARNING when a read has received no byte for ``stall_warning`` seconds.
+- ``aioloader.shm``: WARNING, once, when batches travel inline instead of through shared memory.
+- ``aioloader.epoch``: WARNING for each skipped sample (``on_error='skip'``), with its index and
+  reason; at each epoch's end, its summary and bottleneck verdict: INFO, or WARNING when the
+  consumer waited for more than :data:`aioloader._stats.WAIT_SHARE_THRESHOLD` of the epoch.
+
+Nothing is logged per sample or per batch unless a skip, retry or stall happened; hot paths
+check :meth:`logging.Logger.isEnabledFor` before formatting anything costly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+__all__ = ["epoch_log", "remote_log", "root_log", "shm_log", "workers_log"]
+
+root_log = logging.getLogger("aioloader")
+# Silent by default: without a handler anywhere, Python's last-resort handler would print
+# WARNING records to stderr. Only the library's root logger gets one, never the root logger.
+root_log.addHandler(logging.NullHandler())
+
+workers_log = logging.getLogger("aioloader.workers")
+remote_log = logging.getLogger("aioloader.remote")
+shm_log = logging.getLogger("aioloader.shm")
+epoch_log = logging.getLogger("aioloader.epoch")

@@ -1,0 +1,344 @@
+"""Statistics (_stats): per-epoch and total numbers, busy shares, the bottleneck verdict.
+
+The verdict is checked twice: on synthetic sums (exact, no loop, every branch) and on three
+deliberately slowed pipelines whose delays are known (a dataset that sleeps per sample, an async
+dataset over HTTP with server latency, a consumer that sleeps per batch). Bounds on measured
+shares are loose on purpose (``> 0.6``, ``< 0.2``): the machine running the tests is shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import numpy as np
+import pytest
+from datasets import AsyncRange, FailAt, Slow
+from helpers import collect, flat
+from http_server import FaultServer, payload
+
+import aioloader
+from aioloader import DataLoader, LoaderStatistics
+from aioloader._stats import (
+    SKIP_RECORDS,
+    WAIT_SHARE_THRESHOLD,
+    Capacity,
+    Counters,
+    EpochStatistics,
+)
+from aioloader.sources import HTTPDataset, RetryPolicy
+
+TOKEN = object()
+
+
+class Arrays:
+    """Sample ``i``: 1000 float32 (4000 bytes) filled with ``i``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return np.full(1000, index, dtype=np.float32)
+
+
+def measured(capacity: Capacity, wall: float = 10.0, **sums: float) -> EpochStatistics:
+    """The statistics of an epoch of ``wall`` seconds with these sums (the rest zero)."""
+    counters = Counters()
+    counters.begin_epoch(0, capacity, TOKEN, now=0.0)
+    for name, value in sums.items():
+        setattr(counters, name, value)
+    stats = counters.end_epoch(TOKEN, now=wall)
+    assert stats is not None
+    return stats
+
+
+# -- the verdict, on synthetic sums ---------------------------------------------------------------
+
+WORKERS4 = Capacity(makers=4, prefetch=8, batch_size=32, processes=True)
+ASYNC = Capacity(makers=1, io_concurrency=64, prefetch=8, batch_size=16)
+
+
+@pytest.mark.parametrize(
+    ("capacity", "sums", "stage", "knob"),
+    [
+        # The consumer waited 1 s of 10: the training step is the limit.
+        (WORKERS4, {"consumer_wait_s": 1.0, "read_s": 39.0}, "consumer", ""),
+        # Waited 8 s; 4 workers busy 36 of 40 s: more workers.
+        (
+            WORKERS4,
+            {"consumer_wait_s": 8.0, "read_s": 30.0, "collate_s": 6.0},
+            "workers",
+            "num_workers",
+        ),
+        # 4 workers but prefetch=2: only 2 can be busy, and they are: prefetch is the knob.
+        (
+            Capacity(makers=4, prefetch=2, processes=True),
+            {"consumer_wait_s": 8.0, "read_s": 19.0},
+            "workers",
+            "prefetch",
+        ),
+        # Waited 7 s; 64 fetch slots in use 600 of 640 slot-seconds: more io_concurrency.
+        (ASYNC, {"consumer_wait_s": 7.0, "io_busy_s": 600.0}, "io", "io_concurrency"),
+        # io_concurrency=64 but prefetch 2 x 4 items: the 8 possible fetches are all running.
+        (
+            Capacity(io_concurrency=64, prefetch=2, batch_size=4),
+            {"consumer_wait_s": 7.0, "io_busy_s": 78.0},
+            "io",
+            "prefetch",
+        ),
+        # Waited mostly for device copies.
+        (WORKERS4, {"consumer_wait_s": 1.0, "transfer_s": 5.0}, "transfer", "pin_memory"),
+        # Nothing busy, every permit taken: prefetch.
+        (WORKERS4, {"consumer_wait_s": 5.0, "permit_wait_s": 9.0}, "prefetch", "prefetch"),
+        # Nothing busy, permits free, yet the consumer waited: the loop.
+        (WORKERS4, {"consumer_wait_s": 5.0, "read_s": 4.0}, "loop", ""),
+        # An async iterable that yields slowly.
+        (
+            Capacity(prefetch=4, stream=True),
+            {"consumer_wait_s": 9.0, "stream_s": 9.5},
+            "source",
+            "",
+        ),
+    ],
+)
+def test_verdict_names_the_limiting_stage_and_its_knob(
+    capacity: Capacity, sums: dict[str, float], stage: str, knob: str
+) -> None:
+    stats = measured(capacity, batches_yielded=100, **sums)
+    assert (stats.bottleneck, stats.knob) == (stage, knob)
+    assert stats.hint
+    if knob:
+        assert knob in stats.hint
+
+
+def test_shares_are_busy_time_over_wall_times_parallelism() -> None:
+    stats = measured(
+        WORKERS4,
+        wall=10.0,
+        batches_yielded=50,
+        samples_yielded=1600,
+        bytes_yielded=16_000_000,
+        read_s=20.0,  # of 4 workers x 10 s
+        collate_s=4.0,
+        consumer_wait_s=2.0,
+        transfer_s=1.0,
+        permit_wait_s=3.0,
+    )
+    assert stats.worker_share == pytest.approx(24.0 / 40.0)
+    assert stats.wait_share == pytest.approx(0.3)  # waits for batches and for copies
+    assert stats.transfer_share == pytest.approx(0.1)
+    assert stats.prefetch_full_share == pytest.approx(0.3)
+    assert (stats.batches_per_s, stats.samples_per_s) == (5.0, 160.0)
+    assert stats.bytes_per_s == pytest.approx(1_600_000.0)
+    assert stats.fetch_share == 0.0  # not an async dataset
+
+
+def test_shares_stay_within_zero_and_one() -> None:
+    stats = measured(Capacity(makers=1), wall=1.0, batches_yielded=1, read_s=5.0)
+    assert stats.worker_share == 1.0
+
+
+def test_an_epoch_with_no_batch_has_no_verdict() -> None:
+    stats = measured(WORKERS4, consumer_wait_s=9.0)
+    assert (stats.bottleneck, stats.knob, stats.hint) == ("", "", "")
+    assert EpochStatistics().bottleneck == ""
+
+
+def test_epoch_statistics_are_the_difference_since_the_epoch_began() -> None:
+    counters = Counters()
+    counters.batches_yielded, counters.read_s = 10, 5.0  # an earlier epoch's
+    counters.wall_s = 4.0
+    counters.begin_epoch(3, Capacity(), TOKEN, now=100.0)
+    counters.batches_yielded, counters.read_s = 14, 6.0
+    running = counters.measure(now=102.0)
+    assert (running.epoch, running.batches, running.wall_s) == (3, 4, 2.0)
+    total = counters.measure_total(now=102.0)
+    assert (total.epoch, total.batches, total.wall_s) == (None, 14, 6.0)
+    # Only the epoch that began the clock ends it; another epoch's end changes nothing.
+    assert counters.end_epoch(object(), now=103.0) is None
+    ended = counters.end_epoch(TOKEN, now=104.0)
+    assert ended is not None
+    assert ended.wall_s == 4.0
+    assert counters.measure(now=200.0) == ended  # between epochs: the last one
+    assert counters.measure_total(now=200.0).wall_s == 8.0  # time between epochs not counted
+
+
+def test_skip_records_are_bounded_and_all_counted() -> None:
+    counters = Counters()
+    for start in range(0, 1000, 10):
+        counters.skip([(i, f"KeyError: {i}") for i in range(start, start + 10)])
+    assert counters.skipped_count == 1000
+    assert len(counters.skipped) <= 2 * SKIP_RECORDS  # memory stays bounded
+    stats = LoaderStatistics.build(counters)
+    assert stats.skipped_count == 1000
+    assert stats.skipped == tuple((i, f"KeyError: {i}") for i in range(900, 1000))
+
+
+# -- the snapshot: table, dict, counters ----------------------------------------------------------
+
+
+async def test_statistics_count_per_epoch_and_in_total() -> None:
+    async with DataLoader(Arrays(20), batch_size=4) as loader:
+        for _ in range(2):
+            await collect(loader)
+        stats = loader.statistics()
+    epoch = stats.epoch_stats
+    assert (epoch.epoch, epoch.batches, epoch.samples) == (1, 5, 20)
+    assert (stats.total.epoch, stats.total.batches, stats.total.samples) == (None, 10, 40)
+    assert epoch.bytes == 20 * 4000
+    assert stats.total.bytes == stats.bytes_yielded == 2 * 20 * 4000
+    assert 0 < epoch.wall_s < stats.total.wall_s == stats.wall_s
+    assert stats.total.samples_per_s == pytest.approx(40 / stats.total.wall_s)
+    assert (stats.batches_yielded, stats.samples_yielded) == (10, 40)  # the old names still work
+
+
+async def test_statistics_can_be_read_while_an_epoch_runs() -> None:
+    async with DataLoader(Slow(12, 0.01), batch_size=2) as loader:
+        iterator = aiter(loader)
+        await anext(iterator)
+        await anext(iterator)
+        running = loader.statistics()
+        await collect(iterator)
+        done = loader.statistics()
+    assert (running.epoch_stats.batches, running.epoch_batches_yielded) == (2, 2)
+    assert running.epoch_stats.wall_s > 0
+    assert done.epoch_stats.batches == 6
+    assert done.epoch_stats.wall_s >= running.epoch_stats.wall_s
+
+
+async def test_statistics_are_cheap_to_read() -> None:
+    async with DataLoader(Arrays(8), batch_size=4) as loader:
+        await collect(loader)
+        started = time.perf_counter()
+        for _ in range(1000):
+            loader.statistics()
+        per_call = (time.perf_counter() - started) / 1000
+    assert per_call < 0.002  # ~30 us here; a loaded machine gets a wide margin
+
+
+async def test_str_is_a_table_and_as_dict_is_flat_json() -> None:
+    async with DataLoader(FailAt(12, {3}), batch_size=4, on_error="skip", max_failures=2) as loader:
+        await collect(loader)
+        stats = loader.statistics()
+    table = str(stats)
+    for row in ("wall (s)", "batches/s", "samples/s", "MB/s", "consumer waited", "workers busy"):
+        assert row in table
+    assert "epoch 0" in table
+    assert "total" in table
+    assert f"bottleneck: {stats.bottleneck}" in table
+    flat_dict = stats.as_dict()
+    assert json.loads(json.dumps(flat_dict)) == flat_dict
+    assert all(not isinstance(v, dict | list | tuple) for v in flat_dict.values())
+    assert flat_dict["epoch/samples"] == 11
+    assert flat_dict["total/skipped"] == flat_dict["skipped_count"] == 1
+    assert flat_dict["bottleneck"] == stats.epoch_stats.bottleneck
+    assert "skipped" not in flat_dict  # the records: their count is in
+
+
+# -- the three slowed pipelines -------------------------------------------------------------------
+
+
+async def test_verdict_for_a_slow_dataset_is_num_workers() -> None:
+    # 20 ms per sample on each of two threads, a consumer that takes nothing: the readers are
+    # the limit, busy nearly all the time, and the consumer waits for them.
+    async with DataLoader(Slow(48, 0.02), batch_size=4, num_workers=2, thread_pool=True) as loader:
+        await collect(loader)
+        stats = loader.statistics().epoch_stats
+    assert stats.wait_share > 0.6
+    assert stats.worker_share > 0.6
+    assert (stats.bottleneck, stats.knob) == ("workers", "num_workers")
+    assert "num_workers" in stats.hint
+
+
+async def test_verdict_for_slow_remote_reads_is_io_concurrency() -> None:
+    # 30 ms of server latency per object, 4 requests in flight: the fetch slots are the limit.
+    async with FaultServer(latency=0.03, size=2000) as server:
+        dataset = HTTPDataset([server.obj_url(i) for i in range(48)])
+        async with DataLoader(dataset, batch_size=8, io_concurrency=4, collate_fn=list) as loader:
+            batches = await collect(loader)
+            stats = loader.statistics()
+    assert [raw for batch in batches for raw in batch] == [payload(i, 2000) for i in range(48)]
+    epoch = stats.epoch_stats
+    assert epoch.wait_share > 0.6
+    assert epoch.fetch_share > 0.6
+    assert (epoch.bottleneck, epoch.knob) == ("io", "io_concurrency")
+    assert "io_concurrency" in epoch.hint
+    assert (stats.remote_requests, stats.bytes_read, stats.requests_in_flight) == (48, 96_000, 0)
+    assert epoch.bytes_read == 96_000
+    assert epoch.read_bytes_per_s > 0
+
+
+async def test_verdict_for_a_slow_consumer_is_the_consumer() -> None:
+    # Batches are ready at once; the consumer takes 20 ms a step.
+    async with DataLoader(Arrays(64), batch_size=4) as loader:
+        async for _ in loader:
+            await asyncio.sleep(0.02)
+        stats = loader.statistics().epoch_stats
+    assert stats.wait_share < WAIT_SHARE_THRESHOLD
+    assert stats.bottleneck == "consumer"
+    assert "consumer is slow" in stats.hint
+    assert "loader keeps up" in stats.hint
+
+
+async def test_a_slow_async_dataset_is_io_bound_without_a_server() -> None:
+    async with DataLoader(AsyncRange(48, delay=0.03), batch_size=8, io_concurrency=4) as loader:
+        assert flat(await collect(loader)) == list(range(48))
+        stats = loader.statistics().epoch_stats
+    assert (stats.bottleneck, stats.knob) == ("io", "io_concurrency")
+    assert stats.fetch_share > 0.6
+
+
+# -- remote counters ------------------------------------------------------------------------------
+
+
+async def test_remote_retries_are_counted_apart_from_batch_reruns() -> None:
+    from http_server import Fault
+
+    policy = RetryPolicy(max_attempts=4, backoff_initial=0.001, backoff_max=0.01, jitter=False)
+    async with FaultServer() as server:
+        for i in (1, 5):
+            server.fail(f"/obj/{i}", Fault.http(503), Fault.http(503))
+        dataset = HTTPDataset([server.obj_url(i) for i in range(8)], retry=policy)
+        async with DataLoader(dataset, batch_size=4, collate_fn=list) as loader:
+            await collect(loader)
+            stats = loader.statistics()
+    assert stats.remote_retries == 4
+    assert stats.remote_requests == 12
+    assert stats.retries == 0  # no batch was re-run
+    assert stats.epoch_stats.remote_retries == 4
+    assert "remote_retries=4" in str(stats)
+
+
+async def test_requests_in_flight_are_counted_while_they_run() -> None:
+    async with FaultServer(latency=0.3) as server:
+        dataset = HTTPDataset([server.obj_url(i) for i in range(6)])
+        async with DataLoader(dataset, batch_size=3, io_concurrency=3, collate_fn=list) as loader:
+            iterator = aiter(loader)
+            first = asyncio.ensure_future(anext(iterator))
+            seen = 0
+            deadline = time.monotonic() + 5
+            while not seen and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+                seen = loader.statistics().requests_in_flight
+            assert seen == 3  # io_concurrency of them
+            await first
+            await collect(iterator)
+            assert loader.statistics().requests_in_flight == 0
+
+
+async def test_a_source_used_without_a_loader_counts_nowhere() -> None:
+    async with FaultServer() as server, HTTPDataset([server.obj_url(0)]) as dataset:
+        assert await dataset.fetch(0) == payload(0)  # no loader's counters: nothing breaks
+
+
+def test_statistics_before_any_epoch_are_empty() -> None:
+    loader = aioloader.DataLoader(Arrays(4), batch_size=2)
+    stats = loader.statistics()
+    assert stats.epoch_stats == EpochStatistics(epoch=0)
+    assert stats.total.wall_s == 0.0
+    assert stats.bottleneck == ""
+    assert "bottleneck" not in str(stats)
