@@ -55,7 +55,7 @@ class Progress(Protocol):
 
     def advance(self, samples: int, nbytes: int) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, final: EpochStatistics | None) -> None: ...
 
 
 class DeviceStage(Protocol):
@@ -303,10 +303,10 @@ class Epoch:
 
     def _end_stats(self) -> None:
         """Stop the epoch's clock, log its verdict once, close its progress display."""
+        stats = self._counters.end_epoch(self._stats_token)
         progress, self._progress = self._progress, None
         if progress is not None:
-            progress.close()
-        stats = self._counters.end_epoch(self._stats_token)
+            progress.close(stats)
         if stats is not None and stats.batches:
             _log_verdict(stats)
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from ._stats import Counters
+from ._stats import Counters, EpochStatistics
 
 __all__ = ["POSTFIX_INTERVAL_S", "EpochProgress", "ProgressDisplay", "progress_display"]
 
@@ -131,16 +131,17 @@ class EpochProgress:
             self._next_postfix = now + POSTFIX_INTERVAL_S
             self._bar.set_postfix_str(self.postfix(), refresh=False)
 
-    def postfix(self) -> str:
-        """``'samples/s, MB/s, wait share'`` of the epoch so far."""
-        s = self._counters.measure()
+    def postfix(self, stats: EpochStatistics | None = None) -> str:
+        """``'samples/s, MB/s, wait share'`` of ``stats``, or of the epoch so far."""
+        s = stats if stats is not None else self._counters.measure()
         return (
             f"{s.samples_per_s:.1f} samples/s, {s.bytes_per_s / 1e6:.1f} MB/s, "
             f"wait {s.wait_share:.0%}"
         )
 
-    def close(self) -> None:
-        """The epoch ended (or closed): the final postfix, then the bar closes if ours."""
-        self._bar.set_postfix_str(self.postfix(), refresh=not self._owned)
+    def close(self, final: EpochStatistics | None = None) -> None:
+        """The epoch ended (or closed) with statistics ``final`` (None: another epoch holds
+        the statistics' clock): the final postfix, then the bar closes if ours."""
+        self._bar.set_postfix_str(self.postfix(final), refresh=not self._owned)
         if self._owned:
             self._bar.close()

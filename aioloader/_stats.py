@@ -354,9 +354,9 @@ class EpochStatistics:
                 return (
                     stage,
                     "num_workers",
-                    f"reading and collating samples is the limit: the {makers} {what} are busy "
-                    f"{busy:.0%} ({waited}): raise num_workers, or make __getitem__, the "
-                    "transform or collate_fn cheaper",
+                    f"reading and collating samples is the limit: {makers} {what} busy "
+                    f"{busy:.0%} of the time ({waited}): raise num_workers, or make "
+                    "__getitem__, the transform or collate_fn cheaper",
                 )
             if stage == "io":
                 return (
