@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -342,3 +345,26 @@ def test_statistics_before_any_epoch_are_empty() -> None:
     assert stats.total.wall_s == 0.0
     assert stats.bottleneck == ""
     assert "bottleneck" not in str(stats)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("case", "verdict"),
+    [
+        ("dataset", "workers (knob: num_workers)"),
+        ("remote", "io (knob: io_concurrency)"),
+        ("consumer", "consumer (knob: none)"),
+    ],
+)
+def test_the_why_slow_example_names_each_case(case: str, verdict: str) -> None:
+    script = Path(__file__).resolve().parent.parent / "examples" / "why_slow.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--case", case, "--samples", "64", "--no-fix"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"verdict: {verdict}" in result.stdout
+    assert "consumer waited" in result.stdout  # the table came first
