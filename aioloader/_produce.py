@@ -52,7 +52,14 @@ from ._stats import Counters
 from ._tree import iter_leaves
 from ._types import END, BatchRequest, Made, Runner, StreamRequest
 
-__all__ = ["Producer"]
+__all__ = ["BYTES_WALK_BUDGET_S", "Producer"]
+
+#: Counting a batch's bytes (for bytes/s) walks its leaves on the loop: microseconds for a few
+#: tensors, hundreds of them for a list of hundreds of objects. Batches are walked often enough
+#: that the walks cost at most this much per batch on average; the batches in between are
+#: estimated from the last walked one's bytes per sample (exact for batches of one shape).
+BYTES_WALK_BUDGET_S = 5e-6
+_MAX_UNWALKED = 256  # walk at least every this many batches, to follow a change of shape
 
 
 class Producer:
@@ -110,6 +117,8 @@ class Producer:
         self._sizes: dict[int, tuple[int, int]] = {}  # batch id -> (samples, bytes), until taken
         self._next_id = 0  # the next batch id no scheduled batch uses
         self._claimed: int | None = None  # expected, and not yet handed to a task or future
+        self._unwalked = 0  # batches whose bytes are estimated before the next walk
+        self._bytes_per_sample = 0.0  # of the last walked batch
         self.done = False  # the scheduler has scheduled its last batch
         self.closed = False  # outcomes that arrive now are dropped
 
@@ -342,11 +351,24 @@ class Producer:
             return Outcome(batch_id, error=exc)
         return self._accounted(batch_id, made)
 
+    def _bytes(self, made: Made) -> int:
+        """Bytes of the arrays and tensors of ``made``, walked or estimated (see
+        :data:`BYTES_WALK_BUDGET_S`)."""
+        if self._unwalked > 0:
+            self._unwalked -= 1
+            return round(made.samples * self._bytes_per_sample)
+        started = time.perf_counter()
+        nbytes = _nbytes(made.batch)
+        cost = time.perf_counter() - started
+        self._unwalked = min(_MAX_UNWALKED, int(cost / BYTES_WALK_BUDGET_S))
+        self._bytes_per_sample = nbytes / made.samples if made.samples else 0.0
+        return nbytes
+
     def _accounted(self, batch_id: int, made: Made) -> Outcome:
         """Count a made batch in the statistics and the skip budget; its outcome."""
         self._counters.read_s += made.read_s
         self._counters.collate_s += made.collate_s
-        self._sizes[batch_id] = (made.samples, _nbytes(made.batch))
+        self._sizes[batch_id] = (made.samples, self._bytes(made))
         self._budget.record(made.samples, made.skipped)
         if made.skipped:
             error = self._budget.over()

@@ -216,7 +216,8 @@ class EpochStatistics:
         epoch: the epoch number, or None for the total over epochs.
         wall_s: seconds from the epoch's first batch asked for to its end (or now).
         batches, samples: handed to the consumer.
-        bytes: bytes of the arrays and tensors in those batches.
+        bytes: bytes of the arrays and tensors in those batches (batches of many leaves are
+            walked now and then, the others estimated per sample: see ``_produce``).
         bytes_read: bytes read by remote sources (bodies returned, retries excluded).
         batches_per_s, samples_per_s, bytes_per_s, read_bytes_per_s: the rates over wall_s.
         wait_share: the consumer waited for a batch (or its device copy).
