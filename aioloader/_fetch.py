@@ -29,7 +29,7 @@ from typing import Any, cast
 
 from ._batch import annotate
 from ._failures import FailureBudget
-from ._stats import Counters, current_counters
+from ._stats import Counters
 from ._types import BatchRequest, SourceDataset
 
 __all__ = ["Fetcher"]
@@ -75,17 +75,12 @@ class Fetcher:
         )
         tasks: list[list[asyncio.Task[Any]]] = []
         failed_group: BaseExceptionGroup[BaseException] | None = None
-        # The item tasks inherit this context: remote sources count their requests, retries
-        # and bytes in this loader's statistics.
-        token = current_counters.set(self._counters)
         try:
             async with asyncio.TaskGroup() as group:
                 for shard in shards:
                     tasks.append([group.create_task(self._one(i, request)) for i in shard])
         except BaseExceptionGroup as exc:
             failed_group = exc
-        finally:
-            current_counters.reset(token)
         if failed_group is not None:
             # Raised outside the ``except`` block so the group does not become its context.
             raise _first_failure(tasks, failed_group)

@@ -48,7 +48,7 @@ from ._errors import WorkerCrashedError
 from ._failures import FailureBudget
 from ._fetch import Fetcher
 from ._reorder import Outcome, ReorderBuffer
-from ._stats import Counters
+from ._stats import Counters, current_counters
 from ._tree import iter_leaves
 from ._types import END, BatchRequest, Made, Runner, StreamRequest
 
@@ -178,6 +178,9 @@ class Producer:
 
     async def _run_scheduler(self, body: Callable[[], Awaitable[None]]) -> None:
         """Run a scheduler body; if the sampler or stream fails, deliver the error in order."""
+        # In this task's own context, inherited by the produce and fetch tasks it creates:
+        # remote sources read there count their requests, retries and bytes in these counters.
+        current_counters.set(self._counters)
         try:
             await body()
         except (asyncio.CancelledError, GeneratorExit):

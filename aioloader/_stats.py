@@ -196,9 +196,9 @@ class Counters:
         return EpochStatistics.build(None, wall, list(self.sums()), self.capacity)
 
 
-#: The counters of the loader whose fetch is running in this task (set by the fetch stage,
-#: inherited by the tasks it creates): remote sources count requests, retries, bytes and
-#: stalls there without knowing the loader. None outside a loader.
+#: The counters of the loader whose epoch runs this task (set by the epoch's scheduler task,
+#: inherited by the produce and fetch tasks it creates): remote sources count requests,
+#: retries, bytes and stalls there without knowing the loader. None outside a loader.
 current_counters: contextvars.ContextVar[Counters | None] = contextvars.ContextVar(
     "aioloader_counters", default=None
 )

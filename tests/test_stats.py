@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -331,6 +332,27 @@ async def test_requests_in_flight_are_counted_while_they_run() -> None:
             await first
             await collect(iterator)
             assert loader.statistics().requests_in_flight == 0
+
+
+class RemoteStream:
+    """An async iterable dataset that reads its items from a remote source."""
+
+    def __init__(self, source: HTTPDataset) -> None:
+        self.source = source
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for i in range(len(self.source)):
+            yield await self.source.fetch(i)
+
+
+async def test_an_async_iterable_over_a_remote_source_is_counted_too() -> None:
+    async with FaultServer() as server:
+        source = HTTPDataset([server.obj_url(i) for i in range(6)])
+        async with DataLoader(RemoteStream(source), batch_size=3, collate_fn=list) as loader:
+            assert len(await collect(loader)) == 2
+            stats = loader.statistics()
+        await source.aclose()
+    assert (stats.remote_requests, stats.bytes_read) == (6, 6 * 1024)
 
 
 async def test_a_source_used_without_a_loader_counts_nowhere() -> None:
