@@ -277,8 +277,8 @@ async def test_verdict_for_slow_remote_reads_is_io_concurrency() -> None:
 
 
 async def test_verdict_for_a_slow_consumer_is_the_consumer() -> None:
-    # Batches are ready at once; the consumer takes 20 ms a step.
-    async with DataLoader(Arrays(64), batch_size=4) as loader:
+    # Batches are ready at once; the consumer takes 20 ms a step, 32 steps.
+    async with DataLoader(Arrays(128), batch_size=4) as loader:
         async for _ in loader:
             await asyncio.sleep(0.02)
         stats = loader.statistics().epoch_stats
