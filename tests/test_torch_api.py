@@ -60,6 +60,7 @@ OWN_PARAMETERS = {
     "device",
     "device_prefetch",
     "shm_max_bytes",
+    "progress",
 }
 
 
