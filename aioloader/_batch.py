@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ._collate import default_collate, numpy_collate
+from ._distributed import Shard
 from ._types import EMPTY_BATCH, END, BatchRequest, Made, StreamRequest
 
 __all__ = ["Alloc", "BatchMaker", "StreamCursor", "annotate", "stream_batch", "take"]
@@ -52,6 +53,8 @@ class BatchMaker:
         decode: applied to each raw item fetched by the event loop (two-stage async sources).
         skip_errors: with True, a sample whose read or transform raises is dropped and reported
             in :attr:`Made.skipped` instead of failing the batch.
+        shard: the rank share of an iterable dataset's stream that is read (None: all of it;
+            see :func:`aioloader._distributed.stream_share`).
     """
 
     def __init__(
@@ -62,12 +65,14 @@ class BatchMaker:
         transform: Callable[[Any], Any] | None = None,
         decode: Callable[[Any], Any] | None = None,
         skip_errors: bool = False,
+        shard: Shard | None = None,
     ) -> None:
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.transform = transform
         self.decode = decode
         self.skip_errors = skip_errors
+        self.shard = shard
         self._getitems = getattr(dataset, "__getitems__", None) if dataset is not None else None
 
     def make(self, request: BatchRequest, alloc: Alloc | None = None) -> Made:

@@ -13,7 +13,8 @@ loader's base seed as torch does, and :func:`context_argument` reconciles torch'
 Without automatic batching (``batch_size=None``, as in torch) every sample is its own batch:
 the loader iterates a batch sampler of size 1 and :class:`PerSample` hands the one sample to
 the user's ``collate_fn`` (or :func:`~aioloader.default_convert`), so threads, worker
-processes and async datasets need no second code path.
+processes and async datasets need no second code path. Under a rank share
+(:mod:`aioloader._distributed`) the default sampler is a :class:`DistributedSampler`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from typing import Any
 
 from . import _validate as check
 from ._batch_sampler import BatchSampler, IndexCheck, LastBatch
-from ._sampler import RandomSampler, SequentialSampler
+from ._distributed import Shard, agreed_seed
+from ._sampler import DistributedSampler, RandomSampler, SequentialSampler
 from ._types import DatasetKind
 
 __all__ = [
@@ -107,6 +109,7 @@ class LoaderConfig:
     prefetch_factor: int | None = None  # as given (torch's argument); ``prefetch`` is the depth
     persistent_workers: bool = False
     pin_memory_device: str = ""
+    shard: Shard | None = None  # the rank share the loader reads itself (None: all of it)
 
     @property
     def skip_errors(self) -> bool:
@@ -155,6 +158,7 @@ class LoaderConfig:
         prefetch_factor: object = None,
         persistent_workers: object = False,
         pin_memory_device: object = "",
+        shard: Shard | None = None,
     ) -> LoaderConfig:
         """Check every argument and derive the defaults that depend on others.
 
@@ -218,6 +222,7 @@ class LoaderConfig:
             prefetch_factor=factor,
             persistent_workers=persistent,
             pin_memory_device=_pin_memory_device(pin_memory_device),
+            shard=shard,
         )
 
     def shm_cap(self) -> int:
@@ -343,11 +348,18 @@ def batch_sampler_for(
     policy: LastBatch,
     seed: int,
     generator: Any,
+    shard: Shard | None = None,
 ) -> Sampling:
     """The samplers of a loader (see :class:`Sampling`), from torch's and MXNet's arguments.
 
     ``batch_size=None`` without a batch sampler turns automatic batching off: the loader then
     iterates batches of one index.
+
+    With a ``shard`` and no sampler given, the default sampler reads that rank's share: a
+    :class:`DistributedSampler` that pads by wrapping around (trims with
+    ``last_batch='discard'``, as torch's ``drop_last=True``), so every rank gets as many
+    batches. Shuffled, it uses rank 0's ``seed`` on every rank (one collective, see
+    :func:`aioloader._distributed.agreed_seed`).
 
     Raises:
         ValueError: arguments that exclude each other (``sampler`` with ``shuffle``,
@@ -391,6 +403,15 @@ def batch_sampler_for(
     if sampler is not None and shuffle:
         raise ValueError(f"sampler={sampler!r} excludes shuffle=True; shuffle in the sampler")
     built = sampler is None
+    if sampler is None and shard is not None:
+        sampler = DistributedSampler(
+            dataset,
+            shard.replicas,
+            shard.rank,
+            shuffle=shuffle,
+            seed=agreed_seed(seed) if shuffle else 0,
+            drop_last=policy == "discard",
+        )
     if sampler is None:
         sampler = (
             RandomSampler(

@@ -53,6 +53,7 @@ from ._batch_sampler import resolve_last_batch
 from ._collate import default_collate, default_convert
 from ._config import LoaderConfig, batch_sampler_for, context_argument, resolve_seed
 from ._device import parse_device
+from ._distributed import process_group, resolve_shard, stream_items, warn_if_group_appeared
 from ._epoch import Epoch, EpochIterator, Plan
 from ._progress import EpochProgress, progress_display
 from ._resources import Resources, finalize, worker_payload
@@ -138,6 +139,8 @@ class DataLoader(SettingsView):
             at most 4 GiB); 0 sends every batch pickled.
         progress: a progress bar per epoch: ``True`` (tqdm, the ``progress`` extra), a tqdm
             bar to reuse, or a callable making one from tqdm's arguments (see ``_progress``).
+        shard: this rank's share only (torch.distributed): None (default) when a process group
+            of world size > 1 exists at construction; True requires one; False never (README).
 
     Epochs and ``set_epoch``: each iteration is the next epoch, and shuffling and worker seeds
     derive from its number. The loader calls ``set_epoch(epoch)`` on the samplers it made
@@ -190,6 +193,7 @@ class DataLoader(SettingsView):
         device_prefetch: int = 1,
         shm_max_bytes: int | None = None,
         progress: Any = False,
+        shard: bool | None = None,
     ) -> None:
         self.dataset = dataset
         kind = dataset_kind(dataset)
@@ -198,6 +202,7 @@ class DataLoader(SettingsView):
         self._seed_given = seed is not None
         self._generator = generator
         policy = resolve_last_batch(last_batch, drop_last if drop_last else None)
+        share = resolve_shard(shard, kind, sampler, batch_sampler, dataset)
         self._config = config = LoaderConfig.build(
             kind=kind,
             batch_size=batch_size,
@@ -224,6 +229,7 @@ class DataLoader(SettingsView):
             prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
+            shard=share,
         )
         self._device_spec = parse_device(device)
         self._sampling = batch_sampler_for(
@@ -238,8 +244,10 @@ class DataLoader(SettingsView):
             policy=policy,
             seed=config.seed,
             generator=generator,
+            shard=share,
         )
         _, context = context_argument(multiprocessing_context, mp_context)
+        self._group_unseen = shard is None and process_group() is None  # see _new_epoch
         self._context: BaseContext | None = None
         self._payload: bytes | None = None
         if config.uses_processes:
@@ -282,7 +290,8 @@ class DataLoader(SettingsView):
     def __len__(self) -> int:
         if self._sampling.batches is not None:
             return len(self._sampling.batches)  # type: ignore[arg-type]
-        n, size = len(self.dataset), self.batch_size or 1
+        n = stream_items(self._config.shard, len(self.dataset))  # this rank's share of a stream
+        size = self.batch_size or 1
         return n // size if self.drop_last else -(-n // size)
 
     def set_epoch(self, epoch: int) -> None:
@@ -298,6 +307,9 @@ class DataLoader(SettingsView):
 
     def _new_epoch(self) -> Epoch:
         runner = self._ensure_resources()
+        if self._group_unseen:  # built before init_process_group? warn once, at the first epoch
+            self._group_unseen = False
+            warn_if_group_appeared(self.dataset)
         previous = self._res.epoch
         if previous is not None and not previous.finished:
             # Another iterator is mid-epoch: both run a full epoch, as torch's do. The older

@@ -44,6 +44,7 @@ import numpy as np
 from ._batch import annotate, stream_batch
 from ._config import LoaderConfig
 from ._deadline import DeadlinePolicy, run_attempts, timeout_error
+from ._distributed import every_nth_async, stream_share
 from ._errors import WorkerCrashedError
 from ._failures import FailureBudget
 from ._fetch import Fetcher
@@ -234,7 +235,8 @@ class Producer:
             self._spawn(self._produce_stream(request, turn, ended), batch_id)
 
     async def _schedule_async_stream(self) -> None:
-        iterator: AsyncIterator[Any] = aiter(self._dataset)
+        start, step = stream_share(self._config.shard, 0, 1)  # a rank's share, distributed
+        iterator: AsyncIterator[Any] = every_nth_async(aiter(self._dataset), start, step)
         size = self._batch_size
         try:
             while True:

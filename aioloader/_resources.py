@@ -68,6 +68,7 @@ def batch_maker(config: LoaderConfig, dataset: Any) -> BatchMaker:
         transform=config.transform,
         decode=decode,
         skip_errors=config.skip_errors,
+        shard=config.shard,
     )
 
 

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     import torch
 
 from ._batch_sampler import BatchSampler, LastBatch, ShardedBatchSampler
+from ._distributed import process_group
 from ._validate import boolean, check_state_keys, is_int, non_negative_int, positive_int, to_int
 
 # The checks under the names this module has always exported.
@@ -308,16 +309,6 @@ def _require_torch_generator(generator: object) -> None:
         raise TypeError(f"generator must be a torch.Generator, got {generator!r}")
 
 
-def _default_world() -> tuple[int | None, int | None]:
-    """World size and rank of the initialised process group, if there is one."""
-    # A process group can only exist if torch.distributed was imported, so there is no need to
-    # import torch (seconds) to find out that there is none.
-    dist: Any = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return int(dist.get_world_size()), int(dist.get_rank())
-    return None, None
-
-
 def _from_environment(variable: str, default: int) -> int:
     raw = os.environ.get(variable)
     if raw is None:
@@ -364,13 +355,11 @@ class DistributedSampler:
         drop_last: bool = False,
     ) -> None:
         _length_of("dataset", dataset)
-        group_size, group_rank = _default_world()
+        group = process_group()
         if num_replicas is None:
-            num_replicas = (
-                group_size if group_size is not None else _from_environment("WORLD_SIZE", 1)
-            )
+            num_replicas = group[1] if group is not None else _from_environment("WORLD_SIZE", 1)
         if rank is None:
-            rank = group_rank if group_rank is not None else _from_environment("RANK", 0)
+            rank = group[0] if group is not None else _from_environment("RANK", 0)
         self.num_replicas = positive_int("num_replicas", num_replicas)
         rank = to_int("rank", rank)
         if not 0 <= rank < self.num_replicas:

@@ -18,7 +18,8 @@ Sharp edges:
   :data:`THREAD_JOIN_TIMEOUT_S` and then warns, naming the stuck threads.
 - Threads share the process's global random generators with the user's code, so they are not
   reseeded per batch (as in torch).
-- An iterable dataset is one stream here, pulled by one thread at a time.
+- An iterable dataset is one stream here, pulled by one thread at a time (of which a rank
+  keeps its share, in a distributed job).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ._batch import BatchMaker, StreamCursor
+from ._distributed import every_nth, stream_share
 from ._types import END, BatchRequest, Made, StreamRequest
 
 __all__ = ["THREAD_JOIN_TIMEOUT_S", "ThreadPool", "ThreadRunner"]
@@ -56,7 +58,9 @@ class ThreadRunner:
     def __init__(self, maker: BatchMaker, threads: int) -> None:
         self._maker = maker
         self._threads = ThreadPool(threads)
-        self._cursor = StreamCursor(lambda: iter(maker.dataset))
+        # One stream for all threads: the rank split only (every thread reads from it).
+        start, step = stream_share(maker.shard, 0, 1)
+        self._cursor = StreamCursor(lambda: every_nth(iter(maker.dataset), start, step))
         self._stream_lock = threading.Lock()  # one stream, pulled by one thread at a time
         self._running: set[int] = set()  # batch ids a thread works on now
 

@@ -39,13 +39,14 @@ LEVELS: dict[str, int] = {
     "_log": 0,
     "_reorder": 0,
     "_sync": 0,
-    # 1 - pure building blocks
+    # 1 - pure building blocks, and what this process's rank reads (_distributed)
     "_batch_sampler": 1,
     "_collate": 1,
     "_shm_tree": 1,
     "_failures": 1,
     "_run": 1,
     "_progress": 1,
+    "_distributed": 1,
     # 2 - one batch, one resource: samplers, making a batch, shared memory, CUDA, storage
     "_sampler": 2,
     "_batch": 2,

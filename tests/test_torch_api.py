@@ -61,6 +61,7 @@ OWN_PARAMETERS = {
     "device_prefetch",
     "shm_max_bytes",
     "progress",
+    "shard",
 }
 
 

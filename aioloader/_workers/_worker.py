@@ -25,7 +25,9 @@ Sharp edges:
   carrying the original type name, message and traceback text instead.
 - A stream that never asks :func:`get_worker_info` is sharded here (worker ``k`` keeps items
   ``k, k + n, k + 2n, ...``), so no item is produced twice. A generator runs its body only at
-  the first ``next``, so the first item is read before deciding.
+  the first ``next``, so the first item is read before deciding. In a distributed job each
+  rank keeps its share too (:func:`aioloader._distributed.stream_share`), also of a stream
+  that shards itself by worker.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from .._batch import BatchMaker, StreamCursor, annotate
+from .._distributed import every_nth, stream_share
 from .._errors import WorkerInitError
 from .._shm import Slot
 from .._types import END, BatchRequest, Made
@@ -110,9 +113,10 @@ class _WorkerState:
         if first is END:
             return iter(())
         rest = _chain_first(first, it)
-        if self.info_asked:
-            return rest
-        return _every_nth(rest, self.info.id, self.info.num_workers)
+        shard = self.maker.shard  # the rank share, in a distributed job
+        if self.info_asked:  # the stream is this worker's already: split it by rank only
+            return every_nth(rest, *stream_share(shard, 0, 1))
+        return every_nth(rest, *stream_share(shard, self.info.id, self.info.num_workers))
 
 
 _STATE: _WorkerState | None = None
@@ -311,9 +315,3 @@ def _make(state: _WorkerState, request: BatchRequest, slot: Slot | None) -> Made
 def _chain_first(first: Any, it: Iterator[Any]) -> Iterator[Any]:
     yield first
     yield from it
-
-
-def _every_nth(it: Iterator[Any], start: int, step: int) -> Iterator[Any]:
-    for position, item in enumerate(it):
-        if position % step == start:
-            yield item

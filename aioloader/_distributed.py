@@ -1,0 +1,261 @@
+"""Distributed training: which share of the data this process reads, and who decides it.
+
+The only module that asks ``torch.distributed`` anything (the samplers ask through it). A loader
+built while a process group of world size ``R > 1`` is initialised reads rank ``r``'s share:
+
+- map-style data with no sampler of the user's: a :class:`~aioloader.DistributedSampler` over
+  the indices (disjoint across ranks, padded by wrapping so every rank gets as many batches;
+  ``last_batch='discard'`` trims instead), shuffled from a seed all ranks agree on;
+- an iterable stream: rank ``r`` keeps items ``r, r + R, ...``; each of its ``W`` workers
+  every ``R * W``-th of the stream (see :func:`stream_share`);
+- a sampler of the user's: used as it is; one that is not rank-aware (no ``num_replicas`` and
+  ``rank``, as a DistributedSampler has) is warned about, since every rank would read all of it.
+
+``DataLoader(shard=...)`` chooses: ``None`` (automatic, as above), ``True`` (the same, but a
+missing process group or a sampler that cannot be sharded is an error) or ``False`` (never;
+every rank reads what it is given).
+
+Sharp edges, each deliberate:
+
+- **Decided at construction.** The process group is looked up when the loader is built: DDP
+  scripts call ``init_process_group`` first (they need the rank to pick a device), and the
+  batch sampler, ``len(loader)`` and the workers' copy of the settings are fixed from then on.
+  A loader built before the group exists reads everything on every rank and says so with a
+  warning at its first iteration (:func:`warn_if_group_appeared`).
+- **One collective at construction.** A shuffled share needs the same seed on every rank, so
+  rank 0's seed is broadcast (:func:`agreed_seed`) when such a loader is built: every rank must
+  build it, in the same order. A loader used on some ranks only (evaluation on rank 0) must
+  pass ``shard=False``: it would read only a share, and shuffled, wait for the others. The
+  loader's own ``seed`` stays each rank's: it seeds the workers' per-batch randomness.
+- **The default group's ranks.** With tensor or pipeline parallelism, ranks that must see the
+  same batch are not data-parallel peers: pass ``shard=False`` and a DistributedSampler over the
+  data-parallel group's size and rank.
+- **Streams may end unevenly.** An iterable's share cannot be padded (its length is unknown
+  until it ends), so ranks may get different batch counts, as with torch; a collective in the
+  training step then waits for a rank that has stopped (see the README).
+- **A stream that shards itself by rank is the user's to declare** (``shard=False``): nothing
+  shows from outside that a dataset reads ``torch.distributed.get_rank()``. One that shards
+  itself by worker (it asks ``get_worker_info()``) is still split by rank here.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from ._validate import boolean
+
+__all__ = [
+    "RankAware",
+    "Shard",
+    "agreed_seed",
+    "every_nth",
+    "every_nth_async",
+    "process_group",
+    "rank_aware",
+    "resolve_shard",
+    "stream_items",
+    "stream_share",
+    "warn_if_group_appeared",
+]
+
+T = TypeVar("T")
+
+_log = logging.getLogger("aioloader.distributed")
+
+# How many wrappers (a batch sampler around a sampler, a sharded batch sampler around that) are
+# looked through to find a rank-aware sampler. Deeper nesting is not built by anyone.
+_WRAPPER_DEPTH = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """This process's share of the data: rank ``rank`` of ``replicas``."""
+
+    rank: int
+    replicas: int
+
+
+@runtime_checkable
+class RankAware(Protocol):
+    """A sampler that reads one rank's share itself (torch's or aioloader's DistributedSampler)."""
+
+    num_replicas: int
+    rank: int
+
+
+def process_group() -> tuple[int, int] | None:
+    """``(rank, world size)`` of the initialised default process group, or None."""
+    # A process group can only exist if torch.distributed was imported, so there is no need to
+    # import torch (seconds) to find out that there is none.
+    dist: Any = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank()), int(dist.get_world_size())
+    return None
+
+
+def agreed_seed(seed: int) -> int:
+    """Rank 0's ``seed``, on every rank: a collective over the default process group.
+
+    ``broadcast_object_list`` puts the value on the device the group's backend needs (the
+    current CUDA device for NCCL, which the training script has set), so any backend works.
+    """
+    import torch.distributed as dist
+
+    box = [seed]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
+
+
+def rank_aware(sampler: object) -> bool:
+    """Whether ``sampler``, or a sampler it wraps, reads one rank's share itself."""
+    for _ in range(_WRAPPER_DEPTH):
+        if sampler is None:
+            return False
+        if isinstance(sampler, RankAware):
+            return True
+        inner = getattr(sampler, "sampler", None)
+        sampler = inner if inner is not None else getattr(sampler, "batch_sampler", None)
+    return False
+
+
+def resolve_shard(
+    shard: object, kind: str, sampler: object, batch_sampler: object, dataset: object
+) -> Shard | None:
+    """The share the loader applies itself (None: all of the data, or the user's sampler's).
+
+    Logs the decision once (INFO, ``aioloader.distributed``) and warns about a sampler that is
+    not rank-aware (see the module docstring).
+
+    Raises:
+        TypeError: ``shard`` is not None, True or False.
+        ValueError: ``shard=True`` without an initialised process group, or with a sampler
+            that is not rank-aware.
+    """
+    if shard is not None:
+        try:
+            shard = boolean("shard", shard)
+        except TypeError:
+            message = f"shard must be None (automatic), True or False, got {shard!r}"
+            raise TypeError(message) from None
+    if shard is False:
+        return None
+    group = process_group()
+    if group is None:
+        if shard:
+            raise ValueError(
+                "shard=True needs an initialised torch.distributed process group: call "
+                "init_process_group before building the DataLoader"
+            )
+        return None
+    rank, world = group
+    if world == 1:
+        return None
+    name = type(dataset).__name__
+    given = ("sampler", sampler) if sampler is not None else ("batch_sampler", batch_sampler)
+    map_style = kind in ("map", "async_map")
+    if given[1] is not None:
+        if not map_style:
+            return None  # a sampler with an iterable dataset is refused by the config's checks
+        if rank_aware(given[1]):
+            return None
+        if shard:
+            raise ValueError(
+                f"shard=True cannot shard {given[0]}={given[1]!r}: it is not rank-aware (it "
+                "has no num_replicas and rank); pass a DistributedSampler instead"
+            )
+        warnings.warn(
+            f"{given[0]}={given[1]!r} is not rank-aware (it has no num_replicas and rank, as "
+            f"a DistributedSampler has): with torch.distributed at world size {world}, every "
+            "rank will read all of it. Pass aioloader.DistributedSampler(dataset) (or "
+            "torch's) instead, or shard=False to keep it and silence this warning",
+            UserWarning,
+            stacklevel=3,
+        )
+        return None
+    if map_style:
+        how = "its DistributedSampler share of each epoch"
+    else:
+        how = f"1 item in {world} of the stream"
+    _log.info(
+        "DataLoader of %s shards by rank: rank %d of world size %d reads %s "
+        "(shard=False turns this off)",
+        name,
+        rank,
+        world,
+        how,
+    )
+    return Shard(rank, world)
+
+
+def warn_if_group_appeared(dataset: object) -> None:
+    """At a loader's first iteration: warn if a process group of world size > 1 exists now
+    although none did when the loader (with ``shard=None``) was built."""
+    group = process_group()
+    if group is None or group[1] == 1:
+        return
+    warnings.warn(
+        f"this DataLoader of {type(dataset).__name__} was built before "
+        "torch.distributed.init_process_group, so it does not shard by rank: each of the "
+        f"{group[1]} ranks reads all of it. Build it after init_process_group, or pass "
+        "shard=False to keep it so and silence this warning",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+def stream_items(shard: Shard | None, n: int) -> int:
+    """How many of a stream's ``n`` items the rank of ``shard`` reads (all without one)."""
+    if shard is None:
+        return n
+    return (n - shard.rank + shard.replicas - 1) // shard.replicas
+
+
+def stream_share(shard: Shard | None, worker: int, workers: int) -> tuple[int, int]:
+    """``(start, step)``: the items of a stream one reader keeps.
+
+    Reader ``worker`` of ``workers`` on rank ``r`` of ``R`` keeps items ``start, start + step,
+    ...`` with ``start = worker * R + r`` and ``step = R * workers``: every (rank, worker) pair
+    gets a disjoint share, together they read each item once, and a rank's share is items
+    ``r, r + R, r + 2R, ...`` whatever its number of workers (threads read it whole). A stream
+    that shards itself by worker is read with ``worker=0, workers=1`` (the rank split only).
+    """
+    rank, replicas = (shard.rank, shard.replicas) if shard is not None else (0, 1)
+    return worker * replicas + rank, replicas * workers
+
+
+def every_nth(stream: Iterator[T], start: int, step: int) -> Iterator[T]:
+    """The items of ``stream`` at positions ``start, start + step, ...`` (all with step 1)."""
+    if step == 1:
+        return stream
+    return _every_nth(stream, start, step)
+
+
+def _every_nth(stream: Iterator[T], start: int, step: int) -> Iterator[T]:
+    for position, item in enumerate(stream):
+        if position % step == start:
+            yield item
+
+
+def every_nth_async(stream: AsyncIterator[T], start: int, step: int) -> AsyncIterator[T]:
+    """:func:`every_nth` of an async stream; closing the result closes ``stream``."""
+    if step == 1:
+        return stream
+    return _every_nth_async(stream, start, step)
+
+
+async def _every_nth_async(stream: AsyncIterator[T], start: int, step: int) -> AsyncIterator[T]:
+    position = 0
+    try:
+        async for item in stream:
+            if position % step == start:
+                yield item
+            position += 1
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
