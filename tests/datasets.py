@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from aioloader import get_worker_info
+
 # How long a blocked read waits for its release at most: it only turns a hang into a failure.
 BLOCK_BOUND_S = 10.0
 
@@ -198,6 +200,19 @@ class Broken(Stream):
 
     def __init__(self, fail_at: int) -> None:
         super().__init__(fail_at + 10, fail_at=fail_at, error_type=ValueError)
+
+
+class SelfSharded:
+    """Reads only its worker's share, as a torch user writes it (a generator, so the worker info
+    is asked for at the first ``next``, not at ``iter``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        info = get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        yield from range(start, self.n, step)
 
 
 class AsyncStream:

@@ -7,7 +7,7 @@ The contract: every item exactly once per epoch (whether the dataset shards itse
 stream that fails mid-way delivers everything it produced before the error, then raises it:
 never a silent end (on threads and the loop that is in ``test_produce``, which delivers it in
 turn). Datasets are defined at module level so worker processes can unpickle them; the plain
-and failing streams are in ``datasets``.
+and failing streams and :class:`SelfSharded` are in ``datasets``.
 """
 
 from __future__ import annotations
@@ -19,27 +19,13 @@ from typing import Any
 
 import pytest
 import torch.utils.data as tud
-from datasets import AsyncStream, Broken, Stream
+from datasets import AsyncStream, Broken, SelfSharded, Stream
 from helpers import BOUND_S, as_lists, chunks, drain_sync
 from procs import no_worker_left_behind
 
-import aioloader
 from aioloader import DataLoader
 
 # -- datasets ---------------------------------------------------------------------------------
-
-
-class SelfSharded:
-    """Reads only its worker's share, as a torch user writes it (a generator, so the worker info
-    is asked for at the first ``next``, not at ``iter``)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __iter__(self) -> Iterator[int]:
-        info = aioloader.get_worker_info()
-        start, step = (0, 1) if info is None else (info.id, info.num_workers)
-        yield from range(start, self.n, step)
 
 
 class TorchStream(tud.IterableDataset):  # type: ignore[type-arg]

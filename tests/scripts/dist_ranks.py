@@ -1,0 +1,263 @@
+"""One rank of a real gloo job: builds loaders the way a training script does and reports what
+this rank read, as JSON, for ``tests/test_distributed.py`` to compare across ranks.
+
+Run by the test (one process per rank) with the usual environment: ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR`` (127.0.0.1), ``MASTER_PORT`` (a free port), ``GLOO_SOCKET_IFNAME`` (loopback)
+and ``PYTHONPATH`` holding ``tests/`` (worker processes import ``datasets`` by name)::
+
+    python tests/scripts/dist_ranks.py REPORT.json
+
+Every case records the warnings and the ``aioloader.distributed`` log records it caused; a case
+that raises records the error and the next one runs (each case is the same on every rank, so a
+failure does not leave one rank waiting in a collective the others skipped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils.data as tud
+from datasets import AsyncStream, Range, SelfSharded, Stream
+
+from aioloader import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
+
+# Bounds each collective (and so each case) of this rank: a rank that waits longer for its peer
+# fails instead of hanging. The test's own limit on the whole process is wider.
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+
+
+class Counted:
+    """A stream of ``0 .. n-1`` that knows its length (read on threads only: not pickled)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.n))
+
+
+class Records(logging.Handler):
+    """Keeps the messages of the records it handles."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(f"{record.levelname} {record.getMessage()}")
+
+
+@contextlib.contextmanager
+def observed(report: dict[str, Any]) -> Iterator[None]:
+    """Record into ``report`` the warnings and distributed log records of the block, and the
+    error it raised, if any."""
+    logger = logging.getLogger("aioloader.distributed")
+    handler = Records()
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                yield
+            except Exception:
+                report["error"] = traceback.format_exc()
+    finally:
+        logger.removeHandler(handler)
+    report["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    report["log"] = handler.messages
+
+
+def lists(loader: DataLoader) -> list[list[int]]:
+    """One epoch's batches, as lists of ints."""
+    return [[int(i) for i in batch] for batch in loader]
+
+
+def flat(batches: list[list[int]]) -> list[int]:
+    return [i for batch in batches for i in batch]
+
+
+def case(reports: dict[str, Any], name: str, body: Callable[[dict[str, Any]], None]) -> None:
+    report: dict[str, Any] = {}
+    with observed(report):
+        body(report)
+    reports[name] = report
+
+
+def main() -> None:
+    out = sys.argv[1]
+    reports: dict[str, Any] = {"pid": os.getpid(), "worker_pids": []}
+
+    early_holder: list[DataLoader] = []
+
+    def build_early(report: dict[str, Any]) -> None:
+        early_holder.append(DataLoader(Range(10), batch_size=5))  # no process group yet
+
+    case(reports, "early_build", build_early)
+    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reports["rank"], reports["world"] = rank, world
+
+    def early(report: dict[str, Any]) -> None:
+        with early_holder.pop() as loader:
+            report["epochs"] = [lists(loader), lists(loader)]
+
+    def auto(report: dict[str, Any]) -> None:
+        # No sampler, no seed: sharded, shuffled with rank 0's seed.
+        with DataLoader(Range(23), batch_size=4, shuffle=True) as loader:
+            report["len"] = len(loader)
+            report["epochs"] = [lists(loader), lists(loader)]
+            loader.set_epoch(0)
+            report["again0"] = lists(loader)
+            report["seed"] = loader.seed
+            report["sampler_seed"] = loader.sampler.seed
+            report["sampler"] = type(loader.sampler).__name__
+
+    def seeded(report: dict[str, Any]) -> None:
+        # Each rank passes its own seed (as `seed=base + rank` scripts do): rank 0's shuffles.
+        with DataLoader(Range(40), batch_size=4, shuffle=True, seed=100 + rank) as loader:
+            loader.set_epoch(5)
+            report["epoch5"] = lists(loader)
+            report["epoch6"] = lists(loader)
+            report["seed"] = loader.seed
+        with DataLoader(Range(40), batch_size=4, shuffle=True, seed=100) as fresh:
+            fresh.set_epoch(5)
+            report["fresh5"] = lists(fresh)
+
+    def sequential(report: dict[str, Any]) -> None:
+        with DataLoader(Range(11), batch_size=2) as loader:
+            report["epoch"] = lists(loader)
+            report["len"] = len(loader)
+
+    def drop_last(report: dict[str, Any]) -> None:
+        with DataLoader(Range(23), batch_size=4, shuffle=True, drop_last=True, seed=3) as loader:
+            report["epoch"] = lists(loader)
+            report["len"] = len(loader)
+
+    def step_locked(report: dict[str, Any]) -> None:
+        # A collective per batch, as DDP's backward does: it would hang if the counts differed.
+        steps = 0
+        with DataLoader(Range(29), batch_size=3, shuffle=True, num_workers=0) as loader:
+            for _ in range(2):
+                for _batch in loader:
+                    total = torch.ones(1)
+                    dist.all_reduce(total)
+                    steps += 1
+        report["steps"] = steps
+
+    def resume(report: dict[str, Any]) -> None:
+        def make() -> DataLoader:
+            return DataLoader(Range(40), batch_size=4, shuffle=True, seed=7)
+
+        with make() as whole:
+            lists(whole)
+            report["whole"] = lists(whole)  # epoch 1, uninterrupted
+        with make() as first:
+            lists(first)
+            it = iter(first)
+            report["taken"] = [[int(i) for i in next(it)] for _ in range(2)]
+            state = first.state_dict()
+            it.close()
+        with make() as second:
+            second.load_state_dict(state)
+            report["rest"] = lists(second)
+        # The state holds no rank: rank 0's resumes this rank's share too (DDP's lockstep).
+        shared = [state]
+        dist.broadcast_object_list(shared, src=0)
+        with make() as third:
+            third.load_state_dict(shared[0])
+            report["rest_from_rank0"] = lists(third)
+
+    def plain_sampler(report: dict[str, Any]) -> None:
+        with DataLoader(Range(12), batch_size=4, sampler=SequentialSampler(12)) as loader:
+            report["epoch"] = lists(loader)
+
+    def plain_batch_sampler(report: dict[str, Any]) -> None:
+        with DataLoader(Range(12), batch_sampler=[[0, 1], [2, 3]], batch_size=None) as loader:
+            report["epoch"] = lists(loader)
+
+    def rank_aware(report: dict[str, Any]) -> None:
+        theirs: Any = tud.DistributedSampler(Range(12), shuffle=False)  # type: ignore[arg-type]
+        samplers: dict[str, dict[str, Any]] = {
+            "torch": {"sampler": theirs},
+            "ours": {"sampler": DistributedSampler(12, shuffle=False)},
+            "ours_batches": {
+                "batch_sampler": BatchSampler(DistributedSampler(12, shuffle=False), 4),
+                "batch_size": None,
+            },
+        }
+        for name, kwargs in samplers.items():
+            kwargs.setdefault("batch_size", 4)
+            with DataLoader(Range(12), **kwargs) as loader:
+                report[name] = flat(lists(loader))
+
+    def shard_off(report: dict[str, Any]) -> None:
+        with DataLoader(Range(12), batch_size=4, shuffle=True, seed=1, shard=False) as loader:
+            report["epoch"] = flat(lists(loader))
+        with DataLoader(Stream(12), batch_size=4, shard=False) as loader:
+            report["stream"] = flat(lists(loader))
+
+    def shard_true_refuses(report: dict[str, Any]) -> None:
+        try:
+            DataLoader(Range(12), batch_size=4, sampler=[0, 1, 2], shard=True)
+        except ValueError as exc:
+            report["refused"] = str(exc)
+
+    def streams(report: dict[str, Any]) -> None:
+        for name, dataset, workers in (
+            ("workers", Stream(37), 2),
+            ("self_sharded", SelfSharded(37), 2),
+            ("thread", Stream(37), 0),
+        ):
+            with DataLoader(dataset, batch_size=4, num_workers=workers) as loader:
+                report[name] = [flat(lists(loader)), flat(lists(loader))]
+                reports["worker_pids"].extend(loader.worker_pids)
+
+        async def pull() -> list[int]:
+            async with DataLoader(AsyncStream(37), batch_size=4) as loader:
+                return [int(i) for batch in [b async for b in loader] for i in batch]
+
+        report["async"] = asyncio.run(pull())
+        with DataLoader(Counted(37), batch_size=4) as loader:
+            report["counted_len"] = len(loader)
+            report["counted_batches"] = len(lists(loader))
+
+    for name, body in (
+        ("early", early),
+        ("auto", auto),
+        ("seeded", seeded),
+        ("sequential", sequential),
+        ("drop_last", drop_last),
+        ("step_locked", step_locked),
+        ("resume", resume),
+        ("plain_sampler", plain_sampler),
+        ("plain_batch_sampler", plain_batch_sampler),
+        ("rank_aware", rank_aware),
+        ("shard_off", shard_off),
+        ("shard_true_refuses", shard_true_refuses),
+        ("streams", streams),
+    ):
+        case(reports, name, body)
+        dist.barrier()  # the next case starts together on every rank
+    dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump(reports, f)
+
+
+if __name__ == "__main__":
+    main()
