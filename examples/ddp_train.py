@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import numpy as np
 import torch
@@ -75,7 +76,8 @@ def main(args: argparse.Namespace) -> None:
                 flush=True,
             )
             if args.indices:
-                share = {"rank": rank, "world": world, "epoch": epoch, "indices": seen}
+                share = {"rank": rank, "world": world, "epoch": epoch, "pid": os.getpid()}
+                share["indices"] = seen
                 print("share " + json.dumps(share), flush=True)
     dist.destroy_process_group()
 

@@ -504,16 +504,20 @@ def test_the_ddp_example_trains_on_disjoint_covering_shares(tmp_path: Path) -> N
         f"--samples={samples}",
         "--batch-size=4",
         f"--epochs={epochs}",
+        "--workers=1",  # a worker process per rank, started under torchrun
         "--indices",
     ]
     (done,) = run_job([(argv, job_environment())], EXAMPLE_LIMIT_S, tmp_path)
     assert done.returncode == 0, done.output
     shares: dict[tuple[int, int], list[int]] = {}
+    pids = set()
     for line in done.output.splitlines():
         if line.startswith("share "):
             share = json.loads(line.removeprefix("share "))
             assert share["world"] == WORLD
             shares[(share["epoch"], share["rank"])] = share["indices"]
+            pids.add(share["pid"])
+    assert segments_of(sorted(pids)) == [], "shared-memory segments left by the ranks"
     assert sorted(shares) == [(e, r) for e in range(epochs) for r in range(WORLD)], done.output
     for epoch in range(epochs):
         assert_disjoint_cover([shares[(epoch, r)] for r in range(WORLD)], samples)
