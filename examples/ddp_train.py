@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import numpy as np
 import torch
@@ -49,6 +50,13 @@ class SyntheticRegression:
         return {"index": i, "x": self.x[i], "y": self.y[i : i + 1]}
 
 
+def say(line: str) -> None:
+    """Print ``line`` in one write: torchrun runs the ranks unbuffered on one output, where
+    print() writes the newline apart and two ranks' lines could mix."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -70,15 +78,14 @@ def main(args: argparse.Namespace) -> None:
                 optimizer.step()
                 total += loss.item() * len(batch["index"])
                 seen.extend(batch["index"].tolist())
-            print(
+            say(
                 f"rank {rank}/{world} epoch {epoch}: {len(seen)} of {len(dataset)} samples in "
-                f"{len(loader)} batches, mean loss {total / max(1, len(seen)):.4f}",
-                flush=True,
+                f"{len(loader)} batches, mean loss {total / max(1, len(seen)):.4f}"
             )
             if args.indices:
                 share = {"rank": rank, "world": world, "epoch": epoch, "pid": os.getpid()}
                 share["indices"] = seen
-                print("share " + json.dumps(share), flush=True)
+                say("share " + json.dumps(share))
     dist.destroy_process_group()
 
 

@@ -513,7 +513,10 @@ def test_the_ddp_example_trains_on_disjoint_covering_shares(tmp_path: Path) -> N
     pids = set()
     for line in done.output.splitlines():
         if line.startswith("share "):
-            share = json.loads(line.removeprefix("share "))
+            try:
+                share = json.loads(line.removeprefix("share "))
+            except ValueError:
+                pytest.fail(f"a mangled share line {line!r} in:\n{done.output}")
             assert share["world"] == WORLD
             shares[(share["epoch"], share["rank"])] = share["indices"]
             pids.add(share["pid"])
