@@ -40,13 +40,13 @@ Sharp edges, each deliberate:
 
 from __future__ import annotations
 
-import logging
 import sys
 import warnings
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from ._log import distributed_log
 from ._validate import boolean
 
 __all__ = [
@@ -64,8 +64,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-_log = logging.getLogger("aioloader.distributed")
 
 # How many wrappers (a batch sampler around a sampler, a sharded batch sampler around that) are
 # looked through to find a rank-aware sampler. Deeper nesting is not built by anyone.
@@ -181,7 +179,7 @@ def resolve_shard(
         how = "its DistributedSampler share of each epoch"
     else:
         how = f"1 item in {world} of the stream"
-    _log.info(
+    distributed_log.info(
         "DataLoader of %s shards by rank: rank %d of world size %d reads %s "
         "(shard=False turns this off)",
         name,

@@ -13,6 +13,8 @@ handlers as usual. ``logging.basicConfig(level=logging.INFO)`` shows them all.
   the next attempt (INFO: under throttling they come by the hundred, and each is recovered);
   WARNING when a read has received no byte for ``stall_warning`` seconds.
 - ``aioloader.shm``: WARNING, once, when batches travel inline instead of through shared memory.
+- ``aioloader.distributed``: INFO, once per loader, when it reads its rank's share by itself
+  (which rank of which world size, and how).
 - ``aioloader.epoch``: WARNING for each skipped sample (``on_error='skip'``), with its index and
   reason; at each epoch's end, its summary and bottleneck verdict: INFO, or WARNING when the
   consumer waited for more than :data:`aioloader._stats.WAIT_SHARE_THRESHOLD` of the epoch.
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["epoch_log", "remote_log", "root_log", "shm_log", "workers_log"]
+__all__ = ["distributed_log", "epoch_log", "remote_log", "root_log", "shm_log", "workers_log"]
 
 root_log = logging.getLogger("aioloader")
 # Silent by default: without a handler anywhere, Python's last-resort handler would print
@@ -36,3 +38,4 @@ workers_log = logging.getLogger("aioloader.workers")
 remote_log = logging.getLogger("aioloader.remote")
 shm_log = logging.getLogger("aioloader.shm")
 epoch_log = logging.getLogger("aioloader.epoch")
+distributed_log = logging.getLogger("aioloader.distributed")
