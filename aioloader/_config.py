@@ -31,7 +31,7 @@ from typing import Any
 
 from . import _validate as check
 from ._batch_sampler import BatchSampler, IndexCheck, LastBatch
-from ._distributed import Shard, agreed_seed
+from ._distributed import Shard
 from ._sampler import DistributedSampler, RandomSampler, SequentialSampler
 from ._types import DatasetKind
 
@@ -349,6 +349,7 @@ def batch_sampler_for(
     seed: int,
     generator: Any,
     shard: Shard | None = None,
+    share_seed: int = 0,
 ) -> Sampling:
     """The samplers of a loader (see :class:`Sampling`), from torch's and MXNet's arguments.
 
@@ -358,8 +359,9 @@ def batch_sampler_for(
     With a ``shard`` and no sampler given, the default sampler reads that rank's share: a
     :class:`DistributedSampler` that pads by wrapping around (trims with
     ``last_batch='discard'``, as torch's ``drop_last=True``), so every rank gets as many
-    batches. Shuffled, it uses rank 0's ``seed`` on every rank (one collective, see
-    :func:`aioloader._distributed.agreed_seed`).
+    batches. Shuffled, it is seeded by ``share_seed``: the loader passes an explicit ``seed=``,
+    else :data:`aioloader._distributed.DEFAULT_SHARE_SEED`, so that every rank agrees on the
+    order without talking to the others.
 
     Raises:
         ValueError: arguments that exclude each other (``sampler`` with ``shuffle``,
@@ -409,7 +411,7 @@ def batch_sampler_for(
             shard.replicas,
             shard.rank,
             shuffle=shuffle,
-            seed=agreed_seed(seed) if shuffle else 0,
+            seed=share_seed if shuffle else 0,
             drop_last=policy == "discard",
         )
     if sampler is None:

@@ -5,7 +5,8 @@ built while a process group of world size ``R > 1`` is initialised reads rank ``
 
 - map-style data with no sampler of the user's: a :class:`~aioloader.DistributedSampler` over
   the indices (disjoint across ranks, padded by wrapping so every rank gets as many batches;
-  ``last_batch='discard'`` trims instead), shuffled from a seed all ranks agree on;
+  ``last_batch='discard'`` trims instead), shuffled from a seed all ranks agree on without
+  communicating (see below);
 - an iterable stream: rank ``r`` keeps items ``r, r + R, ...``; each of its ``W`` workers
   every ``R * W``-th of the stream (see :func:`stream_share`);
 - a sampler of the user's: used as it is; one that is not rank-aware (no ``num_replicas`` and
@@ -22,11 +23,14 @@ Sharp edges, each deliberate:
   batch sampler, ``len(loader)`` and the workers' copy of the settings are fixed from then on.
   A loader built before the group exists reads everything on every rank and says so with a
   warning at its first iteration (:func:`warn_if_group_appeared`).
-- **One collective at construction.** A shuffled share needs the same seed on every rank, so
-  rank 0's seed is broadcast (:func:`agreed_seed`) when such a loader is built: every rank must
-  build it, in the same order. A loader used on some ranks only (evaluation on rank 0) must
-  pass ``shard=False``: it would read only a share, and shuffled, wait for the others. The
-  loader's own ``seed`` stays each rank's: it seeds the workers' per-batch randomness.
+- **No collective.** A shuffled share needs the same order on every rank. It is seeded by the
+  loader's ``seed=`` when one is given (the same on every rank, as torch's DistributedSampler
+  requires its ``seed``), else by :data:`DEFAULT_SHARE_SEED` (torch's DistributedSampler
+  default), and varies by epoch. A seed drawn per process (torch's global generator, or at
+  random) could differ between ranks and make the shares overlap, and agreeing on one would
+  take a collective at construction, which waits forever on a loader built on some ranks
+  only (evaluation on rank 0). Such a loader then reads its rank's share: pass ``shard=False``.
+  The loader's own ``seed`` still seeds the workers' per-batch randomness on each rank.
 - **The default group's ranks.** With tensor or pipeline parallelism, ranks that must see the
   same batch are not data-parallel peers: pass ``shard=False`` and a DistributedSampler over the
   data-parallel group's size and rank.
@@ -50,9 +54,9 @@ from ._log import distributed_log
 from ._validate import boolean
 
 __all__ = [
+    "DEFAULT_SHARE_SEED",
     "RankAware",
     "Shard",
-    "agreed_seed",
     "every_nth",
     "every_nth_async",
     "process_group",
@@ -64,6 +68,10 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+# The order of a shuffled share when the loader is given no seed: the same on every rank and
+# every run (torch's DistributedSampler's default seed), varied by the epoch.
+DEFAULT_SHARE_SEED = 0
 
 # How many wrappers (a batch sampler around a sampler, a sharded batch sampler around that) are
 # looked through to find a rank-aware sampler. Deeper nesting is not built by anyone.
@@ -94,19 +102,6 @@ def process_group() -> tuple[int, int] | None:
     if dist is not None and dist.is_available() and dist.is_initialized():
         return int(dist.get_rank()), int(dist.get_world_size())
     return None
-
-
-def agreed_seed(seed: int) -> int:
-    """Rank 0's ``seed``, on every rank: a collective over the default process group.
-
-    ``broadcast_object_list`` puts the value on the device the group's backend needs (the
-    current CUDA device for NCCL, which the training script has set), so any backend works.
-    """
-    import torch.distributed as dist
-
-    box = [seed]
-    dist.broadcast_object_list(box, src=0)
-    return int(box[0])
 
 
 def rank_aware(sampler: object) -> bool:

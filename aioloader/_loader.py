@@ -53,7 +53,13 @@ from ._batch_sampler import resolve_last_batch
 from ._collate import default_collate, default_convert
 from ._config import LoaderConfig, batch_sampler_for, context_argument, resolve_seed
 from ._device import parse_device
-from ._distributed import process_group, resolve_shard, stream_items, warn_if_group_appeared
+from ._distributed import (
+    DEFAULT_SHARE_SEED,
+    process_group,
+    resolve_shard,
+    stream_items,
+    warn_if_group_appeared,
+)
 from ._epoch import Epoch, EpochIterator, Plan
 from ._progress import EpochProgress, progress_display
 from ._resources import Resources, finalize, worker_payload
@@ -245,6 +251,7 @@ class DataLoader(SettingsView):
             seed=config.seed,
             generator=generator,
             shard=share,
+            share_seed=int(seed) if seed is not None else DEFAULT_SHARE_SEED,
         )
         _, context = context_argument(multiprocessing_context, mp_context)
         self._group_unseen = shard is None and process_group() is None  # see _new_epoch

@@ -118,7 +118,7 @@ def main() -> None:
             report["epochs"] = [lists(loader), lists(loader)]
 
     def auto(report: dict[str, Any]) -> None:
-        # No sampler, no seed: sharded, shuffled with rank 0's seed.
+        # No sampler, no seed: sharded, shuffled by the default share seed on every rank.
         with DataLoader(Range(23), batch_size=4, shuffle=True) as loader:
             report["len"] = len(loader)
             report["epochs"] = [lists(loader), lists(loader)]
@@ -129,8 +129,8 @@ def main() -> None:
             report["sampler"] = type(loader.sampler).__name__
 
     def seeded(report: dict[str, Any]) -> None:
-        # Each rank passes its own seed (as `seed=base + rank` scripts do): rank 0's shuffles.
-        with DataLoader(Range(40), batch_size=4, shuffle=True, seed=100 + rank) as loader:
+        # Every rank passes the same seed: it orders the shares.
+        with DataLoader(Range(40), batch_size=4, shuffle=True, seed=100) as loader:
             loader.set_epoch(5)
             report["epoch5"] = lists(loader)
             report["epoch6"] = lists(loader)
@@ -138,6 +138,12 @@ def main() -> None:
         with DataLoader(Range(40), batch_size=4, shuffle=True, seed=100) as fresh:
             fresh.set_epoch(5)
             report["fresh5"] = lists(fresh)
+
+    def rank0_only(report: dict[str, Any]) -> None:
+        # An evaluation loader built on rank 0 alone: nothing waits for the other rank.
+        if rank == 0:
+            with DataLoader(Range(10), batch_size=2, shuffle=True) as loader:
+                report["epoch"] = lists(loader)
 
     def sequential(report: dict[str, Any]) -> None:
         with DataLoader(Range(11), batch_size=2) as loader:
@@ -241,6 +247,7 @@ def main() -> None:
         ("early", early),
         ("auto", auto),
         ("seeded", seeded),
+        ("rank0_only", rank0_only),
         ("sequential", sequential),
         ("drop_last", drop_last),
         ("step_locked", step_locked),
