@@ -222,3 +222,38 @@ def test_fork_is_unsafe_while_a_non_daemon_thread_runs() -> None:
     finally:
         release.set()
         thread.join()
+
+
+def test_a_loader_made_while_a_module_imports_does_not_freeze_that_module(tmp_path: Path) -> None:
+    """A loader made at a module's top level: names the module defines further down still
+    reach the workers (the server is not forked from a half-imported module)."""
+    (tmp_path / "made_on_import.py").write_text(
+        textwrap.dedent(
+            """
+            from aioloader import DataLoader
+            from datasets import Range
+
+            early = DataLoader(Range(4), batch_size=2, num_workers=1)
+
+            class DefinedLater:
+                def __len__(self):
+                    return 4
+                def __getitem__(self, i):
+                    return 10 * i
+            """
+        )
+    )
+    proc = _run(
+        f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import made_on_import
+        from aioloader import DataLoader
+        made_on_import.early.close()
+        with DataLoader(made_on_import.DefinedLater(), batch_size=2, num_workers=2) as loader:
+            print([[int(x) for x in b] for b in loader])
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[[0, 10], [20, 30]]"

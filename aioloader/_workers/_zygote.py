@@ -213,13 +213,25 @@ def fork_is_safe() -> bool:
     lock and the GIL in a forked child; what a thread might hold at the fork that a worker would
     then wait on forever is program state. A non-daemon thread (an executor's, a program's
     own) may be in the middle of anything, and a loader's own threads hold its locks: with
-    either running, the caller uses a standard start method instead.
+    either running, or while a module is being imported (see :func:`_importing`), the caller
+    uses a standard start method instead.
     """
     me = threading.current_thread()
-    if me is not threading.main_thread():
+    if me is not threading.main_thread() or _importing():
         return False
     others = [t for t in threading.enumerate() if t is not me]
     return all(t.daemon and not t.name.startswith("aioloader") for t in others)
+
+
+def _importing() -> bool:
+    """Whether a module is being imported now (a loader made at a module's top level). The
+    server would keep that module half-made forever: names it defines further down would be
+    missing in every worker, which unpickles by reference from the server's copy."""
+    for module in list(sys.modules.values()):
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and getattr(spec, "_initializing", False):
+            return True
+    return False
 
 
 def zygote_context() -> ForkServerContext | None:
