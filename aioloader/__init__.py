@@ -12,6 +12,8 @@ from ._collate import numpy_collate as numpy_collate
 from ._device import DeviceUnavailableWarning as DeviceUnavailableWarning
 from ._errors import AioloaderError as AioloaderError
 from ._errors import CollateError as CollateError
+from ._errors import CollateShapeError as CollateShapeError
+from ._errors import CollateTypeError as CollateTypeError
 from ._errors import LoaderTimeoutError as LoaderTimeoutError
 from ._errors import RemoteError as RemoteError
 from ._errors import RemoteNotFoundError as RemoteNotFoundError
@@ -51,6 +53,8 @@ __all__ = [
     "BatchSampler",
     "CollateError",
     "CollateFn",
+    "CollateShapeError",
+    "CollateTypeError",
     "DataLoader",
     "Dataset",
     "DeviceUnavailableWarning",

@@ -6,9 +6,11 @@ the batch and sample indices, so ``except KeyError`` keeps working. The classes 
 what the loader itself detects::
 
     AioloaderError
-    ├── LoaderTimeoutError          (also TimeoutError) a batch missed its deadline
+    ├── LoaderTimeoutError          (also TimeoutError, RuntimeError) a batch missed its deadline
     ├── CollateError                (also ValueError)   samples that cannot form one batch
-    ├── WorkerError                                      a worker process misbehaved
+    │   ├── CollateTypeError        (also TypeError)    a type that cannot be collated or mixed
+    │   └── CollateShapeError       (also RuntimeError) shapes, lengths or devices differ
+    ├── WorkerError                 (also RuntimeError) a worker process misbehaved
     │   ├── WorkerCrashedError                           died: signal, exit code, pid
     │   └── WorkerInitError                              worker_init_fn or unpickling failed
     ├── SharedMemoryError           (also MemoryError)   /dev/shm too small or batch too large
@@ -21,6 +23,11 @@ what the loader itself detects::
             └── RemoteTimeoutError  (also TimeoutError)       ... and the last one timed out
 
 Each error keeps its cause (``raise ... from exc``).
+
+**torch's exception types are kept as extra bases**, so that code written against torch's
+DataLoader still catches what it caught there: torch raises ``RuntimeError`` for a dead worker
+and a timeout, ``TypeError`` for a type ``default_collate`` cannot handle, and ``RuntimeError``
+for tensors or sequences of different sizes. Each class adds such a base; none is removed.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from __future__ import annotations
 __all__ = [
     "AioloaderError",
     "CollateError",
+    "CollateShapeError",
+    "CollateTypeError",
     "DeviceUnavailableWarning",
     "LoaderTimeoutError",
     "RemoteError",
@@ -48,16 +57,37 @@ class AioloaderError(Exception):
     """Base class of every error the loader itself raises."""
 
 
-class LoaderTimeoutError(AioloaderError, TimeoutError):
-    """A batch was not produced within ``timeout`` seconds of producer time."""
+class LoaderTimeoutError(AioloaderError, TimeoutError, RuntimeError):
+    """A batch was not produced within ``timeout`` seconds of producer time.
+
+    Also a ``RuntimeError``, which torch's DataLoader raises for a timeout.
+    """
 
 
 class CollateError(AioloaderError, ValueError):
     """Samples cannot be collated into one batch (ragged shapes, missing keys, object dtypes)."""
 
 
-class WorkerError(AioloaderError):
-    """A worker process failed in a way that is not an exception of user code."""
+class CollateTypeError(CollateError, TypeError):
+    """A sample holds a type collation does not support (an object array, a set, a complex
+    number), or samples hold types that cannot be combined (a string beside a number).
+
+    Also a ``TypeError``, which torch's ``default_collate`` raises for these.
+    """
+
+
+class CollateShapeError(CollateError, RuntimeError):
+    """Samples that must stack differ in shape, in length (sequences) or in device.
+
+    Also a ``RuntimeError``, which torch raises for tensors or sequences of different sizes.
+    """
+
+
+class WorkerError(AioloaderError, RuntimeError):
+    """A worker process failed in a way that is not an exception of user code.
+
+    Also a ``RuntimeError``, which torch's DataLoader raises for a dead worker.
+    """
 
 
 class WorkerCrashedError(WorkerError):
