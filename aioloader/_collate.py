@@ -5,9 +5,9 @@ stacked along a new first axis, Python numbers become one tensor, strings stay a
 containers are transposed (a list of dicts becomes a dict of batches). :func:`numpy_collate` uses
 the same rules but produces numpy arrays, never tensors. Both walk the samples once, top down::
 
-    samples ──▶ kind of each sample at this key path (one kind, or CollateError)
+    samples ──▶ kind of each sample at this key path (one kind, torch's mixes, or an error)
                  ├─ mapping / namedtuple / sequence ──▶ recurse per key, field or position
-                 ├─ tensor / ndarray / numpy scalar / int / float / bool ──▶ stack into one leaf
+                 ├─ tensor / ndarray / numbers ──▶ one dtype (promoted) ──▶ stack into one leaf
                  └─ str / bytes / None ──▶ a list, as it is
 
 **Straight into shared memory.** Both accept ``alloc(shape, dtype)``: when it is given, every
@@ -16,18 +16,31 @@ worker process) and the result is that array, or ``torch.from_numpy`` of it: no 
 stack itself. Tensors whose dtype numpy lacks (``bfloat16``), that live on a device, that require
 grad or that are not strided are stacked the ordinary way instead; the caller copies those.
 
+**Mixed types promote as in torch**, but never depending on which sample comes first (torch
+picks its rule from the first sample, so ``[1, 2.5]`` and ``[2.5, 1]`` give float32 and float64
+there). Numbers of any flavour mix (Python ``bool``/``int``/``float``, numpy scalars, 0-d
+arrays): Python bools count as ``bool``, ints as ``int64``, floats as ``float64``, numpy values
+as their dtype, and the batch gets the dtype ``torch.promote_types`` gives for all of them
+(``[1, 2.5]`` is float64; ``[True, 2]`` int64; float32 beside float64 is float64). Arrays and
+tensors of one shape but different dtypes promote the same way, and numpy arrays mix with
+tensors. :func:`numpy_collate` promotes arrays and numbers by numpy's rule instead
+(``np.result_type``). Strings, bytes and None mix into one list.
+
 Sharp edges, each deliberate:
 
-- **Stricter than torch about disagreement.** Samples whose types differ at one key path (an
-  ``int`` here, a ``float`` there; ``float32`` arrays beside ``float64`` ones) are refused with
-  :class:`~aioloader.CollateError` instead of being silently promoted, because promotion hides
-  a bug in a dataset and would make the batch's memory layout depend on its contents. The error
-  names the key path (``batch['image'][1]``), the positions in the batch and what differs.
+- **Errors name where and what.** Samples that cannot form one batch raise
+  :class:`~aioloader.CollateError` naming the key path (``batch['image'][1]``), the positions in
+  the batch and what differs. A type that cannot be collated or mixed raises its subclass
+  :class:`~aioloader.CollateTypeError` (also a ``TypeError``, as in torch); different shapes,
+  lengths or devices :class:`~aioloader.CollateShapeError` (also a ``RuntimeError``, as in
+  torch). Samples whose keys differ are refused (torch raises ``KeyError`` for a missing key
+  and silently drops an extra one).
 - **Tuples come back as lists**, as in torch (its "backwards compatibility" rule); namedtuples
   keep their type, and mappings keep theirs where it can be rebuilt. Also as in torch, strings
   inside a sequence come back as a tuple (a column of the transposed samples), while strings
   under a mapping key, or at the top, come back as a list.
-- **None is kept** as a list of ``None`` (torch refuses it), so optional fields pass through.
+- **None is kept** as a list of ``None`` (torch refuses a batch that starts with None), so
+  optional fields pass through; None beside a number is refused.
 - **Byte order is normalised**: big-endian arrays are stacked into native order, because
   ``torch.from_numpy`` refuses anything else.
 """
@@ -42,7 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._errors import CollateError
+from ._errors import CollateError, CollateShapeError, CollateTypeError
 
 __all__ = ["Alloc", "default_collate", "default_convert", "numpy_collate"]
 
@@ -60,6 +73,13 @@ _BOOL = np.dtype(np.bool_)
 # numpy dtype kinds that have no torch equivalent: bytes, str, void/structured, datetimes.
 _NOT_FOR_TORCH = frozenset("SUVMm")
 
+# Kinds that mix at one key path, as they do in torch: numbers of any flavour (numpy 0-d arrays
+# join them too), and text with None.
+_NUMBER_KINDS = frozenset({"bool", "int", "float", "numpy scalar"})
+_TEXT_KINDS = frozenset({"str", "bytes", "None"})
+# The dtype a Python number counts as when numbers are mixed.
+_PYTHON_DTYPES = {"bool": _BOOL, "int": _INT64, "float": _FLOAT64}
+
 _SUPPORTED = (
     "torch tensors, numpy arrays and scalars, Python int/float/bool, str, bytes, None, "
     "mappings, namedtuples and sequences"
@@ -70,7 +90,8 @@ def default_collate(samples: Sequence[Any], *, alloc: Alloc | None = None) -> An
     """Collate ``samples`` into a batch of torch tensors, like torch's ``default_collate``.
 
     Arrays and tensors are stacked into one tensor; Python ints become an ``int64`` tensor,
-    floats ``float64``, bools ``bool``; numpy scalars a tensor of their dtype; str and bytes
+    floats ``float64``, bools ``bool``; numpy scalars a tensor of their dtype; mixed numbers,
+    and arrays or tensors of mixed dtypes, promote (see the module's docstring); str and bytes
     stay a list, and so does None. Mappings, namedtuples and other sequences are collated per
     key, field or position (a tuple comes back as a list, as in torch).
 
@@ -83,9 +104,12 @@ def default_collate(samples: Sequence[Any], *, alloc: Alloc | None = None) -> An
         The batch, with the structure of one sample.
 
     Raises:
-        CollateError: if the batch is empty, or samples disagree at some key path (type, shape,
-            dtype, keys, length), or a leaf cannot become a tensor (object dtype, unsupported
-            type). The message names the key path, the positions and what differs.
+        CollateError: if the batch is empty, or samples disagree at some key path (keys, an
+            int too large for int64). The message names the key path, the positions and what
+            differs. Its subclasses: :class:`CollateTypeError` (also ``TypeError``) for a leaf
+            that cannot become a tensor (object dtype, unsupported type) or types that cannot
+            mix; :class:`CollateShapeError` (also ``RuntimeError``) for different shapes,
+            lengths or devices.
     """
     return _Collator(to_torch=True, alloc=alloc).batch(samples)
 
@@ -94,8 +118,9 @@ def numpy_collate(samples: Sequence[Any], *, alloc: Alloc | None = None) -> Any:
     """Collate ``samples`` like :func:`default_collate`, but into numpy arrays.
 
     The structure rules are the same; every stacked leaf is a numpy array (Python ints become
-    ``int64``, floats ``float64``, bools ``bool``; torch tensors are converted). Use it when the
-    consumer is not torch (JAX, numpy code) or to keep torch out of a worker's output.
+    ``int64``, floats ``float64``, bools ``bool``; torch tensors are converted; mixed numbers
+    and arrays promote by numpy's rule). Use it when the consumer is not torch (JAX, numpy
+    code) or to keep torch out of a worker's output.
 
     Args:
         samples: the samples of one batch, all of the same structure.
@@ -169,6 +194,12 @@ def _numpy_dtype_of(dtype: torch.dtype) -> np.dtype[Any] | None:
 
 
 @functools.lru_cache(maxsize=64)
+def _torch_dtype_of(dtype: np.dtype[Any]) -> torch.dtype:
+    """The torch dtype of a numpy dtype torch can hold (see :func:`_torch_can_hold`)."""
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+@functools.lru_cache(maxsize=64)
 def _torch_can_hold(dtype: np.dtype[Any]) -> bool:
     if dtype.kind in _NOT_FOR_TORCH or dtype.hasobject:
         return False
@@ -208,8 +239,8 @@ def _shape(shape: Sequence[int]) -> str:
     return str(tuple(int(d) for d in shape))
 
 
-def _error(path: str, problem: str) -> CollateError:
-    return CollateError(f"cannot collate {path}: {problem}")
+def _error(path: str, problem: str, cls: type[CollateError] = CollateError) -> CollateError:
+    return cls(f"cannot collate {path}: {problem}")
 
 
 # -- the walk -----------------------------------------------------------------------------------
@@ -232,16 +263,9 @@ class _Collator:
         return self.collate(samples, "batch")
 
     def collate(self, samples: Sequence[Any], path: str) -> Any:
-        types = set(map(type, samples))
         kind = _kind_of(type(samples[0]))
-        if len(types) > 1:
-            kinds = {_kind_of(t) for t in types}
-            # Subclasses of one kind mix (ndarray and memmap, dict and OrderedDict); different
-            # kinds never do, nor different namedtuple types.
-            if len(kinds) > 1 or kind == "namedtuple":
-                types_seen = [type(s) for s in samples]
-                problem = f"samples have different types: {_grouped(types_seen, _type_name)}"
-                raise _error(path, problem)
+        if len(set(map(type, samples))) > 1:
+            kind, samples = self._unify(samples, path)
         if kind == "tensor":
             return self._tensors(samples, path)
         if kind == "ndarray":
@@ -258,14 +282,38 @@ class _Collator:
             return self._numbers(samples, _FLOAT64, path)
         if kind == "bool":
             return self._numbers(samples, _BOOL, path)
-        if kind == "numpy scalar":
-            return self._numpy_scalars(samples, path)
-        if kind in ("str", "bytes", "None"):
+        if kind in ("numpy scalar", "number"):
+            return self._scalars(samples, path)
+        if kind in _TEXT_KINDS:
             # As torch: a tuple (a column of transposed sequences) stays a tuple; a list is
             # copied so that the batch never aliases the caller's list.
             return samples if isinstance(samples, tuple) else list(samples)
         problem = f"unsupported type {_grouped([type(s) for s in samples], _type_name)}"
-        raise _error(path, f"{problem}; collation supports {_SUPPORTED}")
+        raise _error(path, f"{problem}; collation supports {_SUPPORTED}", CollateTypeError)
+
+    def _unify(self, samples: Sequence[Any], path: str) -> tuple[str, Sequence[Any]]:
+        """The one kind that samples of several types collate as, and the samples in its form.
+
+        Subclasses of one kind mix (ndarray and memmap, dict and OrderedDict), and so do the
+        kinds torch mixes: numbers of any flavour (with 0-d arrays), text with None, numpy
+        arrays with tensors (the arrays become tensors). Other kinds never do, nor different
+        namedtuple types.
+        """
+        kinds = {_kind_of(type(s)) for s in samples}
+        if len(kinds) == 1 and "namedtuple" not in kinds:
+            return kinds.pop(), samples
+        if kinds <= _TEXT_KINDS:
+            return "str", samples
+        if kinds <= _NUMBER_KINDS | {"ndarray"} and all(
+            s.ndim == 0 for s in samples if isinstance(s, np.ndarray)
+        ):
+            return "number", [s[()] if isinstance(s, np.ndarray) else s for s in samples]
+        if kinds == {"tensor", "ndarray"}:
+            arrays = [s for s in samples if isinstance(s, np.ndarray)]
+            self._check_dtypes([a.dtype for a in arrays], path, for_torch=True)
+            return "tensor", [_as_tensor(s) if isinstance(s, np.ndarray) else s for s in samples]
+        problem = f"samples have different types: {_grouped(list(map(type, samples)), _type_name)}"
+        raise _error(path, problem, CollateTypeError)
 
     # -- containers --
 
@@ -297,7 +345,8 @@ class _Collator:
     def _sequences(self, samples: Sequence[Sequence[Any]], path: str) -> Any:
         lengths = [len(s) for s in samples]
         if len(set(lengths)) > 1:
-            raise _error(path, f"sequences have different lengths: {_grouped(lengths)}")
+            problem = f"sequences have different lengths: {_grouped(lengths)}"
+            raise _error(path, problem, CollateShapeError)
         columns = zip(*samples, strict=True)
         items = [self.collate(c, f"{path}[{i}]") for i, c in enumerate(columns)]
         first = samples[0]
@@ -349,51 +398,76 @@ class _Collator:
             raise _error(path, f"ints do not fit in int64 at {_positions(bad)}") from exc
         return self._leaf(array)
 
-    def _numpy_scalars(self, samples: Sequence[np.generic], path: str) -> Any:
-        dtypes = [s.dtype for s in samples]
-        dtype = dtypes[0]
-        if len(set(dtypes)) > 1:
-            raise _error(path, f"numpy scalars have different dtypes: {_grouped(dtypes)}")
-        self._check_dtype(dtype, len(samples), path)
-        return self._numbers(samples, dtype.newbyteorder("="), path)
+    def _scalars(self, samples: Sequence[Any], path: str) -> Any:
+        """Numbers, numpy scalars among them: one array of their common dtype."""
+        dtypes = [
+            s.dtype if isinstance(s, np.generic) else _PYTHON_DTYPES[_kind_of(type(s))]
+            for s in samples
+        ]
+        return self._numbers(samples, self._common_dtype(dtypes, path), path)
 
-    def _check_dtype(self, dtype: np.dtype[Any], count: int, path: str) -> None:
-        where = _positions(list(range(count)))
-        if dtype.hasobject:
-            raise _error(path, f"numpy dtype {dtype} (Python objects) at {where} is not supported")
-        if self.to_torch and not _torch_can_hold(dtype.newbyteorder("=")):
-            raise _error(
-                path, f"numpy dtype {dtype} at {where} has no torch equivalent; use numpy_collate"
-            )
+    def _check_dtypes(
+        self, dtypes: Sequence[np.dtype[Any]], path: str, *, for_torch: bool | None = None
+    ) -> None:
+        """Refuse object dtypes, and dtypes torch lacks when the leaf is to be a tensor."""
+        for_torch = self.to_torch if for_torch is None else for_torch
+        groups: dict[np.dtype[Any], list[int]] = {}
+        for position, dtype in enumerate(dtypes):
+            groups.setdefault(dtype, []).append(position)
+        for dtype, positions in groups.items():
+            where = _positions(positions)
+            if dtype.hasobject:
+                problem = f"numpy dtype {dtype} (Python objects) at {where} is not supported"
+                raise _error(path, problem, CollateTypeError)
+            if for_torch and not _torch_can_hold(dtype.newbyteorder("=")):
+                problem = f"numpy dtype {dtype} at {where} has no torch equivalent"
+                raise _error(path, f"{problem}; use numpy_collate", CollateTypeError)
+
+    def _common_dtype(self, dtypes: Sequence[np.dtype[Any]], path: str) -> np.dtype[Any]:
+        """The dtype leaves of ``dtypes`` stack into: torch's promotion (numpy's for numpy
+        output), in native byte order; the same whatever the order of the samples."""
+        self._check_dtypes(dtypes, path)
+        unique = {d.newbyteorder("=") for d in dtypes}
+        if len(unique) == 1:
+            return unique.pop()
+        try:
+            if self.to_torch:
+                torch_dtypes = sorted((_torch_dtype_of(d) for d in unique), key=str)
+                common = _numpy_dtype_of(functools.reduce(torch.promote_types, torch_dtypes))
+                assert common is not None  # promoting dtypes numpy has gives one numpy has
+                return common
+            return np.result_type(*unique).newbyteorder("=")
+        except (TypeError, RuntimeError) as exc:  # e.g. uint64 with int64 in torch
+            problem = f"dtypes that do not combine: {_grouped([str(d) for d in dtypes])}"
+            raise _error(path, problem, CollateTypeError) from exc
 
     def _arrays(self, samples: Sequence[np.ndarray[Any, Any]], path: str) -> Any:
         first = samples[0]
-        if len({(a.shape, a.dtype) for a in samples}) > 1:
-            raise _error(path, _layout_mismatch(samples, "arrays"))
-        self._check_dtype(first.dtype, len(samples), path)
-        dtype = first.dtype.newbyteorder("=")
-        # Shapes and dtypes agree (checked above), so stacking cannot fail.
+        if len({a.shape for a in samples}) > 1:
+            raise _error(path, _layout_mismatch(samples, "arrays"), CollateShapeError)
+        dtype = self._common_dtype([a.dtype for a in samples], path)
+        # Shapes agree (checked above) and the dtype holds every sample's values (promoted),
+        # so stacking cannot fail.
         if self.alloc is None:
-            array = np.stack(samples)
-            if array.dtype != dtype:
-                array = array.astype(dtype)
+            array = np.stack(samples, dtype=dtype, casting="same_kind")
         else:
             array = self._out((len(samples), *first.shape), dtype)
-            np.stack(samples, out=array)
+            np.stack(samples, out=array, casting="same_kind")
         return self._leaf(array)
 
     def _tensors(self, column: Sequence[torch.Tensor], path: str) -> Any:
         samples = column if isinstance(column, list | tuple) else list(column)  # for torch.stack
-        # torch.stack checks shapes and devices itself (an error is explained below), but it
-        # would promote mixed dtypes silently, so those are refused here.
-        if len({t.dtype for t in samples}) > 1:
-            raise _error(path, _layout_mismatch(samples, "tensors"))
+        dtypes = {t.dtype for t in samples}
+        if len(dtypes) > 1:  # promoted here: a numpy-backed ``out`` needs the dtype up front
+            common = functools.reduce(torch.promote_types, sorted(dtypes, key=str))
+            samples = [t.to(common) for t in samples]
+        # torch.stack checks shapes and devices itself; its error is explained here.
         try:
             return self._stack_tensors(samples, path)
         except RuntimeError as exc:
             problem = _layout_mismatch(samples, "tensors")
             if problem:
-                raise _error(path, problem) from exc
+                raise _error(path, problem, CollateShapeError) from exc
             raise
 
     def _stack_tensors(
@@ -406,6 +480,7 @@ class _Collator:
                 path,
                 f"torch dtype {first.dtype} at {_positions(list(range(len(samples))))} has no "
                 "numpy equivalent; convert it in the dataset or use default_collate",
+                CollateTypeError,
             )
         if self.to_torch and self.alloc is None:
             return torch.stack(samples)  # the common main-process case: nothing to check
@@ -438,15 +513,18 @@ class _Collator:
         return array
 
 
+def _as_tensor(array: np.ndarray[Any, Any]) -> torch.Tensor:
+    """A tensor of an array that is mixed with tensors: a copy, in native byte order (which
+    also spares torch's warning about arrays that are not writable)."""
+    return torch.tensor(array.astype(array.dtype.newbyteorder("="), copy=False))
+
+
 def _layout_mismatch(samples: Sequence[Any], what: str) -> str:
-    """Say which of shape, dtype (and device) differ, position by position."""
+    """Say which of shape and device differ, position by position."""
     problems = []
     shapes = [_shape(s.shape) for s in samples]
     if len(set(shapes)) > 1:
         problems.append(f"{what} have different shapes: {_grouped(shapes)}")
-    dtypes = [str(s.dtype) for s in samples]
-    if len(set(dtypes)) > 1:
-        problems.append(f"{what} have different dtypes: {_grouped(dtypes)}")
     devices = [str(getattr(s, "device", "cpu")) for s in samples]
     if len(set(devices)) > 1:
         problems.append(f"{what} are on different devices: {_grouped(devices)}")

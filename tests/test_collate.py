@@ -6,6 +6,7 @@ import collections
 import copy
 import decimal
 import types
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -18,7 +19,12 @@ from hypothesis.extra import numpy as hnp
 from torch.utils.data import default_collate as torch_collate
 
 from aioloader._collate import default_collate, numpy_collate
-from aioloader._errors import AioloaderError, CollateError
+from aioloader._errors import (
+    AioloaderError,
+    CollateError,
+    CollateShapeError,
+    CollateTypeError,
+)
 
 relaxed = settings(deadline=None, max_examples=60)
 
@@ -403,51 +409,134 @@ def test_errors_from_alloc_pass_through_unchanged() -> None:
 # -- errors -------------------------------------------------------------------------------------
 
 
-def collate_error(samples: Any, collate: Callable[..., Any] = default_collate) -> str:
-    with pytest.raises(CollateError) as info:
+def collate_error(
+    samples: Any,
+    collate: Callable[..., Any] = default_collate,
+    error: type[CollateError] = CollateError,
+) -> str:
+    with pytest.raises(error) as info:
         collate(samples)
     assert isinstance(info.value, ValueError)
     assert isinstance(info.value, AioloaderError)
     return str(info.value)
 
 
+def type_error(samples: Any, collate: Callable[..., Any] = default_collate) -> str:
+    """The message of the CollateTypeError, also a TypeError as in torch, that ``samples``
+    raise."""
+    message = collate_error(samples, collate, CollateTypeError)
+    assert issubclass(CollateTypeError, TypeError)
+    return message
+
+
+def shape_error(samples: Any, collate: Callable[..., Any] = default_collate) -> str:
+    """The message of the CollateShapeError, also a RuntimeError as in torch, that ``samples``
+    raise."""
+    message = collate_error(samples, collate, CollateShapeError)
+    assert issubclass(CollateShapeError, RuntimeError)
+    return message
+
+
 def test_ragged_shapes_name_path_positions_and_shapes() -> None:
     def sample(side: int) -> dict[str, Any]:
         return {"image": [np.zeros(3), np.zeros((3, side, side), np.float32)], "label": 1}
 
-    message = collate_error([sample(32), sample(32), sample(28), sample(32)])
+    message = shape_error([sample(32), sample(32), sample(28), sample(32)])
     assert "batch['image'][1]" in message
     assert "(3, 32, 32) at positions [0, 1, 3]" in message
     assert "(3, 28, 28) at position 2" in message
 
 
 def test_ragged_tensors_name_shapes() -> None:
-    message = collate_error([torch.zeros(2, 3), torch.zeros(2, 4)])
+    message = shape_error([torch.zeros(2, 3), torch.zeros(2, 4)])
     assert "tensors have different shapes" in message
     assert "(2, 3) at position 0" in message
     assert "(2, 4) at position 1" in message
 
 
-def test_different_dtypes_are_refused() -> None:
-    message = collate_error({"x": np.zeros(2, d)} for d in (np.float32, np.float64, np.float32))
-    assert "batch['x']" in message
-    assert "float32 at positions [0, 2]" in message
-    assert "float64 at position 1" in message
-    message = collate_error([np.float32(1), np.float64(1)])
-    assert "float32 at position 0" in message
+# Mixed samples whose dtype torch gives in every order (where torch's result depends on which
+# sample comes first, the comment says which order ours follows).
+PROMOTIONS: dict[str, tuple[list[Any], torch.dtype]] = {
+    "int and float (torch: float32 if the int comes first)": ([2.5, 1], torch.float64),
+    "bool and int": ([True, 2], torch.int64),
+    "bool and float": ([1.5, False], torch.float64),
+    "float32 and float64 scalars": ([np.float32(1), np.float64(2)], torch.float64),
+    "int32 and float32 scalars": ([np.int32(1), np.float32(2)], torch.float32),
+    "numpy int64 and int": ([np.int64(1), 2], torch.int64),
+    "numpy float64 and int": ([np.float64(2.5), 1], torch.float64),
+    "numpy bool and bool": ([np.bool_(False), True], torch.bool),
+    "float32 and float64 arrays": ([np.zeros(2, np.float32), np.ones(2)], torch.float64),
+    "uint8 and int8 arrays": ([np.zeros(2, np.uint8), np.ones(2, np.int8)], torch.int16),
+    "int64 and float32 arrays": ([np.arange(2), np.ones(2, np.float32)], torch.float32),
+    "0-d arrays of int and float": ([np.array(1), np.array(2.5)], torch.float64),
+    "float32 and float64 tensors": (
+        [torch.zeros(2), torch.ones(2, dtype=torch.float64)],
+        torch.float64,
+    ),
+    "int64 and float32 tensors": ([torch.arange(2), torch.ones(2)], torch.float32),
+    "an array and a tensor (torch: TypeError if the tensor comes first)": (
+        [np.zeros(2), torch.ones(2)],
+        torch.float64,
+    ),
+    "a 0-d array and an int": ([np.array(2), 1], torch.int64),
+    "a numpy scalar and a 0-d array": ([np.float32(1), np.array(2, np.float32)], torch.float32),
+}
 
 
-def test_mixed_types_name_the_types_and_positions() -> None:
-    message = collate_error([{"label": 1}, {"label": 2}, {"label": 2.5}])
+@pytest.mark.parametrize(("samples", "dtype"), PROMOTIONS.values(), ids=PROMOTIONS.keys())
+def test_mixed_samples_promote_as_in_torch_whatever_their_order(
+    samples: list[Any], dtype: torch.dtype
+) -> None:
+    for ordered in (samples, samples[::-1]):
+        batch = default_collate(ordered)
+        assert batch.dtype == dtype
+        reference = torch_collate([torch.as_tensor(x) for x in ordered]).to(dtype)
+        assert torch.equal(batch, reference)
+    # torch agrees in this order (the first sample decides its rule).
+    with warnings.catch_warnings():  # torch: "a tensor from a list of numpy.ndarrays is slow"
+        warnings.simplefilter("ignore", UserWarning)
+        assert torch_collate(list(samples)).dtype == dtype
+
+
+def test_mixed_samples_promote_the_same_into_shared_memory() -> None:
+    arena = Arena()
+    batch = default_collate([np.zeros((2, 2), np.int64), np.ones((2, 2), np.float32)], alloc=arena)
+    assert batch.dtype == torch.float32
+    assert np.shares_memory(batch.numpy(), arena.calls[0][2])
+    assert batch.tolist() == [[[0, 0], [0, 0]], [[1, 1], [1, 1]]]
+    mixed = default_collate([{"n": n} for n in (1, 2.5, True)])
+    assert mixed["n"].dtype == torch.float64
+    assert mixed["n"].tolist() == [1.0, 2.5, 1.0]
+
+
+def test_numpy_collate_promotes_by_numpys_rule() -> None:
+    batch = numpy_collate([np.arange(2), np.ones(2, np.float32)])
+    assert batch.dtype == np.float64  # torch's rule would give float32
+    assert numpy_collate([1, 2.5]).dtype == np.float64
+    assert numpy_collate([np.float32(1), np.float32(2)]).dtype == np.float32
+
+
+def test_text_and_none_mix_into_one_list() -> None:
+    assert default_collate(["a", b"b", None, np.str_("c")]) == ["a", b"b", None, "c"]
+    batch = default_collate([("a", 1), (None, 2)])
+    assert batch[0] == ("a", None)  # a column of transposed tuples stays a tuple, as in torch
+
+
+def test_types_that_do_not_mix_name_the_types_and_positions() -> None:
+    message = type_error([{"label": 1}, {"label": 2}, {"label": "x"}])
     assert "batch['label']" in message
     assert "int at positions [0, 1]" in message
-    assert "float at position 2" in message
-    assert "numpy.ndarray" in collate_error([np.zeros(2), torch.zeros(2)])
-    assert "bool" in collate_error([True, 1])
+    assert "str at position 2" in message
+    assert "numpy.ndarray" in type_error([np.zeros(2), "a"])
+    assert "NoneType at position 1" in type_error([1, None])
+    assert "torch.Tensor" in type_error([torch.zeros(()), 1])
+    message = type_error([np.uint64(1), 5])  # torch has no promotion for uint64
+    assert "dtypes that do not combine" in message
+    assert "uint64 at position 0" in message
 
 
 def test_different_namedtuple_types_are_refused() -> None:
-    message = collate_error([Point(1, 2), Other(1, 2)])
+    message = type_error([Point(1, 2), Other(1, 2)])
     assert "Point at position 0" in message
     assert "Other at position 1" in message
 
@@ -463,25 +552,26 @@ def test_missing_and_extra_keys() -> None:
 
 
 def test_sequences_of_different_lengths() -> None:
-    message = collate_error([(1, [1, 2]), (2, [3]), (3, [4, 5])])
+    message = shape_error([(1, [1, 2]), (2, [3]), (3, [4, 5])])
     assert "batch[1]" in message
     assert "2 at positions [0, 2]" in message
     assert "1 at position 1" in message
 
 
 def test_object_arrays_and_unsupported_types_are_refused_by_name() -> None:
-    message = collate_error([{"x": np.array([object()])}] * 2, numpy_collate)
+    message = type_error([{"x": np.array([object()])}] * 2, numpy_collate)
     assert "batch['x']" in message
     assert "object" in message
-    message = collate_error([Point(decimal.Decimal(1), 0)] * 3)
+    message = type_error([Point(decimal.Decimal(1), 0)] * 3)
     assert "batch.x" in message
     assert "decimal.Decimal" in message
     assert "unsupported type" in message
-    assert "complex" in collate_error([1j, 2j])
+    assert "complex" in type_error([1j, 2j])  # Python complex numbers: refused, as in torch
+    assert "<U1" in type_error([np.array(["a"]), np.array(["b"])])  # string arrays, as in torch
 
 
 def test_numpy_collate_refuses_bfloat16_by_name() -> None:
-    message = collate_error([torch.zeros(2, dtype=torch.bfloat16)] * 2, numpy_collate)
+    message = type_error([torch.zeros(2, dtype=torch.bfloat16)] * 2, numpy_collate)
     assert "bfloat16" in message
 
 
