@@ -18,7 +18,11 @@ other than tuples (``range``), which cannot be rebuilt around new leaves in gene
 The rule for rebuilding a container around new leaves, in order:
 
 - ``dict``, ``list`` and ``tuple`` exactly: a new one of the same type;
-- a namedtuple: its type, field by field;
+- a namedtuple: its type, field by field. A namedtuple whose constructor checks its fields
+  refuses stand-ins for them (``PackedSequence`` asks ``batch_sizes.device``; a shared-memory
+  descriptor has none): it becomes a *deferred* namedtuple, a plain tuple of the new leaves
+  that remembers the type, pickles, and is rebuilt as that type by the next walk whose leaves
+  the constructor accepts (the main process's walk that turns descriptors into tensors);
 - a ``dict``, ``list`` or ``UserDict`` / ``UserList`` subclass, or a ``deque``: a shallow copy
   with its items replaced, which keeps what a constructor call would lose (a ``defaultdict``'s
   factory, a ``deque``'s ``maxlen``, attributes of a subclass). These types' copies never share
@@ -39,7 +43,7 @@ import array
 import collections
 import contextlib
 import copy
-from collections.abc import Callable, Iterator, Mapping, MutableSequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableSequence
 from typing import Any
 
 __all__ = ["iter_leaves", "map_tree"]
@@ -49,6 +53,24 @@ _COPYABLE_MAPPINGS = (dict, collections.UserDict)
 _COPYABLE_SEQUENCES = (list, collections.UserList, collections.deque)
 # Mutable sequences that are buffers of numbers: leaves, like str and bytes.
 _BUFFERS = (bytearray, array.array)
+
+
+class _Deferred(tuple[Any, ...]):
+    """A namedtuple whose constructor refused the leaves it was rebuilt around (see the module's
+    rule): a tuple of those leaves, with the type to rebuild at the next walk."""
+
+    namedtuple_type: type
+
+    def __new__(cls, namedtuple_type: type, items: Iterable[Any]) -> _Deferred:
+        self = super().__new__(cls, items)
+        self.namedtuple_type = namedtuple_type
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Deferred, (self.namedtuple_type, tuple(self)))
+
+    def __repr__(self) -> str:
+        return f"<deferred {self.namedtuple_type.__qualname__}{tuple.__repr__(self)}>"
 
 
 def _is_sequence(obj: object) -> bool:
@@ -102,11 +124,13 @@ def _rebuild_sequence(obj: Any, values: list[Any]) -> Any:
         return values
     if cls is tuple:
         return tuple(values)
+    if cls is _Deferred:
+        cls = obj.namedtuple_type
     if isinstance(obj, tuple) and hasattr(cls, "_fields"):  # namedtuple
         try:
             return cls(*values)
         except Exception:  # never cls(values): that would put every field into the first
-            return tuple(values)
+            return _Deferred(cls, values)
     if isinstance(obj, _COPYABLE_SEQUENCES):
         with contextlib.suppress(Exception):
             clone = copy.copy(obj)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import array
 import collections
 import copy
+import dataclasses
+import pickle
 import types
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any, NamedTuple
@@ -85,6 +87,13 @@ class Strict(_StrictBase):
         return super().__new__(cls, n)
 
 
+@dataclasses.dataclass(frozen=True)
+class Box:
+    """A leaf standing in for another, as a shared-memory descriptor stands in for an array."""
+
+    value: Any
+
+
 def double(x: Any) -> Any:
     return x * 2
 
@@ -108,10 +117,31 @@ def test_namedtuple_is_rebuilt_field_by_field() -> None:
     assert out == Point(2, [4])
 
 
-def test_namedtuple_that_refuses_the_new_leaves_becomes_a_tuple() -> None:
+def test_namedtuple_that_refuses_the_new_leaves_is_deferred_until_it_accepts_them() -> None:
     out = map_tree(Strict(1), str)
-    assert type(out) is tuple
+    assert isinstance(out, tuple)
+    assert not isinstance(out, Strict)
     assert out == ("1",)
+    assert list(iter_leaves(out)) == ["1"]
+    assert "Strict" in repr(out)
+    # It pickles (a worker sends it), and the next walk whose leaves fit rebuilds the type.
+    back = map_tree(pickle.loads(pickle.dumps(out)), int)
+    assert type(back) is Strict
+    assert back == Strict(1)
+    assert type(map_tree(out, lambda leaf: leaf)) is type(out)  # still refused: still deferred
+
+
+def test_packed_sequence_survives_stand_in_leaves_and_pickling() -> None:
+    import torch
+    from torch.nn.utils.rnn import PackedSequence, pack_sequence
+
+    packed = pack_sequence([torch.arange(3.0), torch.arange(2.0)], enforce_sorted=False)
+    stand_ins = map_tree(packed, lambda t: Box(t.tolist()))
+    assert not isinstance(stand_ins, PackedSequence)  # its constructor wants tensors
+    back = map_tree(pickle.loads(pickle.dumps(stand_ins)), lambda box: torch.tensor(box.value))
+    assert type(back) is PackedSequence
+    for field in PackedSequence._fields:
+        assert torch.equal(getattr(back, field), getattr(packed, field)), field
 
 
 def test_ordered_dict_keeps_its_type_and_order() -> None:
