@@ -56,15 +56,12 @@ import numpy as np
 import torch
 
 from ._errors import CollateError, CollateShapeError, CollateTypeError
+from ._mismatch import grouped, key_mismatch, layout_mismatch, positions, type_name
 
 __all__ = ["Alloc", "default_collate", "default_convert", "numpy_collate"]
 
 Alloc = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray[Any, Any]]
 """``alloc(shape, dtype)`` returns a writable C-contiguous array of exactly that shape and dtype."""
-
-# Positions listed per group in an error message. More helps to spot a pattern, fewer keeps a
-# 4096-sample batch's error readable; the rest is summarised as a count.
-_MAX_POSITIONS_SHOWN = 8
 
 _INT64 = np.dtype(np.int64)
 _FLOAT64 = np.dtype(np.float64)
@@ -210,33 +207,7 @@ def _torch_can_hold(dtype: np.dtype[Any]) -> bool:
     return True
 
 
-# -- error messages -----------------------------------------------------------------------------
-
-
-def _positions(positions: list[int]) -> str:
-    if len(positions) == 1:
-        return f"position {positions[0]}"
-    shown = ", ".join(map(str, positions[:_MAX_POSITIONS_SHOWN]))
-    more = len(positions) - _MAX_POSITIONS_SHOWN
-    return f"positions [{shown}{f', ... {more} more' if more > 0 else ''}]"
-
-
-def _grouped(values: Sequence[Any], describe: Callable[[Any], str] = str) -> str:
-    """``'a at positions [0, 2]; b at position 1'``: positions grouped by value, in order."""
-    groups: dict[Any, list[int]] = {}
-    for position, value in enumerate(values):
-        groups.setdefault(value, []).append(position)
-    return "; ".join(f"{describe(value)} at {_positions(ps)}" for value, ps in groups.items())
-
-
-def _type_name(cls: type) -> str:
-    if cls.__module__ == "builtins":
-        return cls.__qualname__
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _shape(shape: Sequence[int]) -> str:
-    return str(tuple(int(d) for d in shape))
+# -- error messages (phrased by _mismatch) ------------------------------------------------------
 
 
 def _error(path: str, problem: str, cls: type[CollateError] = CollateError) -> CollateError:
@@ -288,7 +259,7 @@ class _Collator:
             # As torch: a tuple (a column of transposed sequences) stays a tuple; a list is
             # copied so that the batch never aliases the caller's list.
             return samples if isinstance(samples, tuple) else list(samples)
-        problem = f"unsupported type {_grouped([type(s) for s in samples], _type_name)}"
+        problem = f"unsupported type {grouped([type(s) for s in samples], type_name)}"
         raise _error(path, f"{problem}; collation supports {_SUPPORTED}", CollateTypeError)
 
     def _unify(self, samples: Sequence[Any], path: str) -> tuple[str, Sequence[Any]]:
@@ -312,7 +283,7 @@ class _Collator:
             arrays = [s for s in samples if isinstance(s, np.ndarray)]
             self._check_dtypes([a.dtype for a in arrays], path, for_torch=True)
             return "tensor", [_as_tensor(s) if isinstance(s, np.ndarray) else s for s in samples]
-        problem = f"samples have different types: {_grouped(list(map(type, samples)), _type_name)}"
+        problem = f"samples have different types: {grouped(list(map(type, samples)), type_name)}"
         raise _error(path, problem, CollateTypeError)
 
     # -- containers --
@@ -321,7 +292,7 @@ class _Collator:
         first = samples[0]
         keys = first.keys()
         if not all(s.keys() == keys for s in samples):
-            raise _error(path, _key_mismatch(samples))
+            raise _error(path, key_mismatch(samples))
         result = {key: self.collate([s[key] for s in samples], f"{path}[{key!r}]") for key in keys}
         if type(first) is dict:
             return result
@@ -345,7 +316,7 @@ class _Collator:
     def _sequences(self, samples: Sequence[Sequence[Any]], path: str) -> Any:
         lengths = [len(s) for s in samples]
         if len(set(lengths)) > 1:
-            problem = f"sequences have different lengths: {_grouped(lengths)}"
+            problem = f"sequences have different lengths: {grouped(lengths)}"
             raise _error(path, problem, CollateShapeError)
         columns = zip(*samples, strict=True)
         items = [self.collate(c, f"{path}[{i}]") for i, c in enumerate(columns)]
@@ -395,7 +366,7 @@ class _Collator:
                 array[...] = samples
         except OverflowError as exc:
             bad = [p for p, v in enumerate(samples) if not -(2**63) <= v < 2**63]
-            raise _error(path, f"ints do not fit in int64 at {_positions(bad)}") from exc
+            raise _error(path, f"ints do not fit in int64 at {positions(bad)}") from exc
         return self._leaf(array)
 
     def _scalars(self, samples: Sequence[Any], path: str) -> Any:
@@ -414,8 +385,8 @@ class _Collator:
         groups: dict[np.dtype[Any], list[int]] = {}
         for position, dtype in enumerate(dtypes):
             groups.setdefault(dtype, []).append(position)
-        for dtype, positions in groups.items():
-            where = _positions(positions)
+        for dtype, at in groups.items():
+            where = positions(at)
             if dtype.hasobject:
                 problem = f"numpy dtype {dtype} (Python objects) at {where} is not supported"
                 raise _error(path, problem, CollateTypeError)
@@ -438,13 +409,13 @@ class _Collator:
                 return common
             return np.result_type(*unique).newbyteorder("=")
         except (TypeError, RuntimeError) as exc:  # e.g. uint64 with int64 in torch
-            problem = f"dtypes that do not combine: {_grouped([str(d) for d in dtypes])}"
+            problem = f"dtypes that do not combine: {grouped([str(d) for d in dtypes])}"
             raise _error(path, problem, CollateTypeError) from exc
 
     def _arrays(self, samples: Sequence[np.ndarray[Any, Any]], path: str) -> Any:
         first = samples[0]
         if len({a.shape for a in samples}) > 1:
-            raise _error(path, _layout_mismatch(samples, "arrays"), CollateShapeError)
+            raise _error(path, layout_mismatch(samples, "arrays"), CollateShapeError)
         dtype = self._common_dtype([a.dtype for a in samples], path)
         # Shapes agree (checked above) and the dtype holds every sample's values (promoted),
         # so stacking cannot fail.
@@ -465,7 +436,7 @@ class _Collator:
         try:
             return self._stack_tensors(samples, path)
         except RuntimeError as exc:
-            problem = _layout_mismatch(samples, "tensors")
+            problem = layout_mismatch(samples, "tensors")
             if problem:
                 raise _error(path, problem, CollateShapeError) from exc
             raise
@@ -478,7 +449,7 @@ class _Collator:
         if not self.to_torch and np_dtype is None:
             raise _error(
                 path,
-                f"torch dtype {first.dtype} at {_positions(list(range(len(samples))))} has no "
+                f"torch dtype {first.dtype} at {positions(list(range(len(samples))))} has no "
                 "numpy equivalent; convert it in the dataset or use default_collate",
                 CollateTypeError,
             )
@@ -517,39 +488,6 @@ def _as_tensor(array: np.ndarray[Any, Any]) -> torch.Tensor:
     """A tensor of an array that is mixed with tensors: a copy, in native byte order (which
     also spares torch's warning about arrays that are not writable)."""
     return torch.tensor(array.astype(array.dtype.newbyteorder("="), copy=False))
-
-
-def _layout_mismatch(samples: Sequence[Any], what: str) -> str:
-    """Say which of shape and device differ, position by position."""
-    problems = []
-    shapes = [_shape(s.shape) for s in samples]
-    if len(set(shapes)) > 1:
-        problems.append(f"{what} have different shapes: {_grouped(shapes)}")
-    devices = [str(getattr(s, "device", "cpu")) for s in samples]
-    if len(set(devices)) > 1:
-        problems.append(f"{what} are on different devices: {_grouped(devices)}")
-    return "; and ".join(problems)
-
-
-def _key_mismatch(samples: Sequence[Mapping[Any, Any]]) -> str:
-    """Describe each sample's keys against those of the first sample."""
-    reference = list(samples[0].keys())
-    groups: dict[tuple[tuple[Any, ...], tuple[Any, ...]], list[int]] = {}
-    for position, sample in enumerate(samples[1:], start=1):
-        keys = sample.keys()
-        missing = tuple(k for k in reference if k not in keys)
-        extra = tuple(k for k in keys if k not in samples[0])
-        if missing or extra:
-            groups.setdefault((missing, extra), []).append(position)
-    parts = [f"position 0 has keys {reference!r}"]
-    for (missing, extra), positions in groups.items():
-        what = []
-        if missing:
-            what.append(f"lacks {list(missing)!r}")
-        if extra:
-            what.append(f"has extra {list(extra)!r}")
-        parts.append(f"{_positions(positions)} {' and '.join(what)}")
-    return f"samples have different keys: {'; '.join(parts)}"
 
 
 # -- one sample, no batching --------------------------------------------------------------------

@@ -34,6 +34,7 @@ LEVELS: dict[str, int] = {
     "_types": 0,
     "_validate": 0,
     "_tree": 0,
+    "_mismatch": 0,
     "_signals": 0,
     "_stats": 0,
     "_log": 0,
