@@ -45,7 +45,7 @@ import dataclasses
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from multiprocessing.context import BaseContext
 from typing import Any
 
@@ -66,6 +66,7 @@ from ._resources import Resources, finalize, worker_payload
 from ._resume import EpochBook
 from ._settings import SettingsView
 from ._stats import Counters, LoaderStatistics
+from ._sync import LoopThread, SyncIterator
 from ._types import Runner, dataset_kind
 from ._validate import boolean, check_state_keys, to_int
 from ._workers import resolve_context
@@ -373,18 +374,19 @@ class DataLoader(SettingsView):
             return
         self._book.finished()
 
-    def __iter__(self) -> Generator[Any, None, None]:
+    def __iter__(self) -> SyncIterator:
         """Iterate synchronously: the pipeline runs on a private event loop in a thread.
 
         Lazy, like ``aiter``: nothing starts until the first ``next()``; the iterator keeps
-        this loader alive (``for batch in DataLoader(...)`` works).
+        this loader alive (``for batch in DataLoader(...)`` works). After a batch raises,
+        ``next()`` goes on with the following batches, as torch's iterator does.
         """
         self._check_open()
-        return self._iterate()
+        return SyncIterator(self._start_sync_epoch)
 
-    def _iterate(self) -> Generator[Any, None, None]:
+    def _start_sync_epoch(self) -> tuple[LoopThread, Epoch]:
         self._ensure_resources()
-        yield from self._res.loop().iterate(self._new_epoch)
+        return self._res.loop(), self._new_epoch()
 
     # -- lifecycle ---------------------------------------------------------------------------
 

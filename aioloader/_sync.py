@@ -22,10 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["LoopThread", "new_event_loop"]
+__all__ = ["LoopThread", "SyncIterator", "new_event_loop"]
 
 T = TypeVar("T")
 
@@ -67,31 +67,6 @@ class LoopThread:
         """Run ``coro`` on the loop thread and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def iterate(self, make_epoch: Callable[[], Any]) -> Iterator[Any]:
-        """Iterate one epoch made by ``make_epoch`` from the calling thread."""
-        epoch = make_epoch()
-
-        async def step() -> tuple[bool, Any]:
-            try:
-                return True, await epoch.__anext__()
-            except StopAsyncIteration:
-                return False, None
-
-        def generate() -> Iterator[Any]:
-            try:
-                while True:
-                    more, batch = self.run(step())
-                    if not more:
-                        return
-                    yield batch
-                    del batch
-            finally:
-                if self.loop.is_running():
-                    with contextlib.suppress(Exception):
-                        self.run(epoch.aclose(), timeout=CLOSE_TIMEOUT_S)
-
-        return generate()
-
     def close(self) -> None:
         """Cancel what still runs on the loop, stop it and join the thread. Idempotent."""
         if not self._thread.is_alive() or self.loop.is_closed():
@@ -107,6 +82,81 @@ class LoopThread:
         with contextlib.suppress(RuntimeError):  # closed meanwhile: the thread is ending
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(CLOSE_TIMEOUT_S)
+
+
+class SyncIterator:
+    """One epoch, iterated from a thread that is not the loop's (see the module docstring).
+
+    ``next()`` after a batch raised goes on with the following batches, as torch's iterator
+    does: the error was that batch's, the epoch is still there. What ends the epoch early is
+    :meth:`close`, the iterator being dropped, or an interruption of the wait itself (Ctrl-C
+    while the calling thread waits for a batch): then the epoch is closed on the loop thread.
+    The epoch starts at the first ``next()``: ``start`` then returns the loop thread and the
+    epoch (an async iterator with ``aclose()`` and ``close_nowait()``).
+    """
+
+    def __init__(self, start: Callable[[], tuple[LoopThread, Any]]) -> None:
+        # Kept for the iterator's life, not only until the start: it holds the loader, which must
+        # live as long as its iterator does (``next(iter(DataLoader(...)))``).
+        self._start = start
+        self._started = False
+        self._loop_thread: LoopThread | None = None
+        self._epoch: Any = None
+        self._done = False
+
+    def __iter__(self) -> SyncIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        if not self._started:
+            self._started = True
+            self._loop_thread, self._epoch = self._start()
+        assert self._loop_thread is not None
+        step = _step(self._epoch)
+        try:
+            future = asyncio.run_coroutine_threadsafe(step, self._loop_thread.loop)
+        except RuntimeError:  # the loop is closed: the loader was closed under this iterator
+            step.close()
+            self._done = True
+            raise RuntimeError("the DataLoader was closed while this iterator was in use") from None
+        try:
+            more, batch = future.result()
+        except BaseException:
+            if not future.done() or future.cancelled():  # the wait was interrupted, not a batch
+                future.cancel()
+                self.close()
+            raise
+        if not more:
+            self._done = True
+            self._epoch = None
+            raise StopIteration
+        return batch
+
+    def close(self) -> None:
+        """End the epoch now (batches in flight are cancelled). Idempotent."""
+        self._done = True
+        epoch, self._epoch = self._epoch, None
+        loop_thread = self._loop_thread
+        if epoch is None or loop_thread is None:
+            return
+        if threading.current_thread() is loop_thread._thread:
+            epoch.close_nowait()  # collected on the loop thread: it cannot wait for itself
+        elif loop_thread.loop.is_running():
+            with contextlib.suppress(Exception):
+                loop_thread.run(epoch.aclose(), timeout=CLOSE_TIMEOUT_S)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+async def _step(epoch: Any) -> tuple[bool, Any]:
+    try:
+        return True, await epoch.__anext__()
+    except StopAsyncIteration:
+        return False, None
 
 
 async def _cancel_all() -> None:

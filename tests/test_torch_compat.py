@@ -398,12 +398,6 @@ async def test_after_a_batch_raises_anext_goes_on_with_the_next_batches(
             await anext(it)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sync iteration (DataLoader.__iter__ in _loader.py, LoopThread.iterate in _sync.py) "
-    "is a generator: once next() raised a batch's error it is finished, and the following "
-    "next() raises StopIteration instead of returning the next batch (torch goes on)",
-)
 @pytest.mark.parametrize("settings", ERROR_SETTINGS.values(), ids=ERROR_SETTINGS.keys())
 def test_after_a_batch_raises_next_goes_on_with_the_next_batches(settings: dict[str, Any]) -> None:
     with DataLoader(FailAt(10, {2, 7}), batch_size=2, **settings) as loader:
