@@ -49,14 +49,20 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ._errors import CollateError, CollateShapeError, CollateTypeError
+from ._lazy import lazy_module
 from ._mismatch import grouped, key_mismatch, layout_mismatch, positions, type_name
+
+if TYPE_CHECKING:
+    import torch
+else:  # torch is imported at the first tensor made (see _lazy)
+    torch = lazy_module("torch", globals())
 
 __all__ = ["Alloc", "default_collate", "default_convert", "numpy_collate"]
 
@@ -154,7 +160,8 @@ def _kind_of(cls: type) -> str:
 
 def _classify(cls: type) -> str:
     # The order of the checks matters: np.str_ is a str and a np.generic, bool is an int.
-    if issubclass(cls, torch.Tensor):
+    # Without torch imported nothing can be a tensor: no need to import it to find out.
+    if "torch" in sys.modules and issubclass(cls, sys.modules["torch"].Tensor):
         return "tensor"
     if issubclass(cls, np.ndarray):
         return "ndarray"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import sys
 from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol, TypeVar, runtime_checkable
@@ -274,8 +275,7 @@ def dataset_kind(dataset: Any) -> DatasetKind:
 
 
 def _is_torch_iterable(dataset: Any) -> bool:
-    try:
-        from torch.utils.data import IterableDataset as TorchIterable
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return False
-    return isinstance(dataset, TorchIterable)
+    # A torch IterableDataset can only exist once torch.utils.data was imported: no need to
+    # import torch (about a second) to find out that this dataset is not one.
+    data = sys.modules.get("torch.utils.data")
+    return data is not None and isinstance(dataset, data.IterableDataset)

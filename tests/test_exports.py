@@ -50,3 +50,25 @@ def test_exports_pickle_by_reference_through_the_facade() -> None:
 def test_version_is_a_string() -> None:
     assert isinstance(aioloader.__version__, str)
     assert aioloader.__version__.count(".") >= 1
+
+
+def test_importing_aioloader_does_not_import_torch() -> None:
+    """A program that only wants numpy batches does not pay for torch (about a second); torch
+    comes in when a torch feature is used: here, the first default-collated batch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, aioloader\n"
+        "print('torch' in sys.modules)\n"
+        "numpy_collate = aioloader.numpy_collate\n"
+        "with aioloader.DataLoader(list(range(8)), batch_size=4, collate_fn=numpy_collate,"
+        " num_workers=2) as loader:\n"
+        "    print(type(next(iter(loader))).__module__, 'torch' in sys.modules)\n"
+        "with aioloader.DataLoader(list(range(8)), batch_size=4) as loader:\n"
+        "    print(type(next(iter(loader))).__module__, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split("\n")[:3] == ["False", "numpy False", "torch True"], out.stdout
