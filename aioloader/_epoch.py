@@ -110,7 +110,8 @@ class Epoch:
         dataset: the dataset (for async fetches and async streams).
         device: the device stage, or None.
         on_batch: called with the batch id when the consumer takes a batch (resume bookkeeping).
-        on_finish: called once when the epoch has run to its end.
+        on_finish: called once when the epoch has run to its end: when the consumer takes its
+            last batch (or that batch's error), or else at the ``__anext__`` that ends it.
         progress: told of each batch handed over, closed with the epoch.
     """
 
@@ -134,7 +135,7 @@ class Epoch:
         self._device = device
         self.plan = plan
         self._on_batch = on_batch
-        self._on_finish = on_finish
+        self._on_finish: Callable[[], None] | None = on_finish  # None once called
         self.reorder = ReorderBuffer(in_order=config.in_order)
         # The semaphore and the event bind to a loop at first use: made here, used on the loop.
         self._permits = asyncio.Semaphore(config.prefetch)
@@ -192,12 +193,12 @@ class Epoch:
                 if outcome.value is EMPTY_BATCH:  # every sample skipped: nothing to hand over
                     self._release_permit()
                     self._producer.taken(outcome.batch_id)
-                    self._on_batch(outcome.batch_id)  # done, for resume
+                    self._taken(outcome.batch_id)  # done, for resume
                     continue
                 return await self._take(outcome)
             if self._producer.done and len(self.reorder) == 0:
                 await self.aclose()
-                self._on_finish()
+                self._finish()
                 raise StopAsyncIteration
             self._ready.clear()
             started = time.perf_counter()
@@ -209,7 +210,7 @@ class Epoch:
     async def _take(self, outcome: Outcome) -> Any:
         if outcome.error is not None:
             self._release_permit()
-            self._on_batch(outcome.batch_id)
+            self._taken(outcome.batch_id)
             raise outcome.error
         if self._device is None:
             self._release_permit()
@@ -245,7 +246,7 @@ class Epoch:
         except BaseException:
             self._handing.pop(0)
             self._release_permit()
-            self._on_batch(batch_id)
+            self._taken(batch_id)
             raise
         finally:
             self._counters.transfer_s += time.perf_counter() - started
@@ -263,7 +264,28 @@ class Epoch:
         counters.bytes_yielded += nbytes
         if self._progress is not None:
             self._progress.advance(samples, nbytes)
+        self._taken(batch_id)
+
+    def _taken(self, batch_id: int) -> None:
+        """The consumer is done with ``batch_id`` (the batch, its error, or an empty batch)."""
         self._on_batch(batch_id)
+        if (
+            not self._closed
+            and self._producer.done
+            and len(self.reorder) == 0
+            and not self._handing
+        ):
+            # That was the last one: the epoch is complete now, not only at the __anext__ that
+            # would end it, which a consumer that counts to len(loader) never makes (Lightning,
+            # accelerate). A state_dict() taken now must start the next epoch, not resume an
+            # empty one. The scheduler is done by now: it reads the end of a map-style plan
+            # right after starting the last batch, before that batch can arrive.
+            self._finish()
+
+    def _finish(self) -> None:
+        on_finish, self._on_finish = self._on_finish, None
+        if on_finish is not None:
+            on_finish()
 
     def _release_permit(self) -> None:
         self._permits.release()
