@@ -279,6 +279,11 @@ class DataLoader(SettingsView):
         self._finalizer = weakref.finalize(self, finalize, self._res, type(self).__name__)
         self._initialized = True
 
+    def _reconfigure(self, config: LoaderConfig) -> None:
+        # The payload first: if the new setting cannot be pickled, nothing changes.
+        payload = worker_payload(config, self.dataset) if config.uses_processes else None
+        self._config, self._payload = config, payload
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this DataLoader is closed")

@@ -53,8 +53,17 @@ class EpochBook:
         self.open = False  # an epoch started and not run to its end
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next epoch ``epoch``; a user's sampler is told too, at its start."""
+        """Make the next epoch ``epoch``; a user's sampler is told too, at its start.
+
+        A sampler the loader made is told at once as well, so that the batch sampler iterated
+        on its own yields that epoch's batches (accelerate's ``skip_first_batches`` wraps it in
+        a torch DataLoader); an epoch already running read its order at its start and keeps
+        it. A user's sampler is told once, at the epoch's start, by the rule above.
+        """
         self._asked = self.next_epoch = non_negative_int("epoch", epoch)
+        set_epoch = getattr(self._sampling.batches, "set_epoch", None)
+        if callable(set_epoch) and self._sampling.built:
+            set_epoch(epoch)
 
     def begin(self) -> tuple[int, set[int]]:
         """Start the next epoch: returns its number and the batch ids already taken (resume).

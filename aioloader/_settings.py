@@ -9,20 +9,30 @@ Assigning a setting after construction raises ``ValueError``: torch refuses the 
 ``persistent_workers`` (its message is kept for those); aioloader refuses it for every
 other setting too, because nothing would read the new value (the checks and everything
 derived from them ran once). Private attributes, and attributes a user adds, stay assignable.
+
+One setting is assignable, because frameworks assign it: ``worker_init_fn`` (Lightning sets
+it after ``seed_everything(workers=True)``; torch allows it). The loader checks the new value
+and re-derives what it feeds (:meth:`SettingsView._reconfigure`); worker processes already
+running keep the function they started with, as torch's persistent workers do.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.context import BaseContext
 from typing import Any, Generic, TypeVar, overload
 
 from ._config import LoaderConfig, PerSample, Sampling
+from ._validate import callable_or_none
 
 __all__ = ["Setting", "SettingsView"]
 
 T = TypeVar("T")
+
+# The settings frameworks assign after construction (see the module docstring).
+_ASSIGNABLE = frozenset(("worker_init_fn",))
 
 # The attributes torch itself refuses to reassign after construction.
 _TORCH_FIXED = frozenset(
@@ -77,7 +87,7 @@ class SettingsView:
     _initialized = False
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if self._initialized and name in _settings_of(type(self)):
+        if self._initialized and name in _settings_of(type(self)) and name not in _ASSIGNABLE:
             owner = type(self).__name__
             if name in _TORCH_FIXED:
                 raise ValueError(f"{name} attribute should not be set after {owner} is initialized")
@@ -97,7 +107,6 @@ class SettingsView:
     device_prefetch = Setting[int]()
     on_error = Setting[str]()
     max_failures = Setting[float]()
-    worker_init_fn = Setting[Callable[[int], Any] | None]()
     transform = Setting[Callable[[Any], Any] | None]()
     seed = Setting[int]()
     pin_memory = Setting[bool]()
@@ -105,6 +114,20 @@ class SettingsView:
     last_batch = Setting[str]()
     persistent_workers = Setting[bool]()
     pin_memory_device = Setting[str]()
+
+    @property
+    def worker_init_fn(self) -> Callable[[int], Any] | None:
+        """Called with the worker id in each worker process at its start; assignable."""
+        return self._config.worker_init_fn
+
+    @worker_init_fn.setter
+    def worker_init_fn(self, fn: Callable[[int], Any] | None) -> None:
+        fn = callable_or_none("worker_init_fn", fn)
+        self._reconfigure(replace(self._config, worker_init_fn=fn))
+
+    def _reconfigure(self, config: LoaderConfig) -> None:
+        """Adopt ``config`` (one assignable setting changed) and what derives from it."""
+        raise NotImplementedError  # the loader's: it knows what derives from its settings
 
     @property
     def kind(self) -> str:

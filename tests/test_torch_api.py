@@ -202,7 +202,6 @@ def test_every_other_setting_is_fixed_too_and_private_or_new_attributes_are_not(
         "collate_fn",
         "pin_memory",
         "timeout",
-        "worker_init_fn",
         "multiprocessing_context",
         "generator",
         "prefetch_factor",
