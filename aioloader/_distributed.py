@@ -18,11 +18,13 @@ every rank reads what it is given).
 
 Sharp edges, each deliberate:
 
-- **Decided at construction.** The process group is looked up when the loader is built: DDP
-  scripts call ``init_process_group`` first (they need the rank to pick a device), and the
-  batch sampler, ``len(loader)`` and the workers' copy of the settings are fixed from then on.
-  A loader built before the group exists reads everything on every rank and says so with a
-  warning at its first iteration (:func:`warn_if_group_appeared`).
+- **Decided at construction, or at the first use after the group appears.** The process group
+  is looked up when the loader is built: DDP scripts call ``init_process_group`` first (they
+  need the rank to pick a device). A loader built before the group exists (a script handing it
+  to Lightning's ``fit()`` or to accelerate, which make the group later) looks again at its
+  first ``len()`` and epoch, and takes its share once the group is there, if it has not run an
+  epoch yet; one that has keeps reading everything and says so with a warning
+  (:func:`warn_if_group_appeared`).
 - **No collective.** A shuffled share needs the same order on every rank. It is seeded by the
   loader's ``seed=`` when one is given (the same on every rank, as torch's DistributedSampler
   requires its ``seed``), else by :data:`DEFAULT_SHARE_SEED` (torch's DistributedSampler

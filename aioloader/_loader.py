@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import os
 import warnings
 import weakref
@@ -239,7 +240,8 @@ class DataLoader(SettingsView):
             shard=share,
         )
         self._device_spec = parse_device(device)
-        self._sampling = batch_sampler_for(
+        self._sampling_for = functools.partial(
+            batch_sampler_for,
             dataset,
             kind,
             batch_size=batch_size,
@@ -251,11 +253,14 @@ class DataLoader(SettingsView):
             policy=policy,
             seed=config.seed,
             generator=generator,
-            shard=share,
             share_seed=int(seed) if seed is not None else DEFAULT_SHARE_SEED,
         )
+        self._sampling = self._sampling_for(shard=share)
+        self._user_samplers = (sampler, batch_sampler)
         _, context = context_argument(multiprocessing_context, mp_context)
-        self._group_unseen = shard is None and process_group() is None  # see _new_epoch
+        # Built before init_process_group (Lightning and accelerate make the group after the
+        # script made the loader): the share is decided later (_shard_if_group_appeared).
+        self._group_unseen = shard is None and process_group() is None
         self._context: BaseContext | None = None
         self._payload: bytes | None = None
         if config.uses_processes:
@@ -300,7 +305,34 @@ class DataLoader(SettingsView):
 
     # -- iteration ---------------------------------------------------------------------------
 
+    def _shard_if_group_appeared(self) -> None:
+        """A loader built with ``shard=None`` before a process group of world size > 1 existed
+        takes its rank's share at its first ``len()`` or epoch after the group appeared, if no
+        epoch has started (Lightning calls ``len()`` once the group exists, before iterating);
+        after that, changing what it reads would split an epoch: it warns instead."""
+        if not self._group_unseen:
+            return
+        group = process_group()
+        if group is None or group[1] == 1:
+            return  # still none: look again next time
+        self._group_unseen = False
+        started = self._counters.batches_yielded > 0 or self._res.epoch is not None
+        workers_hold_stream = self._res.runner is not None and self._config.kind in (
+            "iterable",
+            "async_iterable",
+        )
+        if started or workers_hold_stream:
+            warn_if_group_appeared(self.dataset)
+            return
+        share = resolve_shard(None, self._config.kind, *self._user_samplers, self.dataset)
+        if share is None:
+            return
+        self._sampling = self._sampling_for(shard=share)
+        self._book.replace_sampling(self._sampling)
+        self._reconfigure(dataclasses.replace(self._config, shard=share))
+
     def __len__(self) -> int:
+        self._shard_if_group_appeared()
         if self._sampling.batches is not None:
             return len(self._sampling.batches)  # type: ignore[arg-type]
         n = stream_items(self._config.shard, len(self.dataset))  # this rank's share of a stream
@@ -319,10 +351,8 @@ class DataLoader(SettingsView):
         return EpochIterator(self._new_epoch)
 
     def _new_epoch(self) -> Epoch:
+        self._shard_if_group_appeared()  # before the workers start: they get the share's config
         runner = self._ensure_resources()
-        if self._group_unseen:  # built before init_process_group? warn once, at the first epoch
-            self._group_unseen = False
-            warn_if_group_appeared(self.dataset)
         previous = self._res.epoch
         if previous is not None and not previous.finished:
             # Another iterator is mid-epoch: both run a full epoch, as torch's do. The older

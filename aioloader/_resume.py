@@ -52,6 +52,14 @@ class EpochBook:
         self._epoch = 0
         self.open = False  # an epoch started and not run to its end
 
+    def replace_sampling(self, sampling: Sampling) -> None:
+        """Use ``sampling`` from the next epoch on (a rank's share decided late); a sampler the
+        loader made is told the epoch asked for, as :meth:`set_epoch` tells it."""
+        self._sampling = sampling
+        set_epoch = getattr(sampling.batches, "set_epoch", None)
+        if callable(set_epoch) and sampling.built:
+            set_epoch(self.next_epoch)
+
     def set_epoch(self, epoch: int) -> None:
         """Make the next epoch ``epoch``; a user's sampler is told too, at its start.
 

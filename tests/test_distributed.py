@@ -466,15 +466,25 @@ def test_shard_true_refuses_a_sampler_it_cannot_shard(ranks: list[dict[str, Any]
 
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TEST_TIMEOUT_S)
-def test_a_loader_built_before_the_group_warns_at_its_first_epoch(
+def test_a_loader_built_before_the_group_takes_its_share_at_its_first_epoch(
     ranks: list[dict[str, Any]],
 ) -> None:
-    assert [r["warnings"] for r in case(ranks, "early_build")] == [[], []]
-    for report in case(ranks, "early"):
+    """A script builds the loader, then Lightning's fit() (or accelerate) makes the group: the
+    share is decided once the group exists, at the first len() or epoch."""
+    built = case(ranks, "early_build")
+    assert [r["warnings"] for r in built] == [[], []]
+    assert [flat(r["before"]) for r in built] == [list(range(10))] * 2
+    reports = case(ranks, "early")
+    assert [r["len"] for r in reports] == [1, 1]  # 10 samples, 5 a rank, batches of 5
+    for epoch in range(2):
+        assert_disjoint_cover([flat(r["epochs"][epoch]) for r in reports], 10)
+    # The other loader ran an epoch before the group existed: it keeps reading everything
+    # (switching mid-run would split what it reads), and says so once.
+    for report in reports:
         assert len(report["warnings"]) == 1, report["warnings"]  # once, not every epoch
         assert "before torch.distributed.init_process_group" in report["warnings"][0]
         assert "shard=False" in report["warnings"][0]
-        assert [flat(e) for e in report["epochs"]] == [list(range(10))] * 2  # not sharded
+        assert [flat(e) for e in report["started_epochs"]] == [list(range(10))] * 2
 
 
 # -- real process groups: streams ---------------------------------------------------------------

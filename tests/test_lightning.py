@@ -226,13 +226,6 @@ def test_ddp_loader_made_in_the_hook_with_a_distributed_sampler(ddp_run: dict[st
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="a loader built before the process group exists does not shard (it warns at its "
-    "first epoch): every rank reads the whole epoch. Lightning makes the group inside fit(), "
-    "after the loader it is given; needs the shard decided at the first epoch when "
-    "shard=None and a group has appeared since",
-)
 def test_ddp_loader_passed_to_fit_gives_each_rank_a_disjoint_share(
     ddp_run: dict[str, Any],
 ) -> None:

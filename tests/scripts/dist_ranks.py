@@ -106,7 +106,12 @@ def main() -> None:
     early_holder: list[DataLoader] = []
 
     def build_early(report: dict[str, Any]) -> None:
-        early_holder.append(DataLoader(Range(10), batch_size=5))  # no process group yet
+        # No process group yet. One loader is only built (as a script hands it to Lightning's
+        # fit(), which makes the group); the other also runs an epoch before the group exists.
+        early_holder.append(DataLoader(Range(10), batch_size=5))
+        started = DataLoader(Range(10), batch_size=5)
+        report["before"] = lists(started)
+        early_holder.append(started)
 
     case(reports, "early_build", build_early)
     dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
@@ -114,7 +119,10 @@ def main() -> None:
     reports["rank"], reports["world"] = rank, world
 
     def early(report: dict[str, Any]) -> None:
+        with early_holder.pop() as started:
+            report["started_epochs"] = [lists(started), lists(started)]
         with early_holder.pop() as loader:
+            report["len"] = len(loader)
             report["epochs"] = [lists(loader), lists(loader)]
 
     def auto(report: dict[str, Any]) -> None:
