@@ -38,6 +38,7 @@ from ._types import DatasetKind
 __all__ = [
     "SHM_FRACTION",
     "SHM_MAX_DEFAULT",
+    "WORKER_SEEDING",
     "LoaderConfig",
     "PerSample",
     "Sampling",
@@ -53,6 +54,11 @@ SHM_FRACTION = 0.25
 SHM_MAX_DEFAULT = 4 << 30
 
 ON_ERROR = ("raise", "skip")
+
+# How worker processes are seeded: "batch" reseeds random, numpy and torch before every batch
+# from (seed, epoch, batch id), so randomness does not depend on the worker count; "worker"
+# seeds each worker once, from its seed (torch's way, for code that seeds in worker_init_fn).
+WORKER_SEEDING = ("batch", "worker")
 
 # torch's default prefetch_factor: batches in flight per worker.
 DEFAULT_PREFETCH_FACTOR = 2
@@ -110,6 +116,7 @@ class LoaderConfig:
     persistent_workers: bool = False
     pin_memory_device: str = ""
     shard: Shard | None = None  # the rank share the loader reads itself (None: all of it)
+    worker_seeding: str = "batch"
 
     @property
     def skip_errors(self) -> bool:
@@ -159,6 +166,7 @@ class LoaderConfig:
         persistent_workers: object = False,
         pin_memory_device: object = "",
         shard: Shard | None = None,
+        worker_seeding: object = "batch",
     ) -> LoaderConfig:
         """Check every argument and derive the defaults that depend on others.
 
@@ -223,6 +231,7 @@ class LoaderConfig:
             persistent_workers=persistent,
             pin_memory_device=_pin_memory_device(pin_memory_device),
             shard=shard,
+            worker_seeding=_worker_seeding(worker_seeding),
         )
 
     def shm_cap(self) -> int:
@@ -249,6 +258,12 @@ def _prefetch_factor(factor: object, prefetch: object, workers: int) -> int | No
             f"both: got prefetch={prefetch!r}, prefetch_factor={factor!r}"
         )
     return check.positive_int("prefetch_factor", factor)
+
+
+def _worker_seeding(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"worker_seeding must be one of {WORKER_SEEDING}, got {value!r}")
+    return check.one_of("worker_seeding", value, WORKER_SEEDING)
 
 
 def _pin_memory_device(device: object) -> str:

@@ -63,7 +63,7 @@ from ._distributed import (
 )
 from ._epoch import Epoch, EpochIterator, Plan
 from ._progress import EpochProgress, progress_display
-from ._resources import Resources, finalize, worker_payload
+from ._resources import Resources, check_callables, finalize
 from ._resume import EpochBook
 from ._settings import SettingsView
 from ._stats import Counters, LoaderStatistics
@@ -108,14 +108,17 @@ class DataLoader(SettingsView):
             (``num_workers=0``, ``thread_pool=True``) cannot be killed: its batch times out,
             but batches queued behind that thread wait for it. Use worker processes for code
             that may hang.
-        worker_init_fn: called with the worker id in each worker process at start.
+        worker_init_fn: called with the worker id in each worker process when its dataset copy
+            loads: once with ``persistent_workers=True``, else at every epoch (as in torch).
         multiprocessing_context: ``'forkserver'`` (default), ``'spawn'``, ``'fork'`` or a
             context; ``mp_context`` is its other name.
         generator: a ``torch.Generator`` for the default random sampler and the base seed (as
             in torch).
         prefetch_factor: batches in flight per worker (torch's; needs ``num_workers > 0``):
             ``prefetch = prefetch_factor * num_workers``.
-        persistent_workers: keep the worker processes between epochs (needs workers).
+        persistent_workers: keep each worker's dataset copy across epochs (needs workers).
+            False (default, as torch): a fresh copy each epoch (dataset changes reach the
+            workers, ``worker_init_fn`` runs again), loaded into the same warm processes.
         pin_memory_device: torch's (deprecated there): ``''`` or a CUDA device to pin for.
         in_order: yield in sampler order (default) or as batches complete.
         last_batch: ``'keep'``, ``'discard'`` or ``'rollover'`` (the remainder starts the next
@@ -126,11 +129,10 @@ class DataLoader(SettingsView):
         seed: base seed for shuffling and per-batch worker seeding. Without it the seed is
             drawn as torch draws its base seed: from ``generator``, else from torch's global
             generator (``torch.manual_seed`` makes runs repeat), or at random when torch was
-            never imported. Worker processes reseed ``random``, ``numpy.random`` and torch
-            before each batch from (seed, epoch, batch id). Threads (``num_workers=0``,
-            ``thread_pool=True``) share the process's global generators with your own code, so
-            they are not reseeded (as in torch): draw per-sample randomness from a generator
-            seeded by the index there.
+            never imported. Worker processes are seeded from it (see ``worker_seeding``).
+            Threads (``num_workers=0``, ``thread_pool=True``) share the process's global
+            generators with your own code, so they are not reseeded (as in torch): draw
+            per-sample randomness from a generator seeded by the index there.
         thread_pool: run ``num_workers`` threads instead of processes.
         batchify_fn: another name for ``collate_fn`` (MXNet).
         transform: applied to each sample off the event loop, before collation.
@@ -149,6 +151,11 @@ class DataLoader(SettingsView):
             bar to reuse, or a callable making one from tqdm's arguments (see ``_progress``).
         shard: this rank's share only (torch.distributed): None (default) when a process group
             of world size > 1 exists at construction; True requires one; False never (README).
+        worker_seeding: worker ``k`` is seeded with ``base + k`` (``get_worker_info().seed``,
+            ``torch.initial_seed()``), the base drawn from ``seed`` and the epoch. ``'batch'``
+            (default): ``random``, numpy and torch are reseeded before each batch from (seed,
+            epoch, batch id), so randomness does not depend on the worker count; ``'worker'``:
+            only that, as torch.
 
     Epochs and ``set_epoch``: each iteration is the next epoch, and shuffling and worker seeds
     derive from its number. The loader calls ``set_epoch(epoch)`` on the samplers it made
@@ -202,6 +209,7 @@ class DataLoader(SettingsView):
         shm_max_bytes: int | None = None,
         progress: Any = False,
         shard: bool | None = None,
+        worker_seeding: str = "batch",
     ) -> None:
         self.dataset = dataset
         kind = dataset_kind(dataset)
@@ -238,6 +246,7 @@ class DataLoader(SettingsView):
             persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
             shard=share,
+            worker_seeding=worker_seeding,
         )
         self._device_spec = parse_device(device)
         self._sampling_for = functools.partial(
@@ -262,10 +271,9 @@ class DataLoader(SettingsView):
         # script made the loader): the share is decided later (_shard_if_group_appeared).
         self._group_unseen = shard is None and process_group() is None
         self._context: BaseContext | None = None
-        self._payload: bytes | None = None
         if config.uses_processes:
             self._context = resolve_context(context, allow_fork=allow_fork)
-            self._payload = worker_payload(config, dataset)
+            check_callables(config)  # the dataset is pickled when an epoch needs it
         cpus = os.cpu_count() or 1
         # Only processes compete for CPUs: threads (thread_pool=True) mostly wait on IO with the
         # GIL released, where more threads than CPUs is the point.
@@ -285,9 +293,11 @@ class DataLoader(SettingsView):
         self._initialized = True
 
     def _reconfigure(self, config: LoaderConfig) -> None:
-        # The payload first: if the new setting cannot be pickled, nothing changes.
-        payload = worker_payload(config, self.dataset) if config.uses_processes else None
-        self._config, self._payload = config, payload
+        # Checked first (a plain function is cheap to): if it cannot be pickled, nothing
+        # changes. Worker processes get it with their next dataset copy (``_resources``).
+        if config.uses_processes:
+            check_callables(config)
+        self._config = config
 
     def _check_open(self) -> None:
         if self._closed:
@@ -300,7 +310,6 @@ class DataLoader(SettingsView):
             self.dataset,
             device_spec=self._device_spec,
             context=self._context,
-            payload=self._payload,
         )
 
     # -- iteration ---------------------------------------------------------------------------
@@ -354,6 +363,7 @@ class DataLoader(SettingsView):
         self._shard_if_group_appeared()  # before the workers start: they get the share's config
         runner = self._ensure_resources()
         previous = self._res.epoch
+        alone = previous is None or previous.finished
         if previous is not None and not previous.finished:
             # Another iterator is mid-epoch: both run a full epoch, as torch's do. The older
             # one's plan is read out first, before set_epoch moves the shared sampler on; a
@@ -362,6 +372,7 @@ class DataLoader(SettingsView):
                 previous.plan.freeze()
             self._res.others.add(previous)
         epoch, done = self._book.begin()
+        self._res.renew(self._config, self.dataset, epoch, alone=alone)
         self._counters.epoch = epoch
         self._counters.epoch_batches_yielded = 0
         plan = None

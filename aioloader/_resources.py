@@ -17,17 +17,24 @@ reverse order of registration, so ours, registered after ``concurrent.futures.pr
 imported, runs first); ``atexit`` would run too late, after the threads are joined. A SIGTERM,
 which skips both, releases them too (:mod:`._signals`) before it ends the process.
 
-What goes to worker processes is decided here too: :func:`worker_payload` pickles the batch
-maker (dataset, collate_fn, transform) and ``worker_init_fn`` once, at construction, so an
-unpicklable one is reported there, naming what could not be pickled.
+What goes to worker processes is decided here too. :func:`worker_payload` pickles the batch
+maker (dataset, collate_fn, transform) and ``worker_init_fn`` when an epoch needs a dataset copy
+(:meth:`Resources.renew`): at the first epoch, and at every epoch with
+``persistent_workers=False`` (torch's default), so a change made to the dataset between epochs
+reaches the workers, and one made after the loader was built reaches the first epoch. An
+unpicklable part is reported then, at the first batch, naming what could not be pickled; a
+plain function is cheap to check and is reported at construction already
+(:func:`check_callables`), as the dataset cannot be without pickling it twice.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -43,12 +50,19 @@ from ._signals import release_before_sigterm
 from ._sync import LoopThread
 from ._threads import ThreadRunner
 from ._types import AsyncCloseable, Runner, SourceDataset
-from ._workers import ProcessRunner, WorkerPool
+from ._workers import ProcessRunner, WorkerPool, dumps_payload, pickles_main_by_value
 
 if TYPE_CHECKING:
     from ._device import DeviceStage
 
-__all__ = ["Resources", "batch_maker", "close_all_at_exit", "finalize", "worker_payload"]
+__all__ = [
+    "Resources",
+    "batch_maker",
+    "check_callables",
+    "close_all_at_exit",
+    "finalize",
+    "worker_payload",
+]
 
 # How long closing the loader waits for the dataset's own aclose() on the private loop.
 DATASET_CLOSE_TIMEOUT_S = 10.0
@@ -72,27 +86,61 @@ def batch_maker(config: LoaderConfig, dataset: Any) -> BatchMaker:
     )
 
 
-def worker_payload(config: LoaderConfig, dataset: Any) -> bytes:
-    """What every worker process gets once: the pickled batch maker and ``worker_init_fn``.
+def worker_payload(config: LoaderConfig, dataset: Any, context: BaseContext) -> bytes:
+    """The dataset copy workers of ``context`` get: the pickled batch maker and
+    ``worker_init_fn`` (what lives in ``__main__`` by value, see ``_workers._payload``).
 
     Raises:
         TypeError: something cannot be pickled; names it and what to do.
     """
-    for name, obj in (
+    by_value = pickles_main_by_value(context)
+    maker = batch_maker(config, dataset)
+    try:
+        return dumps_payload((maker, config.worker_init_fn), main_by_value=by_value)
+    except Exception as exc:
+        # Only now, on the way to an error: pickle each part alone to name the culprit. An
+        # async dataset stays here; only its decode (a method of it) would travel.
+        sent = maker.dataset if maker.dataset is not None else maker.decode
+        for name, obj in _parts(config, sent):
+            try:
+                dumps_payload(obj, main_by_value=by_value)
+            except Exception as part_exc:
+                raise _unpicklable(name, obj, part_exc) from part_exc
+        raise _unpicklable("dataset", dataset, exc) from exc
+
+
+def check_callables(config: LoaderConfig) -> None:
+    """Report an unpicklable callable now, where that is cheap: a plain function of an
+    importable module pickles by reference, so pickling it costs nothing (a lambda or a local
+    function fails at once). A function of ``__main__`` travels by value and anything else
+    (a bound method, a callable object) may hold the dataset: those are checked with the
+    dataset, when the first epoch needs a copy.
+
+    Raises:
+        TypeError: names the callable and what to do.
+    """
+    for name, fn in _parts(config, None)[1:]:
+        if isinstance(fn, types.FunctionType) and fn.__module__ != "__main__":
+            try:
+                pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:
+                raise _unpicklable(name, fn, exc) from exc
+
+
+def _parts(config: LoaderConfig, dataset: Any) -> list[tuple[str, Any]]:
+    return [
         ("dataset", dataset),
         ("collate_fn", config.collate_fn),
         ("transform", config.transform),
         ("worker_init_fn", config.worker_init_fn),
-    ):
-        try:
-            pickle.dumps(obj)
-        except Exception as exc:
-            raise TypeError(
-                f"{name}={obj!r} cannot be sent to worker processes: {exc}. Define it at "
-                "module level (no lambdas or local functions), or use thread_pool=True"
-            ) from exc
-    maker = batch_maker(config, dataset)
-    return pickle.dumps((maker, config.worker_init_fn), protocol=pickle.HIGHEST_PROTOCOL)
+    ]
+
+
+def _unpicklable(name: str, obj: Any, exc: BaseException) -> TypeError:
+    return TypeError(
+        f"{name}={obj!r} cannot be sent to worker processes: {exc}. Define it at "
+        "module level (no lambdas or local functions), or use thread_pool=True"
+    )
 
 
 @dataclass(slots=True, eq=False, weakref_slot=True)  # identity: kept in a WeakSet
@@ -115,20 +163,25 @@ class Resources:
         *,
         device_spec: Any,
         context: BaseContext | None,
-        payload: bytes | None,
     ) -> Runner:
-        """Make what is missing (device stage, slot pool, runner); returns the runner."""
+        """Make what is missing (device stage, slot pool, runner); returns the runner. Worker
+        processes get their dataset copy from :meth:`renew`."""
         with self.lock:
             if self.device is None and (device_spec is not None or config.pin_memory):
                 from ._device import DeviceStage  # imports torch: only for a device stage
 
                 self.device = DeviceStage(device_spec, pin_memory=config.pin_memory)
             if self.runner is None:
-                if payload is not None:
+                if config.uses_processes:
                     assert context is not None
                     if self.slots is None and _shm.shm_available():
                         self.slots = _slot_pool(config, self.device)
-                    pool = WorkerPool(config.num_workers, context, payload, config.seed)
+                    pool = WorkerPool(
+                        config.num_workers,
+                        context,
+                        config.seed,
+                        per_batch_seeds=config.worker_seeding == "batch",
+                    )
                     release_before_sigterm(close_all_at_exit)
                     self.runner = ProcessRunner(pool, self.slots, config.prefetch)
                 else:
@@ -137,6 +190,21 @@ class Resources:
                 self.dataset_aclose = dataset.aclose
             _LIVE.add(self)
             return self.runner
+
+    def renew(self, config: LoaderConfig, dataset: Any, epoch: int, *, alone: bool) -> None:
+        """Give the worker processes the dataset copy for ``epoch``, if it needs a new one: the
+        first epoch does; with ``persistent_workers=False`` every epoch does, unless another
+        epoch of the loader still runs on the current copy (``alone`` is False): two
+        iterators at once share it, as they share the processes. Pickled later, when the
+        first worker needs it (see ``_workers._pool``); threads need nothing.
+        """
+        runner = self.runner
+        if not isinstance(runner, ProcessRunner):
+            return
+        pool = runner.pool
+        if pool.has_copy and (config.persistent_workers or not alone):
+            return
+        pool.load(functools.partial(worker_payload, config, dataset, pool.context), epoch)
 
     def loop(self) -> LoopThread:
         """The private event-loop thread for sync iteration, started on first use."""

@@ -12,8 +12,9 @@ derived from them ran once). Private attributes, and attributes a user adds, sta
 
 One setting is assignable, because frameworks assign it: ``worker_init_fn`` (Lightning sets
 it after ``seed_everything(workers=True)``; torch allows it). The loader checks the new value
-and re-derives what it feeds (:meth:`SettingsView._reconfigure`); worker processes already
-running keep the function they started with, as torch's persistent workers do.
+and re-derives what it feeds (:meth:`SettingsView._reconfigure`); worker processes run it with
+their next dataset copy: the next epoch's, or never again once ``persistent_workers=True``
+workers have their copy, as torch's workers do.
 """
 
 from __future__ import annotations
@@ -114,10 +115,12 @@ class SettingsView:
     last_batch = Setting[str]()
     persistent_workers = Setting[bool]()
     pin_memory_device = Setting[str]()
+    worker_seeding = Setting[str]()
 
     @property
     def worker_init_fn(self) -> Callable[[int], Any] | None:
-        """Called with the worker id in each worker process at its start; assignable."""
+        """Called with the worker id in each worker process as its dataset copy loads;
+        assignable."""
         return self._config.worker_init_fn
 
     @worker_init_fn.setter

@@ -11,6 +11,9 @@ import this module by name: ``tests/`` is on ``sys.path``, and the forkserver pa
 from __future__ import annotations
 
 import asyncio
+import math
+import os
+import random
 import threading
 import time
 from collections import namedtuple
@@ -18,6 +21,9 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import numpy as np
+import torch.utils.data
+
+import aioloader
 
 from aioloader import get_worker_info
 
@@ -268,3 +274,112 @@ class TorchDraws(Range):
 def one_sample_tagged(sample: Any) -> tuple[str, Any]:
     """A collate_fn for ``batch_size=None``: torch hands it one sample, not a list."""
     return ("one", sample)
+
+
+# -- what a worker knows: torch's API, seeds, its dataset copy (test_worker_compat) -----------
+
+# The calls of record_init in this process (a worker): (worker id, info seed, torch's seed).
+INIT_CALLS: list[tuple[int, int, int]] = []
+
+
+def record_init(worker_id: int) -> None:
+    """A worker_init_fn that records what code seeding there would see."""
+    info = torch.utils.data.get_worker_info()
+    assert info is not None, "torch.utils.data.get_worker_info() is None in worker_init_fn"
+    INIT_CALLS.append((worker_id, info.seed, torch.initial_seed()))
+
+
+def keep(samples: list[Any]) -> list[Any]:
+    """A collate_fn that keeps the samples as they are."""
+    return list(samples)
+
+
+class Probe:
+    """Sample ``i`` tells what its worker knows: both worker infos, torch's seed, this copy's
+    ``x`` and its reads so far, the worker_init_fn calls in the process, and one draw of
+    ``random``, numpy and torch. ``pickled`` counts how often this object was pickled (in the
+    process that pickles it)."""
+
+    def __init__(self, n: int, x: int = 0) -> None:
+        self.n = n
+        self.x = x
+        self.reads = 0
+        self.pickled = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getstate__(self) -> dict[str, Any]:
+        self.pickled += 1
+        return self.__dict__.copy()
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        ours = aioloader.get_worker_info()
+        theirs = torch.utils.data.get_worker_info()
+        assert ours is not None, "aioloader.get_worker_info() is None in a worker"
+        assert theirs is not None, "torch.utils.data.get_worker_info() is None in a worker"
+        self.reads += 1
+        return {
+            "index": index,
+            "pid": os.getpid(),
+            "x": self.x,
+            "reads": self.reads,
+            "id": ours.id,
+            "num_workers": ours.num_workers,
+            "seed": ours.seed,
+            "ours_is_self": ours.dataset is self,
+            "torch": (theirs.id, theirs.num_workers, theirs.seed, _same(theirs.dataset, self)),
+            "initial_seed": torch.initial_seed(),
+            "inits": list(INIT_CALLS),
+            "draws": (random.random(), float(np.random.rand()), float(torch.rand(1))),
+        }
+
+
+def _same(a: object, b: object) -> bool:
+    """``a is b``, for objects whose declared types do not overlap (torch's ``Dataset``)."""
+    return a is b
+
+
+class TorchSharded:
+    """A stream of ``shards`` that shards itself with torch's API, as WebDataset and Hugging
+    Face's IterableDataset do: worker ``k`` of ``n`` reads shards ``k, k + n, ...``. Yields
+    ``(item, pid)``."""
+
+    def __init__(self, shards: list[list[int]]) -> None:
+        self.shards = shards
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        info = torch.utils.data.get_worker_info()
+        first, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for shard in self.shards[first::step]:
+            for item in shard:
+                yield item, os.getpid()
+
+
+class Span:
+    """Yields ``start .. end-1``: torch's documented stream that :func:`split_span`, a
+    worker_init_fn, sets up per worker."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start = start
+        self.end = end
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.start, self.end))
+
+
+def split_span(worker_id: int) -> None:
+    """torch's documented worker_init_fn: this worker's copy reads only its part of the span."""
+    info = torch.utils.data.get_worker_info()
+    assert info is not None
+    dataset: Any = info.dataset
+    per_worker = math.ceil((dataset.end - dataset.start) / info.num_workers)
+    start = dataset.start + worker_id * per_worker
+    dataset.start, dataset.end = start, min(start + per_worker, dataset.end)
+
+
+def seed_numpy_from_info(worker_id: int) -> None:
+    """A worker_init_fn that only seeds (it reads the seed, not which worker it is)."""
+    info = torch.utils.data.get_worker_info()
+    assert info is not None
+    np.random.seed(info.seed % 2**32)

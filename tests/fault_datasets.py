@@ -210,6 +210,8 @@ class WhoAmI:
     def __getitem__(self, index: int) -> dict[str, Any]:
         info = get_worker_info()
         assert info is not None, "get_worker_info() is None inside a worker"
+        theirs = torch.utils.data.get_worker_info()
+        assert theirs is not None, "torch.utils.data.get_worker_info() is None inside a worker"
         return {
             "index": index,
             "id": info.id,
@@ -217,7 +219,13 @@ class WhoAmI:
             "seed": info.seed,
             "dataset_is_copy": isinstance(info.dataset, WhoAmI) and info.dataset is self,
             "pid": os.getpid(),
+            "torch": (theirs.id, theirs.num_workers, theirs.seed, _same(theirs.dataset, self)),
         }
+
+
+def _same(a: object, b: object) -> bool:
+    """``a is b``, for objects whose declared types do not overlap (torch's ``Dataset``)."""
+    return a is b
 
 
 @dataclass

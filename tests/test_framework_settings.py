@@ -50,12 +50,18 @@ def test_worker_init_fn_set_before_the_workers_start_reaches_them() -> None:
     assert marks <= {0, 1}
 
 
-def test_worker_processes_already_running_keep_their_worker_init_fn() -> None:
-    # As torch's persistent workers do: the new function is for workers started afterwards.
-    with aioloader.DataLoader(WorkerMarks(), batch_size=2, num_workers=2) as loader:
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_new_worker_init_fn_runs_with_the_next_dataset_copy(persistent: bool) -> None:
+    # As torch's: without persistent workers, the next epoch's workers run it; with them, the
+    # workers (here: their dataset copy, loaded once) keep the function they started with.
+    with aioloader.DataLoader(
+        WorkerMarks(), batch_size=2, num_workers=2, persistent_workers=persistent
+    ) as loader:
+        first = {int(mark) for batch in loader for mark in batch}
         loader.worker_init_fn = mark_worker
-        marks = {int(mark) for batch in loader for mark in batch}
-    assert marks == {-1}
+        second = {int(mark) for batch in loader for mark in batch}
+    assert first == {-1}
+    assert second == ({-1} if persistent else {0, 1})
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,7 @@ OWN_PARAMETERS = {
     "shm_max_bytes",
     "progress",
     "shard",
+    "worker_seeding",
 }
 
 

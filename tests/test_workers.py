@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-import pickle
 import random
 import resource
 import subprocess
@@ -43,7 +42,6 @@ from aioloader import (
     _shm,
     _workers,
 )
-from aioloader._batch import BatchMaker
 from aioloader._workers import _context, _pool, _worker
 
 # -- what a worker knows -----------------------------------------------------------------------
@@ -59,12 +57,17 @@ async def test_get_worker_info_names_the_worker_inside_and_is_none_outside() -> 
     assert sorted(s["index"] for s in samples) == list(range(32))
     assert {s["id"] for s in samples} == {0, 1}  # both workers had work
     assert {s["num_workers"] for s in samples} == {2}
-    assert {s["seed"] for s in samples} == {1234}
+    seed_of = {s["id"]: s["seed"] for s in samples}
+    assert seed_of[1] == seed_of[0] + 1  # base + worker id, as in torch
+    assert all(seed_of[s["id"]] == s["seed"] for s in samples)
     assert all(s["dataset_is_copy"] for s in samples)
+    # torch's own get_worker_info() tells the same, with the same dataset copy.
+    assert all(s["torch"] == (s["id"], 2, s["seed"], True) for s in samples)
     pid_of = {s["id"]: s["pid"] for s in samples}
     assert len(set(pid_of.values())) == 2  # one process per id
     assert all(pid_of[s["id"]] == s["pid"] for s in samples)
     assert aioloader.get_worker_info() is None
+    assert torch.utils.data.get_worker_info() is None
 
 
 # -- randomness (RELIABILITY.md row 25) --------------------------------------------------------
@@ -225,7 +228,14 @@ async def test_collate_fn_that_is_not_hashable_works_in_workers() -> None:
 def test_the_forkserver_preloads_the_module_workers_run() -> None:
     # Everything a worker runs is pickled by reference to one module; the forkserver imports
     # that module once, so that each worker forks with it (and numpy, torch) already loaded.
-    jobs = (_worker.init_worker, _worker.ping, _worker.serve, _worker.run_map_job)
+    jobs = (
+        _worker.init_worker,
+        _worker.ping,
+        _worker.serve,
+        _worker.load_copy,
+        _worker.run_map_job,
+        _worker.run_stream_job,
+    )
     assert {fn.__module__ for fn in jobs} == {_context.WORKER_MODULE}
 
 
@@ -284,10 +294,16 @@ def test_unpicklable_callable_is_reported_at_construction(arg: str) -> None:
         fd.make_loader(fd.Faulty(8), **{arg: lambda x: x})
 
 
-def test_unpicklable_dataset_is_reported_at_construction() -> None:
-    with pytest.raises(TypeError, match=r"^dataset=Mapped\(.*cannot be sent.*lambda") as info:
-        fd.make_loader(fd.Mapped(8, lambda i: i))
-    assert "thread_pool=True" in str(info.value)  # and what to do instead
+def test_unpicklable_dataset_is_reported_at_the_first_batch() -> None:
+    # The dataset is pickled when an epoch needs it (changes made after construction count),
+    # not at construction too: pickling a large dataset twice would cost twice.
+    with fd.make_loader(fd.Mapped(8, lambda i: i)) as loader:
+        for _ in range(2):  # every epoch says so, and the loader stays usable
+            with pytest.raises(
+                TypeError, match=r"^dataset=Mapped\(.*cannot be sent.*lambda"
+            ) as info:
+                next(iter(loader))
+            assert "thread_pool=True" in str(info.value)  # and what to do instead
 
 
 # -- a dead worker's job, when its awaiting task is cancelled --------------------------------------
@@ -299,7 +315,7 @@ async def test_cancelled_while_a_dead_workers_status_is_read_the_job_is_still_re
     # The slot of a job whose worker died is released (on_abandon) even if the task awaiting
     # the job is cancelled while the pool reads the dead worker's exit status.
     context = _workers.resolve_context(None, allow_fork=False)
-    pool = _workers.WorkerPool(1, context, pickle.dumps((BatchMaker([1], list), None)), 0)
+    pool = _workers.WorkerPool(1, context, 0)
     loop = asyncio.get_running_loop()
     task: asyncio.Task[Any] | None = None
     real_reap = _pool._reap

@@ -2,8 +2,11 @@
 
 One module a job::
 
-    _context   which start method (forkserver by default; fork refused while threads run)
-    _worker    everything that runs inside a worker: initializer, get_worker_info, seeding,
+    _context   which start method (forkserver by default; fork refused while threads run);
+               workers never run the user's __main__ again
+    _payload   how the dataset copy travels: pickle, with __main__'s classes by value
+    _info      what a worker knows (get_worker_info, torch's too) and its seeds
+    _worker    everything that runs inside a worker: initializer, loading a dataset copy,
                the map and stream jobs, stream sharding, the watchdog
     _wire      the job records and the batch's way back: the one place that decides shared
                memory or inline, on both sides
@@ -21,6 +24,10 @@ One map-style batch on its way (a stream's batch goes the same way, as ``pull`` 
       _wire.Receiver.lease() ──▶ a slot, or None (inline)
       _wire.MapJob(request, slot)
       _pool.WorkerPool.submit(run_map_job, job)
+        first job of an epoch that renews the copy:
+        _wire.LoadJob(_payload.dumps(...)) ──── pipe ────────────▶ _worker.load_copy: the
+                                                                  dataset copy, seeds,
+                                                                  worker_init_fn
       _channel.Channel.send ──── pipe: pickle((fn, job)) ────▶ _channel.serve_over
                                                               _worker.run_map_job(job)
                                                                 BatchMaker.make(request,
@@ -37,7 +44,10 @@ Sharp edges (each module's docstring tells its own in full):
 - ``fork`` is refused while threads run (an event loop's executor, a sync iterator's thread):
   a forked child inherits locks held by threads that do not exist in it. ``forkserver`` and
   ``spawn`` re-import ``aioloader`` in a fresh interpreter; the forkserver preloads the
-  worker module once (``_context``).
+  worker module once; neither runs the user's ``__main__`` again (``_context``), so what lives
+  there travels by value (``_payload``).
+- The dataset copy is pickled when an epoch needs it, off the event loop, once for all
+  workers; ``persistent_workers=False`` renews it each epoch in the same processes (``_pool``).
 - Workers ignore SIGINT, and a watchdog ends a worker whose main process died, zombies
   included (``_worker``).
 - A worker's death is seen twice, as end-of-file on its pipe and as the executor's broken
@@ -54,18 +64,22 @@ Sharp edges (each module's docstring tells its own in full):
 
 from __future__ import annotations
 
+from ._context import pickles_main_by_value as pickles_main_by_value
 from ._context import resolve_context as resolve_context
+from ._info import WorkerInfo as WorkerInfo
+from ._info import get_worker_info as get_worker_info
+from ._info import seed_everything as seed_everything
+from ._payload import dumps as dumps_payload
 from ._pool import WorkerPool as WorkerPool
 from ._runner import ProcessRunner as ProcessRunner
-from ._worker import WorkerInfo as WorkerInfo
-from ._worker import get_worker_info as get_worker_info
-from ._worker import seed_everything as seed_everything
 
 __all__ = [
     "ProcessRunner",
     "WorkerInfo",
     "WorkerPool",
+    "dumps_payload",
     "get_worker_info",
+    "pickles_main_by_value",
     "resolve_context",
     "seed_everything",
 ]

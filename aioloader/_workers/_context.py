@@ -1,14 +1,36 @@
-"""Which start method worker processes get, and what a forkserver loads before it forks.
+"""Which start method worker processes get, what a forkserver loads before it forks, and why a
+worker never runs the user's ``__main__``.
 
-``forkserver`` is the default (``spawn`` where it is missing). Both start a fresh interpreter
-that imports :data:`WORKER_MODULE` (the module whose functions a worker runs), so the forkserver
-preloads it once, and with it ``aioloader``, numpy and torch: every later worker forks from a
-process that has already paid for those imports.
+By default workers fork from a server forked from this process where that is safe
+(:mod:`._zygote`); otherwise ``forkserver`` (``spawn`` where it is missing). Both start a fresh
+interpreter that imports :data:`WORKER_MODULE` (the module whose functions a worker runs), so
+the forkserver preloads it once, and with it ``aioloader``, numpy and torch: every later worker
+forks from a process that has already paid for those imports.
+
+A worker does not re-run the main script. Python's ``forkserver`` and ``spawn`` tell each child
+the main module's path or name, and the child runs it again (as ``__mp_main__``) so that
+classes defined there unpickle by reference. A script without an ``if __name__ ==
+"__main__":`` guard then builds and iterates a loader again inside every worker, and fails
+there. Workers started here are told nothing about the main module (:class:`_NoMainForkServerPopen`
+and its spawn twin drop it from the preparation data); whatever the loader sends them that
+lives in ``__main__`` is pickled by value instead (:mod:`._payload`). A script behaves as
+with torch's default ``fork`` on Linux: its top level runs once. The start methods named here
+(and the stock ``forkserver`` / ``spawn`` contexts passed as objects) get this; any other
+context object is used as given.
 
 ``fork`` is refused unless the caller insists: workers are started while the loader runs, from
 the event loop's thread or a helper thread, with the loop's executor and the executors' manager
 threads alive, and a forked child inherits locks those threads may hold (and can deadlock on
 them). Counting threads when the loader is made would not tell what runs at fork time.
+
+Sharp edges:
+- Leaving ``__main__`` out means copying CPython's ``Popen._launch`` of each start method with
+  one name rebound (``spawn``, to :class:`_PreparationWithoutMain`), rather than copying its
+  code or patching the ``multiprocessing`` module for every user of it. Should a Python
+  version stop reading the preparation data through that name, the stock ``Popen`` is used
+  and workers re-run ``__main__`` as before (:data:`WORKERS_SKIP_MAIN` tells which).
+- The forkserver is one per program and its preload list is global: it is set before the
+  server starts, and has no effect if something else started it first.
 """
 
 from __future__ import annotations
@@ -16,14 +38,98 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import threading
+import types
+from collections.abc import Callable
+from multiprocessing import context as mp_context_module
+from multiprocessing import popen_forkserver, popen_spawn_posix, spawn
 from multiprocessing.context import BaseContext
+from typing import Any
 
-from ._zygote import zygote_context
+from ._zygote import preparation_data, zygote_context
 
-__all__ = ["WORKER_MODULE", "resolve_context"]
+__all__ = [
+    "WORKERS_SKIP_MAIN",
+    "WORKER_MODULE",
+    "ForkServerContext",
+    "SpawnContext",
+    "pickles_main_by_value",
+    "resolve_context",
+]
 
 # What a worker process imports to run its jobs (initializer, serve loop, map and stream jobs).
 WORKER_MODULE = "aioloader._workers._worker"
+
+
+class _PreparationWithoutMain:
+    """``multiprocessing.spawn`` as a ``Popen._launch`` sees it, except that the preparation
+    data it returns never names the main module."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(spawn, name)
+
+    @staticmethod
+    def get_preparation_data(name: str) -> dict[str, Any]:
+        return preparation_data(name)
+
+
+def _launch_without_main(launch: Callable[..., None]) -> Callable[..., None] | None:
+    """``launch`` with its global ``spawn`` bound to :class:`_PreparationWithoutMain`, or
+    None if it does not read the preparation data through that name."""
+    code = launch.__code__
+    if "spawn" not in code.co_names:
+        return None
+    namespace = dict(launch.__globals__)
+    namespace["spawn"] = _PreparationWithoutMain()
+    copy = types.FunctionType(code, namespace, launch.__name__, launch.__defaults__)
+    copy.__qualname__ = launch.__qualname__
+    return copy
+
+
+_forkserver_launch = _launch_without_main(popen_forkserver.Popen._launch)  # type: ignore[attr-defined]
+_spawn_launch = _launch_without_main(popen_spawn_posix.Popen._launch)  # type: ignore[attr-defined]
+
+# Whether workers of the contexts below skip the main module (see the module's sharp edges).
+WORKERS_SKIP_MAIN = _forkserver_launch is not None and _spawn_launch is not None
+
+
+class _NoMainForkServerPopen(popen_forkserver.Popen):
+    if _forkserver_launch is not None:
+        _launch = _forkserver_launch
+
+
+class _NoMainSpawnPopen(popen_spawn_posix.Popen):
+    if _spawn_launch is not None:
+        _launch = _spawn_launch
+
+
+class _ForkServerProcess(mp_context_module.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _NoMainForkServerPopen(process_obj)
+
+
+class _SpawnProcess(mp_context_module.SpawnProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _NoMainSpawnPopen(process_obj)
+
+
+class ForkServerContext(mp_context_module.ForkServerContext):
+    """The ``forkserver`` context, whose processes do not run ``__main__`` again."""
+
+    Process = _ForkServerProcess
+
+
+class SpawnContext(mp_context_module.SpawnContext):
+    """The ``spawn`` context, whose processes do not run ``__main__`` again."""
+
+    Process = _SpawnProcess
+
+
+_OURS: dict[str, Callable[[], BaseContext]] = {
+    "forkserver": ForkServerContext,
+    "spawn": SpawnContext,
+}
 
 
 def resolve_context(mp_context: str | BaseContext | None, *, allow_fork: bool) -> BaseContext:
@@ -43,16 +149,22 @@ def resolve_context(mp_context: str | BaseContext | None, *, allow_fork: bool) -
         if zygote is not None:
             return zygote
         method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-        ctx: BaseContext = mp.get_context(method)
+        ctx: BaseContext = _ours(method)
     elif isinstance(mp_context, str):
         if mp_context not in mp.get_all_start_methods():
             raise ValueError(
                 f"mp_context={mp_context!r} is not a start method here; "
                 f"use one of {mp.get_all_start_methods()}"
             )
-        ctx = mp.get_context(mp_context)
+        ctx = _ours(mp_context)
     elif isinstance(mp_context, BaseContext):
-        ctx = mp_context
+        # The stock contexts (what mp.get_context(name) returns) differ from ours only in
+        # re-running __main__; a context of any other class is the caller's own design.
+        stock = type(mp_context) in (
+            mp_context_module.ForkServerContext,
+            mp_context_module.SpawnContext,
+        )
+        ctx = _ours(mp_context.get_start_method()) if stock else mp_context
     else:
         raise TypeError(f"mp_context must be a start method name or a context, got {mp_context!r}")
     if ctx.get_start_method() == "fork" and not allow_fork:
@@ -66,3 +178,16 @@ def resolve_context(mp_context: str | BaseContext | None, *, allow_fork: bool) -
         with contextlib.suppress(Exception):  # only effective before the server starts
             ctx.set_forkserver_preload([WORKER_MODULE])
     return ctx
+
+
+def _ours(method: str) -> BaseContext:
+    make = _OURS.get(method)
+    return make() if make is not None else mp.get_context(method)
+
+
+def pickles_main_by_value(context: BaseContext) -> bool:
+    """Whether what lives in ``__main__`` must travel by value to workers of ``context``: a
+    forked worker has the parent's ``__main__`` (by reference is right, and by value would
+    make second copies of its classes); any other worker has no user ``__main__`` at all, or
+    one it ran again, whose classes are not the ones the parent pickled."""
+    return context.get_start_method() != "fork"

@@ -20,10 +20,20 @@ A worker's death shows twice: its pipe reaches end-of-file at once (the usual si
 executor fails the serve job (the backstop, e.g. under ``fork``, where a sibling may hold the
 pipe open). Either fails every job the worker held with ``BrokenProcessPool``.
 
+The dataset copy (:meth:`WorkerPool.load`) is not part of a worker's start: it is a job of its
+own, sent ahead of the first job a worker gets after a new copy was given (a replacement
+worker gets the current copy the same way). The copy is pickled once for all workers, in a
+thread (a large dataset would stall the event loop), when the first of them needs it. Renewing
+it each epoch (``persistent_workers=False``) therefore costs one pickling and one unpickling
+per worker, as in torch, but no process start: the processes, their imports and their
+shared-memory mappings are kept warm.
+
 Sharp edges:
-- A worker that dies while starting (before it answers any job) gets no culprit batch, so its
-  jobs would be resubmitted to a fresh worker forever; after :data:`MAX_START_FAILURES` such
-  deaths in a row they fail with ``WorkerInitError`` instead.
+- A worker that dies while starting or loading its copy (before it answers any job) gets no
+  culprit batch, so its jobs would be resubmitted to a fresh worker forever; after
+  :data:`MAX_START_FAILURES` such deaths in a row they fail with ``WorkerInitError`` instead.
+- A copy that cannot be pickled fails every job that needs it with the ``TypeError`` that
+  names what could not be pickled (a fresh one each time: each batch adds its own notes).
 - A worker killed for hanging (:meth:`WorkerPool.kill_holding`) is not blamed for the jobs
   queued behind it, including a retry of the hung batch itself: they go to its replacement.
 - A forkserver child's exit status (it names the killing signal) is read from a pipe, once: a
@@ -37,6 +47,7 @@ Sharp edges:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import os
@@ -53,7 +64,8 @@ from typing import Any, TypeVar
 
 from .._errors import WorkerCrashedError, WorkerInitError
 from ._channel import Channel, open_channel
-from ._worker import init_worker, ping, serve
+from ._wire import LoadJob
+from ._worker import init_worker, load_copy, ping, serve
 
 __all__ = ["EXIT_STATUS_WAIT_S", "MAX_START_FAILURES", "SHUTDOWN_GRACE_S", "WorkerPool"]
 
@@ -90,6 +102,45 @@ class _Worker:
     served: bool = False  # this generation's process answered a job: it started fine
     killed: bool = False  # this generation's process was killed by kill_holding (it hung)
     failed_starts: int = 0  # consecutive generations that died before answering any job
+    loaded: _Copy | None = None  # the copy sent to this generation's process, if any
+
+
+class _Copy:
+    """One dataset copy for the workers: pickled once, in a thread, when first needed.
+
+    Args:
+        make: pickles the copy (``_payload.dumps`` of the batch maker and worker_init_fn).
+        epoch: the epoch it is made for (the workers' seeds derive from it).
+    """
+
+    def __init__(self, make: Callable[[], bytes], epoch: int) -> None:
+        self.epoch = epoch
+        self._make: Callable[[], bytes] | None = make
+        self._lock = threading.Lock()
+        self._done: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+
+    async def job(self) -> LoadJob:
+        """The job that loads this copy (pickled now if nobody did yet, off the loop)."""
+        with self._lock:
+            make, self._make = self._make, None
+        if make is not None:
+            # A thread of its own, tied to no event loop: the pickling finishes and keeps its
+            # result even if this caller is cancelled or its loop closes meanwhile; every
+            # caller waits on the one future.
+            threading.Thread(
+                target=self._run, args=(make,), name="aioloader-pickle", daemon=True
+            ).start()
+        try:
+            payload = await asyncio.wrap_future(self._done)
+        except TypeError as exc:
+            raise TypeError(str(exc)) from exc
+        return LoadJob(payload, self.epoch)
+
+    def _run(self, make: Callable[[], bytes]) -> None:
+        try:
+            self._done.set_result(make())
+        except BaseException as exc:
+            self._done.set_exception(exc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,15 +158,19 @@ class WorkerPool:
     Args:
         num_workers: how many worker processes.
         context: the multiprocessing context (see :func:`resolve_context`).
-        payload: ``pickle.dumps((BatchMaker, worker_init_fn))``, sent to each worker once.
-        seed: the base seed each worker derives per-batch seeds from.
+        seed: the loader's seed; workers derive their seeds from it.
+        per_batch_seeds: reseed each worker before every batch (``worker_seeding='batch'``),
+            rather than once per copy.
     """
 
-    def __init__(self, num_workers: int, context: BaseContext, payload: bytes, seed: int) -> None:
+    def __init__(
+        self, num_workers: int, context: BaseContext, seed: int, *, per_batch_seeds: bool = True
+    ) -> None:
         self.num_workers = num_workers
-        self._context = context
-        self._payload = payload
+        self.context = context
         self._seed = seed
+        self._per_batch_seeds = per_batch_seeds
+        self._copy: _Copy | None = None
         self._current = context.Array(ctypes.c_int64, num_workers, lock=False)
         self._launch_lock = threading.Lock()
         self._workers = [_Worker(i, *self._new_worker(i)) for i in range(num_workers)]
@@ -130,13 +185,13 @@ class WorkerPool:
         channel, child = open_channel()
         executor = ProcessPoolExecutor(
             max_workers=1,
-            mp_context=self._context,
+            mp_context=self.context,
             initializer=init_worker,
             initargs=(
-                self._payload,
                 worker_id,
                 self.num_workers,
                 self._seed,
+                self._per_batch_seeds,
                 self._current,
                 os.getpid(),
                 child,
@@ -173,17 +228,26 @@ class WorkerPool:
 
     def start(self) -> None:
         """Start every worker and wait until each has run its initializer (blocking: call it
-        from a thread). Without it, workers start at their first job."""
+        from a thread). Without it, workers start at their first job. Their dataset copy comes
+        with their first job (see :meth:`load`)."""
         waits = []
         for w in self._workers:
             self._launch(w)
-            waits.append((w, w.generation, w.started))
-        for w, generation, started in waits:
+            waits.append(w.started)
+        for started in waits:
             assert started is not None
             with contextlib.suppress(Exception):  # a crash shows at the first real job
                 started.result()
-                if w.generation == generation:
-                    w.served = True
+
+    def load(self, make: Callable[[], bytes], epoch: int) -> None:
+        """Give the workers a new dataset copy: ``make()`` pickles it (once, in a thread, when
+        the first worker needs it); each worker loads it before its next job. Thread-safe."""
+        self._copy = _Copy(make, epoch)
+
+    @property
+    def has_copy(self) -> bool:
+        """Whether a dataset copy was given (:meth:`load`)."""
+        return self._copy is not None
 
     def pids(self) -> list[int]:
         """Pids of the worker processes started so far."""
@@ -238,6 +302,13 @@ class WorkerPool:
             w.outstanding += 1
             try:
                 self._launch(w)
+                copy = self._copy
+                if copy is not None and w.loaded is not copy:
+                    load = await copy.job()  # raises the TypeError of an unpicklable copy
+                    if w.loaded is not copy and w.generation == generation:
+                        _, loaded = channel.send(load_copy, load)  # ahead of the job: FIFO
+                        loaded.add_done_callback(_ignore_result)  # failures show in the job
+                        w.loaded = copy
                 job_id, future = channel.send(fn, job)
                 result: R = await future
                 if w.generation == generation:
@@ -265,6 +336,8 @@ class WorkerPool:
             except asyncio.CancelledError:
                 if job_id is not None:  # on_abandon runs once the worker is done with it
                     channel.abandon(job_id, on_abandon)
+                elif on_abandon is not None:  # cancelled before it was sent
+                    on_abandon()
                 raise
             finally:
                 w.outstanding -= 1
@@ -307,6 +380,7 @@ class WorkerPool:
         w.started = None
         w.served = False
         w.killed = False
+        w.loaded = None  # the replacement gets the current copy before its first job
         self.rebuilds += 1
         if not self._closed:
             w.executor, w.channel, w.child_pipes = self._new_worker(w.id)
@@ -382,6 +456,13 @@ class WorkerPool:
             for p in processes:
                 with contextlib.suppress(ValueError):  # still running after the kill: leave it
                     p.close()
+
+
+def _ignore_result(future: asyncio.Future[Any]) -> None:
+    """Retrieve a load's outcome, which nobody awaits: a failed load shows in the next job
+    (``WorkerInitError``, or ``BrokenProcessPool`` if it killed the worker)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _close_pipes(pipes: tuple[Connection, Connection] | None) -> None:

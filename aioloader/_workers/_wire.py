@@ -1,7 +1,9 @@
 """What goes to a worker and how its batch comes back: the wire format of one job.
 
-Two job records go out (pickled over the worker's request pipe, with the function to run):
+Three job records go out (pickled over the worker's request pipe, with the function to run):
 
+- :class:`LoadJob`: the dataset copy (and the callables) a worker makes its batches with from
+  now on, sent before the first batch job of each epoch that renews it;
 - :class:`MapJob`: a map-style :class:`~aioloader._types.BatchRequest` and the slot, if any,
   the batch should be collated into;
 - :class:`StreamJob`: a :class:`~aioloader._types.StreamRequest` (the next batch of this
@@ -54,6 +56,7 @@ from .._types import BatchRequest, Made, StreamRequest
 
 __all__ = [
     "INLINE_MAX_BYTES",
+    "LoadJob",
     "MapJob",
     "Packer",
     "Parcel",
@@ -71,6 +74,19 @@ INLINE_MAX_BYTES = _shm.INLINE_MAX_BYTES
 
 
 # -- out: the jobs -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LoadJob:
+    """Make batches from now on with the dataset copy in ``payload``, made for ``epoch``.
+
+    Attributes:
+        payload: ``(BatchMaker, worker_init_fn)`` pickled by :func:`._payload.dumps`.
+        epoch: the epoch it was made for (the worker's seed derives from it).
+    """
+
+    payload: bytes
+    epoch: int
 
 
 @dataclass(frozen=True, slots=True)

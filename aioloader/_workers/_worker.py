@@ -2,15 +2,18 @@
 
 A worker is started by its executor (see :mod:`._pool`), which runs :func:`init_worker` once
 and then one long job, :func:`serve`: a loop that reads jobs from the worker's request pipe and
-writes replies to its reply pipe (:mod:`._channel`). The jobs it runs are :func:`run_map_job`
-and :func:`run_stream_job`; each returns a :class:`~aioloader._types.Made` whose batch is a
-:class:`._wire.Parcel`.
+writes replies to its reply pipe (:mod:`._channel`). The jobs it runs are :func:`load_copy`
+(the dataset copy to work with from now on), :func:`run_map_job` and :func:`run_stream_job`;
+the last two return a :class:`~aioloader._types.Made` whose batch is a :class:`._wire.Parcel`.
 
-What a worker gets once, at start: the pickled payload (its :class:`~aioloader._batch.
-BatchMaker`, which holds the dataset, collate_fn, transform and decode, and the user's
-``worker_init_fn``), its id, the worker count, the base seed, a shared array in which it
-publishes the batch it is working on (so a crash names the batch it killed, and a deadline can
-tell "running" from "queued"), the main pid, and its ends of the two pipes.
+What a worker gets once, at start: its id, the worker count, the loader's seed and how to seed
+(``'batch'`` or ``'worker'``), a shared array in which it publishes the batch it is working on
+(so a crash names the batch it killed, and a deadline can tell "running" from "queued"), the
+main pid, and its ends of the two pipes. Its dataset copy comes later, as a job
+(:class:`._wire.LoadJob`): before its first batch, and again at each epoch that renews it
+(``persistent_workers=False``, torch's default). Loading a copy drops the previous one, seeds
+the worker (see :mod:`._info`), publishes its :class:`WorkerInfo` (to torch's API too), and
+runs ``worker_init_fn``; the process itself, its imports and its shared-memory mappings stay.
 
 Sharp edges:
 - Workers ignore SIGINT: Ctrl-C is the main process's to handle; it then closes the pool.
@@ -19,11 +22,13 @@ Sharp edges:
   process's death, even if nobody closed the pipes (a main process killed by SIGKILL). It
   treats a zombie as dead: a killed process stays a zombie until its parent reaps it, and
   ``kill(pid, 0)`` still succeeds on a zombie.
-- A failure to unpickle the payload, or an exception from ``worker_init_fn``, does not crash the
-  worker: it is reported by the first job, as :class:`~aioloader.WorkerInitError`.
+- A failure to unpickle the copy, or an exception from ``worker_init_fn``, does not crash the
+  worker: it is reported by each following job, as :class:`~aioloader.WorkerInitError`, until a
+  new copy loads.
 - An exception that cannot be pickled would break the reply; jobs send a ``RuntimeError``
   carrying the original type name, message and traceback text instead.
-- A stream that never asks :func:`get_worker_info` is sharded here (worker ``k`` keeps items
+- A stream whose dataset never reads which worker it is in (neither in ``worker_init_fn`` nor
+  while its stream starts, see :mod:`._info`) is sharded here (worker ``k`` keeps items
   ``k, k + n, k + 2n, ...``), so no item is produced twice. A generator runs its body only at
   the first ``next``, so the first item is read before deciding. In a distributed job each
   rank keeps its share too (:func:`aioloader._distributed.stream_share`), also of a stream
@@ -33,8 +38,6 @@ Sharp edges:
 from __future__ import annotations
 
 import os
-import pickle
-import random
 import signal
 import threading
 import time
@@ -44,26 +47,24 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-import numpy as np
-
 from .._batch import BatchMaker, StreamCursor, annotate
 from .._distributed import every_nth, stream_share
 from .._errors import WorkerInitError
 from .._shm import Slot
 from .._types import END, BatchRequest, Made
+from . import _info, _payload
 from ._channel import serve_over
 from ._frames import picklable
-from ._wire import MapJob, Packer, StreamJob, inline
+from ._info import WorkerInfo
+from ._wire import LoadJob, MapJob, Packer, StreamJob, inline
 
 __all__ = [
     "WATCHDOG_INTERVAL_S",
-    "WorkerInfo",
-    "get_worker_info",
     "init_worker",
+    "load_copy",
     "ping",
     "run_map_job",
     "run_stream_job",
-    "seed_everything",
     "serve",
 ]
 
@@ -72,34 +73,21 @@ __all__ = [
 WATCHDOG_INTERVAL_S = 0.5
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    """What a worker knows about itself; :func:`get_worker_info` returns it inside a worker.
-
-    Attributes:
-        id: the worker's number, ``0 <= id < num_workers``; stable across rebuilds.
-        num_workers: how many workers the loader runs.
-        seed: the loader's base seed (per-batch seeds derive from it, the epoch and batch id).
-        dataset: this worker's copy of the dataset.
-    """
-
-    id: int
-    num_workers: int
-    seed: int
-    dataset: Any
-
-
 @dataclass(slots=True)
 class _WorkerState:
-    """The worker process's one state: set by :func:`init_worker`, read by every job."""
+    """The worker process's one state: set by :func:`init_worker` and :func:`load_copy`, read
+    by every job."""
 
-    info: WorkerInfo
-    maker: BatchMaker
+    worker_id: int
+    num_workers: int
+    seed: int  # the loader's seed: per-batch seeds derive from it
+    per_batch_seeds: bool  # worker_seeding='batch': reseed before every batch
     current: Any  # shared ctypes array: batch id + 1 being worked on, 0 when idle
     pipes: tuple[Connection, Connection]  # this worker's (requests, replies)
+    maker: BatchMaker | None = None  # None until the first copy loads
     init_error: BaseException | None = None
     init_tb: str = ""
-    info_asked: bool = False  # the dataset asked get_worker_info (it shards itself)
+    init_shards: bool = False  # worker_init_fn read which worker this is: it set up the copy
     stream: StreamCursor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -107,72 +95,33 @@ class _WorkerState:
 
     def _open_stream(self) -> Iterator[Any]:
         """This worker's share of the dataset's stream, for one epoch."""
-        self.info_asked = False
-        it = iter(self.maker.dataset)
-        first = next(it, END)  # generators run their body (and ask for worker info) only now
+        assert self.maker is not None
+        _info.watch()
+        try:
+            it = iter(self.maker.dataset)
+            first = next(it, END)  # generators run their body (and read worker info) only now
+        finally:
+            shards_itself = _info.unwatch() or self.init_shards
         if first is END:
             return iter(())
         rest = _chain_first(first, it)
         shard = self.maker.shard  # the rank share, in a distributed job
-        if self.info_asked:  # the stream is this worker's already: split it by rank only
+        if shards_itself:  # the stream is this worker's already: split it by rank only
             return every_nth(rest, *stream_share(shard, 0, 1))
-        return every_nth(rest, *stream_share(shard, self.info.id, self.info.num_workers))
+        return every_nth(rest, *stream_share(shard, self.worker_id, self.num_workers))
 
 
 _STATE: _WorkerState | None = None
 
 
-def get_worker_info() -> WorkerInfo | None:
-    """Inside a worker process: its :class:`WorkerInfo`; in the main process: ``None``.
-
-    An iterable dataset uses it in ``__iter__`` to read only its shard. If a dataset never asks,
-    the loader shards its stream for it (worker ``k`` keeps items ``k, k + n, k + 2n, ...``) so
-    that no item is produced twice.
-    """
-    if _STATE is None:
-        return None
-    _STATE.info_asked = True
-    return _STATE.info
-
-
-def seed_everything(seed: int, epoch: int, batch_id: int) -> int:
-    """Seed ``random``, ``numpy.random`` and ``torch`` from (seed, epoch, batch id).
-
-    A sample's randomness then depends on which batch it is in, never on which worker ran it or
-    how many workers there are. Returns the derived 64-bit seed.
-
-    Runs before every batch, so it must be cheap: the mix is three rounds of splitmix64 in
-    Python (~2 us; ``SeedSequence`` costs ~120 us), and torch is seeded through its CPU
-    generator (``torch.manual_seed`` also reseeds every accelerator: ~300 us).
-    """
-    derived = _mix(_mix(_mix(seed) ^ epoch) ^ batch_id)
-    random.seed(derived)
-    np.random.seed(derived & 0xFFFFFFFF)
-    import torch
-
-    torch.default_generator.manual_seed(derived)
-    return derived
-
-
-_MASK64 = 0xFFFFFFFFFFFFFFFF
-
-
-def _mix(x: int) -> int:
-    """splitmix64's finaliser: a bijection on 64-bit ints that spreads every input bit."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-# -- start-up and the serve loop -------------------------------------------------------------
+# -- start-up, loading a copy, the serve loop ---------------------------------------------------
 
 
 def init_worker(
-    payload: bytes,
     worker_id: int,
     num_workers: int,
     seed: int,
+    per_batch_seeds: bool,
     current: Any,
     main_pid: int,
     pipes: tuple[Connection, Connection],
@@ -183,27 +132,39 @@ def init_worker(
     threading.Thread(
         target=_watchdog, args=(main_pid,), name="aioloader-watchdog", daemon=True
     ).start()
+    _STATE = _WorkerState(worker_id, num_workers, seed, per_batch_seeds, current, pipes)
+
+
+def load_copy(job: LoadJob) -> None:
+    """Make batches from now on with the copy in ``job``: drop the previous copy, seed, publish
+    the worker info, run ``worker_init_fn``. A failure is kept and reported by the next jobs."""
+    state = _STATE
+    assert state is not None, "worker job run outside a worker"
+    # The previous copy goes first (its files, its memory), as torch's exiting worker would.
+    state.maker = None
+    state.stream = StreamCursor(state._open_stream)
+    state.init_error, state.init_tb, state.init_shards = None, "", False
+    _info.publish(None)
+    seed = _info.worker_seed(state.seed, job.epoch, state.worker_id)
     init_fn: Callable[[int], Any] | None = None
     try:
-        maker, init_fn = pickle.loads(payload)
-    except BaseException as exc:  # reported at the first job, not as a silent crash
-        _STATE = _WorkerState(
-            WorkerInfo(worker_id, num_workers, seed, None),
-            BatchMaker(None, list),
-            current,
-            pipes,
-            exc,
-            traceback.format_exc(),
-        )
+        maker, init_fn = _payload.loads(job.payload)
+    except BaseException as exc:  # reported by the jobs, not as a silent crash
+        state.init_error, state.init_tb = exc, traceback.format_exc()
         return
-    info = WorkerInfo(worker_id, num_workers, seed, maker.dataset)
-    _STATE = _WorkerState(info, maker, current, pipes)
-    if init_fn is not None:
-        try:
-            init_fn(worker_id)
-        except BaseException as exc:
-            _STATE.init_error = exc
-            _STATE.init_tb = traceback.format_exc()
+    state.maker = maker
+    # After unpickling: the dataset's modules are imported now, torch among them if it uses it.
+    _info.seed_worker(seed, torch_later=not state.per_batch_seeds)
+    _info.publish(WorkerInfo(state.worker_id, state.num_workers, seed, maker.dataset))
+    if init_fn is None:
+        return
+    _info.watch()
+    try:
+        init_fn(state.worker_id)
+    except BaseException as exc:
+        state.init_error, state.init_tb = exc, traceback.format_exc()
+    finally:
+        state.init_shards = _info.unwatch()
 
 
 def ping() -> int:
@@ -253,7 +214,7 @@ def run_map_job(job: MapJob) -> Made:
     try:
         return _make(state, request, job.slot)
     finally:
-        state.current[state.info.id] = 0
+        state.current[state.worker_id] = 0
 
 
 def run_stream_job(job: StreamJob) -> Made:
@@ -267,7 +228,7 @@ def run_stream_job(job: StreamJob) -> Made:
         try:
             samples = state.stream.next_samples(request)
         except BaseException as exc:
-            annotate(exc, f"in the stream of worker {state.info.id} (pid {os.getpid()})")
+            annotate(exc, f"in the stream of worker {state.worker_id} (pid {os.getpid()})")
             raise picklable(exc) from None
         if samples is END:
             return Made(batch=inline(END))
@@ -279,7 +240,7 @@ def run_stream_job(job: StreamJob) -> Made:
         made.read_s += pulled_s
         return made
     finally:
-        state.current[state.info.id] = 0
+        state.current[state.worker_id] = 0
 
 
 def _state() -> _WorkerState:
@@ -288,26 +249,30 @@ def _state() -> _WorkerState:
     if state.init_error is not None:
         exc = state.init_error
         raise WorkerInitError(
-            f"worker {state.info.id} (pid {os.getpid()}) failed to start: "
+            f"worker {state.worker_id} (pid {os.getpid()}) failed to start: "
             f"{type(exc).__name__}: {exc}\n{state.init_tb}"
         )
+    assert state.maker is not None, "a batch job reached a worker before its dataset copy"
     return state
 
 
 def _begin(state: _WorkerState, epoch: int, batch_id: int) -> None:
     """Publish the batch this worker now runs (first: a deadline asks for it), then seed."""
-    state.current[state.info.id] = batch_id + 1
-    seed_everything(state.info.seed, epoch, batch_id)
+    state.current[state.worker_id] = batch_id + 1
+    if state.per_batch_seeds:
+        _info.seed_everything(state.seed, epoch, batch_id)
+    _info.catch_up()  # torch imported since the copy loaded gets the worker info
 
 
 def _make(state: _WorkerState, request: BatchRequest, slot: Slot | None) -> Made:
     """Read, collate (into ``slot``, if any) and pack the batch of ``request``."""
     try:
         packer = Packer(slot)
+        assert state.maker is not None
         made = state.maker.make(request, packer.alloc)
         made.batch = packer.pack(made.batch)
     except BaseException as exc:
-        annotate(exc, f"in worker {state.info.id} (pid {os.getpid()})")
+        annotate(exc, f"in worker {state.worker_id} (pid {os.getpid()})")
         raise picklable(exc) from None
     return made
 

@@ -13,9 +13,11 @@ first loader with worker processes is made, in the main thread, before any loade
 exists) and returns ``None`` otherwise, for the caller to use a standard start method. One
 server serves every loader of the process; if it dies it is forked again when that is safe.
 
-Because the server is a copy of the main process, the main module is already there: workers do
-not run the main script again (an unguarded script works, as with torch's ``fork``), and
-classes defined in ``__main__`` before the server was forked unpickle by reference. What the
+Because the server is a copy of the main process, the main module is already there; workers are
+not told to run the main script again either (:func:`preparation_data`): an unguarded script
+works, as with torch's ``fork``. What the loader sends them from ``__main__`` still travels by
+value (``_payload``): a class defined or redefined after the server was forked (a notebook
+cell run again) would otherwise resolve to the server's old copy, or to nothing. What the
 server must not keep from the main process, it drops at once: every socket and pipe (a peer
 would otherwise never see them close: a TCP connection, a torch.distributed store, a
 subprocess's pipe), signal handlers other than the default, the signal wake-up descriptor.
@@ -49,7 +51,7 @@ _util: Any = util
 _connection: Any = connection
 _context: Any = mp_context
 
-__all__ = ["PRELOAD", "SERVER_NAME", "zygote_context", "zygote_pid"]
+__all__ = ["PRELOAD", "SERVER_NAME", "preparation_data", "zygote_context", "zygote_pid"]
 
 # What a worker imports as it starts or at its first batch that the main process may not have
 # imported yet (numpy.random: the per-batch reseeding; ~20 ms a worker otherwise).
@@ -58,6 +60,20 @@ PRELOAD = ("numpy.random", "aioloader._workers._worker", "concurrent.futures.pro
 SERVER_NAME = b"aiol-forkserver"  # at most 15 bytes: the kernel's limit for a process name
 
 _PR_SET_NAME = 15
+
+# The keys of multiprocessing's preparation data that make a child run the main module again.
+_MAIN_KEYS = ("init_main_from_path", "init_main_from_name")
+
+
+def preparation_data(name: str) -> dict[str, Any]:
+    """multiprocessing's preparation data for a new worker, without the main module: the child
+    never runs the main script again (it would build and iterate the loader again in every
+    worker of a script without a main guard). A forked server's child would skip it anyway,
+    unless the script's path was given in a form that ``normpath`` changes (``a/../b.py``)."""
+    data: dict[str, Any] = spawn.get_preparation_data(name)
+    for key in _MAIN_KEYS:
+        data.pop(key, None)
+    return data
 
 
 class _ForkedServer(_ServerBase):  # type: ignore[misc]
@@ -164,7 +180,7 @@ class _Popen(_PopenBase):  # type: ignore[misc]
     stdlib's launch, with the server it connects to swapped."""
 
     def _launch(self, process_obj: Any) -> None:
-        prep_data = spawn.get_preparation_data(process_obj._name)
+        prep_data = preparation_data(process_obj._name)
         buf = io.BytesIO()
         _context.set_spawning_popen(self)
         try:

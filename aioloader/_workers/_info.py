@@ -1,0 +1,237 @@
+"""What a worker knows about itself, where torch's API finds it too, and its seeds.
+
+:func:`get_worker_info` returns the worker's :class:`WorkerInfo`; ``torch.utils.data.
+get_worker_info()`` returns a torch ``WorkerInfo`` with the same values, so datasets that shard
+themselves with torch's API (WebDataset, Hugging Face ``IterableDataset``, torch's own
+documented examples) read each shard once here too. torch keeps its worker info in a module
+global of ``torch.utils.data._utils.worker``; :func:`publish` sets it, in this one place, if
+torch is imported in the worker, and :func:`catch_up` when it arrives later (torch is never
+imported for this: a numpy-only pipeline never loads it).
+
+Whether a stream shards itself is seen, not asked: while a stream starts, and while
+``worker_init_fn`` runs, reading ``id``, ``num_workers`` or ``dataset`` of either info object is
+noted (:func:`watch`). A stream of a dataset that did neither is sharded by the worker (see
+:mod:`._worker`), so that no item is produced twice; one that did is left as it is, since
+sharding it again would silently drop items.
+
+Seeds, as torch: worker ``k`` gets ``seed = base + k``, where the base is drawn from the loader's
+seed and the epoch its dataset copy was made for (torch draws a fresh base for each epoch's
+workers); ``random``, ``numpy.random`` and torch are seeded with it before ``worker_init_fn``
+runs, so ``torch.initial_seed() == get_worker_info().seed`` there. With the default
+``worker_seeding='batch'`` the three are then reseeded before every batch from (seed, epoch,
+batch id) (:func:`seed_everything`), so a sample's randomness does not depend on which worker
+made it or how many there are.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "WorkerInfo",
+    "catch_up",
+    "get_worker_info",
+    "publish",
+    "seed_everything",
+    "seed_worker",
+    "unwatch",
+    "watch",
+    "worker_seed",
+]
+
+# Reading these tells which part of the data a worker should read: a dataset that reads them
+# shards itself (or has its copy set up by worker_init_fn).
+_SHARDING_ATTRS = frozenset({"id", "num_workers", "dataset"})
+
+_watching = False
+_seen = False
+
+
+def watch() -> None:
+    """Start noting reads of the sharding attributes of the worker info (see the module
+    docstring); :func:`unwatch` tells whether there were any."""
+    global _watching, _seen
+    _watching, _seen = True, False
+
+
+def unwatch() -> bool:
+    """Stop noting; whether a sharding attribute was read since :func:`watch`."""
+    global _watching
+    _watching = False
+    return _seen
+
+
+def _noted(name: str) -> None:
+    global _seen
+    if name in _SHARDING_ATTRS:
+        _seen = True
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What a worker knows about itself; :func:`get_worker_info` returns it inside a worker.
+
+    Attributes:
+        id: the worker's number, ``0 <= id < num_workers``; stable across rebuilds.
+        num_workers: how many workers the loader runs.
+        seed: this worker's seed (``base + id``, the base drawn from the loader's seed and the
+            epoch): ``torch.initial_seed()`` while ``worker_init_fn`` runs. With
+            ``worker_seeding='batch'`` every batch is reseeded from (seed, epoch, batch id).
+        dataset: this worker's copy of the dataset.
+    """
+
+    id: int
+    num_workers: int
+    seed: int
+    dataset: Any
+
+    def __getattribute__(self, name: str) -> Any:
+        if _watching:
+            _noted(name)
+        return object.__getattribute__(self, name)
+
+
+_current: WorkerInfo | None = None
+
+
+def get_worker_info() -> WorkerInfo | None:
+    """Inside a worker process: its :class:`WorkerInfo`; in the main process: ``None``.
+
+    An iterable dataset uses it in ``__iter__`` to read only its shard (torch's
+    ``torch.utils.data.get_worker_info()`` works as well). If a dataset never reads which worker
+    it is in, the loader shards its stream for it (worker ``k`` keeps items ``k, k + n, k + 2n,
+    ...``) so that no item is produced twice.
+    """
+    return _current
+
+
+# Whether torch has the current info (torch was imported when it was published), and the seed
+# torch is still to get when it arrives (worker_seeding='worker'; None once given or not due).
+_torch_has_it = False
+_torch_seed: int | None = None
+
+
+def publish(info: WorkerInfo | None) -> None:
+    """Make ``info`` what :func:`get_worker_info` and torch's ``get_worker_info`` return here."""
+    global _current, _torch_has_it
+    _current = info
+    _torch_has_it = _publish_to_torch(info)
+
+
+def catch_up() -> None:
+    """Before each job: torch imported since the copy loaded (lazily, by the dataset or the
+    per-batch seeding) gets the worker info, and the worker's seed if it was still due."""
+    global _torch_has_it, _torch_seed
+    if _torch_has_it or "torch" not in sys.modules:
+        return
+    _torch_has_it = _publish_to_torch(_current)
+    seed, _torch_seed = _torch_seed, None
+    if seed is not None:
+        sys.modules["torch"].manual_seed(seed)
+
+
+def _publish_to_torch(info: WorkerInfo | None) -> bool:
+    """Set torch's worker info global; False if torch is not imported here (yet)."""
+    torch_worker: Any = sys.modules.get("torch.utils.data._utils.worker")
+    if torch_worker is None and "torch" in sys.modules:
+        try:
+            import torch.utils.data._utils.worker as torch_worker
+        except ImportError:  # pragma: no cover - a torch without it
+            return True  # nothing to catch up with
+    if torch_worker is None:
+        return False  # torch is not imported here: nothing can ask it yet
+    if not hasattr(torch_worker, "_worker_info"):  # pragma: no cover - kept elsewhere
+        return True
+    # torch.utils.data.get_worker_info() returns this module global; torch's own workers set it
+    # the same way. A torch whose WorkerInfo cannot be made with these fields is left alone.
+    try:
+        torch_info = (
+            None
+            if info is None
+            else _torch_info_class(torch_worker)(
+                id=info.id, num_workers=info.num_workers, seed=info.seed, dataset=info.dataset
+            )
+        )
+    except TypeError:  # pragma: no cover - a torch whose WorkerInfo takes other fields
+        return True
+    torch_worker._worker_info = torch_info
+    return True
+
+
+_torch_class: type | None = None
+
+
+def _torch_info_class(torch_worker: Any) -> type:
+    """torch's ``WorkerInfo``, with reads of its sharding attributes noted like ours."""
+    global _torch_class
+    if _torch_class is None:
+
+        class WatchedWorkerInfo(torch_worker.WorkerInfo):  # type: ignore[misc]
+            __slots__ = ()
+
+            def __getattribute__(self, name: str) -> Any:
+                if _watching:
+                    _noted(name)
+                return super().__getattribute__(name)
+
+        _torch_class = WatchedWorkerInfo
+    return _torch_class
+
+
+# -- seeds -------------------------------------------------------------------------------------
+
+_MASK32 = 0xFFFFFFFF
+_MASK63 = (1 << 63) - 1
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+def worker_seed(seed: int, epoch: int, worker_id: int) -> int:
+    """Worker ``worker_id``'s seed for a dataset copy made for ``epoch``: ``base + worker_id``
+    (torch's rule), the base a non-negative 63-bit number drawn from (seed, epoch)."""
+    base = _mix(_mix(seed & _MASK64) ^ _mix(epoch ^ 0x5EED)) & _MASK63
+    return base + worker_id
+
+
+def seed_worker(seed: int, *, torch_later: bool) -> None:
+    """Seed ``random``, ``numpy.random`` and torch once, as torch seeds a worker:
+    ``torch.initial_seed()`` is ``seed`` afterwards. torch is never imported for it: if it is
+    not yet, it is seeded when it arrives (:func:`catch_up`) if ``torch_later``."""
+    global _torch_seed
+    random.seed(seed)
+    np.random.seed(_mix(seed) & _MASK32)  # numpy takes 32 bits; mixed, so not random's stream
+    torch = sys.modules.get("torch")
+    _torch_seed = seed if torch is None and torch_later else None
+    if torch is not None:
+        torch.manual_seed(seed)
+
+
+def seed_everything(seed: int, epoch: int, batch_id: int) -> int:
+    """Seed ``random``, ``numpy.random`` and ``torch`` from (seed, epoch, batch id).
+
+    A sample's randomness then depends on which batch it is in, never on which worker ran it or
+    how many workers there are. Returns the derived 64-bit seed.
+
+    Runs before every batch, so it must be cheap: the mix is three rounds of splitmix64 in
+    Python (~2 us; ``SeedSequence`` costs ~120 us), and torch is seeded through its CPU
+    generator (``torch.manual_seed`` also reseeds every accelerator: ~300 us).
+    """
+    derived = _mix(_mix(_mix(seed) ^ epoch) ^ batch_id)
+    random.seed(derived)
+    np.random.seed(derived & _MASK32)
+    import torch
+
+    torch.default_generator.manual_seed(derived)
+    return derived
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a bijection on 64-bit ints that spreads every input bit."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
