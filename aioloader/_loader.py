@@ -74,6 +74,9 @@ from ._workers import resolve_context
 
 __all__ = ["DataLoader"]
 
+# What a pickled loader leaves behind: what runs (workers, threads, segments) and its statistics.
+_LIVE = frozenset({"_res", "_finalizer", "_counters"})
+
 
 class DataLoader(SettingsView):
     """Loads batches from a dataset, asynchronously, in order, without blocking the event loop.
@@ -495,6 +498,21 @@ class DataLoader(SettingsView):
         if self._progress is not None:
             self._progress.close()
         self._finalizer.detach()
+
+    # -- pickling: settings and position, never what runs -------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A framework pickles a loader to start it elsewhere (Lightning's ``ddp_spawn``): the
+        copy is an unstarted loader that starts its own workers; these stay with this one."""
+        return {name: value for name, value in self.__dict__.items() if name not in _LIVE}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _counters=Counters(), _res=Resources(), _closed=False)
+        self._finalizer = weakref.finalize(self, finalize, self._res, type(self).__name__)
+        if self._book.open:  # pickled mid-epoch: the copy resumes where this one was
+            position = self._book.state_dict(self.seed)
+            self._book.finished()
+            self._book.load(position)
 
     # -- state -------------------------------------------------------------------------------
 

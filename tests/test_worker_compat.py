@@ -7,6 +7,7 @@
   ``worker_init_fn``; ``worker_seeding='worker'`` seeds once, as torch;
 - ``persistent_workers``: a fresh dataset copy each epoch (taken when the epoch starts, not when
   the loader is made), or one for good;
+- a loader pickles into an unstarted loader;
 - ``__main__``: scripts without a main guard, ``python -m`` and ``python -c`` with their classes
   defined inline, in fresh interpreters (subprocesses), each under the default start method and
   ``spawn``, exiting cleanly with nothing left in ``/dev/shm``.
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 from collections import defaultdict
@@ -35,7 +37,7 @@ from datasets import (
     seed_numpy_from_info,
     split_span,
 )
-from helpers import assert_raises_naming
+from helpers import as_lists, assert_raises_naming
 
 from aioloader import DataLoader, _shm
 
@@ -211,6 +213,32 @@ def test_two_iterators_at_once_share_the_copy_and_each_run_a_whole_epoch() -> No
         pairs = list(zip(loader, loader, strict=True))
     assert [a.tolist() for a, _ in pairs] == [b.tolist() for _, b in pairs]
     assert sorted(i for a, _ in pairs for i in a.tolist()) == list(range(7))
+
+
+# -- pickling a loader -------------------------------------------------------------------------
+
+
+def test_a_loader_pickles_into_an_unstarted_loader_that_works() -> None:
+    loader = DataLoader(Range(10), batch_size=3, num_workers=2, shuffle=True, seed=4)
+    copy = pickle.loads(pickle.dumps(loader))
+    assert copy.worker_pids == ()
+    assert not copy.closed
+    with loader, copy:
+        assert as_lists(list(copy)) == as_lists(list(loader))
+
+
+def test_pickling_a_running_loader_leaves_its_workers_and_the_copy_resumes_there() -> None:
+    with DataLoader(Range(10), batch_size=2, num_workers=2, shuffle=True, seed=4) as loader:
+        it = iter(loader)
+        head = [next(it), next(it)]
+        copy = pickle.loads(pickle.dumps(loader))  # the live iterator and workers stay here
+        rest = list(it)
+        pids = set(loader.worker_pids)
+    assert copy.worker_pids == ()
+    with copy:
+        assert as_lists(list(copy)) == as_lists(rest)  # the rest of that epoch
+        assert pids.isdisjoint(copy.worker_pids)
+    assert sorted(i for b in as_lists(head + rest) for i in b) == list(range(10))
 
 
 # -- __main__: scripts and python -c in fresh interpreters --------------------------------------
