@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import subprocess
@@ -40,6 +41,7 @@ from datasets import (
 from helpers import as_lists, assert_raises_naming
 
 from aioloader import DataLoader, _shm
+from aioloader._workers import _context
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 SCRIPT_TIMEOUT_S = 50.0  # a fresh interpreter imports torch twice (itself, the forkserver)
@@ -242,6 +244,25 @@ def test_pickling_a_running_loader_leaves_its_workers_and_the_copy_resumes_there
 
 
 # -- __main__: scripts and python -c in fresh interpreters --------------------------------------
+
+
+def test_workers_of_the_start_methods_named_or_stock_contexts_skip_main() -> None:
+    # This Python's Popen classes read the preparation data where _context expects them to.
+    assert _context.WORKERS_SKIP_MAIN
+    for method, ours in (
+        ("forkserver", _context.ForkServerContext),
+        ("spawn", _context.SpawnContext),
+    ):
+        assert type(_context.resolve_context(method, allow_fork=False)) is ours
+        stock = multiprocessing.get_context(method)
+        assert type(_context.resolve_context(stock, allow_fork=False)) is ours
+
+    class Custom(type(multiprocessing.get_context("spawn"))):  # type: ignore[misc]
+        pass
+
+    custom = Custom()
+    assert _context.resolve_context(custom, allow_fork=False) is custom  # the caller's design
+
 
 _INLINE = """
 import aioloader

@@ -268,11 +268,13 @@ class WorkerPool:
     ) -> R:
         """Run ``fn(job)`` in a worker and await its reply without blocking the loop.
 
-        A job that was only queued behind a job that crashed its worker is resubmitted to the
-        rebuilt worker (it did nothing wrong); the job the worker was running when it died gets
-        :class:`WorkerCrashedError`. If the awaiting task is cancelled while the job runs,
-        ``on_abandon`` is called once the worker is really done with it (so a shared-memory
-        slot is never reused while a worker may still write into it).
+        A worker that has not loaded the current dataset copy (:meth:`load`) gets it first, on
+        the same pipe, so the job runs with it. A job that was only queued behind a job that
+        crashed its worker is resubmitted to the rebuilt worker (it did nothing wrong); the job
+        the worker was running when it died gets :class:`WorkerCrashedError`. If the awaiting
+        task is cancelled while the job runs, ``on_abandon`` is called once the worker is
+        really done with it (so a shared-memory slot is never reused while a worker may still
+        write into it).
 
         A worker that dies before it answered any job is started afresh, at most
         :data:`MAX_START_FAILURES` times in a row; then its jobs fail with
@@ -291,6 +293,7 @@ class WorkerPool:
         Raises:
             WorkerCrashedError: the worker died while running this job.
             WorkerInitError: the worker keeps dying while it starts.
+            TypeError: the dataset copy cannot be pickled (names what).
         """
         while True:
             if self._closed:
