@@ -46,6 +46,15 @@ def touch(path: str) -> str:
     return path
 
 
+def nap_then_touch(arg: tuple[float, str]) -> None:
+    time.sleep(arg[0])
+    touch(arg[1])
+
+
+def exists(path: str) -> bool:
+    return Path(path).exists()
+
+
 def a_lock(_: Any) -> Any:
     return threading.Lock()  # cannot be pickled back
 
@@ -108,6 +117,24 @@ async def test_results_come_back_to_their_own_job_in_any_number() -> None:
         pid = process.pid
     assert EXIT_CODES[pid] == 0  # closing the channel ended its serve loop: a clean exit
     assert open_fds() == before  # both pipe ends closed
+
+
+async def test_a_posted_job_runs_first_and_does_not_tie_the_pipes_to_its_loop(
+    tmp_path: Path,
+) -> None:
+    # The worker pool posts a dataset copy ahead of a batch and awaits nothing of it: a loader
+    # iterated next from another event loop (its private one, for `for`) must not be refused
+    # while the copy still loads, and its job must run after the copy.
+    marker = str(tmp_path / "loaded")
+    async with worker() as (channel, _):
+        channel.post(nap_then_touch, (0.3, marker))
+
+        async def from_another_loop() -> Any:
+            _, future = channel.send(exists, marker)
+            return await future
+
+        assert await asyncio.to_thread(asyncio.run, from_another_loop()) is True
+        assert channel.pending == 0
 
 
 async def test_an_error_keeps_its_type_with_the_worker_traceback_as_cause() -> None:

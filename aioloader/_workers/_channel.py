@@ -24,7 +24,8 @@ once and fails every job the worker held with ``BrokenProcessPool``.
 Sharp edges:
 - Pipe ends are bound to one event loop at a time. A loader iterated first synchronously (on
   its private loop) and later with ``async for`` moves them, which is only allowed while no job
-  is still awaited on the old loop (abandoned ones move along).
+  is still awaited on the old loop (abandoned ones move along, and so do posted ones, whose
+  reply nobody awaits: a dataset copy to load, :meth:`Channel.post`).
 - A cancelled job still in the worker's pipe is skipped when the worker reaches it; one it has
   started runs to the end. Either way the canceller learns when the worker is done with it
   (``on_abandon``), so a shared-memory slot is never reused while a worker may write into it.
@@ -188,7 +189,7 @@ def open_channel() -> tuple[Channel, tuple[Connection, Connection]]:
 
 @dataclass(slots=True)
 class _Pending:
-    future: asyncio.Future[Any]
+    future: asyncio.Future[Any] | None  # None: a posted job, whose reply nobody awaits
     on_abandon: Callable[[], None] | None = None
 
 
@@ -226,17 +227,26 @@ class Channel:
         Must run on the event loop. The future fails with ``BrokenProcessPool`` if the worker
         dies first, and with the job's own exception (its traceback text as ``__cause__``).
         """
-        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        return self._queue(fn, arg, future), future
+
+    def post(self, fn: Callable[[Any], Any], arg: Any) -> None:
+        """Queue ``fn(arg)`` for the worker without awaiting its reply (a dataset copy to load):
+        the worker runs it before any job queued after it, and its failure shows in those.
+        Nothing waits on it, so it never holds the pipes to this event loop. Must run on the
+        event loop."""
+        self._queue(fn, arg, None)
+
+    def _queue(self, fn: Callable[[Any], Any], arg: Any, future: asyncio.Future[Any] | None) -> int:
         if self._broken is not None or self._closed:
             raise BrokenProcessPool(self._broken or "the channel is closed")
-        self._attach(loop)
+        self._attach(asyncio.get_running_loop())
         payload = pickle.dumps((fn, arg), protocol=pickle.HIGHEST_PROTOCOL)
         job_id = self._next_id
         self._next_id += 1
-        future: asyncio.Future[Any] = loop.create_future()
         self._pending[job_id] = _Pending(future)
         self._write(HEADER.pack(len(payload), job_id, JOB), payload)
-        return job_id, future
+        return job_id
 
     def abandon(self, job_id: int, on_abandon: Callable[[], None] | None) -> None:
         """The caller no longer wants job ``job_id``. ``on_abandon`` runs once the worker is
@@ -246,7 +256,7 @@ class Channel:
             if on_abandon is not None:
                 on_abandon()
             return
-        if not pending.future.done():
+        if pending.future is not None and not pending.future.done():
             pending.future.cancel()
         pending.on_abandon = on_abandon
         if self._broken is None and not self._closed:
@@ -302,6 +312,8 @@ class Channel:
     def _fail_pending(self, reason: str) -> None:
         pending, self._pending = self._pending, {}
         for entry in pending.values():
+            if entry.future is None:
+                continue  # posted: nobody waits for it
             # A closed loop cannot schedule the callbacks of the futures made on it.
             with contextlib.suppress(RuntimeError):
                 if not entry.future.done():
@@ -319,7 +331,7 @@ class Channel:
     def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._loop is loop:
             return
-        if any(not entry.future.done() for entry in self._pending.values()):
+        if any(e.future is not None and not e.future.done() for e in self._pending.values()):
             raise RuntimeError(
                 "a loader's worker jobs are still awaited on another event loop; iterate a "
                 "loader from one event loop at a time"
@@ -462,7 +474,7 @@ class Channel:
 
     def _deliver(self, job_id: int, kind: int, payload: bytearray) -> None:
         entry = self._pending.pop(job_id, None)
-        if entry is None:
+        if entry is None or entry.future is None:
             return
         if entry.future.done():  # abandoned: the worker is done with it now
             if entry.on_abandon is not None:

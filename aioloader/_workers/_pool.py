@@ -309,8 +309,7 @@ class WorkerPool:
                 if copy is not None and w.loaded is not copy:
                     load = await copy.job()  # raises the TypeError of an unpicklable copy
                     if w.loaded is not copy and w.generation == generation:
-                        _, loaded = channel.send(load_copy, load)  # ahead of the job: FIFO
-                        loaded.add_done_callback(_ignore_result)  # failures show in the job
+                        channel.post(load_copy, load)  # ahead of the job; failures show in it
                         w.loaded = copy
                 job_id, future = channel.send(fn, job)
                 result: R = await future
@@ -459,13 +458,6 @@ class WorkerPool:
             for p in processes:
                 with contextlib.suppress(ValueError):  # still running after the kill: leave it
                     p.close()
-
-
-def _ignore_result(future: asyncio.Future[Any]) -> None:
-    """Retrieve a load's outcome, which nobody awaits: a failed load shows in the next job
-    (``WorkerInitError``, or ``BrokenProcessPool`` if it killed the worker)."""
-    if not future.cancelled():
-        future.exception()
 
 
 def _close_pipes(pipes: tuple[Connection, Connection] | None) -> None:
