@@ -24,7 +24,6 @@ import numpy as np
 import torch.utils.data
 
 import aioloader
-
 from aioloader import get_worker_info
 
 # How long a blocked read waits for its release at most: it only turns a hang into a failure.

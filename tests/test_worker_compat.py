@@ -300,6 +300,36 @@ class _Ran:
     stderr: str
 
 
+_LAZY_TORCH = """
+import sys
+import aioloader
+
+class Global:  # uses the global name torch, which this program imports only below
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        info = torch.utils.data.get_worker_info()
+        return info.id, torch.initial_seed() == info.seed
+
+class Local:  # imports torch itself, at its first sample
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        import torch.utils.data
+        return torch.utils.data.get_worker_info().id
+
+settings = dict(batch_size=2, num_workers=2, collate_fn=lambda b: b)
+first = aioloader.DataLoader(Global(), worker_seeding="worker", **settings)
+second = aioloader.DataLoader(Local(), **settings)
+print("torch", "torch" in sys.modules)  # not yet: the workers' server has none either
+import torch.utils.data
+print("global", sorted({sample for batch in first for sample in batch}))
+print("local", sorted({sample for batch in second for sample in batch}))
+"""
+
+
 def _run_python(args: list[str], cwd: Path) -> _Ran:
     proc = subprocess.Popen(
         [sys.executable, *args],
@@ -367,3 +397,19 @@ def test_a_class_and_a_lambda_defined_in_python_c_reach_the_workers(
     _assert_clean_exit(proc)
     # Each worker's init set its own SHIFT to 0: the function went by value, with its globals.
     assert proc.stdout.splitlines() == ["batches [[0, 2], [4, 6], [8, 10]]"], proc.stdout
+
+
+@pytest.mark.slow
+def test_torch_imported_by_the_worker_after_it_started_still_tells_the_worker_info(
+    tmp_path: Path,
+) -> None:
+    # aioloader does not import torch: a worker may get it only when the dataset copy arrives
+    # (its class refers to torch), or at a sample. torch's get_worker_info() and the seed
+    # follow it there.
+    ran = _run_python(["-c", _LAZY_TORCH], tmp_path)
+    _assert_clean_exit(ran)
+    assert ran.stdout.splitlines() == [
+        "torch False",
+        "global [(0, True), (1, True)]",
+        "local [0, 1]",
+    ], ran.stdout
