@@ -580,12 +580,6 @@ def test_each_batch_is_seeded_from_the_seed_and_its_place_not_by_worker_init_fn(
     assert seeds(1) == two_workers  # the same whatever the worker count
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="seeding (_workers/_worker.py): per-batch torch seeds use all 64 bits, so "
-    "torch.initial_seed() returned by a sample (torch's SeedDataset) often does not fit int64 "
-    "and the batch fails to collate; torch keeps worker seeds below 2**63",
-)
 def test_torch_initial_seed_of_a_worker_collates() -> None:
     batches = load(Seeds(8, as_text=False), batch_size=2, num_workers=2, seed=7)
     assert all(b.dtype == torch.int64 for b in batches)
@@ -599,11 +593,6 @@ def test_worker_info_is_read_only_and_names_its_fields() -> None:
         assert field in repr(info)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="workers (_workers/_worker.py): torch.utils.data.get_worker_info() returns None "
-    "inside aioloader's worker processes, so a dataset written for torch cannot shard itself",
-)
 @no_worker_left_behind()
 def test_torchs_get_worker_info_answers_in_workers() -> None:
     batches = {
@@ -646,11 +635,11 @@ def test_an_epoch_left_early_then_a_full_one_then_workers_exit_on_close() -> Non
 
 
 @no_worker_left_behind()
-def test_workers_keep_the_dataset_they_started_with() -> None:
+def test_persistent_workers_keep_the_dataset_they_started_with() -> None:
     # torch's persistent_workers=True: later changes to the main process's dataset are not
-    # seen by the workers. aioloader's workers always persist (see the README).
+    # seen by the workers (without it, each epoch's copy is new: test_worker_compat).
     dataset = StartedAt(4)
-    with DataLoader(dataset, batch_size=2, num_workers=2) as loader:
+    with DataLoader(dataset, batch_size=2, num_workers=2, persistent_workers=True) as loader:
         for start in range(3):
             assert as_lists(epoch(loader)) == [[0, 0], [0, 0]]
             dataset.start = start + 1

@@ -186,14 +186,16 @@ def _torch_info_class(torch_worker: Any) -> type:
 # -- seeds -------------------------------------------------------------------------------------
 
 _MASK32 = 0xFFFFFFFF
+_MASK62 = (1 << 62) - 1
 _MASK63 = (1 << 63) - 1
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 
 
 def worker_seed(seed: int, epoch: int, worker_id: int) -> int:
     """Worker ``worker_id``'s seed for a dataset copy made for ``epoch``: ``base + worker_id``
-    (torch's rule), the base a non-negative 63-bit number drawn from (seed, epoch)."""
-    base = _mix(_mix(seed & _MASK64) ^ _mix(epoch ^ 0x5EED)) & _MASK63
+    (torch's rule), the base drawn from (seed, epoch) below 2**62, so the seed stays below
+    2**63 (an int64) as torch's do."""
+    base = _mix(_mix(seed & _MASK64) ^ _mix(epoch ^ 0x5EED)) & _MASK62
     return base + worker_id
 
 
@@ -218,14 +220,16 @@ def seed_everything(seed: int, epoch: int, batch_id: int) -> int:
 
     Runs before every batch, so it must be cheap: the mix is three rounds of splitmix64 in
     Python (~2 us; ``SeedSequence`` costs ~120 us), and torch is seeded through its CPU
-    generator (``torch.manual_seed`` also reseeds every accelerator: ~300 us).
+    generator (``torch.manual_seed`` also reseeds every accelerator: ~300 us). torch gets the
+    low 63 bits, as torch keeps its worker seeds below 2**63: a sample that returns
+    ``torch.initial_seed()`` then fits an int64 tensor.
     """
     derived = _mix(_mix(_mix(seed) ^ epoch) ^ batch_id)
     random.seed(derived)
     np.random.seed(derived & _MASK32)
     import torch
 
-    torch.default_generator.manual_seed(derived)
+    torch.default_generator.manual_seed(derived & _MASK63)
     return derived
 
 
