@@ -238,12 +238,7 @@ def test_ddp_spawn_loader_made_in_the_hook(ddp_spawn_run: dict[str, Any]) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="ddp_spawn pickles the loader passed to fit() into the processes it spawns: "
-    "needs a picklable DataLoader",
-)
 def test_ddp_spawn_pickles_the_loader_passed_to_fit(ddp_spawn_run: dict[str, Any]) -> None:
-    # Trained on both ranks (a disjoint share each would need the shard decided late too).
-    per_rank = batches_per_rank(ddp_spawn_run, "passed")
-    assert all(per_rank)
+    # The loader travels pickled into each spawned rank, and takes its share there once fit()
+    # has made the group.
+    assert_disjoint_shares(batches_per_rank(ddp_spawn_run, "passed"))
