@@ -63,7 +63,7 @@ from ._distributed import (
 )
 from ._epoch import Epoch, EpochIterator, Plan
 from ._progress import EpochProgress, progress_display
-from ._resources import Resources, check_callables, finalize
+from ._resources import Resources, check_callables, finalize, weak_call
 from ._resume import EpochBook
 from ._settings import SettingsView
 from ._stats import Counters, LoaderStatistics
@@ -119,9 +119,8 @@ class DataLoader(SettingsView):
             in torch).
         prefetch_factor: batches in flight per worker (torch's; needs ``num_workers > 0``):
             ``prefetch = prefetch_factor * num_workers``.
-        persistent_workers: keep each worker's dataset copy across epochs (needs workers).
-            False (default, as torch): a fresh copy each epoch (dataset changes reach the
-            workers, ``worker_init_fn`` runs again), loaded into the same warm processes.
+        persistent_workers: keep each worker's dataset copy across epochs (needs workers);
+            False (default, as torch): a fresh copy each epoch, in the same warm processes.
         pin_memory_device: torch's (deprecated there): ``''`` or a CUDA device to pin for.
         in_order: yield in sampler order (default) or as batches complete.
         last_batch: ``'keep'``, ``'discard'`` or ``'rollover'`` (the remainder starts the next
@@ -154,11 +153,9 @@ class DataLoader(SettingsView):
             bar to reuse, or a callable making one from tqdm's arguments (see ``_progress``).
         shard: this rank's share only (torch.distributed): None (default) when a process group
             of world size > 1 exists at construction; True requires one; False never (README).
-        worker_seeding: worker ``k`` is seeded with ``base + k`` (``get_worker_info().seed``,
-            ``torch.initial_seed()``), the base drawn from ``seed`` and the epoch. ``'batch'``
-            (default): ``random``, numpy and torch are reseeded before each batch from (seed,
-            epoch, batch id), so randomness does not depend on the worker count; ``'worker'``:
-            only that, as torch.
+        worker_seeding: worker ``k`` gets ``base + k`` (its ``get_worker_info().seed``), the base
+            drawn from ``seed`` and the epoch; ``'batch'`` (default) then reseeds before each
+            batch from (seed, epoch, batch id); ``'worker'`` does not, as torch.
 
     Epochs and ``set_epoch``: each iteration is the next epoch, and shuffling and worker seeds
     derive from its number. The loader calls ``set_epoch(epoch)`` on the samplers it made
@@ -296,8 +293,7 @@ class DataLoader(SettingsView):
         self._initialized = True
 
     def _reconfigure(self, config: LoaderConfig) -> None:
-        # Checked first (a plain function is cheap to): if it cannot be pickled, nothing
-        # changes. Worker processes get it with their next dataset copy (``_resources``).
+        # Checked first: if it cannot be pickled, nothing changes. Workers take it with a copy.
         if config.uses_processes:
             check_callables(config)
         self._config = config
@@ -402,7 +398,7 @@ class DataLoader(SettingsView):
             # Weakly: the epoch lives in ``_res``, which the finalizer holds; a strong reference
             # back to the loader would keep an unclosed loader alive forever (no warning, no
             # release).
-            on_finish=_weak_call(self._epoch_finished, epoch),
+            on_finish=weak_call(self._epoch_finished, epoch),
             progress=self._epoch_progress(epoch, len(done)),
         )
         self._res.epoch = it
@@ -498,8 +494,6 @@ class DataLoader(SettingsView):
         if self._progress is not None:
             self._progress.close()
         self._finalizer.detach()
-
-    # -- pickling: settings and position, never what runs -------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
         """A framework pickles a loader to start it elsewhere (Lightning's ``ddp_spawn``): the
@@ -602,16 +596,3 @@ class DataLoader(SettingsView):
             return str(len(self))
         except TypeError:
             return "?"
-
-
-def _weak_call(method: Callable[[int], None], arg: int) -> Callable[[], None]:
-    """A callable that calls the bound ``method(arg)`` while its object is alive, else
-    nothing."""
-    ref = weakref.WeakMethod(method)
-
-    def call() -> None:
-        bound = ref()
-        if bound is not None:
-            bound(arg)
-
-    return call

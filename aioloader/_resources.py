@@ -61,6 +61,7 @@ __all__ = [
     "check_callables",
     "close_all_at_exit",
     "finalize",
+    "weak_call",
     "worker_payload",
 ]
 
@@ -313,3 +314,16 @@ def _slot_pool(config: LoaderConfig, device: DeviceStage | None) -> _shm.SlotPoo
             cap, on_map=device.register_host_memory, on_unmap=device.unregister_host_memory
         )
     return _shm.SlotPool(cap)
+
+
+def weak_call(method: Callable[[int], None], arg: int) -> Callable[[], None]:
+    """A callable that calls the bound ``method(arg)`` while its object is alive, else
+    nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound(arg)
+
+    return call
