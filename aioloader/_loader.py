@@ -271,6 +271,8 @@ class DataLoader(SettingsView):
         # script made the loader): the share is decided later (_shard_if_group_appeared).
         self._group_unseen = shard is None and process_group() is None
         self._context: BaseContext | None = None
+        if config.collate_fn in (default_collate, default_convert):
+            import torch  # noqa: F401  # tensors ahead: before workers fork, not once in each
         if config.uses_processes:
             self._context = resolve_context(context, allow_fork=allow_fork)
             check_callables(config)  # the dataset is pickled when an epoch needs it
