@@ -15,8 +15,14 @@ epochs; the best of ``--repeat`` interleaved runs counts. torch runs with
 PSS over the process and its children, sampled every 100 ms in a separate one-epoch run
 (sampling costs CPU, so throughput runs do not sample).
 
+Other loaders run beside them with ``--loaders`` (``benchmarks/other_loaders.py``: torchdata,
+SPDL, seqtools, where installed); ``--json`` prints the results as one JSON document on
+stdout (the table goes to stderr), for ``benchmarks/run_all.py``; ``--quick`` is a smoke test:
+less data, the first worker count only, one timed epoch, one run, no memory sampling.
+
     python benchmarks/bench_loader.py                 # all cases
     python benchmarks/bench_loader.py --case tiny --epochs 3
+    python benchmarks/bench_loader.py --loaders torch,aioloader,torchdata --json
 """
 
 from __future__ import annotations
@@ -38,12 +44,16 @@ import numpy as np
 # 20 ms it took a visible share of the 2 CPUs from the loaders being measured.
 PSS_INTERVAL_S = 0.1
 
+#: The loaders this script knows; torch and aioloader always run.
+LOADERS = ("torch", "aioloader", "torchdata", "spdl", "seqtools")
 CASES = {
     # name: (dataset kind, length, batch size, worker counts)
     "large": ("large", 1280, 64, (2, 0)),
     "cpu": ("cpu", 640, 32, (2, 0)),
     "tiny": ("tiny", 256 * 400, 256, (2, 0)),
 }
+#: --quick: each data set's length (a run's cost is mostly starting the process and workers).
+QUICK_LENGTH = {"large": 1280, "cpu": 128, "tiny": 256 * 40}
 
 
 class LargeImages:
@@ -177,19 +187,27 @@ def run_ours(kind: str, n: int, batch: int, workers: int, epochs: int) -> dict[s
 
 def child(args: argparse.Namespace) -> None:
     kind, n, batch, _ = CASES[args.case]
-    fn = run_ours if args.impl == "aioloader" else run_torch
+    if args.quick:
+        n = QUICK_LENGTH[args.case]
+    if args.impl in ("aioloader", "torch"):
+        fn = run_ours if args.impl == "aioloader" else run_torch
+    else:
+        import other_loaders
+
+        fn = other_loaders.RUNNERS[args.impl]
     result = fn(kind, n, batch, args.workers, args.epochs)
     print(json.dumps(result))
 
 
 def measure(
-    case: str, impl: str, workers: int, epochs: int, memory: bool = True
+    case: str, impl: str, workers: int, epochs: int, memory: bool = True, quick: bool = False
 ) -> dict[str, float]:
     out = subprocess.run(
         [
             sys.executable,
             __file__,
             *([] if memory else ["--no-memory"]),
+            *(["--quick"] if quick else []),
             "--child",
             "--case",
             case,
@@ -218,6 +236,13 @@ def main() -> None:
     parser.add_argument(
         "--no-memory", action="store_true", help="do not sample PSS (less disturbance)"
     )
+    parser.add_argument(
+        "--loaders",
+        default="torch,aioloader",
+        help=f"comma-separated, from {', '.join(LOADERS)} (torch and aioloader always run)",
+    )
+    parser.add_argument("--json", action="store_true", help="results as JSON on stdout")
+    parser.add_argument("--quick", action="store_true", help="a smoke test: small and short")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--impl", default="aioloader", help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=2, help=argparse.SUPPRESS)
@@ -226,30 +251,67 @@ def main() -> None:
         PeakPss.enabled = not args.no_memory
         child(args)
         return
+    asked = [name.strip() for name in args.loaders.split(",") if name.strip()]
+    unknown = sorted(set(asked) - set(LOADERS))
+    if unknown:
+        parser.error(f"--loaders: unknown {unknown}; known: {', '.join(LOADERS)}")
+    loaders = ["torch", "aioloader", *(n for n in LOADERS[2:] if n in asked)]
+    if args.quick:
+        args.epochs, args.repeat, args.no_memory = 1, 1, True
+    table = sys.stderr if args.json else sys.stdout
     cases = list(CASES) if args.case == "all" else [args.case]
+    others = loaders[2:]
     print(
         f"{'case':<6} {'workers':>7} {'torch b/s':>10} {'ours b/s':>10} {'ratio':>6} "
-        f"{'torch PSS MB':>12} {'ours PSS MB':>11}"
+        f"{'torch PSS MB':>12} {'ours PSS MB':>11}" + "".join(f" {n + ' b/s':>14}" for n in others),
+        file=table,
     )
+    rows = []
     for case in cases:
-        for workers in CASES[case][3]:
+        counts = CASES[case][3][:1] if args.quick else CASES[case][3]
+        for workers in counts:
             # Throughput runs sample no memory (reading smaps of every process every 100 ms
             # takes CPU from the loaders); the best of --repeat interleaved runs counts.
-            rates: dict[str, float] = {"torch": 0.0, "aioloader": 0.0}
+            rates = dict.fromkeys(loaders, 0.0)
             for _ in range(args.repeat):
                 for impl in rates:
-                    result = measure(case, impl, workers, args.epochs, memory=False)
+                    result = measure(case, impl, workers, args.epochs, False, args.quick)
                     rates[impl] = max(rates[impl], result["batches_per_s"])
-            pss = {"torch": float("nan"), "aioloader": float("nan")}
+            pss = dict.fromkeys(loaders, float("nan"))
             if not args.no_memory:
                 for impl in pss:
-                    pss[impl] = measure(case, impl, workers, 1, memory=True)["peak_pss_mb"]
+                    pss[impl] = measure(case, impl, workers, 1, True, args.quick)["peak_pss_mb"]
+            rows.append(
+                {"case": case, "workers": workers, "batches_per_s": rates, "peak_pss_mb": pss}
+            )
             print(
                 f"{case:<6} {workers:>7} {rates['torch']:>10.1f} {rates['aioloader']:>10.1f} "
                 f"{rates['aioloader'] / rates['torch']:>5.2f}x "
-                f"{pss['torch']:>12.0f} {pss['aioloader']:>11.0f}",
+                f"{pss['torch']:>12.0f} {pss['aioloader']:>11.0f}"
+                + "".join(f" {rates[n]:>14.1f}" for n in others),
+                file=table,
                 flush=True,
             )
+    if args.json:
+        document = {
+            "benchmark": "bench_loader",
+            "unit": "batches/s",
+            "quick": args.quick,
+            "epochs": args.epochs,
+            "repeat": args.repeat,
+            "cpus": os.cpu_count(),
+            # NaN (memory not sampled) is not JSON: None instead.
+            "rows": [
+                {
+                    **row,
+                    "peak_pss_mb": {
+                        k: (None if v != v else v) for k, v in row["peak_pss_mb"].items()
+                    },
+                }
+                for row in rows
+            ],
+        }
+        print(json.dumps(document))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ method, no persistent workers, as a user writes it):
 - ``W3``: ~2 ms of Python per sample, 640 samples, batch 32.
 - ``W4``: Python ints, 102,400 samples, batch 256 (2 and 0 workers; 0 workers with ``for`` too).
 
+``--json`` prints the results as one JSON document on stdout (the table goes to stderr), for
+``benchmarks/run_all.py``.
+
     python benchmarks/cold_start.py                  # everything, 5 runs each
     python benchmarks/cold_start.py --only first short --repeat 9
 """
@@ -131,16 +134,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", choices=list(WORKLOADS), help="these workloads")
     parser.add_argument("--repeat", type=int, default=5, help="fresh runs per loader (median)")
+    parser.add_argument("--json", action="store_true", help="results as JSON on stdout")
     parser.add_argument("--child", nargs=2, metavar=("IMPL", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(*args.child)))
         return
-    print(f"{sys.version.split()[0]}, {os.cpu_count()} CPUs, median of {args.repeat} fresh runs\n")
-    print("| workload | torch first batch | aioloader first batch | ratio | torch samples/s "
-          "| aioloader samples/s | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    table = sys.stderr if args.json else sys.stdout
+    print(
+        f"{sys.version.split()[0]}, {os.cpu_count()} CPUs, median of {args.repeat} fresh runs\n",
+        file=table,
+    )
+    print(
+        "| workload | torch first batch | aioloader first batch | ratio | torch samples/s "
+        "| aioloader samples/s | ratio |",
+        file=table,
+    )
+    print("|---|---|---|---|---|---|---|", file=table)
     imports: dict[str, list[float]] = {"torch": [], "aioloader": []}
+    rows = []
     for workload in args.only or list(WORKLOADS):
         runs: dict[str, list[dict[str, float]]] = {"torch": [], "aioloader": []}
         for _ in range(args.repeat):
@@ -150,6 +162,14 @@ def main() -> None:
                 imports[impl].append(result["import_s"])
         first = {k: statistics.median(r["first_s"] for r in v) for k, v in runs.items()}
         rate = {k: statistics.median(r["rate"] for r in v) for k, v in runs.items()}
+        rows.append(
+            {
+                "workload": workload,
+                "first_batch_s": first,
+                # "first" stops at the first batch: it has no rate.
+                "samples_per_s": rate if workload != "first" else None,
+            }
+        )
         rate_cell = (
             f"{rate['torch']:,.0f} | {rate['aioloader']:,.0f} | "
             f"{rate['aioloader'] / rate['torch']:.2f}x"
@@ -159,14 +179,26 @@ def main() -> None:
         print(
             f"| {workload} | {first['torch'] * 1e3:.0f} ms | {first['aioloader'] * 1e3:.0f} ms "
             f"| {first['torch'] / first['aioloader']:.2f}x | {rate_cell} |",
+            file=table,
             flush=True,
         )
+    import_s = {k: statistics.median(v) for k, v in imports.items()}
     print(
-        f"\nimport (median): torch.utils.data {statistics.median(imports['torch']) * 1e3:.0f} ms, "
-        f"aioloader {statistics.median(imports['aioloader']) * 1e3:.0f} ms. "
+        f"\nimport (median): torch.utils.data {import_s['torch'] * 1e3:.0f} ms, "
+        f"aioloader {import_s['aioloader'] * 1e3:.0f} ms. "
         "Ratios: torch / aioloader for the first batch, aioloader / torch for the rate "
-        "(above 1: aioloader is ahead)."
+        "(above 1: aioloader is ahead).",
+        file=table,
     )
+    if args.json:
+        document = {
+            "benchmark": "cold_start",
+            "repeat": args.repeat,
+            "cpus": os.cpu_count(),
+            "import_s": import_s,
+            "rows": rows,
+        }
+        print(json.dumps(document))
 
 
 if __name__ == "__main__":

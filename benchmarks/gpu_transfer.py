@@ -17,7 +17,8 @@ Usage::
 
     python benchmarks/gpu_transfer.py --batch-mb 16 64 256 --batches 20 --step-ms 30
 
-Without CUDA it says so and exits 0.
+Without CUDA it says so and exits 0. ``--json`` prints the results as one JSON document on
+stdout (the table goes to stderr), for ``benchmarks/run_all.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import mmap
 import sys
 import time
@@ -50,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--step-ms", type=float, default=20.0, help="compute time of a step")
     parser.add_argument("--matmul-size", type=int, default=4096)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--json", action="store_true", help="results as JSON on stdout")
     args = parser.parse_args(argv)
     if args.batches < 1 or args.leaves < 1 or any(mb <= 0 for mb in args.batch_mb):
         parser.error("--batches and --leaves must be >= 1 and every --batch-mb > 0")
@@ -160,16 +163,18 @@ async def overlap(
 
 
 async def run(args: argparse.Namespace) -> None:
+    table = sys.stderr if args.json else sys.stdout
     stage = DeviceStage(args.device)
     device = stage.device
     assert device is not None
-    print(f"device: {torch.cuda.get_device_name(device)}; {args.batches} batches per cell")
+    name = torch.cuda.get_device_name(device)
+    print(f"device: {name}; {args.batches} batches per cell", file=table)
     step = make_step(device, args.matmul_size, args.step_ms)
     header = (
         f"{'batch MB':>9} {'stage':>8} {'stage+reg':>10} {'pinned .to':>11} {'pageable .to':>13}"
         f" {'step ms':>8} {'copy ms':>8} {'hidden':>7}"
     )
-    rows = []
+    rows, records = [], []
     for mb in args.batch_mb:
         nbytes = int(mb * 1e6)
         pageable = make_batch(nbytes, args.leaves, lambda n: torch.empty(n))
@@ -188,20 +193,42 @@ async def run(args: argparse.Namespace) -> None:
         compute, serial, overlapped = await overlap(stage, pageable, step, args.batches)
         copy_s = max(serial - compute, 1e-9)
         hidden = min(max((serial - overlapped) / copy_s, 0.0), 1.0)
+        records.append(
+            {
+                "batch_mb": mb,
+                "stage_gbps": staged,
+                "stage_registered_gbps": direct,
+                "pinned_to_gbps": plain_pinned,
+                "pageable_to_gbps": plain_pageable,
+                "step_ms": compute * 1e3,
+                "copy_ms": copy_s * 1e3,
+                "hidden": hidden,
+            }
+        )
         rows.append(
             f"{mb:>9.1f} {staged:>8.2f} {direct:>10.2f} {plain_pinned:>11.2f} "
             f"{plain_pageable:>13.2f} {compute * 1e3:>8.2f} {copy_s * 1e3:>8.2f} {hidden:>7.0%}"
         )
     stage.close()
-    print("host-to-device GB/s; copy ms = (copy then step) - step; hidden = share of it overlapped")
-    print(header)
-    print("\n".join(rows))
+    print(
+        "host-to-device GB/s; copy ms = (copy then step) - step; hidden = share of it overlapped",
+        file=table,
+    )
+    print(header, file=table)
+    print("\n".join(rows), file=table)
+    if args.json:
+        print(json.dumps({"benchmark": "gpu_transfer", "device": name, "rows": records}))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("gpu_transfer: no CUDA device is available; nothing to measure (needs a GPU).")
+        message = "gpu_transfer: no CUDA device is available; nothing to measure (needs a GPU)."
+        if args.json:
+            print(message, file=sys.stderr)
+            print(json.dumps({"benchmark": "gpu_transfer", "skipped": "no CUDA device"}))
+        else:
+            print(message)
         return 0
     asyncio.run(run(args))
     return 0

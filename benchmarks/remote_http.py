@@ -22,7 +22,9 @@ Sharp edge: on a small machine the server and the client share the CPUs, so ``ba
 ``aioloader`` are bounded by CPU (HTTP parsing on both sides), not by latency and concurrency
 (64 / 20 ms = 3,200 requests/s), while torch's workers are bounded by latency alone.
 
-Quick run: ``python benchmarks/remote_http.py --objects 300 --torch-workers 2``.
+Quick run: ``python benchmarks/remote_http.py --objects 300 --torch-workers 2``. ``--json``
+prints the results as one JSON document on stdout (the table goes to stderr), for
+``benchmarks/run_all.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import http.client
+import json
 import os
 import subprocess
 import sys
@@ -229,6 +232,7 @@ def main() -> None:
     parser.add_argument(
         "--repeat", type=int, default=1, help="runs of each loader; the best one is reported"
     )
+    parser.add_argument("--json", action="store_true", help="results as JSON on stdout")
     args = parser.parse_args()
     # torch warns that 8 workers exceed the CPU count; that is the point of the comparison.
     warnings.filterwarnings("ignore", message="This DataLoader will create")
@@ -255,21 +259,36 @@ def main() -> None:
                 if name not in results or result.rate > results[name].rate:
                     results[name] = result
 
+    table = sys.stderr if args.json else sys.stdout
     print(
         f"\n{args.objects} objects x {args.size // 1024} KiB, {args.latency * 1000:g} ms latency, "
         f"batch {args.batch_size}, io_concurrency {args.io_concurrency}, {os.cpu_count()} CPUs, "
-        f"best of {args.repeat}"
+        f"best of {args.repeat}",
+        file=table,
     )
-    print(f"{'loader':<12} {'samples/s':>12} {'seconds':>9}")
+    print(f"{'loader':<12} {'samples/s':>12} {'seconds':>9}", file=table)
     for result in results.values():
-        print(f"{result.name:<12} {result.rate:>12,.0f} {result.seconds:>9.2f}")
+        print(f"{result.name:<12} {result.rate:>12,.0f} {result.seconds:>9.2f}", file=table)
     ours = results["aioloader"].rate
-    print()
+    print(file=table)
     for name, target in (("torch@2", 20.0), ("torch@8", 5.0), ("bare", 0.9)):
         if name in results:
             ratio = ours / results[name].rate
             verdict = "ok" if ratio >= target else "below target"
-            print(f"ours/{name:<8} {ratio:6.2f}x  (target >= {target:g}x: {verdict})")
+            print(f"ours/{name:<8} {ratio:6.2f}x  (target >= {target:g}x: {verdict})", file=table)
+    if args.json:
+        document = {
+            "benchmark": "remote_http",
+            "objects": args.objects,
+            "size": args.size,
+            "latency_s": args.latency,
+            "batch_size": args.batch_size,
+            "io_concurrency": args.io_concurrency,
+            "repeat": args.repeat,
+            "cpus": os.cpu_count(),
+            "samples_per_s": {name: result.rate for name, result in results.items()},
+        }
+        print(json.dumps(document))
 
 
 if __name__ == "__main__":
