@@ -1,0 +1,95 @@
+"""The one-command benchmark runner: its smoke run prints the ratio table and draws the chart.
+
+``benchmarks/run_all.py --quick`` runs every benchmark (the GPU one only with CUDA) at a small
+size, each in its own process through its ``--json`` output; these tests read what comes out.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+HEADER = "| benchmark | case | measure | baseline | baseline value | aioloader | ratio |"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def load_run_all(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """benchmarks/run_all.py as a module (benchmarks/ is not a package), for this test only."""
+    spec = importlib.util.spec_from_file_location("run_all", BENCHMARKS / "run_all.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "run_all", module)  # its dataclass looks itself up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_run_all_quick_prints_the_table_and_draws_the_chart(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "run_all.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    out = result.stdout
+    # Other loaders, where installed, add a column each after aioloader's ratio.
+    assert any(line.startswith(HEADER.removesuffix(" |")) for line in out.splitlines()), out
+    rows = [line for line in out.splitlines() if re.match(r"\| (warm|cold|remote|gpu) \|", line)]
+    kinds = {row.split("|")[1].strip() for row in rows}
+    assert {"warm", "cold", "remote"} <= kinds, out
+    for row in rows:
+        ratio = row.split("|")[7].strip()
+        assert re.fullmatch(r"[\d.]+(e-\d+)?x", ratio), row
+        assert float(ratio[:-1]) > 0, row
+    # remote: against torch's DataLoader (2 workers) and against the bare aiohttp loop.
+    assert any("torch DataLoader, workers=2" in row for row in rows), out
+    assert any("bare aiohttp loop" in row for row in rows), out
+
+    chart = tmp_path / "ratios.png"
+    assert chart.read_bytes()[:8] == PNG_MAGIC
+    assert chart.stat().st_size > 10_000  # a drawn chart, not an empty canvas
+    record = json.loads((tmp_path / "results.json").read_text())
+    assert len(record["rows"]) == len(rows)
+    assert set(record["benchmarks"]) >= {"warm", "cold", "remote"}
+    assert (tmp_path / "results.md").read_text().count("\n| ") == len(rows) + 1  # + separator
+
+
+def test_run_all_without_matplotlib_stops_at_once_and_says_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_all = load_run_all(monkeypatch)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # find_spec: not importable
+    assert run_all.main(["--quick", "--out", str(tmp_path)]) == 2
+    message = capsys.readouterr().err
+    assert "pip install 'aioloader[plot]'" in message
+    assert "--no-plot" in message
+    assert not list(tmp_path.iterdir())  # nothing was measured or written
+
+
+def test_gpu_transfer_json_says_it_skipped_without_cuda() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the quick run measures it")
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_transfer.py"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"benchmark": "gpu_transfer", "skipped": "no CUDA device"}
+    assert "no CUDA device is available" in result.stderr
