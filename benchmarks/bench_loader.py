@@ -118,16 +118,19 @@ class PeakPss:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
+    def _sample(self) -> None:
         import psutil
 
         me = psutil.Process()
+        total = 0
+        for p in [me, *me.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error, AttributeError):
+                total += p.memory_full_info().pss
+        self.peak = max(self.peak, total)
+
+    def _run(self) -> None:
         while not self._stop.is_set():
-            total = 0
-            for p in [me, *me.children(recursive=True)]:
-                with contextlib.suppress(psutil.Error, AttributeError):
-                    total += p.memory_full_info().pss
-            self.peak = max(self.peak, total)
+            self._sample()
             self._stop.wait(PSS_INTERVAL_S)
 
     def __enter__(self) -> PeakPss:
@@ -139,6 +142,9 @@ class PeakPss:
         self._stop.set()
         if self.enabled:
             self._thread.join()
+            # A run shorter than the thread's first turn (torch's inline tiny epochs hold the
+            # GIL throughout) would otherwise report no memory at all.
+            self._sample()
 
 
 def run_torch(kind: str, n: int, batch: int, workers: int, epochs: int) -> dict[str, float]:
