@@ -66,7 +66,7 @@ def check_remote_http() -> None:
 
 def check_why_slow() -> None:
     # Every case is checked by tests/test_stats.py; the quickest one here.
-    out = ok(run_example("why_slow.py", "--case", "consumer", "--samples", "32", "--no-fix"))
+    out = ok(run_example("why_slow.py", "--case", "consumer", "--samples", "64", "--no-fix"))
     assert "verdict: consumer (knob: none)" in out, out
 
 
