@@ -24,6 +24,7 @@ Sharp edges:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
@@ -61,6 +62,10 @@ class Copy(Protocol):
         """Whether the copy has completed or failed; may poll the device, never blocks."""
         ...
 
+    def host_work(self) -> concurrent.futures.Future[Any] | None:
+        """The host-side job still staging and enqueueing the copy on a thread, if any."""
+        ...
+
     def hand_over(self, stream: Any) -> Any:
         """Order ``stream`` (``None``: the current one) after the copy; return the batch.
 
@@ -83,6 +88,12 @@ async def until_done(done: Callable[[], bool]) -> None:
     while not done():
         await asyncio.sleep(delay)
         delay = _next_delay(delay)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark ``future``'s outcome as seen: its copy's record reports it."""
+    if not future.cancelled():
+        future.exception()
 
 
 class Transfer:
@@ -116,6 +127,14 @@ class Transfer:
         Raises:
             TransferError: the copy failed on the device, naming the batch.
         """
+        work = self._copy.host_work()
+        if work is not None:
+            # Woken by the thread when it finishes, not by polling. asyncio.wait neither
+            # cancels the job when this wait is cancelled nor raises its error: done() turns
+            # that into the TransferError below.
+            woken = asyncio.wrap_future(work)
+            woken.add_done_callback(_retrieve)
+            await asyncio.wait([woken])
         await until_done(self._copy.done)
         return self._copy.hand_over(stream)
 
