@@ -92,15 +92,22 @@ def iter_leaves(obj: Any) -> Iterator[Any]:
         yield obj
 
 
-def map_tree(obj: Any, fn: Callable[[Any], Any]) -> Any:
+def map_tree(
+    obj: Any, fn: Callable[[Any], Any], *, is_leaf: Callable[[Any], bool] | None = None
+) -> Any:
     """``obj`` rebuilt with ``fn`` applied to every leaf (see the module's rule).
 
-    ``fn`` is called once per leaf, in visiting order; ``obj`` itself is not changed.
+    ``fn`` is called once per leaf, in visiting order; ``obj`` itself is not changed. A
+    container for which ``is_leaf`` returns True is handed to ``fn`` whole, as a leaf.
     """
+    if is_leaf is not None and is_leaf(obj):
+        return fn(obj)
     if isinstance(obj, Mapping):
-        return _rebuild_mapping(obj, {key: map_tree(value, fn) for key, value in obj.items()})
+        return _rebuild_mapping(
+            obj, {key: map_tree(value, fn, is_leaf=is_leaf) for key, value in obj.items()}
+        )
     if _is_sequence(obj):
-        return _rebuild_sequence(obj, [map_tree(value, fn) for value in obj])
+        return _rebuild_sequence(obj, [map_tree(value, fn, is_leaf=is_leaf) for value in obj])
     return fn(obj)
 
 

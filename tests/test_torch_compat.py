@@ -713,12 +713,6 @@ def test_a_packed_sequence_from_collate_fn_arrives_intact_through_workers(
 
 
 @pytest.mark.cuda
-@pytest.mark.xfail(
-    strict=True,
-    reason="device stage (_device): moving a PackedSequence batch to device='cuda' moves its "
-    "batch_sizes too, which PackedSequence refuses, so the batch arrives as a plain tuple "
-    "(PackedSequence.to and torch's pin_memory keep batch_sizes on the CPU)",
-)
 def test_a_packed_sequence_moved_to_the_gpu_keeps_its_type() -> None:
     batches = load(
         Rows(8, 16), batch_size=4, collate_fn=collate_into_packed_sequence, device="cuda"

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from .._tree import map_tree
 
@@ -48,9 +49,23 @@ def map_arrays(obj: Any, fn: Callable[[Any], Any]) -> Any:
     """
 
     def on_leaf(leaf: Any) -> Any:
+        if isinstance(leaf, PackedSequence):
+            # As PackedSequence.to() and torch's pin_memory do: batch_sizes stays on the CPU
+            # (the constructor refuses it anywhere else); the other fields travel.
+            data, batch_sizes, sorted_indices, unsorted_indices = leaf
+            return type(leaf)(
+                map_arrays(data, fn),
+                batch_sizes,
+                map_arrays(sorted_indices, fn),
+                map_arrays(unsorted_indices, fn),
+            )
         return fn(leaf) if isinstance(leaf, torch.Tensor | np.ndarray) else leaf
 
-    return map_tree(obj, on_leaf)
+    return map_tree(obj, on_leaf, is_leaf=_is_packed_sequence)
+
+
+def _is_packed_sequence(obj: Any) -> bool:
+    return isinstance(obj, PackedSequence)
 
 
 @functools.lru_cache(maxsize=64)
