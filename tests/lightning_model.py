@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
 import lightning as L
@@ -77,7 +78,10 @@ def trainer(**overrides: Any) -> L.Trainer:
         "enable_model_summary": False,
     }
     settings.update(overrides)
-    return L.Trainer(**settings)
+    with warnings.catch_warnings():
+        # On a machine with a GPU, Lightning warns that a CPU trainer leaves it unused.
+        warnings.filterwarnings("ignore", message="GPU available but not used")
+        return L.Trainer(**settings)
 
 
 def dump(path: str, payload: Any) -> None:
