@@ -79,6 +79,16 @@ def check_train_small() -> None:
     assert out.splitlines()[-1].startswith("loader: "), out
 
 
+def check_train_gpu() -> None:
+    # On a machine with CUDA this trains on the GPU through the device stage; here, on the CPU.
+    args = ("--samples", "64", "--batch-size", "32", "--epochs", "2", "--workers", "2")
+    out = ok(run_example("train_gpu.py", *args))
+    wrong = numbers(r"wrong or missing samples (\d+)", out)
+    assert wrong == [0, 0], out
+    assert len(numbers(r"([\d,]+) samples/s", out)) == 2, out
+    assert out.splitlines()[-1].startswith("loader: "), out
+
+
 def check_orchestrator() -> None:
     out = ok(run_example("orchestrator.py", "--tiny"))
     assert len(re.findall(r"eval of version \d+: accuracy \d+%", out)) >= 2, out
@@ -140,6 +150,7 @@ CHECKS: dict[str, Callable[..., None]] = {
     "quickstart.py": check_quickstart,
     "remote_http.py": check_remote_http,
     "resume.py": check_resume,
+    "train_gpu.py": check_train_gpu,
     "train_small.py": check_train_small,
     "why_slow.py": check_why_slow,
 }
