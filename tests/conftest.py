@@ -76,8 +76,10 @@ def _helper_process(p: psutil.Process) -> bool:
     except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
         return True
     # The forkservers (the stdlib's, and the one forked from this process, which names itself)
-    # and the resource tracker live as long as the test session, by design.
-    return "forkserver" in cmd or "resource_tracker" in cmd or name == "aiol-forkserver"
+    # and the resource tracker live as long as the test session, by design. Open MPI's
+    # singleton daemon is not ours: where mpi4py is installed, Lightning's probe for an MPI
+    # environment starts it, and it lives until this interpreter exits.
+    return "forkserver" in cmd or "resource_tracker" in cmd or name in ("aiol-forkserver", "orted")
 
 
 def child_pids() -> set[int]:
