@@ -118,8 +118,7 @@ class _CopyRecord:
         return self.state != "pending"
 
     def host_work(self) -> concurrent.futures.Future[Any] | None:
-        """The stage thread's job for this copy while it runs (see the protocol)."""
-        return self.fill
+        return self.fill  # the stage thread's job for this copy while it runs (see the protocol)
 
     def hand_over(self, stream: Any) -> Any:
         """The device batch, once ``stream`` is ordered after the copy (see the protocol)."""
