@@ -31,10 +31,10 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, Protocol
 
-from ._config import LoaderConfig
+from ._config import LoaderConfig, Sampling
 from ._log import epoch_log
 from ._produce import Producer
 from ._reorder import Outcome, ReorderBuffer
@@ -75,8 +75,9 @@ class Plan:
     while the producer reads on the loop's thread.
     """
 
-    def __init__(self, pairs: Iterator[tuple[int, Any]]) -> None:
+    def __init__(self, pairs: Iterator[tuple[int, Any]], samples: int | None = None) -> None:
         self._source = pairs
+        self.samples = samples  # the whole epoch's length in samples, None where unknown
         self._rest: deque[tuple[int, Any]] | None = None
         self._lock = threading.Lock()
 
@@ -96,6 +97,28 @@ class Plan:
         with self._lock:
             if self._rest is None:
                 self._rest = deque(self._source)
+
+
+def plan_for(sampling: Sampling, done: Collection[int]) -> Plan | None:
+    """The plan of a map-style epoch (None for an iterable dataset), without the batches in
+    ``done`` (resume). Each batch of a user's sampler is made plain ints as the producer reads
+    it, so a bad one fails at its turn. Its length in samples is the index sampler's, where the
+    sampler has one (the skip budget's fractions are of it)."""
+    batches, check = sampling.batches, sampling.check
+    if batches is None:
+        return None
+    pairs = enumerate(batches)
+    return Plan(
+        ((i, check(i, b) if check is not None else b) for i, b in pairs if i not in done),
+        samples=_length(sampling.sampler),
+    )
+
+
+def _length(sampler: Any) -> int | None:
+    try:
+        return len(sampler)
+    except Exception:  # no __len__, or one that refuses (a sampler of unknown length)
+        return None
 
 
 class Epoch:
@@ -146,6 +169,7 @@ class Epoch:
             runner,
             counters,
             plan=plan,
+            epoch_samples=plan.samples if plan is not None else None,
             dataset=dataset,
             reorder=self.reorder,
             permits=self._permits,

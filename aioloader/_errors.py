@@ -112,7 +112,27 @@ class TransferError(AioloaderError):
 
 
 class TooManyFailuresError(AioloaderError):
-    """With ``on_error='skip'``, more samples failed than ``max_failures`` allows."""
+    """With ``on_error='skip'``, more samples failed than ``max_failures`` allows.
+
+    Attributes:
+        batch_id: the batch that crossed the budget (delivered as this error instead).
+        skipped: every index skipped in the epoch so far.
+        undelivered: that batch's samples read successfully and not delivered: their indices,
+            or their count where the indices are unknown (an iterable dataset's stream).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        batch_id: int | None = None,
+        skipped: list[int] | None = None,
+        undelivered: list[int] | int = 0,
+    ) -> None:
+        super().__init__(message)
+        self.batch_id = batch_id
+        self.skipped = skipped if skipped is not None else []
+        self.undelivered = undelivered
 
 
 class RemoteError(AioloaderError, OSError):

@@ -91,7 +91,7 @@ class Fetcher:
             shards, raws = _drop_failed(shards, raws)
             skipped = [(f.index, f"{type(f.error).__name__}: {f.error}") for f in failed]
             self._budget.record(0, skipped)
-            error = self._budget.over()
+            error = self._budget.over(request.batch_id, [i for shard in shards for i in shard])
             if error is not None:
                 raise error
         if request.sharded:

@@ -61,7 +61,7 @@ from ._distributed import (
     stream_items,
     warn_if_group_appeared,
 )
-from ._epoch import Epoch, EpochIterator, Plan
+from ._epoch import Epoch, EpochIterator, plan_for
 from ._progress import EpochProgress, progress_display
 from ._resources import Resources, check_callables, finalize, weak_call
 from ._resume import EpochBook
@@ -144,7 +144,10 @@ class DataLoader(SettingsView):
         max_retries: re-run a batch whose worker crashed or hung this many times.
         on_error: ``'raise'`` (default) or ``'skip'`` samples that fail to read or decode.
         max_failures: with ``'skip'``: a count (int >= 0) or fraction (0 < f < 1) of samples
-            that may fail before :class:`TooManyFailuresError`.
+            that may fail before :class:`TooManyFailuresError`. A fraction is of the epoch's
+            length (the sampler's); for an iterable dataset, whose length is unknown, of the
+            samples seen so far, one failure always allowed. The error names the batch, every
+            skipped index and the batch's samples that were read but not delivered.
         device: ``'cuda'``, ``'cuda:1'``, a ``torch.device`` or None; batches arrive there.
         device_prefetch: batches copied to the device ahead of the consumer.
         shm_max_bytes: cap on shared memory for batches (default: a quarter of free /dev/shm,
@@ -376,15 +379,7 @@ class DataLoader(SettingsView):
         self._res.renew(self._config, self.dataset, epoch, alone=alone)
         self._counters.epoch = epoch
         self._counters.epoch_batches_yielded = 0
-        plan = None
-        batches, check = self._sampling.batches, self._sampling.check
-        if batches is not None:
-            # The batch sampler's iter() runs here, at once; each batch of a user's sampler is
-            # made plain ints as the producer reads it (a bad one fails at its turn).
-            pairs = enumerate(batches)
-            plan = Plan(
-                (i, check(i, b) if check is not None else b) for i, b in pairs if i not in done
-            )
+        plan = plan_for(self._sampling, done)  # the batch sampler's iter() runs here, at once
         device = (
             self._res.device if self._res.device is not None and self._res.device.enabled else None
         )

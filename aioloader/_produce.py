@@ -72,6 +72,8 @@ class Producer:
         runner: where batches are made.
         counters: the loader's live statistics.
         plan: for map-style data, the ``(batch_id, indices)`` pairs still to produce.
+        epoch_samples: the whole epoch's length in samples, None where unknown (a fraction of
+            ``max_failures`` is of it).
         dataset: the dataset (async fetches and async streams read it on the loop).
         reorder: where outcomes go; the consumer takes them out.
         permits: taken per batch before it is scheduled; the consumer gives them back.
@@ -86,6 +88,7 @@ class Producer:
         counters: Counters,
         *,
         plan: Iterable[tuple[int, Any]] | None,
+        epoch_samples: int | None = None,
         dataset: Any,
         reorder: ReorderBuffer,
         permits: asyncio.Semaphore,
@@ -101,7 +104,7 @@ class Producer:
         self._permits = permits
         self._wake = wake
         self._policy = DeadlinePolicy(config.timeout, config.max_retries)
-        self._budget = FailureBudget(config.max_failures, counters)
+        self._budget = FailureBudget(config.max_failures, counters, epoch_samples)
         self._fetcher = (
             Fetcher(
                 dataset,
@@ -282,7 +285,7 @@ class Producer:
                 annotate(error, f"batch {request.batch_id}: {_indices_text(request)}")
             self._store(Outcome(request.batch_id, error=error))
         else:
-            self._store(self._accounted(request.batch_id, future.result()))
+            self._store(self._accounted(request.batch_id, future.result(), request))
 
     async def _produce_map(self, request: BatchRequest) -> None:
         if self._fetcher is not None:
@@ -318,6 +321,7 @@ class Producer:
                 request.batch_id,
                 lambda: self._runner.start_make(request),
                 lambda: _indices_text(request),
+                request=request,
             )
         )
 
@@ -339,6 +343,7 @@ class Producer:
         describe: Callable[[], str],
         *,
         retry: bool = True,
+        request: BatchRequest | None = None,
     ) -> Outcome:
         try:
             made = await run_attempts(
@@ -354,7 +359,7 @@ class Producer:
             raise
         except BaseException as exc:
             return Outcome(batch_id, error=exc)
-        return self._accounted(batch_id, made)
+        return self._accounted(batch_id, made, request)
 
     def _bytes(self, made: Made) -> int:
         """Bytes of the arrays and tensors of ``made``, walked or estimated (see
@@ -369,16 +374,23 @@ class Producer:
         self._bytes_per_sample = nbytes / made.samples if made.samples else 0.0
         return nbytes
 
-    def _accounted(self, batch_id: int, made: Made) -> Outcome:
-        """Count a made batch in the statistics and the skip budget; its outcome."""
+    def _accounted(self, batch_id: int, made: Made, request: BatchRequest | None) -> Outcome:
+        """Count a made batch in the statistics and the skip budget; its outcome.
+
+        ``request`` is the map-style batch's (None for a stream's): where the batch crosses the
+        skip budget, the error names its samples that were read, by index where known."""
         self._counters.read_s += made.read_s
         self._counters.collate_s += made.collate_s
         self._sizes[batch_id] = (made.samples, self._bytes(made))
         self._budget.record(made.samples, made.skipped)
         if made.skipped:
-            error = self._budget.over()
+            read: list[int] | int = made.samples
+            if request is not None and self._config.kind in ("map", "async_map"):  # dataset indices
+                failed = {index for index, _ in made.skipped}
+                read = [i for i in _flat_indices(request) if i not in failed]
+            error = self._budget.over(batch_id, read)
             if error is not None:
-                return Outcome(batch_id, error=error)  # the batch is dropped with ``made``
+                return Outcome(batch_id, error=error)  # named in the error, not delivered
         return Outcome(batch_id, value=made.batch)
 
 
@@ -392,6 +404,13 @@ def _nbytes(batch: Any) -> int:
         elif torch is not None and isinstance(leaf, torch.Tensor):
             total += leaf.element_size() * leaf.nelement()
     return total
+
+
+def _flat_indices(request: BatchRequest) -> list[int]:
+    """A map-style request's indices, its shards' one after another."""
+    if request.sharded:
+        return [int(i) for shard in request.indices for i in shard]  # type: ignore[union-attr]
+    return [int(i) for i in request.indices]  # type: ignore[arg-type]
 
 
 def _request(epoch: int, batch_id: int, indices: Any) -> BatchRequest:
