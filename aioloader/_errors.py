@@ -32,6 +32,9 @@ for tensors or sequences of different sizes. Each class adds such a base; none i
 
 from __future__ import annotations
 
+import errno
+import sys
+
 __all__ = [
     "AioloaderError",
     "CollateError",
@@ -50,6 +53,7 @@ __all__ = [
     "WorkerCrashedError",
     "WorkerError",
     "WorkerInitError",
+    "out_of_descriptors_note",
 ]
 
 
@@ -166,3 +170,43 @@ class RemoteTimeoutError(RetriesExhaustedError, TimeoutError):
 
 class DeviceUnavailableWarning(UserWarning):
     """A device copy or pinning was requested but CUDA is not available; batches stay on CPU."""
+
+
+# -- running out of file descriptors ---------------------------------------------------------
+
+
+def out_of_descriptors_note(exc: BaseException, where: str) -> str | None:
+    """The note to add to ``exc`` if it (or its cause) is the process running out of file
+    descriptors, else None. The error keeps its type (an ``OSError``); the note names
+    ``where`` (the batch, or the worker start-up) and the fix.
+
+    A live batch holds no descriptor (see :mod:`aioloader._shm`), so whatever used them up is
+    something else: files a dataset opens and keeps, sockets, or workers starting (about ten
+    each: pipes and locks). The usual fix is a higher limit.
+    """
+    seen = 0
+    cause: BaseException | None = exc
+    while cause is not None and seen < 8:  # a cause chain is short; a cycle must not hang
+        if isinstance(cause, OSError) and cause.errno == errno.ENFILE:
+            return (
+                f"{where}: the system's table of open files is full (fs.file-max); "
+                "`ulimit -n` does not help, closing files elsewhere does"
+            )
+        if isinstance(cause, OSError) and cause.errno == errno.EMFILE:
+            return (
+                f"{where}: this process has no file descriptor left (the limit is "
+                f"{_nofile_limit()}). A batch the loader handed out holds none; open files, "
+                "sockets and worker start-up (about ten per worker) use them. Raise the limit: "
+                "`ulimit -n 4096` in the shell, or resource.setrlimit(resource.RLIMIT_NOFILE, "
+                "...) before creating the loader"
+            )
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    return None
+
+
+def _nofile_limit() -> str:
+    if sys.platform == "win32":  # pragma: no cover
+        return "unknown"
+    import resource
+
+    return str(resource.getrlimit(resource.RLIMIT_NOFILE)[0])

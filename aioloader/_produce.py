@@ -45,7 +45,7 @@ from ._batch import annotate, stream_batch
 from ._config import LoaderConfig
 from ._deadline import DeadlinePolicy, run_attempts, timeout_error
 from ._distributed import every_nth_async, stream_share
-from ._errors import WorkerCrashedError
+from ._errors import WorkerCrashedError, out_of_descriptors_note
 from ._failures import FailureBudget
 from ._fetch import Fetcher
 from ._reorder import Outcome, ReorderBuffer
@@ -169,6 +169,10 @@ class Producer:
     def _store(self, outcome: Outcome) -> None:
         if outcome.batch_id == self._claimed:
             self._claimed = None
+        if outcome.error is not None:
+            note = out_of_descriptors_note(outcome.error, f"batch {outcome.batch_id}")
+            if note is not None:
+                annotate(outcome.error, note)
         if self.closed:
             return  # dropped: its batch's views go, and with the last one its slot
         self._reorder.put_nowait(outcome)

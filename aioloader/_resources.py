@@ -46,6 +46,7 @@ from . import _shm
 from ._batch import BatchMaker
 from ._config import LoaderConfig
 from ._epoch import Epoch
+from ._errors import out_of_descriptors_note
 from ._signals import release_before_sigterm
 from ._sync import LoopThread
 from ._threads import ThreadRunner
@@ -177,12 +178,18 @@ class Resources:
                     assert context is not None
                     if self.slots is None and _shm.shm_available():
                         self.slots = _slot_pool(config, self.device)
-                    pool = WorkerPool(
-                        config.num_workers,
-                        context,
-                        config.seed,
-                        per_batch_seeds=config.worker_seeding == "batch",
-                    )
+                    try:
+                        pool = WorkerPool(
+                            config.num_workers,
+                            context,
+                            config.seed,
+                            per_batch_seeds=config.worker_seeding == "batch",
+                        )
+                    except OSError as exc:
+                        where = f"starting {config.num_workers} worker processes"
+                        if (note := out_of_descriptors_note(exc, where)) is not None:
+                            exc.add_note(note)
+                        raise
                     release_before_sigterm(close_all_at_exit)
                     self.runner = ProcessRunner(pool, self.slots, config.prefetch)
                 else:

@@ -382,3 +382,41 @@ def seed_numpy_from_info(worker_id: int) -> None:
     info = torch.utils.data.get_worker_info()
     assert info is not None
     np.random.seed(info.seed % 2**32)
+
+
+class FdReport(Range):
+    """Sample ``i``: 16,384 int32 (64 KiB, so every batch of one travels in a slot) holding
+    ``[i, open descriptors of the reading process, its pid, i, i, ...]``.
+
+    With ``starve_at``, reading that index lowers the reading process's own soft
+    ``RLIMIT_NOFILE`` so that no new descriptor fits, for good (``starve_for_good``: from then
+    on it cannot open a segment) or only while it opens one file (which then fails with
+    EMFILE, the way a dataset that leaks open files ends).
+    """
+
+    def __init__(self, n: int, starve_at: int = -1, starve_for_good: bool = False) -> None:
+        super().__init__(n)
+        self.starve_at = starve_at
+        self.starve_for_good = starve_for_good
+
+    def __getitem__(self, index: int) -> Any:
+        import resource
+
+        sample = np.full(16384, index, dtype=np.int32)
+        try:
+            sample[1] = len(os.listdir("/proc/self/fd")) - 1  # less listdir's own
+        except OSError:  # starved for good: no descriptor left to list them with
+            sample[1] = -1
+        sample[2] = os.getpid()
+        if index == self.starve_at:
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            lowest_free = os.dup(0)  # the number the next open would get: make it too high
+            os.close(lowest_free)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+            if not self.starve_for_good:
+                try:
+                    with open(os.devnull):
+                        pass
+                finally:
+                    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        return sample

@@ -56,6 +56,11 @@ Sharp edges, and what this module does about them:
 - **Unlinked is not freed.** A segment's memory lives until every mapping of it is gone, in
   every process. Workers cache their mappings; on each new attach they drop mappings of
   segments that no longer exist, and the cache is bounded (:data:`ATTACH_CACHE_MAX`).
+- **Removed behind our back.** systemd-logind (``RemoveIPC=yes``, its default) removes a
+  user's segments when that user's last session ends; cleanup scripts and container restarts
+  empty ``/dev/shm`` too. Mappings survive it, so only a worker opening the slot for the first
+  time notices: :func:`attach` raises ``FileNotFoundError`` naming those likely causes, the
+  worker sends that batch inline, and the pool forgets the segment (:meth:`SlotPool.forget`).
 - **Names.** ``aiol_<pid>_<8 hex>``: at most 21 characters, under macOS's 31-character limit.
   The pid lets :func:`janitor` find segments of dead processes. Two caveats: a dead owner's pid
   may be reused (its segments then wait for the new process to die too), and processes in

@@ -270,6 +270,18 @@ class SlotPool:
                 seg.state = _State.FREE
                 seg.lease_id = 0
 
+    def forget(self, slot: Slot) -> None:
+        """Drop a leased slot whose segment vanished from ``/dev/shm`` (removed by someone else),
+        so it is never leased again; its memory goes with the pool's mapping. Like
+        :meth:`release`, a call that does not match the current lease does nothing."""
+        with self._lock:
+            self._drain()
+            seg = self._segments.get(slot.name)
+            if seg is not None and seg.state is _State.LEASED and seg.lease_id == slot.lease_id:
+                del self._segments[seg.name]
+                self._unmapping(seg)
+                unlink(seg.name)  # gone already; this tells the resource tracker
+
     def open(self, slot: Slot, tree: Any) -> Any:
         """Rebuild a batch from a worker's descriptor tree as views of the slot: zero copies.
 

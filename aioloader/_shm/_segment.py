@@ -44,6 +44,7 @@ __all__ = [
     "segment_exists",
     "shm_available",
     "unlink",
+    "vanished_message",
 ]
 
 SHM_PREFIX = "aiol_"
@@ -255,12 +256,17 @@ def map_existing(slot: Slot) -> npt.NDArray[np.uint8]:
     """Map the whole segment of ``slot``, without the resource tracker; no descriptor stays open.
 
     Raises:
-        FileNotFoundError: if the owner has unlinked the segment.
+        FileNotFoundError: if the segment is gone (the owner unlinked it, or something else
+            removed it: the message names the usual suspects, see :func:`vanished_message`).
         ValueError: if the segment's size differs from ``slot.size``.
         SharedMemoryError: if this process has no file descriptor left to open the segment.
     """
     try:
         fd = _posixshmem.shm_open("/" + slot.name, os.O_RDWR, 0)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(
+            exc.errno, vanished_message(slot.name), f"{SHM_DIR}/{slot.name}"
+        ) from exc
     except OSError as exc:
         if (error := _out_of_fds(exc, "attach", slot.size)) is None:
             raise
@@ -272,6 +278,17 @@ def map_existing(slot: Slot) -> npt.NDArray[np.uint8]:
         return as_bytes(_map(fd, size), size)
     finally:
         os.close(fd)  # the mapping needs no descriptor
+
+
+def vanished_message(name: str) -> str:
+    """Why segment ``name`` of a live pool may be missing from ``/dev/shm``, and what to do."""
+    return (
+        f"shared-memory segment {name} of a live batch slot is gone from {SHM_DIR}: something "
+        "other than this loader removed it. Likely: systemd-logind's RemoveIPC=yes (the "
+        "default) when the last session of the user ends (run the job under a system user, or "
+        "set RemoveIPC=no in /etc/systemd/logind.conf), a cleanup script or tmp cleaner that "
+        f"empties {SHM_DIR}, or a container restart that gave it a fresh tmpfs"
+    )
 
 
 def segment_exists(name: str) -> bool:

@@ -21,9 +21,12 @@ Shared memory or inline is decided here and nowhere else, on both sides of the p
     worker: Packer(slot)       collate straight into the slot (Packer.alloc), then pack():
                                no slot, a tiny batch, or one that did not fit ─▶ inline
                                (with the bytes a slot would need, so the next lease fits);
+                               a slot it cannot map (removed from /dev/shm, no descriptor
+                               left) ─▶ inline, with the reason;
                                else ─▶ the descriptor tree of the arrays in the slot
     main: Receiver.open()      in the slot ─▶ zero-copy views (the slot goes with them);
-                               inline ─▶ the slot goes back to the pool, tensors are rebuilt
+                               inline ─▶ the slot goes back to the pool (forgotten if it
+                               was removed), tensors are rebuilt
 
 Sharp edges:
 - torch registers a reduction with multiprocessing's pickler that moves every pickled tensor
@@ -119,11 +122,17 @@ class Parcel:
         in_slot: whether the arrays lie in the job's slot.
         nbytes: the bytes a slot needs for a batch like this one; later leases are sized from
             the largest seen.
+        slot_error: why the worker could not map the job's slot, so the batch came inline
+            ("" if it could, or had no slot): the segment vanished, or descriptors ran out.
+        slot_vanished: the slot's segment no longer exists (someone removed it): the pool must
+            stop leasing it.
     """
 
     tree: Any
     in_slot: bool
     nbytes: int
+    slot_error: str = ""
+    slot_vanished: bool = False
 
 
 def inline(batch: Any) -> Parcel:
@@ -134,14 +143,28 @@ def inline(batch: Any) -> Parcel:
 class Packer:
     """Worker side: where one batch is collated and how it goes back. One per job.
 
+    If the slot cannot be mapped (its segment was removed from ``/dev/shm`` behind the pool's
+    back, or this process has no file descriptor left), the batch travels inline and the parcel
+    says why: the batch is never lost for want of a slot.
+
     Args:
         slot: the job's slot (attached here, cached per process), or None for inline.
     """
 
-    __slots__ = ("_writer",)
+    __slots__ = ("_error", "_vanished", "_writer")
 
     def __init__(self, slot: _shm.Slot | None) -> None:
-        self._writer = _shm.SlotWriter(_shm.attach(slot)) if slot is not None else None
+        self._writer: _shm.SlotWriter | None = None
+        self._error = ""
+        self._vanished = False
+        if slot is None:
+            return
+        try:
+            self._writer = _shm.SlotWriter(_shm.attach(slot))
+        except FileNotFoundError as exc:
+            self._error, self._vanished = str(exc), True
+        except SharedMemoryError as exc:
+            self._error = str(exc)
 
     @property
     def alloc(self) -> Alloc | None:
@@ -152,6 +175,9 @@ class Packer:
         """The parcel of ``batch``: in the slot if there is one and the batch fits and is not
         tiny; inline otherwise."""
         if self._writer is None:
+            if self._error:
+                parcel = inline(batch)
+                return Parcel(parcel.tree, False, parcel.nbytes, self._error, self._vanished)
             return inline(batch)
         nbytes = batch_nbytes(batch)
         encoded = self._writer.encode(batch, inline_below=INLINE_MAX_BYTES)
@@ -177,6 +203,7 @@ class Receiver:
         self._batch_bytes = 0  # the largest batch seen: leases are sized from it
         self._checked_bytes = 0  # the batch size /dev/shm was last checked for
         self.fallbacks = 0  # batches sent inline because no segment could be had
+        self._said: set[str] = set()  # the kinds of reason logged already (once each)
 
     async def lease(self) -> _shm.Slot | None:
         """A slot for the next batch; None sends it inline. Reuse is instant; creating a
@@ -195,10 +222,16 @@ class Receiver:
         except SharedMemoryError as exc:
             # /dev/shm filled up (another process, another rank's loader) or descriptors ran
             # out: the batch still travels, inline, slower but whole. Said once, then counted.
-            self.fallbacks += 1
-            if self.fallbacks == 1:
-                _log.warning("batches travel inline (pickled) instead: %s", exc)
+            self._fell_back("lease", str(exc))
             return None
+
+    def _fell_back(self, kind: str, why: str) -> None:
+        """Count a batch sent inline for want of a slot; log the first of each ``kind`` of
+        reason (no room, a vanished segment, no descriptor in a worker), with the reason."""
+        self.fallbacks += 1
+        if kind not in self._said:
+            self._said.add(kind)
+            _log.warning("batches travel inline (pickled) instead: %s", why)
 
     def releaser(self, slot: _shm.Slot | None) -> Callable[[], None] | None:
         """What gives ``slot`` back to the pool, to call once no worker can write into it."""
@@ -211,6 +244,12 @@ class Receiver:
         slot, if one was leased, goes back to the pool). If this raises, the slot is free."""
         parcel: Parcel = made.batch
         self._batch_bytes = max(self._batch_bytes, parcel.nbytes)
+        if parcel.slot_error and self._slots is not None and not self._slots.closed:
+            # The worker could not map the slot (after close: the pool unlinked it itself).
+            self._fell_back("vanished" if parcel.slot_vanished else "attach", parcel.slot_error)
+            if parcel.slot_vanished and slot is not None and self._slots is not None:
+                self._slots.forget(slot)  # never lease a segment that no worker can map
+                slot = None
         if parcel.in_slot:
             assert slot is not None
             assert self._slots is not None
