@@ -30,6 +30,7 @@ plain function is cheap to check and is reported at construction already
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import pickle
@@ -186,8 +187,7 @@ class Resources:
                             per_batch_seeds=config.worker_seeding == "batch",
                         )
                     except OSError as exc:
-                        where = f"starting {config.num_workers} worker processes"
-                        if (note := out_of_descriptors_note(exc, where)) is not None:
+                        if (note := _start_up_note(exc, config.num_workers)) is not None:
                             exc.add_note(note)
                         raise
                     release_before_sigterm(close_all_at_exit)
@@ -311,16 +311,36 @@ def finalize(resources: Resources, name: str) -> None:
     resources.close()
 
 
+def _start_up_note(exc: OSError, workers: int) -> str | None:
+    """What to add to an error from starting the workers when the machine ran out of
+    something: descriptors, or room in /dev/shm (where multiprocessing keeps its locks)."""
+    where = f"starting {workers} worker processes"
+    note = out_of_descriptors_note(exc, where)
+    if note is None and exc.errno == errno.ENOSPC and _shm.shm_available():
+        note = (
+            f"{where}: {_shm.SHM_DIR} is full ({_shm.free_bytes()} bytes free), and "
+            "multiprocessing keeps every worker's locks and semaphores there, so no worker can "
+            f"start. Free space in {_shm.SHM_DIR}, give it more (docker run --shm-size=...), or "
+            "read in this process (num_workers=0, or thread_pool=True)"
+        )
+    return note
+
+
 def _slot_pool(config: LoaderConfig, device: DeviceStage | None) -> _shm.SlotPool | None:
     cap = config.shm_cap()
     if cap <= 0:
         return None
+    # A nearly full /dev/shm gives a cap under the smallest slot: slots as small as the cap.
+    smallest = min(cap, _shm.MIN_SLOT_BYTES)
     if device is not None and device.enabled:
         # Each slot is page-locked once when created, so device copies read it directly.
         return _shm.SlotPool(
-            cap, on_map=device.register_host_memory, on_unmap=device.unregister_host_memory
+            cap,
+            min_slot_bytes=smallest,
+            on_map=device.register_host_memory,
+            on_unmap=device.unregister_host_memory,
         )
-    return _shm.SlotPool(cap)
+    return _shm.SlotPool(cap, min_slot_bytes=smallest)
 
 
 def weak_call(method: Callable[[int], None], arg: int) -> Callable[[], None]:

@@ -73,19 +73,28 @@ def test_workers_and_the_main_process_hold_no_descriptor_per_batch() -> None:
 # arrays of int32 filled with their index, one per batch, so every batch travels in a slot
 # (after the first few, sent inline while the loader learns the batch size).
 _HELD_BATCHES_CHILD = """
-import functools, gc, os, resource, sys, time
+import gc, os, resource, sys, time
 import numpy as np
-sys.path.insert(0, {tests!r})
 limit, count = int(sys.argv[1]), int(sys.argv[2])
 resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
-import fault_datasets as fd
+from aioloader import DataLoader
+
+class Filled:  # sample i: 16,384 int32, every one i (pickled by value to the workers)
+    def __len__(self):
+        return count
+
+    def __getitem__(self, i):
+        return np.full(16384, i, dtype=np.int32)
 
 def fds():
     return len(os.listdir("/proc/self/fd"))
 
 if __name__ == "__main__":
-    dataset = fd.Mapped(count, functools.partial(np.full, 16384, dtype=np.int32))
-    with fd.make_loader(dataset, batch_size=1) as loader:
+    # numpy batches (np.stack) and seeds per worker: no process of the run imports torch
+    loader = DataLoader(
+        Filled(), batch_size=1, num_workers=2, collate_fn=np.stack, worker_seeding="worker"
+    )
+    with loader:
         start = time.monotonic()
         batches = list(loader)
         took = time.monotonic() - start
@@ -93,6 +102,7 @@ if __name__ == "__main__":
         assert [(b.shape, int(b.min()), int(b.max())) for b in batches] == [
             ((1, 16384), i, i) for i in range(count)
         ]
+        assert "torch" not in sys.modules
         del batches
         gc.collect()
         print(held_fds, fds(), held_slots, loader.statistics().held_shm_slots, took)
@@ -101,7 +111,7 @@ if __name__ == "__main__":
 
 def _hold_all_batches(limit: int, count: int) -> tuple[int, int, int, int, float]:
     proc = subprocess.run(
-        [sys.executable, "-c", _HELD_BATCHES_CHILD.format(tests=TESTS_DIR), str(limit), str(count)],
+        [sys.executable, "-c", _HELD_BATCHES_CHILD, str(limit), str(count)],
         cwd=REPO_DIR,
         capture_output=True,
         text=True,
@@ -223,14 +233,13 @@ def test_a_worker_that_cannot_open_a_slot_sends_its_batches_inline(
 
 
 _START_UP_CHILD = """
-import os, resource, sys
-sys.path.insert(0, {tests!r})
+import os, resource
+import numpy as np
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-from datasets import FdReport
 from aioloader import DataLoader
 
 if __name__ == "__main__":
-    loader = DataLoader(FdReport(8), batch_size=1, num_workers=4)
+    loader = DataLoader(list(range(8)), batch_size=1, num_workers=4, collate_fn=np.stack)
     filler = []
     while True:  # leave 20 descriptors: too few to start four workers (about ten each)
         try:
@@ -250,7 +259,7 @@ if __name__ == "__main__":
 @needs_proc
 def test_too_few_descriptors_to_start_the_workers_says_so() -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", _START_UP_CHILD.format(tests=TESTS_DIR)],
+        [sys.executable, "-c", _START_UP_CHILD],
         cwd=REPO_DIR,
         capture_output=True,
         text=True,

@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -286,7 +287,9 @@ _NO_NUMPY = {"torch.bfloat16", "torch.float8_e4m3fn", "torch.float8_e5m2", "torc
 
 def to_wire(batch: Any) -> Any:
     """``batch`` with its plain CPU tensors as numpy arrays, so that it pickles by value."""
-    import torch
+    torch = sys.modules.get("torch")  # a batch can hold tensors only once torch is imported
+    if torch is None:
+        return batch
 
     def leaf(x: Any) -> Any:
         if (
@@ -309,12 +312,11 @@ def from_wire(batch: Any) -> Any:
 
 def batch_nbytes(batch: Any) -> int:
     """Bytes of the numpy arrays and tensors in a (nested) batch."""
-    import torch
-
+    torch = sys.modules.get("torch")  # a batch can hold tensors only once torch is imported
     total = 0
     for leaf in iter_leaves(batch):
         if isinstance(leaf, np.ndarray):
             total += int(leaf.nbytes)
-        elif isinstance(leaf, torch.Tensor):
+        elif torch is not None and isinstance(leaf, torch.Tensor):
             total += int(leaf.element_size() * leaf.nelement())
     return total
