@@ -20,6 +20,7 @@ from ._errors import RemoteNotFoundError as RemoteNotFoundError
 from ._errors import RemotePermissionError as RemotePermissionError
 from ._errors import RemoteTimeoutError as RemoteTimeoutError
 from ._errors import RetriesExhaustedError as RetriesExhaustedError
+from ._errors import ShardError as ShardError
 from ._errors import SharedMemoryError as SharedMemoryError
 from ._errors import TooManyFailuresError as TooManyFailuresError
 from ._errors import TransferError as TransferError
@@ -70,6 +71,7 @@ __all__ = [
     "RetriesExhaustedError",
     "Sampler",
     "SequentialSampler",
+    "ShardError",
     "ShardedBatchSampler",
     "SharedMemoryError",
     "Stateful",

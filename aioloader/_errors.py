@@ -16,6 +16,7 @@ what the loader itself detects::
     ├── SharedMemoryError           (also MemoryError)   /dev/shm too small or batch too large
     ├── TransferError                                    pinning or device copy failed
     ├── TooManyFailuresError                             on_error='skip' passed max_failures
+    ├── ShardError                  (also ValueError)    a tar shard is corrupt, cut or unreadable
     └── RemoteError                 (also OSError)       a remote read failed for good
         ├── RemoteNotFoundError     (also FileNotFoundError)  404, no retry
         ├── RemotePermissionError   (also PermissionError)    401/403, no retry
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import errno
 import sys
+from typing import Any
 
 __all__ = [
     "AioloaderError",
@@ -47,6 +49,7 @@ __all__ = [
     "RemotePermissionError",
     "RemoteTimeoutError",
     "RetriesExhaustedError",
+    "ShardError",
     "SharedMemoryError",
     "TooManyFailuresError",
     "TransferError",
@@ -137,6 +140,24 @@ class TooManyFailuresError(AioloaderError):
         self.batch_id = batch_id
         self.skipped = skipped if skipped is not None else []
         self.undelivered = undelivered
+
+
+class ShardError(AioloaderError, ValueError):
+    """A tar shard could not be read to its end: a corrupt or truncated archive, or a read
+    that failed for good. ``url`` names the shard, ``member`` the last member read (or None
+    before the first); the message says both, and the cause."""
+
+    def __init__(self, message: str, *, url: str, member: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+        self.member = member
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _shard_error, (str(self), self.url, self.member)
+
+
+def _shard_error(message: str, url: str, member: str | None) -> ShardError:
+    return ShardError(message, url=url, member=member)
 
 
 class RemoteError(AioloaderError, OSError):

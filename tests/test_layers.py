@@ -54,7 +54,7 @@ LEVELS: dict[str, int] = {
     "_batch": 2,
     "_shm": 2,
     "_device": 2,
-    "sources": 2,
+    "sources": 2,  # its modules (_http, _fsspec, _file, _tar, _tarfmt, _mixing ...) share it
     # 3 - the settings, and one concurrency mechanism each: threads, processes, awaited
     #     fetches, deadlines
     "_config": 3,

@@ -10,6 +10,8 @@ runs ``decode`` in a thread or worker process.
 - :class:`HTTPDataset`: http:// and https:// URLs, through aiohttp (the ``remote`` extra).
 - :class:`FsspecDataset`: s3://, gs://, ... through fsspec's async filesystems (the ``remote``
   extra).
+- :class:`TarDataset`: WebDataset-style tar shards from any of the three, streamed many at
+  once, shuffled reproducibly, resumable mid-epoch (an async iterable dataset).
 - :class:`RetryPolicy` and :func:`retrying`: the retry loop both remote sources share, for
   writing another one.
 
@@ -26,13 +28,17 @@ from ._retry import RetryableError as RetryableError
 from ._retry import RetryPolicy as RetryPolicy
 from ._retry import parse_retry_after as parse_retry_after
 from ._retry import retrying as retrying
+from ._tar import BrokenShard as BrokenShard
+from ._tar import TarDataset as TarDataset
 
 __all__ = [
+    "BrokenShard",
     "FileDataset",
     "FsspecDataset",
     "HTTPDataset",
     "RetryPolicy",
     "RetryableError",
+    "TarDataset",
     "parse_retry_after",
     "retrying",
 ]

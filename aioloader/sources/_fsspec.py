@@ -29,16 +29,20 @@ Sharp edges:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
-from .._errors import RemoteNotFoundError, RemotePermissionError
+from .._errors import RemoteError, RemoteNotFoundError, RemotePermissionError
 from .._validate import seconds, value_errors
 from ._base import Source, as_names, require
 from ._retry import RetryableError, RetryPolicy, retrying
 
 __all__ = ["FsspecDataset"]
+
+#: Bytes asked per read by :meth:`FsspecDataset.stream` (see ``_http.STREAM_CHUNK``).
+STREAM_CHUNK = 1 << 20
 
 #: Error codes of S3-compatible stores that mean "try again later".
 RETRYABLE_CODES = frozenset(
@@ -261,6 +265,59 @@ class FsspecDataset(Source):
             deadline=self._item_deadline,
             sleep=asyncio.sleep if self._sleep is None else self._sleep,
         )
+
+    async def stream(
+        self, index: int, chunk_size: int = STREAM_CHUNK
+    ) -> AsyncGenerator[bytes, None]:
+        """``urls[index]`` in chunks as it arrives (``fs.open_async``: one streamed GET on
+        s3fs), for objects too large to hold (tar shards). Opening is retried as :meth:`fetch`
+        is; a read that fails after bytes were handed out raises. A filesystem without
+        streamed files is read whole, as one chunk. Close the iterator (``aclosing``) if it is
+        not read to its end.
+
+        Raises:
+            RemoteError: as :meth:`fetch`, naming the URL.
+        """
+        url = self._urls[self._check_index(index)]
+        fs = self._pool()
+        sleep = asyncio.sleep if self._sleep is None else self._sleep
+        try:
+            file = await retrying(
+                lambda: self._open_file(fs, url),
+                policy=self._retry,
+                describe=url,
+                deadline=self._item_deadline,
+                sleep=sleep,
+            )
+        except NotImplementedError:
+            yield await self.fetch(index)
+            return
+        try:
+            while True:
+                try:
+                    chunk = await file.read(chunk_size)
+                except Exception as exc:
+                    ours = _classify(exc, url, self._retry)
+                    if ours is None:
+                        raise
+                    raise RemoteError(f"{url}: the read broke off: {ours}", url=url) from exc
+                if not chunk:
+                    return
+                yield bytes(chunk)
+        finally:
+            with contextlib.suppress(Exception):
+                await file.close()
+
+    async def _open_file(self, fs: Any, url: str) -> Any:
+        try:
+            return await fs.open_async(url, "rb")
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            ours = _classify(exc, url, self._retry)
+            if ours is None:
+                raise
+            raise ours from exc
 
     async def _attempt(self, fs: Any, url: str) -> bytes:
         try:

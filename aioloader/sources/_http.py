@@ -46,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import urllib.parse
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._errors import RemoteError, RemoteNotFoundError, RemotePermissionError
@@ -67,6 +67,11 @@ SCHEMES = frozenset({"http", "https"})
 #: that a slow but live server is not reported (a first byte rarely takes seconds), short
 #: enough to be seen well before the default ``read_timeout`` of 30 s ends the attempt.
 STALL_WARNING_S = 10.0
+
+#: Bytes asked of the socket per chunk by :meth:`HTTPDataset.stream`: large enough that the
+#: per-chunk cost (a task switch, a parser call) is small against the copy, small enough that a
+#: chunk is a fraction of a shard.
+STREAM_CHUNK = 1 << 20
 
 #: Default headers; the user's ``headers`` override them.
 BASE_HEADERS: Mapping[str, str] = {"Accept-Encoding": "identity"}
@@ -207,6 +212,71 @@ class HTTPDataset(Source):
             deadline=self._item_deadline,
             sleep=asyncio.sleep if self._sleep is None else self._sleep,
         )
+
+    async def stream(
+        self, index: int, chunk_size: int = STREAM_CHUNK
+    ) -> AsyncGenerator[bytes, None]:
+        """The body of ``urls[index]`` in chunks as it arrives, for objects too large to hold
+        (tar shards). Opening it (connecting, the status) is retried as :meth:`fetch` is; a
+        body that breaks off or ends short of its ``Content-Length`` after bytes were handed
+        out raises instead (they cannot be taken back). Close the iterator (``aclosing``) if
+        it is not read to its end.
+
+        Raises:
+            RemoteError: as :meth:`fetch` while opening; afterwards, the body broke off,
+                naming the URL and the bytes received.
+        """
+        import aiohttp
+
+        url = self._urls[self._check_index(index)]
+        session: aiohttp.ClientSession = self._pool()
+        response = await retrying(
+            lambda: self._open(session, url),
+            policy=self._retry,
+            describe=url,
+            deadline=self._item_deadline,
+            sleep=asyncio.sleep if self._sleep is None else self._sleep,
+        )
+        counters = current_counters.get()
+        received = 0
+        try:
+            async for chunk in response.content.iter_chunked(chunk_size):
+                received += len(chunk)
+                if counters is not None:
+                    counters.remote_bytes += len(chunk)
+                yield chunk
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+            raise RemoteError(
+                f"{url}: the body broke off after {received} bytes: {_name(exc)}", url=url
+            ) from exc
+        finally:
+            response.release()
+        expected = _expected_length(response)
+        if expected is not None and received != expected:
+            raise RemoteError(
+                f"{url}: truncated body: got {received} of {expected} bytes (Content-Length)",
+                url=url,
+            )
+
+    async def _open(self, session: aiohttp.ClientSession, url: str) -> aiohttp.ClientResponse:
+        """One GET up to its headers (for :meth:`stream`), classified as :meth:`_attempt`."""
+        import aiohttp
+
+        try:
+            response = await session.get(url)
+        except aiohttp.ServerTimeoutError as exc:
+            raise RetryableError(f"timeout: {_name(exc)}", timed_out=True) from exc
+        except aiohttp.ClientConnectorCertificateError:
+            raise
+        except aiohttp.ClientConnectionError as exc:
+            raise RetryableError(f"connection failed: {_name(exc)}") from exc
+        except TimeoutError as exc:
+            raise RetryableError(f"timeout: {_name(exc)}", timed_out=True) from exc
+        if not 200 <= response.status < 300:
+            error = self._status_error(url, response)
+            response.release()
+            raise error
+        return response
 
     async def _attempt(self, session: aiohttp.ClientSession, url: str) -> bytes:
         """One GET; classifies each failure as retryable or final (see the module diagram)."""

@@ -1,0 +1,491 @@
+"""WebDataset-style tar shards as an async stream of samples, many shards read at once.
+
+``TarDataset(urls)`` is an async iterable dataset: the loader iterates it on its event loop,
+which streams ``shards_in_flight`` shards at a time (HTTP through aiohttp, object stores through
+fsspec, local files through aiofiles; no temporary files), parses each as it arrives
+(:mod:`._tarfmt`), groups members into samples by key, and hands each sample's bytes to
+``decode`` in a worker process or thread (the loader's two stages, as for the other sources)::
+
+    shard readers (one task per open shard)      the epoch (one async generator)
+      source.stream(i) ─▶ TarParser ─▶ Grouper     Mixer.want() ─▶ (shard, position)
+        ─▶ bounded queue of raw samples ─────────▶ await that shard's queue ─▶ Mixer.put()
+                                                   ─▶ shuffle buffer ─▶ raw sample ─▶ loader
+                                                                                      │
+                               decode(raw) in a worker process or thread ◀────────────┘
+
+Who decides what: the order samples are used in is the :class:`~._mixing.Mixer`'s, a pure
+function of (seed, epoch, rank share) and of where shards end; the network decides only when
+they arrive. Hence the shuffle is reproducible and a position can be recomputed.
+
+**Resume.** ``state_dict()`` records the epoch, how many samples this iteration yielded, and
+how many samples each shard that ended had: a few integers per shard, no sample data, whatever
+the buffer size. ``load_state_dict(state)`` makes the next iteration replay the mixer to that
+point without IO (:func:`~._mixing.replay`), then read again only what the buffer held then and
+the open shards from their positions on: it yields exactly the samples, in exactly the order,
+that the uninterrupted epoch would still have yielded. The loader takes a state after each
+batch it pulls and keeps the one of the last batch its consumer took, so batches in flight are
+not lost (see ``DataLoader.state_dict``). Reading happens on the loader's loop whatever
+``num_workers`` is, so a state resumes under any number of workers.
+
+**Ranks.** Shards, not samples, are split: rank ``r`` of ``R`` reads shards ``r, r + R, ...``
+of the epoch's shard order (the loader tells it its rank through :meth:`TarDataset.set_rank`);
+worker processes only decode, so each shard is read once per epoch across ranks and workers.
+Ranks may get different numbers of samples, as with any stream.
+
+**Failures.** A shard that is corrupt, truncated, or cannot be read (after the source's
+retries) yields one record in place of its next sample and ends; decoding that record raises
+:class:`~aioloader.ShardError` naming the shard URL and the member. So ``on_error="raise"``
+stops at it and ``on_error="skip"`` skips it within ``max_failures``, counted as one failure,
+like any sample whose decode fails; the other shards go on.
+
+Sharp edges:
+
+- Iterating it directly (``async for raw in dataset``) yields raw samples; ``decode(raw)``
+  makes a sample (and raises for a failed shard). The loader does both.
+- A body that breaks off mid-shard is not resumed with a range request: the shard ends there
+  with a failure record (the source retries only opening a shard).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import ShardError
+from .._validate import (
+    boolean,
+    callable_or_none,
+    check_state_keys,
+    non_negative_int,
+    positive_int,
+)
+from ._file import FileDataset
+from ._fsspec import FsspecDataset
+from ._http import HTTPDataset
+from ._mixing import Mixer, SampleId, buffer_rng, replay, shard_order
+from ._tarfmt import Grouper, TarFormatError, TarParser
+
+__all__ = ["BrokenShard", "TarDataset"]
+
+Source = HTTPDataset | FsspecDataset | FileDataset
+
+#: Shards streamed at once by default. Each open shard costs a connection and up to
+#: ``READAHEAD`` samples of memory; more hide more latency per byte of bandwidth.
+SHARDS_IN_FLIGHT = 8
+
+#: Samples read ahead per open shard: the queue that lets a shard keep streaming while the
+#: mixer waits for another one. Memory: ``shards_in_flight x READAHEAD x`` sample size.
+READAHEAD = 32
+
+#: Samples in the shuffle buffer by default (WebDataset's ``shuffle(1000)``). More mixes shards
+#: better and holds more memory; resume re-reads what it held.
+SHUFFLE_BUFFER = 1000
+
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class BrokenShard:
+    """In place of a sample: the shard ``url`` failed after ``member``; ``decode`` raises."""
+
+    url: str
+    member: str | None
+    reason: str
+
+    def error(self) -> ShardError:
+        where = "before its first member" if self.member is None else f"at member {self.member!r}"
+        return ShardError(
+            f"tar shard {self.url} failed {where}: {self.reason}", url=self.url, member=self.member
+        )
+
+
+def _make_source(urls: tuple[str, ...], storage_options: Mapping[str, Any] | None) -> Source:
+    if all(url.lower().startswith(("http://", "https://")) for url in urls):
+        return HTTPDataset(urls)
+    if all("://" not in url or url.startswith("file://") for url in urls):
+        return FileDataset([url.removeprefix("file://") for url in urls])
+    return FsspecDataset(urls, storage_options=storage_options)
+
+
+class TarDataset:
+    """WebDataset-style tar shards, streamed concurrently, shuffled reproducibly, resumable.
+
+    Each sample is a dict ``{"__key__": key, "__url__": shard url, ext: bytes, ...}`` of the
+    members that share a key (``a/b/0001.jpg`` and ``a/b/0001.cls``: key ``a/b/0001``,
+    extensions ``jpg`` and ``cls``), handed to ``decode`` off the event loop.
+
+    Example::
+
+        shards = [f"https://data.example.com/train-{i:05d}.tar" for i in range(1024)]
+        ds = TarDataset(shards, decode=decode_sample, shuffle=True, shards_in_flight=16)
+        async with DataLoader(ds, batch_size=64, num_workers=4) as loader:
+            async for batch in loader: ...
+
+    Args:
+        urls: the shards: http(s) URLs, local paths, or fsspec URLs (``s3://...``); one kind
+            per dataset.
+        decode: turns a sample dict into what the loader collates, off the event loop;
+            ``None`` keeps the dict. Must be picklable to be used with worker processes.
+        shuffle: shuffle the shard order each epoch and the samples through a buffer.
+        shuffle_buffer: samples held by the shuffle buffer (with ``shuffle``).
+        seed: seeds the shard order and the buffer, with the epoch (the same on every rank).
+        shards_in_flight: shards streamed at once (per rank).
+        storage_options: options of the fsspec filesystem (credentials, endpoint).
+        source: a ready :class:`HTTPDataset`, :class:`FsspecDataset` or :class:`FileDataset`
+            over the shards, for its retry and timeout settings; then ``urls`` is ``None``.
+
+    Raises:
+        TypeError: an argument of the wrong type, naming it.
+        ValueError: a count out of range or no shards, naming the argument and the value.
+    """
+
+    def __init__(
+        self,
+        urls: Iterable[str | os.PathLike[str]] | str | None,
+        decode: Callable[[dict[str, Any]], Any] | None = None,
+        *,
+        shuffle: bool = False,
+        shuffle_buffer: int = SHUFFLE_BUFFER,
+        seed: int = 0,
+        shards_in_flight: int = SHARDS_IN_FLIGHT,
+        storage_options: Mapping[str, Any] | None = None,
+        source: Source | None = None,
+    ) -> None:
+        if source is None:
+            if urls is None:
+                raise TypeError("TarDataset needs urls or a source, got neither")
+            names = urls if isinstance(urls, str | os.PathLike) else list(urls)
+            source = _make_source(_names(names), storage_options)
+        elif urls is not None:
+            raise TypeError("TarDataset takes urls or a source, not both")
+        elif not isinstance(source, HTTPDataset | FsspecDataset | FileDataset):
+            raise TypeError(
+                f"source must be an HTTPDataset, FsspecDataset or FileDataset, got {source!r}"
+            )
+        self._source: Source = source
+        self._urls = source.paths if isinstance(source, FileDataset) else source.urls
+        if not self._urls:
+            raise ValueError("TarDataset needs at least one shard, got urls=[]")
+        self._decode_fn = callable_or_none("decode", decode)
+        self.shuffle = boolean("shuffle", shuffle)
+        self.shuffle_buffer = positive_int("shuffle_buffer", shuffle_buffer)
+        self.seed = non_negative_int("seed", seed)
+        self.shards_in_flight = positive_int("shards_in_flight", shards_in_flight)
+        self._epoch = 0
+        self._rank = (0, 1)
+        self._resume: dict[str, Any] | None = None
+        self._current: _Epoch | None = None
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """The shards, in the order given."""
+        return self._urls
+
+    def __repr__(self) -> str:
+        return (
+            f"TarDataset({len(self._urls)} shards, first={self._urls[0]!r}, "
+            f"shuffle={self.shuffle}, shards_in_flight={self.shards_in_flight})"
+        )
+
+    # -- what the loader calls -----------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch`` (its shard order and shuffle). Each
+        iteration moves the epoch on by one by itself; the loader sets it before each."""
+        self._epoch = non_negative_int("epoch", epoch)
+        if self._resume is not None and self._resume["epoch"] != epoch:
+            self._resume = None  # another epoch was asked for: the saved position is moot
+
+    def set_rank(self, rank: int, world_size: int) -> None:
+        """Read rank ``rank``'s share of the shards (of ``world_size``) from the next
+        iteration on; the loader calls it when it shards by rank."""
+        world_size = positive_int("world_size", world_size)
+        rank = non_negative_int("rank", rank)
+        if rank >= world_size:
+            raise ValueError(f"rank must be below world_size={world_size}, got {rank}")
+        self._rank = (rank, world_size)
+
+    def decode(self, raw: Any) -> Any:
+        """Turn a raw sample into what the loader collates (runs off the event loop).
+
+        Raises:
+            ShardError: ``raw`` stands for a shard that failed (see the module docstring).
+            Exception: what ``decode`` raised, with a note naming the sample and its shard.
+        """
+        if isinstance(raw, BrokenShard):
+            raise raw.error()
+        if self._decode_fn is None:
+            return raw
+        try:
+            return self._decode_fn(raw)
+        except Exception as exc:
+            exc.add_note(f"decoding sample {raw.get('__key__')!r} of {raw.get('__url__')}")
+            raise
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the current (or last) iteration is: after the samples it has yielded.
+
+        Between iterations (or after one ran to its end) it points at the next epoch's start.
+        """
+        run = self._current
+        if run is None or run.finished:
+            epoch, yielded, ended = self._epoch, 0, []
+        else:
+            epoch, yielded = run.epoch, run.yielded
+            ended = [[shard, count] for shard, count in run.mixer.ended.items()]
+        return {
+            "version": STATE_VERSION,
+            "epoch": epoch,
+            "yielded": yielded,
+            "ended": ended,
+            **self._fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next iteration continue from ``state`` (see the module docstring).
+
+        Raises:
+            ValueError: the state lacks a key or was saved by a dataset that orders samples
+                differently (other shards, shuffle settings, seed or ``shards_in_flight``).
+        """
+        state = check_state_keys("TarDataset", state, ("epoch", "yielded", "ended", "shards"))
+        for key, value in self._fingerprint().items():
+            if state.get(key) != value:
+                raise ValueError(
+                    f"TarDataset.load_state_dict: the state was saved with {key}="
+                    f"{state.get(key)!r}, this dataset has {key}={value!r}; the order of "
+                    "samples would differ"
+                )
+        self._epoch = non_negative_int("state 'epoch'", state["epoch"])
+        non_negative_int("state 'yielded'", state["yielded"])
+        self._resume = dict(state)
+
+    def _fingerprint(self) -> dict[str, Any]:
+        return {
+            "shards": len(self._urls),
+            "shuffle": self.shuffle,
+            "shuffle_buffer": self.shuffle_buffer if self.shuffle else 0,
+            "seed": self.seed,
+            "shards_in_flight": self.shards_in_flight,
+            "rank": list(self._rank),
+        }
+
+    async def aclose(self) -> None:
+        """Close the source's connections (the loader calls it when it closes)."""
+        await self._source.aclose()
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        epoch = self._epoch
+        resume, self._resume = self._resume, None
+        self._epoch = epoch + 1
+        run = _Epoch(self, epoch, resume)
+        self._current = run
+        return run.samples()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_current"] = None  # the live iteration belongs to this process's loop
+        return state
+
+    # -- for _Epoch ------------------------------------------------------------------------
+
+    def _mixer(self, epoch: int) -> Mixer:
+        rank, world = self._rank
+        order = shard_order(
+            len(self._urls), shuffle=self.shuffle, seed=self.seed, epoch=epoch,
+            reader=rank, readers=world,
+        )  # fmt: skip
+        size = self.shuffle_buffer if self.shuffle else 0
+        return Mixer(order, self.shards_in_flight, size, buffer_rng(self.seed, epoch, rank, world))
+
+    def _stream(self, shard: int) -> AsyncGenerator[bytes, None]:
+        return self._source.stream(shard)
+
+
+def _names(items: Any) -> tuple[str, ...]:
+    if isinstance(items, str | os.PathLike):
+        items = [items]
+    names = []
+    for position, item in enumerate(items):
+        if not isinstance(item, str | os.PathLike):
+            raise TypeError(f"urls[{position}] must be a string or path, got {item!r}")
+        names.append(os.fspath(item))
+    return tuple(names)
+
+
+class _Epoch:
+    """One iteration: the mixer, the shard readers, and the samples they hold."""
+
+    def __init__(self, dataset: TarDataset, epoch: int, resume: dict[str, Any] | None) -> None:
+        self.dataset = dataset
+        self.epoch = epoch
+        self.mixer = dataset._mixer(epoch)
+        self.resume = resume
+        self.yielded = 0
+        self.finished = False
+        self._readers: dict[int, _ShardReader] = {}  # shards whose samples the mixer takes
+        self._others: set[_ShardReader] = set()  # shards read again only for the buffer
+        self._held: dict[SampleId, Any] = {}  # read, in the buffer; futures while re-read
+
+    async def samples(self) -> AsyncIterator[Any]:
+        try:
+            tail = self._restore() if self.resume is not None else []
+            mixer = self.mixer
+            while (want := mixer.want()) is not None:
+                shard = want[0]
+                self._prefetch()
+                record = await self._reader(shard).next()
+                out = mixer.put(record is not None)
+                if record is None:
+                    self._readers.pop(shard, None)
+                else:
+                    self._held[want] = record
+                if out is not None:
+                    item = await self._take(out)
+                    self.yielded += 1
+                    yield item
+            for out in tail or mixer.drain():
+                item = await self._take(out)
+                self.yielded += 1
+                yield item
+            self.finished = True
+        finally:
+            await self._close()
+
+    def _restore(self) -> list[SampleId]:
+        """Replay the mixer to the saved position; start the readers that read again what
+        the buffer held and the open shards from their positions. Returns the drain's rest."""
+        assert self.resume is not None
+        counts = {int(shard): int(count) for shard, count in self.resume["ended"]}
+        tail = replay(self.mixer, counts, int(self.resume["yielded"]))
+        self.yielded = int(self.resume["yielded"])
+        needed: dict[int, set[int]] = {}
+        for shard, position in [*self.mixer.buffer, *tail]:
+            needed.setdefault(shard, set()).add(position)
+        live = {shard: position for shard, position in self.mixer.slots}
+        for shard in needed.keys() | live.keys():
+            reader = self._start(shard, live.get(shard), needed.get(shard, set()))
+            for position in needed.get(shard, ()):
+                self._held[(shard, position)] = reader.captured[position]
+        return tail
+
+    def _start(self, shard: int, live_from: int | None, wanted: set[int]) -> _ShardReader:
+        url = self.dataset.urls[shard]
+        reader = _ShardReader(self.dataset._stream(shard), url, live_from, wanted)
+        if live_from is not None:
+            self._readers[shard] = reader
+        else:
+            self._others.add(reader)
+        return reader
+
+    def _reader(self, shard: int) -> _ShardReader:
+        reader = self._readers.get(shard)
+        return reader if reader is not None else self._start(shard, 0, set())
+
+    def _prefetch(self) -> None:
+        """Open the shards that come next, so their first bytes are on the way before a slot
+        frees (a shard's time to first byte is hidden behind the others' transfer)."""
+        for shard in self.mixer.upcoming(max(1, self.dataset.shards_in_flight // 2)):
+            if shard not in self._readers:
+                self._start(shard, 0, set())
+
+    async def _take(self, sample: SampleId) -> Any:
+        held = self._held.pop(sample)
+        if isinstance(held, asyncio.Future):
+            return await held
+        return held
+
+    async def _close(self) -> None:
+        readers = [*self._readers.values(), *self._others]
+        self._readers.clear()
+        self._others.clear()
+        for reader in readers:
+            reader.task.cancel()
+        if readers:
+            await asyncio.wait([reader.task for reader in readers])
+        for reader in readers:
+            reader.forget()
+        self._held.clear()
+
+
+class _ShardReader:
+    """Streams one shard into a queue of raw samples (from ``live_from`` on; None: none), and
+    resolves the futures of the positions in ``wanted`` (samples the buffer held at resume)."""
+
+    def __init__(
+        self, chunks: AsyncGenerator[bytes, None], url: str, live_from: int | None, wanted: set[int]
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        self.url = url
+        self.queue: asyncio.Queue[Any] = asyncio.Queue(READAHEAD)
+        self.captured: dict[int, asyncio.Future[Any]] = {p: loop.create_future() for p in wanted}
+        self._live_from = live_from
+        self._last = max(wanted, default=-1)
+        self._position = 0
+        self.task = asyncio.create_task(self._run(chunks), name=f"aioloader-tar-{url}")
+
+    async def next(self) -> Any:
+        """The next sample (or failure record), or None at the shard's end."""
+        return await self.queue.get()
+
+    async def _emit(self, record: Any) -> bool:
+        """Pass on the sample at the current position; False once nothing more is needed."""
+        position = self._position
+        self._position += 1
+        future = self.captured.get(position)
+        if future is not None and not future.done():
+            future.set_result(record)
+        if self._live_from is not None:
+            if position >= self._live_from:
+                await self.queue.put(record)
+            return True
+        return self._position <= self._last
+
+    async def _run(self, chunks: AsyncGenerator[bytes, None]) -> None:
+        parser = TarParser()
+        grouper = Grouper(self.url)
+        try:
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    for name, data in parser.feed(chunk):
+                        sample = grouper.add(name, data)
+                        if sample is not None and not await self._emit(sample):
+                            return self._end()
+                    if parser.ended:
+                        break
+            parser.close()
+            sample = grouper.flush()
+            if sample is not None:
+                await self._emit(sample)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            member = exc.member if isinstance(exc, TarFormatError) else parser.last_member
+            await self._emit(BrokenShard(self.url, member, f"{type(exc).__name__}: {exc}"))
+        if self._live_from is not None:
+            await self.queue.put(None)
+        self._end()
+
+    def _end(self) -> None:
+        for position, future in self.captured.items():
+            if not future.done():
+                future.set_exception(
+                    ShardError(
+                        f"tar shard {self.url} has only {self._position} samples now, but the "
+                        f"state being resumed holds its sample {position}: the shard changed "
+                        "since the state was saved",
+                        url=self.url,
+                    )
+                )
+
+    def forget(self) -> None:
+        """Mark failures nobody will await as seen (no 'exception never retrieved')."""
+        for future in self.captured.values():
+            if future.done() and not future.cancelled():
+                future.exception()
+            else:
+                future.cancel()
