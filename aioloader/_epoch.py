@@ -132,7 +132,8 @@ class Epoch:
         plan: for map-style data, ``(batch_id, indices)`` pairs still to produce.
         dataset: the dataset (for async fetches and async streams).
         device: the device stage, or None.
-        on_batch: called with the batch id when the consumer takes a batch (resume bookkeeping).
+        on_batch: called with the batch id, and a stateful async stream's state after it,
+            when the consumer takes a batch (resume bookkeeping).
         on_finish: called once when the epoch has run to its end: when the consumer takes its
             last batch (or that batch's error), or else at the ``__anext__`` that ends it.
         progress: told of each batch handed over, closed with the epoch.
@@ -148,7 +149,7 @@ class Epoch:
         plan: Plan | None,
         dataset: Any,
         device: DeviceStage | None,
-        on_batch: Callable[[int], None],
+        on_batch: Callable[[int, dict[str, Any] | None], None],
         on_finish: Callable[[], None] = lambda: None,
         progress: Progress | None = None,
     ) -> None:
@@ -292,7 +293,7 @@ class Epoch:
 
     def _taken(self, batch_id: int) -> None:
         """The consumer is done with ``batch_id`` (the batch, its error, or an empty batch)."""
-        self._on_batch(batch_id)
+        self._on_batch(batch_id, self._producer.stream_state(batch_id))
         if (
             not self._closed
             and self._producer.done

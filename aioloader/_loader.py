@@ -290,7 +290,7 @@ class DataLoader(SettingsView):
                 stacklevel=2,
             )
         self._counters = Counters()
-        self._book = EpochBook(self._sampling)
+        self._book = EpochBook(self._sampling, dataset)
         self._progress = progress_display(progress)
         self._res = Resources()
         self._closed = False
@@ -529,8 +529,8 @@ class DataLoader(SettingsView):
 
         Exact for map-style datasets whose sampler is deterministic given its state: the
         built-in samplers are, ``shuffle=True`` with a ``generator`` included (the generator's
-        state is saved, and restored into the resumed loader's generator). Iterable datasets
-        restart their stream.
+        state is saved, and restored into the resumed loader's generator); async streams with
+        ``state_dict`` (``TarDataset``) resume by it; other iterable datasets restart.
         """
         return self._book.state_dict(self.seed)
 

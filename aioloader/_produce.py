@@ -5,7 +5,8 @@
     scheduler task (one per epoch) ── permits.acquire() ──▶ reorder.expect(batch_id)
        │ map data:   pulls (batch_id, indices) from the plan (the batch sampler)
        │ streams:    round-robin over the runner's streams (one per worker)
-       │ async stream: pulls items on this loop, then hands them over like map data
+       │ async stream: pulls items on this loop, then hands them over like map data;
+       │               a stateful one's state is taken after each batch (for resume)
        ▼
     produce task (one per batch)
        │ async map data: Fetcher.fetch: await the items, io_concurrency at once   (_fetch)
@@ -51,7 +52,7 @@ from ._fetch import Fetcher
 from ._reorder import Outcome, ReorderBuffer
 from ._stats import Counters, current_counters
 from ._tree import iter_leaves
-from ._types import END, BatchRequest, Made, Runner, StreamRequest
+from ._types import END, BatchRequest, Made, RankShardedStream, Runner, Stateful, StreamRequest
 
 __all__ = ["BYTES_WALK_BUDGET_S", "Producer"]
 
@@ -119,6 +120,8 @@ class Producer:
         self._scheduler: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Future[Any]] = set()  # produce tasks and fast-path futures
         self._sizes: dict[int, tuple[int, int]] = {}  # batch id -> (samples, bytes), until taken
+        # batch id -> a stateful async stream's state after that batch's items, until taken
+        self._stream_states: dict[int, dict[str, Any]] = {}
         self._next_id = 0  # the next batch id no scheduled batch uses
         self._claimed: int | None = None  # expected, and not yet handed to a task or future
         self._unwalked = 0  # batches whose bytes are estimated before the next walk
@@ -143,6 +146,11 @@ class Producer:
     def taken(self, batch_id: int) -> tuple[int, int]:
         """The samples and bytes in ``batch_id``, forgotten once asked (the batch was taken)."""
         return self._sizes.pop(batch_id, (0, 0))
+
+    def stream_state(self, batch_id: int) -> dict[str, Any] | None:
+        """A stateful async stream's state right after ``batch_id``'s items (None for other
+        datasets), forgotten once asked (the batch was taken)."""
+        return self._stream_states.pop(batch_id, None)
 
     def cancel(self) -> list[asyncio.Future[Any]]:
         """Stop storing outcomes and cancel every task; returns them, to be awaited."""
@@ -242,8 +250,19 @@ class Producer:
             self._spawn(self._produce_stream(request, turn, ended), batch_id)
 
     async def _schedule_async_stream(self) -> None:
-        start, step = stream_share(self._config.shard, 0, 1)  # a rank's share, distributed
-        iterator: AsyncIterator[Any] = every_nth_async(aiter(self._dataset), start, step)
+        dataset = self._dataset
+        shard = self._config.shard
+        iterator: AsyncIterator[Any]
+        if isinstance(dataset, RankShardedStream):
+            # It splits itself (by whole shards) and orders itself by the epoch.
+            dataset.set_epoch(self._epoch)
+            if shard is not None:
+                dataset.set_rank(shard.rank, shard.replicas)
+            iterator = aiter(dataset)
+        else:
+            start, step = stream_share(shard, 0, 1)  # a rank's share, distributed
+            iterator = every_nth_async(aiter(dataset), start, step)
+        stateful = isinstance(dataset, Stateful)
         size = self._batch_size
         try:
             while True:
@@ -257,6 +276,8 @@ class Producer:
                 if batch is not END:
                     batch_id = self._next_id
                     self._next_id += 1
+                    if stateful:  # now: the stream stands right after this batch's items
+                        self._stream_states[batch_id] = dataset.state_dict()
                     await self._scheduled(batch_id)
                     request = BatchRequest(
                         self._epoch, batch_id, list(range(len(batch))), raw=batch

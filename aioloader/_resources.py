@@ -51,7 +51,7 @@ from ._errors import out_of_descriptors_note
 from ._signals import release_before_sigterm
 from ._sync import LoopThread
 from ._threads import ThreadRunner
-from ._types import AsyncCloseable, Runner, SourceDataset
+from ._types import AsyncCloseable, DecodingStream, Runner, SourceDataset
 from ._workers import ProcessRunner, WorkerPool, dumps_payload, pickles_main_by_value
 
 if TYPE_CHECKING:
@@ -79,6 +79,9 @@ def batch_maker(config: LoaderConfig, dataset: Any) -> BatchMaker:
         if isinstance(dataset, SourceDataset):
             decode = dataset.decode
         dataset = None  # items arrive fetched; the dataset stays on the loop
+    elif config.kind == "async_iterable" and isinstance(dataset, DecodingStream):
+        decode = dataset.decode  # raw items arrive pulled by the loop
+        dataset = None
     return BatchMaker(
         dataset,
         config.collate_fn,

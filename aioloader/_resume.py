@@ -21,6 +21,12 @@ Resume is exact when the sampler is deterministic given its state: the sampler's
 epoch (aioloader's samplers draw the epoch's order at ``iter()``; a ``RandomSampler`` with a
 ``generator`` saves the generator's state). A user's sampler without ``state_dict`` is resumed
 through ``set_epoch`` where the loader drove it, and otherwise as the user's loop sets it.
+
+A stateful async stream (``aioloader.sources.TarDataset``, or any async iterable dataset with
+``state_dict``/``load_state_dict``) is resumed through its own state: the book keeps the state
+the stream had after the last batch taken (the producer takes one per batch it pulls, so
+batches in flight are read again, not lost), saves it as ``"stream"``, and loads it into the
+dataset when the resumed epoch begins. Other streams restart.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._config import Sampling
-from ._types import Stateful
+from ._types import AsyncIterableDataset, Stateful
 from ._validate import check_state_keys, non_negative_int
 
 __all__ = ["EpochBook"]
@@ -41,8 +47,12 @@ class EpochBook:
         sampling: the loader's samplers (whose ``set_epoch`` and state it drives).
     """
 
-    def __init__(self, sampling: Sampling) -> None:
+    def __init__(self, sampling: Sampling, dataset: object = None) -> None:
         self._sampling = sampling
+        # An async stream that saves its own position (see the module docstring), or None.
+        stream = isinstance(dataset, AsyncIterableDataset) and isinstance(dataset, Stateful)
+        self._stream = dataset if stream else None
+        self._stream_state: dict[str, Any] | None = None  # after the last batch taken
         self.next_epoch = 0
         self._asked: int | None = None  # loader.set_epoch(n), not yet used by an epoch
         self._drives = False  # the current epoch's set_epoch went to a user's sampler
@@ -90,6 +100,9 @@ class EpochBook:
         self._epoch = epoch
         self.next_epoch = epoch + 1
         self._done = sorted(done)
+        self._stream_state = resume.get("stream") if resume is not None else None
+        if self._stream_state is not None and isinstance(self._stream, Stateful):
+            self._stream.load_state_dict(self._stream_state)
         self._drives = drive and not self._sampling.built
         batches = self._sampling.batches
         if batches is not None:
@@ -107,14 +120,18 @@ class EpochBook:
         self.open = True
         return epoch, done
 
-    def took(self, batch_id: int) -> None:
-        """The consumer took (or was given the error of) batch ``batch_id``."""
+    def took(self, batch_id: int, stream_state: dict[str, Any] | None = None) -> None:
+        """The consumer took (or was given the error of) batch ``batch_id``; a stateful
+        stream stood at ``stream_state`` after it."""
         self._done.append(batch_id)
+        if stream_state is not None:
+            self._stream_state = stream_state
 
     def finished(self) -> None:
         """The current epoch ran to its end: a state now points at the next one."""
         self.open = False
         self._done = []
+        self._stream_state = None
 
     def state_dict(self, seed: int) -> dict[str, Any]:
         """Where the epochs are (see :meth:`aioloader.DataLoader.state_dict`)."""
@@ -125,6 +142,7 @@ class EpochBook:
                 "sampler": self._sampler_state,
                 "set_epoch": self._drives,
                 "seed": seed,
+                "stream": self._stream_state,
             }
         return {
             "epoch": self.next_epoch,

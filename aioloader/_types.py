@@ -19,7 +19,9 @@ every module can name them without importing a module above its own level:
 - :data:`END` and :data:`EMPTY_BATCH`: the only two "no batch here" markers (a stream ran out;
   every sample of a batch was skipped);
 - :class:`Runner`: where the CPU work of a batch runs (threads or worker processes);
-- :class:`SourceDataset`: a two-stage dataset (``fetch`` on the loop, ``decode`` off it).
+- :class:`SourceDataset`: a two-stage dataset (``fetch`` on the loop, ``decode`` off it);
+  :class:`DecodingStream`: an async stream whose raw items are decoded off the loop;
+  :class:`RankShardedStream`: an async stream that takes its epoch and rank share itself.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ __all__ = [
     "CollateFn",
     "Dataset",
     "DatasetKind",
+    "DecodingStream",
     "IterableDataset",
     "Made",
+    "RankShardedStream",
     "Runner",
     "Sampler",
     "SourceDataset",
@@ -123,6 +127,36 @@ class SourceDataset(Protocol[T_co]):
     def fetch(self, index: int, /) -> Awaitable[Any]: ...
 
     def decode(self, raw: Any, /) -> T_co: ...
+
+
+@runtime_checkable
+class DecodingStream(Protocol[T_co]):
+    """An async stream in two stages: ``__aiter__`` yields raw items on the event loop, and
+    ``decode(raw)`` turns each into a sample off the loop (in a worker or a thread), as a
+    :class:`SourceDataset` does for map-style data (``aioloader.sources.TarDataset``)."""
+
+    def __aiter__(self) -> AsyncIterator[Any]: ...
+
+    def decode(self, raw: Any, /) -> T_co: ...
+
+
+@runtime_checkable
+class RankShardedStream(Protocol):
+    """An async stream that splits itself between ranks (by whole shards, say) and orders
+    itself by epoch: before each epoch the loader calls ``set_epoch`` and, when it shards by
+    rank, ``set_rank``, instead of keeping every ``R``-th item of the stream.
+
+    If it is also :class:`Stateful`, its ``state_dict()`` must describe the position after the
+    items yielded so far: the loader takes one after each batch it pulls and saves the one of
+    the last batch its consumer took; ``load_state_dict`` must make the next ``__aiter__``
+    continue from there.
+    """
+
+    def __aiter__(self) -> AsyncIterator[Any]: ...
+
+    def set_epoch(self, epoch: int, /) -> None: ...
+
+    def set_rank(self, rank: int, world_size: int, /) -> None: ...
 
 
 @runtime_checkable
