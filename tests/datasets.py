@@ -420,3 +420,33 @@ class FdReport(Range):
                 finally:
                     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         return sample
+
+
+# -- tar shards (tests/test_tar_shards.py, tests/scripts/dist_ranks.py) -----------------------
+
+
+def tar_shard(shard: int, samples: int, size: int = 24) -> bytes:
+    """A WebDataset-style shard: samples ``{shard:03d}/{i:04d}`` with a ``bin`` member of
+    ``size`` deterministic bytes and a ``cls`` member holding ``i``."""
+    import io
+    import tarfile
+
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for i in range(samples):
+            body = random.Random(shard * 100_003 + i).randbytes(size)
+            for ext, data in (("bin", body), ("cls", str(i).encode())):
+                info = tarfile.TarInfo(f"{shard:03d}/{i:04d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+def tar_keys(shards: int, samples: Callable[[int], int]) -> list[str]:
+    """Every sample key of the shards :func:`tar_shard` makes, in shard order."""
+    return [f"{s:03d}/{i:04d}" for s in range(shards) for i in range(samples(s))]
+
+
+def tar_sample(raw: dict[str, Any]) -> dict[str, Any]:
+    """A tar sample's decode: its key, its class, and the process that decoded it."""
+    return {"key": raw["__key__"], "cls": int(raw["cls"]), "pid": os.getpid()}

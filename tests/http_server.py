@@ -1,7 +1,8 @@
 """An HTTP server on loopback with fault injection, for tests and benchmarks.
 
 ``FaultServer`` serves deterministic synthetic objects, ``GET /obj/{i}`` -> ``payload(i, size)``
-(``?size=N`` overrides the default size), on ``127.0.0.1`` at an ephemeral port. Faults are
+(``?size=N`` overrides the default size), and given files, ``GET /files/{name}`` ->
+``files[name]``, on ``127.0.0.1`` at an ephemeral port. Faults are
 injected per path, either for the next requests (``fail(path, f1, f2)``: the next request to
 ``path`` gets ``f1``, the one after ``f2``, then service is normal) or for every request
 (``fail_always(path, f)``). ``requests[path]`` counts the requests per path, so tests can
@@ -117,6 +118,9 @@ class FaultServer:
         self.size = size
         self.latency = latency
         self.requests: Counter[str] = Counter()
+        self.files: dict[str, bytes] = {}  # served at /files/{name}
+        self.active = 0  # requests being answered now
+        self.most_active = 0  # the most at once so far
         self._lock = threading.Lock()  # the test thread and the server thread both touch state
         self._script: dict[str, deque[Fault]] = {}
         self._always: dict[str, Fault] = {}
@@ -134,6 +138,9 @@ class FaultServer:
     def obj_url(self, index: int, *, size: int | None = None) -> str:
         query = f"?size={size}" if size is not None else ""
         return self.url(f"/obj/{index}{query}")
+
+    def file_url(self, name: str) -> str:
+        return self.url(f"/files/{name}")
 
     def fail(self, path: str, *faults: Fault) -> None:
         """The next requests to ``path`` get ``faults``, one each, in order."""
@@ -166,11 +173,26 @@ class FaultServer:
             await asyncio.wait_for(self._stopping.wait(), seconds)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.active += 1
+        self.most_active = max(self.most_active, self.active)
+        try:
+            return await self._answer(request)
+        finally:
+            self.active -= 1
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
         fault = self._next_fault(request.path)
         if self.latency:
             # A plain sleep: cheaper than _pause's wait_for, and short enough not to delay stop.
             await asyncio.sleep(self.latency)
-        body = payload(int(request.match_info["index"]), int(request.query.get("size", self.size)))
+        name = request.match_info.get("name")
+        if name is not None:
+            if name not in self.files:
+                return web.Response(status=404, text="no such file")
+            body = self.files[name]
+        else:
+            index = int(request.match_info["index"])
+            body = payload(index, int(request.query.get("size", self.size)))
         if fault is None:
             return web.Response(body=body, content_type="application/octet-stream")
         if fault.kind == "status":
@@ -216,6 +238,7 @@ class FaultServer:
         self._loop = asyncio.get_running_loop()
         app = web.Application()
         app.router.add_get("/obj/{index}", self._handle)
+        app.router.add_get("/files/{name}", self._handle)
         self._runner = web.AppRunner(
             app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_TIMEOUT_S
         )

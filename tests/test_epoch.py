@@ -44,7 +44,7 @@ async def an_epoch(
         plan=plan,
         dataset=dataset,
         device=device,
-        on_batch=lambda batch_id: None,
+        on_batch=lambda batch_id, stream_state: None,
     )
     try:
         yield epoch

@@ -16,6 +16,7 @@ Sharp edges:
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import stat
@@ -101,13 +102,20 @@ class FileDataset(Source):
             FileNotFoundError: the file does not exist (the message names the path).
             OSError: the file shrank while it was read, or another read error.
         """
-        import aiofiles
-
         path = self._paths[self._check_index(index)]
-        async with aiofiles.open(path, "rb") as file:
+        loop = asyncio.get_running_loop()
+        opening = loop.run_in_executor(None, open, path, "rb")
+        try:
+            # Shielded: a cancellation while the thread opens the file must still close it
+            # (aiofiles would leak it).
+            file = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            opening.add_done_callback(_close_opened)
+            raise
+        with file:
             info = os.fstat(file.fileno())
             received = 0
-            while chunk := await file.read(chunk_size):
+            while chunk := await loop.run_in_executor(None, file.read, chunk_size):
                 received += len(chunk)
                 yield chunk
         if stat.S_ISREG(info.st_mode) and received < info.st_size:
@@ -116,3 +124,8 @@ class FileDataset(Source):
                 f"short read: got {received} of {info.st_size} bytes (file changed while read)",
                 path,
             )
+
+
+def _close_opened(opening: asyncio.Future[Any]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()

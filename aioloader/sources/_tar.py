@@ -335,13 +335,14 @@ class _Epoch:
         try:
             tail = self._restore() if self.resume is not None else []
             mixer = self.mixer
+            self._prefetch()
             while (want := mixer.want()) is not None:
                 shard = want[0]
-                self._prefetch()
                 record = await self._reader(shard).next()
                 out = mixer.put(record is not None)
                 if record is None:
                     self._readers.pop(shard, None)
+                    self._prefetch()  # a slot took the next shard: open the one after
                 else:
                     self._held[want] = record
                 if out is not None:
@@ -387,9 +388,11 @@ class _Epoch:
         return reader if reader is not None else self._start(shard, 0, set())
 
     def _prefetch(self) -> None:
-        """Open the shards that come next, so their first bytes are on the way before a slot
-        frees (a shard's time to first byte is hidden behind the others' transfer)."""
-        for shard in self.mixer.upcoming(max(1, self.dataset.shards_in_flight // 2)):
+        """Stream every open shard, and open the shards that come next, so their first bytes
+        are on the way before a slot frees (a shard's time to first byte is hidden behind the
+        others' transfer)."""
+        ahead = self.mixer.upcoming(max(1, self.dataset.shards_in_flight // 2))
+        for shard in [*(slot[0] for slot in self.mixer.slots), *ahead]:
             if shard not in self._readers:
                 self._start(shard, 0, set())
 
