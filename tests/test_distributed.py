@@ -510,6 +510,25 @@ def test_streams_are_split_among_ranks_and_workers(ranks: list[dict[str, Any]]) 
         assert all(f"rank {rank} of world size" in m for m in report["log"])
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S)
+def test_tar_shards_are_read_once_across_ranks_and_workers(ranks: list[dict[str, Any]]) -> None:
+    from datasets import tar_keys
+
+    reports = case(ranks, "tar")
+    every = tar_keys(7, lambda shard: 3 + shard % 4)
+    for epoch in range(2):
+        shares = [r["epochs"][epoch] for r in reports]
+        assert sorted(shares[0] + shares[1]) == every  # each sample once, on one rank
+        for share in shares:  # whole shards: a rank has all of a shard's samples or none
+            shards = {key.split("/")[0] for key in share}
+            assert len(share) == sum(3 + int(s) % 4 for s in shards)
+    assert reports[0]["epochs"][0] != reports[0]["epochs"][1]  # reshuffled each epoch
+    for rank, report in enumerate(reports):  # decoded by worker processes, not the rank
+        assert 1 <= len(report["decoded_by"]) <= 2, rank
+        assert ranks[rank]["pid"] not in report["decoded_by"]
+
+
 # -- the example under torchrun -----------------------------------------------------------------
 
 

@@ -29,9 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils.data as tud
-from datasets import AsyncStream, Range, SelfSharded, Stream
+from datasets import AsyncStream, Range, SelfSharded, Stream, keep, tar_sample, tar_shard
 
 from aioloader import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
+from aioloader.sources import TarDataset
 
 # Bounds each collective (and so each case) of this rank: a rank that waits longer for its peer
 # fails instead of hanging. The test's own limit on the whole process is wider.
@@ -251,6 +252,23 @@ def main() -> None:
             report["counted_len"] = len(loader)
             report["counted_batches"] = len(lists(loader))
 
+    def tar(report: dict[str, Any]) -> None:
+        # Tar shards (TAR_SHARDS of them, 3 to 6 samples each), shuffled, 2 worker processes
+        # decoding: each rank reads whole shards of its own, on its loop.
+        directory = os.path.join(os.path.dirname(out), f"tar-rank{rank}")
+        os.makedirs(directory, exist_ok=True)
+        paths = []
+        for shard in range(7):
+            paths.append(os.path.join(directory, f"{shard}.tar"))
+            with open(paths[-1], "wb") as f:
+                f.write(tar_shard(shard, 3 + shard % 4))
+        ds = TarDataset(paths, decode=tar_sample, shuffle=True, shuffle_buffer=5, seed=1)
+        with DataLoader(ds, batch_size=4, num_workers=2, collate_fn=keep) as loader:
+            epochs = [[s for b in loader for s in b] for _ in range(2)]
+            reports["worker_pids"].extend(loader.worker_pids)
+        report["epochs"] = [[s["key"] for s in samples] for samples in epochs]
+        report["decoded_by"] = sorted({s["pid"] for samples in epochs for s in samples})
+
     for name, body in (
         ("early", early),
         ("auto", auto),
@@ -266,6 +284,7 @@ def main() -> None:
         ("shard_off", shard_off),
         ("shard_true_refuses", shard_true_refuses),
         ("streams", streams),
+        ("tar", tar),
     ):
         case(reports, name, body)
         dist.barrier()  # the next case starts together on every rank
