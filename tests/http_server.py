@@ -13,7 +13,8 @@ Three ways to run it:
 - in the test's own loop: ``async with FaultServer() as server: ...``;
 - in a background thread with its own loop: ``with FaultServer().in_thread() as server: ...``;
 - as a process: ``python tests/http_server.py --size 65536 --latency 0.02`` prints
-  ``PORT <n>`` once it listens and serves until SIGTERM / SIGINT or stdin closes.
+  ``PORT <n>`` once it listens and serves until SIGTERM / SIGINT or stdin closes
+  (``--files DIR`` serves DIR's files too, read into memory first).
 
 Every wait inside a handler (latency, stalls) ends when the server stops, so stopping never
 waits for a stall to run out.
@@ -25,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import os
 import random
 import sys
 import threading
@@ -310,10 +312,20 @@ class FaultServer:
                 raise RuntimeError("the test server thread did not stop")
 
 
+def _read_files(directory: str) -> dict[str, bytes]:
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), "rb") as f:
+            files[name] = f.read()
+    return files
+
+
 async def _main(args: argparse.Namespace) -> None:
     import signal
 
     server = FaultServer(size=args.size, latency=args.latency)
+    if args.files:
+        server.files.update(_read_files(args.files))  # before serving: blocking is fine here
     await server.start()
     done = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -334,6 +346,7 @@ if __name__ == "__main__":
     parser.add_argument("--size", type=int, default=DEFAULT_SIZE, help="object size in bytes")
     parser.add_argument("--latency", type=float, default=0.0, help="seconds added per response")
     parser.add_argument("--uvloop", action="store_true", help="serve on uvloop")
+    parser.add_argument("--files", help="serve the files of this directory at /files/{name}")
     arguments = parser.parse_args()
     if arguments.uvloop:
         import uvloop

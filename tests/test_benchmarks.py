@@ -93,3 +93,36 @@ def test_gpu_transfer_json_says_it_skipped_without_cuda() -> None:
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"benchmark": "gpu_transfer", "skipped": "no CUDA device"}
     assert "no CUDA device is available" in result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_tar_shards_quick_run_reports_rates_ceiling_and_ratios(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "tar_shards.py"),
+            "--quick",
+            "--json",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    document = json.loads(result.stdout)
+    assert document["benchmark"] == "tar_shards"
+    rates = document["samples_per_s"]
+    assert rates["aioloader"] > 0
+    assert rates["bare"] > 0
+    assert document["latency_ceiling_samples_per_s"] > 0
+    assert document["ratios"]["ceiling"] > 0
+    if importlib.util.find_spec("webdataset") is None:
+        assert "webdataset is not installed: skipped" in result.stderr
+        assert "webdataset" not in rates
+    else:
+        assert document["ratios"]["webdataset"] > 0
+    assert "latency ceiling" in (tmp_path / "tar_shards.md").read_text()
+    assert json.loads((tmp_path / "tar_shards.json").read_text()) == document

@@ -23,7 +23,8 @@ bytes once out of the receive buffer, and never blocks. It handles what shard wr
 ustar (with its 155-byte prefix), GNU long names, pax ``path`` and ``size`` records, and
 base-256 sizes. Sparse files and multi-volume archives are refused as format errors.
 
-Invariant: ``_buffer[_offset:]`` holds exactly the bytes received and not yet parsed.
+Invariant: ``_buffer`` holds exactly the bytes received and not yet parsed, which are less
+than the next header or member needs.
 """
 
 from __future__ import annotations
@@ -38,10 +39,6 @@ BLOCK = 512
 _ZERO = bytes(BLOCK)
 _REGULAR = frozenset({b"0", b"\0", b"7"})
 _SKIPPED = frozenset({b"1", b"2", b"3", b"4", b"5", b"6", b"g", b"K", b"V"})  # no file data
-
-#: The receive buffer is compacted when this much of it has been parsed: large enough that the
-#: copy of what is left happens rarely, small enough to bound the dead space it holds.
-_COMPACT_AT = 1 << 20
 
 # WebDataset's split: the directory part, then the file name up to its first dot (the key);
 # the extension is what follows the dot.
@@ -103,8 +100,7 @@ class TarParser:
     """Tar members from bytes fed in pieces; see the module docstring."""
 
     def __init__(self) -> None:
-        self._buffer = bytearray()
-        self._offset = 0
+        self._buffer = bytearray()  # an incomplete header or member, from the last chunk
         self._header: _Header | None = None  # the member whose data comes next
         self._long_name: str | None = None  # from a GNU 'L' member, for the next header
         self._pax: dict[str, str] = {}  # from a pax 'x' member, for the next header
@@ -125,36 +121,55 @@ class TarParser:
         Raises:
             TarFormatError: a header whose checksum or fields are wrong, naming the member.
         """
-        if self.ended:
-            return []  # the archive ended; what follows (zero padding) is not parsed
-        self._buffer += data
         out: list[tuple[str, bytes]] = []
-        buffer = self._buffer
-        while not self.ended:
-            available = len(buffer) - self._offset
-            header = self._header
-            if header is None:
-                if available < BLOCK:
+        with memoryview(data) as view:
+            # A header or member left incomplete by the last chunk is completed first, with
+            # just the bytes it needs; the rest is parsed straight from this chunk, so each
+            # byte is copied once (into its member), not first into the buffer.
+            while self._buffer and view and not self.ended:
+                need = self._needed() - len(self._buffer)
+                self._buffer += view[:need]
+                view = view[need:]
+                if len(self._buffer) < self._needed():
+                    return out
+                with memoryview(self._buffer) as pending:
+                    self._step(pending, 0, out)
+                self._buffer.clear()
+            position = 0
+            while not self.ended:
+                advanced = self._step(view, position, out)
+                if advanced is None:
                     break
-                block = bytes(buffer[self._offset : self._offset + BLOCK])
-                self._offset += BLOCK
-                if block == _ZERO:
-                    self.ended = True
-                    break
-                self._header = self._parse_header(block)
-                continue
-            padded = (header.size + BLOCK - 1) // BLOCK * BLOCK
-            if available < padded:
-                break
-            with memoryview(buffer) as view:
-                body = bytes(view[self._offset : self._offset + header.size])
-            self._offset += padded
-            self._header = None
-            self._member(header, body, out)
-        if self._offset >= _COMPACT_AT or self._offset == len(buffer):
-            del buffer[: self._offset]
-            self._offset = 0
+                position = advanced
+            if not self.ended:
+                self._buffer += view[position:]
         return out
+
+    def _needed(self) -> int:
+        """Bytes the next header, or the current member's padded data, takes."""
+        if self._header is None:
+            return BLOCK
+        return (self._header.size + BLOCK - 1) // BLOCK * BLOCK
+
+    def _step(
+        self, view: memoryview, position: int, out: list[tuple[str, bytes]]
+    ) -> int | None:
+        """Parse one header or one member's data at ``position`` if ``view`` holds all of it;
+        returns the position after it (None if it is incomplete)."""
+        need = self._needed()
+        if len(view) - position < need:
+            return None
+        header = self._header
+        if header is None:
+            block = bytes(view[position : position + BLOCK])
+            if block == _ZERO:
+                self.ended = True
+            else:
+                self._header = self._parse_header(block)
+        else:
+            self._header = None
+            self._member(header, bytes(view[position : position + header.size]), out)
+        return position + need
 
     def close(self) -> None:
         """The input ended: check that it ended where an archive may.
@@ -164,7 +179,7 @@ class TarParser:
         """
         if self.ended:
             return
-        left = len(self._buffer) - self._offset
+        left = len(self._buffer)
         if self._header is not None:
             raise TarFormatError(
                 f"truncated: the data of member {self._header.name!r} stops after {left} of "

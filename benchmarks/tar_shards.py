@@ -1,0 +1,289 @@
+"""Tar shards over HTTP: aioloader's TarDataset against webdataset under torch's DataLoader.
+
+One run on this machine. ``--shards`` WebDataset-style shards of ``--samples`` samples (a
+``bin`` member of ``--size`` bytes and a ``cls`` member each) are written to a temporary
+directory and served by a server process (``tests/http_server.py --files``, on uvloop) that adds
+``--latency`` seconds before every response (time to first byte), standing in for an object
+store. Then, one after another, with the same ``--workers`` and ``--batch-size``:
+
+- ``aioloader``: ``DataLoader(TarDataset(urls, decode=decode, shards_in_flight=K),
+  num_workers=W)``: shards streamed on the loader's loop, ``K`` at once, decoded and collated in
+  the worker processes;
+- ``webdataset``: ``torch.utils.data.DataLoader(wds.WebDataset(urls).map(decode),
+  num_workers=W)``: each worker reads its shards one after another (through ``curl``), as
+  webdataset does; skipped with a message when webdataset is not installed;
+- ``one shard``: a bare aiohttp GET of one shard at a time, no parsing: the time per shard
+  ``t = latency + transfer``, from which the **latency ceiling** of the concurrency used is
+  ``K x samples / t`` samples/s (``K`` shards always in flight, each taking ``t``);
+- ``bare xK``: bare aiohttp GETs of every shard, ``K`` at once, no parsing: what the server, the
+  network stack and the CPUs allow at that concurrency.
+
+``decode`` is the same for both loaders: the ``bin`` bytes as a writable uint8 array and the
+class as an int; the default collate makes tensors. Every run checks the sample count.
+
+Prints one table, the ratio aioloader / webdataset (target >= 3x with 2 workers) and
+aioloader / latency ceiling (target >= 0.9). ``--json`` prints a JSON document on stdout (the
+table goes to stderr); ``--out DIR`` writes ``tar_shards.md`` and ``tar_shards.json`` there.
+Quick run: ``python benchmarks/tar_shards.py --quick``.
+
+Sharp edge: on a small machine the server and the loaders share the CPUs; the bytes cross a
+socket, the tar parser and a pipe to the workers, so a machine with two cores is bound by CPU
+long before the latency ceiling (which assumes the transfer of a shard takes what it takes
+alone). ``bare xK`` shows where that bound is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SERVER = Path(__file__).resolve().parent.parent / "tests" / "http_server.py"
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    name: str
+    samples: int
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.samples / self.seconds
+
+
+def decode(raw: dict[str, Any]) -> tuple[np.ndarray[Any, Any], int]:
+    """A sample's bytes as a writable uint8 array, and its class."""
+    return np.frombuffer(bytearray(raw["bin"]), np.uint8), int(raw["cls"])
+
+
+def write_shards(directory: Path, shards: int, samples: int, size: int) -> None:
+    block = random.Random(size).randbytes(size + 4096)
+    for shard in range(shards):
+        with tarfile.open(directory / f"shard-{shard:05d}.tar", "w") as tar:
+            for i in range(samples):
+                offset = (shard * samples + i) % 4096
+                for ext, data in (("bin", block[offset : offset + size]), ("cls", b"%d" % i)):
+                    info = tarfile.TarInfo(f"{shard:05d}/{i:06d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+
+
+@contextlib.contextmanager
+def serve(directory: Path, latency: float) -> Iterator[int]:
+    """Run the test server in a child process; yield its port; stop it on exit."""
+    command = [sys.executable, str(SERVER), "--files", str(directory), "--latency", str(latency)]
+    with contextlib.suppress(ImportError):
+        import uvloop  # noqa: F401
+
+        command.append("--uvloop")
+    process = subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=SERVER.parent
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        if not line.startswith("PORT "):
+            raise RuntimeError(f"the server did not start (said {line!r})")
+        yield int(line.split()[1])
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def check(count: int, expected: int, name: str) -> None:
+    if count != expected:
+        raise RuntimeError(f"{name} read {count} samples, expected {expected}")
+
+
+def run_aioloader(urls: list[str], args: argparse.Namespace) -> Result:
+    import aioloader
+    from aioloader.sources import TarDataset
+
+    async def main() -> Result:
+        dataset = TarDataset(urls, decode=decode, shards_in_flight=args.shards_in_flight)
+        loader = aioloader.DataLoader(
+            dataset, batch_size=args.batch_size, num_workers=args.workers
+        )
+        count = 0
+        async with loader:
+            await loader.astart()  # the workers start before the clock, as torch's do at iter
+            started = time.perf_counter()
+            async for data, _classes in loader:
+                count += len(data)
+            seconds = time.perf_counter() - started
+        check(count, len(urls) * args.samples, "aioloader")
+        return Result("aioloader", count, seconds)
+
+    return aioloader.run(main())
+
+
+def run_webdataset(urls: list[str], args: argparse.Namespace) -> Result | None:
+    try:
+        import webdataset as wds
+    except ImportError:
+        print("webdataset is not installed: skipped (pip install webdataset)", file=sys.stderr)
+        return None
+    import torch.utils.data
+
+    dataset = wds.WebDataset(urls, shardshuffle=False).map(decode)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=args.batch_size, num_workers=args.workers
+    )
+    started = time.perf_counter()
+    count = sum(len(data) for data, _classes in loader)
+    seconds = time.perf_counter() - started
+    check(count, len(urls) * args.samples, "webdataset")
+    return Result("webdataset", count, seconds)
+
+
+def run_bare(urls: list[str], args: argparse.Namespace, concurrency: int) -> Result:
+    import aiohttp
+
+    import aioloader
+
+    async def main() -> Result:
+        limit = asyncio.Semaphore(concurrency)
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), headers={"Accept-Encoding": "identity"}
+        ) as session:
+
+            async def one(url: str) -> int:
+                async with limit, session.get(url) as response:
+                    total = 0
+                    async for chunk in response.content.iter_chunked(1 << 20):
+                        total += len(chunk)
+                    return total
+
+            started = time.perf_counter()
+            await asyncio.gather(*(one(url) for url in urls))
+            seconds = time.perf_counter() - started
+        return Result(f"bare x{concurrency}", len(urls) * args.samples, seconds)
+
+    return aioloader.run(main())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shards", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=100, help="samples per shard")
+    parser.add_argument("--size", type=int, default=64 * 1024, help="bytes per sample")
+    parser.add_argument("--latency", type=float, default=0.02, help="seconds to first byte")
+    parser.add_argument("--workers", type=int, default=2, help="num_workers of both loaders")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--shards-in-flight", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=1, help="runs each; the best counts")
+    parser.add_argument("--quick", action="store_true", help="8 shards of 20 samples")
+    parser.add_argument("--json", action="store_true", help="results as JSON on stdout")
+    parser.add_argument("--out", type=Path, help="write tar_shards.md and .json here")
+    args = parser.parse_args()
+    if args.quick:
+        args.shards, args.samples = 8, 20
+    warnings.filterwarnings("ignore", category=UserWarning, module="webdataset")
+
+    directory = Path(tempfile.mkdtemp(prefix="tar-shards-"))
+    try:
+        write_shards(directory, args.shards, args.samples, args.size)
+        shard_bytes = (directory / "shard-00000.tar").stat().st_size
+        with serve(directory, args.latency) as port:
+            names = sorted(os.listdir(directory))
+            urls = [f"http://127.0.0.1:{port}/files/{name}" for name in names]
+            results: dict[str, Result] = {}
+            runs = [
+                ("aioloader", lambda: run_aioloader(urls, args)),
+                ("webdataset", lambda: run_webdataset(urls, args)),
+                ("bare", lambda: run_bare(urls, args, args.shards_in_flight)),
+            ]
+            for round_ in range(args.repeat):
+                for name, run in runs:
+                    result = run()
+                    if result is None:
+                        continue
+                    print(f"  round {round_}: {result.name}: {result.rate:,.0f} samples/s",
+                          file=sys.stderr)  # fmt: skip
+                    if name not in results or result.rate > results[name].rate:
+                        results[name] = result
+            per_shard = statistics.median(
+                run_bare(urls[:1], args, 1).seconds for _ in range(max(3, args.repeat))
+            )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+    ceiling = args.shards_in_flight * args.samples / per_shard
+    ours = results["aioloader"].rate
+    table = sys.stderr if args.json else sys.stdout
+    lines = [
+        f"{args.shards} shards x {args.samples} samples x {args.size // 1024} KiB "
+        f"({shard_bytes / 2**20:.1f} MiB a shard), {args.latency * 1000:g} ms to first byte, "
+        f"{args.workers} workers, batch {args.batch_size}, shards_in_flight "
+        f"{args.shards_in_flight}, {os.cpu_count()} CPUs, best of {args.repeat}",
+        "",
+        "| loader | samples/s | MB/s | seconds |",
+        "|---|---|---|---|",
+    ]
+    for result in results.values():
+        mb = result.rate * args.size / 1e6
+        lines.append(f"| {result.name} | {result.rate:,.0f} | {mb:,.0f} | {result.seconds:.2f} |")
+    lines += [
+        "",
+        f"one shard alone: {per_shard * 1000:.1f} ms (latency + transfer); latency ceiling of "
+        f"{args.shards_in_flight} in flight: {args.shards_in_flight} x {args.samples} / "
+        f"{per_shard:.4f} s = {ceiling:,.0f} samples/s",
+    ]
+    ratios: dict[str, float] = {"ceiling": ours / ceiling}
+    if "webdataset" in results:
+        ratios["webdataset"] = ours / results["webdataset"].rate
+        lines.append(f"aioloader / webdataset: {ratios['webdataset']:.2f}x (target >= 3x)")
+    lines.append(f"aioloader / latency ceiling: {ratios['ceiling']:.2f} (target >= 0.9)")
+    lines.append(f"aioloader / bare x{args.shards_in_flight}: {ours / results['bare'].rate:.2f}")
+    text = "\n".join(lines)
+    print(text, file=table)
+    document = {
+        "benchmark": "tar_shards",
+        "shards": args.shards,
+        "samples": args.samples,
+        "size": args.size,
+        "latency_s": args.latency,
+        "workers": args.workers,
+        "batch_size": args.batch_size,
+        "shards_in_flight": args.shards_in_flight,
+        "repeat": args.repeat,
+        "cpus": os.cpu_count(),
+        "samples_per_s": {name: result.rate for name, result in results.items()},
+        "one_shard_s": per_shard,
+        "latency_ceiling_samples_per_s": ceiling,
+        "ratios": ratios,
+    }
+    if args.json:
+        print(json.dumps(document))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        command = "python benchmarks/tar_shards.py " + " ".join(sys.argv[1:])
+        (args.out / "tar_shards.md").write_text(f"`{command.strip()}`\n\n{text}\n")
+        (args.out / "tar_shards.json").write_text(json.dumps(document, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
