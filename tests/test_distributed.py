@@ -527,6 +527,8 @@ def test_tar_shards_are_read_once_across_ranks_and_workers(ranks: list[dict[str,
     for rank, report in enumerate(reports):  # decoded by worker processes, not the rank
         assert 1 <= len(report["decoded_by"]) <= 2, rank
         assert ranks[rank]["pid"] not in report["decoded_by"]
+        # resumed on its rank, under another number of workers: the rest of its share exactly
+        assert report["head"] + report["rest"] == report["epochs"][0], rank
 
 
 # -- the example under torchrun -----------------------------------------------------------------

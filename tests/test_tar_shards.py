@@ -273,6 +273,12 @@ def test_a_state_of_another_order_is_refused(shards: list[str]) -> None:
         TarDataset(shards, shuffle=True, seed=2).load_state_dict(state)
     with pytest.raises(ValueError, match="lacks"):
         TarDataset(shards).load_state_dict({"epoch": 0})
+    ranked = TarDataset(shards)
+    ranked.set_rank(1, 2)
+    elsewhere = TarDataset(shards)
+    elsewhere.load_state_dict(ranked.state_dict())  # the rank may be told later ...
+    with pytest.raises(ValueError, match=r"rank=\[1, 2\], this dataset has rank=\[0, 1\]"):
+        aiter(elsewhere)  # ... but not another one
 
 
 @pytest.mark.parametrize(

@@ -253,13 +253,9 @@ class TarDataset:
                 differently (other shards, shuffle settings, seed or ``shards_in_flight``).
         """
         state = check_state_keys("TarDataset", state, ("epoch", "yielded", "ended", "shards"))
-        for key, value in self._fingerprint().items():
-            if state.get(key) != value:
-                raise ValueError(
-                    f"TarDataset.load_state_dict: the state was saved with {key}="
-                    f"{state.get(key)!r}, this dataset has {key}={value!r}; the order of "
-                    "samples would differ"
-                )
+        fingerprint = self._fingerprint()
+        del fingerprint["rank"]  # the loader may tell the rank later: checked by __aiter__
+        _check_fits(state, fingerprint)
         self._epoch = non_negative_int("state 'epoch'", state["epoch"])
         non_negative_int("state 'yielded'", state["yielded"])
         self._resume = dict(state)
@@ -281,6 +277,8 @@ class TarDataset:
     def __aiter__(self) -> AsyncIterator[Any]:
         epoch = self._epoch
         resume, self._resume = self._resume, None
+        if resume is not None:
+            _check_fits(resume, {"rank": list(self._rank)})
         self._epoch = epoch + 1
         run = _Epoch(self, epoch, resume)
         self._current = run
@@ -304,6 +302,16 @@ class TarDataset:
 
     def _stream(self, shard: int) -> AsyncGenerator[bytes, None]:
         return self._source.stream(shard)
+
+
+def _check_fits(state: dict[str, Any], fingerprint: dict[str, Any]) -> None:
+    for key, value in fingerprint.items():
+        if state.get(key) != value:
+            raise ValueError(
+                f"TarDataset.load_state_dict: the state was saved with {key}="
+                f"{state.get(key)!r}, this dataset has {key}={value!r}; the order of samples "
+                "would differ"
+            )
 
 
 def _names(items: Any) -> tuple[str, ...]:

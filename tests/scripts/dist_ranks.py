@@ -262,12 +262,23 @@ def main() -> None:
             paths.append(os.path.join(directory, f"{shard}.tar"))
             with open(paths[-1], "wb") as f:
                 f.write(tar_shard(shard, 3 + shard % 4))
-        ds = TarDataset(paths, decode=tar_sample, shuffle=True, shuffle_buffer=5, seed=1)
-        with DataLoader(ds, batch_size=4, num_workers=2, collate_fn=keep) as loader:
+        def make(workers: int) -> DataLoader:
+            ds = TarDataset(paths, decode=tar_sample, shuffle=True, shuffle_buffer=5, seed=1)
+            return DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=keep)
+
+        with make(2) as loader:
             epochs = [[s for b in loader for s in b] for _ in range(2)]
             reports["worker_pids"].extend(loader.worker_pids)
         report["epochs"] = [[s["key"] for s in samples] for samples in epochs]
         report["decoded_by"] = sorted({s["pid"] for samples in epochs for s in samples})
+        with make(0) as stopped:  # resume epoch 0 after 2 batches, under 2 workers
+            it = iter(stopped)
+            report["head"] = [s["key"] for _ in range(2) for s in next(it)]
+            state = stopped.state_dict()
+        with make(2) as resumed:
+            resumed.load_state_dict(state)
+            report["rest"] = [s["key"] for b in resumed for s in b]
+            reports["worker_pids"].extend(resumed.worker_pids)
 
     for name, body in (
         ("early", early),
