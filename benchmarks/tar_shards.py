@@ -8,7 +8,9 @@ store. Then, one after another, with the same ``--workers`` and ``--batch-size``
 
 - ``aioloader``: ``DataLoader(TarDataset(urls, decode=decode, shards_in_flight=K),
   num_workers=W)``: shards streamed on the loader's loop, ``K`` at once, decoded and collated in
-  the worker processes;
+  the worker processes (the raw sample bytes cross a pipe to them);
+- ``aioloader threads``: the same with ``thread_pool=True``: ``W`` threads decode and collate,
+  so the bytes never leave the process;
 - ``webdataset``: ``torch.utils.data.DataLoader(wds.WebDataset(urls).map(decode),
   num_workers=W)``: each worker reads its shards one after another (through ``curl``), as
   webdataset does; skipped with a message when webdataset is not installed;
@@ -118,14 +120,14 @@ def check(count: int, expected: int, name: str) -> None:
         raise RuntimeError(f"{name} read {count} samples, expected {expected}")
 
 
-def run_aioloader(urls: list[str], args: argparse.Namespace) -> Result:
+def run_aioloader(urls: list[str], args: argparse.Namespace, threads: bool = False) -> Result:
     import aioloader
     from aioloader.sources import TarDataset
 
     async def main() -> Result:
         dataset = TarDataset(urls, decode=decode, shards_in_flight=args.shards_in_flight)
         loader = aioloader.DataLoader(
-            dataset, batch_size=args.batch_size, num_workers=args.workers
+            dataset, batch_size=args.batch_size, num_workers=args.workers, thread_pool=threads
         )
         count = 0
         async with loader:
@@ -134,8 +136,9 @@ def run_aioloader(urls: list[str], args: argparse.Namespace) -> Result:
             async for data, _classes in loader:
                 count += len(data)
             seconds = time.perf_counter() - started
-        check(count, len(urls) * args.samples, "aioloader")
-        return Result("aioloader", count, seconds)
+        name = "aioloader threads" if threads else "aioloader"
+        check(count, len(urls) * args.samples, name)
+        return Result(name, count, seconds)
 
     return aioloader.run(main())
 
@@ -213,6 +216,7 @@ def main() -> None:
             results: dict[str, Result] = {}
             runs = [
                 ("aioloader", lambda: run_aioloader(urls, args)),
+                ("threads", lambda: run_aioloader(urls, args, threads=True)),
                 ("webdataset", lambda: run_webdataset(urls, args)),
                 ("bare", lambda: run_bare(urls, args, args.shards_in_flight)),
             ]
@@ -255,7 +259,12 @@ def main() -> None:
     ratios: dict[str, float] = {"ceiling": ours / ceiling}
     if "webdataset" in results:
         ratios["webdataset"] = ours / results["webdataset"].rate
+        ratios["threads/webdataset"] = results["threads"].rate / results["webdataset"].rate
         lines.append(f"aioloader / webdataset: {ratios['webdataset']:.2f}x (target >= 3x)")
+        lines.append(
+            f"aioloader threads / webdataset: {ratios['threads/webdataset']:.2f}x "
+            f"(the same {args.workers} workers as threads: no raw bytes cross a pipe)"
+        )
     lines.append(f"aioloader / latency ceiling: {ratios['ceiling']:.2f} (target >= 0.9)")
     lines.append(f"aioloader / bare x{args.shards_in_flight}: {ours / results['bare'].rate:.2f}")
     text = "\n".join(lines)

@@ -357,8 +357,8 @@ async def test_http_shards_stream_concurrently(server: FaultServer) -> None:
     async with DataLoader(ds, batch_size=5, collate_fn=keep) as loader:
         batches = [batch async for batch in loader]
     assert sorted(keys_of(batches)) == tar_keys(8, counts)
-    # The four open shards at once, and the next two (fetched ahead), never all eight.
-    assert 4 <= server.most_active <= 6
+    # The four open shards at once, and up to four more opened ahead.
+    assert server.most_active >= 4
     assert all(server.count(f"/files/s{shard}.tar") == 1 for shard in range(8))
 
 

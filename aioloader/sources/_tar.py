@@ -73,8 +73,9 @@ __all__ = ["BrokenShard", "TarDataset"]
 
 Source = HTTPDataset | FsspecDataset | FileDataset
 
-#: Shards streamed at once by default. Each open shard costs a connection and up to
-#: ``READAHEAD`` samples of memory; more hide more latency per byte of bandwidth.
+#: Shards streamed at once by default; as many more are opened ahead (their first samples
+#: wait in memory). Each costs a connection and up to ``READAHEAD`` samples of memory; more
+#: hide more latency per byte of bandwidth.
 SHARDS_IN_FLIGHT = 8
 
 #: Samples read ahead per open shard: the queue that lets a shard keep streaming while the
@@ -399,7 +400,9 @@ class _Epoch:
         """Stream every open shard, and open the shards that come next, so their first bytes
         are on the way before a slot frees (a shard's time to first byte is hidden behind the
         others' transfer)."""
-        ahead = self.mixer.upcoming(max(1, self.dataset.shards_in_flight // 2))
+        # As many as are open: shards of one size opened together end together, and the whole
+        # next round must be on its way by then, or the loop waits a time to first byte.
+        ahead = self.mixer.upcoming(self.dataset.shards_in_flight)
         for shard in [*(slot[0] for slot in self.mixer.slots), *ahead]:
             if shard not in self._readers:
                 self._start(shard, 0, set())
