@@ -68,9 +68,8 @@ SCHEMES = frozenset({"http", "https"})
 #: enough to be seen well before the default ``read_timeout`` of 30 s ends the attempt.
 STALL_WARNING_S = 10.0
 
-#: Bytes asked of the socket per chunk by :meth:`HTTPDataset.stream`: large enough that the
-#: per-chunk cost (a task switch, a parser call) is small against the copy, small enough that a
-#: chunk is a fraction of a shard.
+#: The ``chunk_size`` of :meth:`HTTPDataset.stream`, for a signature like the other sources'
+#: (over HTTP, chunks are handed over as they are received, whatever their size).
 STREAM_CHUNK = 1 << 20
 
 #: Default headers; the user's ``headers`` override them.
@@ -216,8 +215,8 @@ class HTTPDataset(Source):
     async def stream(
         self, index: int, chunk_size: int = STREAM_CHUNK
     ) -> AsyncGenerator[bytes, None]:
-        """The body of ``urls[index]`` in chunks as it arrives, for objects too large to hold
-        (tar shards). Opening it (connecting, the status) is retried as :meth:`fetch` is; a
+        """The body of ``urls[index]`` in chunks as they arrive (of any size: ``chunk_size``
+        is not used here), for objects too large to hold (tar shards). Opening it (connecting, the status) is retried as :meth:`fetch` is; a
         body that breaks off or ends short of its ``Content-Length`` after bytes were handed
         out raises instead (they cannot be taken back). Close the iterator (``aclosing``) if
         it is not read to its end.
@@ -240,7 +239,9 @@ class HTTPDataset(Source):
         counters = current_counters.get()
         received = 0
         try:
-            async for chunk in response.content.iter_chunked(chunk_size):
+            # As received, not joined into chunk_size pieces: joining is a copy of every byte,
+            # and the consumer (a tar parser) takes pieces of any size.
+            async for chunk in response.content.iter_any():
                 received += len(chunk)
                 if counters is not None:
                     counters.remote_bytes += len(chunk)
