@@ -367,7 +367,7 @@ async def test_a_cut_http_shard_names_its_url_or_is_skipped(
     server: FaultServer, on_error: str
 ) -> None:
     server.files["s2.tar"] = tar_shard(2, 40, size=2000)  # half of it is a few samples
-    server.fail("/files/s2.tar", Fault.short())
+    server.fail_always("/files/s2.tar", Fault.short())  # every attempt breaks off
     urls = [server.file_url(f"s{shard}.tar") for shard in range(4)]
     ds = TarDataset(urls, decode=tar_sample, shards_in_flight=2)
     options: dict[str, Any] = {"on_error": on_error}
@@ -379,7 +379,7 @@ async def test_a_cut_http_shard_names_its_url_or_is_skipped(
                 [batch async for batch in loader]
             assert info.value.url == urls[2]
             assert urls[2] in str(info.value)
-            assert "broke off" in str(info.value)
+            assert "broke off 5 times" in str(info.value)  # the default max_attempts
             return
         keys = keys_of([batch async for batch in loader])
         assert loader.statistics().skipped_count == 1
@@ -388,6 +388,20 @@ async def test_a_cut_http_shard_names_its_url_or_is_skipped(
     cut = sorted(k for k in keys if k.startswith("002/"))
     assert 0 < len(cut) < 40
     assert cut == [f"002/{i:04d}" for i in range(len(cut))]  # a prefix: nothing out of place
+
+
+async def test_a_shard_that_breaks_off_once_continues_where_it_stopped(
+    server: FaultServer,
+) -> None:
+    server.files["s2.tar"] = tar_shard(2, 40, size=2000)
+    server.fail("/files/s2.tar", Fault.short(), Fault.reset())  # then served whole
+    urls = [server.file_url(f"s{shard}.tar") for shard in range(4)]
+    counts_here = {0: 3, 1: 4, 2: 40, 3: 6}
+    async with DataLoader(TarDataset(urls), batch_size=4, collate_fn=keep) as loader:
+        keys = [raw["__key__"] for batch in [b async for b in loader] for raw in batch]
+        assert loader.statistics().remote_retries >= 2
+    assert sorted(keys) == tar_keys(4, counts_here.__getitem__)  # nothing lost or repeated
+    assert server.count("/files/s2.tar") == 3
 
 
 async def test_a_missing_http_shard_is_a_shard_error_naming_it(server: FaultServer) -> None:

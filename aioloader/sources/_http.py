@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import urllib.parse
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -216,55 +217,84 @@ class HTTPDataset(Source):
         self, index: int, chunk_size: int = STREAM_CHUNK
     ) -> AsyncGenerator[bytes, None]:
         """The body of ``urls[index]`` in chunks as they arrive (of any size: ``chunk_size``
-        is not used here), for objects too large to hold (tar shards). Opening it (connecting, the status) is retried as :meth:`fetch` is; a
-        body that breaks off or ends short of its ``Content-Length`` after bytes were handed
-        out raises instead (they cannot be taken back). Close the iterator (``aclosing``) if
-        it is not read to its end.
+        is not used here), for objects too large to hold (tar shards).
+
+        Opening is retried as :meth:`fetch` is. A body that breaks off (a reset, a timeout, a
+        short body) is continued where it stopped: asked again from that byte on with a
+        ``Range`` header (a server that ignores it answers 200, and the bytes already handed
+        out are skipped), within the same ``max_attempts``; the bytes handed out are never
+        handed out twice. Close the iterator (``aclosing``) if it is not read to its end.
 
         Raises:
-            RemoteError: as :meth:`fetch` while opening; afterwards, the body broke off,
-                naming the URL and the bytes received.
+            RemoteError: as :meth:`fetch` while opening; the body broke off more often than
+                the policy allows, naming the URL, the bytes received and each break.
         """
         import aiohttp
 
         url = self._urls[self._check_index(index)]
         session: aiohttp.ClientSession = self._pool()
-        response = await retrying(
-            lambda: self._open(session, url),
-            policy=self._retry,
-            describe=url,
-            deadline=self._item_deadline,
-            sleep=asyncio.sleep if self._sleep is None else self._sleep,
-        )
         counters = current_counters.get()
         received = 0
-        try:
-            # As received, not joined into chunk_size pieces: joining is a copy of every byte,
-            # and the consumer (a tar parser) takes pieces of any size.
-            async for chunk in response.content.iter_any():
-                received += len(chunk)
-                if counters is not None:
-                    counters.remote_bytes += len(chunk)
-                yield chunk
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
-            raise RemoteError(
-                f"{url}: the body broke off after {received} bytes: {_name(exc)}", url=url
-            ) from exc
-        finally:
-            response.release()
-        expected = _expected_length(response)
-        if expected is not None and received != expected:
-            raise RemoteError(
-                f"{url}: truncated body: got {received} of {expected} bytes (Content-Length)",
-                url=url,
+        total: int | None = None
+        breaks: list[str] = []
+        while True:
+            response = await retrying(
+                functools.partial(self._open, session, url, received),
+                policy=self._retry,
+                describe=url,
+                deadline=self._item_deadline,
+                sleep=asyncio.sleep if self._sleep is None else self._sleep,
             )
+            skip = received if response.status == 200 else 0  # the Range was not honoured
+            answered = response.headers.get("Content-Range", f"bytes {received}-")
+            if response.status == 206 and not answered.startswith(f"bytes {received}-"):
+                response.release()
+                raise RemoteError(
+                    f"{url}: asked for bytes {received}- and got {answered!r}", url=url
+                )
+            if total is None:
+                total = _expected_length(response)
+            try:
+                # As received, not joined into chunk_size pieces: joining is a copy of every
+                # byte, and the consumer (a tar parser) takes pieces of any size.
+                async for chunk in response.content.iter_any():
+                    if skip:
+                        cut, skip = min(skip, len(chunk)), max(0, skip - len(chunk))
+                        chunk = chunk[cut:]
+                        if not chunk:
+                            continue
+                    received += len(chunk)
+                    if counters is not None:
+                        counters.remote_bytes += len(chunk)
+                    yield chunk
+                if total is None or received == total:
+                    return
+                failure = f"short body: {received} of {total} bytes (Content-Length)"
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+                failure = f"broke off after {received} bytes: {_name(exc)}"
+            finally:
+                response.release()
+            breaks.append(failure)
+            if len(breaks) >= self._retry.max_attempts:
+                raise RemoteError(
+                    f"{url}: the body broke off {len(breaks)} times: {'; '.join(breaks)}",
+                    url=url,
+                    attempts=tuple(breaks),
+                )
+            remote_log.info("%s: %s; continuing from byte %d", url, failure, received)
+            if counters is not None:
+                counters.remote_retries += 1
 
-    async def _open(self, session: aiohttp.ClientSession, url: str) -> aiohttp.ClientResponse:
-        """One GET up to its headers (for :meth:`stream`), classified as :meth:`_attempt`."""
+    async def _open(
+        self, session: aiohttp.ClientSession, url: str, start: int = 0
+    ) -> aiohttp.ClientResponse:
+        """One GET up to its headers (for :meth:`stream`), from byte ``start`` on, classified
+        as :meth:`_attempt` classifies."""
         import aiohttp
 
+        headers = {"Range": f"bytes={start}-"} if start else None
         try:
-            response = await session.get(url)
+            response = await session.get(url, headers=headers)
         except aiohttp.ServerTimeoutError as exc:
             raise RetryableError(f"timeout: {_name(exc)}", timed_out=True) from exc
         except aiohttp.ClientConnectorCertificateError:
