@@ -324,6 +324,26 @@ def test_workers_decode_and_every_sample_arrives_once(shards: list[str]) -> None
     assert os.getpid() not in pids  # decoded in the worker processes
 
 
+async def test_an_abandoned_epoch_stops_its_readers_and_the_next_is_whole(
+    shards: list[str],
+) -> None:
+    ds = TarDataset(shards, decode=tar_sample, shards_in_flight=2)
+    async with DataLoader(ds, batch_size=2, collate_fn=keep) as loader:
+        async for _batch in loader:
+            break  # the stream is closed: its shard readers are cancelled and awaited
+        assert sorted(keys_of([b async for b in loader])) == tar_keys(6, counts)
+    tasks = [t for t in asyncio.all_tasks() if t.get_name().startswith("aioloader-tar-")]
+    assert tasks == []
+
+
+def test_a_decode_error_keeps_its_type_and_names_the_sample(shards: list[str]) -> None:
+    ds = TarDataset(shards, decode=int)  # int(dict) fails: a TypeError
+    with DataLoader(ds, batch_size=2, collate_fn=keep) as loader, pytest.raises(TypeError) as info:
+        next(iter(loader))
+    notes = "\n".join(info.value.__notes__)
+    assert f"decoding sample '000/0000' of {shards[0]}" in notes
+
+
 @pytest.mark.slow
 def test_loader_resume_is_exact_under_another_number_of_workers(shards: list[str]) -> None:
     def loader(workers: int) -> DataLoader:
