@@ -52,7 +52,12 @@ class EpochBook:
         # An async stream that saves its own position (see the module docstring), or None.
         stream = isinstance(dataset, AsyncIterableDataset) and isinstance(dataset, Stateful)
         self._stream = dataset if stream else None
-        self._stream_state: dict[str, Any] | None = None  # after the last batch taken
+        # The stream's state after every batch of this epoch up to a gap was taken; batches
+        # taken past a gap (in_order=False) keep theirs until the gap closes, so a resumed
+        # epoch repeats them rather than losing the ones in the gap.
+        self._stream_state: dict[str, Any] | None = None
+        self._stream_later: dict[int, dict[str, Any] | None] = {}  # taken past the gap
+        self._stream_next = 0  # the first batch id of this epoch not taken
         self.next_epoch = 0
         self._asked: int | None = None  # loader.set_epoch(n), not yet used by an epoch
         self._drives = False  # the current epoch's set_epoch went to a user's sampler
@@ -101,6 +106,7 @@ class EpochBook:
         self.next_epoch = epoch + 1
         self._done = sorted(done)
         self._stream_state = resume.get("stream") if resume is not None else None
+        self._stream_later, self._stream_next = {}, 0
         if self._stream_state is not None and isinstance(self._stream, Stateful):
             self._stream.load_state_dict(self._stream_state)
         self._drives = drive and not self._sampling.built
@@ -124,8 +130,13 @@ class EpochBook:
         """The consumer took (or was given the error of) batch ``batch_id``; a stateful
         stream stood at ``stream_state`` after it."""
         self._done.append(batch_id)
-        if stream_state is not None:
-            self._stream_state = stream_state
+        if self._stream is None:
+            return
+        self._stream_later[batch_id] = stream_state
+        while self._stream_next in self._stream_later:
+            state = self._stream_later.pop(self._stream_next)
+            self._stream_state = state if state is not None else self._stream_state
+            self._stream_next += 1
 
     def finished(self) -> None:
         """The current epoch ran to its end: a state now points at the next one."""
