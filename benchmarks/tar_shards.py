@@ -225,8 +225,8 @@ def main() -> None:
                     result = run()
                     if result is None:
                         continue
-                    print(f"  round {round_}: {result.name}: {result.rate:,.0f} samples/s",
-                          file=sys.stderr)  # fmt: skip
+                    rate = f"{result.rate:,.0f} samples/s"
+                    print(f"  round {round_}: {result.name}: {rate}", file=sys.stderr)
                     if name not in results or result.rate > results[name].rate:
                         results[name] = result
             per_shard = statistics.median(

@@ -42,8 +42,11 @@ Sharp edges:
 
 - Iterating it directly (``async for raw in dataset``) yields raw samples; ``decode(raw)``
   makes a sample (and raises for a failed shard). The loader does both.
-- A body that breaks off mid-shard is not resumed with a range request: the shard ends there
-  with a failure record (the source retries only opening a shard).
+- Over HTTP a body that breaks off is continued from the byte it stopped at (a ``Range``
+  request, within the retry policy's attempts); fsspec and local reads are not: a read that
+  fails mid-shard ends the shard with a failure record.
+- Exact resume needs the loader's ``in_order=True`` (the default); out of order, batches taken
+  past one still in flight are yielded again after a resume, never lost.
 """
 
 from __future__ import annotations
@@ -294,11 +297,16 @@ class TarDataset:
 
     def _mixer(self, epoch: int) -> Mixer:
         rank, world = self._rank
+        shuffled = self.shuffle
         order = shard_order(
-            len(self._urls), shuffle=self.shuffle, seed=self.seed, epoch=epoch,
-            reader=rank, readers=world,
-        )  # fmt: skip
-        size = self.shuffle_buffer if self.shuffle else 0
+            len(self._urls),
+            shuffle=shuffled,
+            seed=self.seed,
+            epoch=epoch,
+            reader=rank,
+            readers=world,
+        )
+        size = self.shuffle_buffer if shuffled else 0
         return Mixer(order, self.shards_in_flight, size, buffer_rng(self.seed, epoch, rank, world))
 
     def _stream(self, shard: int) -> AsyncGenerator[bytes, None]:
