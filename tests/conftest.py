@@ -21,6 +21,9 @@ from typing import Any
 
 import psutil
 import pytest
+from helpers import Baseline
+
+from aioloader import _sync
 
 try:
     import uvloop
@@ -50,9 +53,67 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     assert isinstance(kind, str)
     names = pyfuncitem._fixtureinfo.argnames
     kwargs = {name: pyfuncitem.funcargs[name] for name in names}
+    baseline = pyfuncitem.funcargs.get("baseline")
     with asyncio.Runner(loop_factory=LOOPS[kind]) as runner:
+        if isinstance(baseline, Baseline):
+            runner.run(_watched(baseline))
         runner.run(pyfuncitem.obj(**kwargs))
+        if isinstance(baseline, Baseline):  # the tasks while the loop still runs
+            runner.run(baseline.check_tasks())
     return True
+
+
+async def _watched(baseline: Baseline) -> None:
+    baseline.watch_loop()
+
+
+@pytest.fixture
+def baseline(request: pytest.FixtureRequest) -> Iterator[Baseline]:
+    """The leak check of RELIABILITY.md (common assertion iii), stricter than ``_no_leaks``: a
+    baseline of descriptors, threads, processes and segments recorded before the test (after
+    one warm-up epoch of the test's start method, its ``mp_context`` parameter if it has one),
+    checked after it; an ``async def`` test's loop must also end with no task but its own."""
+    params = getattr(request.node, "callspec", None)
+    method = params.params.get("mp_context") if params is not None else None
+    recorded = Baseline.record(method)
+    yield recorded
+    recorded.check()
+
+
+def _sync_loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop]:
+    made = LOOPS[kind]
+
+    def factory() -> asyncio.AbstractEventLoop:
+        loop = made()
+        SYNC_LOOPS_MADE.append(type(loop).__module__)
+        return loop
+
+    return factory
+
+
+# The modules of the loops made for ``for batch in loader`` under ``sync_loop``, for a test to
+# check that its epochs really ran on the loop it asked for.
+SYNC_LOOPS_MADE: list[str] = []
+
+
+@pytest.fixture(params=list(LOOPS))
+def sync_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test's synchronous epochs (``for batch in loader``: a private loop on a helper
+    thread, uvloop where installed) on each event loop in turn: the stock asyncio loop too."""
+    kind = request.param
+    assert isinstance(kind, str)
+    monkeypatch.setattr(_sync, "new_event_loop", _sync_loop_factory(kind))
+    SYNC_LOOPS_MADE.clear()
+    return kind
+
+
+@pytest.fixture(autouse=True)
+def _sync_loop_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``AIOLOADER_TEST_SYNC_LOOP=asyncio`` runs every synchronous epoch of the suite on the
+    stock asyncio loop (the package's own choice is uvloop where installed)."""
+    kind = os.environ.get("AIOLOADER_TEST_SYNC_LOOP")
+    if kind:
+        monkeypatch.setattr(_sync, "new_event_loop", LOOPS[kind])
 
 
 def our_segments() -> set[str]:

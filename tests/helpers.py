@@ -1,4 +1,5 @@
-"""Helpers the tests share: bounded iteration, batches as lists, a config to build, a fake sleep.
+"""Helpers the tests share: bounded iteration, batches as lists, a config to build, a fake sleep,
+and a leak baseline (:class:`Baseline`: descriptors, threads, processes, segments, tasks).
 
 Every wait here is bounded by :data:`BOUND_S`, which no wait in the tests comes near: it only
 turns a hang into a failure.
@@ -7,9 +8,16 @@ turns a hang into a failure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
+import os
+import threading
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from datasets import Recorder
@@ -126,3 +134,155 @@ def build_config(**overrides: Any) -> LoaderConfig:
     }
     arguments.update(overrides)
     return LoaderConfig.build(**arguments)
+
+
+# -- leak baseline (RELIABILITY.md, common assertion iii) ----------------------------------------
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "aiol_"
+# How long a check waits for what was told to go (a process to be reaped, a thread to end).
+LEAK_GRACE_S = 5.0
+
+
+def _is_helper(process: psutil.Process) -> bool:
+    """The session-long helpers: the forkservers (the stdlib's, and the one forked from this
+    process, which names itself) and multiprocessing's resource tracker."""
+    try:
+        cmd = " ".join(process.cmdline())
+        name = process.name()
+    except psutil.Error:
+        return True
+    return "forkserver" in cmd or "resource_tracker" in cmd or name == "aiol-forkserver"
+
+
+def live_descendants() -> set[int]:
+    """Our live descendants (workers included, wherever they were forked from), minus the
+    session-long helper processes themselves. A zombie counts as gone: it has exited."""
+    pids: set[int] = set()
+    for child in psutil.Process().children():
+        candidates = [] if _is_helper(child) else [child]
+        with contextlib.suppress(psutil.Error):
+            candidates.extend(child.children(recursive=True))
+        for process in candidates:
+            with contextlib.suppress(psutil.Error):
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    pids.add(process.pid)
+    return pids
+
+
+def own_segments() -> set[str]:
+    """``/dev/shm`` segments named after this process or one of its descendants."""
+    pids = {os.getpid()}
+    with contextlib.suppress(psutil.Error):
+        pids.update(p.pid for p in psutil.Process().children(recursive=True))
+    prefixes = tuple(f"{SHM_PREFIX}{pid}_" for pid in pids)
+    try:
+        return {name for name in os.listdir(SHM_DIR) if name.startswith(prefixes)}
+    except FileNotFoundError:  # pragma: no cover - non-Linux
+        return set()
+
+
+def open_fds() -> dict[int, str]:
+    """This process's open descriptors and what each one is (``/proc/self/fd``)."""
+    out: dict[int, str] = {}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+    return out
+
+
+def _threads() -> dict[int, str]:
+    return {t.ident or 0: t.name for t in threading.enumerate()}
+
+
+_warmed: set[str | None] = set()
+
+
+def warm_up(mp_context: str | None = None) -> None:
+    """Start what lives as long as the test session (the forkserver and its pipes, the resource
+    tracker) by running one small epoch, once per start method, so that a baseline recorded
+    after it holds them and a leak check counts only what a test leaves."""
+    if mp_context == "spawn":
+        mp_context = None  # spawn starts nothing that outlives its workers but what this does
+    if mp_context in _warmed:
+        return
+    from aioloader import DataLoader
+
+    with DataLoader(list(range(8)), batch_size=4, num_workers=1, mp_context=mp_context) as loader:
+        assert [len(b) for b in loader] == [4, 4]
+    _warmed.add(mp_context)
+
+
+@dataclass
+class Baseline:
+    """What this process holds before a scenario: descriptors, threads, descendant processes and
+    shared-memory segments. :meth:`check` fails if any of them is above it afterwards (each
+    polled for :data:`LEAK_GRACE_S`, as a process told to exit needs a moment to be reaped);
+    :meth:`check_tasks` does the same for the asyncio tasks of the running loop.
+
+    Descriptors are compared by count (a number may be closed and reused for something else),
+    and the new ones are named in the failure; the rest are compared as sets.
+    """
+
+    fds: dict[int, str]
+    threads: dict[int, str]
+    processes: set[int]
+    segments: set[str]
+    loop_errors: list[dict[str, Any]] | None = None
+
+    def watch_loop(self) -> None:
+        """Record what reaches the running loop's exception handler from now on ("Task
+        exception was never retrieved", "Task was destroyed but it is pending!"):
+        :meth:`check_tasks` fails if anything did."""
+        self.loop_errors = []
+        errors = self.loop_errors
+        asyncio.get_running_loop().set_exception_handler(lambda _, context: errors.append(context))
+
+    @classmethod
+    def record(cls, mp_context: str | None = None) -> Baseline:
+        warm_up(mp_context)
+        gc.collect()
+        return cls(open_fds(), _threads(), live_descendants(), own_segments())
+
+    def leaks(self) -> list[str]:
+        """What is above the baseline now, one line per kind; empty when nothing is."""
+        problems = []
+        fds = open_fds()
+        if len(fds) > len(self.fds):
+            new = {k: v for k, v in fds.items() if self.fds.get(k) != v}
+            problems.append(f"{len(fds) - len(self.fds)} descriptor(s) above baseline: {new}")
+        threads = {k: v for k, v in _threads().items() if k not in self.threads}
+        if threads:
+            problems.append(f"threads left: {sorted(threads.values())}")
+        processes = live_descendants() - self.processes
+        if processes:
+            problems.append(f"processes left: {sorted(processes)}")
+        segments = own_segments() - self.segments
+        if segments:
+            problems.append(f"shared-memory segments left: {sorted(segments)}")
+        return problems
+
+    def check(self, grace_s: float = LEAK_GRACE_S) -> None:
+        """Fail unless nothing is above the baseline within ``grace_s`` (from a sync context)."""
+        deadline = time.monotonic() + grace_s
+        gc.collect()
+        while (problems := self.leaks()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            gc.collect()
+        assert not problems, "; ".join(problems)
+
+    async def check_tasks(self, grace_s: float = LEAK_GRACE_S) -> None:
+        """Fail unless the running loop has no task but the caller's within ``grace_s``."""
+        me = asyncio.current_task()
+        deadline = time.monotonic() + grace_s
+        gc.collect()
+        while (tasks := asyncio.all_tasks() - {me}) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+            gc.collect()
+        assert not tasks, f"asyncio tasks left: {sorted(t.get_name() for t in tasks)}"
+        if self.loop_errors is not None:
+            messages = [
+                f"{c.get('message')}: {c.get('task') or c.get('exception')!r}"
+                for c in self.loop_errors
+            ]
+            assert not messages, f"the loop's exception handler was called: {messages}"

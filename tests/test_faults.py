@@ -37,6 +37,10 @@ from aioloader import _shm
 from aioloader._sampler import BatchSampler, RandomSampler
 from aioloader._workers import _pool
 
+# Every scenario here gets the full leak check of RELIABILITY.md (common assertion iii): no
+# descriptor, thread, process, segment or asyncio task above the baseline (conftest.baseline).
+pytestmark = pytest.mark.usefixtures("baseline")
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # A child scenario must finish inside this, start-up (importing torch twice) included.
