@@ -37,6 +37,7 @@ import functools
 import itertools
 import sys
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
@@ -55,6 +56,25 @@ from ._tree import iter_leaves
 from ._types import END, BatchRequest, Made, RankShardedStream, Runner, Stateful, StreamRequest
 
 __all__ = ["BYTES_WALK_BUDGET_S", "Producer"]
+
+# The tasks and futures of every running epoch, per loop, each held until it is done. The loop
+# holds its tasks only weakly: when a consumer drops an epoch whose iterator is in a reference
+# cycle (an error it kept holds the frame that held the iterator), the garbage collector would
+# find the epoch and its pending tasks unreachable together and finalize the tasks, closing
+# their coroutines mid-await ("Task was destroyed but it is pending!", then "cannot reuse already
+# awaited coroutine" when the close cancels them), instead of letting the iterator's finalizer
+# close the epoch, which cancels them properly.
+_RUNNING: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, set[asyncio.Future[Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _hold(future: asyncio.Future[Any]) -> None:
+    """Keep ``future`` reachable until it is done (see :data:`_RUNNING`)."""
+    held = _RUNNING.setdefault(future.get_loop(), set())
+    held.add(future)
+    future.add_done_callback(held.discard)
+
 
 #: Counting a batch's bytes (for bytes/s) walks its leaves on the loop: microseconds for a few
 #: tensors, hundreds of them for a list of hundreds of objects. Batches are walked often enough
@@ -142,6 +162,7 @@ class Producer:
         self._scheduler = asyncio.create_task(
             self._run_scheduler(body), name=f"aioloader-epoch-{self._epoch}"
         )
+        _hold(self._scheduler)
 
     def taken(self, batch_id: int) -> tuple[int, int]:
         """The samples and bytes in ``batch_id``, forgotten once asked (the batch was taken)."""
@@ -191,6 +212,7 @@ class Producer:
         self._claimed = None
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        _hold(task)
 
     async def _run_scheduler(self, body: Callable[[], Awaitable[None]]) -> None:
         """Run a scheduler body; if the sampler or stream fails, deliver the error in order."""
@@ -224,6 +246,7 @@ class Producer:
                 future = self._runner.start_make(request)
                 self._claimed = None
                 self._tasks.add(future)
+                _hold(future)
                 future.add_done_callback(functools.partial(self._made_fast, request))
             else:
                 self._spawn(self._produce_map(request), batch_id)

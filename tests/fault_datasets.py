@@ -257,6 +257,69 @@ class DiesOnUnpickle(Faulty):
         os._exit(3)
 
 
+# -- armed faults: set by the test before each epoch, each fires exactly once -------------------
+
+
+def arm(marker_dir: str, key: int | str, action: str) -> None:
+    """Arm fault ``action`` at ``key`` (a sample index, or ``"collate-<first index>"``): the next
+    visit of it in a worker, whichever epoch, worker or attempt that is, fires it, once."""
+    path = os.path.join(marker_dir, f"arm-{key}")
+    with open(path + ".tmp", "w") as f:
+        f.write(action)
+    os.replace(path + ".tmp", path)  # never seen half written
+
+
+def take_armed(marker_dir: str, key: int | str) -> str | None:
+    """Disarm the fault at ``key`` and return its action, or ``None`` if none is armed there.
+    The rename is atomic: of two processes visiting ``key``, one gets the fault."""
+    fired = os.path.join(marker_dir, f"fired-{key}-{os.getpid()}")
+    try:
+        os.rename(os.path.join(marker_dir, f"arm-{key}"), fired)
+    except FileNotFoundError:
+        return None
+    with open(fired) as f:
+        return f.read()
+
+
+def armed(marker_dir: str) -> list[str]:
+    """The faults still armed (not yet visited) in ``marker_dir``."""
+    return sorted(name[4:] for name in os.listdir(marker_dir) if name.startswith("arm-"))
+
+
+@dataclass
+class Armed:
+    """A map-style dataset like :class:`Faulty` (sample ``i`` an array filled with ``i % 256``),
+    whose faults are armed from outside with :func:`arm`, so a long-lived worker (persistent
+    workers keep their dataset copy) meets a new set of faults in every epoch."""
+
+    n: int
+    shape: tuple[int, ...]
+    marker_dir: str
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        action = take_armed(self.marker_dir, index)
+        if action is not None:
+            fire(action, index)
+        return np.full(self.shape, index % 256, dtype=np.uint8)
+
+
+@dataclass(frozen=True)
+class ArmedCollate:
+    """A collate_fn that stacks, and raises ``ValueError`` for a batch whose first sample's
+    fault was armed as ``"collate-<index>"`` (once)."""
+
+    marker_dir: str
+
+    def __call__(self, samples: list[Any]) -> Any:
+        first = int(np.asarray(samples[0]).flat[0])
+        if take_armed(self.marker_dir, f"collate-{first}") is not None:
+            raise ValueError(f"injected collate failure for the batch starting at {first}")
+        return torch.stack([torch.as_tensor(np.asarray(s)) for s in samples])
+
+
 # -- helpers for the tests (run in the test process only) ----------------------------------------
 
 # Every scenario must end well inside this (RELIABILITY.md: 30 s cap on a 2-core machine).
