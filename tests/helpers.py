@@ -191,6 +191,21 @@ def open_fds() -> dict[int, str]:
     return out
 
 
+def _helper_fds() -> set[str]:
+    """The pipes and sockets the session-long helper processes (:func:`_is_helper`) hold."""
+    held: set[str] = set()
+    for child in psutil.Process().children():
+        if not _is_helper(child):
+            continue
+        with contextlib.suppress(OSError):
+            for name in os.listdir(f"/proc/{child.pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{child.pid}/fd/{name}")
+                    if target.startswith(("pipe:", "socket:")):  # one identity per inode
+                        held.add(target)
+    return held
+
+
 def _threads() -> dict[int, str]:
     return {t.ident or 0: t.name for t in threading.enumerate()}
 
@@ -248,6 +263,10 @@ class Baseline:
         """What is above the baseline now, one line per kind; empty when nothing is."""
         problems = []
         fds = open_fds()
+        # A pipe to a server that lives as long as the session (a start method's first use
+        # starts its forkserver), shared with that server, is not a leak.
+        shared = _helper_fds()
+        fds = {k: v for k, v in fds.items() if self.fds.get(k) == v or v not in shared}
         if len(fds) > len(self.fds):
             new = {k: v for k, v in fds.items() if self.fds.get(k) != v}
             problems.append(f"{len(fds) - len(self.fds)} descriptor(s) above baseline: {new}")

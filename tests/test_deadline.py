@@ -23,6 +23,9 @@ from aioloader._deadline import DeadlinePolicy, run_attempts, timeout_error
 from aioloader._stats import Counters
 from aioloader._types import BatchRequest, Made, StreamRequest
 
+# The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
+pytestmark = pytest.mark.usefixtures("baseline")
+
 TICK = 0.01  # the deadline used where one must pass: short, the clock is fake anyway
 
 

@@ -23,6 +23,9 @@ from aioloader._epoch import DeviceStage, Epoch, Plan
 from aioloader._stats import Counters
 from aioloader._threads import ThreadRunner
 
+# The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
+pytestmark = pytest.mark.usefixtures("baseline")
+
 # -- hand-over to the device stage ------------------------------------------------------------
 
 

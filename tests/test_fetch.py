@@ -16,6 +16,9 @@ from helpers import as_lists, collect, drain, flat, notes_of
 
 from aioloader import DataLoader, TooManyFailuresError
 
+# The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
+pytestmark = pytest.mark.usefixtures("baseline")
+
 
 class LoopErrors:
     """Records every call of the running loop's exception handler (for the test's duration)."""

@@ -31,6 +31,9 @@ from procs import worker_processes
 import aioloader
 from aioloader import BatchSampler, DataLoader, SequentialSampler, ShardedBatchSampler
 
+# The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
+pytestmark = pytest.mark.usefixtures("baseline")
+
 # Hypothesis's default deadline trips on a loaded 2-core machine; correctness is what we test.
 few = settings(deadline=None, max_examples=25)
 

@@ -25,6 +25,9 @@ from procs import no_worker_left_behind
 
 from aioloader import DataLoader
 
+# The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
+pytestmark = pytest.mark.usefixtures("baseline")
+
 # -- datasets ---------------------------------------------------------------------------------
 
 

@@ -19,6 +19,9 @@ from helpers import BOUND_S, as_lists, collect, drain, flat, quiet, take
 
 from aioloader import DataLoader
 
+# The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
+pytestmark = pytest.mark.usefixtures("baseline")
+
 # -- order ------------------------------------------------------------------------------------
 
 

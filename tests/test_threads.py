@@ -15,6 +15,9 @@ from aioloader._collate import default_collate
 from aioloader._threads import ThreadPool, ThreadRunner
 from aioloader._types import END, BatchRequest, StreamRequest
 
+# The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
+pytestmark = pytest.mark.usefixtures("baseline")
+
 
 async def test_results_and_errors_reach_the_awaiting_task() -> None:
     threads = ThreadPool(2)

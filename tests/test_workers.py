@@ -44,6 +44,9 @@ from aioloader import (
 )
 from aioloader._workers import _context, _pool, _worker
 
+# The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
+pytestmark = pytest.mark.usefixtures("baseline")
+
 # -- what a worker knows -----------------------------------------------------------------------
 
 
