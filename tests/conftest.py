@@ -6,6 +6,8 @@
   segment with our prefix, no child process (workers are grandchildren through the forkserver,
   so children are listed recursively), no thread. Each check polls briefly, because a process
   that was told to exit needs a moment to be reaped; a leak that persists fails the test.
+- The ``baseline`` fixture is the stricter check of RELIABILITY.md (descriptors and asyncio
+  tasks too); the fault tests use it. ``sync_loop`` runs a test's ``for`` epochs on each loop.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def baseline(request: pytest.FixtureRequest) -> Iterator[Baseline]:
     """The leak check of RELIABILITY.md (common assertion iii), stricter than ``_no_leaks``: a
     baseline of descriptors, threads, processes and segments recorded before the test (after
     one warm-up epoch of the test's start method, its ``mp_context`` parameter if it has one),
-    checked after it; an ``async def`` test's loop must also end with no task but its own."""
+    checked after it; an ``async def`` test's loop must also end with no task but its own, and
+    nothing may have reached the loop's exception handler while the test ran."""
     params = getattr(request.node, "callspec", None)
     method = params.params.get("mp_context") if params is not None else None
     recorded = Baseline.record(method)

@@ -4,12 +4,14 @@ One loader (2 persistent worker processes, 128 KiB batches: shared memory, ``tim
 ``max_retries=1``) runs ``epochs`` shuffled epochs. Before each epoch the faults are armed at
 sample indices of that epoch's order (``fault_datasets.arm``: each fires exactly once):
 
+- batch 0: its worker hangs past the batch deadline (killed, replaced, re-run);
 - batch 1: its worker sends itself SIGKILL (re-run by ``max_retries``);
 - batch 3: its worker sends itself SIGSEGV (re-run);
 - batch 5: ``collate_fn`` raises (the user's error: raised at its turn, never re-run);
-- batch 8: its worker hangs past the batch deadline (killed, replaced, re-run);
-- while batch 8 is being waited for, the consumer gives up on it (``asyncio.timeout`` around
-  ``anext`` in even epochs, a cancelled task in odd ones): the next ``anext`` must return it;
+- the consumer gives up on batch 0 (``asyncio.timeout`` around ``anext`` in even epochs, a
+  cancelled task in odd ones): the next ``anext`` must return it. The epoch starts at that
+  first ``anext`` and batch 0 cannot come before its deadline, so the consumer surely gives up
+  while the batch is in flight, however loaded the machine;
 - every third epoch (1, 4, 7, ...) the consumer breaks out at batch 15, abandoning the rest.
 
 After each epoch: the index checksum (what came plus the collate failure is exactly the
@@ -35,8 +37,8 @@ import aioloader
 from aioloader._sampler import BatchSampler, RandomSampler
 
 N, BATCH, SHAPE, SEED = 200, 8, (16, 32, 32), 7  # 25 batches of 128 KiB an epoch
-KILL_AT, SEGV_AT, COLLATE_AT, HANG_AT, BREAK_AT = 1, 3, 5, 8, 15
-GIVE_UP_S = 0.05  # how long the consumer waits for the hung batch before it gives up
+HANG_AT, KILL_AT, SEGV_AT, COLLATE_AT, BREAK_AT = 0, 1, 3, 5, 15
+GIVE_UP_S = 0.05  # how long the consumer waits for the hung batch (well inside its deadline)
 
 
 @dataclass
