@@ -6,7 +6,9 @@
 injected per path, either for the next requests (``fail(path, f1, f2)``: the next request to
 ``path`` gets ``f1``, the one after ``f2``, then service is normal) or for every request
 (``fail_always(path, f)``). ``requests[path]`` counts the requests per path, so tests can
-assert exact attempt counts. ``latency`` delays every response.
+assert exact attempt counts. ``latency`` delays every response. ``put(path, body)`` serves
+fixed bytes at any other path (an index file); other paths answer 404 (status faults apply
+to them too).
 
 Three ways to run it:
 
@@ -126,6 +128,7 @@ class FaultServer:
         self._lock = threading.Lock()  # the test thread and the server thread both touch state
         self._script: dict[str, deque[Fault]] = {}
         self._always: dict[str, Fault] = {}
+        self._files: dict[str, bytes] = {}
         self._runner: web.AppRunner | None = None
         self._stopping: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -153,6 +156,12 @@ class FaultServer:
         """Every request to ``path`` gets ``fault``."""
         with self._lock:
             self._always[path] = fault
+
+    def put(self, path: str, body: bytes) -> str:
+        """Serve ``body`` at ``path`` from now on; returns its URL."""
+        with self._lock:
+            self._files[path] = body
+        return self.url(path)
 
     def count(self, path: str) -> int:
         with self._lock:
@@ -234,6 +243,16 @@ class FaultServer:
         # The connection is gone; end the handler without aiohttp writing the rest.
         raise asyncio.CancelledError
 
+    async def _handle_file(self, request: web.Request) -> web.StreamResponse:
+        fault = self._next_fault(request.path)
+        if fault is not None and fault.kind == "status":
+            return web.Response(status=fault.status, text=f"injected {fault.status}")
+        with self._lock:
+            body = self._files.get(request.path)
+        if body is None:
+            return web.Response(status=404, text="not found")
+        return web.Response(body=body, content_type="text/plain")
+
     async def start(self) -> None:
         """Listen on 127.0.0.1 at an ephemeral port (``self.port``)."""
         self._stopping = asyncio.Event()
@@ -241,6 +260,7 @@ class FaultServer:
         app = web.Application()
         app.router.add_get("/obj/{index}", self._handle)
         app.router.add_get("/files/{name}", self._handle)
+        app.router.add_get("/{path:.*}", self._handle_file)  # put(): after the routes above
         self._runner = web.AppRunner(
             app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_TIMEOUT_S
         )

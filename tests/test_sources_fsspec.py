@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import logging
 import pickle
 import types
 from collections.abc import Iterator
@@ -20,13 +19,12 @@ from typing import Any
 import aiobotocore.session
 import aiohttp
 import botocore.exceptions
-import botocore.session
 import pytest
 from helpers import Sleeps
 from http_server import Fault, FaultServer, payload
 from hypothesis import given
 from hypothesis import strategies as st
-from moto.server import ThreadedMotoServer
+from s3_server import moto_s3, s3_options
 
 from aioloader._errors import (
     RemoteNotFoundError,
@@ -35,7 +33,7 @@ from aioloader._errors import (
     RetriesExhaustedError,
 )
 from aioloader.sources import FsspecDataset, RetryableError, RetryPolicy
-from aioloader.sources._fsspec import _classify
+from aioloader.sources._fsspec import classify
 
 BUCKET = "aiol-test"
 OBJECTS = 20
@@ -46,44 +44,8 @@ FAST = RetryPolicy(max_attempts=3, backoff_initial=0.01, backoff_max=1.0, jitter
 @pytest.fixture(scope="module")
 def moto_endpoint() -> Iterator[str]:
     """A moto S3 server on an ephemeral loopback port, with BUCKET holding OBJECTS objects."""
-    quiet = logging.getLogger("werkzeug")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # one access-log line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        client = botocore.session.get_session().create_client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name="us-east-1",
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-        )
-        try:
-            client.create_bucket(Bucket=BUCKET)
-            for i in range(OBJECTS):
-                client.put_object(Bucket=BUCKET, Key=f"obj-{i}", Body=payload(i, SIZE))
-        finally:
-            client.close()
+    with moto_s3({BUCKET: {f"obj-{i}": payload(i, SIZE) for i in range(OBJECTS)}}) as endpoint:
         yield endpoint
-    finally:
-        server.stop()  # shuts serve_forever down and joins its thread
-        wsgi = server._server
-        if wsgi is not None:
-            wsgi.server_close()  # stop() leaves the listening socket open
-        quiet.setLevel(level)
-
-
-def options(endpoint: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "key": "testing",
-        "secret": "testing",
-        "endpoint_url": endpoint,
-        "client_kwargs": {"region_name": "us-east-1"},
-        **extra,
-    }
 
 
 def urls(*indices: int) -> list[str]:
@@ -118,7 +80,7 @@ class S3Faults:
 
 
 async def test_reads_objects_concurrently(moto_endpoint: str) -> None:
-    ds = FsspecDataset(urls(*range(OBJECTS)), storage_options=options(moto_endpoint))
+    ds = FsspecDataset(urls(*range(OBJECTS)), storage_options=s3_options(moto_endpoint))
     async with ds:
         got = await asyncio.gather(*(ds.fetch(i) for i in range(len(ds))))
         assert "open_filesystems=1" in repr(ds)
@@ -127,7 +89,9 @@ async def test_reads_objects_concurrently(moto_endpoint: str) -> None:
 
 
 async def test_getitem_decodes(moto_endpoint: str) -> None:
-    async with FsspecDataset(urls(4, 5), decode=len, storage_options=options(moto_endpoint)) as ds:
+    async with FsspecDataset(
+        urls(4, 5), decode=len, storage_options=s3_options(moto_endpoint)
+    ) as ds:
         assert await ds[1] == SIZE
         assert ds.protocol == "s3"
 
@@ -140,7 +104,7 @@ async def test_missing_object_is_not_found_without_retry(moto_endpoint: str, url
         [url],
         retry=FAST,
         sleep=sleeps,
-        storage_options=options(moto_endpoint, session=faults.session()),
+        storage_options=s3_options(moto_endpoint, session=faults.session()),
     )
     async with ds:
         with pytest.raises(RemoteNotFoundError) as info:
@@ -163,7 +127,7 @@ async def test_slowdown_then_success_is_retried_exactly(moto_endpoint: str) -> N
         urls(7),
         retry=FAST,
         sleep=sleeps,
-        storage_options=options(moto_endpoint, session=faults.session()),
+        storage_options=s3_options(moto_endpoint, session=faults.session()),
     )
     async with ds:
         assert await ds.fetch(0) == payload(7, SIZE)
@@ -177,7 +141,7 @@ async def test_slowdown_forever_lists_every_attempt(moto_endpoint: str) -> None:
         urls(1),
         retry=FAST,
         sleep=Sleeps(),
-        storage_options=options(moto_endpoint, session=faults.session()),
+        storage_options=s3_options(moto_endpoint, session=faults.session()),
     )
     async with ds:
         with pytest.raises(RetriesExhaustedError) as info:
@@ -196,7 +160,7 @@ async def test_access_denied_is_a_permission_error_without_retry(moto_endpoint: 
         urls(2),
         retry=FAST,
         sleep=Sleeps(),
-        storage_options=options(moto_endpoint, session=faults.session()),
+        storage_options=s3_options(moto_endpoint, session=faults.session()),
     )
     async with ds:
         with pytest.raises(RemotePermissionError) as info:
@@ -212,7 +176,7 @@ async def test_request_timeout_code_makes_a_timeout_error(moto_endpoint: str) ->
         urls(2),
         retry=FAST,
         sleep=Sleeps(),
-        storage_options=options(moto_endpoint, session=faults.session()),
+        storage_options=s3_options(moto_endpoint, session=faults.session()),
     )
     async with ds:
         with pytest.raises(RemoteTimeoutError):
@@ -224,7 +188,7 @@ async def test_request_timeout_code_makes_a_timeout_error(moto_endpoint: str) ->
 
 
 async def test_pickles_without_its_filesystem(moto_endpoint: str) -> None:
-    ds = FsspecDataset(urls(0, 1), decode=len, storage_options=options(moto_endpoint))
+    ds = FsspecDataset(urls(0, 1), decode=len, storage_options=s3_options(moto_endpoint))
     async with ds:
         assert await ds[0] == SIZE
         clone = pickle.loads(pickle.dumps(ds))
@@ -234,7 +198,7 @@ async def test_pickles_without_its_filesystem(moto_endpoint: str) -> None:
 
 
 def test_separate_runs_each_get_a_filesystem(moto_endpoint: str) -> None:
-    ds = FsspecDataset(urls(0, 1), storage_options=options(moto_endpoint))
+    ds = FsspecDataset(urls(0, 1), storage_options=s3_options(moto_endpoint))
 
     async def read(i: int) -> bytes:
         async with ds:
@@ -345,7 +309,7 @@ def translated(code: str, status: int) -> Exception:
     ],
 )
 def test_classify(make: Any, kind: str) -> None:
-    result = _classify(make(), "s3://b/k", FAST)
+    result = classify(make(), "s3://b/k", FAST)
     if kind == "final":
         assert result is None
     elif kind == "missing":
@@ -363,7 +327,7 @@ def test_classify_http_statuses_follows_the_policy(status: int, retry: set[int])
     policy = RetryPolicy(retry_statuses=frozenset(retry))
     info: Any = types.SimpleNamespace(real_url="http://x", method="GET")
     error = aiohttp.ClientResponseError(info, (), status=status)
-    result = _classify(error, "http://x", policy)
+    result = classify(error, "http://x", policy)
     if status == 404:
         assert isinstance(result, RemoteNotFoundError)
     elif status in (401, 403):

@@ -14,6 +14,11 @@ runs ``decode`` in a thread or worker process.
   once, shuffled reproducibly, resumable mid-epoch (an async iterable dataset).
 - :class:`RetryPolicy` and :func:`retrying`: the retry loop both remote sources share, for
   writing another one.
+- :func:`list_objects` / :func:`alist_objects`: the objects behind a prefix, a glob or an
+  index file (``s3://b/train/*.tar``, ``data/train/``, ``https://host/index.txt``), sorted,
+  for any source that takes a list; each dataset's ``from_prefix`` (``from_index`` for HTTP)
+  builds one from such a listing. A prefix or glob given where one object is expected is
+  refused at construction.
 
 Importing this package imports neither aiohttp nor fsspec; a remote source imports its library
 when it is made, and says ``pip install 'aioloader[remote]'`` if it is missing.
@@ -24,6 +29,9 @@ from __future__ import annotations
 from ._file import FileDataset as FileDataset
 from ._fsspec import FsspecDataset as FsspecDataset
 from ._http import HTTPDataset as HTTPDataset
+from ._http import read_index as read_index
+from ._listing import alist_objects as alist_objects
+from ._listing import list_objects as list_objects
 from ._retry import RetryableError as RetryableError
 from ._retry import RetryPolicy as RetryPolicy
 from ._retry import parse_retry_after as parse_retry_after
@@ -39,7 +47,10 @@ __all__ = [
     "RetryPolicy",
     "RetryableError",
     "TarDataset",
+    "alist_objects",
+    "list_objects",
     "parse_retry_after",
+    "read_index",
     "retrying",
 ]
 

@@ -27,18 +27,30 @@ Sharp edges:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib
 import operator
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from types import ModuleType, TracebackType
 from typing import Any, Generic, Self, TypeVar
 
 from .._validate import callable_or_none
 
-__all__ = ["CLOSE_TIMEOUT_S", "PerLoop", "Source", "require"]
+__all__ = [
+    "CLOSE_TIMEOUT_S",
+    "WILDCARDS",
+    "PerLoop",
+    "Source",
+    "as_names",
+    "has_glob",
+    "is_pattern",
+    "refuse_patterns",
+    "require",
+    "run_sync",
+]
 
 R = TypeVar("R")
 
@@ -237,3 +249,64 @@ def as_names(items: object, argument: str, *, paths: bool = False) -> tuple[str,
         else:
             raise TypeError(f"{argument}[{position}] must be a string, got {item!r}")
     return tuple(names)
+
+
+#: Characters that make a name a glob where one object is expected. ``[`` opens a glob class
+#: too, but it is common in real object names (``img[1].png``), so it alone is not refused.
+WILDCARDS = frozenset("*?")
+
+
+def has_glob(path: str) -> bool:
+    """Whether ``path`` holds a glob character (``*``, ``?``, ``[``), as fsspec's glob reads it."""
+    return any(char in path for char in "*?[")
+
+
+def is_pattern(name: str, *, query: bool = False) -> bool:
+    """Whether ``name`` is a glob or a prefix (ends with ``/``) rather than one object.
+
+    ``query``: ``?`` begins a URL's query (http), so it does not count as a wildcard.
+    """
+    path = name.split("://", 1)[-1]
+    chars = WILDCARDS - {"?"} if query else WILDCARDS
+    return path.endswith(("/", os.sep)) or any(char in path for char in chars)
+
+
+def refuse_patterns(
+    names: tuple[str, ...], argument: str, listing: str, *, query: bool = False
+) -> None:
+    """Refuse a glob or a prefix where one object per name is expected.
+
+    Without this, ``FsspecDataset("s3://b/train/")`` is a dataset of one item that fails
+    only when read, with a 404 that does not say why.
+
+    Args:
+        names: the names given, in order.
+        argument: the argument's name, for the message.
+        listing: the call that lists such a pattern, for the message.
+        query: see :func:`is_pattern`.
+
+    Raises:
+        ValueError: naming the first pattern, its position and ``listing``.
+    """
+    for position, name in enumerate(names):
+        if is_pattern(name, query=query):
+            raise ValueError(
+                f"{argument}[{position}]={name!r} is a prefix or a glob, not one object; "
+                f"list the objects first: {listing}"
+            )
+
+
+def run_sync(make: Callable[[], Coroutine[Any, Any, R]]) -> R:
+    """Run the coroutine ``make()`` to its end from synchronous code, and return its result.
+
+    Without a running loop in this thread, on a new one (``asyncio.run``). With one (a
+    notebook, sync code called from a coroutine), ``asyncio.run`` cannot nest: the coroutine
+    runs on a new loop in a helper thread while this thread waits, blocking its loop as any
+    synchronous call does; async code should await the async variant instead.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make())
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioloader-sync") as pool:
+        return pool.submit(lambda: asyncio.run(make())).result()

@@ -12,20 +12,26 @@ Sharp edges:
   opened: a file cut short while being read is an error, a file that grew is read as far as
   it had grown. Files without a meaningful size (pipes, ``/proc``) are not checked.
 - No retries: a local read that fails does so for a reason another try will not fix.
+- A glob or a directory given as one path is refused at construction (it would read as one
+  item and fail only then): :meth:`FileDataset.from_prefix` lists it. A name with ``*`` or
+  ``?`` that exists as a file is accepted as it is: those are legal in file names.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import glob
 import os
 import stat
 from collections.abc import AsyncGenerator, Callable, Iterable
-from typing import Any
+from typing import Any, Self
 
-from ._base import Source, as_names
+from ._base import Source, as_names, has_glob, is_pattern
 
-__all__ = ["FileDataset"]
+__all__ = ["FileDataset", "list_local"]
+
+LISTING_HINT = "FileDataset.from_prefix(path_or_glob) or aioloader.sources.list_objects(...)"
 
 #: Bytes per read of :meth:`FileDataset.stream` (one executor round trip each).
 STREAM_CHUNK = 1 << 20
@@ -47,6 +53,7 @@ class FileDataset(Source):
 
     Raises:
         TypeError: ``paths`` is not a sequence of paths, or ``decode`` is not callable.
+        ValueError: a path is a glob or ends with a separator (a directory), naming it.
     """
 
     def __init__(
@@ -56,6 +63,30 @@ class FileDataset(Source):
     ) -> None:
         super().__init__(decode)
         self._paths = as_names(paths, "paths", paths=True)
+        for position, path in enumerate(self._paths):
+            # Only names that look like patterns are looked at on disk, so a million plain
+            # paths cost no stat.
+            if is_pattern(path) and not os.path.isfile(path):
+                raise ValueError(
+                    f"paths[{position}]={path!r} is a directory or a glob, not one file; "
+                    f"list the files first: {LISTING_HINT}"
+                )
+
+    @classmethod
+    def from_prefix(
+        cls, path_or_glob: str | os.PathLike[str], decode: Callable[[bytes], Any] | None = None
+    ) -> Self:
+        """The files under a directory, or matching a glob, sorted by path (see
+        :func:`list_local`).
+
+        Example::
+
+            ds = FileDataset.from_prefix("shards/**/*.npy", decode=load_npy)
+
+        Raises:
+            FileNotFoundError: nothing matches (the message names the pattern).
+        """
+        return cls(list_local(path_or_glob), decode)
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -129,3 +160,37 @@ class FileDataset(Source):
 def _close_opened(opening: asyncio.Future[Any]) -> None:
     if not opening.cancelled() and opening.exception() is None:
         opening.result().close()
+
+
+def list_local(path_or_glob: str | os.PathLike[str]) -> list[str]:
+    """The files a local pattern names, sorted by path.
+
+    - a glob (``*``, ``?``, ``[...]``; ``**`` crosses directories): the files it matches,
+      with Python's :func:`glob.glob` rules (a wildcard does not match a leading dot);
+    - a directory: every file under it, at any depth, hidden ones included;
+    - a file: that file.
+
+    A ``file://`` prefix is accepted and dropped. Blocking (it walks the disk).
+
+    Raises:
+        FileNotFoundError: nothing matches, naming the pattern.
+    """
+    pattern = os.fsdecode(path_or_glob)
+    if pattern.startswith("file://"):
+        pattern = pattern[len("file://") :]
+    if has_glob(pattern):
+        found = [path for path in glob.glob(pattern, recursive=True) if os.path.isfile(path)]
+    elif os.path.isdir(pattern):
+        found = [
+            os.path.join(root, name)
+            for root, _, names in os.walk(pattern)
+            for name in names
+            if os.path.isfile(os.path.join(root, name))
+        ]
+    else:
+        found = [pattern] if os.path.isfile(pattern) else []
+    if not found:
+        raise FileNotFoundError(
+            errno.ENOENT, "no files match (a missing directory, or an empty listing)", pattern
+        )
+    return sorted(found)

@@ -5,7 +5,7 @@
 :class:`~aioloader.sources.HTTPDataset`::
 
     fetch(i) ──▶ retrying(policy) ──▶ fs._cat_file(url) on the loop's own filesystem
-                                        │ raises: classified by _classify()
+                                        │ raises: classified by classify()
       FileNotFoundError, NoSuchKey, 404 ─┼──▶ RemoteNotFoundError, no retry
       PermissionError, AccessDenied, 403 ┼──▶ RemotePermissionError, no retry
       SlowDown, 503, 5xx, throttling ────┼──▶ RetryableError
@@ -24,6 +24,13 @@ Sharp edges:
   first used it. ``aclose()`` closes the sessions (s3fs's client, an aiohttp session).
 - The length of the bytes is checked by the backend (botocore and aiohttp both fail a body
   shorter than its Content-Length); such failures are retried here.
+- A URL that is a prefix (ends with ``/``) or a glob (``*``, ``?``) is refused at
+  construction: it would be one item that fails only when read, with a 404.
+  :meth:`FsspecDataset.from_prefix` and :func:`list_fsspec` list such a URL::
+
+      list_fsspec("s3://b/train/*.tar") ──▶ retrying(policy) ──▶ fs._glob / fs._find
+          (one listing: the store's pages, 1,000 keys each on S3, read by the backend in turn)
+          ──▶ files only, "s3://" put back, sorted ──▶ empty: RemoteNotFoundError
 """
 
 from __future__ import annotations
@@ -32,14 +39,16 @@ import asyncio
 import contextlib
 import errno
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Self
 
 from .._errors import RemoteError, RemoteNotFoundError, RemotePermissionError
 from .._validate import seconds, value_errors
-from ._base import Source, as_names, require
+from ._base import Source, as_names, has_glob, refuse_patterns, require, run_sync
 from ._retry import RetryableError, RetryPolicy, retrying
 
-__all__ = ["FsspecDataset"]
+__all__ = ["FsspecDataset", "list_fsspec"]
+
+LISTING_HINT = "FsspecDataset.from_prefix(url_or_glob) or aioloader.sources.list_objects(...)"
 
 #: Bytes asked per read by :meth:`FsspecDataset.stream` (see ``_http.STREAM_CHUNK``).
 STREAM_CHUNK = 1 << 20
@@ -81,6 +90,9 @@ PROTOCOL_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
 #: attribute, not an option; with ``retries=1`` it makes one attempt and leaves retrying to us,
 #: so attempts do not multiply (5 of ours x 5 of s3fs's) and each one is listed.
 PROTOCOL_ATTRIBUTES: Mapping[str, Mapping[str, Any]] = {"s3": {"retries": 1}}
+
+#: Protocols whose URLs may carry a query (``?`` is no wildcard there).
+HTTP = frozenset({"http", "https"})
 
 
 def _merge(defaults: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
@@ -144,7 +156,7 @@ def _is_transient_transport(exc: BaseException) -> bool:
     return False
 
 
-def _classify(exc: Exception, url: str, policy: RetryPolicy) -> Exception | None:
+def classify(exc: Exception, url: str, policy: RetryPolicy) -> Exception | None:
     """Our exception for a backend's failure, or ``None`` to let it propagate unchanged."""
     status, code = _status_and_code(exc)
     detail = f"{url}: {_name(exc)}"
@@ -190,6 +202,8 @@ class FsspecDataset(Source):
         ValueError: a URL without a protocol, with a protocol fsspec does not know or has no
             async filesystem for, or mixing protocols; names the URL. An ``item_deadline`` that
             is not a positive finite number of seconds (of the wrong type, also a ``TypeError``).
+            A URL that is a prefix (ends with ``/``) or a glob (``*``, ``?``): list it with
+            :meth:`from_prefix`.
         TypeError: ``retry`` or ``storage_options`` of the wrong type.
         ImportError: fsspec, or the package of the protocol (s3fs, gcsfs), is not installed.
     """
@@ -208,6 +222,7 @@ class FsspecDataset(Source):
         require("fsspec", "FsspecDataset")
         self._urls = as_names(urls, "urls")
         self._protocol = _one_protocol(self._urls)
+        refuse_patterns(self._urls, "urls", LISTING_HINT, query=self._protocol in HTTP)
         if retry is None:
             retry = RetryPolicy()
         if not isinstance(retry, RetryPolicy):
@@ -215,20 +230,51 @@ class FsspecDataset(Source):
         self._retry = retry
         if storage_options is not None and not isinstance(storage_options, Mapping):
             raise TypeError(f"storage_options must be a mapping, got {storage_options!r}")
-        options: dict[str, Any] = dict(storage_options or {})
-        attributes: Mapping[str, Any] = {}
+        self._options: dict[str, Any] = dict(storage_options or {})
+        self._attributes: dict[str, Any] = {}
         if self._protocol is not None:
-            cls = _filesystem_class(self._protocol, self._urls[0])
-            for name in _protocols(cls):
-                if name in PROTOCOL_DEFAULTS or name in PROTOCOL_ATTRIBUTES:
-                    options = _merge(PROTOCOL_DEFAULTS.get(name, {}), options)
-                    attributes = PROTOCOL_ATTRIBUTES.get(name, {})
-                    break
-        self._options = options
-        self._attributes = dict(attributes)
+            cls = filesystem_class(self._protocol, f"urls[0]={self._urls[0]!r}")
+            self._options, self._attributes = filesystem_settings(cls, self._options)
         with value_errors():  # ValueError for any bad deadline, as always (also a TypeError)
             self._item_deadline = seconds("item_deadline", item_deadline, positive=True)
         self._sleep = sleep
+
+    @classmethod
+    def from_prefix(
+        cls,
+        url_or_glob: str,
+        decode: Callable[[bytes], Any] | None = None,
+        **options: Any,
+    ) -> Self:
+        """A dataset of the objects under a prefix, or matching a glob, sorted by URL.
+
+        Lists with :func:`list_fsspec` (blocking; in async code, build the dataset from
+        ``await aioloader.sources.alist_objects(...)``) using the same ``storage_options``,
+        ``retry`` and ``sleep`` as the dataset's reads.
+
+        Example::
+
+            ds = FsspecDataset.from_prefix("s3://bucket/train/*.npy", decode=load_npy,
+                                           storage_options={"anon": True})
+
+        Args:
+            url_or_glob: ``s3://bucket/train/`` (every object under it, at any depth) or
+                ``s3://bucket/train/*.npy`` (``**`` crosses ``/``).
+            decode: as for the constructor.
+            options: the constructor's keyword arguments.
+
+        Raises:
+            RemoteNotFoundError: nothing matches, or the bucket does not exist; names the URL.
+        """
+        urls = run_sync(
+            lambda: list_fsspec(
+                url_or_glob,
+                storage_options=options.get("storage_options"),
+                retry=options.get("retry"),
+                sleep=options.get("sleep"),
+            )
+        )
+        return cls(urls, decode, **options)
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -297,7 +343,7 @@ class FsspecDataset(Source):
                 try:
                     chunk = await file.read(chunk_size)
                 except Exception as exc:
-                    ours = _classify(exc, url, self._retry)
+                    ours = classify(exc, url, self._retry)
                     if ours is None:
                         raise
                     raise RemoteError(f"{url}: the read broke off: {ours}", url=url) from exc
@@ -314,7 +360,7 @@ class FsspecDataset(Source):
         except NotImplementedError:
             raise
         except Exception as exc:
-            ours = _classify(exc, url, self._retry)
+            ours = classify(exc, url, self._retry)
             if ours is None:
                 raise
             raise ours from exc
@@ -323,7 +369,7 @@ class FsspecDataset(Source):
         try:
             data = await fs._cat_file(url)
         except Exception as exc:
-            ours = _classify(exc, url, self._retry)
+            ours = classify(exc, url, self._retry)
             if ours is None:
                 raise
             raise ours from exc
@@ -332,31 +378,145 @@ class FsspecDataset(Source):
     # -- the per-loop filesystem ---------------------------------------------------------
 
     def _open_pool(self) -> Any:
-        import fsspec
-
-        fs = fsspec.filesystem(
-            self._protocol, asynchronous=True, skip_instance_cache=True, **self._options
-        )
-        for name, value in self._attributes.items():
-            setattr(fs, name, value)
-        return fs
+        assert self._protocol is not None  # an empty dataset has no index to fetch
+        return open_filesystem(self._protocol, self._options, self._attributes)
 
     async def _close_pool(self, pool: Any) -> None:
-        # fsspec has no common close for async filesystems: close what the known ones hold.
-        creator = getattr(pool, "_s3creator", None)  # s3fs: the aiobotocore client context
-        if creator is not None:
-            if hasattr(creator, "__aexit__"):
-                await creator.__aexit__(None, None, None)
-            elif hasattr(creator, "clear"):  # s3fs with cache_regions=True
-                await creator.clear()
-            pool._s3creator = None
-            pool._s3 = None
-        session = getattr(pool, "_session", None)  # fsspec's http, gcsfs: aiohttp session
-        if session is not None and hasattr(session, "close") and not session.closed:
-            await session.close()
+        await close_filesystem(pool)
 
     def _discard_pool(self, pool: Any) -> None:
         """Nothing can be awaited without the pool's loop: drop it (best effort)."""
+
+
+def filesystem_settings(
+    cls: Any, storage_options: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(options, attributes)`` of a new filesystem of class ``cls``: the user's
+    ``storage_options`` over :data:`PROTOCOL_DEFAULTS`, and :data:`PROTOCOL_ATTRIBUTES`."""
+    for name in _protocols(cls):
+        if name in PROTOCOL_DEFAULTS or name in PROTOCOL_ATTRIBUTES:
+            options = _merge(PROTOCOL_DEFAULTS.get(name, {}), storage_options)
+            return options, dict(PROTOCOL_ATTRIBUTES.get(name, {}))
+    return dict(storage_options), {}
+
+
+def open_filesystem(
+    protocol: str,
+    options: Mapping[str, Any],
+    attributes: Mapping[str, Any],
+    *,
+    asynchronous: bool = True,
+) -> Any:
+    """A new filesystem instance of ``protocol`` (never fsspec's cached one; see the module)."""
+    import fsspec
+
+    extra = {"asynchronous": True} if asynchronous else {}
+    fs = fsspec.filesystem(protocol, skip_instance_cache=True, **extra, **options)
+    for name, value in attributes.items():
+        setattr(fs, name, value)
+    return fs
+
+
+async def close_filesystem(fs: Any) -> None:
+    """Close the sessions an async filesystem holds (on the loop that opened them)."""
+    # fsspec has no common close for async filesystems: close what the known ones hold.
+    creator = getattr(fs, "_s3creator", None)  # s3fs: the aiobotocore client context
+    if creator is not None:
+        if hasattr(creator, "__aexit__"):
+            await creator.__aexit__(None, None, None)
+        elif hasattr(creator, "clear"):  # s3fs with cache_regions=True
+            await creator.clear()
+        fs._s3creator = None
+        fs._s3 = None
+    session = getattr(fs, "_session", None)  # fsspec's http, gcsfs: aiohttp session
+    if session is not None and hasattr(session, "close") and not session.closed:
+        await session.close()
+
+
+async def list_fsspec(
+    url_or_glob: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
+    sleep: Callable[[float], Awaitable[object]] | None = None,
+) -> list[str]:
+    """The objects under a prefix, or matching a glob, of any fsspec filesystem, sorted.
+
+    - a glob (``*``, ``?``, ``[...]``; ``**`` crosses ``/``): the objects it matches;
+    - anything else is a prefix: every object under it at any depth (``s3://b/train/``),
+      or the one object it names.
+
+    Paginated by the backend (S3 answers 1,000 keys a page; s3fs asks for the next page until
+    the last). The whole listing is one attempt of ``retry``: a transient failure on any page
+    lists again, a missing bucket fails at once. Directory markers are left out. Synchronous
+    filesystems (fsspec's local, memory, ...) list in a thread.
+
+    Returns:
+        The objects' URLs with the protocol given, sorted by URL (code point order).
+
+    Raises:
+        RemoteNotFoundError: nothing matches (a missing prefix or bucket), naming the URL.
+        ValueError: no protocol, or one fsspec does not know.
+        RemotePermissionError, RetriesExhaustedError: as for a read.
+    """
+    from fsspec.core import split_protocol
+
+    protocol, _ = split_protocol(url_or_glob)
+    if protocol is None:
+        raise ValueError(
+            f"url={url_or_glob!r} has no protocol (like s3://); list local files with "
+            "FileDataset.from_prefix or aioloader.sources.list_objects"
+        )
+    if retry is None:
+        retry = RetryPolicy()
+    cls = filesystem_class(protocol, f"url={url_or_glob!r}", need_async=False)
+    options, attributes = filesystem_settings(cls, storage_options or {})
+    asynchronous = bool(getattr(cls, "async_impl", False))
+    fs = open_filesystem(protocol, options, attributes, asynchronous=asynchronous)
+
+    async def attempt() -> list[str]:
+        try:
+            if asynchronous:
+                return await _find(fs, url_or_glob)
+            return await asyncio.to_thread(_find_sync, fs, url_or_glob)
+        except Exception as exc:
+            ours = classify(exc, url_or_glob, retry)
+            if ours is None:
+                raise
+            raise ours from exc
+
+    try:
+        names = await retrying(
+            attempt,
+            policy=retry,
+            describe=url_or_glob,
+            sleep=asyncio.sleep if sleep is None else sleep,
+        )
+    finally:
+        if asynchronous:
+            await close_filesystem(fs)
+    if not names:
+        raise RemoteNotFoundError(
+            f"{url_or_glob}: no objects match (a missing prefix, or an empty listing)",
+            url=url_or_glob,
+        )
+    return sorted(f"{protocol}://{name.lstrip('/')}" for name in names)
+
+
+async def _find(fs: Any, url: str) -> list[str]:
+    path = fs._strip_protocol(url)
+    if has_glob(path):
+        found = await fs._glob(path, detail=True)
+        return [name for name, info in found.items() if info.get("type") == "file"]
+    return [name for name in await fs._find(path) if not name.endswith("/")]
+
+
+def _find_sync(fs: Any, url: str) -> list[str]:
+    path = fs._strip_protocol(url)
+    if has_glob(path):
+        found = fs.glob(path, detail=True)
+        return [name for name, info in found.items() if info.get("type") == "file"]
+    return [name for name in fs.find(path) if not name.endswith("/")]
 
 
 def _one_protocol(urls: tuple[str, ...]) -> str | None:
@@ -380,20 +540,26 @@ def _one_protocol(urls: tuple[str, ...]) -> str | None:
     return protocol
 
 
-def _filesystem_class(protocol: str, url: str) -> Any:
+def filesystem_class(protocol: str, where: str, *, need_async: bool = True) -> Any:
+    """fsspec's filesystem class for ``protocol``; errors begin with ``where`` (the argument
+    and its value, like ``urls[0]='s3://b/k'``).
+
+    Raises:
+        ValueError: fsspec does not know the protocol, or (``need_async``) its filesystem is
+            not asynchronous.
+        ImportError: the protocol's package is not installed.
+    """
     import fsspec
 
     try:
         cls = fsspec.get_filesystem_class(protocol)
     except ValueError as exc:
-        raise ValueError(f"urls[0]={url!r}: fsspec does not know protocol {protocol!r}") from exc
+        raise ValueError(f"{where}: fsspec does not know protocol {protocol!r}") from exc
     except ImportError as exc:
-        raise ImportError(
-            f"urls[0]={url!r}: the {protocol!r} filesystem is not installed: {exc}"
-        ) from exc
-    if not getattr(cls, "async_impl", False):
+        raise ImportError(f"{where}: the {protocol!r} filesystem is not installed: {exc}") from exc
+    if need_async and not getattr(cls, "async_impl", False):
         raise ValueError(
-            f"urls[0]={url!r}: fsspec's {protocol!r} filesystem is not asynchronous; "
+            f"{where}: fsspec's {protocol!r} filesystem is not asynchronous; "
             "FsspecDataset needs one that is (s3, gs, http, ...); use FileDataset for local files"
         )
     return cls

@@ -39,6 +39,10 @@ Sharp edges:
   a malformed response, which is retried.
 - aiohttp is imported when the first dataset is made, not when :mod:`aioloader` is imported:
   it is the ``remote`` extra.
+- HTTP cannot list a directory: :func:`read_index` reads an *index file* instead, a text file
+  with one URL per line (relative ones are resolved against the index's URL), fetched with
+  the same retries and length check as a sample. :meth:`HTTPDataset.from_index` builds a
+  dataset from one.
 """
 
 from __future__ import annotations
@@ -48,19 +52,19 @@ import contextlib
 import functools
 import urllib.parse
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from .._errors import RemoteError, RemoteNotFoundError, RemotePermissionError
 from .._log import remote_log
 from .._stats import current_counters
 from .._validate import positive_int, seconds, value_errors
-from ._base import Source, as_names, require
+from ._base import Source, as_names, require, run_sync
 from ._retry import RetryableError, RetryPolicy, parse_retry_after, retrying
 
 if TYPE_CHECKING:
     import aiohttp
 
-__all__ = ["HTTPDataset"]
+__all__ = ["HTTPDataset", "read_index"]
 
 SCHEMES = frozenset({"http", "https"})
 
@@ -174,6 +178,25 @@ class HTTPDataset(Source):
             raise TypeError(f"headers must be a mapping of str to str, got {headers!r}")
         self._headers = {**BASE_HEADERS, **(headers or {})}
         self._sleep = sleep
+
+    @classmethod
+    def from_index(
+        cls, index_url: str, decode: Callable[[bytes], Any] | None = None, **options: Any
+    ) -> Self:
+        """A dataset of the URLs an index file lists, in the file's order (see
+        :func:`read_index`). The index is read with the same options as the samples.
+
+        Blocking; in async code, build the dataset from ``await read_index(...)`` (or
+        ``await aioloader.sources.alist_objects(index_url)``).
+
+        Example::
+
+            ds = HTTPDataset.from_index("https://data.example.com/train/index.txt")
+
+        Raises:
+            RemoteNotFoundError: the index does not exist or lists no URL; names its URL.
+        """
+        return cls(run_sync(lambda: read_index(index_url, **options)), decode, **options)
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -464,3 +487,39 @@ def _expected_length(response: aiohttp.ClientResponse) -> int | None:
     if encoding not in ("", "identity"):
         return None  # aiohttp decompressed; Content-Length counts the compressed bytes
     return response.content_length
+
+
+async def read_index(index_url: str, **options: Any) -> list[str]:
+    """The URLs an index file lists, in its order.
+
+    The file is UTF-8 text, one URL per line; blank lines and lines starting with ``#`` are
+    skipped, surrounding spaces dropped, and relative URLs (``shard-0001.tar``,
+    ``/data/x.tar``) resolved against ``index_url`` as a browser resolves links. The order is
+    the file's own: an index is a list its author chose; it is not sorted.
+
+    Args:
+        index_url: the index file's http:// or https:// URL.
+        options: :class:`HTTPDataset`'s keyword arguments (``retry``, ``headers``, timeouts).
+
+    Raises:
+        RemoteNotFoundError: the index does not exist (404) or lists no URL; names its URL.
+        ValueError: ``index_url`` is not http(s), or the index is not UTF-8 text (naming the
+            line).
+        RemoteError: as for any read (permission, retries exhausted, timeout).
+    """
+    async with HTTPDataset([index_url], **options) as index:
+        raw = await index.fetch(0)
+    urls = []
+    for number, line in enumerate(raw.splitlines(), 1):
+        try:
+            text = line.decode("utf-8-sig" if number == 1 else "utf-8").strip()
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"index {index_url}: line {number} is not UTF-8 text ({exc}); an index lists "
+                "one URL per line"
+            ) from None
+        if text and not text.startswith("#"):
+            urls.append(urllib.parse.urljoin(index_url, text))
+    if not urls:
+        raise RemoteNotFoundError(f"{index_url}: the index lists no URL", url=index_url)
+    return urls
