@@ -40,6 +40,7 @@ from ._types import AsyncIterableDataset as AsyncIterableDataset
 from ._types import CollateFn as CollateFn
 from ._types import Dataset as Dataset
 from ._types import IterableDataset as IterableDataset
+from ._types import ResumableStream as ResumableStream
 from ._types import Sampler as Sampler
 from ._types import Stateful as Stateful
 from ._workers import WorkerInfo as WorkerInfo
@@ -68,6 +69,7 @@ __all__ = [
     "RemoteNotFoundError",
     "RemotePermissionError",
     "RemoteTimeoutError",
+    "ResumableStream",
     "RetriesExhaustedError",
     "Sampler",
     "SequentialSampler",

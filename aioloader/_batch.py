@@ -26,7 +26,15 @@ from ._collate import default_collate, numpy_collate
 from ._distributed import Shard
 from ._types import EMPTY_BATCH, END, BatchRequest, Made, StreamRequest
 
-__all__ = ["Alloc", "BatchMaker", "StreamCursor", "annotate", "stream_batch", "take"]
+__all__ = [
+    "Alloc",
+    "BatchMaker",
+    "StreamCursor",
+    "annotate",
+    "continued_share",
+    "stream_batch",
+    "take",
+]
 
 Alloc = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray[Any, Any]]
 
@@ -218,36 +226,58 @@ class StreamCursor:
     worker), one per epoch being read, turned into batches by the one rule of
     :func:`stream_batch`.
 
-    A new epoch opens the stream afresh. A stream that fails ends for good (reading it again
-    would repeat samples): what it produced before the failure is delivered as a batch first,
-    and the error is raised by the next :meth:`next_samples` of that epoch.
+    An epoch's first request opens the stream afresh (``StreamRequest.opens``), or where a
+    resumed epoch says (``StreamRequest.resume``). A stream that fails ends for good (reading
+    it again would repeat samples): what it produced before the failure is delivered as a
+    batch first, and the error is raised by the next :meth:`next_samples` of that epoch.
 
     Args:
-        open_stream: makes a fresh iterator over the stream (called once per epoch).
+        open_stream: makes an iterator over the stream (called once per epoch) from the
+            resume state of the epoch's first request (``None``: from the start).
+        position: where the stream stands now (:func:`aioloader._types.stream_state` of the
+            dataset), asked right after each batch's items were taken.
     """
 
-    def __init__(self, open_stream: Callable[[], Iterator[Any]]) -> None:
+    def __init__(
+        self,
+        open_stream: Callable[[Any], Iterator[Any]],
+        position: Callable[[], Any] = lambda: None,
+    ) -> None:
         self._open = open_stream
+        self._position = position
         # epoch -> [iterator, error still to raise]; oldest first
         self._streams: dict[int, list[Any]] = {}
 
-    def next_samples(self, request: StreamRequest) -> list[Any] | Any:
-        """The samples of the next batch, or :data:`END`; raises the stream's error in turn."""
+    def next_samples(self, request: StreamRequest) -> tuple[list[Any] | Any, Any]:
+        """The samples of the next batch (or :data:`END`), and the stream's position after
+        them; raises the stream's error in turn."""
         stream = self._streams.get(request.epoch)
-        if stream is None:
+        if stream is None or request.opens:
+            self._streams.pop(request.epoch, None)  # the same epoch read again: afresh
             while len(self._streams) >= MAX_OPEN_STREAMS:
                 del self._streams[next(iter(self._streams))]
-            stream = self._streams[request.epoch] = [self._open(), None]
+            stream = self._streams[request.epoch] = [self._open(request.resume), None]
         if stream[1] is not None:
             pending, stream[1] = stream[1], None
             raise pending
         samples, error = take(stream[0], request.batch_size)
+        position = self._position() if samples else None
         if error is not None:
             stream[0] = iter(())
         batch, stream[1] = stream_batch(samples, error, request.batch_size, request.drop_last)
         if batch is END:
             stream[0] = iter(())  # drop the dataset's iterator now; END again if asked
-        return batch
+        return batch, position
+
+
+def continued_share(start: int, step: int, resumed: bool) -> tuple[int, int]:
+    """The ``(start, step)`` of a reader's share of a stream, once the dataset continues a
+    saved state (``resumed``) or not.
+
+    A reader keeps items ``start, start + step, ...``; the state it saved was taken just after
+    one of them, so the continued stream's next kept item is ``step - 1`` items on.
+    """
+    return (step - 1, step) if resumed else (start, step)
 
 
 def stream_batch(

@@ -39,7 +39,7 @@ from ._log import epoch_log
 from ._produce import Producer
 from ._reorder import Outcome, ReorderBuffer
 from ._stats import WAIT_SHARE_THRESHOLD, Capacity, Counters, EpochStatistics
-from ._types import EMPTY_BATCH, END, Runner
+from ._types import EMPTY_BATCH, END, Runner, StreamPosition, StreamResume
 
 __all__ = ["DeviceStage", "Epoch", "EpochIterator", "Plan"]
 
@@ -132,11 +132,12 @@ class Epoch:
         plan: for map-style data, ``(batch_id, indices)`` pairs still to produce.
         dataset: the dataset (for async fetches and async streams).
         device: the device stage, or None.
-        on_batch: called with the batch id, and a stateful async stream's state after it,
-            when the consumer takes a batch (resume bookkeeping).
+        on_batch: called with the batch id and its stream position (or ``None``) when the
+            consumer takes a batch (resume bookkeeping).
         on_finish: called once when the epoch has run to its end: when the consumer takes its
             last batch (or that batch's error), or else at the ``__anext__`` that ends it.
         progress: told of each batch handed over, closed with the epoch.
+        stream_resume: for a stream, how a resumed epoch begins.
     """
 
     def __init__(
@@ -149,9 +150,10 @@ class Epoch:
         plan: Plan | None,
         dataset: Any,
         device: DeviceStage | None,
-        on_batch: Callable[[int, dict[str, Any] | None], None],
+        on_batch: Callable[[int, StreamPosition | None], None],
         on_finish: Callable[[], None] = lambda: None,
         progress: Progress | None = None,
+        stream_resume: StreamResume | None = None,
     ) -> None:
         self.config = config
         self.epoch = epoch
@@ -175,6 +177,7 @@ class Epoch:
             reorder=self.reorder,
             permits=self._permits,
             wake=self._ready.set,
+            resume=stream_resume,
         )
         self._handing: list[tuple[int, Transfer]] = []  # popped, not yet handed over (copies)
         self._closed = False
@@ -293,7 +296,7 @@ class Epoch:
 
     def _taken(self, batch_id: int) -> None:
         """The consumer is done with ``batch_id`` (the batch, its error, or an empty batch)."""
-        self._on_batch(batch_id, self._producer.stream_state(batch_id))
+        self._on_batch(batch_id, self._producer.position(batch_id))
         if (
             not self._closed
             and self._producer.done

@@ -69,7 +69,7 @@ from ._settings import SettingsView
 from ._stats import Counters, LoaderStatistics
 from ._sync import LoopThread, SyncIterator
 from ._types import Runner, dataset_kind
-from ._validate import boolean, check_state_keys, to_int
+from ._validate import boolean, to_int
 from ._workers import resolve_context
 
 __all__ = ["DataLoader"]
@@ -397,6 +397,7 @@ class DataLoader(SettingsView):
             # release).
             on_finish=weak_call(self._epoch_finished, epoch),
             progress=self._epoch_progress(epoch, len(done)),
+            stream_resume=self._book.stream_resume,
         )
         self._res.epoch = it
         return it
@@ -503,7 +504,7 @@ class DataLoader(SettingsView):
         if self._book.open:  # pickled mid-epoch: the copy resumes where this one was
             position = self._book.state_dict(self.seed)
             self._book.finished()
-            self._book.load(position)
+            self._book.load(position, check=False)  # a plain stream restarts, as it did
 
     # -- state -------------------------------------------------------------------------------
 
@@ -527,10 +528,9 @@ class DataLoader(SettingsView):
         iteration yield exactly the batches of this epoch not yet taken (or, between epochs,
         start the next epoch). Holds the base seed, drawn or given.
 
-        Exact for map-style datasets whose sampler is deterministic given its state: the
-        built-in samplers are, ``shuffle=True`` with a ``generator`` included (the generator's
-        state is saved, and restored into the resumed loader's generator); async streams with
-        ``state_dict`` (``TarDataset``) resume by it; other iterable datasets restart.
+        Exact for map-style datasets whose sampler is deterministic given its state (the
+        built-in ones are; a ``generator``'s state is saved too), and for streams that are a
+        :class:`ResumableStream`; another stream's mid-epoch state is refused when loaded.
         """
         return self._book.state_dict(self.seed)
 
@@ -542,10 +542,10 @@ class DataLoader(SettingsView):
         a different ``seed=`` refuses the state.
 
         Raises:
-            ValueError: the state lacks a key, its seed differs from an explicit ``seed=``,
-                or the seed must change while an epoch is being iterated.
+            ValueError: the state lacks a key, its seed differs from an explicit ``seed=`` or
+                must change mid-epoch, or it is mid-epoch in a stream that cannot resume.
         """
-        saved = check_state_keys("DataLoader", state, ("epoch", "done", "seed"))["seed"]
+        saved = self._book.check(state)["seed"]
         if saved != self.seed:
             if self._seed_given:
                 raise ValueError(

@@ -6,7 +6,7 @@
        │ map data:   pulls (batch_id, indices) from the plan (the batch sampler)
        │ streams:    round-robin over the runner's streams (one per worker)
        │ async stream: pulls items on this loop, then hands them over like map data;
-       │               a stateful one's state is taken after each batch (for resume)
+       │               a resumable one's state is taken after each batch (one reader)
        ▼
     produce task (one per batch)
        │ async map data: Fetcher.fetch: await the items, io_concurrency at once   (_fetch)
@@ -23,6 +23,15 @@ was already expected (a batch that cannot become a request), that id.
 
 Invariant: every batch id the reorder buffer expects gets exactly one outcome (else the consumer
 waits for it forever: no deadline covers a batch that no task produces).
+
+Resume of a stream (a :class:`~aioloader._types.ResumableStream`): each made batch carries its
+reader's dataset state (``Made.position``; the async stream's is read here), kept by batch id
+until the consumer takes the batch (:meth:`Producer.position`). A resumed epoch hands each
+reader its saved state with its first request and begins the round-robin at the reader after
+the last batch taken, so batches come in the order an uninterrupted epoch gives them. The
+async stream is read on this loop, so it is one reader (0 of 1) whatever ``num_workers`` is.
+Each position is numbered per reader (``seq``), for the book's "every earlier batch of the
+reader taken" rule (``_resume``).
 
 Fast path: a sync map dataset on threads with no deadline and no retries needs no task per
 batch: the thread's future reports straight into the reorder buffer. For batches that take
@@ -43,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from ._batch import annotate, stream_batch
+from ._batch import annotate, continued_share, stream_batch
 from ._config import LoaderConfig
 from ._deadline import DeadlinePolicy, run_attempts, timeout_error
 from ._distributed import every_nth_async, stream_share
@@ -53,7 +62,17 @@ from ._fetch import Fetcher
 from ._reorder import Outcome, ReorderBuffer
 from ._stats import Counters, current_counters
 from ._tree import iter_leaves
-from ._types import END, BatchRequest, Made, RankShardedStream, Runner, Stateful, StreamRequest
+from ._types import (
+    END,
+    BatchRequest,
+    Made,
+    RankShardedStream,
+    Runner,
+    StreamPosition,
+    StreamRequest,
+    StreamResume,
+    stream_state,
+)
 
 __all__ = ["BYTES_WALK_BUDGET_S", "Producer"]
 
@@ -99,6 +118,7 @@ class Producer:
         reorder: where outcomes go; the consumer takes them out.
         permits: taken per batch before it is scheduled; the consumer gives them back.
         wake: tells the consumer an outcome arrived (or scheduling ended).
+        resume: for a stream, how a resumed epoch begins (``None``: from the start).
     """
 
     def __init__(
@@ -114,8 +134,11 @@ class Producer:
         reorder: ReorderBuffer,
         permits: asyncio.Semaphore,
         wake: Callable[[], None],
+        resume: StreamResume | None = None,
     ) -> None:
         self._config = config
+        self._resume = resume if resume is not None else StreamResume(first_id=0)
+        self._positions: dict[int, StreamPosition] = {}  # batch id -> stream position, until taken
         self._epoch = epoch
         self._runner = runner
         self._counters = counters
@@ -140,8 +163,6 @@ class Producer:
         self._scheduler: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Future[Any]] = set()  # produce tasks and fast-path futures
         self._sizes: dict[int, tuple[int, int]] = {}  # batch id -> (samples, bytes), until taken
-        # batch id -> a stateful async stream's state after that batch's items, until taken
-        self._stream_states: dict[int, dict[str, Any]] = {}
         self._next_id = 0  # the next batch id no scheduled batch uses
         self._claimed: int | None = None  # expected, and not yet handed to a task or future
         self._unwalked = 0  # batches whose bytes are estimated before the next walk
@@ -168,10 +189,9 @@ class Producer:
         """The samples and bytes in ``batch_id``, forgotten once asked (the batch was taken)."""
         return self._sizes.pop(batch_id, (0, 0))
 
-    def stream_state(self, batch_id: int) -> dict[str, Any] | None:
-        """A stateful async stream's state right after ``batch_id``'s items (None for other
-        datasets), forgotten once asked (the batch was taken)."""
-        return self._stream_states.pop(batch_id, None)
+    def position(self, batch_id: int) -> StreamPosition | None:
+        """Where a resumable stream's reader stood after ``batch_id``, forgotten once asked."""
+        return self._positions.pop(batch_id, None)
 
     def cancel(self) -> list[asyncio.Future[Any]]:
         """Stop storing outcomes and cancel every task; returns them, to be awaited."""
@@ -255,8 +275,12 @@ class Producer:
         """Round-robin over the runner's streams (one per worker); ids stay in that order."""
         ended: set[int] = set()
         streams = self._runner.streams
-        counter = itertools.count()
-        for turn in itertools.cycle(range(streams)):
+        states = dict(self._resumed_states(streams))
+        opened: set[int] = set()
+        pulled = [0] * streams  # requests made to each reader this epoch
+        counter = itertools.count(self._resume.first_id)
+        first = (self._resume.last + 1) % streams
+        for turn in itertools.cycle([*range(first, streams), *range(first)]):
             if len(ended) == streams:
                 return
             if turn in ended:
@@ -268,13 +292,35 @@ class Producer:
                 self._store(Outcome(batch_id, value=END))
                 continue
             request = StreamRequest(
-                self._epoch, batch_id, self._batch_size, self._config.drop_last
+                self._epoch,
+                batch_id,
+                self._batch_size,
+                self._config.drop_last,
+                opens=turn not in opened,
+                resume=states.pop(turn, None),  # a reader's first request only
             )
-            self._spawn(self._produce_stream(request, turn, ended), batch_id)
+            opened.add(turn)
+            reader = (turn, pulled[turn])
+            pulled[turn] += 1
+            self._spawn(self._produce_stream(request, reader, ended), batch_id)
+
+    def _resumed_states(self, streams: int) -> dict[int, Any]:
+        """The saved state of each reader of a resumed epoch (checked against ``streams``)."""
+        resume = self._resume
+        if resume.streams is not None and resume.streams != streams:
+            raise ValueError(
+                f"the state was saved from {resume.streams} stream readers (worker processes, "
+                f"or 1 for threads) and this loader has {streams}: a stream resumes only with "
+                "as many readers as it was saved with"
+            )
+        return dict(resume.states)
 
     async def _schedule_async_stream(self) -> None:
         dataset = self._dataset
         shard = self._config.shard
+        saved = self._resumed_states(1).get(0)  # the loop is the one reader
+        if saved is not None:
+            dataset.load_state_dict(saved)
         iterator: AsyncIterator[Any]
         if isinstance(dataset, RankShardedStream):
             # It splits itself (by whole shards) and orders itself by the epoch.
@@ -284,14 +330,16 @@ class Producer:
             iterator = aiter(dataset)
         else:
             start, step = stream_share(shard, 0, 1)  # a rank's share, distributed
-            iterator = every_nth_async(aiter(dataset), start, step)
-        stateful = isinstance(dataset, Stateful)
+            share = continued_share(start, step, saved is not None)
+            iterator = every_nth_async(aiter(dataset), *share)
         size = self._batch_size
+        self._next_id = self._resume.first_id
         try:
             while True:
                 started = time.perf_counter()
                 samples, error = await _take_async(iterator, size)
                 self._counters.stream_s += time.perf_counter() - started
+                position = stream_state(self._dataset) if samples else None
                 short = len(samples) < size
                 batch = END
                 if samples:
@@ -299,8 +347,9 @@ class Producer:
                 if batch is not END:
                     batch_id = self._next_id
                     self._next_id += 1
-                    if stateful:  # now: the stream stands right after this batch's items
-                        self._stream_states[batch_id] = dataset.state_dict()
+                    if position is not None:  # the stream stands right after this batch
+                        seq = batch_id - self._resume.first_id
+                        self._positions[batch_id] = StreamPosition(0, 1, position, seq)
                     await self._scheduled(batch_id)
                     request = BatchRequest(
                         self._epoch, batch_id, list(range(len(batch))), raw=batch
@@ -373,12 +422,16 @@ class Producer:
             )
         )
 
-    async def _produce_stream(self, request: StreamRequest, stream: int, ended: set[int]) -> None:
+    async def _produce_stream(
+        self, request: StreamRequest, reader: tuple[int, int], ended: set[int]
+    ) -> None:
+        stream = reader[0]  # (stream, seq)
         outcome = await self._attempts(
             request.batch_id,
             lambda: self._runner.pull(request, stream),
             lambda: f"the stream of worker {stream}",
             retry=False,  # a stream cannot be rewound: a lost batch is an error, never a re-read
+            reader=reader,
         )
         if outcome.value is END or outcome.error is not None:
             ended.add(stream)
@@ -392,6 +445,7 @@ class Producer:
         *,
         retry: bool = True,
         request: BatchRequest | None = None,
+        reader: tuple[int, int] | None = None,
     ) -> Outcome:
         try:
             made = await run_attempts(
@@ -407,6 +461,10 @@ class Producer:
             raise
         except BaseException as exc:
             return Outcome(batch_id, error=exc)
+        if reader is not None and made.position is not None:  # (stream, seq)
+            stream, seq = reader
+            streams = self._runner.streams
+            self._positions[batch_id] = StreamPosition(stream, streams, made.position, seq)
         return self._accounted(batch_id, made, request)
 
     def _bytes(self, made: Made) -> int:

@@ -22,11 +22,18 @@ epoch (aioloader's samplers draw the epoch's order at ``iter()``; a ``RandomSamp
 ``generator`` saves the generator's state). A user's sampler without ``state_dict`` is resumed
 through ``set_epoch`` where the loader drove it, and otherwise as the user's loop sets it.
 
-A stateful async stream (``aioloader.sources.TarDataset``, or any async iterable dataset with
-``state_dict``/``load_state_dict``) is resumed through its own state: the book keeps the state
-the stream had after the last batch taken (the producer takes one per batch it pulls, so
-batches in flight are read again, not lost), saves it as ``"stream"``, and loads it into the
-dataset when the resumed epoch begins. Other streams restart.
+Streams (iterable datasets) have no sampler: a mid-epoch state records, for a
+:class:`~aioloader._types.ResumableStream`, where each reader's copy of the dataset stood
+(``"streams"``), and the resumed epoch continues each reader from there. A reader is a worker
+process or the helper thread for a sync stream, and the loader's event loop for an async one
+(``aioloader.sources.TarDataset``): one reader whatever ``num_workers`` is, so an async
+stream resumes under another number of workers. Per reader the book keeps the state after
+the last of its batches taken with every earlier one of its batches: batches taken past one
+still in flight (``in_order=False``) keep theirs until it is taken, so a resumed epoch
+repeats them rather than losing the one in flight. A stream without that protocol cannot
+continue: :meth:`EpochBook.load` refuses a state that says batches of it were taken, rather
+than replay the epoch from its start (those batches would be trained on twice, silently). A
+state saved between epochs needs nothing of the stream and is always accepted.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._config import Sampling
-from ._types import AsyncIterableDataset, Stateful
+from ._types import ResumableStream, Stateful, StreamPosition, StreamResume
 from ._validate import check_state_keys, non_negative_int
 
 __all__ = ["EpochBook"]
@@ -45,19 +52,22 @@ class EpochBook:
 
     Args:
         sampling: the loader's samplers (whose ``set_epoch`` and state it drives).
+        dataset: the loader's dataset (a stream's resume needs it to be a
+            :class:`~aioloader._types.ResumableStream`).
     """
 
-    def __init__(self, sampling: Sampling, dataset: object = None) -> None:
+    def __init__(self, sampling: Sampling, dataset: Any = None) -> None:
         self._sampling = sampling
-        # An async stream that saves its own position (see the module docstring), or None.
-        stream = isinstance(dataset, AsyncIterableDataset) and isinstance(dataset, Stateful)
-        self._stream = dataset if stream else None
-        # The stream's state after every batch of this epoch up to a gap was taken; batches
-        # taken past a gap (in_order=False) keep theirs until the gap closes, so a resumed
-        # epoch repeats them rather than losing the ones in the gap.
-        self._stream_state: dict[str, Any] | None = None
-        self._stream_later: dict[int, dict[str, Any] | None] = {}  # taken past the gap
-        self._stream_next = 0  # the first batch id of this epoch not taken
+        self._dataset = dataset
+        # The current epoch's stream readers (see the module docstring): reader -> state after
+        # its last batch taken with all its earlier ones; positions taken past a batch of the
+        # reader still in flight, by (reader, seq); each reader's first seq not taken.
+        self._positions: dict[int, Any] = {}
+        self._held: dict[tuple[int, int], Any] = {}
+        self._next_seq: dict[int, int] = {}
+        self._readers: int | None = None  # how many readers the positions are of
+        self._last_reader = -1  # the reader of the last position kept
+        self.stream_resume: StreamResume | None = None  # how the current epoch's stream began
         self.next_epoch = 0
         self._asked: int | None = None  # loader.set_epoch(n), not yet used by an epoch
         self._drives = False  # the current epoch's set_epoch went to a user's sampler
@@ -105,10 +115,7 @@ class EpochBook:
         self._epoch = epoch
         self.next_epoch = epoch + 1
         self._done = sorted(done)
-        self._stream_state = resume.get("stream") if resume is not None else None
-        self._stream_later, self._stream_next = {}, 0
-        if self._stream_state is not None and isinstance(self._stream, Stateful):
-            self._stream.load_state_dict(self._stream_state)
+        self._begin_stream(resume, done)
         self._drives = drive and not self._sampling.built
         batches = self._sampling.batches
         if batches is not None:
@@ -126,34 +133,60 @@ class EpochBook:
         self.open = True
         return epoch, done
 
-    def took(self, batch_id: int, stream_state: dict[str, Any] | None = None) -> None:
-        """The consumer took (or was given the error of) batch ``batch_id``; a stateful
-        stream stood at ``stream_state`` after it."""
+    def _begin_stream(self, resume: dict[str, Any] | None, done: set[int]) -> None:
+        saved = resume.get("streams") if resume is not None else None
+        self._positions, self._held, self._next_seq = {}, {}, {}
+        self._readers, self._last_reader = None, -1
+        if saved is not None:
+            self._positions = {int(k): v for k, v in saved["states"].items()}
+            self._readers, self._last_reader = int(saved["readers"]), int(saved["last"])
+        self.stream_resume = StreamResume(
+            first_id=max(done) + 1 if done else 0,
+            streams=self._readers,
+            last=self._last_reader,
+            states=dict(self._positions),
+        )
+
+    def took(self, batch_id: int, position: StreamPosition | None = None) -> None:
+        """The consumer took (or was given the error of) batch ``batch_id``; ``position`` is
+        where its stream's reader stood after it (resumable streams)."""
         self._done.append(batch_id)
-        if self._stream is None:
+        if position is None:
             return
-        self._stream_later[batch_id] = stream_state
-        while self._stream_next in self._stream_later:
-            state = self._stream_later.pop(self._stream_next)
-            self._stream_state = state if state is not None else self._stream_state
-            self._stream_next += 1
+        reader, seq = position.stream, position.seq
+        self._readers = position.streams
+        self._held[reader, seq] = position.state
+        nxt = self._next_seq.get(reader, 0)
+        while (reader, nxt) in self._held:
+            self._positions[reader] = self._held.pop((reader, nxt))
+            self._last_reader = reader
+            nxt += 1
+        self._next_seq[reader] = nxt
 
     def finished(self) -> None:
         """The current epoch ran to its end: a state now points at the next one."""
         self.open = False
         self._done = []
-        self._stream_state = None
+        self._positions, self._held, self._next_seq = {}, {}, {}
+        self._readers, self._last_reader = None, -1
 
     def state_dict(self, seed: int) -> dict[str, Any]:
         """Where the epochs are (see :meth:`aioloader.DataLoader.state_dict`)."""
         if self.open:
+            streams = None
+            if self._readers is not None:
+                streams = {
+                    "readers": self._readers,
+                    "last": self._last_reader,
+                    "states": dict(self._positions),
+                }
             return {
                 "epoch": self._epoch,
                 "done": list(self._done),
                 "sampler": self._sampler_state,
                 "set_epoch": self._drives,
                 "seed": seed,
-                "stream": self._stream_state,
+                "streams": streams,
             }
         return {
             "epoch": self.next_epoch,
@@ -163,11 +196,50 @@ class EpochBook:
             "seed": seed,
         }
 
-    def load(self, state: dict[str, Any]) -> None:
-        """Make the next epoch continue from ``state`` (its seed was checked by the caller)."""
+    def load(self, state: dict[str, Any], *, check: bool = True) -> None:
+        """Make the next epoch continue from ``state`` (its seed was checked by the caller).
+
+        Args:
+            state: a :meth:`state_dict`.
+            check: refuse a mid-epoch state of a stream that cannot continue (``False`` for
+                the book's own state, carried by a pickled loader: it restarts such a stream,
+                as before).
+
+        Raises:
+            ValueError: a key is missing, or the state says batches of a stream were taken
+                and the dataset is not a :class:`~aioloader._types.ResumableStream` (or the
+                state holds no reader positions).
+        """
+        self._resume = dict(self.check(state) if check else state)
+
+    def check(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state``, if :meth:`load` would take it (see there); raises otherwise."""
         state = check_state_keys("DataLoader", state, ("epoch", "done", "seed"))
         non_negative_int("state 'epoch'", state["epoch"])
-        self._resume = dict(state)
+        if self._sampling.batches is None and state["done"]:
+            self._check_stream(state)
+        return state
+
+    def _check_stream(self, state: dict[str, Any]) -> None:
+        taken = len(state["done"])
+        where = f"in epoch {state['epoch']} after {taken} batch{'es' if taken != 1 else ''}"
+        replay = (
+            f"to replay epoch {state['epoch']} from its start on purpose, load "
+            "{**state, 'done': [], 'streams': None}"
+        )
+        if not isinstance(self._dataset, ResumableStream):
+            raise ValueError(
+                f"the state was saved mid-epoch ({where}) but dataset="
+                f"{type(self._dataset).__name__} is a stream that cannot resume: it has no "
+                "state_dict() / load_state_dict() (aioloader.ResumableStream). Loading it "
+                "would silently repeat the batches already taken. Implement ResumableStream, "
+                f"or save the state between epochs; {replay}"
+            )
+        if not state.get("streams"):
+            raise ValueError(
+                f"the state was saved mid-epoch ({where}) but holds no stream positions (was "
+                f"it saved from a dataset that is not a ResumableStream?); {replay}"
+            )
 
 
 def _state_of(batches: object) -> dict[str, Any] | None:

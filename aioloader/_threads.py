@@ -30,12 +30,12 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from ._batch import BatchMaker, StreamCursor
+from ._batch import BatchMaker, StreamCursor, continued_share
 from ._distributed import every_nth, stream_share
-from ._types import END, BatchRequest, Made, StreamRequest
+from ._types import END, BatchRequest, Made, StreamRequest, stream_state
 
 __all__ = ["THREAD_JOIN_TIMEOUT_S", "ThreadPool", "ThreadRunner"]
 
@@ -60,7 +60,13 @@ class ThreadRunner:
         self._threads = ThreadPool(threads)
         # One stream for all threads: the rank split only (every thread reads from it).
         start, step = stream_share(maker.shard, 0, 1)
-        self._cursor = StreamCursor(lambda: every_nth(iter(maker.dataset), start, step))
+
+        def open_stream(resume: Any) -> Iterator[Any]:
+            if resume is not None:
+                maker.dataset.load_state_dict(resume)
+            return every_nth(iter(maker.dataset), *continued_share(start, step, resume is not None))
+
+        self._cursor = StreamCursor(open_stream, lambda: stream_state(maker.dataset))
         self._stream_lock = threading.Lock()  # one stream, pulled by one thread at a time
         self._running: set[int] = set()  # batch ids a thread works on now
 
@@ -96,10 +102,12 @@ class ThreadRunner:
         self._running.add(request.batch_id)
         try:
             with self._stream_lock:
-                samples = self._cursor.next_samples(request)
+                samples, position = self._cursor.next_samples(request)
             if samples is END:
                 return Made(batch=END)
-            return self._maker.make_from_stream(request, samples)
+            made = self._maker.make_from_stream(request, samples)
+            made.position = position
+            return made
         finally:
             self._running.discard(request.batch_id)
 

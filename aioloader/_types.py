@@ -8,12 +8,15 @@ the right methods fits. The loader tells the kinds of dataset apart at construct
   (an :class:`AsyncDataset`), and an optional ``__getitems__`` (sync or async) reads a whole
   batch at once;
 - iterable: ``__iter__`` (an :class:`IterableDataset`) or ``__aiter__`` (an
-  :class:`AsyncIterableDataset`) and no usable ``__getitem__``.
+  :class:`AsyncIterableDataset`) and no usable ``__getitem__``; one that can continue where it
+  was is a :class:`ResumableStream` too.
 
 It also holds the records and seams that cross module boundaries inside the package, so that
 every module can name them without importing a module above its own level:
 
 - :class:`BatchRequest` / :class:`StreamRequest`: what a producer asks a runner for;
+- :class:`StreamPosition` / :class:`StreamResume`: where a resumable stream stood after a
+  batch, and how a resumed epoch of a stream begins;
 - :class:`Made`: a batch as made (in a thread or a worker) with its skips and timings; it is
   the one record of a made batch from the worker back to the epoch;
 - :data:`END` and :data:`EMPTY_BATCH`: the only two "no batch here" markers (a stream ran out;
@@ -29,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import sys
-from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol, TypeVar, runtime_checkable
 
@@ -46,12 +49,16 @@ __all__ = [
     "IterableDataset",
     "Made",
     "RankShardedStream",
+    "ResumableStream",
     "Runner",
     "Sampler",
     "SourceDataset",
     "Stateful",
+    "StreamPosition",
     "StreamRequest",
+    "StreamResume",
     "dataset_kind",
+    "stream_state",
 ]
 
 T_co = TypeVar("T_co", covariant=True)
@@ -114,6 +121,51 @@ class Stateful(Protocol):
 
 
 @runtime_checkable
+class ResumableStream(Protocol):
+    """An iterable dataset (sync or async) that can continue its stream where it stood, so a
+    loader's ``load_state_dict`` resumes it mid-epoch exactly.
+
+    The loader reads a stream in several places at once (one reader per worker process, each
+    with its own copy of the dataset, or one thread; an async stream is read by the loader's
+    event loop, one reader whatever ``num_workers`` is), and batches run ahead of the
+    consumer. So it does not ask the dataset in the main process where it is; it asks each
+    reader's copy, right after taking a batch's items from it, and keeps per reader the
+    answer of the last batch the consumer took with every earlier batch of that reader (with
+    ``in_order=False`` a batch taken past one still in flight is repeated on resume, never
+    lost)::
+
+        reader k: items of batch b ──▶ state = dataset.state_dict() ──▶ with batch b
+        consumer takes batch b ──▶ loader.state_dict()["streams"]["states"][k] = state
+        resumed epoch, reader k: dataset.load_state_dict(state) ──▶ iter(dataset) ──▶ on
+
+    - ``state_dict()`` describes the position of the iteration in progress (the newest
+      ``iter()``): just after the last item it yielded. It is called between items, so a
+      generator that records its next position before each ``yield`` answers exactly. Keep it
+      small and plain (numbers, strings, lists, dicts): it is pickled with every batch of a
+      worker and saved with checkpoints.
+    - ``load_state_dict(state)`` makes the *next* ``iter()`` (``aiter()``) continue from
+      ``state``, as if it were the iterator ``state`` was taken from; later ones start at the
+      beginning again, as every new epoch does.
+
+    A copy of the dataset sees the stream it reads: when a worker's share is every ``W``-th
+    item (the loader splits a stream that does not shard itself), the state is still the
+    position in the whole stream, and the loader takes up the split from there. A stream
+    that shards itself (by :func:`aioloader.get_worker_info`) is resumed per worker the same
+    way. Resuming needs the same number of readers (worker processes for a sync stream) and
+    ranks as when the state was saved; an async stream, one reader, resumes under any
+    ``num_workers``.
+
+    Without this protocol, an iterable dataset's mid-epoch state cannot be resumed:
+    :meth:`aioloader.DataLoader.load_state_dict` refuses it rather than silently replaying
+    the epoch from its start.
+    """
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], /) -> None: ...
+
+
+@runtime_checkable
 class SourceDataset(Protocol[T_co]):
     """A two-stage async dataset: ``await fetch(i)`` gets raw bytes on the event loop (many at
     once), ``decode(raw)`` turns them into a sample off the loop (in a worker or a thread).
@@ -146,10 +198,8 @@ class RankShardedStream(Protocol):
     itself by epoch: before each epoch the loader calls ``set_epoch`` and, when it shards by
     rank, ``set_rank``, instead of keeping every ``R``-th item of the stream.
 
-    If it is also :class:`Stateful`, its ``state_dict()`` must describe the position after the
-    items yielded so far: the loader takes one after each batch it pulls and saves the one of
-    the last batch its consumer took; ``load_state_dict`` must make the next ``__aiter__``
-    continue from there.
+    If it is also a :class:`ResumableStream`, the loader loads a saved state into it before
+    ``set_epoch`` (with the saved epoch) and ``set_rank``, so it can check the state's rank.
     """
 
     def __aiter__(self) -> AsyncIterator[Any]: ...
@@ -208,12 +258,41 @@ class BatchRequest:
 
 @dataclass(frozen=True, slots=True)
 class StreamRequest:
-    """The next batch of a stream (iterable datasets) for ``epoch``."""
+    """The next batch of a stream (iterable datasets) for ``epoch``. ``opens`` marks an
+    epoch's first request to a reader: it opens the stream afresh (an epoch number may be read
+    again: ``set_epoch``, a loaded state), at ``resume``, a :class:`ResumableStream` state,
+    when one is given."""
 
     epoch: int
     batch_id: int
     batch_size: int
     drop_last: bool
+    opens: bool = False
+    resume: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamResume:
+    """How a resumed epoch of a stream begins: its first batch id (after those taken), and
+    for a :class:`ResumableStream`, the state each reader continues from (``states``, by
+    reader), the number of readers they were saved with, and the reader of the last batch
+    taken (the next batch is the following reader's, as it would have been)."""
+
+    first_id: int
+    streams: int | None = None
+    last: int = -1
+    states: Mapping[int, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamPosition:
+    """Where reader ``stream`` of ``streams`` stood after its batch number ``seq`` of the
+    epoch (0, 1, ... per reader): its dataset's :meth:`ResumableStream.state_dict`."""
+
+    stream: int
+    streams: int
+    state: Any
+    seq: int
 
 
 @dataclass(slots=True)
@@ -227,6 +306,7 @@ class Made:
     read_s: float = 0.0
     collate_s: float = 0.0
     samples: int = 0
+    position: Any = None  # a ResumableStream's state after this batch's items
 
 
 class Runner(Protocol):
@@ -274,6 +354,11 @@ class Runner(Protocol):
     def close(self) -> None:
         """Release every thread, process and segment (blocking)."""
         ...
+
+
+def stream_state(dataset: Any) -> Any:
+    """``dataset.state_dict()`` for a :class:`ResumableStream`, else ``None``."""
+    return dataset.state_dict() if isinstance(dataset, ResumableStream) else None
 
 
 def _is_async_callable(fn: Any) -> bool:

@@ -450,3 +450,56 @@ def tar_keys(shards: int, samples: Callable[[int], int]) -> list[str]:
 def tar_sample(raw: dict[str, Any]) -> dict[str, Any]:
     """A tar sample's decode: its key, its class, and the process that decoded it."""
     return {"key": raw["__key__"], "cls": int(raw["cls"]), "pid": os.getpid()}
+
+
+class Resumable:
+    """Yields ``0 .. n-1`` and continues where it stood (an :class:`aioloader.ResumableStream`):
+    its state is the position after the last item yielded. ``self_sharded`` reads only its
+    worker's share (items ``id, id + W, ...``), as a torch user writes it. Counts the items it
+    yielded (``yielded``), so a test can tell a continued stream from a replayed one."""
+
+    def __init__(self, n: int, *, self_sharded: bool = False) -> None:
+        self.n = n
+        self.self_sharded = self_sharded
+        self._next = 0
+        self._resume: int | None = None
+        self.yielded = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"next": self._next}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resume = int(state["next"])
+
+    def __iter__(self) -> Iterator[int]:
+        start, self._resume = self._resume or 0, None
+        info = get_worker_info() if self.self_sharded else None
+        mine, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(start, self.n):
+            if i % step != mine:
+                continue
+            self._next = i + 1  # before the yield: a state taken while suspended is exact
+            self.yielded += 1
+            yield i
+
+
+class AsyncResumable:
+    """:class:`Resumable` as an async stream."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._next = 0
+        self._resume: int | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"next": self._next}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resume = int(state["next"])
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        start, self._resume = self._resume or 0, None
+        for i in range(start, self.n):
+            await asyncio.sleep(0)
+            self._next = i + 1
+            yield i

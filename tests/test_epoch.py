@@ -47,7 +47,7 @@ async def an_epoch(
         plan=plan,
         dataset=dataset,
         device=device,
-        on_batch=lambda batch_id, stream_state: None,
+        on_batch=lambda batch_id, position: None,
     )
     try:
         yield epoch

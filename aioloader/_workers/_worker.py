@@ -47,11 +47,11 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .._batch import BatchMaker, StreamCursor, annotate
+from .._batch import BatchMaker, StreamCursor, annotate, continued_share
 from .._distributed import every_nth, stream_share
 from .._errors import WorkerInitError
 from .._shm import Slot
-from .._types import END, BatchRequest, Made
+from .._types import END, BatchRequest, Made, stream_state
 from . import _info, _payload
 from ._channel import serve_over
 from ._frames import picklable
@@ -91,14 +91,25 @@ class _WorkerState:
     stream: StreamCursor = field(init=False)
 
     def __post_init__(self) -> None:
-        self.stream = StreamCursor(self._open_stream)
+        self.stream = self._cursor()
 
-    def _open_stream(self) -> Iterator[Any]:
-        """This worker's share of the dataset's stream, for one epoch."""
+    def _cursor(self) -> StreamCursor:
+        return StreamCursor(self._open_stream, self._position)
+
+    def _position(self) -> Any:
         assert self.maker is not None
+        return stream_state(self.maker.dataset)
+
+    def _open_stream(self, resume: Any) -> Iterator[Any]:
+        """This worker's share of the dataset's stream, for one epoch (from ``resume``, a
+        :class:`~aioloader._types.ResumableStream` state, when one is given)."""
+        assert self.maker is not None
+        dataset = self.maker.dataset
         _info.watch()
         try:
-            it = iter(self.maker.dataset)
+            if resume is not None:
+                dataset.load_state_dict(resume)
+            it = iter(dataset)
             first = next(it, END)  # generators run their body (and read worker info) only now
         finally:
             shards_itself = _info.unwatch() or self.init_shards
@@ -107,8 +118,10 @@ class _WorkerState:
         rest = _chain_first(first, it)
         shard = self.maker.shard  # the rank share, in a distributed job
         if shards_itself:  # the stream is this worker's already: split it by rank only
-            return every_nth(rest, *stream_share(shard, 0, 1))
-        return every_nth(rest, *stream_share(shard, self.worker_id, self.num_workers))
+            share = stream_share(shard, 0, 1)
+        else:
+            share = stream_share(shard, self.worker_id, self.num_workers)
+        return every_nth(rest, *continued_share(*share, resume is not None))
 
 
 _STATE: _WorkerState | None = None
@@ -142,7 +155,7 @@ def load_copy(job: LoadJob) -> None:
     assert state is not None, "worker job run outside a worker"
     # The previous copy goes first (its files, its memory), as torch's exiting worker would.
     state.maker = None
-    state.stream = StreamCursor(state._open_stream)
+    state.stream = state._cursor()
     state.init_error, state.init_tb, state.init_shards = None, "", False
     _info.publish(None)
     seed = _info.worker_seed(state.seed, job.epoch, state.worker_id)
@@ -226,7 +239,7 @@ def run_stream_job(job: StreamJob) -> Made:
     try:
         started = time.perf_counter()
         try:
-            samples = state.stream.next_samples(request)
+            samples, position = state.stream.next_samples(request)
         except BaseException as exc:
             annotate(exc, f"in the stream of worker {state.worker_id} (pid {os.getpid()})")
             raise picklable(exc) from None
@@ -238,6 +251,7 @@ def run_stream_job(job: StreamJob) -> Made:
         )
         made = _make(state, of_samples, job.slot)
         made.read_s += pulled_s
+        made.position = position
         return made
     finally:
         state.current[state.worker_id] = 0

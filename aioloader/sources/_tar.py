@@ -22,9 +22,10 @@ how many samples each shard that ended had: a few integers per shard, no sample 
 the buffer size. ``load_state_dict(state)`` makes the next iteration replay the mixer to that
 point without IO (:func:`~._mixing.replay`), then read again only what the buffer held then and
 the open shards from their positions on: it yields exactly the samples, in exactly the order,
-that the uninterrupted epoch would still have yielded. The loader takes a state after each
-batch it pulls and keeps the one of the last batch its consumer took, so batches in flight are
-not lost (see ``DataLoader.state_dict``). Reading happens on the loader's loop whatever
+that the uninterrupted epoch would still have yielded. It is an
+:class:`aioloader.ResumableStream`: the loader takes a state after each batch it pulls and
+keeps the one of the last batch its consumer took, so batches in flight are not lost (see
+``DataLoader.state_dict``). Reading happens on the loader's loop, one reader whatever
 ``num_workers`` is, so a state resumes under any number of workers.
 
 **Ranks.** Shards, not samples, are split: rank ``r`` of ``R`` reads shards ``r, r + R, ...``
