@@ -13,7 +13,7 @@ from typing import Any
 import aiobotocore.session
 import fsspec
 import pytest
-from helpers import Sleeps
+from helpers import BOUND_S, Sleeps
 from http_server import Fault, FaultServer, payload
 from s3_server import moto_s3, s3_options
 
@@ -275,6 +275,37 @@ async def test_index_is_retried_and_missing_or_empty_is_named() -> None:
         with pytest.raises(RemoteNotFoundError, match="lists no URL") as info:
             await alist_objects(empty)
         assert info.value.url == empty
+
+
+class GatedServer(FaultServer):
+    """Answers no file request until ``count`` of them are in flight at once (or the bound
+    passed: then 503), so a listing that read its patterns one after another would fail."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.count_to = count
+        self.arrived = 0
+        self.all_in = asyncio.Event()
+
+    async def _handle_file(self, request: Any) -> Any:
+        self.arrived += 1
+        if self.arrived >= self.count_to:
+            self.all_in.set()
+        try:
+            async with asyncio.timeout(BOUND_S):
+                await self.all_in.wait()
+        except TimeoutError:
+            from aiohttp import web
+
+            return web.Response(status=503, text="the listings did not overlap")
+        return await super()._handle_file(request)
+
+
+async def test_patterns_are_listed_concurrently() -> None:
+    async with GatedServer(3) as server:
+        indexes = [server.put(f"/{i}.txt", f"/obj/{i}\n".encode()) for i in range(3)]
+        got = await alist_objects(indexes, retry=RetryPolicy(max_attempts=1))
+    assert got == [server.obj_url(i) for i in range(3)]
 
 
 def test_from_index_reads_the_listed_objects() -> None:
