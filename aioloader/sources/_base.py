@@ -264,9 +264,10 @@ def has_glob(path: str) -> bool:
 def is_pattern(name: str, *, query: bool = False) -> bool:
     """Whether ``name`` is a glob or a prefix (ends with ``/``) rather than one object.
 
-    ``query``: ``?`` begins a URL's query (http), so it does not count as a wildcard.
+    ``query``: ``?`` begins a URL's query (http), so it does not count as a wildcard. An
+    S3 object version (``s3://b/k?versionId=...``, s3fs's syntax) is no wildcard either.
     """
-    path = name.split("://", 1)[-1]
+    path = name.split("://", 1)[-1].replace("?versionId=", "")
     chars = WILDCARDS - {"?"} if query else WILDCARDS
     return path.endswith(("/", os.sep)) or any(char in path for char in chars)
 
