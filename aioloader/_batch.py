@@ -174,6 +174,9 @@ class BatchMaker:
                     continue
                 annotate(exc, f"reading sample index {index} of batch {request.batch_id}")
                 raise
+            except BaseException as exc:  # never skipped (SystemExit, KeyboardInterrupt)
+                annotate(exc, f"reading sample index {index} of batch {request.batch_id}")
+                raise
             self._finish_into(samples, request, index, item, made)
         return samples
 
@@ -189,7 +192,7 @@ class BatchMaker:
         try:
             for index in indices:
                 append(get(dataset, index))
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit too: the note names the sample either way
             annotate(exc, f"reading sample index {index} of batch {request.batch_id}")
             raise
         return items

@@ -117,6 +117,7 @@ class LoaderConfig:
     pin_memory_device: str = ""
     shard: Shard | None = None  # the rank share the loader reads itself (None: all of it)
     worker_seeding: str = "batch"
+    start_timeout: float | None = None  # as given; None: the batch timeout, else a default
 
     @property
     def skip_errors(self) -> bool:
@@ -167,6 +168,7 @@ class LoaderConfig:
         pin_memory_device: object = "",
         shard: Shard | None = None,
         worker_seeding: object = "batch",
+        start_timeout: object = None,
     ) -> LoaderConfig:
         """Check every argument and derive the defaults that depend on others.
 
@@ -232,6 +234,7 @@ class LoaderConfig:
             pin_memory_device=_pin_memory_device(pin_memory_device),
             shard=shard,
             worker_seeding=_worker_seeding(worker_seeding),
+            start_timeout=check.seconds("start_timeout", start_timeout, positive=True),
         )
 
     def shm_cap(self) -> int:

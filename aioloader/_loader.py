@@ -159,6 +159,10 @@ class DataLoader(SettingsView):
         worker_seeding: worker ``k`` gets ``base + k`` (its ``get_worker_info().seed``), the base
             drawn from ``seed`` and the epoch; ``'batch'`` (default) then reseeds before each
             batch from (seed, epoch, batch id); ``'worker'`` does not, as torch.
+        start_timeout: seconds a worker process may take to start, and to load each dataset
+            copy (unpickling it, ``worker_init_fn``); past it :class:`WorkerInitError` names
+            the worker, its pid and its stack, and the worker is killed. None (default): the
+            batch ``timeout`` if set (in torch it covers the start too), else 120 s.
 
     Epochs and ``set_epoch``: each iteration is the next epoch, and shuffling and worker seeds
     derive from its number. The loader calls ``set_epoch(epoch)`` on the samplers it made
@@ -213,6 +217,7 @@ class DataLoader(SettingsView):
         progress: Any = False,
         shard: bool | None = None,
         worker_seeding: str = "batch",
+        start_timeout: float | None = None,
     ) -> None:
         self.dataset = dataset
         kind = dataset_kind(dataset)
@@ -250,6 +255,7 @@ class DataLoader(SettingsView):
             pin_memory_device=pin_memory_device,
             shard=share,
             worker_seeding=worker_seeding,
+            start_timeout=start_timeout,
         )
         self._device_spec = parse_device(device)
         self._sampling_for = functools.partial(
@@ -434,7 +440,11 @@ class DataLoader(SettingsView):
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def __aenter__(self) -> DataLoader:
-        await self.astart()
+        try:
+            await self.astart()
+        except BaseException:  # a worker did not start: nothing outlives the failed `with`
+            await self.aclose()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -442,14 +452,22 @@ class DataLoader(SettingsView):
 
     def __enter__(self) -> DataLoader:
         """Start the workers now (like ``async with``), so the first epoch is not slowed by it."""
-        self._ensure_resources().start()
+        try:
+            self._ensure_resources().start()
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     async def astart(self) -> None:
-        """Start the workers now (off the loop) rather than at the first batch."""
+        """Start the workers now (off the loop) rather than at the first batch.
+
+        Raises:
+            WorkerInitError: a worker did not start within ``start_timeout`` (it was killed).
+        """
         await asyncio.to_thread(self._ensure_resources().start)
 
     async def aclose(self) -> None:
@@ -556,36 +574,17 @@ class DataLoader(SettingsView):
         self._book.load(state)
 
     def _adopt_seed(self, seed: int) -> None:
-        """Use ``seed`` from now on. Worker processes were given the old one when they
-        started, so started ones go (the next epoch starts new ones); threads never had it."""
-        processes = self._config.uses_processes
-        epochs = (self._res.epoch, *self._res.others)
-        if processes and any(e is not None and not e.finished for e in epochs):
-            raise ValueError(
-                f"cannot adopt the state's seed={seed} while an epoch is being iterated "
-                "(its workers use the current seed); load the state before iterating"
-            )
+        """Use ``seed`` from now on (started worker processes go: they have the old one)."""
+        self._res.drop_workers_for_seed(self._config, seed)
         self._config = dataclasses.replace(self._config, seed=seed)
-        if processes:
-            with self._res.lock:
-                runner, self._res.runner = self._res.runner, None
-            if runner is not None:
-                runner.close()
 
     def __repr__(self) -> str:
         s = self.statistics()
-        mode = (
-            f"{self.num_workers} threads"
-            if self.thread_pool and self.num_workers
-            else f"{self.num_workers} processes"
-            if self.num_workers
-            else "main-process thread"
-        )
         return (
             f"<DataLoader {type(self.dataset).__name__} epoch={s.epoch} "
             f"yielded={s.epoch_batches_yielded}/{self._len_or_q()} in_flight={s.in_flight} "
             f"waiting={s.waiting} prefetch={s.prefetch} shm_slots={s.live_shm_slots} "
-            f"workers={mode}{' closed' if self._closed else ''}>"
+            f"workers={self._makers}{' closed' if self._closed else ''}>"
         )
 
     def _len_or_q(self) -> str:

@@ -52,7 +52,13 @@ from ._signals import release_before_sigterm
 from ._sync import LoopThread
 from ._threads import ThreadRunner
 from ._types import AsyncCloseable, DecodingStream, Runner, SourceDataset
-from ._workers import ProcessRunner, WorkerPool, dumps_payload, pickles_main_by_value
+from ._workers import (
+    DEFAULT_START_TIMEOUT_S,
+    ProcessRunner,
+    WorkerPool,
+    dumps_payload,
+    pickles_main_by_value,
+)
 
 if TYPE_CHECKING:
     from ._device import DeviceStage
@@ -63,6 +69,7 @@ __all__ = [
     "check_callables",
     "close_all_at_exit",
     "finalize",
+    "start_deadline",
     "weak_call",
     "worker_payload",
 ]
@@ -90,6 +97,18 @@ def batch_maker(config: LoaderConfig, dataset: Any) -> BatchMaker:
         skip_errors=config.skip_errors,
         shard=config.shard,
     )
+
+
+def start_deadline(config: LoaderConfig) -> tuple[float, str]:
+    """Seconds a worker process may take to start, and to load each dataset copy, with the
+    setting that says so (for errors): ``start_timeout`` if given, else the batch ``timeout``
+    (as in torch, where the first batch's timeout covers the workers' start), else
+    :data:`DEFAULT_START_TIMEOUT_S`."""
+    if config.start_timeout is not None:
+        return config.start_timeout, f"start_timeout={config.start_timeout}"
+    if config.timeout is not None:
+        return config.timeout, f"timeout={config.timeout}"
+    return DEFAULT_START_TIMEOUT_S, "start_timeout not set: the default"
 
 
 def worker_payload(config: LoaderConfig, dataset: Any, context: BaseContext) -> bytes:
@@ -182,12 +201,15 @@ class Resources:
                     assert context is not None
                     if self.slots is None and _shm.shm_available():
                         self.slots = _slot_pool(config, self.device)
+                    start_timeout, start_setting = start_deadline(config)
                     try:
                         pool = WorkerPool(
                             config.num_workers,
                             context,
                             config.seed,
                             per_batch_seeds=config.worker_seeding == "batch",
+                            start_timeout=start_timeout,
+                            start_setting=start_setting,
                         )
                     except OSError as exc:
                         if (note := _start_up_note(exc, config.num_workers)) is not None:
@@ -201,6 +223,25 @@ class Resources:
                 self.dataset_aclose = dataset.aclose
             _LIVE.add(self)
             return self.runner
+
+    def drop_workers_for_seed(self, config: LoaderConfig, seed: int) -> None:
+        """Worker processes were given the seed when they started: let started ones go (the
+        next epoch starts new ones with ``seed``); threads never had it.
+
+        Raises:
+            ValueError: an epoch is being iterated on worker processes (they use the seed).
+        """
+        if not config.uses_processes:
+            return
+        if any(e is not None and not e.finished for e in (self.epoch, *self.others)):
+            raise ValueError(
+                f"cannot adopt the state's seed={seed} while an epoch is being iterated "
+                "(its workers use the current seed); load the state before iterating"
+            )
+        with self.lock:
+            runner, self.runner = self.runner, None
+        if runner is not None:
+            runner.close()
 
     def renew(self, config: LoaderConfig, dataset: Any, epoch: int, *, alone: bool) -> None:
         """Give the worker processes the dataset copy for ``epoch``, if it needs a new one: the

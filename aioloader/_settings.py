@@ -116,6 +116,7 @@ class SettingsView:
     persistent_workers = Setting[bool]()
     pin_memory_device = Setting[str]()
     worker_seeding = Setting[str]()
+    start_timeout = Setting[float | None]()
 
     @property
     def worker_init_fn(self) -> Callable[[int], Any] | None:
@@ -172,6 +173,14 @@ class SettingsView:
             return self._config.prefetch_factor
         workers = self._config.num_workers
         return max(1, self._config.prefetch // workers) if workers else None
+
+    @property
+    def _makers(self) -> str:
+        """What makes the batches, in words (for ``repr``)."""
+        workers = self._config.num_workers
+        if not workers:
+            return "main-process thread"
+        return f"{workers} {'threads' if self._config.thread_pool else 'processes'}"
 
     @property
     def multiprocessing_context(self) -> BaseContext | None:

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import multiprocessing.context
 import os
 import random
 import re
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -318,6 +320,106 @@ class ArmedCollate:
         if take_armed(self.marker_dir, f"collate-{first}") is not None:
             raise ValueError(f"injected collate failure for the batch starting at {first}")
         return torch.stack([torch.as_tensor(np.asarray(s)) for s in samples])
+
+
+# -- faults while a worker starts, and errors that must name their batch -----------------------
+
+
+def hanging_init(worker_id: int) -> None:
+    """A worker_init_fn that never returns (a lock never released, a stuck mount)."""
+    time.sleep(HANG_S)
+
+
+@dataclass
+class HangsOnUnpickle(Faulty):
+    """A dataset whose copy in a worker takes forever to unpickle (an import from a stuck
+    mount, a file it opens while unpickled) while ``hang`` is set; the main process only
+    pickles it. Set ``hang`` between epochs to make the next epoch's copy hang."""
+
+    hang: bool = True
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.hang:
+            time.sleep(HANG_S)
+
+
+@dataclass
+class HangsAfterCrash(Faulty):
+    """Its worker dies by SIGKILL at the first visit of index ``kill``; from then on, a copy
+    of it hangs while it is unpickled: the replacement worker never finishes starting."""
+
+    kill: int = 0
+
+    def __getitem__(self, index: int) -> Any:
+        if index == self.kill:
+            assert self.marker_dir is not None
+            if claim_visit(self.marker_dir, index) == 0:
+                fire(SIGKILL, index)
+        return super().__getitem__(index)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.marker_dir is not None and visits(self.marker_dir, self.kill):
+            time.sleep(HANG_S)
+
+
+def _sleep_then_run(process: Any) -> None:
+    """What a process of :class:`HangingStartContext` does before its target: hang."""
+    time.sleep(HANG_S)
+
+
+class _HangingStartProcess(multiprocessing.context.SpawnProcess):
+    def run(self) -> None:
+        _sleep_then_run(self)
+        super().run()
+
+
+class HangingStartContext(multiprocessing.context.SpawnContext):
+    """A start method whose processes hang before they run anything of the loader's: a worker
+    stuck while its interpreter starts (an import from a stuck mount)."""
+
+    Process = _HangingStartProcess
+
+
+class ExitsInGetitem(Faulty):
+    """Raises ``SystemExit(code)`` reading index ``at``: a dataset that calls ``sys.exit``."""
+
+    def __init__(self, n: int, at: int, error: type[BaseException] = SystemExit) -> None:
+        super().__init__(n)
+        self.at = at
+        self.error = error
+
+    def __getitem__(self, index: int) -> Any:
+        if index == self.at:
+            raise self.error(f"the dataset gave up at index {index}")
+        return super().__getitem__(index)
+
+
+class _Unpicklable:
+    """A sample that cannot cross a process boundary (it holds a lock)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.lock = threading.Lock()
+
+
+class UnpicklableAt(Faulty):
+    """Sample ``at`` cannot be pickled (collate it with :func:`stack_as_list`)."""
+
+    def __init__(self, n: int, at: int) -> None:
+        super().__init__(n)
+        self.at = at
+
+    def __getitem__(self, index: int) -> Any:
+        if index == self.at:
+            return _Unpicklable(index)
+        return super().__getitem__(index)
+
+
+def unpicklable_collate(samples: list[Any]) -> Any:
+    """A collate_fn whose batch cannot be pickled: it holds a generator."""
+    return {"indices": list(samples), "rest": (s for s in samples)}
 
 
 # -- helpers for the tests (run in the test process only) ----------------------------------------

@@ -12,7 +12,9 @@ One module a job::
                memory or inline, on both sides
     _channel   the pipes a job and its reply travel over, watched by the event loop
     _frames    what travels on them: frame header and kinds, results and errors packed
+    _copy      the dataset copy the workers load: pickled once, in a thread, when needed
     _pool      WorkerPool: one single-process executor per worker; deaths and rebuilds
+    _starting  workers that hang while they start: the start deadline, their stacks
     _runner    ProcessRunner: the epoch's Runner over the pool
 
 One map-style batch on its way (a stream's batch goes the same way, as ``pull`` →
@@ -53,7 +55,8 @@ Sharp edges (each module's docstring tells its own in full):
 - A worker's death is seen twice, as end-of-file on its pipe and as the executor's broken
   serve job; the job it was running gets ``WorkerCrashedError``, jobs only queued behind it go
   to its replacement, and a worker that keeps dying while it starts ends in
-  ``WorkerInitError`` (``_pool``).
+  ``WorkerInitError`` (``_pool``); so does one that hangs while it starts, at the start
+  deadline, with its stack (``_starting``).
 - A slot goes back to the pool only once no worker can write into it: a cancelled job's slot
   waits for the worker to finish or die (``_channel``, ``_pool``, ``_wire``).
 - Pipe ends are bound to one event loop at a time; a loader iterated with ``for`` and later
@@ -70,10 +73,12 @@ from ._info import WorkerInfo as WorkerInfo
 from ._info import get_worker_info as get_worker_info
 from ._info import seed_everything as seed_everything
 from ._payload import dumps as dumps_payload
+from ._pool import DEFAULT_START_TIMEOUT_S as DEFAULT_START_TIMEOUT_S
 from ._pool import WorkerPool as WorkerPool
 from ._runner import ProcessRunner as ProcessRunner
 
 __all__ = [
+    "DEFAULT_START_TIMEOUT_S",
     "ProcessRunner",
     "WorkerInfo",
     "WorkerPool",

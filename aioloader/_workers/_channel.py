@@ -230,12 +230,16 @@ class Channel:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         return self._queue(fn, arg, future), future
 
-    def post(self, fn: Callable[[Any], Any], arg: Any) -> None:
+    def post(self, fn: Callable[[Any], Any], arg: Any) -> int:
         """Queue ``fn(arg)`` for the worker without awaiting its reply (a dataset copy to load):
         the worker runs it before any job queued after it, and its failure shows in those.
-        Nothing waits on it, so it never holds the pipes to this event loop. Must run on the
-        event loop."""
-        self._queue(fn, arg, None)
+        Nothing waits on it, so it never holds the pipes to this event loop. Returns its job
+        id (see :meth:`answered`). Must run on the event loop."""
+        return self._queue(fn, arg, None)
+
+    def answered(self, job_id: int) -> bool:
+        """Whether the worker is done with job ``job_id`` (it replied, or the channel failed)."""
+        return job_id not in self._pending
 
     def _queue(self, fn: Callable[[Any], Any], arg: Any, future: asyncio.Future[Any] | None) -> int:
         if self._broken is not None or self._closed:

@@ -36,6 +36,10 @@ Sharp edges:
   names what could not be pickled (a fresh one each time: each batch adds its own notes).
 - A worker killed for hanging (:meth:`WorkerPool.kill_holding`) is not blamed for the jobs
   queued behind it, including a retry of the hung batch itself: they go to its replacement.
+- A worker that hangs while it starts or loads its copy is killed at the start deadline
+  (``start_timeout``, else the batch ``timeout``, see :mod:`._starting`); every job it held
+  fails with ``WorkerInitError`` naming its stack, rather than wait for a start that will
+  not come, or go to a replacement that would most likely hang the same way.
 - A forkserver child's exit status (it names the killing signal) is read from a pipe, once: a
   second reader at the same time gets EOF and records 255. So the broken executor's manager
   thread is let finish reaping before anyone asks (:func:`_reap`), off the event loop.
@@ -47,7 +51,6 @@ Sharp edges:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import ctypes
 import os
@@ -63,11 +66,19 @@ from multiprocessing.context import BaseContext
 from typing import Any, TypeVar
 
 from .._errors import WorkerCrashedError, WorkerInitError
+from .._log import workers_log
 from ._channel import Channel, open_channel
-from ._wire import LoadJob
+from ._copy import DatasetCopy
+from ._starting import START_POLL_S, Hang, StackPipe, describe_start, kill, take_stack
 from ._worker import init_worker, load_copy, ping, serve
 
-__all__ = ["EXIT_STATUS_WAIT_S", "MAX_START_FAILURES", "SHUTDOWN_GRACE_S", "WorkerPool"]
+__all__ = [
+    "DEFAULT_START_TIMEOUT_S",
+    "EXIT_STATUS_WAIT_S",
+    "MAX_START_FAILURES",
+    "SHUTDOWN_GRACE_S",
+    "WorkerPool",
+]
 
 J = TypeVar("J")
 R = TypeVar("R")
@@ -86,6 +97,12 @@ EXIT_STATUS_WAIT_S = 1.0
 # sooner. Each try costs one process start.
 MAX_START_FAILURES = 3
 
+# How long a worker may take to start (its process, then loading a dataset copy) when neither
+# start_timeout nor the batch timeout says (the loader passes its own: see LoaderConfig).
+# Longer: more patience with a slow file system or a large dataset to unpickle; shorter: a
+# hung start is reported sooner.
+DEFAULT_START_TIMEOUT_S = 120.0
+
 
 @dataclass(slots=True)
 class _Worker:
@@ -94,7 +111,8 @@ class _Worker:
     id: int
     executor: ProcessPoolExecutor
     channel: Channel
-    child_pipes: tuple[Connection, Connection] | None  # the worker's ends, until it starts
+    child_pipes: tuple[Connection, ...] | None  # the worker's ends, until it starts
+    stacks: StackPipe  # where it writes its stacks when asked (see _starting)
     generation: int = 0
     outstanding: int = 0
     process: Any = None
@@ -102,45 +120,11 @@ class _Worker:
     served: bool = False  # this generation's process answered a job: it started fine
     killed: bool = False  # this generation's process was killed by kill_holding (it hung)
     failed_starts: int = 0  # consecutive generations that died before answering any job
-    loaded: _Copy | None = None  # the copy sent to this generation's process, if any
-
-
-class _Copy:
-    """One dataset copy for the workers: pickled once, in a thread, when first needed.
-
-    Args:
-        make: pickles the copy (``_payload.dumps`` of the batch maker and worker_init_fn).
-        epoch: the epoch it is made for (the workers' seeds derive from it).
-    """
-
-    def __init__(self, make: Callable[[], bytes], epoch: int) -> None:
-        self.epoch = epoch
-        self._make: Callable[[], bytes] | None = make
-        self._lock = threading.Lock()
-        self._done: concurrent.futures.Future[bytes] = concurrent.futures.Future()
-
-    async def job(self) -> LoadJob:
-        """The job that loads this copy (pickled now if nobody did yet, off the loop)."""
-        with self._lock:
-            make, self._make = self._make, None
-        if make is not None:
-            # A thread of its own, tied to no event loop: the pickling finishes and keeps its
-            # result even if this caller is cancelled or its loop closes meanwhile; every
-            # caller waits on the one future.
-            threading.Thread(
-                target=self._run, args=(make,), name="aioloader-pickle", daemon=True
-            ).start()
-        try:
-            payload = await asyncio.wrap_future(self._done)
-        except TypeError as exc:
-            raise TypeError(str(exc)) from exc
-        return LoadJob(payload, self.epoch)
-
-    def _run(self, make: Callable[[], bytes]) -> None:
-        try:
-            self._done.set_result(make())
-        except BaseException as exc:
-            self._done.set_exception(exc)
+    loaded: DatasetCopy | None = None  # the copy sent to this generation's process, if any
+    launched: float = 0.0  # time.monotonic() when this generation's process was launched
+    load_job: int | None = None  # the job id of the copy sent to it, until answered
+    stopping: bool = False  # found hung while starting: one job deals with it (see _reply)
+    hang: Hang | None = None  # why it was killed while starting (set before the kill)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +134,7 @@ class _Crash:
     exitcode: int | None
     culprit: int | None  # batch id the worker was running, if any
     failed_starts: int = 0  # the worker's consecutive deaths before answering any job
+    hang: Hang | None = None  # it was killed for hanging while it started
 
 
 class WorkerPool:
@@ -161,17 +146,29 @@ class WorkerPool:
         seed: the loader's seed; workers derive their seeds from it.
         per_batch_seeds: reseed each worker before every batch (``worker_seeding='batch'``),
             rather than once per copy.
+        start_timeout: seconds a worker may take to start, and to load each dataset copy.
+        start_setting: the setting that gave it, for errors (``"start_timeout=2.0"``).
     """
 
     def __init__(
-        self, num_workers: int, context: BaseContext, seed: int, *, per_batch_seeds: bool = True
+        self,
+        num_workers: int,
+        context: BaseContext,
+        seed: int,
+        *,
+        per_batch_seeds: bool = True,
+        start_timeout: float = DEFAULT_START_TIMEOUT_S,
+        start_setting: str = "the default",
     ) -> None:
         self.num_workers = num_workers
         self.context = context
         self._seed = seed
         self._per_batch_seeds = per_batch_seeds
-        self._copy: _Copy | None = None
+        self._start_timeout = start_timeout
+        self._start_setting = start_setting
+        self._copy: DatasetCopy | None = None
         self._current = context.Array(ctypes.c_int64, num_workers, lock=False)
+        self._loading = context.Array(ctypes.c_double, num_workers, lock=False)
         self._launch_lock = threading.Lock()
         self._workers = [_Worker(i, *self._new_worker(i)) for i in range(num_workers)]
         self._crashes: dict[tuple[int, int], _Crash] = {}
@@ -180,9 +177,10 @@ class WorkerPool:
 
     def _new_worker(
         self, worker_id: int
-    ) -> tuple[ProcessPoolExecutor, Channel, tuple[Connection, Connection]]:
+    ) -> tuple[ProcessPoolExecutor, Channel, tuple[Connection, ...], StackPipe]:
         """An executor for one worker (its process starts at :meth:`_launch`) and its pipes."""
         channel, child = open_channel()
+        stacks = StackPipe()
         executor = ProcessPoolExecutor(
             max_workers=1,
             mp_context=self.context,
@@ -193,11 +191,13 @@ class WorkerPool:
                 self._seed,
                 self._per_batch_seeds,
                 self._current,
+                self._loading,
                 os.getpid(),
                 child,
+                stacks.child,
             ),
         )
-        return executor, channel, child
+        return executor, channel, (*child, stacks.child), stacks
 
     def _launch(self, w: _Worker) -> None:
         """Start the worker's process if it has not started: the executor spawns it at the
@@ -208,6 +208,7 @@ class WorkerPool:
             if w.started is not None:
                 return
             executor, generation, channel = w.executor, w.generation, w.channel
+            w.launched = time.monotonic()
             started = executor.submit(ping)  # spawns the process, handing it the pipes
             serving = executor.submit(serve)
             w.process = next(iter(executor._processes.values()), None)
@@ -229,20 +230,32 @@ class WorkerPool:
     def start(self) -> None:
         """Start every worker and wait until each has run its initializer (blocking: call it
         from a thread). Without it, workers start at their first job. Their dataset copy comes
-        with their first job (see :meth:`load`)."""
+        with their first job (see :meth:`load`).
+
+        Raises:
+            WorkerInitError: a worker did not start within the start deadline (it is killed).
+        """
         waits = []
         for w in self._workers:
             self._launch(w)
-            waits.append(w.started)
-        for started in waits:
+            waits.append((w, w.generation, w.started))
+        for w, generation, started in waits:
             assert started is not None
-            with contextlib.suppress(Exception):  # a crash shows at the first real job
-                started.result()
+            try:
+                started.result(
+                    timeout=max(0.0, w.launched + self._start_timeout - time.monotonic())
+                )
+            except TimeoutError:
+                if self._stop_hung_start(w, generation):
+                    assert w.hang is not None
+                    raise WorkerInitError(w.hang.message(None)) from None
+            except Exception:  # a crash shows at the first real job
+                pass
 
     def load(self, make: Callable[[], bytes], epoch: int) -> None:
         """Give the workers a new dataset copy: ``make()`` pickles it (once, in a thread, when
         the first worker needs it); each worker loads it before its next job. Thread-safe."""
-        self._copy = _Copy(make, epoch)
+        self._copy = DatasetCopy(make, epoch)
 
     @property
     def has_copy(self) -> bool:
@@ -309,10 +322,11 @@ class WorkerPool:
                 if copy is not None and w.loaded is not copy:
                     load = await copy.job()  # raises the TypeError of an unpicklable copy
                     if w.loaded is not copy and w.generation == generation:
-                        channel.post(load_copy, load)  # ahead of the job; failures show in it
+                        # Ahead of the job; its failures show in it, its hang in _reply.
+                        w.load_job = channel.post(load_copy, load)
                         w.loaded = copy
                 job_id, future = channel.send(fn, job)
-                result: R = await future
+                result: R = await self._reply(w, generation, future)
                 if w.generation == generation:
                     w.served = True
                     w.failed_starts = 0
@@ -330,6 +344,8 @@ class WorkerPool:
                             on_abandon()
                         raise
                 crash = self._on_broken(w, generation)
+                if crash.hang is not None:
+                    raise WorkerInitError(crash.hang.message(batch_id)) from exc
                 if crash.culprit is None and crash.failed_starts >= MAX_START_FAILURES:
                     raise self._start_error(crash, batch_id) from exc
                 if crash.culprit != batch_id and resubmit_innocent:
@@ -343,6 +359,59 @@ class WorkerPool:
                 raise
             finally:
                 w.outstanding -= 1
+
+    async def _reply(self, w: _Worker, generation: int, future: asyncio.Future[R]) -> R:
+        """Await a job's reply; while its worker starts (ahead of the job), under the start
+        deadline: past it the worker is killed, and the job fails like every job it held."""
+        while not future.done():
+            left = self._start_left(w, generation)
+            if left is None:
+                break  # started: the batch's own deadline (if any) watches the rest
+            if left <= 0:
+                # Off the loop: taking the stack waits for the worker to write it.
+                await asyncio.to_thread(self._stop_hung_start, w, generation)
+                break  # the job now fails with BrokenProcessPool (see submit)
+            await asyncio.wait([future], timeout=min(left, START_POLL_S))
+        return await future
+
+    def _start_left(self, w: _Worker, generation: int) -> float | None:
+        """Seconds left before worker ``w`` passes its start deadline; ``inf`` while a copy
+        it was sent waits behind other jobs (its clock has not begun); None once it started,
+        or if it is another generation now, or its hang is being dealt with."""
+        if w.generation != generation or w.stopping or w.started is None:
+            return None
+        if not w.started.done():
+            since = w.launched  # the process itself is starting
+        elif w.load_job is not None and not w.channel.answered(w.load_job):
+            since = float(self._loading[w.id])  # the worker publishes when its load began
+            if not since:
+                return float("inf")
+        else:
+            w.load_job = None
+            return None
+        return since + self._start_timeout - time.monotonic()
+
+    def _stop_hung_start(self, w: _Worker, generation: int) -> bool:
+        """Worker ``w`` passed its start deadline: take its stack, kill it, fail its jobs.
+        Blocking (call it off the loop). False if it is gone or taken care of already."""
+        with self._launch_lock:
+            process = w.process
+            if w.generation != generation or w.stopping or process is None:
+                return False
+            initialized = w.started is not None and w.started.done()
+            loading = float(self._loading[w.id])
+            w.stopping = True  # the other jobs' watches leave it to this one
+        pid = int(process.pid)
+        epoch = w.loaded.epoch if w.loaded is not None and loading else None
+        when = (self._start_timeout, self._start_setting)
+        head = describe_start(w.id, pid, when, initialized=initialized, loading_epoch=epoch)
+        stack = take_stack(pid, w.stacks) if initialized else ""
+        w.hang = Hang(head, stack)
+        w.killed = True  # its death is ours: see _on_broken
+        kill(pid)
+        w.channel.fail_threadsafe(f"the worker was killed: it hung while starting ({head})")
+        workers_log.warning("worker process pid %d killed: %s", pid, head)
+        return True
 
     def _on_broken(self, w: _Worker, generation: int) -> _Crash:
         key = (w.id, generation)
@@ -365,7 +434,7 @@ class WorkerPool:
             w.failed_starts += 1  # it died before it answered anything: while starting
         else:
             w.failed_starts = 0
-        crash = _Crash(w.id, pid, exitcode, culprit, w.failed_starts)
+        crash = _Crash(w.id, pid, exitcode, culprit, w.failed_starts, w.hang)
         self._crashes[key] = crash
         self._replace(w)
         return crash
@@ -377,15 +446,20 @@ class WorkerPool:
         # cancelled job would look like the awaiting task's own cancellation.
         old.shutdown(wait=False)
         _close_pipes(w.child_pipes)
+        w.stacks.close()
+        self._loading[w.id] = 0.0  # a killed worker's load never ended
         w.generation += 1
         w.process = None
         w.started = None
         w.served = False
         w.killed = False
         w.loaded = None  # the replacement gets the current copy before its first job
+        w.load_job = None
+        w.stopping = False
+        w.hang = None
         self.rebuilds += 1
         if not self._closed:
-            w.executor, w.channel, w.child_pipes = self._new_worker(w.id)
+            w.executor, w.channel, w.child_pipes, w.stacks = self._new_worker(w.id)
 
     @staticmethod
     def _crash_error(crash: _Crash, batch_id: int) -> WorkerCrashedError:
@@ -431,6 +505,7 @@ class WorkerPool:
             w.channel.close()
             _close_pipes(w.child_pipes)
             w.child_pipes = None
+            w.stacks.close()
         processes = [w.process for w in self._workers if w.process is not None]
         # shutdown() forgets its manager thread even when it does not wait for it; keep them to
         # wait for below.
@@ -460,7 +535,7 @@ class WorkerPool:
                     p.close()
 
 
-def _close_pipes(pipes: tuple[Connection, Connection] | None) -> None:
+def _close_pipes(pipes: tuple[Connection, ...] | None) -> None:
     for end in pipes or ():
         end.close()
 

@@ -25,6 +25,16 @@ Sharp edges:
 - A failure to unpickle the copy, or an exception from ``worker_init_fn``, does not crash the
   worker: it is reported by each following job, as :class:`~aioloader.WorkerInitError`, until a
   new copy loads.
+- A worker that *hangs* while it loads a copy is the main process's to find (see ``_pool``):
+  the worker publishes when its load began (a shared array), and answers
+  :data:`STACK_SIGNAL` by writing every thread's Python stack (``faulthandler``, from the
+  signal handler itself: it works while the main thread is stuck in C code) to a pipe the main
+  process reads before it kills the worker.
+- ``SystemExit``, ``KeyboardInterrupt`` and the other exceptions that are not ``Exception``
+  subclasses, raised while making a batch, travel as :class:`~aioloader.WorkerError` naming
+  the batch: set on the main side's future, they would end the training program (a task
+  re-raises them out of the event loop), and a ``KeyboardInterrupt`` from here is never the
+  user's Ctrl-C (workers ignore SIGINT).
 - An exception that cannot be pickled would break the reply; jobs send a ``RuntimeError``
   carrying the original type name, message and traceback text instead.
 - A stream whose dataset never reads which worker it is in (neither in ``worker_init_fn`` nor
@@ -37,6 +47,7 @@ Sharp edges:
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import threading
@@ -49,7 +60,7 @@ from typing import Any
 
 from .._batch import BatchMaker, StreamCursor, annotate, continued_share
 from .._distributed import every_nth, stream_share
-from .._errors import WorkerInitError
+from .._errors import WorkerError, WorkerInitError
 from .._shm import Slot
 from .._types import END, BatchRequest, Made, stream_state
 from . import _info, _payload
@@ -59,6 +70,7 @@ from ._info import WorkerInfo
 from ._wire import LoadJob, MapJob, Packer, StreamJob, inline
 
 __all__ = [
+    "STACK_SIGNAL",
     "WATCHDOG_INTERVAL_S",
     "init_worker",
     "load_copy",
@@ -72,6 +84,11 @@ __all__ = [
 # orphans; longer: fewer wake-ups. Half a second keeps the 5 s contract with a wide margin.
 WATCHDOG_INTERVAL_S = 0.5
 
+# The signal that makes a worker write its threads' stacks to its stack pipe (a worker hung
+# while it starts is asked for them before it is killed). SIGUSR1: unused by the loader and,
+# in a worker, by torch; the forked server resets it to the default.
+STACK_SIGNAL = signal.SIGUSR1
+
 
 @dataclass(slots=True)
 class _WorkerState:
@@ -83,7 +100,9 @@ class _WorkerState:
     seed: int  # the loader's seed: per-batch seeds derive from it
     per_batch_seeds: bool  # worker_seeding='batch': reseed before every batch
     current: Any  # shared ctypes array: batch id + 1 being worked on, 0 when idle
+    loading: Any  # shared ctypes array: time.monotonic() a copy's load began, 0.0 when none
     pipes: tuple[Connection, Connection]  # this worker's (requests, replies)
+    stacks: Connection  # where STACK_SIGNAL's handler writes the stacks (kept open for it)
     maker: BatchMaker | None = None  # None until the first copy loads
     init_error: BaseException | None = None
     init_tb: str = ""
@@ -136,16 +155,21 @@ def init_worker(
     seed: int,
     per_batch_seeds: bool,
     current: Any,
+    loading: Any,
     main_pid: int,
     pipes: tuple[Connection, Connection],
+    stacks: Connection,
 ) -> None:
     """The executor's initializer: set up this worker's state (see the module docstring)."""
     global _STATE
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(STACK_SIGNAL, file=stacks.fileno(), all_threads=True, chain=False)
     threading.Thread(
         target=_watchdog, args=(main_pid,), name="aioloader-watchdog", daemon=True
     ).start()
-    _STATE = _WorkerState(worker_id, num_workers, seed, per_batch_seeds, current, pipes)
+    _STATE = _WorkerState(
+        worker_id, num_workers, seed, per_batch_seeds, current, loading, pipes, stacks
+    )
 
 
 def load_copy(job: LoadJob) -> None:
@@ -153,6 +177,14 @@ def load_copy(job: LoadJob) -> None:
     the worker info, run ``worker_init_fn``. A failure is kept and reported by the next jobs."""
     state = _STATE
     assert state is not None, "worker job run outside a worker"
+    state.loading[state.worker_id] = time.monotonic()  # a hang from here on is a start hang
+    try:
+        _load(state, job)
+    finally:
+        state.loading[state.worker_id] = 0.0
+
+
+def _load(state: _WorkerState, job: LoadJob) -> None:
     # The previous copy goes first (its files, its memory), as torch's exiting worker would.
     state.maker = None
     state.stream = state._cursor()
@@ -241,8 +273,7 @@ def run_stream_job(job: StreamJob) -> Made:
         try:
             samples, position = state.stream.next_samples(request)
         except BaseException as exc:
-            annotate(exc, f"in the stream of worker {state.worker_id} (pid {os.getpid()})")
-            raise picklable(exc) from None
+            raise _worker_side(exc, state, request.batch_id, "the stream of ") from None
         if samples is END:
             return Made(batch=inline(END))
         pulled_s = time.perf_counter() - started
@@ -286,9 +317,29 @@ def _make(state: _WorkerState, request: BatchRequest, slot: Slot | None) -> Made
         made = state.maker.make(request, packer.alloc)
         made.batch = packer.pack(made.batch)
     except BaseException as exc:
-        annotate(exc, f"in worker {state.worker_id} (pid {os.getpid()})")
-        raise picklable(exc) from None
+        raise _worker_side(exc, state, request.batch_id) from None
     return made
+
+
+def _worker_side(
+    exc: BaseException, state: _WorkerState, batch_id: int, where: str = ""
+) -> BaseException:
+    """What the main process gets for ``exc``, raised while making ``batch_id``: the exception
+    itself with a note naming the worker, or, for one that is not an ``Exception`` (see the
+    module's sharp edges), a :class:`WorkerError` whose cause carries it."""
+    worker = f"{where}worker {state.worker_id} (pid {os.getpid()})"
+    if not isinstance(exc, Exception):
+        text = "".join(traceback.format_exception(exc))
+        error = WorkerError(
+            f"{type(exc).__name__}({exc}) was raised in {worker} while making batch {batch_id}; "
+            "it ends neither the worker nor this program (a worker ignores Ctrl-C: it is the "
+            f"main process's). The worker's traceback:\n{text}"
+        )
+        for note in getattr(exc, "__notes__", ()):
+            error.add_note(note)
+        return error
+    annotate(exc, f"in {worker}")
+    return picklable(exc)
 
 
 def _chain_first(first: Any, it: Iterator[Any]) -> Iterator[Any]:

@@ -1,0 +1,56 @@
+"""The dataset copy the worker processes load: pickled once, in a thread, when first needed.
+
+The copy (the batch maker and ``worker_init_fn``, see ``_payload``) is pickled when the first
+worker needs it, not when it is given (:meth:`._pool.WorkerPool.load`): a loader whose epoch
+never starts pickles nothing. The pickling runs in a thread of its own, tied to no event loop,
+so a large dataset never stalls the loop, and every worker waits on the one result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable
+
+from ._wire import LoadJob
+
+__all__ = ["DatasetCopy"]
+
+
+class DatasetCopy:
+    """One dataset copy for the workers: pickled once, in a thread, when first needed.
+
+    Args:
+        make: pickles the copy (``_payload.dumps`` of the batch maker and worker_init_fn).
+        epoch: the epoch it is made for (the workers' seeds derive from it).
+    """
+
+    def __init__(self, make: Callable[[], bytes], epoch: int) -> None:
+        self.epoch = epoch
+        self._make: Callable[[], bytes] | None = make
+        self._lock = threading.Lock()
+        self._done: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+
+    async def job(self) -> LoadJob:
+        """The job that loads this copy (pickled now if nobody did yet, off the loop)."""
+        with self._lock:
+            make, self._make = self._make, None
+        if make is not None:
+            # A thread of its own, tied to no event loop: the pickling finishes and keeps its
+            # result even if this caller is cancelled or its loop closes meanwhile; every
+            # caller waits on the one future.
+            threading.Thread(
+                target=self._run, args=(make,), name="aioloader-pickle", daemon=True
+            ).start()
+        try:
+            payload = await asyncio.wrap_future(self._done)
+        except TypeError as exc:
+            raise TypeError(str(exc)) from exc
+        return LoadJob(payload, self.epoch)
+
+    def _run(self, make: Callable[[], bytes]) -> None:
+        try:
+            self._done.set_result(make())
+        except BaseException as exc:
+            self._done.set_exception(exc)
