@@ -63,6 +63,7 @@ OWN_PARAMETERS = {
     "progress",
     "shard",
     "worker_seeding",
+    "start_timeout",
 }
 
 
