@@ -17,6 +17,7 @@ Errors from user code keep their type; a note names the batch and the sample ind
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ import numpy as np
 
 from ._collate import default_collate, numpy_collate
 from ._distributed import Shard
+from ._errors import WorkerError
 from ._types import EMPTY_BATCH, END, BatchRequest, Made, StreamRequest
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "StreamCursor",
     "annotate",
     "continued_share",
+    "not_an_exit",
     "stream_batch",
     "take",
 ]
@@ -49,6 +52,24 @@ def annotate(exc: BaseException, text: str) -> BaseException:
     if text not in getattr(exc, "__notes__", ()):
         exc.add_note(text)
     return exc
+
+
+def not_an_exit(exc: BaseException, where: str, batch_id: int) -> WorkerError:
+    """A :class:`WorkerError` for ``exc``, an exception that is not an ``Exception``
+    (``SystemExit``, ``KeyboardInterrupt``, ...), raised while making ``batch_id`` in a
+    worker process or a loader thread (``where``). Set on the consumer's future as it is, it
+    would end the training program (a task re-raises it out of the event loop); and a
+    ``KeyboardInterrupt`` raised there is never the user's Ctrl-C, which only the main
+    thread of the main process receives (workers ignore SIGINT)."""
+    text = "".join(traceback.format_exception(exc))
+    error = WorkerError(
+        f"{type(exc).__name__}({exc}) was raised in {where} while making batch {batch_id}; "
+        "it ends neither the worker nor this program (Ctrl-C is the main process's to "
+        f"handle). The traceback:\n{text}"
+    )
+    for note in getattr(exc, "__notes__", ()):
+        error.add_note(note)
+    return error
 
 
 class BatchMaker:

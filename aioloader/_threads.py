@@ -16,6 +16,8 @@ Sharp edges:
 - A thread cannot be killed: a batch that misses its deadline times out, but the thread runs on
   until the user code returns, and jobs queued behind it wait. ``close()`` waits
   :data:`THREAD_JOIN_TIMEOUT_S` and then warns, naming the stuck threads.
+- ``SystemExit`` and ``KeyboardInterrupt`` from the dataset arrive as ``WorkerError`` naming
+  the batch, as from a worker process: only the main thread receives the user's Ctrl-C.
 - Threads share the process's global random generators with the user's code, so they are not
   reseeded per batch (as in torch).
 - An iterable dataset is one stream here, pulled by one thread at a time (of which a rank
@@ -33,7 +35,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from ._batch import BatchMaker, StreamCursor, continued_share
+from ._batch import BatchMaker, StreamCursor, continued_share, not_an_exit
 from ._distributed import every_nth, stream_share
 from ._types import END, BatchRequest, Made, StreamRequest, stream_state
 
@@ -92,6 +94,8 @@ class ThreadRunner:
         self._running.add(request.batch_id)  # set.add/discard are atomic: no lock needed
         try:
             return self._maker.make(request)
+        except BaseException as exc:
+            raise _not_exiting(exc, request.batch_id) from None
         finally:
             self._running.discard(request.batch_id)
 
@@ -108,6 +112,8 @@ class ThreadRunner:
             made = self._maker.make_from_stream(request, samples)
             made.position = position
             return made
+        except BaseException as exc:
+            raise _not_exiting(exc, request.batch_id) from None
         finally:
             self._running.discard(request.batch_id)
 
@@ -173,6 +179,14 @@ class ThreadPool:
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         return [t.name for t in self._threads if t.is_alive()]
+
+
+def _not_exiting(exc: BaseException, batch_id: int) -> BaseException:
+    """``exc``, or a :class:`~aioloader.WorkerError` for one that would end the program (a
+    ``SystemExit`` from the dataset, see :func:`aioloader._batch.not_an_exit`)."""
+    if isinstance(exc, Exception):
+        return exc
+    return not_an_exit(exc, f"loader thread {threading.current_thread().name}", batch_id)
 
 
 def _post(

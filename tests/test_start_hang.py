@@ -10,6 +10,11 @@ when one is set, else within ``start_timeout``; the hung process is killed, noth
 (the conftest checks segments, processes and threads after each test).
 
 The deadlines here are short (2 s or less): each scenario takes a few seconds.
+
+The second part checks that errors a worker raises on the way name their batch: a
+``SystemExit`` or ``KeyboardInterrupt`` from the dataset (a :class:`aioloader.WorkerError`,
+never the program's own exit), a sample or batch that cannot be pickled, and a
+:class:`aioloader.SharedMemoryError`.
 """
 
 from __future__ import annotations
@@ -185,3 +190,77 @@ def test_start_timeout_is_checked_and_shown() -> None:
     wrong: Any = "soon"
     with pytest.raises(TypeError, match=r"start_timeout.*'soon'"):
         aioloader.DataLoader(range(4), start_timeout=wrong)
+
+
+# -- errors a worker raises name their batch -------------------------------------------------
+
+
+def _text(err: BaseException) -> str:
+    return "\n".join([str(err), *getattr(err, "__notes__", ())])
+
+
+@pytest.mark.parametrize("workers", [2, 0], ids=["processes", "thread"])
+@pytest.mark.parametrize("error", [SystemExit, KeyboardInterrupt])
+async def test_systemexit_from_the_dataset_is_a_worker_error_naming_the_batch(
+    error: type[BaseException], workers: int
+) -> None:
+    ds = fd.ExitsInGetitem(16, at=6, error=error)
+    async with fd.make_loader(ds, num_workers=workers) as loader:
+        run = await fd.run_epoch(aiter(loader))  # this program goes on: it is not its exit
+        restarts = loader.statistics().worker_restarts
+    [err] = run.errors
+    assert type(err) is aioloader.WorkerError
+    text = _text(err)
+    assert f"{error.__name__}(the dataset gave up at index 6) was raised in " in text, text
+    assert "while making batch 1" in text
+    assert "reading sample index 6 of batch 1" in text
+    assert "in __getitem__" in text  # the worker's traceback
+    assert "Ctrl-C" in text
+    fd.assert_exact(run, fd.sequential_batches(16, 4))  # the loader goes on
+    assert restarts == 0  # nor did it end the worker
+
+
+async def test_unpicklable_sample_names_its_batch_and_keeps_its_type() -> None:
+    ds = fd.UnpicklableAt(16, at=9)
+    async with fd.make_loader(ds, collate_fn=fd.stack_as_list) as loader:
+        run = await fd.run_epoch(aiter(loader))
+    [err] = run.errors
+    assert isinstance(err, TypeError)  # what pickle raises for a lock
+    text = _text(err)
+    assert "lock" in text
+    assert "while sending batch 2 of indices [8, 9, 10, 11] to the main process" in text, text
+    assert "cannot be pickled" in text
+    assert re.search(r"in worker [01] \(pid \d+\)", text), text
+    fd.assert_exact(run, fd.sequential_batches(16, 4))
+
+
+async def test_unpicklable_collate_output_names_every_batch_it_breaks() -> None:
+    async with fd.make_loader(fd.Faulty(8), collate_fn=fd.unpicklable_collate) as loader:
+        run = await fd.run_epoch(aiter(loader))
+    assert [fd.failed_batch_id(e) for e in run.errors] == [0, 1]
+    for batch_id, err in enumerate(run.errors):
+        assert isinstance(err, TypeError)
+        text = _text(err)
+        assert "generator" in text
+        assert f"while sending batch {batch_id} of indices" in text, text
+
+
+async def test_shared_memory_error_in_a_worker_names_the_batch() -> None:
+    # The worker has no descriptor left from its first sample on: the first batch that goes
+    # through shared memory (once the batch size is known) cannot map its slot there. A
+    # collate_fn that is not shared-memory-aware: the slot is written after collation,
+    # outside the batch maker, which names the batch of the user's own errors.
+    ds = fd.NoFdsFrom(40, at=0, shape=(16, 32, 32))
+    loader = fd.make_loader(
+        ds, batch_size=8, num_workers=1, prefetch=1, collate_fn=fd.UnhashableCollate()
+    )
+    async with loader:
+        run = await fd.run_epoch(aiter(loader), stop_at_error=True)
+    [err] = run.errors
+    assert isinstance(err, aioloader.SharedMemoryError)
+    batch_id = len(run.batches)  # the batches before it travelled inline
+    assert batch_id >= 1
+    text = _text(err)
+    assert "no file descriptor left" in text
+    assert re.search(rf"in worker 0 \(pid \d+\), making batch {batch_id}$", text, re.M), text
+    assert run.batches == fd.sequential_batches(40, 8)[:batch_id]

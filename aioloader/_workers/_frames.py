@@ -32,7 +32,9 @@ from __future__ import annotations
 import pickle
 import struct
 import traceback
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
 
 __all__ = [
     "CANCEL",
@@ -42,6 +44,7 @@ __all__ = [
     "JOB",
     "RESULT",
     "STOP",
+    "Packed",
     "RemoteTraceback",
     "pack_error",
     "pack_result",
@@ -122,8 +125,21 @@ _COUNT = struct.Struct("<I")
 _LENGTH = struct.Struct("<Q")
 
 
+class Packed(Generic[T]):
+    """A job's result of type ``T`` that the job packed itself (:func:`pack_result`), so that
+    it can tell what could not be pickled in its own words; sent as it is, and unpacked on the
+    main side as the ``T`` it holds."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+
+
 def pack_result(value: Any) -> list[Any]:
     """The payload of a RESULT reply, as the parts to write one after the other."""
+    if isinstance(value, Packed):
+        return value.parts
     buffers: list[pickle.PickleBuffer] = []
     data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]

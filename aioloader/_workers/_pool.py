@@ -69,6 +69,7 @@ from .._errors import WorkerCrashedError, WorkerInitError
 from .._log import workers_log
 from ._channel import Channel, open_channel
 from ._copy import DatasetCopy
+from ._frames import Packed
 from ._starting import START_POLL_S, Hang, StackPipe, describe_start, kill, take_stack
 from ._worker import init_worker, load_copy, ping, serve
 
@@ -271,7 +272,7 @@ class WorkerPool:
 
     async def submit(
         self,
-        fn: Callable[[J], R],
+        fn: Callable[[J], R] | Callable[[J], Packed[R]],
         job: J,
         *,
         batch_id: int,

@@ -18,9 +18,11 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from .. import _shm
-from .._errors import WorkerCrashedError
+from .._batch import annotate
+from .._errors import SharedMemoryError, WorkerCrashedError
 from .._log import workers_log
 from .._types import BatchRequest, Made, StreamRequest
+from ._frames import Packed
 from ._pool import WorkerPool
 from ._wire import MapJob, Receiver, StreamJob
 from ._worker import run_map_job, run_stream_job
@@ -80,7 +82,7 @@ class ProcessRunner:
 
     async def _run(
         self,
-        fn: Callable[[J], Made],
+        fn: Callable[[J], Packed[Made]],
         job_of: Callable[[_shm.Slot | None], J],
         batch_id: int,
         worker: int | None,
@@ -88,7 +90,7 @@ class ProcessRunner:
         slot = await self._receiver.lease()
         release = self._receiver.releaser(slot)
         try:
-            made = await self.pool.submit(
+            made: Made = await self.pool.submit(
                 fn,
                 job_of(slot),
                 batch_id=batch_id,
@@ -105,7 +107,11 @@ class ProcessRunner:
             raise
         if self.pool.rebuilds > self._restarts_logged:  # a worker died with nothing of ours
             self._log_restarts(None)
-        return self._receiver.open(made, slot)
+        try:
+            return self._receiver.open(made, slot)
+        except SharedMemoryError as exc:  # mapping it here failed: out of descriptors
+            annotate(exc, f"while opening batch {batch_id} in the main process")
+            raise
 
     def _log_restarts(self, error: BaseException | None) -> None:
         """Log worker replacements not logged yet, with the cause where it is known."""

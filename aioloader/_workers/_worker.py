@@ -32,9 +32,10 @@ Sharp edges:
   process reads before it kills the worker.
 - ``SystemExit``, ``KeyboardInterrupt`` and the other exceptions that are not ``Exception``
   subclasses, raised while making a batch, travel as :class:`~aioloader.WorkerError` naming
-  the batch: set on the main side's future, they would end the training program (a task
-  re-raises them out of the event loop), and a ``KeyboardInterrupt`` from here is never the
-  user's Ctrl-C (workers ignore SIGINT).
+  the batch (:func:`aioloader._batch.not_an_exit`): set on the main side's future, they would
+  end the training program, and a ``KeyboardInterrupt`` from here is never the user's Ctrl-C.
+- A batch that cannot be pickled for the reply (a lock in a sample) is reported by the job
+  itself, naming the batch, with the pickling error's own type (:func:`_packed`).
 - An exception that cannot be pickled would break the reply; jobs send a ``RuntimeError``
   carrying the original type name, message and traceback text instead.
 - A stream whose dataset never reads which worker it is in (neither in ``worker_init_fn`` nor
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import re
 import signal
 import threading
 import time
@@ -58,14 +60,14 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .._batch import BatchMaker, StreamCursor, annotate, continued_share
+from .._batch import BatchMaker, StreamCursor, annotate, continued_share, not_an_exit
 from .._distributed import every_nth, stream_share
-from .._errors import WorkerError, WorkerInitError
+from .._errors import WorkerInitError
 from .._shm import Slot
 from .._types import END, BatchRequest, Made, stream_state
 from . import _info, _payload
 from ._channel import serve_over
-from ._frames import picklable
+from ._frames import Packed, pack_result, picklable
 from ._info import WorkerInfo
 from ._wire import LoadJob, MapJob, Packer, StreamJob, inline
 
@@ -251,20 +253,21 @@ def _alive(pid: int) -> bool:
 # -- the jobs --------------------------------------------------------------------------------
 
 
-def run_map_job(job: MapJob) -> Made:
-    """Make one batch of a map-style dataset; its batch is a :class:`._wire.Parcel`."""
+def run_map_job(job: MapJob) -> Packed[Made]:
+    """Make one batch of a map-style dataset: a :class:`~aioloader._types.Made` whose batch is
+    a :class:`._wire.Parcel`, packed for the reply (see :func:`_packed`)."""
     state = _state()
     request = job.request
     _begin(state, request.epoch, request.batch_id)
     try:
-        return _make(state, request, job.slot)
+        return _packed(_make(state, request, job.slot), state, request)
     finally:
         state.current[state.worker_id] = 0
 
 
-def run_stream_job(job: StreamJob) -> Made:
+def run_stream_job(job: StreamJob) -> Packed[Made]:
     """Make the next batch of this worker's share of an iterable dataset (``END`` once it ran
-    out); its batch is a :class:`._wire.Parcel`."""
+    out): a :class:`~aioloader._types.Made` as :func:`run_map_job` makes it."""
     state = _state()
     request = job.request
     _begin(state, request.epoch, request.batch_id)
@@ -275,7 +278,7 @@ def run_stream_job(job: StreamJob) -> Made:
         except BaseException as exc:
             raise _worker_side(exc, state, request.batch_id, "the stream of ") from None
         if samples is END:
-            return Made(batch=inline(END))
+            return Packed(pack_result(Made(batch=inline(END))))
         pulled_s = time.perf_counter() - started
         of_samples = BatchRequest(
             request.epoch, request.batch_id, list(range(len(samples))), raw=samples
@@ -283,7 +286,7 @@ def run_stream_job(job: StreamJob) -> Made:
         made = _make(state, of_samples, job.slot)
         made.read_s += pulled_s
         made.position = position
-        return made
+        return _packed(made, state, of_samples)
     finally:
         state.current[state.worker_id] = 0
 
@@ -321,24 +324,36 @@ def _make(state: _WorkerState, request: BatchRequest, slot: Slot | None) -> Made
     return made
 
 
+def _packed(made: Made, state: _WorkerState, request: BatchRequest) -> Packed[Made]:
+    """``made`` pickled for the reply, here rather than by the serve loop: a sample or a
+    collated batch that cannot be pickled (a lock, a generator, an open file) is then
+    reported naming its batch, with its own exception type."""
+    try:
+        return Packed(pack_result(made))
+    except Exception as exc:
+        annotate(
+            exc,
+            f"while sending batch {request.batch_id} of indices {list(request.indices[:8])}"
+            f"{'...' if len(request.indices) > 8 else ''} to the main process: it holds an "
+            "object that cannot be pickled; return samples (and a collate_fn output) made of "
+            "arrays, tensors, numbers, strings and containers of them",
+        )
+        raise _worker_side(exc, state, request.batch_id) from None
+
+
 def _worker_side(
     exc: BaseException, state: _WorkerState, batch_id: int, where: str = ""
 ) -> BaseException:
     """What the main process gets for ``exc``, raised while making ``batch_id``: the exception
-    itself with a note naming the worker, or, for one that is not an ``Exception`` (see the
-    module's sharp edges), a :class:`WorkerError` whose cause carries it."""
+    itself with a note naming the worker (and the batch, unless a note names it already), or,
+    for one that is not an ``Exception`` (see the module's sharp edges), a
+    :class:`WorkerError`."""
     worker = f"{where}worker {state.worker_id} (pid {os.getpid()})"
     if not isinstance(exc, Exception):
-        text = "".join(traceback.format_exception(exc))
-        error = WorkerError(
-            f"{type(exc).__name__}({exc}) was raised in {worker} while making batch {batch_id}; "
-            "it ends neither the worker nor this program (a worker ignores Ctrl-C: it is the "
-            f"main process's). The worker's traceback:\n{text}"
-        )
-        for note in getattr(exc, "__notes__", ()):
-            error.add_note(note)
-        return error
-    annotate(exc, f"in {worker}")
+        return not_an_exit(exc, worker, batch_id)
+    notes = "\n".join(getattr(exc, "__notes__", ()))
+    named = re.search(rf"\bbatch {batch_id}\b", notes)  # as the batch maker names it
+    annotate(exc, f"in {worker}" if named else f"in {worker}, making batch {batch_id}")
     return picklable(exc)
 
 
