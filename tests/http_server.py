@@ -76,8 +76,10 @@ class Fault:
     Kinds: ``status`` (answer ``status`` with an optional ``Retry-After``), ``latency`` (serve
     normally after ``seconds``), ``reset`` (send half the body, then abort the connection),
     ``short`` (promise the full Content-Length, send half, then close cleanly), ``long``
-    (promise a Content-Length of half the body, send all of it, then close cleanly), ``stall``
-    (send the headers, then stay silent for ``seconds``, then send the body).
+    (promise a Content-Length of half the body, send all of it, then close cleanly),
+    ``long_late`` (promise half, send that half, and the rest ``seconds`` later on the same
+    connection, kept open), ``stall`` (send the headers, then stay silent for ``seconds``,
+    then send the body).
     """
 
     kind: str
@@ -104,6 +106,10 @@ class Fault:
     @classmethod
     def long(cls) -> Fault:
         return cls("long")
+
+    @classmethod
+    def long_late(cls, seconds: float = 0.2) -> Fault:
+        return cls("long_late", seconds=seconds)
 
     @classmethod
     def stall(cls, seconds: float = 30.0) -> Fault:
@@ -215,7 +221,8 @@ class FaultServer:
             await self._pause(fault.seconds)
             return web.Response(body=body, content_type="application/octet-stream")
         response = web.StreamResponse()
-        response.content_length = len(body) // 2 if fault.kind == "long" else len(body)
+        long = fault.kind in ("long", "long_late")
+        response.content_length = len(body) // 2 if long else len(body)
         await response.prepare(request)  # sends the status line and headers now
         if fault.kind == "stall":
             await self._pause(fault.seconds)
@@ -224,9 +231,18 @@ class FaultServer:
                 raise asyncio.CancelledError  # the client gave up meanwhile: nothing to send
             await response.write(body)
             return response
-        if fault.kind not in ("reset", "short", "long"):  # pragma: no cover - a typo in a test
+        if fault.kind not in ("reset", "short", "long", "long_late"):  # pragma: no cover
             raise ValueError(f"unknown fault kind {fault.kind!r}")
         transport = request.transport
+        if fault.kind == "long_late" and transport is not None:
+            # The promised half completes a response; the rest follows on the connection
+            # the client keeps for its next request.
+            transport.write(body[: len(body) // 2])
+            await self._pause(fault.seconds)
+            if not transport.is_closing():
+                transport.write(body[len(body) // 2 :])
+            await self._pause(30.0)  # keep it open: the stray bytes wait there
+            raise asyncio.CancelledError
         if fault.kind == "long":
             if transport is not None:
                 # Straight to the socket, in one write: aiohttp's writer would stop at the

@@ -205,6 +205,22 @@ async def test_long_body_never_reaches_decode(size: int, reason: str) -> None:
     assert isinstance(error.__cause__, Exception)
 
 
+async def test_bytes_following_a_complete_body_later_never_break_the_next_read() -> None:
+    # The promised half of object 1 completes a response; the rest comes 0.2 s later on the
+    # same kept-alive connection. That response cannot be told from a correct one (its length
+    # is the one promised: see the module's sharp edges), but the stray bytes must not reach
+    # the next request on that connection as data, nor as a raw aiohttp error.
+    async with FaultServer(size=1024) as server:
+        server.fail("/obj/1", Fault.long_late(0.2))
+        async with dataset(server, [1, 2], max_connections=1, sleep=Sleeps()) as ds:
+            first = await ds.fetch(0)
+            second = await ds.fetch(1)  # at once: it may go out on the same connection
+            await asyncio.sleep(0.3)  # the stray bytes have arrived by now
+            third = await ds.fetch(1)
+    assert first == payload(1, 1024)[:512]
+    assert second == third == payload(2, 1024)
+
+
 async def test_stall_after_headers_is_caught_by_read_timeout() -> None:
     policy = RetryPolicy(max_attempts=2, backoff_initial=0.01, jitter=False)
     async with FaultServer() as server:
