@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 from ._batch import BatchMaker, StreamCursor, continued_share, not_an_exit
 from ._distributed import every_nth, stream_share
+from ._errors import WorkerError
 from ._types import END, BatchRequest, Made, StreamRequest, stream_state
 
 __all__ = ["THREAD_JOIN_TIMEOUT_S", "ThreadPool", "ThreadRunner"]
@@ -95,7 +96,9 @@ class ThreadRunner:
         try:
             return self._maker.make(request)
         except BaseException as exc:
-            raise _not_exiting(exc, request.batch_id) from None
+            if isinstance(exc, Exception):
+                raise  # the user's own error, as it is
+            raise _not_an_exit(exc, request.batch_id) from None
         finally:
             self._running.discard(request.batch_id)
 
@@ -113,7 +116,9 @@ class ThreadRunner:
             made.position = position
             return made
         except BaseException as exc:
-            raise _not_exiting(exc, request.batch_id) from None
+            if isinstance(exc, Exception):
+                raise  # the user's own error, as it is
+            raise _not_an_exit(exc, request.batch_id) from None
         finally:
             self._running.discard(request.batch_id)
 
@@ -181,11 +186,9 @@ class ThreadPool:
         return [t.name for t in self._threads if t.is_alive()]
 
 
-def _not_exiting(exc: BaseException, batch_id: int) -> BaseException:
-    """``exc``, or a :class:`~aioloader.WorkerError` for one that would end the program (a
+def _not_an_exit(exc: BaseException, batch_id: int) -> WorkerError:
+    """A :class:`~aioloader.WorkerError` for ``exc``, which would end the program (a
     ``SystemExit`` from the dataset, see :func:`aioloader._batch.not_an_exit`)."""
-    if isinstance(exc, Exception):
-        return exc
     return not_an_exit(exc, f"loader thread {threading.current_thread().name}", batch_id)
 
 
