@@ -22,7 +22,6 @@ import multiprocessing.context
 import os
 import random
 import re
-import resource
 import signal
 import threading
 import time
@@ -421,24 +420,6 @@ class UnpicklableAt(Faulty):
 def unpicklable_collate(samples: list[Any]) -> Any:
     """A collate_fn whose batch cannot be pickled: it holds a generator."""
     return {"indices": list(samples), "rest": (s for s in samples)}
-
-
-class NoFdsFrom(Faulty):
-    """Reading index ``at`` leaves its worker without a free file descriptor (its soft
-    ``RLIMIT_NOFILE`` is lowered to the lowest free number): mapping a new shared-memory slot
-    there fails with :class:`aioloader.SharedMemoryError`."""
-
-    def __init__(self, n: int, at: int, shape: tuple[int, ...]) -> None:
-        super().__init__(n, shape=shape)
-        self.at = at
-
-    def __getitem__(self, index: int) -> Any:
-        if index == self.at:
-            lowest = os.dup(0)
-            os.close(lowest)
-            _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))
-        return super().__getitem__(index)
 
 
 # -- helpers for the tests (run in the test process only) ----------------------------------------

@@ -13,8 +13,7 @@ The deadlines here are short (2 s or less): each scenario takes a few seconds.
 
 The second part checks that errors a worker raises on the way name their batch: a
 ``SystemExit`` or ``KeyboardInterrupt`` from the dataset (a :class:`aioloader.WorkerError`,
-never the program's own exit), a sample or batch that cannot be pickled, and a
-:class:`aioloader.SharedMemoryError`.
+never the program's own exit), and a sample or batch that cannot be pickled.
 """
 
 from __future__ import annotations
@@ -243,24 +242,3 @@ async def test_unpicklable_collate_output_names_every_batch_it_breaks() -> None:
         text = _text(err)
         assert "generator" in text
         assert f"while sending batch {batch_id} of indices" in text, text
-
-
-async def test_shared_memory_error_in_a_worker_names_the_batch() -> None:
-    # The worker has no descriptor left from its first sample on: the first batch that goes
-    # through shared memory (once the batch size is known) cannot map its slot there. A
-    # collate_fn that is not shared-memory-aware: the slot is written after collation,
-    # outside the batch maker, which names the batch of the user's own errors.
-    ds = fd.NoFdsFrom(40, at=0, shape=(16, 32, 32))
-    loader = fd.make_loader(
-        ds, batch_size=8, num_workers=1, prefetch=1, collate_fn=fd.UnhashableCollate()
-    )
-    async with loader:
-        run = await fd.run_epoch(aiter(loader), stop_at_error=True)
-    [err] = run.errors
-    assert isinstance(err, aioloader.SharedMemoryError)
-    batch_id = len(run.batches)  # the batches before it travelled inline
-    assert batch_id >= 1
-    text = _text(err)
-    assert "no file descriptor left" in text
-    assert re.search(rf"in worker 0 \(pid \d+\), making batch {batch_id}$", text, re.M), text
-    assert run.batches == fd.sequential_batches(40, 8)[:batch_id]

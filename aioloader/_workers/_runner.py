@@ -18,8 +18,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from .. import _shm
-from .._batch import annotate
-from .._errors import SharedMemoryError, WorkerCrashedError
+from .._errors import WorkerCrashedError
 from .._log import workers_log
 from .._types import BatchRequest, Made, StreamRequest
 from ._frames import Packed
@@ -107,11 +106,7 @@ class ProcessRunner:
             raise
         if self.pool.rebuilds > self._restarts_logged:  # a worker died with nothing of ours
             self._log_restarts(None)
-        try:
-            return self._receiver.open(made, slot)
-        except SharedMemoryError as exc:  # mapping it here failed: out of descriptors
-            annotate(exc, f"while opening batch {batch_id} in the main process")
-            raise
+        return self._receiver.open(made, slot)
 
     def _log_restarts(self, error: BaseException | None) -> None:
         """Log worker replacements not logged yet, with the cause where it is known."""
