@@ -29,6 +29,10 @@ import pytest
 
 import aioloader
 
+# RELIABILITY.md's common assertion (iii): every test fails if it leaves a descriptor, thread,
+# process, segment or asyncio task above the baseline (conftest.baseline).
+pytestmark = pytest.mark.usefixtures("baseline")
+
 # A scenario ends within its start deadline, plus the time to take the stack and kill (about a
 # second), plus slack for a loaded 2-core machine.
 SLACK_S = 8.0
