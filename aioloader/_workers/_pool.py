@@ -363,16 +363,26 @@ class WorkerPool:
 
     async def _reply(self, w: _Worker, generation: int, future: asyncio.Future[R]) -> R:
         """Await a job's reply; while its worker starts (ahead of the job), under the start
-        deadline: past it the worker is killed, and the job fails like every job it held."""
-        while not future.done():
-            left = self._start_left(w, generation)
-            if left is None:
-                break  # started: the batch's own deadline (if any) watches the rest
-            if left <= 0:
-                # Off the loop: taking the stack waits for the worker to write it.
-                await asyncio.to_thread(self._stop_hung_start, w, generation)
-                break  # the job now fails with BrokenProcessPool (see submit)
-            await asyncio.wait([future], timeout=min(left, START_POLL_S))
+        deadline: past it the worker is killed, and the job fails like every job it held.
+
+        Cancelled while it watches, it leaves the future to :meth:`submit` (which abandons the
+        job), having retrieved an outcome that came meanwhile: unlike ``await future``,
+        ``asyncio.wait`` neither cancels the future nor retrieves its exception.
+        """
+        try:
+            while not future.done():
+                left = self._start_left(w, generation)
+                if left is None:
+                    break  # started: the batch's own deadline (if any) watches the rest
+                if left <= 0:
+                    # Off the loop: taking the stack waits for the worker to write it.
+                    await asyncio.to_thread(self._stop_hung_start, w, generation)
+                    break  # the job now fails with BrokenProcessPool (see submit)
+                await asyncio.wait([future], timeout=min(left, START_POLL_S))
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                future.exception()  # retrieved: nobody will await it now
+            raise
         return await future
 
     def _start_left(self, w: _Worker, generation: int) -> float | None:
