@@ -20,6 +20,7 @@ from datasets import keep, tar_keys, tar_sample, tar_shard
 from http_server import Fault, FaultServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from s3_server import moto_s3, s3_options
 
 import aioloader
 from aioloader import DataLoader, ShardError
@@ -467,54 +468,18 @@ def test_a_corrupt_local_shard_names_the_member_or_is_skipped(
 
 def test_s3_shards_through_moto(moto_tar: tuple[str, list[str]]) -> None:
     endpoint, urls = moto_tar
-    options = {
-        "key": "testing",
-        "secret": "testing",
-        "endpoint_url": endpoint,
-        "client_kwargs": {"region_name": "us-east-1"},
-    }
-    ds = TarDataset(urls, decode=tar_sample, storage_options=options, shards_in_flight=2)
+    ds = TarDataset(
+        urls, decode=tar_sample, storage_options=s3_options(endpoint), shards_in_flight=2
+    )
     with DataLoader(ds, batch_size=4, collate_fn=keep) as loader:
         assert sorted(keys_of(list(loader))) == tar_keys(3, counts)
 
 
 @pytest.fixture(scope="module")
 def moto_tar() -> Iterator[tuple[str, list[str]]]:
-    import logging
-
-    import botocore.session
-    from moto.server import ThreadedMotoServer
-
-    quiet = logging.getLogger("werkzeug")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        client = botocore.session.get_session().create_client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name="us-east-1",
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-        )
-        try:
-            client.create_bucket(Bucket="tars")
-            for shard in range(3):
-                client.put_object(
-                    Bucket="tars", Key=f"s{shard}.tar", Body=tar_shard(shard, counts(shard))
-                )
-        finally:
-            client.close()
-        yield endpoint, [f"s3://tars/s{shard}.tar" for shard in range(3)]
-    finally:
-        server.stop()
-        wsgi = server._server
-        if wsgi is not None:
-            wsgi.server_close()
-        quiet.setLevel(level)
+    shards = {f"s{shard}.tar": tar_shard(shard, counts(shard)) for shard in range(3)}
+    with moto_s3({"tars": shards}) as endpoint:
+        yield endpoint, [f"s3://tars/{key}" for key in shards]
 
 
 def test_exported() -> None:
