@@ -68,8 +68,16 @@ def keep_list(samples: list[bytes]) -> list[bytes]:
 
 @contextlib.contextmanager
 def serve(size: int, latency: float) -> Iterator[int]:
-    """Run the test server in a child process; yield its port; stop it on exit."""
-    command = [sys.executable, str(SERVER), "--size", str(size), "--latency", str(latency)]
+    """Run the test server in a child process serving ``size``-byte payloads; yield its port."""
+    with server_process(["--size", str(size), "--latency", str(latency)]) as port:
+        yield port
+
+
+@contextlib.contextmanager
+def server_process(server_args: list[str]) -> Iterator[int]:
+    """Run ``tests/http_server.py`` with ``server_args`` in a child process (on uvloop where
+    installed); yield its port; stop it on exit. ``tar_shards.py`` uses it too."""
+    command = [sys.executable, str(SERVER), *server_args]
     with contextlib.suppress(ImportError):
         import uvloop  # noqa: F401
 

@@ -45,7 +45,6 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tarfile
 import tempfile
@@ -57,8 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-SERVER = Path(__file__).resolve().parent.parent / "tests" / "http_server.py"
+from remote_http import server_process
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,28 +89,9 @@ def write_shards(directory: Path, shards: int, samples: int, size: int) -> None:
 
 @contextlib.contextmanager
 def serve(directory: Path, latency: float) -> Iterator[int]:
-    """Run the test server in a child process; yield its port; stop it on exit."""
-    command = [sys.executable, str(SERVER), "--files", str(directory), "--latency", str(latency)]
-    with contextlib.suppress(ImportError):
-        import uvloop  # noqa: F401
-
-        command.append("--uvloop")
-    process = subprocess.Popen(
-        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=SERVER.parent
-    )
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        if not line.startswith("PORT "):
-            raise RuntimeError(f"the server did not start (said {line!r})")
-        yield int(line.split()[1])
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    """Run the test server in a child process serving ``directory``; yield its port."""
+    with server_process(["--files", str(directory), "--latency", str(latency)]) as port:
+        yield port
 
 
 def check(count: int, expected: int, name: str) -> None:
