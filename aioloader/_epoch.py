@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -39,6 +40,7 @@ from ._log import epoch_log
 from ._produce import Producer
 from ._reorder import Outcome, ReorderBuffer
 from ._stats import WAIT_SHARE_THRESHOLD, Capacity, Counters, EpochStatistics
+from ._sync import NOT_INLINE
 from ._types import EMPTY_BATCH, END, Runner, StreamPosition, StreamResume
 
 __all__ = ["DeviceStage", "Epoch", "EpochIterator", "Plan"]
@@ -91,6 +93,14 @@ class Plan:
             if not self._rest:
                 raise StopIteration
             return self._rest.popleft()
+
+    def put_back(self, pair: tuple[int, Any]) -> None:
+        """Make ``pair`` (read ahead, not produced) the next one read."""
+        with self._lock:
+            if self._rest is None:
+                self._source = itertools.chain([pair], self._source)
+            else:
+                self._rest.appendleft(pair)
 
     def freeze(self) -> None:
         """Read the rest of the plan now (the batch sampler is about to move on)."""
@@ -182,6 +192,16 @@ class Epoch:
         self._handing: list[tuple[int, Transfer]] = []  # popped, not yet handed over (copies)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._began = False  # the epoch's clock started (by __anext__ or next_inline)
+        # Made in the consumer's thread while cheap (``for``, num_workers=0: next_inline).
+        self._inline = (
+            runner.inline
+            if plan is not None
+            and config.kind == "map"
+            and config.max_retries == 0
+            and device is None
+            else None
+        )
         self._progress = progress
         self._stats_token = object()  # this epoch's claim on the counters' epoch clock
 
@@ -206,7 +226,10 @@ class Epoch:
             raise StopAsyncIteration
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-            self._counters.begin_epoch(self.epoch, _capacity(self.config), self._stats_token)
+            self._begin()
+            if self._inline is not None:
+                assert self.plan is not None
+                self._producer.leave_inline(self.plan.put_back)
             self._producer.start()
         while True:
             if self._closed:  # closed while we waited (a new epoch, the loader's close)
@@ -234,6 +257,53 @@ class Epoch:
                 await self._ready.wait()
             finally:
                 self._counters.consumer_wait_s += time.perf_counter() - started
+
+    def _begin(self) -> None:
+        if not self._began:
+            self._began = True
+            self._counters.begin_epoch(self.epoch, _capacity(self.config), self._stats_token)
+
+    def next_inline(self) -> Any:
+        """The next batch, made here in the caller's thread with no event loop: ``for`` over a
+        sync map-style dataset with ``num_workers=0``, while batches are cheap (see
+        ``_threads.InlineMaker``; torch makes every batch that way). Returns
+        :data:`NOT_INLINE` where the rest of the epoch is to come from ``__anext__`` on the
+        loop instead: the epoch is not of that kind, its batches got costly (the loop's helper
+        thread then makes the next one while the consumer works), or it runs there already.
+        Raises ``StopIteration`` at the end, and a batch's error as ``__anext__`` does.
+        """
+        inline = self._inline
+        if inline is None or self._loop is not None:
+            return NOT_INLINE
+        producer = self._producer
+        if inline.costly and producer.can_leave_inline:
+            return NOT_INLINE
+        self._begin()
+        while True:
+            if self._closed:
+                raise StopIteration
+            started = time.perf_counter()
+            try:
+                outcome = producer.make_inline(inline)
+            except BaseException:  # Ctrl-C in the dataset's code: the epoch ends, as on the loop
+                self.close_nowait()
+                raise
+            finally:
+                self._counters.consumer_wait_s += time.perf_counter() - started
+            if outcome is None:
+                self.close_nowait()
+                self._finish()
+                raise StopIteration
+            batch_id = outcome.batch_id
+            if outcome.value is EMPTY_BATCH:  # every sample skipped: nothing to hand over
+                producer.taken(batch_id)
+                self._taken(batch_id)
+                continue
+            if outcome.error is not None:
+                self._taken(batch_id)
+                raise outcome.error
+            self._yielded(batch_id)
+            return outcome.value
 
     async def _take(self, outcome: Outcome) -> Any:
         if outcome.error is not None:

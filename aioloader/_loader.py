@@ -99,7 +99,8 @@ class DataLoader(SettingsView):
             lists of such batches (the loader then yields a list of batches, one per shard);
             excludes batch_size/shuffle/sampler/drop_last.
         num_workers: worker processes (or threads with ``thread_pool=True``); 0 runs the CPU
-            work on one helper thread.
+            work on one helper thread, or where it is asked for while batches are cheaper than
+            the hand-over (see ``aioloader._threads``).
         collate_fn: turns samples into a batch (default :func:`default_collate`).
         pin_memory: return batches in pinned (page-locked) host memory, for fast copies to
             CUDA. Without CUDA it warns :class:`DeviceUnavailableWarning` once at the first
@@ -431,11 +432,11 @@ class DataLoader(SettingsView):
         ``next()`` goes on with the following batches, as torch's iterator does.
         """
         self._check_open()
-        return SyncIterator(self._start_sync_epoch)
+        return SyncIterator(self._new_epoch, self._sync_loop)
 
-    def _start_sync_epoch(self) -> tuple[LoopThread, Epoch]:
-        self._ensure_resources()
-        return self._res.loop(), self._new_epoch()
+    def _sync_loop(self) -> LoopThread:
+        self._check_open()
+        return self._res.loop()
 
     # -- lifecycle ---------------------------------------------------------------------------
 

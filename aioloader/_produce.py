@@ -34,9 +34,8 @@ Each position is numbered per reader (``seq``), for the book's "every earlier ba
 reader taken" rule (``_resume``).
 
 Fast path: a sync map dataset on threads with no deadline and no retries needs no task per
-batch: the thread's future reports straight into the reorder buffer. For batches that take
-tens of microseconds to make, the task machinery is most of the cost.
-"""
+batch: the thread's future (done at once if made inline) reports straight into the reorder
+buffer. For batches of tens of microseconds, the task machinery is most of the cost."""
 
 from __future__ import annotations
 
@@ -65,6 +64,7 @@ from ._tree import iter_leaves
 from ._types import (
     END,
     BatchRequest,
+    InlineMaking,
     Made,
     RankShardedStream,
     Runner,
@@ -164,6 +164,8 @@ class Producer:
         self._tasks: set[asyncio.Future[Any]] = set()  # produce tasks and fast-path futures
         self._sizes: dict[int, tuple[int, int]] = {}  # batch id -> (samples, bytes), until taken
         self._next_id = 0  # the next batch id no scheduled batch uses
+        # make_inline reads the plan one ahead: the pair read, the error reading it, or None.
+        self._ahead: tuple[int, Any] | Exception | None = None
         self._claimed: int | None = None  # expected, and not yet handed to a task or future
         self._unwalked = 0  # batches whose bytes are estimated before the next walk
         self._bytes_per_sample = 0.0  # of the last walked batch
@@ -200,6 +202,55 @@ class Producer:
         for task in tasks:
             task.cancel()
         return tasks
+
+    # -- inline, with no loop -------------------------------------------------------------------
+
+    def make_inline(self, inline: InlineMaking) -> Outcome | None:
+        """Make the plan's next batch in the calling thread, no loop (``Epoch.next_inline``);
+        None once the plan ran out. Read one pair ahead, so ``done`` is set as the last batch
+        is made; a failing sampler is delivered in order and ends the epoch, as scheduled."""
+        assert self._plan is not None
+        if self._ahead is None:
+            self._read_ahead()
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        if isinstance(ahead, Exception):
+            self.done = True
+            return Outcome(self._next_id, error=ahead)
+        batch_id, indices = ahead
+        self._next_id = batch_id + 1
+        request = _request(self._epoch, batch_id, indices)
+        try:
+            made = inline.make(request)
+        except Exception as exc:
+            outcome = Outcome(batch_id, error=exc)
+        else:
+            assert made is not None  # a make that waits for the lock always makes
+            outcome = self._accounted(batch_id, made, request)
+        self._read_ahead()
+        return outcome
+
+    def _read_ahead(self) -> None:
+        assert self._plan is not None
+        try:
+            self._ahead = next(iter(self._plan))
+        except StopIteration:
+            self._ahead = None
+            self.done = True
+        except Exception as exc:
+            self._ahead = exc
+
+    @property
+    def can_leave_inline(self) -> bool:
+        """Whether the loop can take over now (a sampler's error read ahead is delivered here)."""
+        return not isinstance(self._ahead, Exception)
+
+    def leave_inline(self, put_back: Callable[[tuple[int, Any]], None]) -> None:
+        """Hand the pair read ahead back to the plan (``put_back``), for the scheduler."""
+        ahead, self._ahead = self._ahead, None
+        if isinstance(ahead, tuple):
+            put_back(ahead)
 
     # -- scheduling ----------------------------------------------------------------------------
 
@@ -265,6 +316,9 @@ class Producer:
             if fast:
                 future = self._runner.start_make(request)
                 self._claimed = None
+                if future.done():  # made inline (cheap): no callback round through the loop
+                    self._made_fast(request, future)
+                    continue
                 self._tasks.add(future)
                 _hold(future)
                 future.add_done_callback(functools.partial(self._made_fast, request))

@@ -218,7 +218,9 @@ class Resources:
                     release_before_sigterm(close_all_at_exit)
                     self.runner = ProcessRunner(pool, self.slots, config.prefetch)
                 else:
-                    self.runner = ThreadRunner(batch_maker(config, dataset), config.threads)
+                    self.runner = ThreadRunner(
+                        batch_maker(config, dataset), config.threads, inline=config.makes_inline
+                    )
             if isinstance(dataset, AsyncCloseable):
                 self.dataset_aclose = dataset.aclose
             _LIVE.add(self)

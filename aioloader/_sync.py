@@ -23,11 +23,14 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
-__all__ = ["LoopThread", "SyncIterator", "new_event_loop"]
+__all__ = ["NOT_INLINE", "LoopThread", "SyncIterator", "new_event_loop"]
 
 T = TypeVar("T")
+
+#: What an epoch's ``next_inline()`` returns when its next batches are to come from the loop.
+NOT_INLINE: Final[Any] = object()
 
 # How long closing waits for the loop thread to wind down before giving up on it.
 CLOSE_TIMEOUT_S = 10.0
@@ -91,14 +94,17 @@ class SyncIterator:
     does: the error was that batch's, the epoch is still there. What ends the epoch early is
     :meth:`close`, the iterator being dropped, or an interruption of the wait itself (Ctrl-C
     while the calling thread waits for a batch): then the epoch is closed on the loop thread.
-    The epoch starts at the first ``next()``: ``start`` then returns the loop thread and the
-    epoch (an async iterator with ``aclose()`` and ``close_nowait()``).
+    The epoch starts at the first ``next()``: ``start`` then returns the epoch (an async
+    iterator with ``aclose()``, ``close_nowait()`` and ``next_inline()``). While the epoch
+    makes its batches in this thread (``next_inline``: cheap batches, no workers), no loop is
+    involved; once it says ``NOT_INLINE``, ``loop`` gives the loop thread that runs the rest.
     """
 
-    def __init__(self, start: Callable[[], tuple[LoopThread, Any]]) -> None:
-        # Kept for the iterator's life, not only until the start: it holds the loader, which must
-        # live as long as its iterator does (``next(iter(DataLoader(...)))``).
+    def __init__(self, start: Callable[[], Any], loop: Callable[[], LoopThread]) -> None:
+        # Kept for the iterator's life, not only until the start: they hold the loader, which
+        # must live as long as its iterator does (``next(iter(DataLoader(...)))``).
         self._start = start
+        self._loop = loop
         self._started = False
         self._loop_thread: LoopThread | None = None
         self._epoch: Any = None
@@ -112,8 +118,21 @@ class SyncIterator:
             raise StopIteration
         if not self._started:
             self._started = True
-            self._loop_thread, self._epoch = self._start()
-        assert self._loop_thread is not None
+            self._epoch = self._start()
+        if self._loop_thread is None:
+            try:
+                batch = self._epoch.next_inline()
+            except StopIteration:
+                self._done = True
+                self._epoch = None
+                raise StopIteration from None
+            except BaseException as exc:
+                if not isinstance(exc, Exception):  # interrupted: the epoch closed itself
+                    self._done = True
+                raise
+            if batch is not NOT_INLINE:
+                return batch
+            self._loop_thread = self._loop()
         step = _step(self._epoch)
         try:
             future = asyncio.run_coroutine_threadsafe(step, self._loop_thread.loop)
@@ -139,7 +158,10 @@ class SyncIterator:
         self._done = True
         epoch, self._epoch = self._epoch, None
         loop_thread = self._loop_thread
-        if epoch is None or loop_thread is None:
+        if epoch is None:
+            return
+        if loop_thread is None:  # it made its batches here: nothing runs on a loop
+            epoch.close_nowait()
             return
         if threading.current_thread() is loop_thread._thread:
             epoch.close_nowait()  # collected on the loop thread: it cannot wait for itself

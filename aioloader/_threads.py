@@ -12,6 +12,18 @@ loader's cost. Here a job carries its loop and asyncio future, and the thread se
 one ``call_soon_threadsafe``. A job whose future was cancelled before a thread took it is
 skipped.
 
+Cheap batches skip the thread (:class:`InlineMaker`, ``num_workers=0`` only): handing a batch
+to a thread and back costs about 60 us of CPU across the two threads, more than making a batch
+of a few hundred small samples (torch's ``num_workers=0`` makes them in the caller's thread,
+and was twice as fast here). Batches that take under :data:`INLINE_BELOW_S` are made where
+they are asked for: on the event loop (async iteration, once :data:`INLINE_AFTER` batches in a
+row were that cheap, and only while the thread is not making one), or in the caller's own thread
+(``for``, from the first batch: see ``Epoch.next_inline``). A batch that takes longer than
+:data:`INLINE_ABOVE_S` sends the next ones back to the thread, which makes them while the
+consumer works: the loop never stalls for longer than that, and slow batches keep their
+prefetch. Never with a ``timeout`` (a batch made inline cannot be abandoned) or
+``thread_pool=True`` (several threads were asked for).
+
 Sharp edges:
 - A thread cannot be killed: a batch that misses its deadline times out, but the thread runs on
   until the user code returns, and jobs queued behind it wait. ``close()`` waits
@@ -40,7 +52,15 @@ from ._distributed import every_nth, stream_share
 from ._errors import WorkerError
 from ._types import END, BatchRequest, Made, StreamRequest, stream_state
 
-__all__ = ["THREAD_JOIN_TIMEOUT_S", "ThreadPool", "ThreadRunner"]
+__all__ = [
+    "INLINE_ABOVE_S",
+    "INLINE_AFTER",
+    "INLINE_BELOW_S",
+    "THREAD_JOIN_TIMEOUT_S",
+    "InlineMaker",
+    "ThreadPool",
+    "ThreadRunner",
+]
 
 A = TypeVar("A")
 R = TypeVar("R")
@@ -49,6 +69,63 @@ R = TypeVar("R")
 # with a slow last batch; shorter: a hung dataset read delays close() less (it is warned about).
 THREAD_JOIN_TIMEOUT_S = 10.0
 
+# Batches made in under this many seconds are cheaper to make where they are asked for than to
+# hand to the thread and back (the hand-over costs ~60 us). Higher: more batches made inline
+# (the loop stalls up to this long per batch); lower: more batches pay the hand-over.
+INLINE_BELOW_S = 100e-6
+# How many batches in a row must be that cheap before the event loop makes them itself.
+INLINE_AFTER = 4
+# A batch made inline that takes longer than this sends the next ones back to the thread.
+INLINE_ABOVE_S = 1e-3
+
+
+class InlineMaker:
+    """Makes batches in the calling thread while they are cheap (see the module docstring).
+
+    Every make of the runner, on its thread or inline, goes through :meth:`make`, under one
+    lock: the dataset is only ever read by one thread at a time, as with a single helper
+    thread (two epochs at once, one iterated with ``for`` and one with ``async for``, would
+    otherwise read it from two threads).
+
+    Args:
+        maker: builds batches.
+    """
+
+    def __init__(self, maker: BatchMaker) -> None:
+        self._maker = maker
+        self._lock = threading.Lock()
+        self._cheap_run = 0  # cheap batches in a row
+        self.cheap = False  # the last INLINE_AFTER batches were cheap, none costly since
+        self.costly = False  # the last batch measured took longer than INLINE_ABOVE_S
+
+    def make(self, request: BatchRequest, *, wait: bool = True) -> Made | None:
+        """Make ``request``'s batch here and now, and time it; None if ``wait`` is False and
+        another thread is making one (the event loop never waits for that)."""
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
+            started = time.perf_counter()
+            try:
+                return self._maker.make(request)
+            finally:
+                self._record(time.perf_counter() - started)
+        finally:
+            self._lock.release()
+
+    def _record(self, seconds: float) -> None:
+        if seconds > INLINE_ABOVE_S:
+            self._cheap_run = 0
+            self.cheap = False
+            self.costly = True
+            return
+        self.costly = False
+        if seconds < INLINE_BELOW_S:
+            self._cheap_run += 1
+            if self._cheap_run >= INLINE_AFTER:
+                self.cheap = True
+        else:
+            self._cheap_run = 0
+
 
 class ThreadRunner:
     """CPU work on ``threads`` threads of this process.
@@ -56,11 +133,13 @@ class ThreadRunner:
     Args:
         maker: builds batches.
         threads: thread count (started on demand).
+        inline: make cheap batches without the thread (:class:`InlineMaker`); for one thread.
     """
 
-    def __init__(self, maker: BatchMaker, threads: int) -> None:
+    def __init__(self, maker: BatchMaker, threads: int, *, inline: bool = False) -> None:
         self._maker = maker
         self._threads = ThreadPool(threads)
+        self.inline: InlineMaker | None = InlineMaker(maker) if inline and threads == 1 else None
         # One stream for all threads: the rank split only (every thread reads from it).
         start, step = stream_share(maker.shard, 0, 1)
 
@@ -89,12 +168,31 @@ class ThreadRunner:
         """Threads start on demand: nothing to do ahead."""
 
     def start_make(self, request: BatchRequest) -> asyncio.Future[Made]:
+        inline = self.inline
+        # Never while the thread makes one: the lock tells, and the loop does not wait for it.
+        if inline is not None and inline.cheap:
+            future: asyncio.Future[Made] = asyncio.get_running_loop().create_future()
+            try:
+                made = inline.make(request, wait=False)
+            except KeyboardInterrupt:
+                raise  # on the loop's thread, this may well be the user's Ctrl-C
+            except BaseException as exc:
+                if not isinstance(exc, Exception):  # SystemExit would end the program here too
+                    exc = not_an_exit(exc, "the event loop (a batch made inline)", request.batch_id)
+                future.set_exception(exc)
+                return future
+            if made is not None:
+                future.set_result(made)
+                return future
         return self._threads.run(self._make, request)
 
     def _make(self, request: BatchRequest) -> Made:
         self._running.add(request.batch_id)  # set.add/discard are atomic: no lock needed
         try:
-            return self._maker.make(request)
+            inline = self.inline
+            made = self._maker.make(request) if inline is None else inline.make(request)
+            assert made is not None  # a make that waits for the lock always makes
+            return made
         except BaseException as exc:
             if isinstance(exc, Exception):
                 raise  # the user's own error, as it is

@@ -46,6 +46,7 @@ __all__ = [
     "Dataset",
     "DatasetKind",
     "DecodingStream",
+    "InlineMaking",
     "IterableDataset",
     "Made",
     "RankShardedStream",
@@ -309,11 +310,28 @@ class Made:
     position: Any = None  # a ResumableStream's state after this batch's items
 
 
+class InlineMaking(Protocol):
+    """Makes cheap batches where they are asked for, without a hand-over (``num_workers=0``;
+    see ``_threads.InlineMaker``)."""
+
+    cheap: bool  # recent batches were cheap: the event loop may make the next one itself
+    costly: bool  # the last batch was costly: the next ones go to the thread
+
+    def make(self, request: BatchRequest, *, wait: bool = True) -> Made | None:
+        """Make the batch here; None if ``wait`` is False and a thread is making one."""
+        ...
+
+
 class Runner(Protocol):
     """Where the CPU work of a batch runs: threads of this process or worker processes.
 
     The producer side of an epoch (``_produce``) talks to either through this interface only.
     """
+
+    @property
+    def inline(self) -> InlineMaking | None:
+        """Makes batches without a hand-over while they are cheap, or None (processes)."""
+        ...
 
     @property
     def streams(self) -> int:

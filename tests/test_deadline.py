@@ -41,6 +41,8 @@ class FakeClock:
 class FakeRunner:
     """Says a batch is running (or only queued) and records which batches were killed."""
 
+    inline = None  # every batch is made by the runner
+
     def __init__(self, running: bool = True) -> None:
         self.running = running
         self.killed: list[int] = []

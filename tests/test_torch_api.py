@@ -531,6 +531,7 @@ class _FailingRunner:
     streams = 1
     restarts = 0
     shm_fallbacks = 0
+    inline = None
 
     def start_make(self, request: BatchRequest) -> asyncio.Future[Made]:
         if request.batch_id == 1:

@@ -20,7 +20,7 @@ from typing import TypeVar
 from .. import _shm
 from .._errors import WorkerCrashedError
 from .._log import workers_log
-from .._types import BatchRequest, Made, StreamRequest
+from .._types import BatchRequest, InlineMaking, Made, StreamRequest
 from ._frames import Packed
 from ._pool import WorkerPool
 from ._wire import MapJob, Receiver, StreamJob
@@ -40,6 +40,8 @@ class ProcessRunner:
         slots: the shared-memory slot pool, or None to send every batch inline.
         prefetch: batches in flight at once (to check /dev/shm for that many slots).
     """
+
+    inline: InlineMaking | None = None  # every batch is a worker's
 
     def __init__(self, pool: WorkerPool, slots: _shm.SlotPool | None, prefetch: int = 1) -> None:
         self.pool = pool

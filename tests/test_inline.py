@@ -1,0 +1,297 @@
+"""Cheap batches made where they are asked for (``num_workers=0``): in the caller's thread for
+``for``, on the event loop for ``async for`` once a few were cheap; a costly batch sends the next
+ones to the helper thread. What must not change: every sample once and in order, errors named
+and the epoch going on after them, skips, statistics, exact resume, the end of an epoch seen at
+its last batch, Ctrl-C, and the dataset never read from two threads at once.
+
+Which thread made a batch is read from the dataset itself (the thread that ran ``__getitem__``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from datasets import Range
+from helpers import BOUND_S, as_lists, expected_batches, flat, notes_of
+
+from aioloader import DataLoader, _threads
+from aioloader._batch import BatchMaker
+from aioloader._threads import INLINE_AFTER, InlineMaker, ThreadRunner
+from aioloader._types import BatchRequest
+
+pytestmark = pytest.mark.usefixtures("baseline")
+
+# The thresholds these tests run with: far from the time a tiny batch takes, so a busy machine
+# that pauses a thread for a few milliseconds does not move a batch. A sample of COSTLY_S makes
+# its batch costly.
+CHEAP_BELOW_S = 0.005
+COSTLY_ABOVE_S = 0.03
+COSTLY_S = 0.1
+HELPER = "aioloader-0"  # the helper thread's name (_threads.ThreadPool)
+
+
+@pytest.fixture(autouse=True)
+def robust_thresholds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_threads, "INLINE_BELOW_S", CHEAP_BELOW_S)
+    monkeypatch.setattr(_threads, "INLINE_ABOVE_S", COSTLY_ABOVE_S)
+
+
+class WhereMade(Range):
+    """Records the thread that read each index; the indices in ``costly`` take ``COSTLY_S``;
+    reading ``interrupt`` raises KeyboardInterrupt once (a Ctrl-C in the dataset's code)."""
+
+    def __init__(
+        self, n: int, costly: frozenset[int] = frozenset(), interrupt: int | None = None
+    ) -> None:
+        super().__init__(n)
+        self.costly = costly
+        self.interrupt = interrupt
+        self.threads: dict[int, str] = {}
+        self.running = 0
+        self.most_at_once = 0
+
+    def __getitem__(self, index: int) -> int:
+        self.running += 1
+        self.most_at_once = max(self.most_at_once, self.running)
+        try:
+            self.threads[index] = threading.current_thread().name
+            if index == self.interrupt:
+                self.interrupt = None
+                raise KeyboardInterrupt
+            if index in self.costly:
+                time.sleep(COSTLY_S)
+            return super().__getitem__(index)
+        finally:
+            self.running -= 1
+
+
+GATED = 63
+
+
+class Gated(WhereMade):
+    """Reading index ``GATED`` waits (bounded) until ``gate`` is set; ``entered`` says it began."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+
+    def __getitem__(self, index: int) -> int:
+        if index == GATED:
+            self.entered.set()
+            self.gate.wait(BOUND_S)
+        return super().__getitem__(index)
+
+
+def made_by(dataset: WhereMade, indices: range) -> set[str]:
+    return {dataset.threads[i] for i in indices}
+
+
+def test_for_makes_cheap_batches_in_the_callers_thread_with_no_loop_and_as_torch_does() -> None:
+    data = WhereMade(64)
+    seen_threads: set[str] = set()
+    with DataLoader(data, batch_size=4) as loader:
+        batches = []
+        for batch in loader:
+            batches.append(batch)
+            seen_threads |= {t.name for t in threading.enumerate()}
+    assert made_by(data, range(64)) == {threading.current_thread().name}
+    assert not {name for name in seen_threads if name.startswith("aioloader")}
+    reference: Any = Range(64)
+    expected = list(torch.utils.data.DataLoader(reference, batch_size=4))
+    assert len(batches) == len(expected) == 16
+    for ours, theirs in zip(batches, expected, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_costly_batch_sends_the_rest_of_the_epoch_to_the_helper_thread() -> None:
+    data = WhereMade(40, costly=frozenset({9}))  # in batch 2 (indices 8..11)
+    with DataLoader(data, batch_size=4) as loader:
+        assert as_lists(list(loader)) == expected_batches(40, 4)
+        me = threading.current_thread().name
+        assert made_by(data, range(12)) == {me}  # the costly batch itself was made inline
+        assert made_by(data, range(12, 16)) == {HELPER}  # then the thread, prefetching
+        assert me not in made_by(data, range(16, 40))  # the rest from the loop's side
+        # The batches after it were cheap: an epoch without it stays in the caller's thread.
+        data.threads.clear()
+        data.costly = frozenset()
+        assert flat(list(loader)) == list(range(40))
+        assert made_by(data, range(40)) == {me}
+    assert data.most_at_once == 1
+
+
+async def test_async_for_makes_batches_on_the_loop_once_they_proved_cheap() -> None:
+    data = WhereMade(128)
+    async with DataLoader(data, batch_size=4) as loader:
+        assert as_lists([b async for b in loader]) == expected_batches(128, 4)
+    loop_thread = threading.current_thread().name
+    assert made_by(data, range(4)) == {HELPER}  # the first batch: not known to be cheap yet
+    later = [data.threads[i] for i in range(4 * (INLINE_AFTER + 4), 128)]
+    # Most of them: a pause of the machine while one is made (> INLINE_ABOVE_S) would send a
+    # few back to the thread until they prove cheap again.
+    assert later.count(loop_thread) > len(later) * 0.9
+    assert data.most_at_once == 1
+
+
+def test_the_policy_goes_inline_after_cheap_batches_and_leaves_at_a_costly_one() -> None:
+    inline = InlineMaker(BatchMaker(Range(8), collate_fn=list))
+    assert (inline.cheap, inline.costly) == (False, False)
+    for _ in range(INLINE_AFTER - 1):
+        inline._record(CHEAP_BELOW_S / 2)
+    assert not inline.cheap
+    inline._record((CHEAP_BELOW_S + COSTLY_ABOVE_S) / 2)  # neither: the count starts again
+    for _ in range(INLINE_AFTER - 1):
+        inline._record(CHEAP_BELOW_S / 2)
+    assert not inline.cheap
+    inline._record(CHEAP_BELOW_S / 2)
+    assert (inline.cheap, inline.costly) == (True, False)
+    inline._record(COSTLY_ABOVE_S * 2)
+    assert (inline.cheap, inline.costly) == (False, True)
+    inline._record(CHEAP_BELOW_S / 2)
+    assert (inline.cheap, inline.costly) == (False, False)
+
+
+async def test_a_runner_found_cheap_makes_on_the_loop_and_a_costly_batch_sends_the_next_away() -> (
+    None
+):
+    data = Gated(64)
+    runner = ThreadRunner(BatchMaker(data, collate_fn=list), 1, inline=True)
+    try:
+        inline = runner.inline
+        assert inline is not None
+        for _ in range(INLINE_AFTER):
+            inline._record(0.0)
+        made = runner.start_make(BatchRequest(0, 0, [0, 1]))
+        assert made.done()  # made right there, on the loop
+        assert (await made).batch == [0, 1]
+        inline._record(COSTLY_ABOVE_S * 2)
+        on_thread = runner.start_make(BatchRequest(0, 1, [2, 3]))
+        assert not on_thread.done()
+        assert (await on_thread).batch == [2, 3]
+        # While the thread makes a batch, the loop does not make one beside it.
+        inline._record(COSTLY_ABOVE_S * 2)
+        data.gate.clear()
+        held = runner.start_make(BatchRequest(0, 2, [GATED]))  # waits in the thread
+        assert data.entered.wait(BOUND_S)
+        for _ in range(INLINE_AFTER):
+            inline._record(0.0)
+        beside = runner.start_make(BatchRequest(0, 3, [4, 5]))
+        assert not beside.done()  # queued for the thread, behind the held one
+        data.gate.set()
+        assert (await held).batch == [GATED]
+        assert (await beside).batch == [4, 5]
+        for _ in range(INLINE_AFTER):
+            inline._record(0.0)
+        assert runner.start_make(BatchRequest(0, 4, [6, 7])).done()
+        assert data.most_at_once == 1
+    finally:
+        runner.close()
+
+
+def test_an_error_names_its_sample_and_the_epoch_goes_on_inline() -> None:
+    class FailAt5(WhereMade):
+        def __getitem__(self, index: int) -> int:
+            if index == 5:
+                raise KeyError("sample 5 is broken")
+            return super().__getitem__(index)
+
+    with DataLoader(FailAt5(16), batch_size=4) as loader:
+        it = iter(loader)
+        assert next(it).tolist() == [0, 1, 2, 3]
+        with pytest.raises(KeyError) as info:
+            next(it)
+        assert "index 5" in notes_of(info.value)
+        assert [b.tolist() for b in it] == [[8, 9, 10, 11], [12, 13, 14, 15]]
+
+
+def test_skips_and_statistics_inline() -> None:
+    class FailOdd(WhereMade):
+        def __getitem__(self, index: int) -> int:
+            if index % 2:
+                raise ValueError(f"odd {index}")
+            return super().__getitem__(index)
+
+    data = FailOdd(40)
+    with DataLoader(data, batch_size=4, on_error="skip", max_failures=0.6) as loader:
+        assert flat(list(loader)) == list(range(0, 40, 2))
+        stats = loader.statistics()
+    assert made_by(data, range(0, 40, 2)) == {threading.current_thread().name}
+    assert stats.batches_yielded == 10
+    assert stats.samples_yielded == 20
+    assert stats.skipped_count == 20
+    assert stats.read_s > 0
+
+
+def test_a_state_taken_mid_epoch_inline_resumes_exactly() -> None:
+    def loader() -> DataLoader:
+        return DataLoader(WhereMade(50), batch_size=4, shuffle=True, seed=7)
+
+    with loader() as whole:
+        expected = as_lists(list(whole))
+    with loader() as first:
+        it = iter(first)
+        head = as_lists([next(it) for _ in range(5)])
+        state = first.state_dict()
+    with loader() as second:
+        second.load_state_dict(state)
+        rest = as_lists(list(second))
+    assert head + rest == expected
+
+
+def test_taking_len_batches_ends_the_epoch_without_a_last_next() -> None:
+    # Lightning and accelerate count to len(loader) and never ask for the batch after.
+    with DataLoader(WhereMade(20), batch_size=4, seed=3) as counted, DataLoader(
+        WhereMade(20), batch_size=4, seed=3
+    ) as drained:
+        it = iter(counted)
+        for _ in range(len(counted)):
+            next(it)
+        list(drained)
+        assert counted.state_dict() == drained.state_dict()
+
+
+def test_ctrl_c_in_the_dataset_ends_the_epoch_and_the_next_one_starts_whole() -> None:
+    data = WhereMade(24, interrupt=6)
+    with DataLoader(data, batch_size=4) as loader:
+        it = iter(loader)
+        assert next(it).tolist() == [0, 1, 2, 3]
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+        with pytest.raises(StopIteration):
+            next(it)
+        assert flat(list(loader)) == list(range(24))
+
+
+def test_a_failing_batch_sampler_is_delivered_in_order_inline() -> None:
+    plan: list[Any] = [[0, 1], [2, 3], ["x"], [4, 5]]
+    with DataLoader(WhereMade(8), batch_sampler=plan) as loader:
+        it = iter(loader)
+        assert [next(it).tolist() for _ in range(2)] == [[0, 1], [2, 3]]
+        with pytest.raises(TypeError):
+            next(it)
+        assert list(it) == []
+
+
+def test_two_epochs_at_once_each_run_whole_and_never_read_together() -> None:
+    data = WhereMade(32, costly=frozenset({13}))
+    with DataLoader(data, batch_size=4) as loader:
+        pairs = list(zip(loader, loader, strict=True))
+        assert [a.tolist() for a, _ in pairs] == [b.tolist() for _, b in pairs]
+        assert flat([a for a, _ in pairs]) == list(range(32))
+    assert data.most_at_once == 1
+
+
+def test_a_loader_closed_under_an_inline_iterator_ends_it() -> None:
+    loader = DataLoader(WhereMade(16), batch_size=4)
+    it = iter(loader)
+    assert next(it).tolist() == [0, 1, 2, 3]
+    loader.close()
+    started = time.monotonic()
+    with pytest.raises((StopIteration, RuntimeError)):
+        next(it)
+    assert time.monotonic() - started < BOUND_S
