@@ -303,6 +303,7 @@ class DataLoader(SettingsView):
         self._closed = False
         self._finalizer = weakref.finalize(self, finalize, self._res, type(self).__name__)
         self._initialized = True
+        self._res.start_early(config, dataset, device_spec=self._device_spec, context=self._context)
 
     def _reconfigure(self, config: LoaderConfig) -> None:
         # Checked first: if it cannot be pickled, nothing changes. Workers take it with a copy.

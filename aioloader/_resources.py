@@ -54,9 +54,12 @@ from ._threads import ThreadRunner
 from ._types import AsyncCloseable, DecodingStream, Runner, SourceDataset
 from ._workers import (
     DEFAULT_START_TIMEOUT_S,
+    Payload,
     ProcessRunner,
     WorkerPool,
+    dumps_copy,
     dumps_payload,
+    is_zygote,
     pickles_main_by_value,
 )
 
@@ -111,7 +114,7 @@ def start_deadline(config: LoaderConfig) -> tuple[float, str]:
     return DEFAULT_START_TIMEOUT_S, "start_timeout not set: the default"
 
 
-def worker_payload(config: LoaderConfig, dataset: Any, context: BaseContext) -> bytes:
+def worker_payload(config: LoaderConfig, dataset: Any, context: BaseContext) -> Payload:
     """The dataset copy workers of ``context`` get: the pickled batch maker and
     ``worker_init_fn`` (what lives in ``__main__`` by value, see ``_workers._payload``).
 
@@ -121,7 +124,7 @@ def worker_payload(config: LoaderConfig, dataset: Any, context: BaseContext) -> 
     by_value = pickles_main_by_value(context)
     maker = batch_maker(config, dataset)
     try:
-        return dumps_payload((maker, config.worker_init_fn), main_by_value=by_value)
+        return dumps_copy((maker, config.worker_init_fn), main_by_value=by_value)
     except Exception as exc:
         # Only now, on the way to an error: pickle each part alone to name the culprit. An
         # async dataset stays here; only its decode (a method of it) would travel.
@@ -180,6 +183,9 @@ class Resources:
     others: weakref.WeakSet[Epoch] = field(default_factory=weakref.WeakSet)  # older, still live
     dataset_aclose: Callable[[], Any] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    starter: threading.Thread | None = None  # starts the workers at construction (start_early)
+    used: bool = False  # made or started for the user (not only by start_early)
+    closed: bool = False
 
     def ensure(
         self,
@@ -190,8 +196,16 @@ class Resources:
         context: BaseContext | None,
     ) -> Runner:
         """Make what is missing (device stage, slot pool, runner); returns the runner. Worker
-        processes get their dataset copy from :meth:`renew`."""
+        processes get their dataset copy from :meth:`renew`.
+
+        Raises:
+            RuntimeError: closed (:meth:`start_early`'s thread, outrun by the loader's close).
+        """
         with self.lock:
+            if self.closed:
+                raise RuntimeError("this DataLoader is closed")
+            if threading.current_thread() is not self.starter:
+                self.used = True
             if self.device is None and (device_spec is not None or config.pin_memory):
                 from ._device import DeviceStage  # imports torch: only for a device stage
 
@@ -225,6 +239,37 @@ class Resources:
                 self.dataset_aclose = dataset.aclose
             _LIVE.add(self)
             return self.runner
+
+    def start_early(
+        self, config: LoaderConfig, dataset: Any, *, device_spec: Any, context: BaseContext | None
+    ) -> None:
+        """Start the worker processes now, in the background (at the loader's construction):
+        they start while the program builds its model, and are ready, or nearly, when the
+        first batch is asked for. Only the processes: their dataset copy still comes with the
+        first epoch, so a change made to the dataset before it reaches them. Whatever fails
+        here fails again, and is reported, where the workers are first used.
+
+        Only where a start is cheap and safe from a thread: workers forked from the forked
+        server (the default; not ``spawn``, whose workers each import the program, nor
+        ``fork`` from a thread), and no device stage (it is made on first use).
+        """
+        if (
+            not config.uses_processes
+            or not is_zygote(context)
+            or device_spec is not None
+            or config.pin_memory
+        ):
+            return
+        release_before_sigterm(close_all_at_exit)  # from this thread: off it, it cannot
+
+        def launch() -> None:
+            with contextlib.suppress(Exception):
+                runner = self.ensure(config, dataset, device_spec=None, context=context)
+                if isinstance(runner, ProcessRunner):
+                    runner.launch()
+
+        self.starter = threading.Thread(target=launch, name="aioloader-start", daemon=True)
+        self.starter.start()
 
     def drop_workers_for_seed(self, config: LoaderConfig, seed: int) -> None:
         """Worker processes were given the seed when they started: let started ones go (the
@@ -280,6 +325,7 @@ class Resources:
         for epoch in self.take_epochs():
             epoch.close_nowait()
         with self.lock:
+            self.closed = True
             runner, self.runner = self.runner, None
             slots, self.slots = self.slots, None
             device, self.device = self.device, None
@@ -292,6 +338,9 @@ class Resources:
             loop_thread.close()
         if runner is not None:
             runner.close()
+        starter = self.starter
+        if starter is not None and starter is not threading.current_thread():
+            starter.join(STARTER_JOIN_S)  # it launches nothing more once the pool is closed
         if device is not None:
             device.close()
         if slots is not None:
@@ -326,6 +375,10 @@ class Resources:
         return self.runner is not None or self.loop_thread is not None or self.slots is not None
 
 
+# How long closing waits for the thread that starts the workers early (it is at most amid one
+# process start, which the pool's close waits for anyway).
+STARTER_JOIN_S = 10.0
+
 # Resources that may hold something: closed at interpreter exit if their loader never was.
 _LIVE: weakref.WeakSet[Resources] = weakref.WeakSet()
 
@@ -346,8 +399,12 @@ os.register_at_fork(after_in_child=_LIVE.clear)
 
 
 def finalize(resources: Resources, name: str) -> None:
-    """The loader was garbage collected unclosed: warn, then release everything."""
+    """The loader was garbage collected unclosed: warn, then release everything. A loader
+    that was never used (its workers only started early) is released without a word."""
     if not resources.held:
+        return
+    if not resources.used:
+        resources.close()
         return
     warnings.warn(
         f"{name} was not closed; use `async with` / `with`, or call aclose() / close()",

@@ -239,7 +239,6 @@ resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 from aioloader import DataLoader
 
 if __name__ == "__main__":
-    loader = DataLoader(list(range(8)), batch_size=1, num_workers=4, collate_fn=np.stack)
     filler = []
     while True:  # leave 20 descriptors: too few to start four workers (about ten each)
         try:
@@ -249,6 +248,9 @@ if __name__ == "__main__":
     for handle in filler[len(filler) - 20 :]:
         os.close(handle)
     try:
+        # The workers start as the loader is made (in the background); failing there, they are
+        # started again, and the error raised, where they are first used.
+        loader = DataLoader(list(range(8)), batch_size=1, num_workers=4, collate_fn=np.stack)
         with loader:
             list(loader)
     except OSError as exc:

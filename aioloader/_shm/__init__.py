@@ -100,10 +100,14 @@ from ._pool import SlotPool as SlotPool
 from ._segment import SHM_DIR as SHM_DIR
 from ._segment import SHM_PREFIX as SHM_PREFIX
 from ._segment import Slot as Slot
+from ._segment import as_bytes as as_bytes
+from ._segment import create_segment as create_segment
 from ._segment import free_bytes as free_bytes
 from ._segment import janitor as janitor
+from ._segment import map_private as map_private
 from ._segment import page_round as page_round
 from ._segment import shm_available as shm_available
+from ._segment import unlink as unlink
 
 __all__ = [
     "ALIGN",
@@ -119,11 +123,15 @@ __all__ = [
     "Slot",
     "SlotPool",
     "SlotWriter",
+    "as_bytes",
     "attach",
     "attached",
+    "create_segment",
     "detach_all",
     "free_bytes",
     "janitor",
+    "map_private",
     "page_round",
     "shm_available",
+    "unlink",
 ]

@@ -40,6 +40,7 @@ __all__ = [
     "janitor",
     "janitor_once",
     "map_existing",
+    "map_private",
     "page_round",
     "segment_exists",
     "shm_available",
@@ -137,7 +138,7 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 SegmentMapping = ctypes.Array[ctypes.c_ubyte]
 
 
-def _map(fd: int, size: int) -> SegmentMapping:
+def _map(fd: int, size: int, flags: int = _MAP_FLAGS) -> SegmentMapping:
     """Map ``size`` bytes of ``fd`` shared and writable; the caller may close ``fd`` at once.
 
     The mapping lives as long as the returned buffer: every numpy array made from it keeps it
@@ -148,7 +149,7 @@ def _map(fd: int, size: int) -> SegmentMapping:
     Raises:
         OSError: if the kernel refuses the mapping (e.g. ENOMEM).
     """
-    address = _libc.mmap(None, size, _PROT, _MAP_FLAGS, fd, 0)
+    address = _libc.mmap(None, size, _PROT, flags, fd, 0)
     if address is None or address == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
@@ -278,6 +279,29 @@ def map_existing(slot: Slot) -> npt.NDArray[np.uint8]:
         return as_bytes(_map(fd, size), size)
     finally:
         os.close(fd)  # the mapping needs no descriptor
+
+
+def map_private(name: str, size: int) -> npt.NDArray[np.uint8]:
+    """Map segment ``name`` copy-on-write: this process reads what the owner wrote, and what
+    it writes stays its own (as memory inherited through ``fork``). No descriptor stays open.
+
+    Raises:
+        FileNotFoundError: if the segment is gone (see :func:`vanished_message`).
+        SharedMemoryError: if this process has no file descriptor left to open the segment.
+    """
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, 0)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(exc.errno, vanished_message(name), f"{SHM_DIR}/{name}") from exc
+    except OSError as exc:
+        if (error := _out_of_fds(exc, "attach", size)) is None:
+            raise
+        raise error from exc
+    try:
+        flags = mmap.MAP_PRIVATE  # pages come in as they are read: a dataset may read few
+        return as_bytes(_map(fd, size, flags), size)
+    finally:
+        os.close(fd)
 
 
 def vanished_message(name: str) -> str:

@@ -72,18 +72,24 @@ from ._context import resolve_context as resolve_context
 from ._info import WorkerInfo as WorkerInfo
 from ._info import get_worker_info as get_worker_info
 from ._info import seed_everything as seed_everything
+from ._payload import Payload as Payload
 from ._payload import dumps as dumps_payload
+from ._payload import dumps_copy as dumps_copy
 from ._pool import DEFAULT_START_TIMEOUT_S as DEFAULT_START_TIMEOUT_S
 from ._pool import WorkerPool as WorkerPool
 from ._runner import ProcessRunner as ProcessRunner
+from ._zygote import is_zygote as is_zygote
 
 __all__ = [
     "DEFAULT_START_TIMEOUT_S",
+    "Payload",
     "ProcessRunner",
     "WorkerInfo",
     "WorkerPool",
+    "dumps_copy",
     "dumps_payload",
     "get_worker_info",
+    "is_zygote",
     "pickles_main_by_value",
     "resolve_context",
     "seed_everything",

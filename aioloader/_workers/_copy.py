@@ -13,6 +13,7 @@ import concurrent.futures
 import threading
 from collections.abc import Callable
 
+from ._payload import Payload
 from ._wire import LoadJob
 
 __all__ = ["DatasetCopy"]
@@ -22,15 +23,17 @@ class DatasetCopy:
     """One dataset copy for the workers: pickled once, in a thread, when first needed.
 
     Args:
-        make: pickles the copy (``_payload.dumps`` of the batch maker and worker_init_fn).
+        make: pickles the copy (``_payload.dumps_copy`` of the batch maker and
+            worker_init_fn).
         epoch: the epoch it is made for (the workers' seeds derive from it).
     """
 
-    def __init__(self, make: Callable[[], bytes], epoch: int) -> None:
+    def __init__(self, make: Callable[[], Payload], epoch: int) -> None:
         self.epoch = epoch
-        self._make: Callable[[], bytes] | None = make
+        self._make: Callable[[], Payload] | None = make
         self._lock = threading.Lock()
-        self._done: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+        self._done: concurrent.futures.Future[Payload] = concurrent.futures.Future()
+        self._released = False
 
     async def job(self) -> LoadJob:
         """The job that loads this copy (pickled now if nobody did yet, off the loop)."""
@@ -49,8 +52,25 @@ class DatasetCopy:
             raise TypeError(str(exc)) from exc
         return LoadJob(payload, self.epoch)
 
-    def _run(self, make: Callable[[], bytes]) -> None:
+    def _run(self, make: Callable[[], Payload]) -> None:
         try:
-            self._done.set_result(make())
+            payload = make()
         except BaseException as exc:
             self._done.set_exception(exc)
+            return
+        with self._lock:  # with release(): exactly one of the two unlinks a released copy
+            self._done.set_result(payload)
+            released = self._released
+        if released:  # no worker will load it any more: its segment goes at once
+            payload.release()
+
+    def release(self) -> None:
+        """No worker will load this copy again: unlink the shared memory of its buffers (now,
+        or when its pickling finishes). Idempotent."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            made = self._done.done() and self._done.exception() is None
+        if made:
+            self._done.result().release()

@@ -18,6 +18,15 @@ rest by reference; everything else is pickled plainly (fast)::
                                    pickles back by reference, and the main process finds the
                                    original class under the same name
 
+Large buffers (a numpy array's memory, 1 MiB and more: :data:`OUT_OF_BAND_MIN_BYTES`) do not
+go through the pickle stream and the pipe: :func:`dumps_copy` pickles them out of band (pickle
+protocol 5) into one shared-memory segment, which each worker maps copy-on-write and unpickles
+the arrays over, without a copy. A dataset that holds its images in memory is then sent in
+milliseconds rather than pickled, piped and copied per worker (9.6 MB: ~70 ms before), and
+what a worker writes into it stays its own, as with torch's ``fork``. The segment belongs to
+the copy (:meth:`Payload.release`, by the pool); where shared memory is missing or short
+(less than :data:`OUT_OF_BAND_SHARE` of it free would be left), the buffers go in the stream.
+
 Sharp edges:
 - The byte test can be fooled only towards the slow path: the text ``__main__`` inside the data
   costs a second pickling, never a wrong one.
@@ -32,42 +41,134 @@ import io
 import pickle
 import sys
 import types
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["dumps", "loads"]
+import numpy as np
+
+from .. import _shm
+from .._errors import SharedMemoryError
+
+__all__ = ["OUT_OF_BAND_MIN_BYTES", "OUT_OF_BAND_SHARE", "Payload", "dumps", "dumps_copy", "loads"]
 
 _MAIN = b"__main__"
 
+#: Buffers at least this large travel out of band, through shared memory. Smaller: more, and
+#: smaller, copies saved; larger: fewer arrays skip the stream.
+OUT_OF_BAND_MIN_BYTES = 1 << 20
+#: The out-of-band buffers take shared memory only while they need at most this share of what
+#: is free there (batches need the rest); else they go in the stream.
+OUT_OF_BAND_SHARE = 0.25
 
-def dumps(obj: Any, *, main_by_value: bool) -> bytes:
+
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """A pickled dataset copy: the stream, and the segment that holds its large buffers.
+
+    Attributes:
+        data: the pickle stream (both pickles of :func:`dumps`).
+        segment: the shared-memory segment of the out-of-band buffers, or None.
+        size: the segment's size.
+        spans: ``(offset, length)`` of each out-of-band buffer in it, in pickling order.
+    """
+
+    data: bytes
+    segment: str | None = None
+    size: int = 0
+    spans: tuple[tuple[int, int], ...] = ()
+
+    def release(self) -> None:
+        """Unlink the segment (the owner's side, once no worker will load this copy again)."""
+        if self.segment is not None:
+            _shm.unlink(self.segment)
+
+
+def dumps(
+    obj: Any, *, main_by_value: bool, out_of_band: list[pickle.PickleBuffer] | None = None
+) -> bytes:
     """``obj`` pickled for a worker (see the module docstring).
 
     Args:
         obj: what to send.
         main_by_value: pickle the classes and functions of ``__main__`` by value (a worker
             that did not fork from this process cannot import them).
+        out_of_band: where buffers of :data:`OUT_OF_BAND_MIN_BYTES` or more go, out of the
+            stream (pickle protocol 5), in the order the stream refers to them; None: all
+            buffers in the stream.
 
     Raises:
         Exception: whatever pickling raised (``pickle.PicklingError``, ``TypeError``,
             ``AttributeError`` ...).
     """
+    callback = None if out_of_band is None else _collector(out_of_band)
     if not main_by_value:
-        return _plain(obj)
+        return _plain(obj, callback)
     try:
-        data = _plain(obj)
+        data = _plain(obj, callback)
     except Exception:
         if not _main_defines_any():
             raise
-        return _by_value(obj)  # a lambda or local function of __main__, say
+        return _by_value(obj, callback, out_of_band)  # a lambda or local function of __main__
     if _MAIN in data:
-        return _by_value(obj)
+        return _by_value(obj, callback, out_of_band)
     return data
 
 
-def loads(data: bytes) -> Any:
-    """The object :func:`dumps` pickled; what ``__main__`` defined is set on this process's
-    ``__main__`` under the same names (in a worker, the parent's ``__main__`` is not here)."""
-    unpickler = pickle.Unpickler(io.BytesIO(data))
+def _collector(into: list[pickle.PickleBuffer]) -> Callable[[pickle.PickleBuffer], bool]:
+    def out_of_band(buffer: pickle.PickleBuffer) -> bool:
+        if memoryview(buffer).nbytes < OUT_OF_BAND_MIN_BYTES:
+            return True  # in the stream
+        into.append(buffer)
+        return False
+
+    return out_of_band
+
+
+def dumps_copy(obj: Any, *, main_by_value: bool) -> Payload:
+    """``obj`` pickled for the workers as :func:`dumps` does, its large buffers out of band in
+    shared memory (see the module docstring).
+
+    Raises:
+        Exception: whatever pickling raised.
+    """
+    buffers: list[pickle.PickleBuffer] = []
+    data = dumps(obj, main_by_value=main_by_value, out_of_band=buffers)
+    if not buffers:
+        return Payload(data)
+    spans, offset = [], 0
+    for buffer in buffers:
+        length = memoryview(buffer).nbytes
+        spans.append((offset, length))
+        offset = -(-(offset + length) // _shm.ALIGN) * _shm.ALIGN
+    size = _shm.page_round(max(offset, 1))
+    if not _shm.shm_available() or size > OUT_OF_BAND_SHARE * _shm.free_bytes():
+        return Payload(dumps(obj, main_by_value=main_by_value))
+    try:
+        name, mapping = _shm.create_segment(size, _shm.SHM_DIR)
+    except (OSError, SharedMemoryError):
+        return Payload(dumps(obj, main_by_value=main_by_value))
+    view = _shm.as_bytes(mapping, size)
+    for buffer, (start, length) in zip(buffers, spans, strict=True):
+        view[start : start + length] = np.frombuffer(buffer.raw(), dtype=np.uint8)
+    return Payload(data, name, size, tuple(spans))
+
+
+def loads(payload: Payload | bytes) -> Any:
+    """The object :func:`dumps` or :func:`dumps_copy` pickled; what ``__main__`` defined is set
+    on this process's ``__main__`` under the same names (in a worker, the parent's
+    ``__main__`` is not here). Out-of-band buffers are mapped copy-on-write, not copied.
+
+    Raises:
+        FileNotFoundError: the segment of the buffers is gone.
+    """
+    if isinstance(payload, bytes):
+        payload = Payload(payload)
+    buffers = None
+    if payload.segment is not None:
+        view = _shm.map_private(payload.segment, payload.size).data
+        buffers = [view[start : start + length] for start, length in payload.spans]
+    unpickler = pickle.Unpickler(io.BytesIO(payload.data), buffers=buffers)
     obj = unpickler.load()
     table: dict[str, Any] = unpickler.load()
     if table:
@@ -77,17 +178,26 @@ def loads(data: bytes) -> Any:
     return obj
 
 
-def _plain(obj: Any) -> bytes:
+_Callback = Callable[[pickle.PickleBuffer], bool] | None
+
+
+def _plain(obj: Any, buffer_callback: _Callback) -> bytes:
     buffer = io.BytesIO()
-    pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler = pickle.Pickler(
+        buffer, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffer_callback
+    )
     pickler.dump(obj)
     pickler.dump({})
     return buffer.getvalue()
 
 
-def _by_value(obj: Any) -> bytes:
+def _by_value(
+    obj: Any, buffer_callback: _Callback, out_of_band: list[pickle.PickleBuffer] | None
+) -> bytes:
+    if out_of_band is not None:
+        out_of_band.clear()  # those of the first pickling: this one finds them again
     buffer = io.BytesIO()
-    pickler = _main_by_value_pickler(buffer)
+    pickler = _main_by_value_pickler(buffer, buffer_callback)
     pickler.dump(obj)
     # The same pickler, so the same memo: the table refers to the very objects pickled above.
     pickler.dump(pickler.main_table)
@@ -110,7 +220,7 @@ def _in_main(obj: Any) -> bool:
 _pickler_class: type | None = None
 
 
-def _main_by_value_pickler(buffer: io.BytesIO) -> Any:
+def _main_by_value_pickler(buffer: io.BytesIO, buffer_callback: _Callback) -> Any:
     """A cloudpickle pickler that records ``__main__``'s top-level classes and functions it
     meets in ``main_table``. Made at first use, so cloudpickle is imported only by a program
     that needs it."""
@@ -119,8 +229,10 @@ def _main_by_value_pickler(buffer: io.BytesIO) -> Any:
         import cloudpickle
 
         class MainByValuePickler(cloudpickle.Pickler):  # type: ignore[misc]
-            def __init__(self, file: io.BytesIO) -> None:
-                super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+            def __init__(self, file: io.BytesIO, buffer_callback: _Callback) -> None:
+                super().__init__(
+                    file, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffer_callback
+                )
                 self.main_table: dict[str, Any] = {}
 
             def reducer_override(self, obj: Any) -> Any:
@@ -132,4 +244,4 @@ def _main_by_value_pickler(buffer: io.BytesIO) -> Any:
                 return super().reducer_override(obj)
 
         _pickler_class = MainByValuePickler
-    return _pickler_class(buffer)
+    return _pickler_class(buffer, buffer_callback)

@@ -70,6 +70,7 @@ from .._log import workers_log
 from ._channel import Channel, open_channel
 from ._copy import DatasetCopy
 from ._frames import Packed
+from ._payload import Payload
 from ._starting import START_POLL_S, Hang, StackPipe, describe_start, kill, take_stack
 from ._worker import init_worker, load_copy, ping, serve
 
@@ -168,6 +169,7 @@ class WorkerPool:
         self._start_timeout = start_timeout
         self._start_setting = start_setting
         self._copy: DatasetCopy | None = None
+        self._retired: DatasetCopy | None = None  # the copy before, still maybe being loaded
         self._current = context.Array(ctypes.c_int64, num_workers, lock=False)
         self._loading = context.Array(ctypes.c_double, num_workers, lock=False)
         self._launch_lock = threading.Lock()
@@ -206,7 +208,7 @@ class WorkerPool:
         if w.started is not None:
             return
         with self._launch_lock:
-            if w.started is not None:
+            if w.started is not None or self._closed:
                 return
             executor, generation, channel = w.executor, w.generation, w.channel
             w.launched = time.monotonic()
@@ -228,6 +230,13 @@ class WorkerPool:
 
         serving.add_done_callback(serve_ended)
 
+    def launch(self) -> None:
+        """Start every worker's process now, without waiting until it is ready (blocking while
+        each is forked: call it from a thread). :meth:`start` waits for them; a job waits for
+        its own worker only."""
+        for w in self._workers:
+            self._launch(w)
+
     def start(self) -> None:
         """Start every worker and wait until each has run its initializer (blocking: call it
         from a thread). Without it, workers start at their first job. Their dataset copy comes
@@ -241,7 +250,8 @@ class WorkerPool:
             self._launch(w)
             waits.append((w, w.generation, w.started))
         for w, generation, started in waits:
-            assert started is not None
+            if started is None:  # closed meanwhile (by another thread)
+                raise RuntimeError("the worker pool is closed")
             try:
                 started.result(
                     timeout=max(0.0, w.launched + self._start_timeout - time.monotonic())
@@ -253,10 +263,15 @@ class WorkerPool:
             except Exception:  # a crash shows at the first real job
                 pass
 
-    def load(self, make: Callable[[], bytes], epoch: int) -> None:
+    def load(self, make: Callable[[], Payload], epoch: int) -> None:
         """Give the workers a new dataset copy: ``make()`` pickles it (once, in a thread, when
-        the first worker needs it); each worker loads it before its next job. Thread-safe."""
-        self._copy = DatasetCopy(make, epoch)
+        the first worker needs it); each worker loads it before its next job. Thread-safe.
+        The one before the current one is released: no worker can have its load queued."""
+        with self._launch_lock:
+            retired, self._retired = self._retired, self._copy
+            self._copy = DatasetCopy(make, epoch)
+        if retired is not None:
+            retired.release()
 
     @property
     def has_copy(self) -> bool:
@@ -509,9 +524,13 @@ class WorkerPool:
 
     def close(self) -> None:
         """Stop every worker: let current jobs end for a moment, then kill. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._launch_lock:  # a launch under way (another thread's) finishes first
+            if self._closed:
+                return
+            self._closed = True
+            copies = [c for c in (self._copy, self._retired) if c is not None]
+        for copy in copies:
+            copy.release()
         for w in self._workers:  # end-of-file: each worker's serve loop returns
             w.channel.close()
             _close_pipes(w.child_pipes)

@@ -67,6 +67,10 @@ class ProcessRunner:
         """Start every worker and wait until each ran its initializer (blocking)."""
         self.pool.start()
 
+    def launch(self) -> None:
+        """Start every worker's process without waiting for it (blocking while forking)."""
+        self.pool.launch()
+
     def start_make(self, request: BatchRequest) -> asyncio.Future[Made]:
         """Start making a map-style batch on the least-loaded worker."""
         job_of = functools.partial(MapJob, request)

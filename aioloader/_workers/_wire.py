@@ -57,6 +57,7 @@ from .._batch import Alloc
 from .._errors import SharedMemoryError
 from .._tree import iter_leaves, map_tree
 from .._types import BatchRequest, Made, StreamRequest
+from ._payload import Payload
 
 __all__ = [
     "INLINE_MAX_BYTES",
@@ -85,11 +86,11 @@ class LoadJob:
     """Make batches from now on with the dataset copy in ``payload``, made for ``epoch``.
 
     Attributes:
-        payload: ``(BatchMaker, worker_init_fn)`` pickled by :func:`._payload.dumps`.
+        payload: ``(BatchMaker, worker_init_fn)`` pickled by :func:`._payload.dumps_copy`.
         epoch: the epoch it was made for (the worker's seed derives from it).
     """
 
-    payload: bytes
+    payload: Payload
     epoch: int
 
 

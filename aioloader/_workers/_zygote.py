@@ -51,7 +51,14 @@ _util: Any = util
 _connection: Any = connection
 _context: Any = mp_context
 
-__all__ = ["PRELOAD", "SERVER_NAME", "preparation_data", "zygote_context", "zygote_pid"]
+__all__ = [
+    "PRELOAD",
+    "SERVER_NAME",
+    "is_zygote",
+    "preparation_data",
+    "zygote_context",
+    "zygote_pid",
+]
 
 # What a worker imports as it starts or at its first batch that the main process may not have
 # imported yet (numpy.random: the per-batch reseeding; ~20 ms a worker otherwise).
@@ -266,6 +273,11 @@ def zygote_context() -> ForkServerContext | None:
     except (OSError, RuntimeError):
         return None
     return _Context()
+
+
+def is_zygote(context: object) -> bool:
+    """Whether ``context`` starts workers from the forked server (:func:`zygote_context`)."""
+    return isinstance(context, _Context)
 
 
 def zygote_pid() -> int | None:

@@ -1,0 +1,102 @@
+"""The dataset copy's large buffers travel through shared memory, out of the pickle stream
+(``_workers._payload.dumps_copy``): what arrives equals what was sent, each copy a worker loads
+is its own (copy-on-write, as memory inherited through ``fork``), the segment lives while a
+worker may still load the copy and no longer, and without room in shared memory the buffers go
+in the stream as before.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+from datasets import Range
+
+from aioloader import DataLoader, _shm
+from aioloader._workers import _payload
+from aioloader._workers._payload import OUT_OF_BAND_MIN_BYTES, dumps_copy, loads
+
+pytestmark = pytest.mark.usefixtures("baseline")
+
+BIG = OUT_OF_BAND_MIN_BYTES // 8 * 3  # int64 elements: 3 MiB, out of band
+
+
+class InMemory(Range):
+    """A dataset that holds its samples in one large array (as a dataset of images in memory
+    does); reading a sample also scribbles over it, as a careless transform might."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.data = np.arange(BIG, dtype=np.int64)
+        self.small = np.arange(16)  # in the stream
+
+    def __getitem__(self, index: int) -> Any:
+        value = int(self.data[index])
+        self.data[index] = -1  # each worker's copy is its own: nobody else sees this
+        return value
+
+
+def own_segments() -> set[str]:
+    prefix = f"{_shm.SHM_PREFIX}{os.getpid()}_"
+    return {name for name in os.listdir(_shm.SHM_DIR) if name.startswith(prefix)}
+
+
+def test_large_buffers_leave_the_stream_and_arrive_equal_and_private_to_each_copy() -> None:
+    dataset = InMemory(8)
+    payload = dumps_copy(dataset, main_by_value=False)
+    try:
+        assert payload.segment is not None
+        assert len(payload.data) < 4096  # the 3 MiB went out of band
+        assert [length for _, length in payload.spans] == [dataset.data.nbytes]
+        first, second = loads(payload), loads(payload)
+        for copy in (first, second):
+            assert np.array_equal(copy.data, dataset.data)
+            assert np.array_equal(copy.small, dataset.small)
+            assert copy.data.flags.writeable
+        first.data[:10] = 7
+        assert np.array_equal(second.data[:10], np.arange(10))  # copy-on-write
+        assert np.array_equal(dataset.data[:10], np.arange(10))
+        assert np.array_equal(loads(payload).data[:10], np.arange(10))  # the segment neither
+    finally:
+        payload.release()
+    assert payload.segment not in own_segments()
+
+
+def test_without_room_in_shared_memory_the_buffers_go_in_the_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_payload, "OUT_OF_BAND_SHARE", 0.0)
+    dataset = InMemory(8)
+    payload = dumps_copy(dataset, main_by_value=False)
+    assert payload.segment is None
+    assert len(payload.data) > dataset.data.nbytes
+    assert np.array_equal(loads(payload).data, dataset.data)
+
+
+def test_small_buffers_stay_in_the_stream() -> None:
+    payload = dumps_copy(Range(5), main_by_value=False)
+    assert payload.segment is None
+    assert loads(payload).n == 5
+
+
+def test_workers_read_the_copy_through_shared_memory_and_each_epoch_gets_a_fresh_one() -> None:
+    dataset = InMemory(64)
+    seen: list[set[str]] = []
+    with DataLoader(dataset, batch_size=8, num_workers=2) as loader:
+        for _ in range(3):
+            values = []
+            for batch in loader:
+                values += batch.tolist()
+                seen.append(own_segments())
+            # Every value as the main process holds it: no worker's scribbles reached another
+            # worker, the next epoch, or this process.
+            assert sorted(values) == list(range(64))
+    assert np.array_equal(dataset.data[:64], np.arange(64))
+    # Batches this small travel inline: the segments are the copies'. The current one, and
+    # at most the previous epoch's (a worker may still have its load queued); the first is
+    # gone by the third epoch, and every one at close.
+    assert all(1 <= len(names) <= 2 for names in seen)
+    assert not seen[0] & seen[-1]
+    assert not own_segments()
