@@ -15,7 +15,9 @@ fsspec, local files through aiofiles; no temporary files), parses each as it arr
 
 Who decides what: the order samples are used in is the :class:`~._mixing.Mixer`'s, a pure
 function of (seed, epoch, rank share) and of where shards end; the network decides only when
-they arrive. Hence the shuffle is reproducible and a position can be recomputed.
+they arrive. Hence the shuffle is reproducible and a position can be recomputed. The readers and
+the epoch are :mod:`._readers`' (shared with the Parquet reader); this module says what a shard
+is and how its bytes become samples.
 
 **Resume.** ``state_dict()`` records the epoch, how many samples this iteration yielded, and
 how many samples each shard that ended had: a few integers per shard, no sample data, whatever
@@ -52,7 +54,6 @@ Sharp edges:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
@@ -70,7 +71,8 @@ from .._validate import (
 from ._file import FileDataset
 from ._fsspec import FsspecDataset
 from ._http import HTTPDataset
-from ._mixing import Mixer, SampleId, buffer_rng, replay, shard_order
+from ._mixing import Mixer, buffer_rng, shard_order
+from ._readers import Epoch, check_fits
 from ._tarfmt import Grouper, TarFormatError, TarParser
 
 __all__ = ["BrokenShard", "TarDataset"]
@@ -81,10 +83,6 @@ Source = HTTPDataset | FsspecDataset | FileDataset
 #: wait in memory). Each costs a connection and up to ``READAHEAD`` samples of memory; more
 #: hide more latency per byte of bandwidth.
 SHARDS_IN_FLIGHT = 8
-
-#: Samples read ahead per open shard: the queue that lets a shard keep streaming while the
-#: mixer waits for another one. Memory: ``shards_in_flight x READAHEAD x`` sample size.
-READAHEAD = 32
 
 #: Samples in the shuffle buffer by default (WebDataset's ``shuffle(1000)``). More mixes shards
 #: better and holds more memory; resume re-reads what it held.
@@ -183,7 +181,7 @@ class TarDataset:
         self._epoch = 0
         self._rank = (0, 1)
         self._resume: dict[str, Any] | None = None
-        self._current: _Epoch | None = None
+        self._current: Epoch | None = None
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -237,11 +235,7 @@ class TarDataset:
         Between iterations (or after one ran to its end) it points at the next epoch's start.
         """
         run = self._current
-        if run is None or run.finished:
-            epoch, yielded, ended = self._epoch, 0, []
-        else:
-            epoch, yielded = run.epoch, run.yielded
-            ended = [[shard, count] for shard, count in run.mixer.ended.items()]
+        epoch, yielded, ended = run.position() if run and not run.finished else (self._epoch, 0, [])
         return {
             "version": STATE_VERSION,
             "epoch": epoch,
@@ -260,7 +254,7 @@ class TarDataset:
         state = check_state_keys("TarDataset", state, ("epoch", "yielded", "ended", "shards"))
         fingerprint = self._fingerprint()
         del fingerprint["rank"]  # the loader may tell the rank later: checked by __aiter__
-        _check_fits(state, fingerprint)
+        check_fits("TarDataset", state, fingerprint)
         self._epoch = non_negative_int("state 'epoch'", state["epoch"])
         non_negative_int("state 'yielded'", state["yielded"])
         self._resume = dict(state)
@@ -283,9 +277,9 @@ class TarDataset:
         epoch = self._epoch
         resume, self._resume = self._resume, None
         if resume is not None:
-            _check_fits(resume, {"rank": list(self._rank)})
+            check_fits("TarDataset", resume, {"rank": list(self._rank)})
         self._epoch = epoch + 1
-        run = _Epoch(self, epoch, resume)
+        run = Epoch(_Shards(self), epoch, resume, self.shards_in_flight)
         self._current = run
         return run.samples()
 
@@ -294,34 +288,51 @@ class TarDataset:
         state["_current"] = None  # the live iteration belongs to this process's loop
         return state
 
-    # -- for _Epoch ------------------------------------------------------------------------
 
-    def _mixer(self, epoch: int) -> Mixer:
-        rank, world = self._rank
-        shuffled = self.shuffle
+class _Shards:
+    """The shards as an epoch reads them (:class:`~._readers.Units`)."""
+
+    kind = "tar"
+
+    def __init__(self, dataset: TarDataset) -> None:
+        self.dataset = dataset
+
+    async def start(self, epoch: int, resume: Mapping[str, Any] | None) -> Mixer:
+        """The mixer of ``epoch``: this rank's shards in the epoch's order (no IO first)."""
+        ds = self.dataset
+        rank, world = ds._rank
         order = shard_order(
-            len(self._urls),
-            shuffle=shuffled,
-            seed=self.seed,
-            epoch=epoch,
-            reader=rank,
-            readers=world,
+            len(ds.urls), shuffle=ds.shuffle, seed=ds.seed, epoch=epoch, reader=rank, readers=world
         )
-        size = self.shuffle_buffer if shuffled else 0
-        return Mixer(order, self.shards_in_flight, size, buffer_rng(self.seed, epoch, rank, world))
+        size = ds.shuffle_buffer if ds.shuffle else 0
+        return Mixer(order, ds.shards_in_flight, size, buffer_rng(ds.seed, epoch, rank, world))
 
-    def _stream(self, shard: int) -> AsyncGenerator[bytes, None]:
-        return self._source.stream(shard)
+    def where(self, unit: int) -> tuple[str, str]:
+        url = self.dataset.urls[unit]
+        return f"tar shard {url}", url
 
-
-def _check_fits(state: dict[str, Any], fingerprint: dict[str, Any]) -> None:
-    for key, value in fingerprint.items():
-        if state.get(key) != value:
-            raise ValueError(
-                f"TarDataset.load_state_dict: the state was saved with {key}="
-                f"{state.get(key)!r}, this dataset has {key}={value!r}; the order of samples "
-                "would differ"
-            )
+    async def records(self, unit: int) -> AsyncGenerator[Any, None]:
+        """The samples of shard ``unit``, parsed as its bytes arrive; a failure ends it with
+        a :class:`BrokenShard`."""
+        url = self.dataset.urls[unit]
+        parser = TarParser()
+        grouper = Grouper(url)
+        try:
+            async with contextlib.aclosing(self.dataset._source.stream(unit)) as chunks:
+                async for chunk in chunks:
+                    for name, data in parser.feed(chunk):
+                        sample = grouper.add(name, data)
+                        if sample is not None:
+                            yield sample
+                    if parser.ended:
+                        break
+            parser.close()
+            sample = grouper.flush()
+            if sample is not None:
+                yield sample
+        except Exception as exc:
+            member = exc.member if isinstance(exc, TarFormatError) else parser.last_member
+            yield BrokenShard(url, member, f"{type(exc).__name__}: {exc}")
 
 
 def _names(items: Any) -> tuple[str, ...]:
@@ -333,182 +344,3 @@ def _names(items: Any) -> tuple[str, ...]:
             raise TypeError(f"urls[{position}] must be a string or path, got {item!r}")
         names.append(os.fspath(item))
     return tuple(names)
-
-
-class _Epoch:
-    """One iteration: the mixer, the shard readers, and the samples they hold."""
-
-    def __init__(self, dataset: TarDataset, epoch: int, resume: dict[str, Any] | None) -> None:
-        self.dataset = dataset
-        self.epoch = epoch
-        self.mixer = dataset._mixer(epoch)
-        self.resume = resume
-        self.yielded = 0
-        self.finished = False
-        self._readers: dict[int, _ShardReader] = {}  # shards whose samples the mixer takes
-        self._others: set[_ShardReader] = set()  # shards read again only for the buffer
-        self._held: dict[SampleId, Any] = {}  # read, in the buffer; futures while re-read
-
-    async def samples(self) -> AsyncIterator[Any]:
-        try:
-            tail = self._restore() if self.resume is not None else []
-            mixer = self.mixer
-            self._prefetch()
-            while (want := mixer.want()) is not None:
-                shard = want[0]
-                record = await self._reader(shard).next()
-                out = mixer.put(record is not None)
-                if record is None:
-                    self._readers.pop(shard, None)
-                    self._prefetch()  # a slot took the next shard: open the one after
-                else:
-                    self._held[want] = record
-                if out is not None:
-                    item = await self._take(out)
-                    self.yielded += 1
-                    yield item
-            for out in tail or mixer.drain():
-                item = await self._take(out)
-                self.yielded += 1
-                yield item
-            self.finished = True
-        finally:
-            await self._close()
-
-    def _restore(self) -> list[SampleId]:
-        """Replay the mixer to the saved position; start the readers that read again what
-        the buffer held and the open shards from their positions. Returns the drain's rest."""
-        assert self.resume is not None
-        counts = {int(shard): int(count) for shard, count in self.resume["ended"]}
-        tail = replay(self.mixer, counts, int(self.resume["yielded"]))
-        self.yielded = int(self.resume["yielded"])
-        needed: dict[int, set[int]] = {}
-        for shard, position in [*self.mixer.buffer, *tail]:
-            needed.setdefault(shard, set()).add(position)
-        live = {shard: position for shard, position in self.mixer.slots}
-        for shard in needed.keys() | live.keys():
-            reader = self._start(shard, live.get(shard), needed.get(shard, set()))
-            for position in needed.get(shard, ()):
-                self._held[(shard, position)] = reader.captured[position]
-        return tail
-
-    def _start(self, shard: int, live_from: int | None, wanted: set[int]) -> _ShardReader:
-        url = self.dataset.urls[shard]
-        reader = _ShardReader(self.dataset._stream(shard), url, live_from, wanted)
-        if live_from is not None:
-            self._readers[shard] = reader
-        else:
-            self._others.add(reader)
-        return reader
-
-    def _reader(self, shard: int) -> _ShardReader:
-        reader = self._readers.get(shard)
-        return reader if reader is not None else self._start(shard, 0, set())
-
-    def _prefetch(self) -> None:
-        """Stream every open shard, and open the shards that come next, so their first bytes
-        are on the way before a slot frees (a shard's time to first byte is hidden behind the
-        others' transfer)."""
-        # As many as are open: shards of one size opened together end together, and the whole
-        # next round must be on its way by then, or the loop waits a time to first byte.
-        ahead = self.mixer.upcoming(self.dataset.shards_in_flight)
-        for shard in [*(slot[0] for slot in self.mixer.slots), *ahead]:
-            if shard not in self._readers:
-                self._start(shard, 0, set())
-
-    async def _take(self, sample: SampleId) -> Any:
-        held = self._held.pop(sample)
-        if isinstance(held, asyncio.Future):
-            return await held
-        return held
-
-    async def _close(self) -> None:
-        readers = [*self._readers.values(), *self._others]
-        self._readers.clear()
-        self._others.clear()
-        for reader in readers:
-            reader.task.cancel()
-        if readers:
-            await asyncio.wait([reader.task for reader in readers])
-        for reader in readers:
-            reader.forget()
-        self._held.clear()
-
-
-class _ShardReader:
-    """Streams one shard into a queue of raw samples (from ``live_from`` on; None: none), and
-    resolves the futures of the positions in ``wanted`` (samples the buffer held at resume)."""
-
-    def __init__(
-        self, chunks: AsyncGenerator[bytes, None], url: str, live_from: int | None, wanted: set[int]
-    ) -> None:
-        loop = asyncio.get_running_loop()
-        self.url = url
-        self.queue: asyncio.Queue[Any] = asyncio.Queue(READAHEAD)
-        self.captured: dict[int, asyncio.Future[Any]] = {p: loop.create_future() for p in wanted}
-        self._live_from = live_from
-        self._last = max(wanted, default=-1)
-        self._position = 0
-        self.task = asyncio.create_task(self._run(chunks), name=f"aioloader-tar-{url}")
-
-    async def next(self) -> Any:
-        """The next sample (or failure record), or None at the shard's end."""
-        return await self.queue.get()
-
-    async def _emit(self, record: Any) -> bool:
-        """Pass on the sample at the current position; False once nothing more is needed."""
-        position = self._position
-        self._position += 1
-        future = self.captured.get(position)
-        if future is not None and not future.done():
-            future.set_result(record)
-        if self._live_from is not None:
-            if position >= self._live_from:
-                await self.queue.put(record)
-            return True
-        return self._position <= self._last
-
-    async def _run(self, chunks: AsyncGenerator[bytes, None]) -> None:
-        parser = TarParser()
-        grouper = Grouper(self.url)
-        try:
-            async with contextlib.aclosing(chunks):
-                async for chunk in chunks:
-                    for name, data in parser.feed(chunk):
-                        sample = grouper.add(name, data)
-                        if sample is not None and not await self._emit(sample):
-                            return self._end()
-                    if parser.ended:
-                        break
-            parser.close()
-            sample = grouper.flush()
-            if sample is not None:
-                await self._emit(sample)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            member = exc.member if isinstance(exc, TarFormatError) else parser.last_member
-            await self._emit(BrokenShard(self.url, member, f"{type(exc).__name__}: {exc}"))
-        if self._live_from is not None:
-            await self.queue.put(None)
-        self._end()
-
-    def _end(self) -> None:
-        for position, future in self.captured.items():
-            if not future.done():
-                future.set_exception(
-                    ShardError(
-                        f"tar shard {self.url} has only {self._position} samples now, but the "
-                        f"state being resumed holds its sample {position}: the shard changed "
-                        "since the state was saved",
-                        url=self.url,
-                    )
-                )
-
-    def forget(self) -> None:
-        """Mark failures nobody will await as seen (no 'exception never retrieved')."""
-        for future in self.captured.values():
-            if future.done() and not future.cancelled():
-                future.exception()
-            else:
-                future.cancel()

@@ -1,0 +1,285 @@
+"""One epoch of a stream read in units (tar shards, Parquet row groups), many units at once, in
+the :class:`~._mixing.Mixer`'s order, exactly resumable.
+
+A dataset that reads whole units describes them through :class:`Units`: how an epoch starts
+(its :class:`~._mixing.Mixer`) and the records of one unit (an async generator). This module
+does the rest, the same for every such dataset::
+
+    unit readers (one task per open unit)          the epoch (one async generator)
+      units.records(u) ─▶ bounded queue ─────────▶ Mixer.want() ─▶ (unit, position)
+                                                   await that unit's queue ─▶ Mixer.put()
+                                                   ─▶ shuffle buffer ─▶ record ─▶ the loader
+
+The order of records is the mixer's, a pure function of (seed, epoch, rank share) and of where
+units end; the storage decides only when records arrive. Units that come next are opened
+ahead, so their first bytes are on the way before a slot frees.
+
+**Resume.** A dataset's state is the epoch, how many records it yielded, and how many records
+each unit that ended had (:meth:`Epoch.position`). A resumed :class:`Epoch` replays the mixer to
+that point without IO (:func:`~._mixing.replay`), then reads again only what the buffer held
+and the open units from their positions on: it yields exactly the records, in exactly the
+order, that the uninterrupted epoch would still have yielded.
+
+**Failures.** A unit that fails yields one record saying so (the dataset's own type, whose
+``decode`` raises) and ends; that is the generator's job. A generator that raises anyway (a
+bug) fails the epoch at that unit's turn, never a silent wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .._errors import ShardError
+from ._mixing import Mixer, SampleId, replay
+
+__all__ = ["READAHEAD", "Epoch", "Units", "check_fits"]
+
+#: Records read ahead per open unit: the queue that lets a unit keep streaming while the mixer
+#: waits for another one. Memory: ``units in flight x READAHEAD x`` record size.
+READAHEAD = 32
+
+
+class Units(Protocol):
+    """What an :class:`Epoch` reads: units numbered from 0, each a stream of records."""
+
+    #: Names the reader tasks: ``aioloader-{kind}-{url}``.
+    kind: str
+
+    async def start(self, epoch: int, resume: Mapping[str, Any] | None) -> Mixer:
+        """The mixer of ``epoch`` (after any IO the dataset needs first, and checking that a
+        state being resumed fits the data)."""
+        ...
+
+    def records(self, unit: int) -> AsyncGenerator[Any, None]:
+        """The records of ``unit`` in order; a failure is yielded as a last record."""
+        ...
+
+    def where(self, unit: int) -> tuple[str, str]:
+        """``(description, url)`` of ``unit``, for errors (``"tar shard URL"``, ``URL``)."""
+        ...
+
+
+def check_fits(owner: str, state: Mapping[str, Any], fingerprint: Mapping[str, Any]) -> None:
+    """Refuse a state saved by a dataset that orders its records differently.
+
+    Raises:
+        ValueError: naming ``owner``'s ``load_state_dict``, the setting and both values.
+    """
+    for key, value in fingerprint.items():
+        if state.get(key) != value:
+            raise ValueError(
+                f"{owner}.load_state_dict: the state was saved with {key}="
+                f"{state.get(key)!r}, this dataset has {key}={value!r}; the order of samples "
+                "would differ"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class _Raised:
+    """In a reader's queue: its records generator raised (a bug); the epoch raises it."""
+
+    error: BaseException
+
+
+class Epoch:
+    """One iteration: the mixer, the unit readers, and the records they hold.
+
+    Args:
+        units: the dataset.
+        epoch: the epoch number.
+        resume: a state saved by the dataset (with ``yielded`` and ``ended``), or None.
+        in_flight: units read at once (as many more are opened ahead).
+    """
+
+    def __init__(
+        self, units: Units, epoch: int, resume: Mapping[str, Any] | None, in_flight: int
+    ) -> None:
+        self.units = units
+        self.epoch = epoch
+        self.resume = resume
+        self.in_flight = in_flight
+        self.mixer: Mixer | None = None  # made when the iteration starts
+        self.yielded = int(resume["yielded"]) if resume is not None else 0
+        self.finished = False
+        self._readers: dict[int, _Reader] = {}  # units whose records the mixer takes
+        self._others: set[_Reader] = set()  # units read again only for the buffer
+        self._held: dict[SampleId, Any] = {}  # read, in the buffer; futures while re-read
+
+    def position(self) -> tuple[int, int, list[list[int]]]:
+        """``(epoch, records yielded, [[unit, records], ...] of the units that ended)``."""
+        ended = [] if self.mixer is None else [[u, n] for u, n in self.mixer.ended.items()]
+        return self.epoch, self.yielded, ended
+
+    async def samples(self) -> AsyncIterator[Any]:
+        try:
+            mixer = self.mixer = await self.units.start(self.epoch, self.resume)
+            tail = self._restore(mixer) if self.resume is not None else []
+            self._prefetch(mixer)
+            while (want := mixer.want()) is not None:
+                unit = want[0]
+                record = await self._reader(unit).next()
+                out = mixer.put(record is not None)
+                if record is None:
+                    self._readers.pop(unit, None)
+                    self._prefetch(mixer)  # a slot took the next unit: open the one after
+                else:
+                    self._held[want] = record
+                if out is not None:
+                    item = await self._take(out)
+                    self.yielded += 1
+                    yield item
+            for out in tail or mixer.drain():
+                item = await self._take(out)
+                self.yielded += 1
+                yield item
+            self.finished = True
+        finally:
+            await self._close()
+
+    def _restore(self, mixer: Mixer) -> list[SampleId]:
+        """Replay the mixer to the saved position; start the readers that read again what
+        the buffer held and the open units from their positions. Returns the drain's rest."""
+        assert self.resume is not None
+        counts = {int(unit): int(count) for unit, count in self.resume["ended"]}
+        tail = replay(mixer, counts, self.yielded)
+        needed: dict[int, set[int]] = {}
+        for unit, position in [*mixer.buffer, *tail]:
+            needed.setdefault(unit, set()).add(position)
+        live = {unit: position for unit, position in mixer.slots}
+        for unit in needed.keys() | live.keys():
+            reader = self._start(unit, live.get(unit), needed.get(unit, set()))
+            for position in needed.get(unit, ()):
+                self._held[(unit, position)] = reader.captured[position]
+        return tail
+
+    def _start(self, unit: int, live_from: int | None, wanted: set[int]) -> _Reader:
+        description, url = self.units.where(unit)
+        name = f"aioloader-{self.units.kind}-{url}"
+        reader = _Reader(self.units.records(unit), description, url, name, live_from, wanted)
+        if live_from is not None:
+            self._readers[unit] = reader
+        else:
+            self._others.add(reader)
+        return reader
+
+    def _reader(self, unit: int) -> _Reader:
+        reader = self._readers.get(unit)
+        return reader if reader is not None else self._start(unit, 0, set())
+
+    def _prefetch(self, mixer: Mixer) -> None:
+        """Stream every open unit, and open the units that come next, so their first bytes
+        are on the way before a slot frees (a unit's time to first byte is hidden behind the
+        others' transfer)."""
+        # As many as are open: units of one size opened together end together, and the whole
+        # next round must be on its way by then, or the loop waits a time to first byte.
+        ahead = mixer.upcoming(self.in_flight)
+        for unit in [*(slot[0] for slot in mixer.slots), *ahead]:
+            if unit not in self._readers:
+                self._start(unit, 0, set())
+
+    async def _take(self, sample: SampleId) -> Any:
+        held = self._held.pop(sample)
+        if isinstance(held, asyncio.Future):
+            return await held
+        return held
+
+    async def _close(self) -> None:
+        readers = [*self._readers.values(), *self._others]
+        self._readers.clear()
+        self._others.clear()
+        for reader in readers:
+            reader.task.cancel()
+        if readers:
+            await asyncio.wait([reader.task for reader in readers])
+        for reader in readers:
+            reader.forget()
+        self._held.clear()
+
+
+class _Reader:
+    """Reads one unit's records into a queue (from ``live_from`` on; None: none), and
+    resolves the futures of the positions in ``wanted`` (records the buffer held at resume)."""
+
+    def __init__(
+        self,
+        records: AsyncGenerator[Any, None],
+        description: str,
+        url: str,
+        name: str,
+        live_from: int | None,
+        wanted: set[int],
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        self.description = description
+        self.url = url
+        self.queue: asyncio.Queue[Any] = asyncio.Queue(READAHEAD)
+        self.captured: dict[int, asyncio.Future[Any]] = {p: loop.create_future() for p in wanted}
+        self._live_from = live_from
+        self._last = max(wanted, default=-1)
+        self._position = 0
+        self.task = asyncio.create_task(self._run(records), name=name)
+
+    async def next(self) -> Any:
+        """The next record, or None at the unit's end."""
+        record = await self.queue.get()
+        if isinstance(record, _Raised):
+            raise record.error
+        return record
+
+    async def _emit(self, record: Any) -> bool:
+        """Pass on the record at the current position; False once nothing more is needed."""
+        position = self._position
+        self._position += 1
+        future = self.captured.get(position)
+        if future is not None and not future.done():
+            future.set_result(record)
+        if self._live_from is not None:
+            if position >= self._live_from:
+                await self.queue.put(record)
+            return True
+        return self._position <= self._last
+
+    async def _run(self, records: AsyncGenerator[Any, None]) -> None:
+        try:
+            async with contextlib.aclosing(records):
+                async for record in records:
+                    if not await self._emit(record):
+                        return self._end(None)
+        except Exception as exc:
+            # A records generator yields its failures as records; one that raises has a bug.
+            # Its unit's turn raises it (the epoch fails there, with everything before it
+            # delivered), rather than leaving the mixer waiting for a record forever.
+            if self._live_from is not None:
+                await self.queue.put(_Raised(exc))
+            return self._end(exc)
+        if self._live_from is not None:
+            await self.queue.put(None)
+        self._end(None)
+
+    def _end(self, error: BaseException | None) -> None:
+        for position, future in self.captured.items():
+            if future.done():
+                continue
+            if error is not None:
+                future.set_exception(error)
+                continue
+            future.set_exception(
+                ShardError(
+                    f"{self.description} has only {self._position} samples now, but the state "
+                    f"being resumed holds its sample {position}: it changed since the state "
+                    "was saved",
+                    url=self.url,
+                )
+            )
+
+    def forget(self) -> None:
+        """Mark failures nobody will await as seen (no 'exception never retrieved')."""
+        for future in self.captured.values():
+            if future.done() and not future.cancelled():
+                future.exception()
+            else:
+                future.cancel()
