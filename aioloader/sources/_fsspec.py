@@ -39,7 +39,7 @@ import asyncio
 import contextlib
 import errno
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from .._errors import RemoteError, RemoteNotFoundError, RemotePermissionError
 from .._validate import seconds, value_errors
@@ -47,6 +47,8 @@ from ._base import Source, as_names, has_glob, refuse_patterns, require, run_syn
 from ._retry import RetryableError, RetryPolicy, retrying
 
 __all__ = ["FsspecDataset", "list_fsspec"]
+
+T = TypeVar("T")
 
 LISTING_HINT = "FsspecDataset.from_prefix(url_or_glob) or aioloader.sources.list_objects(...)"
 
@@ -303,14 +305,21 @@ class FsspecDataset(Source):
             RetriesExhaustedError: every attempt failed; the message lists them.
         """
         url = self._urls[self._check_index(index)]
-        fs = self._pool()
-        return await retrying(
-            lambda: self._attempt(fs, url),
-            policy=self._retry,
-            describe=url,
-            deadline=self._item_deadline,
-            sleep=asyncio.sleep if self._sleep is None else self._sleep,
-        )
+        data = await self._retried(url, lambda fs: fs._cat_file(url))
+        return bytes(data) if not isinstance(data, bytes) else data
+
+    async def fetch_range(self, index: int, start: int, end: int) -> bytes:
+        """Bytes ``start`` to ``end`` (exclusive) of ``urls[index]``, retried as :meth:`fetch`
+        is (one ranged GET on s3fs): for formats read in parts, like Parquet's."""
+        url = self._urls[self._check_index(index)]
+        data = await self._retried(url, lambda fs: fs._cat_file(url, start=start, end=end))
+        return bytes(data) if not isinstance(data, bytes) else data
+
+    async def size(self, index: int) -> int:
+        """The size in bytes of ``urls[index]``, retried as :meth:`fetch` is."""
+        url = self._urls[self._check_index(index)]
+        info = await self._retried(url, lambda fs: fs._info(url))
+        return int(info["size"])
 
     async def stream(
         self, index: int, chunk_size: int = STREAM_CHUNK
@@ -365,15 +374,26 @@ class FsspecDataset(Source):
                 raise
             raise ours from exc
 
-    async def _attempt(self, fs: Any, url: str) -> bytes:
-        try:
-            data = await fs._cat_file(url)
-        except Exception as exc:
-            ours = classify(exc, url, self._retry)
-            if ours is None:
-                raise
-            raise ours from exc
-        return bytes(data) if not isinstance(data, bytes) else data
+    async def _retried(self, url: str, op: Callable[[Any], Awaitable[T]]) -> T:
+        """``await op(fs)`` with the loop's filesystem, each failure classified, retried."""
+        fs = self._pool()
+
+        async def attempt() -> T:
+            try:
+                return await op(fs)
+            except Exception as exc:
+                ours = classify(exc, url, self._retry)
+                if ours is None:
+                    raise
+                raise ours from exc
+
+        return await retrying(
+            attempt,
+            policy=self._retry,
+            describe=url,
+            deadline=self._item_deadline,
+            sleep=asyncio.sleep if self._sleep is None else self._sleep,
+        )
 
     # -- the per-loop filesystem ---------------------------------------------------------
 
