@@ -16,7 +16,7 @@ what the loader itself detects::
     ├── SharedMemoryError           (also MemoryError)   /dev/shm too small or batch too large
     ├── TransferError                                    pinning or device copy failed
     ├── TooManyFailuresError                             on_error='skip' passed max_failures
-    ├── ShardError                  (also ValueError)    a tar shard is corrupt, cut or unreadable
+    ├── ShardError                  (also ValueError)    a tar shard or Parquet file is corrupt
     └── RemoteError                 (also OSError)       a remote read failed for good
         ├── RemoteNotFoundError     (also FileNotFoundError)  404, no retry
         ├── RemotePermissionError   (also PermissionError)    401/403, no retry
@@ -143,21 +143,27 @@ class TooManyFailuresError(AioloaderError):
 
 
 class ShardError(AioloaderError, ValueError):
-    """A tar shard could not be read to its end: a corrupt or truncated archive, or a read
-    that failed for good. ``url`` names the shard, ``member`` the last member read (or None
-    before the first); the message says both, and the cause."""
+    """A shard could not be read to its end: a corrupt or truncated tar archive or Parquet
+    file, or a read that failed for good. ``url`` names the shard; for a tar shard ``member``
+    names the last member read (or None before the first), for a Parquet file ``row_group``
+    the row group (None: its footer). The message says them, and the cause."""
 
-    def __init__(self, message: str, *, url: str, member: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, url: str, member: str | None = None, row_group: int | None = None
+    ) -> None:
         super().__init__(message)
         self.url = url
         self.member = member
+        self.row_group = row_group
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _shard_error, (str(self), self.url, self.member)
+        return _shard_error, (str(self), self.url, self.member, self.row_group)
 
 
-def _shard_error(message: str, url: str, member: str | None) -> ShardError:
-    return ShardError(message, url=url, member=member)
+def _shard_error(
+    message: str, url: str, member: str | None, row_group: int | None = None
+) -> ShardError:
+    return ShardError(message, url=url, member=member, row_group=row_group)
 
 
 class RemoteError(AioloaderError, OSError):

@@ -452,6 +452,38 @@ def tar_sample(raw: dict[str, Any]) -> dict[str, Any]:
     return {"key": raw["__key__"], "cls": int(raw["cls"]), "pid": os.getpid()}
 
 
+# -- Parquet files (tests/test_parquet.py, tests/scripts/dist_ranks.py) ------------------------
+
+
+def parquet_bytes(file: int, rows: int, row_group_size: int) -> bytes:
+    """A Parquet file of ``rows`` rows in row groups of ``row_group_size``: ``id`` (int64,
+    ``file * 1000 + i``), ``emb`` (2 float32: ``[id, -id]``), ``tag`` (a string) and ``vec``
+    (a list of ``i % 3`` float64s)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ids = np.arange(rows, dtype=np.int64) + file * 1000
+    emb = np.stack([ids, -ids], axis=1).astype(np.float32).reshape(-1)
+    table = pa.table(
+        {
+            "id": pa.array(ids),
+            "emb": pa.FixedSizeListArray.from_arrays(pa.array(emb), 2),
+            "tag": [f"f{file}r{i}" for i in range(rows)],
+            "vec": pa.array([[float(i)] * (i % 3) for i in range(rows)], pa.list_(pa.float64())),
+        }
+    )
+    out = io.BytesIO()
+    pq.write_table(table, out, row_group_size=row_group_size)
+    return out.getvalue()
+
+
+def parquet_row(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Parquet row's decode: its id and the process that decoded it."""
+    return {"id": int(raw["id"]), "pid": os.getpid()}
+
+
 class Resumable:
     """Yields ``0 .. n-1`` and continues where it stood (an :class:`aioloader.ResumableStream`):
     its state is the position after the last item yielded. ``self_sharded`` reads only its

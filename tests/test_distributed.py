@@ -531,6 +531,31 @@ def test_tar_shards_are_read_once_across_ranks_and_workers(ranks: list[dict[str,
         assert report["head"] + report["rest"] == report["epochs"][0], rank
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S)
+def test_parquet_row_groups_are_read_once_across_ranks_and_workers(
+    ranks: list[dict[str, Any]],
+) -> None:
+    reports = case(ranks, "parquet")
+    rows = (5, 7, 3, 9)  # per file, in row groups of 3 (dist_ranks.PARQUET_ROWS)
+    every = sorted(f * 1000 + i for f, n in enumerate(rows) for i in range(n))
+    for epoch in range(2):
+        shares = [r["epochs"][epoch] for r in reports]
+        assert sorted(shares[0] + shares[1]) == every  # each row once, on one rank
+        for share in shares:  # whole row groups: a rank has all of a row group's rows or none
+            groups: dict[tuple[int, int], int] = {}
+            for i in share:
+                key = (i // 1000, i % 1000 // 3)
+                groups[key] = groups.get(key, 0) + 1
+            assert all(n == min(3, rows[f] - g * 3) for (f, g), n in groups.items())
+    assert reports[0]["epochs"][0] != reports[0]["epochs"][1]  # reshuffled each epoch
+    for rank, report in enumerate(reports):  # decoded by worker processes, not the rank
+        assert 1 <= len(report["decoded_by"]) <= 2, rank
+        assert ranks[rank]["pid"] not in report["decoded_by"]
+        # resumed on its rank, under another number of workers: the rest of its share exactly
+        assert report["head"] + report["rest"] == report["epochs"][0], rank
+
+
 # -- the example under torchrun -----------------------------------------------------------------
 
 

@@ -54,7 +54,9 @@ LEVELS: dict[str, int] = {
     "_batch": 2,
     "_shm": 2,
     "_device": 2,
-    "sources": 2,  # its modules (_http, _fsspec, _file, _tar, _tarfmt, _mixing ...) share it
+    # its modules share it: _base, _retry, _file, _http, _fsspec, _listing; _tar, _tarfmt, the
+    # epoch of units read at once (_readers) and its mixer (_mixing); _parquet, _parquetio
+    "sources": 2,
     # 3 - the settings, and one concurrency mechanism each: threads, processes, awaited
     #     fetches, deadlines
     "_config": 3,

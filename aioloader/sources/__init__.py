@@ -12,6 +12,9 @@ runs ``decode`` in a thread or worker process.
   extra).
 - :class:`TarDataset`: WebDataset-style tar shards from any of the three, streamed many at
   once, shuffled reproducibly, resumable mid-epoch (an async iterable dataset).
+- :class:`ParquetDataset`: Parquet files (local, s3://, any fsspec URL) as a stream of rows,
+  row groups read many at once, shuffled and resumable as tar shards are (the ``parquet``
+  extra: pyarrow).
 - :class:`RetryPolicy` and :func:`retrying`: the retry loop both remote sources share, for
   writing another one.
 - :func:`list_objects` / :func:`alist_objects`: the objects behind a prefix, a glob or an
@@ -20,8 +23,9 @@ runs ``decode`` in a thread or worker process.
   builds one from such a listing. A prefix or glob given where one object is expected is
   refused at construction.
 
-Importing this package imports neither aiohttp nor fsspec; a remote source imports its library
-when it is made, and says ``pip install 'aioloader[remote]'`` if it is missing.
+Importing this package imports neither aiohttp, fsspec nor pyarrow; a source imports its library
+when it is made, and says which extra to install (``pip install 'aioloader[remote]'``,
+``'aioloader[parquet]'``) if it is missing.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from ._http import HTTPDataset as HTTPDataset
 from ._http import read_index as read_index
 from ._listing import alist_objects as alist_objects
 from ._listing import list_objects as list_objects
+from ._parquet import BrokenRowGroup as BrokenRowGroup
+from ._parquet import ParquetDataset as ParquetDataset
 from ._retry import RetryableError as RetryableError
 from ._retry import RetryPolicy as RetryPolicy
 from ._retry import parse_retry_after as parse_retry_after
@@ -40,10 +46,12 @@ from ._tar import BrokenShard as BrokenShard
 from ._tar import TarDataset as TarDataset
 
 __all__ = [
+    "BrokenRowGroup",
     "BrokenShard",
     "FileDataset",
     "FsspecDataset",
     "HTTPDataset",
+    "ParquetDataset",
     "RetryPolicy",
     "RetryableError",
     "TarDataset",

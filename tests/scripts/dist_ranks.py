@@ -29,14 +29,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils.data as tud
-from datasets import AsyncStream, Range, SelfSharded, Stream, keep, tar_sample, tar_shard
+from datasets import (
+    AsyncStream,
+    Range,
+    SelfSharded,
+    Stream,
+    keep,
+    parquet_bytes,
+    parquet_row,
+    tar_sample,
+    tar_shard,
+)
 
 from aioloader import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
-from aioloader.sources import TarDataset
+from aioloader.sources import ParquetDataset, TarDataset
 
 # Bounds each collective (and so each case) of this rank: a rank that waits longer for its peer
 # fails instead of hanging. The test's own limit on the whole process is wider.
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+
+#: Rows of the Parquet files of the "parquet" case (row groups of 3: 2, 3, 1 and 3 of them).
+PARQUET_ROWS = (5, 7, 3, 9)
 
 
 class Counted:
@@ -262,6 +275,7 @@ def main() -> None:
             paths.append(os.path.join(directory, f"{shard}.tar"))
             with open(paths[-1], "wb") as f:
                 f.write(tar_shard(shard, 3 + shard % 4))
+
         def make(workers: int) -> DataLoader:
             ds = TarDataset(paths, decode=tar_sample, shuffle=True, shuffle_buffer=5, seed=1)
             return DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=keep)
@@ -280,6 +294,35 @@ def main() -> None:
             report["rest"] = [s["key"] for b in resumed for s in b]
             reports["worker_pids"].extend(resumed.worker_pids)
 
+    def parquet(report: dict[str, Any]) -> None:
+        # Parquet files (PARQUET_ROWS rows, row groups of 3), shuffled, 2 worker processes
+        # decoding: each rank reads whole row groups of its own, on its loop.
+        directory = os.path.join(os.path.dirname(out), f"parquet-rank{rank}")
+        os.makedirs(directory, exist_ok=True)
+        for file, rows in enumerate(PARQUET_ROWS):
+            with open(os.path.join(directory, f"part-{file}.parquet"), "wb") as f:
+                f.write(parquet_bytes(file, rows, 3))
+
+        def make(workers: int) -> DataLoader:
+            ds = ParquetDataset(
+                directory, decode=parquet_row, shuffle=True, shuffle_buffer=5, seed=1
+            )
+            return DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=keep)
+
+        with make(2) as loader:
+            epochs = [[s for b in loader for s in b] for _ in range(2)]
+            reports["worker_pids"].extend(loader.worker_pids)
+        report["epochs"] = [[s["id"] for s in samples] for samples in epochs]
+        report["decoded_by"] = sorted({s["pid"] for samples in epochs for s in samples})
+        with make(0) as stopped:  # resume epoch 0 after 2 batches, under 2 workers
+            it = iter(stopped)
+            report["head"] = [s["id"] for _ in range(2) for s in next(it)]
+            state = stopped.state_dict()
+        with make(2) as resumed:
+            resumed.load_state_dict(state)
+            report["rest"] = [s["id"] for b in resumed for s in b]
+            reports["worker_pids"].extend(resumed.worker_pids)
+
     for name, body in (
         ("early", early),
         ("auto", auto),
@@ -296,6 +339,7 @@ def main() -> None:
         ("shard_true_refuses", shard_true_refuses),
         ("streams", streams),
         ("tar", tar),
+        ("parquet", parquet),
     ):
         case(reports, name, body)
         dist.barrier()  # the next case starts together on every rank

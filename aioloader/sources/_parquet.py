@@ -1,0 +1,460 @@
+"""Parquet files as an async stream of rows, row groups read many at once.
+
+``ParquetDataset(paths)`` is an async iterable dataset, read on the loader's event loop as
+:class:`~aioloader.sources.TarDataset` is; the unit of work is the *row group* (Parquet's unit
+of independent reading, typically 10^4 to 10^6 rows), as the shard is for tar::
+
+    first iteration: alist_objects(paths) ─▶ files ─▶ each file's footer (threads, at once)
+        ─▶ row groups [(file, row group, rows), ...], kept for later epochs
+    each epoch: Mixer(this rank's share of the row groups, in the epoch's order)
+      row group readers (one task per open row group)   the epoch (:mod:`._readers`)
+        read_row_group (a thread) ─▶ rows, a slice at     Mixer.want() ─▶ (row group, row)
+        a time (a thread) ─▶ bounded queue ─────────────▶ ─▶ shuffle buffer ─▶ row ─▶ loader
+                                                                                        │
+                                  decode(row) in a worker process or thread ◀───────────┘
+
+pyarrow's calls block (reading, decompressing, converting to Python), so each runs in a thread
+of the loop's default executor, never on the loop; ``row_groups_in_flight`` row groups are read
+at once (and as many more are opened ahead). Local files are read by pyarrow itself; any other
+URL through a blocking fsspec filesystem (``s3://`` through s3fs), each read retried by the
+sources' :class:`~aioloader.sources.RetryPolicy`.
+
+A row is a dict ``{column: value}`` of the ``columns`` asked for (all by default). A numeric
+column without nulls gives numpy scalars (its dtype kept); a list column of numbers without
+nulls (embeddings) gives a 1-D numpy array per row; any other column gives what pyarrow's
+``to_pylist`` gives (``str``, ``bytes``, ``None``, dicts for structs ...). So
+``default_collate`` stacks numbers and embeddings into tensors and keeps strings as lists.
+
+**Order, ranks, resume** are :class:`~aioloader.sources.TarDataset`'s, with row groups for
+shards: rank ``r`` of ``R`` reads row groups ``r, r + R, ...`` of the epoch's order (shuffled
+from ``(seed, epoch)`` with ``shuffle``, rows then mixed by a seeded buffer); worker processes
+only decode, so each row group is read once per epoch across ranks and workers.
+``state_dict()`` records the epoch, the rows yielded and how many rows each row group that
+ended gave; a resumed epoch yields exactly the rows, in exactly the order, that the
+uninterrupted one would still have yielded, under any ``num_workers`` (the loop is the one
+reader). The listing and footers are read again in a new process and must agree (the number of
+row groups and rows is checked).
+
+**Failures.** A pattern that matches nothing fails the first iteration with a
+``FileNotFoundError`` naming it (:class:`~aioloader.RemoteNotFoundError` for remote ones). A
+file whose footer cannot be read, or a row group that cannot be read or decoded (after the
+retries), yields one record in place of its next row and ends; decoding it raises
+:class:`~aioloader.ShardError` naming the file and the row group. So ``on_error="skip"``
+skips it as one failure, and the other row groups go on.
+
+Sharp edges:
+
+- Memory: each row group in flight is held whole as Arrow data (compressed size times the
+  codec's ratio), ``2 x row_groups_in_flight`` of them with those opened ahead; its rows are
+  made Python objects ``ROWS_PER_SLICE`` at a time. Write files with row groups of tens of MB.
+- Directories and globs leave out files whose names start with ``_`` or ``.`` (Spark's
+  ``_SUCCESS``, ``_metadata``), as pyarrow's datasets do; a file named explicitly is read.
+- An ``http(s)://`` path is one file (not an index file as for the other sources).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import posixpath
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import ShardError
+from .._validate import boolean, callable_or_none, check_state_keys, non_negative_int, positive_int
+from ._base import as_names
+from ._listing import alist_objects
+from ._mixing import Mixer, buffer_rng, shard_order
+from ._parquetio import Storage, pyarrow_parquet
+from ._parquetio import rows as as_rows
+from ._readers import Epoch, check_fits
+from ._retry import RetryPolicy
+
+__all__ = ["BrokenRowGroup", "ParquetDataset"]
+
+#: Row groups read at once by default (as many more are opened ahead). Each holds its Arrow
+#: data in memory; more hide more latency per byte of bandwidth.
+ROW_GROUPS_IN_FLIGHT = 4
+
+#: Rows in the shuffle buffer by default (as TarDataset's samples).
+SHUFFLE_BUFFER = 1000
+
+#: Rows made Python objects per thread hop: fewer hops for more, less memory for fewer.
+ROWS_PER_SLICE = 256
+
+#: Footers read at once on the first iteration (each a thread and a request or two).
+FOOTERS_AT_ONCE = 16
+
+STATE_VERSION = 1
+
+#: File names a listing leaves out (Spark's _SUCCESS and _metadata, hidden files).
+IGNORED_PREFIXES = ("_", ".")
+
+
+@dataclass(frozen=True, slots=True)
+class BrokenRowGroup:
+    """In place of a row: ``row_group`` of ``url`` (None: its footer) failed; ``decode``
+    raises."""
+
+    url: str
+    row_group: int | None
+    reason: str
+
+    def error(self) -> ShardError:
+        where = "its footer" if self.row_group is None else f"row group {self.row_group}"
+        return ShardError(
+            f"Parquet file {self.url} failed at {where}: {self.reason}",
+            url=self.url,
+            row_group=self.row_group,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Catalog:
+    """What the first iteration learnt: the files, their footers, and the row groups."""
+
+    files: tuple[str, ...]
+    metadata: tuple[Any, ...]  # pyarrow FileMetaData per file; None where the footer failed
+    units: tuple[tuple[int, int | None], ...]  # (file, row group); (file, None): a bad footer
+    failures: Mapping[int, str]  # file -> why its footer failed
+    rows: int
+
+
+class ParquetDataset:
+    """Parquet files' rows, row groups read concurrently, shuffled reproducibly, resumable.
+
+    Example::
+
+        ds = ParquetDataset("s3://bucket/train/", columns=["embedding", "label"],
+                            shuffle=True, storage_options={"anon": True})
+        async with DataLoader(ds, batch_size=256, num_workers=2) as loader:
+            async for batch in loader: ...  # batch["embedding"]: a (256, d) tensor
+
+    Args:
+        paths: files, directories, globs (``data/*.parquet``, ``s3://b/train/**.parquet``) or
+            prefixes of any fsspec filesystem; listed at the first iteration, each pattern's
+            files sorted, the patterns in the order given.
+        decode: turns a row (a dict) into what the loader collates, off the event loop;
+            ``None`` keeps the dict. Must be picklable to be used with worker processes.
+        columns: the columns to read (all by default).
+        shuffle: shuffle the row group order each epoch and the rows through a buffer.
+        shuffle_buffer: rows held by the shuffle buffer (with ``shuffle``).
+        seed: seeds the row group order and the buffer, with the epoch (the same on every rank).
+        row_groups_in_flight: row groups read at once (per rank).
+        storage_options: options of the fsspec filesystem (credentials, endpoint).
+        retry: attempts and backoff of each remote listing and read.
+
+    Raises:
+        ImportError: pyarrow is not installed (the ``parquet`` extra).
+        TypeError: an argument of the wrong type, naming it.
+        ValueError: a count out of range or no paths, naming the argument and the value.
+    """
+
+    def __init__(
+        self,
+        paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+        decode: Callable[[dict[str, Any]], Any] | None = None,
+        *,
+        columns: Iterable[str] | None = None,
+        shuffle: bool = False,
+        shuffle_buffer: int = SHUFFLE_BUFFER,
+        seed: int = 0,
+        row_groups_in_flight: int = ROW_GROUPS_IN_FLIGHT,
+        storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        pyarrow_parquet()
+        self._paths = as_names(paths, "paths", paths=True)
+        if not self._paths:
+            raise ValueError("ParquetDataset needs at least one path, got paths=[]")
+        self.columns = _columns(columns)
+        self._decode_fn = callable_or_none("decode", decode)
+        self.shuffle = boolean("shuffle", shuffle)
+        self.shuffle_buffer = positive_int("shuffle_buffer", shuffle_buffer)
+        self.seed = non_negative_int("seed", seed)
+        self.row_groups_in_flight = positive_int("row_groups_in_flight", row_groups_in_flight)
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(f"storage_options must be a mapping, got {storage_options!r}")
+        self._storage_options = dict(storage_options or {})
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise TypeError(f"retry must be a RetryPolicy, got {retry!r}")
+        self._retry = retry if retry is not None else RetryPolicy()
+        self._epoch = 0
+        self._rank = (0, 1)
+        self._resume: dict[str, Any] | None = None
+        self._current: Epoch | None = None
+        self._catalog: _Catalog | None = None
+        self._storage: Storage | None = None
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The paths and patterns, as given."""
+        return self._paths
+
+    @property
+    def files(self) -> tuple[str, ...] | None:
+        """The files read, once the first iteration listed them (None before)."""
+        return None if self._catalog is None else self._catalog.files
+
+    def __repr__(self) -> str:
+        return (
+            f"ParquetDataset({len(self._paths)} paths, first={self._paths[0]!r}, "
+            f"columns={self.columns!r}, shuffle={self.shuffle}, "
+            f"row_groups_in_flight={self.row_groups_in_flight})"
+        )
+
+    # -- what the loader calls -----------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch`` (its row group order and shuffle). Each
+        iteration moves the epoch on by one by itself; the loader sets it before each."""
+        self._epoch = non_negative_int("epoch", epoch)
+        if self._resume is not None and self._resume["epoch"] != epoch:
+            self._resume = None  # another epoch was asked for: the saved position is moot
+
+    def set_rank(self, rank: int, world_size: int) -> None:
+        """Read rank ``rank``'s share of the row groups (of ``world_size``) from the next
+        iteration on; the loader calls it when it shards by rank."""
+        world_size = positive_int("world_size", world_size)
+        rank = non_negative_int("rank", rank)
+        if rank >= world_size:
+            raise ValueError(f"rank must be below world_size={world_size}, got {rank}")
+        self._rank = (rank, world_size)
+
+    def decode(self, raw: Any) -> Any:
+        """Turn a row into what the loader collates (runs off the event loop).
+
+        Raises:
+            ShardError: ``raw`` stands for a row group that failed (see the module docstring).
+            Exception: what ``decode`` raised, unchanged.
+        """
+        if isinstance(raw, BrokenRowGroup):
+            raise raw.error()
+        if self._decode_fn is None:
+            return raw
+        return self._decode_fn(raw)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the current (or last) iteration is: after the rows it has yielded.
+
+        Between iterations (or after one ran to its end) it points at the next epoch's start.
+        """
+        run = self._current
+        epoch, yielded, ended = run.position() if run and not run.finished else (self._epoch, 0, [])
+        catalog = self._catalog
+        return {
+            "version": STATE_VERSION,
+            "epoch": epoch,
+            "yielded": yielded,
+            "ended": ended,
+            **self._fingerprint(),
+            "rank": list(self._rank),
+            "row_groups": None if catalog is None else len(catalog.units),
+            "rows": None if catalog is None else catalog.rows,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next iteration continue from ``state`` (see the module docstring).
+
+        Raises:
+            ValueError: the state lacks a key or was saved by a dataset that orders rows
+                differently (shuffle settings, seed or ``row_groups_in_flight``; other row
+                groups are found when the iteration starts).
+        """
+        state = check_state_keys("ParquetDataset", state, ("epoch", "yielded", "ended", "seed"))
+        check_fits("ParquetDataset", state, self._fingerprint())
+        self._epoch = non_negative_int("state 'epoch'", state["epoch"])
+        non_negative_int("state 'yielded'", state["yielded"])
+        self._resume = dict(state)
+
+    def _fingerprint(self) -> dict[str, Any]:
+        return {
+            "shuffle": self.shuffle,
+            "shuffle_buffer": self.shuffle_buffer if self.shuffle else 0,
+            "seed": self.seed,
+            "row_groups_in_flight": self.row_groups_in_flight,
+        }
+
+    async def aclose(self) -> None:
+        """Close the remote files' connections (the loader calls it when it closes)."""
+        storage, self._storage = self._storage, None
+        if storage is not None:
+            await storage.aclose()
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        epoch = self._epoch
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            check_fits("ParquetDataset", resume, {"rank": list(self._rank)})
+        self._epoch = epoch + 1
+        run = Epoch(_RowGroups(self), epoch, resume, self.row_groups_in_flight)
+        self._current = run
+        return run.samples()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        # The live iteration belongs to this process's loop; a copy (a worker's, which only
+        # decodes) lists and reads footers again if it is ever iterated.
+        state["_current"] = None
+        state["_catalog"] = None
+        state["_storage"] = None
+        return state
+
+    # -- IO, for _RowGroups --------------------------------------------------------------
+
+    async def _catalogue(self) -> tuple[_Catalog, Storage]:
+        """The files and their row groups: listed and read at the first iteration, kept."""
+        if self._catalog is None:
+            files = await self._list()
+            storage = self._storage = Storage(files, self._storage_options, self._retry)
+            gate = asyncio.Semaphore(FOOTERS_AT_ONCE)
+
+            async def footer(url: str) -> Any:
+                async with gate:
+                    try:
+                        return await storage.metadata(url)
+                    except Exception as exc:
+                        return _Failed(f"{type(exc).__name__}: {exc}")
+
+            metadata = await asyncio.gather(*(footer(url) for url in files))
+            self._catalog = _catalog(tuple(files), metadata, self.columns)
+        if self._storage is None:  # closed since (aclose): it reopens
+            self._storage = Storage(self._catalog.files, self._storage_options, self._retry)
+        return self._catalog, self._storage
+
+    async def _list(self) -> list[str]:
+        """The files: the http(s) ones as given (HTTP cannot list), then every other pattern's,
+        listed at once, each pattern's sorted, the patterns in the order given."""
+        files = [path for path in self._paths if _is_http(path)]
+        patterns = [path for path in self._paths if not _is_http(path)]
+        if patterns:
+            found = await alist_objects(
+                patterns, storage_options=self._storage_options, retry=self._retry
+            )
+            # An expanded pattern leaves out _SUCCESS, _metadata, hidden files; a file named
+            # explicitly is read whatever its name.
+            files += [name for name in found if name in self._paths or not _ignored(name)]
+        if not files:
+            raise FileNotFoundError(
+                errno.ENOENT, "no Parquet files (every file listed starts with _ or .)", patterns
+            )
+        return list(dict.fromkeys(files))
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    """A footer that could not be read, and why."""
+
+    reason: str
+
+
+def _catalog(
+    files: tuple[str, ...], metadata: list[Any], columns: tuple[str, ...] | None
+) -> _Catalog:
+    units: list[tuple[int, int | None]] = []
+    failures: dict[int, str] = {}
+    rows = 0
+    for index, (url, meta) in enumerate(zip(files, metadata, strict=True)):
+        if isinstance(meta, _Failed):
+            failures[index] = meta.reason
+            units.append((index, None))
+            continue
+        if columns is not None:
+            names = meta.schema.to_arrow_schema().names
+            missing = [c for c in columns if c not in names]
+            if missing:
+                raise ValueError(
+                    f"columns={list(columns)!r}: {url} has no column {missing[0]!r} "
+                    f"(its columns: {names})"
+                )
+        units += [(index, group) for group in range(meta.num_row_groups)]
+        rows += meta.num_rows
+    return _Catalog(files, tuple(metadata), tuple(units), failures, rows)
+
+
+class _RowGroups:
+    """The row groups as an epoch reads them (:class:`~._readers.Units`)."""
+
+    kind = "parquet"
+
+    def __init__(self, dataset: ParquetDataset) -> None:
+        self.dataset = dataset
+        self.catalog: _Catalog | None = None
+        self.storage: Storage | None = None
+
+    async def start(self, epoch: int, resume: Mapping[str, Any] | None) -> Mixer:
+        """The mixer of ``epoch``, after the first iteration's listing and footers."""
+        ds = self.dataset
+        catalog, self.storage = await ds._catalogue()
+        self.catalog = catalog
+        if resume is not None:
+            for key, value in (("row_groups", len(catalog.units)), ("rows", catalog.rows)):
+                if resume.get(key) is not None and resume[key] != value:
+                    raise ValueError(
+                        f"ParquetDataset: the state being resumed was saved with {key}="
+                        f"{resume[key]}, and the files have {value} now; the order of rows "
+                        "would differ"
+                    )
+        rank, world = ds._rank
+        order = shard_order(
+            len(catalog.units),
+            shuffle=ds.shuffle,
+            seed=ds.seed,
+            epoch=epoch,
+            reader=rank,
+            readers=world,
+        )
+        size = ds.shuffle_buffer if ds.shuffle else 0
+        rng = buffer_rng(ds.seed, epoch, rank, world)
+        return Mixer(order, ds.row_groups_in_flight, size, rng)
+
+    def where(self, unit: int) -> tuple[str, str]:
+        assert self.catalog is not None
+        file, group = self.catalog.units[unit]
+        url = self.catalog.files[file]
+        what = "footer" if group is None else f"row group {group}"
+        return f"Parquet {what} of {url}", url
+
+    async def records(self, unit: int) -> AsyncGenerator[Any, None]:
+        """The rows of row group ``unit``; a failure ends it with a :class:`BrokenRowGroup`."""
+        catalog = self.catalog
+        assert catalog is not None
+        file, group = catalog.units[unit]
+        url = catalog.files[file]
+        if group is None:
+            yield BrokenRowGroup(url, None, catalog.failures[file])
+            return
+        assert self.storage is not None
+        try:
+            table = await self.storage.row_group(
+                url, catalog.metadata[file], group, self.dataset.columns
+            )
+            for start in range(0, table.num_rows, ROWS_PER_SLICE):
+                for row in await asyncio.to_thread(as_rows, table.slice(start, ROWS_PER_SLICE)):
+                    yield row
+        except Exception as exc:
+            yield BrokenRowGroup(url, group, f"{type(exc).__name__}: {exc}")
+
+
+def _columns(columns: Iterable[str] | None) -> tuple[str, ...] | None:
+    if columns is None:
+        return None
+    if isinstance(columns, str):
+        raise TypeError(f"columns must be a list of column names, got the string {columns!r}")
+    names = tuple(columns)
+    for position, name in enumerate(names):
+        if not isinstance(name, str):
+            raise TypeError(f"columns[{position}] must be a column name (str), got {name!r}")
+    if not names:
+        raise ValueError("columns must name at least one column, got columns=[]")
+    return names
+
+
+def _is_http(path: str) -> bool:
+    return path.lower().startswith(("http://", "https://"))
+
+
+def _ignored(path: str) -> bool:
+    return posixpath.basename(path.replace(os.sep, "/")).startswith(IGNORED_PREFIXES)
