@@ -70,12 +70,22 @@ def test_license_is_an_spdx_expression_with_the_text_shipped() -> None:
 
 def test_extras_are_split_by_need_and_remote_is_their_union() -> None:
     extras = _pyproject()["project"]["optional-dependencies"]
-    assert set(extras) == {"http", "fsspec", "s3", "progress", "plot", "remote", "test-frameworks"}
+    assert set(extras) == {
+        "http",
+        "fsspec",
+        "s3",
+        "progress",
+        "plot",
+        "parquet",
+        "remote",
+        "test-frameworks",
+    }
     assert _extra(extras, "http") == {"aiohttp"}
     assert _extra(extras, "fsspec") == {"fsspec"}
     assert _extra(extras, "s3") == {"fsspec", "s3fs"}
     assert _extra(extras, "progress") == {"tqdm"}
     assert _extra(extras, "plot") == {"matplotlib"}
+    assert _extra(extras, "parquet") == {"pyarrow"}
     assert _extra(extras, "remote") == {"aiohttp", "fsspec", "s3fs"}
     # What the integration tests run the loader under (the package imports neither).
     assert _extra(extras, "test-frameworks") == {"lightning", "accelerate"}
