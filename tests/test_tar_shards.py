@@ -11,7 +11,7 @@ import asyncio
 import io
 import os
 import tarfile
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import aioloader
 from aioloader import DataLoader, ShardError
 from aioloader.sources import BrokenShard, TarDataset
 from aioloader.sources._mixing import Mixer, buffer_rng, replay, shard_order
+from aioloader.sources._readers import Epoch
 from aioloader.sources._tarfmt import Grouper, TarFormatError, TarParser, split_name
 
 
@@ -199,6 +200,36 @@ def test_replay_stands_the_mixer_where_any_cut_left_it(
     tail = replay(resumed, before.ended, cut)
     rest = tail if tail else run_mixer(resumed, sizes)
     assert full[:cut] + rest == full
+
+
+class RaisingUnits:
+    """Two units of two records; unit 1's generator raises after its first (a bug)."""
+
+    kind = "test"
+
+    async def start(self, epoch: int, resume: Mapping[str, Any] | None) -> Mixer:
+        return Mixer([0, 1], 2, 0, buffer_rng(0, epoch, 0, 1))
+
+    async def records(self, unit: int) -> AsyncGenerator[str, None]:
+        yield f"{unit}a"
+        if unit == 1:
+            raise RuntimeError("a bug in the records generator")
+        yield f"{unit}b"
+
+    def where(self, unit: int) -> tuple[str, str]:
+        return f"unit {unit}", f"u{unit}"
+
+
+async def test_a_records_generator_that_raises_fails_the_epoch_at_its_turn() -> None:
+    got: list[str] = []
+
+    async def read() -> None:
+        async for record in Epoch(RaisingUnits(), 0, None, 2).samples():
+            got.append(record)
+
+    with pytest.raises(RuntimeError, match="a bug in the records generator"):  # never a hang
+        await read()
+    assert got == ["0a", "1a", "0b"]  # everything before the failing turn is delivered
 
 
 # -- the dataset on its own ------------------------------------------------------------------------
