@@ -4,20 +4,21 @@
 :class:`~aioloader.sources.TarDataset` is; the unit of work is the *row group* (Parquet's unit
 of independent reading, typically 10^4 to 10^6 rows), as the shard is for tar::
 
-    first iteration: alist_objects(paths) ─▶ files ─▶ each file's footer (threads, at once)
-        ─▶ row groups [(file, row group, rows), ...], kept for later epochs
+    first iteration: alist_objects(paths) ─▶ files ─▶ each file's footer (at once)
+        ─▶ row groups [(file, row group), ...], kept for later epochs
     each epoch: Mixer(this rank's share of the row groups, in the epoch's order)
       row group readers (one task per open row group)   the epoch (:mod:`._readers`)
-        read_row_group (a thread) ─▶ rows, a slice at     Mixer.want() ─▶ (row group, row)
-        a time (a thread) ─▶ bounded queue ─────────────▶ ─▶ shuffle buffer ─▶ row ─▶ loader
-                                                                                        │
+        its bytes ─▶ read_row_group (a thread)            Mixer.want() ─▶ (row group, row)
+        ─▶ rows, a slice at a time (a thread)             ─▶ shuffle buffer ─▶ row ─▶ loader
+        ─▶ bounded queue ─────────────────────────────▶                                │
                                   decode(row) in a worker process or thread ◀───────────┘
 
-pyarrow's calls block (reading, decompressing, converting to Python), so each runs in a thread
+pyarrow's calls block (parsing, decompressing, converting to Python), so each runs in a thread
 of the loop's default executor, never on the loop; ``row_groups_in_flight`` row groups are read
 at once (and as many more are opened ahead). Local files are read by pyarrow itself; any other
-URL through a blocking fsspec filesystem (``s3://`` through s3fs), each read retried by the
-sources' :class:`~aioloader.sources.RetryPolicy`.
+URL's bytes (the footer, then the byte ranges of the columns asked for) are read on the loop
+through fsspec's async filesystems, retried by the sources' :class:`~aioloader.sources.RetryPolicy`
+(:mod:`._parquetio`).
 
 A row is a dict ``{column: value}`` of the ``columns`` asked for (all by default). A numeric
 column without nulls gives numpy scalars (its dtype kept); a list column of numbers without
@@ -49,7 +50,10 @@ Sharp edges:
   made Python objects ``ROWS_PER_SLICE`` at a time. Write files with row groups of tens of MB.
 - Directories and globs leave out files whose names start with ``_`` or ``.`` (Spark's
   ``_SUCCESS``, ``_metadata``), as pyarrow's datasets do; a file named explicitly is read.
-- An ``http(s)://`` path is one file (not an index file as for the other sources).
+- An ``http(s)://`` path is one file (not an index file as for the other sources). Remote
+  paths are of one protocol (one filesystem's ``storage_options``).
+- The listing and footers are read once, at the first iteration, and kept: files added later
+  are read by a new dataset.
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ class _Catalog:
     """What the first iteration learnt: the files, their footers, and the row groups."""
 
     files: tuple[str, ...]
-    metadata: tuple[Any, ...]  # pyarrow FileMetaData per file; None where the footer failed
+    metadata: tuple[Any, ...]  # pyarrow FileMetaData per file; _Failed where the footer failed
     units: tuple[tuple[int, int | None], ...]  # (file, row group); (file, None): a bad footer
     failures: Mapping[int, str]  # file -> why its footer failed
     rows: int
