@@ -453,7 +453,7 @@ class DataLoader(SettingsView):
         await self.aclose()
 
     def __enter__(self) -> DataLoader:
-        """Start the workers now (like ``async with``), so the first epoch is not slowed by it."""
+        """Start the workers (like ``async with``) and wait until they are ready."""
         try:
             self._ensure_resources().start()
         except BaseException:
@@ -465,7 +465,8 @@ class DataLoader(SettingsView):
         self.close()
 
     async def astart(self) -> None:
-        """Start the workers now (off the loop) rather than at the first batch.
+        """Start the workers (off the loop) and wait until they are ready, rather than at the
+        first batch (where they fork from the forked server, they started with the loader).
 
         Raises:
             WorkerInitError: a worker did not start within ``start_timeout`` (it was killed).
