@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from datasets import Range
 
 from aioloader import DataLoader, _shm
@@ -100,3 +101,30 @@ def test_workers_read_the_copy_through_shared_memory_and_each_epoch_gets_a_fresh
     assert all(1 <= len(names) <= 2 for names in seen)
     assert not seen[0] & seen[-1]
     assert not own_segments()
+
+
+def test_torch_tensors_travel_out_of_band_too_with_their_dtype_and_shape() -> None:
+    big = torch.arange(BIG, dtype=torch.float32).reshape(-1, 8)
+    half = torch.ones(BIG // 8, 32, dtype=torch.bfloat16)  # no numpy dtype: travels as bytes
+    small = torch.tensor([1, 2, 3])
+    graded = torch.ones(4, requires_grad=True)  # as torch pickles it
+    dataset = torch.utils.data.TensorDataset(big, half)
+    payload = dumps_copy((dataset, small, graded), main_by_value=False)
+    try:
+        assert payload.segment is not None
+        assert len(payload.data) < 4096
+        copy, small_copy, graded_copy = loads(payload)
+        for sent, got in zip(dataset.tensors, copy.tensors, strict=True):
+            assert got.dtype == sent.dtype
+            assert got.shape == sent.shape
+            assert torch.equal(got, sent)
+        assert torch.equal(small_copy, small)
+        assert graded_copy.requires_grad
+        assert torch.equal(graded_copy, graded)
+        copy.tensors[0][0] = -1  # its own: neither the original nor another copy sees it
+        assert big[0, 0] == 0
+        assert loads(payload)[0].tensors[0][0, 0] == 0
+        assert [b.tolist() for b in copy[3]] == [[24.0 + i for i in range(8)], [1.0] * 32]
+        assert len(payload.spans) == 2
+    finally:
+        payload.release()

@@ -37,6 +37,7 @@ Sharp edges:
 
 from __future__ import annotations
 
+import copyreg
 import io
 import pickle
 import sys
@@ -186,6 +187,9 @@ def _plain(obj: Any, buffer_callback: _Callback) -> bytes:
     pickler = pickle.Pickler(
         buffer, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffer_callback
     )
+    torch = sys.modules.get("torch")
+    if buffer_callback is not None and torch is not None:  # by type, in C: others pay nothing
+        pickler.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
     pickler.dump(obj)
     pickler.dump({})
     return buffer.getvalue()
@@ -202,6 +206,35 @@ def _by_value(
     # The same pickler, so the same memo: the table refers to the very objects pickled above.
     pickler.dump(pickler.main_table)
     return buffer.getvalue()
+
+
+def _reduce_tensor(tensor: Any) -> Any:
+    """A plain CPU tensor that owns its whole storage, pickled over a buffer (out of band when
+    it is large) rather than through ``torch.save`` (always a copy in the stream); any other
+    tensor as torch pickles it."""
+    import torch
+
+    if (
+        tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and not tensor.requires_grad
+        and not tensor.is_quantized
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+        and tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.nbytes > 0
+    ):
+        raw = tensor.reshape(-1).view(torch.uint8).numpy()
+        return _tensor_over, (pickle.PickleBuffer(raw), tensor.dtype, tuple(tensor.shape))
+    return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+
+def _tensor_over(buffer: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
+    """The tensor :func:`_reduce_tensor` pickled, over ``buffer`` (no copy)."""
+    import torch
+
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
 def _main_defines_any() -> bool:
@@ -234,8 +267,12 @@ def _main_by_value_pickler(buffer: io.BytesIO, buffer_callback: _Callback) -> An
                     file, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffer_callback
                 )
                 self.main_table: dict[str, Any] = {}
+                torch = sys.modules.get("torch")
+                self.tensor = torch.Tensor if torch is not None and buffer_callback else None
 
             def reducer_override(self, obj: Any) -> Any:
+                if type(obj) is self.tensor:
+                    return _reduce_tensor(obj)
                 if _in_main(obj) and obj.__qualname__.isidentifier():  # its top level
                     self.main_table[obj.__qualname__] = obj
                 # cloudpickle takes by reference whatever a worker can import, by value what
