@@ -208,8 +208,10 @@ def test_a_segment_removed_behind_the_loaders_back_costs_no_batch(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Every new segment is removed from /dev/shm before a worker opens it (as systemd-logind's
-    # RemoveIPC or a cleanup script would): only our own segments, by the names we made.
-    real = SlotPool.lease
+    # RemoveIPC or a cleanup script would): only our own segments, by the names we made. Those
+    # the workers make for the first batches (their size unknown yet) go once the pool took
+    # them over, with their batch already in them.
+    real, real_adopt = SlotPool.lease, SlotPool.adopt
 
     def lease_then_lose(self: SlotPool, nbytes: int) -> Slot | None:
         slot = real(self, nbytes)
@@ -217,14 +219,20 @@ def test_a_segment_removed_behind_the_loaders_back_costs_no_batch(
             os.unlink(os.path.join(_shm.SHM_DIR, slot.name))
         return slot
 
+    def adopt_then_lose(self: SlotPool, name: str, size: int) -> Slot:
+        slot = real_adopt(self, name, size)
+        os.unlink(os.path.join(_shm.SHM_DIR, name))
+        return slot
+
     monkeypatch.setattr(SlotPool, "lease", lease_then_lose)
+    monkeypatch.setattr(SlotPool, "adopt", adopt_then_lose)
     caplog.set_level(logging.WARNING, logger="aioloader.shm")
     with DataLoader(Images(), batch_size=4, num_workers=2, prefetch=4, timeout=BOUND_S) as loader:
         for _ in range(2):  # a second epoch: no removed segment is leased again
             seen = [i for batch in loader for i in _indices(batch)]
             assert seen == list(range(48))
         stats = loader.statistics()
-    assert stats.shm_fallbacks >= 12  # all but the first few (before the batch size is known)
+    assert stats.shm_fallbacks >= 12  # all but the first few, made in the workers' segments
     assert stats.held_shm_slots == 0
     (warning,) = _inline_warnings([r.getMessage() for r in caplog.records])
     assert "is gone from /dev/shm" in warning

@@ -102,9 +102,11 @@ from ._segment import SHM_PREFIX as SHM_PREFIX
 from ._segment import Slot as Slot
 from ._segment import as_bytes as as_bytes
 from ._segment import create_segment as create_segment
+from ._segment import discard as discard
 from ._segment import free_bytes as free_bytes
 from ._segment import janitor as janitor
 from ._segment import map_private as map_private
+from ._segment import new_name as new_name
 from ._segment import page_round as page_round
 from ._segment import shm_available as shm_available
 from ._segment import unlink as unlink
@@ -128,9 +130,11 @@ __all__ = [
     "attached",
     "create_segment",
     "detach_all",
+    "discard",
     "free_bytes",
     "janitor",
     "map_private",
+    "new_name",
     "page_round",
     "shm_available",
     "unlink",

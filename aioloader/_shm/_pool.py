@@ -34,6 +34,7 @@ from ._segment import (
     create_segment,
     free_bytes,
     janitor_once,
+    map_shared,
     page_round,
     unlink,
 )
@@ -253,6 +254,31 @@ class SlotPool:
     def _create(self, size: int) -> _Segment:
         name, mapping = create_segment(size, self.shm_dir)
         return _Segment(name, size, mapping)
+
+    def adopt(self, name: str, size: int) -> Slot:
+        """Take over segment ``name`` that a worker created for a batch (one made before the
+        batch size was known) as a leased slot, to be opened like any: it is then the pool's
+        to reuse and unlink. The cap is enforced as segments are created next.
+
+        Raises:
+            RuntimeError: if the pool is closed (the segment is unlinked).
+            FileNotFoundError: if the segment is gone.
+        """
+        try:
+            mapping = map_shared(Slot(name, size))
+        except BaseException:
+            unlink(name)
+            raise
+        with self._lock:
+            if self._closed:
+                unlink(name)
+                raise RuntimeError("SlotPool is closed")
+            seg = _Segment(name, size, mapping, _State.LEASED, next(self._lease_ids))
+            self._segments[name] = seg
+        if self._on_map is not None:
+            with contextlib.suppress(Exception):
+                self._on_map(ctypes.addressof(seg.mapping), seg.size)
+        return Slot(name, size, seg.lease_id)
 
     def release(self, slot: Slot) -> None:
         """Return a leased slot whose batch came back inline or was abandoned.

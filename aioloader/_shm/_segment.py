@@ -36,11 +36,14 @@ __all__ = [
     "Slot",
     "as_bytes",
     "create_segment",
+    "discard",
     "free_bytes",
     "janitor",
     "janitor_once",
     "map_existing",
     "map_private",
+    "map_shared",
+    "new_name",
     "page_round",
     "segment_exists",
     "shm_available",
@@ -94,7 +97,8 @@ def page_round(n: int) -> int:
     return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
-def _new_name() -> str:
+def new_name() -> str:
+    """A fresh segment name of this process (its pid in it, for the janitor and the tests)."""
     return f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
 
 
@@ -170,7 +174,9 @@ def as_bytes(mapping: SegmentMapping, count: int) -> npt.NDArray[np.uint8]:
 # -- the owner's side: create and unlink ----------------------------------------------------
 
 
-def create_segment(size: int, shm_dir: str) -> tuple[str, SegmentMapping]:
+def create_segment(
+    size: int, shm_dir: str, name: str | None = None
+) -> tuple[str, SegmentMapping]:
     """Create a segment of ``size`` bytes under a fresh name, reserve its pages and map it.
 
     The segment is registered with the resource tracker before anything can fail, so a crash
@@ -180,6 +186,9 @@ def create_segment(size: int, shm_dir: str) -> tuple[str, SegmentMapping]:
     Args:
         size: bytes, a whole number of pages.
         shm_dir: the tmpfs behind POSIX shared memory, named in the error when it is full.
+        name: the name to create it under (made by :func:`new_name` in the process that
+            will own it: a worker creates a segment the main process takes over); default a
+            fresh name of this process.
 
     Returns:
         The segment's name and its mapping.
@@ -188,8 +197,8 @@ def create_segment(size: int, shm_dir: str) -> tuple[str, SegmentMapping]:
         SharedMemoryError: if ``shm_dir`` has no room for the segment or this process has no
             file descriptor left.
     """
-    for _ in range(_NAME_ATTEMPTS):
-        name = _new_name()
+    for _ in range(_NAME_ATTEMPTS if name is None else 1):
+        name = name or new_name()
         try:
             fd = _posixshmem.shm_open("/" + name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
@@ -242,6 +251,17 @@ def _reserve(fd: int, size: int, shm_dir: str) -> None:
         ) from exc
 
 
+def discard(name: str) -> None:
+    """Unlink segment ``name`` if it was created (a worker's, for a job that failed); never
+    raises, and tells the tracker only of a segment that existed."""
+    try:
+        _posixshmem.shm_unlink("/" + name)
+    except OSError:
+        return
+    with contextlib.suppress(Exception):
+        resource_tracker.unregister("/" + name, "shared_memory")
+
+
 def unlink(name: str) -> None:
     """Unlink an owned segment and tell the tracker; never raises."""
     with contextlib.suppress(OSError):  # already gone (a janitor, or unlinked by hand)
@@ -262,6 +282,11 @@ def map_existing(slot: Slot) -> npt.NDArray[np.uint8]:
         ValueError: if the segment's size differs from ``slot.size``.
         SharedMemoryError: if this process has no file descriptor left to open the segment.
     """
+    return as_bytes(map_shared(slot), slot.size)
+
+
+def map_shared(slot: Slot) -> SegmentMapping:
+    """The mapping :func:`map_existing` makes (see there), as the creator's is."""
     try:
         fd = _posixshmem.shm_open("/" + slot.name, os.O_RDWR, 0)
     except FileNotFoundError as exc:
@@ -276,7 +301,7 @@ def map_existing(slot: Slot) -> npt.NDArray[np.uint8]:
         size = os.fstat(fd).st_size
         if size != slot.size:
             raise ValueError(f"segment {slot.name} has {size} bytes, slot.size={slot.size}")
-        return as_bytes(_map(fd, size), size)
+        return _map(fd, size)
     finally:
         os.close(fd)  # the mapping needs no descriptor
 

@@ -23,7 +23,7 @@ from .._log import workers_log
 from .._types import BatchRequest, InlineMaking, Made, StreamRequest
 from ._frames import Packed
 from ._pool import WorkerPool
-from ._wire import MapJob, Receiver, StreamJob
+from ._wire import MapJob, OwnSlot, Receiver, StreamJob
 from ._worker import run_map_job, run_stream_job
 
 __all__ = ["ProcessRunner"]
@@ -88,7 +88,7 @@ class ProcessRunner:
     async def _run(
         self,
         fn: Callable[[J], Packed[Made]],
-        job_of: Callable[[_shm.Slot | None], J],
+        job_of: Callable[[_shm.Slot | OwnSlot | None], J],
         batch_id: int,
         worker: int | None,
     ) -> Made:

@@ -17,6 +17,9 @@ Shared memory or inline is decided here and nowhere else, on both sides of the p
 
     main: Receiver.lease()     the largest batch seen so far is >= INLINE_MAX_BYTES and a slot
                                pool exists ─▶ a slot (reused at once, or created in a thread);
+                               none seen yet ─▶ an OwnSlot: the worker makes the segment of a
+                               large batch under a name from here, the pool adopts it (the
+                               first batches of a loader need not travel pickled);
                                otherwise None: the batch will travel inline
     worker: Packer(slot)       collate straight into the slot (Packer.alloc), then pack():
                                no slot, a tiny batch, or one that did not fit ─▶ inline
@@ -45,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -95,12 +99,22 @@ class LoadJob:
 
 
 @dataclass(frozen=True, slots=True)
+class OwnSlot:
+    """In place of a slot, before the loader knows how large its batches are: a batch of
+    :data:`INLINE_MAX_BYTES` or more goes into a segment the worker creates under ``name``
+    (the main process's name: it takes the segment over into its pool, or unlinks it if the
+    job fails), not inline."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
 class MapJob:
     """Make the batch of ``request`` (indices, or samples the loop fetched), into ``slot`` if
     one is given."""
 
     request: BatchRequest
-    slot: _shm.Slot | None
+    slot: _shm.Slot | OwnSlot | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +122,7 @@ class StreamJob:
     """Make the next batch of this worker's stream for ``request``, into ``slot`` if given."""
 
     request: StreamRequest
-    slot: _shm.Slot | None
+    slot: _shm.Slot | OwnSlot | None
 
 
 # -- back: the parcel ----------------------------------------------------------------------
@@ -135,6 +149,7 @@ class Parcel:
     nbytes: int
     slot_error: str = ""
     slot_vanished: bool = False
+    own_slot: _shm.Slot | None = None  # the segment the worker made for it (OwnSlot)
 
 
 def inline(batch: Any) -> Parcel:
@@ -153,13 +168,14 @@ class Packer:
         slot: the job's slot (attached here, cached per process), or None for inline.
     """
 
-    __slots__ = ("_error", "_vanished", "_writer")
+    __slots__ = ("_error", "_own_name", "_vanished", "_writer")
 
-    def __init__(self, slot: _shm.Slot | None) -> None:
+    def __init__(self, slot: _shm.Slot | OwnSlot | None) -> None:
         self._writer: _shm.SlotWriter | None = None
         self._error = ""
         self._vanished = False
-        if slot is None:
+        self._own_name = slot.name if isinstance(slot, OwnSlot) else None
+        if slot is None or isinstance(slot, OwnSlot):
             return
         try:
             self._writer = _shm.SlotWriter(_shm.attach(slot))
@@ -180,12 +196,37 @@ class Packer:
             if self._error:
                 parcel = inline(batch)
                 return Parcel(parcel.tree, False, parcel.nbytes, self._error, self._vanished)
+            if self._own_name is not None:
+                return self._in_own_slot(batch, self._own_name)
             return inline(batch)
         nbytes = batch_nbytes(batch)
         encoded = self._writer.encode(batch, inline_below=INLINE_MAX_BYTES)
         if encoded.inline:  # tiny, or did not fit: inline now, a big enough slot next time
             return Parcel(to_wire(encoded.tree), False, max(nbytes, encoded.needed_bytes))
         return Parcel(encoded.tree, True, nbytes)
+
+    @staticmethod
+    def _in_own_slot(batch: Any, name: str) -> Parcel:
+        """``batch`` in a segment made for it here (:class:`OwnSlot`), if it is not tiny and
+        ``/dev/shm`` has room to spare (four times the segment); else inline."""
+        nbytes = batch_nbytes(batch)
+        # The pool's headroom (alignment, a batch a little larger next time), as it sizes its own.
+        size = _shm.page_round(max(math.ceil(nbytes * _shm.GROWTH), _shm.MIN_SLOT_BYTES))
+        if nbytes < INLINE_MAX_BYTES or not _shm.shm_available():
+            return inline(batch)
+        if 4 * size > _shm.free_bytes():
+            return inline(batch)
+        try:
+            _, mapping = _shm.create_segment(size, _shm.SHM_DIR, name)
+        except (OSError, SharedMemoryError):
+            return inline(batch)
+        encoded = _shm.SlotWriter(_shm.as_bytes(mapping, size)).encode(
+            batch, inline_below=INLINE_MAX_BYTES
+        )
+        if encoded.inline:  # cannot happen for a batch sized as this: but never lose it
+            _shm.unlink(name)
+            return Parcel(to_wire(encoded.tree), False, max(nbytes, encoded.needed_bytes))
+        return Parcel(encoded.tree, True, nbytes, own_slot=_shm.Slot(name, size))
 
 
 _log = logging.getLogger("aioloader.shm")
@@ -207,10 +248,13 @@ class Receiver:
         self.fallbacks = 0  # batches sent inline because no segment could be had
         self._said: set[str] = set()  # the kinds of reason logged already (once each)
 
-    async def lease(self) -> _shm.Slot | None:
+    async def lease(self) -> _shm.Slot | OwnSlot | None:
         """A slot for the next batch; None sends it inline. Reuse is instant; creating a
-        segment reserves and maps its pages, so it runs in a thread, off the loop."""
+        segment reserves and maps its pages, so it runs in a thread, off the loop. Before any
+        batch came back (its size unknown), the worker makes the segment (:class:`OwnSlot`)."""
         size = self._batch_bytes
+        if self._slots is not None and size == 0 and not self.fallbacks:
+            return OwnSlot(_shm.new_name())
         if self._slots is None or size < INLINE_MAX_BYTES:
             return None
         slot = self._slots.reuse(size)
@@ -235,17 +279,26 @@ class Receiver:
             self._said.add(kind)
             _log.warning("batches travel inline (pickled) instead: %s", why)
 
-    def releaser(self, slot: _shm.Slot | None) -> Callable[[], None] | None:
-        """What gives ``slot`` back to the pool, to call once no worker can write into it."""
+    def releaser(self, slot: _shm.Slot | OwnSlot | None) -> Callable[[], None] | None:
+        """What gives ``slot`` back to the pool, to call once no worker can write into it
+        (for an :class:`OwnSlot`: what unlinks the segment the worker may have made)."""
+        if isinstance(slot, OwnSlot):
+            return functools.partial(_shm.discard, slot.name)
         if slot is None or self._slots is None:
             return None
         return functools.partial(self._slots.release, slot)
 
-    def open(self, made: Made, slot: _shm.Slot | None) -> Made:
-        """``made`` with its parcel opened: views of ``slot``, or the inline batch (then the
+    def open(self, made: Made, leased: _shm.Slot | OwnSlot | None) -> Made:
+        """``made`` with its parcel opened: views of its slot, or the inline batch (then the
         slot, if one was leased, goes back to the pool). If this raises, the slot is free."""
         parcel: Parcel = made.batch
         self._batch_bytes = max(self._batch_bytes, parcel.nbytes)
+        slot = leased if isinstance(leased, _shm.Slot) else None
+        if parcel.own_slot is not None:
+            if self._slots is None:  # pragma: no cover - an OwnSlot is sent only with a pool
+                _shm.unlink(parcel.own_slot.name)
+                raise RuntimeError("a worker's segment came back to a loader without a pool")
+            slot = self._slots.adopt(parcel.own_slot.name, parcel.own_slot.size)
         if parcel.slot_error and self._slots is not None and not self._slots.closed:
             # The worker could not map the slot (after close: the pool unlinked it itself).
             self._fell_back("vanished" if parcel.slot_vanished else "attach", parcel.slot_error)

@@ -69,7 +69,7 @@ from . import _info, _payload
 from ._channel import serve_over
 from ._frames import Packed, pack_result, picklable
 from ._info import WorkerInfo
-from ._wire import LoadJob, MapJob, Packer, StreamJob, inline
+from ._wire import LoadJob, MapJob, OwnSlot, Packer, StreamJob, inline
 
 __all__ = [
     "STACK_SIGNAL",
@@ -312,7 +312,7 @@ def _begin(state: _WorkerState, epoch: int, batch_id: int) -> None:
     _info.catch_up()  # torch imported since the copy loaded gets the worker info
 
 
-def _make(state: _WorkerState, request: BatchRequest, slot: Slot | None) -> Made:
+def _make(state: _WorkerState, request: BatchRequest, slot: Slot | OwnSlot | None) -> Made:
     """Read, collate (into ``slot``, if any) and pack the batch of ``request``."""
     try:
         packer = Packer(slot)

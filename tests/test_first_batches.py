@@ -1,0 +1,92 @@
+"""The first batches of a loader, before it knows how large its batches are: a large one goes
+into a shared-memory segment its worker makes, which the main process takes over into its pool
+(``_workers._wire.OwnSlot``, ``SlotPool.adopt``), instead of being pickled through the pipe; a
+tiny one travels inline, and nothing is made for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+from datasets import Range
+
+from aioloader import DataLoader, _shm
+from aioloader._shm import SlotPool
+from aioloader._workers._wire import OwnSlot, Receiver
+
+pytestmark = pytest.mark.usefixtures("baseline")
+
+
+class Tiles(Range):
+    """16 KiB arrays filled with their index: a batch of 8 is 128 KiB, past the inline limit."""
+
+    def __getitem__(self, index: int) -> np.ndarray:  # type: ignore[override]
+        return np.full((64, 64, 4), index % 251, dtype=np.uint8)
+
+
+def own_segments() -> set[str]:
+    prefix = f"{_shm.SHM_PREFIX}{os.getpid()}_"
+    return {name for name in os.listdir(_shm.SHM_DIR) if name.startswith(prefix)}
+
+
+def test_the_first_large_batches_come_through_shared_memory_not_pickled() -> None:
+    with DataLoader(Tiles(64), batch_size=8, num_workers=2, prefetch=4) as loader:
+        it = iter(loader)
+        held = [next(it) for _ in range(4)]  # all four asked for before any size was known
+        stats = loader.statistics()
+        assert stats.held_shm_slots >= 4  # ours, and any made meanwhile waiting its turn
+        assert stats.shm_fallbacks == 0
+        rest = list(it)
+        for k, batch in enumerate(held + rest):
+            assert batch.shape == (8, 64, 64, 4)
+            assert [int(sample[0, 0, 0]) for sample in batch] == list(range(8 * k, 8 * k + 8))
+        del held, rest, batch
+    assert not own_segments()
+
+
+def test_tiny_first_batches_travel_inline_and_make_no_segment() -> None:
+    with DataLoader(Range(64), batch_size=8, num_workers=2) as loader:
+        assert sum(len(b) for b in loader) == 64
+        assert loader.statistics().live_shm_slots == 0
+    assert not own_segments()
+
+
+def test_a_closed_pool_refuses_a_workers_segment_and_unlinks_it() -> None:
+    pool = SlotPool(8 << 20)
+    name, _ = _shm.create_segment(1 << 20, _shm.SHM_DIR)
+    pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.adopt(name, 1 << 20)
+    assert name not in own_segments()
+
+
+def test_an_adopted_segment_is_the_pools_to_reuse_and_unlink() -> None:
+    pool = SlotPool(8 << 20)
+    try:
+        name, _ = _shm.create_segment(1 << 20, _shm.SHM_DIR)
+        slot = pool.adopt(name, 1 << 20)
+        assert pool.stats().leased == 1
+        pool.release(slot)
+        again = pool.reuse(1000)
+        assert again is not None
+        assert again.name == name
+        pool.release(again)
+    finally:
+        pool.close()
+    assert name not in own_segments()
+
+
+def test_a_job_that_failed_after_its_worker_made_a_segment_leaves_none() -> None:
+    receiver = Receiver(SlotPool(8 << 20), prefetch=2)
+    own = asyncio.run(receiver.lease())
+    assert isinstance(own, OwnSlot)
+    release = receiver.releaser(own)
+    assert release is not None
+    release()  # the worker never made it: nothing to do, nothing said to the tracker
+    _shm.create_segment(1 << 20, _shm.SHM_DIR, own.name)  # as the worker does, then dies
+    assert own.name in own_segments()
+    release()
+    assert own.name not in own_segments()
