@@ -442,6 +442,15 @@ def tar_shard(shard: int, samples: int, size: int = 24) -> bytes:
     return out.getvalue()
 
 
+def tar_digest(raw: dict[str, Any]) -> dict[str, Any]:
+    """A tar sample's decode that says what arrived: the key, the type and CRC-32 of each
+    member's bytes (``bytes`` or not: what ``decode`` is handed), and the decoding process."""
+    import zlib
+
+    members = {k: (type(v).__name__, zlib.crc32(v)) for k, v in raw.items() if k[:2] != "__"}
+    return {"key": raw["__key__"], "members": members, "pid": os.getpid()}
+
+
 def tar_keys(shards: int, samples: Callable[[int], int]) -> list[str]:
     """Every sample key of the shards :func:`tar_shard` makes, in shard order."""
     return [f"{s:03d}/{i:04d}" for s in range(shards) for i in range(samples(s))]

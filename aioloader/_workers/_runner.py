@@ -1,21 +1,22 @@
 """ProcessRunner: the epoch's :class:`~aioloader._types.Runner` over worker processes.
 
-It only routes: a slot for the job (:class:`._wire.Receiver`), the job to a worker
+It only routes: a slot for the job (:class:`._wire.Receiver`; a map job's fetched samples may
+travel in a second one, :class:`._wire.Sender`), the job to a worker
 (:class:`._pool.WorkerPool`), and the worker's :class:`~aioloader._types.Made` opened back into
 a batch (:class:`._wire.Receiver`). Whether a batch travels in shared memory or inline is not
 decided here (see :mod:`._wire`).
 
 Slot ownership, which every path keeps: a leased slot is either opened into the batch (its
 views own it then), released when the batch came back inline or the job failed, or released by
-the channel once the worker is done with a job whose awaiting task was cancelled.
+the channel once the worker is done with a job whose awaiting task was cancelled. A raw slot
+(the fetched samples) is released once the job answered, failed or was abandoned and done.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any
 
 from .. import _shm
 from .._errors import WorkerCrashedError
@@ -23,12 +24,10 @@ from .._log import workers_log
 from .._types import BatchRequest, InlineMaking, Made, StreamRequest
 from ._frames import Packed
 from ._pool import WorkerPool
-from ._wire import MapJob, Receiver, StreamJob
+from ._wire import MapJob, RawSlotError, Receiver, Sender, StreamJob
 from ._worker import run_map_job, run_stream_job
 
 __all__ = ["ProcessRunner"]
-
-J = TypeVar("J")
 
 
 class ProcessRunner:
@@ -46,6 +45,7 @@ class ProcessRunner:
     def __init__(self, pool: WorkerPool, slots: _shm.SlotPool | None, prefetch: int = 1) -> None:
         self.pool = pool
         self._receiver = Receiver(slots, prefetch)
+        self._sender = Sender(slots)
         self._restarts_logged = 0  # worker replacements said in the log so far
 
     @property
@@ -61,7 +61,7 @@ class ProcessRunner:
     @property
     def shm_fallbacks(self) -> int:
         """Batches sent inline because no shared-memory segment could be had."""
-        return self._receiver.fallbacks
+        return self._receiver.fallbacks + self._sender.fallbacks
 
     def start(self) -> None:
         """Start every worker and wait until each ran its initializer (blocking)."""
@@ -73,8 +73,7 @@ class ProcessRunner:
 
     def start_make(self, request: BatchRequest) -> asyncio.Future[Made]:
         """Start making a map-style batch on the least-loaded worker."""
-        job_of = functools.partial(MapJob, request)
-        return asyncio.ensure_future(self._run(run_map_job, job_of, request.batch_id, None))
+        return asyncio.ensure_future(self._run(run_map_job, request, None))
 
     async def pull(self, request: StreamRequest, stream: int) -> Made:
         """Make the next batch of worker ``stream``'s stream (``Made.batch is END`` at its end).
@@ -82,34 +81,57 @@ class ProcessRunner:
         A stream's batch is never resubmitted to another worker: only that worker's iterator
         knows where the stream stands.
         """
-        job_of = functools.partial(StreamJob, request)
-        return await self._run(run_stream_job, job_of, request.batch_id, stream)
+        return await self._run(run_stream_job, request, stream)
 
     async def _run(
         self,
-        fn: Callable[[J], Packed[Made]],
-        job_of: Callable[[_shm.Slot | None], J],
-        batch_id: int,
+        fn: Callable[[Any], Packed[Made]],
+        request: BatchRequest | StreamRequest,
         worker: int | None,
+        *,
+        inline: bool = False,
     ) -> Made:
         slot = await self._receiver.lease()
         release = self._receiver.releaser(slot)
+        raw_slot = None
+        job: MapJob | StreamJob
+        if isinstance(request, BatchRequest):
+            try:
+                wire, raw_slot = (request, None) if inline else await self._sender.pack(request)
+            except BaseException:
+                if release is not None:
+                    release()
+                raise
+            job = MapJob(wire, slot, raw_slot)
+        else:
+            job = StreamJob(request, slot)
+        release_raw = self._sender.releaser(raw_slot)
+        release_all = _both(release, release_raw)
         try:
             made: Made = await self.pool.submit(
                 fn,
-                job_of(slot),
-                batch_id=batch_id,
+                job,
+                batch_id=request.batch_id,
                 worker=worker,
-                on_abandon=release,
+                on_abandon=release_all,
                 resubmit_innocent=worker is None,
             )
         except asyncio.CancelledError:
-            raise  # on_abandon releases the slot once the worker is done with it
-        except BaseException as exc:
+            raise  # on_abandon releases the slots once the worker is done with the job
+        except RawSlotError as exc:
+            # The worker could not map the raw slot: the same request again, pickled.
             if release is not None:
                 release()
+            assert raw_slot is not None
+            self._sender.lost(raw_slot, exc)
+            return await self._run(fn, request, worker, inline=True)
+        except BaseException as exc:
+            if release_all is not None:
+                release_all()
             self._log_restarts(exc)
             raise
+        if release_raw is not None:  # the worker copied the samples out of it
+            release_raw()
         if self.pool.rebuilds > self._restarts_logged:  # a worker died with nothing of ours
             self._log_restarts(None)
         return self._receiver.open(made, slot)
@@ -143,3 +165,19 @@ class ProcessRunner:
     def close(self) -> None:
         """Stop every worker (blocking)."""
         self.pool.close()
+
+
+def _both(
+    first: Callable[[], None] | None, second: Callable[[], None] | None
+) -> Callable[[], None] | None:
+    """A callable that calls each of ``first`` and ``second`` that is not None."""
+    if first is None or second is None:
+        return first or second
+
+    def both() -> None:
+        try:
+            first()
+        finally:
+            second()
+
+    return both

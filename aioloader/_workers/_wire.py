@@ -5,7 +5,8 @@ Three job records go out (pickled over the worker's request pipe, with the funct
 - :class:`LoadJob`: the dataset copy (and the callables) a worker makes its batches with from
   now on, sent before the first batch job of each epoch that renews it;
 - :class:`MapJob`: a map-style :class:`~aioloader._types.BatchRequest` and the slot, if any,
-  the batch should be collated into;
+  the batch should be collated into; with samples the loop fetched (async datasets, tar
+  shards), their large ``bytes`` may travel in a second slot, ``raw_slot`` (see below);
 - :class:`StreamJob`: a :class:`~aioloader._types.StreamRequest` (the next batch of this
   worker's stream) and likewise a slot.
 
@@ -28,6 +29,17 @@ Shared memory or inline is decided here and nowhere else, on both sides of the p
                                inline ─▶ the slot goes back to the pool (forgotten if it
                                was removed), tensors are rebuilt
 
+The samples the event loop fetched for a map job go the other way, main to worker, the same
+way (:class:`Sender`): an item that is ``bytes`` (or a plain ``dict`` whose values are), of at
+least :data:`RAW_SLOT_MIN_BYTES` each and :data:`INLINE_MAX_BYTES` in all, is copied once into a
+leased slot and replaced in the pickled request by a :class:`RawRef`; the worker copies each
+back out into ``bytes`` of its own (:func:`unpack_raw`) before anything sees it, so ``decode``
+gets exactly the types it would have got inline. Pickling the same bytes instead costs a copy
+into the pickle, the kernel's two copies through a 64 KiB pipe (dozens of wake-ups of both
+processes per batch of megabytes) and a copy out of the pickle. No slot to be had (no pool,
+the cap, a full ``/dev/shm``) sends the request inline; a worker that cannot map the slot
+answers :class:`RawSlotError` and the request is sent again inline (:meth:`ProcessRunner`).
+
 Sharp edges:
 - torch registers a reduction with multiprocessing's pickler that moves every pickled tensor
   into a new shared-memory file and sends its descriptor: for a small batch that costs far more
@@ -43,10 +55,11 @@ Sharp edges:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,21 +74,28 @@ from ._payload import Payload
 
 __all__ = [
     "INLINE_MAX_BYTES",
+    "RAW_SLOT_MIN_BYTES",
     "LoadJob",
     "MapJob",
     "Packer",
     "Parcel",
+    "RawRef",
+    "RawSlotError",
     "Receiver",
+    "Sender",
     "StreamJob",
     "batch_nbytes",
     "from_wire",
     "inline",
     "to_wire",
+    "unpack_raw",
 ]
 
 # Batches with fewer array bytes than this travel inline, never in a slot: for them a slot
 # costs more (a lease, a mapping, a finalizer) than the pickle copy it saves.
 INLINE_MAX_BYTES = _shm.INLINE_MAX_BYTES
+
+_log = logging.getLogger("aioloader.shm")
 
 
 # -- out: the jobs -------------------------------------------------------------------------
@@ -94,13 +114,20 @@ class LoadJob:
     epoch: int
 
 
+# A fetched item's bytes travel in the job's raw slot from this size on. Smaller ones are
+# pickled with the request: for them, a descriptor and a copy out of the slot cost about what
+# the pickle copy does.
+RAW_SLOT_MIN_BYTES = 4 << 10
+
+
 @dataclass(frozen=True, slots=True)
 class MapJob:
     """Make the batch of ``request`` (indices, or samples the loop fetched), into ``slot`` if
-    one is given."""
+    one is given; the :class:`RawRef` in ``request.raw`` point into ``raw_slot``."""
 
     request: BatchRequest
     slot: _shm.Slot | None
+    raw_slot: _shm.Slot | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +136,173 @@ class StreamJob:
 
     request: StreamRequest
     slot: _shm.Slot | None
+
+
+# -- out: fetched bytes through a slot ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RawRef:
+    """In place of a fetched item's bytes: where they lie in the job's raw slot, and whether
+    they were a ``bytearray`` (else ``bytes``)."""
+
+    offset: int
+    size: int
+    mutable: bool = False
+
+
+class RawSlotError(Exception):
+    """A worker could not map a job's raw slot (``vanished``: its segment is gone); the main
+    process sends the request again inline."""
+
+    def __init__(self, reason: str, vanished: bool) -> None:
+        super().__init__(reason, vanished)
+        self.reason = reason
+        self.vanished = vanished
+
+    def __str__(self) -> str:
+        return f"the raw samples' slot cannot be mapped: {self.reason}"
+
+
+def _large(value: Any) -> bool:
+    return type(value) in (bytes, bytearray) and len(value) >= RAW_SLOT_MIN_BYTES
+
+
+def _raw_parts(raw: Sequence[Any]) -> list[tuple[int, Any, Any]]:
+    """``(item position, dict key or None, bytes)`` of each large bytes value of ``raw``."""
+    parts: list[tuple[int, Any, Any]] = []
+    for position, item in enumerate(raw):
+        if _large(item):
+            parts.append((position, None, item))
+        elif type(item) is dict:
+            parts.extend((position, key, value) for key, value in item.items() if _large(value))
+    return parts
+
+
+class Sender:
+    """Main side: the large bytes of a map job's fetched samples into a slot (see the module
+    docstring). One per runner.
+
+    Args:
+        slots: the shared-memory slot pool, or None to send every request inline.
+    """
+
+    def __init__(self, slots: _shm.SlotPool | None) -> None:
+        self._slots = slots
+        self.fallbacks = 0  # requests sent inline for want of a slot (or a worker's mapping)
+        self._said = False
+
+    async def pack(self, request: BatchRequest) -> tuple[BatchRequest, _shm.Slot | None]:
+        """``request`` with its large bytes in a leased slot, and the slot; or ``request``
+        itself and None (nothing large, no pool, no room). If this raises, no slot is held."""
+        slots = self._slots
+        if slots is None or request.raw is None or request.sharded:
+            return request, None
+        parts = _raw_parts(request.raw)
+        align = _shm.ALIGN
+        offsets, total = [], 0
+        for _position, _key, data in parts:
+            offsets.append(total)
+            total += (len(data) + align - 1) // align * align
+        if total < INLINE_MAX_BYTES:
+            return request, None
+        slot = await self._lease(total)
+        if slot is None:
+            return request, None
+        try:
+            slots.write(slot, [(at, data) for at, (_, _, data) in zip(offsets, parts, strict=True)])
+        except BaseException:
+            slots.release(slot)
+            raise
+        raw = list(request.raw)
+        copied: set[int] = set()
+        for offset, (position, key, data) in zip(offsets, parts, strict=True):
+            ref = RawRef(offset, len(data), type(data) is bytearray)
+            if key is None:
+                raw[position] = ref
+                continue
+            if position not in copied:  # a shallow copy: the caller's sample stays as it was
+                copied.add(position)
+                raw[position] = dict(raw[position])
+            raw[position][key] = ref
+        return dataclasses.replace(request, raw=raw), slot
+
+    async def _lease(self, nbytes: int) -> _shm.Slot | None:
+        slots = self._slots
+        assert slots is not None
+        slot = slots.reuse(nbytes)
+        if slot is not None:
+            return slot
+        # Creating a segment reserves and maps its pages: in a thread, off the loop. If the
+        # caller is cancelled meanwhile, the slot the thread leases goes back when it comes.
+        leasing = asyncio.ensure_future(asyncio.to_thread(slots.lease, nbytes))
+        try:
+            return await asyncio.shield(leasing)
+        except asyncio.CancelledError:
+            leasing.add_done_callback(self._give_back)
+            raise
+        except SharedMemoryError as exc:
+            self._fell_back(str(exc))
+            return None
+
+    def _give_back(self, leasing: asyncio.Future[_shm.Slot | None]) -> None:
+        if self._slots is None or leasing.cancelled() or leasing.exception() is not None:
+            return
+        slot = leasing.result()
+        if slot is not None:
+            self._slots.release(slot)
+
+    def _fell_back(self, why: str) -> None:
+        self.fallbacks += 1
+        if not self._said:
+            self._said = True
+            _log.warning("fetched samples travel to the workers pickled instead: %s", why)
+
+    def releaser(self, slot: _shm.Slot | None) -> Callable[[], None] | None:
+        """What gives ``slot`` back, to call once the worker is done reading it."""
+        if slot is None or self._slots is None:
+            return None
+        return functools.partial(self._slots.release, slot)
+
+    def lost(self, slot: _shm.Slot, error: RawSlotError) -> None:
+        """The worker could not map ``slot`` (``error``): never lease it again if its segment
+        vanished, else give it back; the caller sends the request inline."""
+        assert self._slots is not None
+        if error.vanished:
+            self._slots.forget(slot)
+        else:
+            self._slots.release(slot)
+        self._fell_back(str(error))
+
+
+def unpack_raw(request: BatchRequest, slot: _shm.Slot) -> BatchRequest:
+    """Worker side: ``request`` with each :class:`RawRef` replaced by a copy of its bytes.
+
+    Raises:
+        RawSlotError: the slot cannot be mapped here (removed from ``/dev/shm``, or no file
+            descriptor left).
+    """
+    try:
+        buffer = _shm.attach(slot)
+    except FileNotFoundError as exc:
+        raise RawSlotError(str(exc), True) from None
+    except SharedMemoryError as exc:
+        raise RawSlotError(str(exc), False) from None
+    with buffer.data as view:
+
+        def copy(ref: RawRef) -> Any:
+            data = view[ref.offset : ref.offset + ref.size]
+            return bytearray(data) if ref.mutable else data.tobytes()
+
+        raw: list[Any] = []
+        assert request.raw is not None
+        for item in request.raw:
+            if isinstance(item, RawRef):
+                item = copy(item)
+            elif type(item) is dict and any(isinstance(v, RawRef) for v in item.values()):
+                item = {k: copy(v) if isinstance(v, RawRef) else v for k, v in item.items()}
+            raw.append(item)
+    return dataclasses.replace(request, raw=raw)
 
 
 # -- back: the parcel ----------------------------------------------------------------------
@@ -186,9 +380,6 @@ class Packer:
         if encoded.inline:  # tiny, or did not fit: inline now, a big enough slot next time
             return Parcel(to_wire(encoded.tree), False, max(nbytes, encoded.needed_bytes))
         return Parcel(encoded.tree, True, nbytes)
-
-
-_log = logging.getLogger("aioloader.shm")
 
 
 class Receiver:

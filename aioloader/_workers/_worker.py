@@ -69,7 +69,7 @@ from . import _info, _payload
 from ._channel import serve_over
 from ._frames import Packed, pack_result, picklable
 from ._info import WorkerInfo
-from ._wire import LoadJob, MapJob, Packer, StreamJob, inline
+from ._wire import LoadJob, MapJob, Packer, StreamJob, inline, unpack_raw
 
 __all__ = [
     "STACK_SIGNAL",
@@ -260,6 +260,8 @@ def run_map_job(job: MapJob) -> Packed[Made]:
     request = job.request
     _begin(state, request.epoch, request.batch_id)
     try:
+        if job.raw_slot is not None:  # the fetched samples' bytes, out of shared memory
+            request = unpack_raw(request, job.raw_slot)
         return _packed(_make(state, request, job.slot), state, request)
     finally:
         state.current[state.worker_id] = 0
