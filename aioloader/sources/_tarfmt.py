@@ -30,8 +30,7 @@ which are less than the next header or member needs.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["BLOCK", "Grouper", "TarFormatError", "TarParser", "split_name"]
 
@@ -53,8 +52,7 @@ class TarFormatError(ValueError):
         self.member = member
 
 
-@dataclass(frozen=True, slots=True)
-class _Header:
+class _Header(NamedTuple):  # a tuple: made twice per sample, it must be cheap
     name: str
     size: int
     kind: bytes
@@ -220,8 +218,9 @@ class TarParser:
 
     def _parse_header(self, block: bytes) -> _Header:
         name = self._long_name or _text(block[0:100])
-        stored = _octal(block[148:156], "checksum", name)
-        unsigned = sum(block) - sum(block[148:156]) + 8 * 32
+        field = block[148:156]
+        stored = _octal(field, "checksum", name)
+        unsigned = sum(block) - sum(field) + 8 * 32
         if stored != unsigned:
             signed = sum(b - 256 if b > 127 else b for b in block[:148] + block[156:]) + 256
             if stored != signed:
@@ -235,11 +234,13 @@ class TarParser:
             name = f"{prefix}/{name}"
         size = _octal(block[124:136], "size", name)
         kind = block[156:157]
-        pax, self._pax, self._long_name = self._pax, {}, None
-        if "path" in pax:
-            name = pax["path"]
-        if "size" in pax:
-            size = int(pax["size"])
+        if self._pax:
+            pax, self._pax = self._pax, {}
+            if "path" in pax:
+                name = pax["path"]
+            if "size" in pax:
+                size = int(pax["size"])
+        self._long_name = None
         if size < 0:
             raise TarFormatError(f"negative size {size} in the header", name)
         self._last = name
