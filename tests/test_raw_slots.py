@@ -1,10 +1,10 @@
 """Samples the loop fetched reach the worker processes through shared memory (``_wire.Sender``).
 
 The large ``bytes`` of a map job's fetched samples (a tar shard's members, an HTTP object) are
-copied into a leased slot instead of being pickled through the pipe; the worker copies them
-back out, so ``decode`` gets what it would have got inline. Where no slot can be had (the cap,
-a full ``/dev/shm``) or the worker cannot map it (removed behind the loader's back), the samples
-travel pickled: nothing is lost, nothing comes twice.
+copied into the job's slot instead of being pickled through the pipe; the worker copies them
+back out, so ``decode`` gets what it would have got inline, and collates the batch there.
+Where no slot can be had (the cap, a full ``/dev/shm``) or the worker cannot map it (removed
+behind the loader's back), the samples travel pickled: nothing is lost, nothing comes twice.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from aioloader._workers._wire import (
     RAW_SLOT_MIN_BYTES,
     RawRef,
     RawSlotError,
+    Receiver,
     Sender,
     unpack_raw,
 )
@@ -45,7 +46,16 @@ def _request(raw: list[Any]) -> BatchRequest:
     return BatchRequest(0, 7, list(range(len(raw))), raw=raw)
 
 
-async def test_large_bytes_go_through_a_slot_and_come_back_as_they_were() -> None:
+def _sent(sender: Sender, pool: SlotPool, raw: list[Any]) -> tuple[BatchRequest, Slot]:
+    """What the runner does: plan, lease a slot big enough, copy the bytes in."""
+    plan = sender.plan(_request(raw))
+    assert plan is not None
+    slot = pool.lease(plan.nbytes)
+    assert slot is not None
+    return sender.fill(plan, slot), slot
+
+
+def test_large_bytes_go_through_the_slot_and_come_back_as_they_were() -> None:
     pool = SlotPool(64 << 20)
     sender = Sender(pool)
     big, other = os.urandom(BIG), os.urandom(BIG + 3)
@@ -57,9 +67,7 @@ async def test_large_bytes_go_through_a_slot_and_come_back_as_they_were() -> Non
         ("not", "walked"),
     ]
     try:
-        wire, slot = await sender.pack(_request(raw))
-        assert slot is not None
-        assert pool.stats().leased == 1
+        wire, slot = _sent(sender, pool, raw)
         sent: Any = wire.raw
         assert isinstance(sent[0], RawRef)
         assert isinstance(sent[1], RawRef)
@@ -67,44 +75,42 @@ async def test_large_bytes_go_through_a_slot_and_come_back_as_they_were() -> Non
         assert isinstance(sent[2]["bin"], RawRef)
         assert sent[2]["cls"] == b"1"  # small values are pickled with the request
         assert sent[3] == b"tiny"
-        assert raw[2]["bin"] is other  # type: ignore[index]  # the caller's samples are not changed
+        assert raw[2]["bin"] is other  # type: ignore[index]  # the caller's samples unchanged
         back: Any = unpack_raw(wire, slot).raw
         assert back == raw
         assert [type(x) for x in back] == [type(x) for x in raw]
         assert type(back[2]["bin"]) is bytes
-        sender.releaser(slot)()  # type: ignore[misc]
-        assert pool.stats().leased == 0
     finally:
         pool.close()
         _shm.detach_all()
 
 
-async def test_small_samples_and_no_pool_travel_inline() -> None:
+def test_small_samples_and_no_pool_travel_inline() -> None:
     pool = SlotPool(64 << 20)
     try:
-        small = [os.urandom(RAW_SLOT_MIN_BYTES - 1) for _ in range(4)]
-        request = _request(small)
-        assert await Sender(pool).pack(request) == (request, None)
-        big = _request([os.urandom(BIG)])
-        assert await Sender(None).pack(big) == (big, None)
-        assert pool.stats().slots == 0
+        small = [os.urandom(RAW_SLOT_MIN_BYTES - 1) for _ in range(40)]
+        assert Sender(pool).plan(_request(small)) is None  # each under the minimum
+        assert Sender(pool).plan(_request([os.urandom(RAW_SLOT_MIN_BYTES)])) is None  # in all
+        assert Sender(None).plan(_request([os.urandom(BIG)])) is None
     finally:
         pool.close()
 
 
-async def test_samples_over_the_cap_travel_inline() -> None:
+async def test_samples_over_the_cap_get_no_slot() -> None:
     pool = SlotPool(1 << 20, min_slot_bytes=1 << 20)
     try:
-        request = _request([os.urandom(BIG) for _ in range(20)])  # 1.25 MiB: over the cap
-        assert await Sender(pool).pack(request) == (request, None)
+        plan = Sender(pool).plan(_request([os.urandom(BIG) for _ in range(20)]))
+        assert plan is not None
+        assert plan.nbytes > 1 << 20  # 1.25 MiB: over the cap, so the request goes pickled
+        assert await Receiver(pool, prefetch=2).lease(plan.nbytes) is None
         assert pool.stats().slots == 0
     finally:
         pool.close()
 
 
-async def test_a_slot_leased_for_a_cancelled_request_goes_back() -> None:
+async def test_a_slot_leased_for_a_cancelled_job_goes_back() -> None:
     pool = SlotPool(64 << 20)
-    sender = Sender(pool)
+    receiver = Receiver(pool, prefetch=2)
     entered, go_on = threading.Event(), threading.Event()
     real = pool.lease
 
@@ -115,7 +121,7 @@ async def test_a_slot_leased_for_a_cancelled_request_goes_back() -> None:
 
     pool.lease = slow_lease  # type: ignore[method-assign]
     try:
-        task = asyncio.ensure_future(sender.pack(_request([os.urandom(BIG)])))
+        task = asyncio.ensure_future(receiver.lease(BIG * 4))
         assert await asyncio.to_thread(entered.wait, BOUND_S)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -135,8 +141,7 @@ def test_a_slot_the_worker_cannot_map_is_named_and_forgotten() -> None:
     pool = SlotPool(64 << 20)
     try:
         sender = Sender(pool)
-        wire, slot = asyncio.run(sender.pack(_request([os.urandom(BIG)])))
-        assert slot is not None
+        wire, slot = _sent(sender, pool, [os.urandom(BIG)])
         os.unlink(os.path.join(_shm.SHM_DIR, slot.name))  # as RemoveIPC or a cleanup would
         with pytest.raises(RawSlotError) as info:
             unpack_raw(wire, slot)
@@ -197,7 +202,7 @@ def test_workers_decode_tar_members_sent_through_shared_memory(big_shards: list[
         assert _decoded(loader) == _expected(big_shards)
         stats = loader.statistics()
     # The batches (lists of dicts) hold no array and come back pickled: every segment the
-    # pool made carried fetched samples to a worker, and is free again.
+    # pool made carried fetched samples to a worker, and was given back.
     assert stats.live_shm_slots >= 1
     assert (stats.leased_shm_slots, stats.held_shm_slots) == (0, 0)
     assert stats.shm_fallbacks == 0

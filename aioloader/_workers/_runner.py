@@ -1,15 +1,15 @@
 """ProcessRunner: the epoch's :class:`~aioloader._types.Runner` over worker processes.
 
 It only routes: a slot for the job (:class:`._wire.Receiver`; a map job's fetched samples may
-travel in a second one, :class:`._wire.Sender`), the job to a worker
+travel to the worker in it, :class:`._wire.Sender`), the job to a worker
 (:class:`._pool.WorkerPool`), and the worker's :class:`~aioloader._types.Made` opened back into
 a batch (:class:`._wire.Receiver`). Whether a batch travels in shared memory or inline is not
 decided here (see :mod:`._wire`).
 
 Slot ownership, which every path keeps: a leased slot is either opened into the batch (its
 views own it then), released when the batch came back inline or the job failed, or released by
-the channel once the worker is done with a job whose awaiting task was cancelled. A raw slot
-(the fetched samples) is released once the job answered, failed or was abandoned and done.
+the channel once the worker is done with a job whose awaiting task was cancelled. A slot that
+carried fetched samples is the job's slot: the same rules hold for it.
 """
 
 from __future__ import annotations
@@ -91,47 +91,45 @@ class ProcessRunner:
         *,
         inline: bool = False,
     ) -> Made:
-        slot = await self._receiver.lease()
+        plan = None
+        if isinstance(request, BatchRequest) and not inline:
+            plan = self._sender.plan(request)  # fetched samples' bytes to send in the slot
+        slot = await self._receiver.lease(plan.nbytes if plan is not None else 0)
         release = self._receiver.releaser(slot)
-        raw_slot = None
         job: MapJob | StreamJob
         if isinstance(request, BatchRequest):
-            try:
-                wire, raw_slot = (request, None) if inline else await self._sender.pack(request)
-            except BaseException:
-                if release is not None:
-                    release()
-                raise
-            job = MapJob(wire, slot, raw_slot)
+            wire = request
+            if plan is not None and slot is not None and slot.size >= plan.nbytes:
+                try:
+                    wire = self._sender.fill(plan, slot)
+                except BaseException:
+                    if release is not None:
+                        release()
+                    raise
+            job = MapJob(wire, slot, raw_in_slot=wire is not request)
         else:
             job = StreamJob(request, slot)
-        release_raw = self._sender.releaser(raw_slot)
-        release_all = _both(release, release_raw)
         try:
             made: Made = await self.pool.submit(
                 fn,
                 job,
                 batch_id=request.batch_id,
                 worker=worker,
-                on_abandon=release_all,
+                on_abandon=release,
                 resubmit_innocent=worker is None,
             )
         except asyncio.CancelledError:
-            raise  # on_abandon releases the slots once the worker is done with the job
+            raise  # on_abandon releases the slot once the worker is done with the job
         except RawSlotError as exc:
-            # The worker could not map the raw slot: the same request again, pickled.
-            if release is not None:
-                release()
-            assert raw_slot is not None
-            self._sender.lost(raw_slot, exc)
+            # The worker could not map the slot: the same request again, pickled.
+            assert slot is not None
+            self._sender.lost(slot, exc)
             return await self._run(fn, request, worker, inline=True)
         except BaseException as exc:
-            if release_all is not None:
-                release_all()
+            if release is not None:
+                release()
             self._log_restarts(exc)
             raise
-        if release_raw is not None:  # the worker copied the samples out of it
-            release_raw()
         if self.pool.rebuilds > self._restarts_logged:  # a worker died with nothing of ours
             self._log_restarts(None)
         return self._receiver.open(made, slot)
@@ -165,19 +163,3 @@ class ProcessRunner:
     def close(self) -> None:
         """Stop every worker (blocking)."""
         self.pool.close()
-
-
-def _both(
-    first: Callable[[], None] | None, second: Callable[[], None] | None
-) -> Callable[[], None] | None:
-    """A callable that calls each of ``first`` and ``second`` that is not None."""
-    if first is None or second is None:
-        return first or second
-
-    def both() -> None:
-        try:
-            first()
-        finally:
-            second()
-
-    return both

@@ -16,9 +16,9 @@ in the main process. Nothing else is built from it and nothing is patched into i
 
 Shared memory or inline is decided here and nowhere else, on both sides of the pipe::
 
-    main: Receiver.lease()     the largest batch seen so far is >= INLINE_MAX_BYTES and a slot
-                               pool exists ─▶ a slot (reused at once, or created in a thread);
-                               otherwise None: the batch will travel inline
+    main: Receiver.lease()     the largest batch seen so far (or the fetched samples' bytes) is
+                               >= INLINE_MAX_BYTES and a slot pool exists ─▶ a slot (reused at
+                               once, or created in a thread); otherwise None: inline
     worker: Packer(slot)       collate straight into the slot (Packer.alloc), then pack():
                                no slot, a tiny batch, or one that did not fit ─▶ inline
                                (with the bytes a slot would need, so the next lease fits);
@@ -29,16 +29,18 @@ Shared memory or inline is decided here and nowhere else, on both sides of the p
                                inline ─▶ the slot goes back to the pool (forgotten if it
                                was removed), tensors are rebuilt
 
-The samples the event loop fetched for a map job go the other way, main to worker, the same
-way (:class:`Sender`): an item that is ``bytes`` (or a plain ``dict`` whose values are), of at
-least :data:`RAW_SLOT_MIN_BYTES` each and :data:`INLINE_MAX_BYTES` in all, is copied once into a
-leased slot and replaced in the pickled request by a :class:`RawRef`; the worker copies each
-back out into ``bytes`` of its own (:func:`unpack_raw`) before anything sees it, so ``decode``
-gets exactly the types it would have got inline. Pickling the same bytes instead costs a copy
-into the pickle, the kernel's two copies through a 64 KiB pipe (dozens of wake-ups of both
-processes per batch of megabytes) and a copy out of the pickle. No slot to be had (no pool,
-the cap, a full ``/dev/shm``) sends the request inline; a worker that cannot map the slot
-answers :class:`RawSlotError` and the request is sent again inline (:meth:`ProcessRunner`).
+The samples the event loop fetched for a map job travel the other way, main to worker, in the
+same slot (:class:`Sender`): an item that is ``bytes`` (or a plain ``dict`` whose values are),
+of at least :data:`RAW_SLOT_MIN_BYTES` each and :data:`INLINE_MAX_BYTES` in all, is copied once
+into the job's slot (leased for the larger of the two) and replaced in the pickled request by a
+:class:`RawRef`; the worker copies each back out into ``bytes`` of its own (:func:`unpack_raw`)
+before anything sees it, so ``decode`` gets exactly the types it would have got inline, and
+then collates the batch into the same slot. Pickling the same bytes instead costs a copy into
+the pickle, the kernel's two copies through a 64 KiB pipe (dozens of wake-ups of both processes
+per batch of megabytes) and a copy out of the pickle; a second slot would cost a second
+segment's pages in every process. No slot to be had (no pool, the cap, a full ``/dev/shm``)
+sends the request inline; a worker that cannot map the slot answers :class:`RawSlotError` and
+the request is sent again inline (``ProcessRunner``).
 
 Sharp edges:
 - torch registers a reduction with multiprocessing's pickler that moves every pickled tensor
@@ -79,6 +81,7 @@ __all__ = [
     "MapJob",
     "Packer",
     "Parcel",
+    "RawPlan",
     "RawRef",
     "RawSlotError",
     "Receiver",
@@ -123,11 +126,12 @@ RAW_SLOT_MIN_BYTES = 4 << 10
 @dataclass(frozen=True, slots=True)
 class MapJob:
     """Make the batch of ``request`` (indices, or samples the loop fetched), into ``slot`` if
-    one is given; the :class:`RawRef` in ``request.raw`` point into ``raw_slot``."""
+    one is given; with ``raw_in_slot``, the :class:`RawRef` in ``request.raw`` point into
+    ``slot``, to be copied out before the batch is collated there."""
 
     request: BatchRequest
     slot: _shm.Slot | None
-    raw_slot: _shm.Slot | None = None
+    raw_in_slot: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,9 +183,20 @@ def _raw_parts(raw: Sequence[Any]) -> list[tuple[int, Any, Any]]:
     return parts
 
 
+@dataclass(frozen=True, slots=True)
+class RawPlan:
+    """Where the large bytes of ``request``'s samples go in a slot: ``parts`` are ``(item
+    position, dict key or None, bytes)``, at ``offsets``; ``nbytes`` in all."""
+
+    request: BatchRequest
+    parts: list[tuple[int, Any, Any]]
+    offsets: list[int]
+    nbytes: int
+
+
 class Sender:
-    """Main side: the large bytes of a map job's fetched samples into a slot (see the module
-    docstring). One per runner.
+    """Main side: the large bytes of a map job's fetched samples into the job's slot (see the
+    module docstring). One per runner; the slot is the one the batch comes back in.
 
     Args:
         slots: the shared-memory slot pool, or None to send every request inline.
@@ -189,15 +204,14 @@ class Sender:
 
     def __init__(self, slots: _shm.SlotPool | None) -> None:
         self._slots = slots
-        self.fallbacks = 0  # requests sent inline for want of a slot (or a worker's mapping)
+        self.fallbacks = 0  # requests sent again inline: a worker could not map their slot
         self._said = False
 
-    async def pack(self, request: BatchRequest) -> tuple[BatchRequest, _shm.Slot | None]:
-        """``request`` with its large bytes in a leased slot, and the slot; or ``request``
-        itself and None (nothing large, no pool, no room). If this raises, no slot is held."""
-        slots = self._slots
-        if slots is None or request.raw is None or request.sharded:
-            return request, None
+    def plan(self, request: BatchRequest) -> RawPlan | None:
+        """Where ``request``'s large bytes would lie in a slot; None if they travel inline
+        (no pool, or too few bytes to be worth a slot)."""
+        if self._slots is None or request.raw is None or request.sharded:
+            return None
         parts = _raw_parts(request.raw)
         align = _shm.ALIGN
         offsets, total = [], 0
@@ -205,16 +219,17 @@ class Sender:
             offsets.append(total)
             total += (len(data) + align - 1) // align * align
         if total < INLINE_MAX_BYTES:
-            return request, None
-        slot = await self._lease(total)
-        if slot is None:
-            return request, None
-        try:
-            slots.write(slot, [(at, data) for at, (_, _, data) in zip(offsets, parts, strict=True)])
-        except BaseException:
-            slots.release(slot)
-            raise
-        raw = list(request.raw)
+            return None
+        return RawPlan(request, parts, offsets, total)
+
+    def fill(self, plan: RawPlan, slot: _shm.Slot) -> BatchRequest:
+        """Copy the planned bytes into ``slot`` (leased, at least ``plan.nbytes``); returns
+        the request to send, with :class:`RawRef` in their place. The caller's samples are
+        not changed."""
+        assert self._slots is not None
+        parts, offsets = plan.parts, plan.offsets
+        self._slots.write(slot, [(at, part[2]) for at, part in zip(offsets, parts, strict=True)])
+        raw = list(plan.request.raw or ())
         copied: set[int] = set()
         for offset, (position, key, data) in zip(offsets, parts, strict=True):
             ref = RawRef(offset, len(data), type(data) is bytearray)
@@ -225,54 +240,20 @@ class Sender:
                 copied.add(position)
                 raw[position] = dict(raw[position])
             raw[position][key] = ref
-        return dataclasses.replace(request, raw=raw), slot
-
-    async def _lease(self, nbytes: int) -> _shm.Slot | None:
-        slots = self._slots
-        assert slots is not None
-        slot = slots.reuse(nbytes)
-        if slot is not None:
-            return slot
-        # Creating a segment reserves and maps its pages: in a thread, off the loop. If the
-        # caller is cancelled meanwhile, the slot the thread leases goes back when it comes.
-        leasing = asyncio.ensure_future(asyncio.to_thread(slots.lease, nbytes))
-        try:
-            return await asyncio.shield(leasing)
-        except asyncio.CancelledError:
-            leasing.add_done_callback(self._give_back)
-            raise
-        except SharedMemoryError as exc:
-            self._fell_back(str(exc))
-            return None
-
-    def _give_back(self, leasing: asyncio.Future[_shm.Slot | None]) -> None:
-        if self._slots is None or leasing.cancelled() or leasing.exception() is not None:
-            return
-        slot = leasing.result()
-        if slot is not None:
-            self._slots.release(slot)
-
-    def _fell_back(self, why: str) -> None:
-        self.fallbacks += 1
-        if not self._said:
-            self._said = True
-            _log.warning("fetched samples travel to the workers pickled instead: %s", why)
-
-    def releaser(self, slot: _shm.Slot | None) -> Callable[[], None] | None:
-        """What gives ``slot`` back, to call once the worker is done reading it."""
-        if slot is None or self._slots is None:
-            return None
-        return functools.partial(self._slots.release, slot)
+        return dataclasses.replace(plan.request, raw=raw)
 
     def lost(self, slot: _shm.Slot, error: RawSlotError) -> None:
         """The worker could not map ``slot`` (``error``): never lease it again if its segment
-        vanished, else give it back; the caller sends the request inline."""
+        vanished, else give it back; the caller sends the request again inline."""
         assert self._slots is not None
         if error.vanished:
             self._slots.forget(slot)
         else:
             self._slots.release(slot)
-        self._fell_back(str(error))
+        self.fallbacks += 1
+        if not self._said:
+            self._said = True
+            _log.warning("fetched samples travel to the workers pickled instead: %s", error)
 
 
 def unpack_raw(request: BatchRequest, slot: _shm.Slot) -> BatchRequest:
@@ -398,10 +379,12 @@ class Receiver:
         self.fallbacks = 0  # batches sent inline because no segment could be had
         self._said: set[str] = set()  # the kinds of reason logged already (once each)
 
-    async def lease(self) -> _shm.Slot | None:
-        """A slot for the next batch; None sends it inline. Reuse is instant; creating a
-        segment reserves and maps its pages, so it runs in a thread, off the loop."""
-        size = self._batch_bytes
+    async def lease(self, at_least: int = 0) -> _shm.Slot | None:
+        """A slot for the next batch (and for ``at_least`` bytes of fetched samples on their
+        way to the worker); None sends it inline. Reuse is instant; creating a segment
+        reserves and maps its pages, so it runs in a thread, off the loop. If the caller is
+        cancelled meanwhile, the slot the thread leases goes back to the pool when it comes."""
+        size = max(self._batch_bytes, at_least)
         if self._slots is None or size < INLINE_MAX_BYTES:
             return None
         slot = self._slots.reuse(size)
@@ -410,13 +393,24 @@ class Receiver:
         if size > self._checked_bytes:  # warn up front if prefetch x batch will not fit
             self._checked_bytes = size
             self._slots.preflight(size, self._prefetch + 1)
+        leasing = asyncio.ensure_future(asyncio.to_thread(self._slots.lease, size))
         try:
-            return await asyncio.to_thread(self._slots.lease, size)
+            return await asyncio.shield(leasing)
+        except asyncio.CancelledError:
+            leasing.add_done_callback(self._give_back)
+            raise
         except SharedMemoryError as exc:
             # /dev/shm filled up (another process, another rank's loader) or descriptors ran
             # out: the batch still travels, inline, slower but whole. Said once, then counted.
             self._fell_back("lease", str(exc))
             return None
+
+    def _give_back(self, leasing: asyncio.Future[_shm.Slot | None]) -> None:
+        if self._slots is None or leasing.cancelled() or leasing.exception() is not None:
+            return
+        slot = leasing.result()
+        if slot is not None:
+            self._slots.release(slot)
 
     def _fell_back(self, kind: str, why: str) -> None:
         """Count a batch sent inline for want of a slot; log the first of each ``kind`` of

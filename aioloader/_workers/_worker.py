@@ -260,8 +260,9 @@ def run_map_job(job: MapJob) -> Packed[Made]:
     request = job.request
     _begin(state, request.epoch, request.batch_id)
     try:
-        if job.raw_slot is not None:  # the fetched samples' bytes, out of shared memory
-            request = unpack_raw(request, job.raw_slot)
+        if job.raw_in_slot:  # the fetched samples' bytes, out of the slot the batch goes into
+            assert job.slot is not None
+            request = unpack_raw(request, job.slot)
         return _packed(_make(state, request, job.slot), state, request)
     finally:
         state.current[state.worker_id] = 0
