@@ -89,10 +89,10 @@ class ProcessRunner:
         request: BatchRequest | StreamRequest,
         worker: int | None,
         *,
-        inline: bool = False,
+        pickled: bool = False,
     ) -> Made:
         plan = None
-        if isinstance(request, BatchRequest) and not inline:
+        if isinstance(request, BatchRequest) and not pickled:
             plan = self._sender.plan(request)  # fetched samples' bytes to send in the slot
         slot = await self._receiver.lease(plan.nbytes if plan is not None else 0)
         release = self._receiver.releaser(slot)
@@ -124,7 +124,7 @@ class ProcessRunner:
             # The worker could not map the slot: the same request again, pickled.
             assert slot is not None
             self._sender.lost(slot, exc)
-            return await self._run(fn, request, worker, inline=True)
+            return await self._run(fn, request, worker, pickled=True)
         except BaseException as exc:
             if release is not None:
                 release()
