@@ -271,6 +271,7 @@ def main() -> None:
         args.shards, args.samples = 8, 20
     warnings.filterwarnings("ignore", category=UserWarning, module="webdataset")
 
+    load_before = os.getloadavg()[0]
     directory = Path(tempfile.mkdtemp(prefix="tar-shards-"))
     try:
         write_shards(directory, args.shards, args.samples, args.size)
@@ -301,6 +302,7 @@ def main() -> None:
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
+    load = (load_before, os.getloadavg()[0])
     ceiling = args.shards_in_flight * args.samples / per_shard
     ours = results["aioloader"].rate
     cpus = os.cpu_count() or 1
@@ -309,7 +311,8 @@ def main() -> None:
         f"{args.shards} shards x {args.samples} samples x {args.size // 1024} KiB "
         f"({shard_bytes / 2**20:.1f} MiB a shard), {args.latency * 1000:g} ms to first byte, "
         f"{args.workers} workers, batch {args.batch_size}, shards_in_flight "
-        f"{args.shards_in_flight}, {os.cpu_count()} CPUs, best of {args.repeat}",
+        f"{args.shards_in_flight}, {os.cpu_count()} CPUs, best of {args.repeat}; load average "
+        f"(runnable processes, ours and others') {load[0]:.1f} before, {load[1]:.1f} after",
         "",
         "| loader | samples/s | MB/s | seconds | CPU us/sample: server | main | workers "
         f"| total | CPU bound of {cpus} cores |",
@@ -367,6 +370,7 @@ def main() -> None:
         "shards_in_flight": args.shards_in_flight,
         "repeat": args.repeat,
         "cpus": os.cpu_count(),
+        "load_average": list(load),
         "samples_per_s": {name: result.rate for name, result in results.items()},
         "cpu_us_per_sample": {
             name: {part: result.cpu_us(part) for part in ("server", "main", "workers", "total")}
