@@ -422,6 +422,22 @@ class FdReport(Range):
         return sample
 
 
+class HeapChurn:
+    """Each sample allocates 64 objects of 64 KiB (a batch's worth of tar members), frees them,
+    and returns the page faults that cost its process (``ru_minflt`` before and after)."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> int:
+        import resource
+
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        members = [bytes(64 << 10) for _ in range(64)]
+        del members
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
 # -- tar shards (tests/test_tar_shards.py, tests/scripts/dist_ranks.py) -----------------------
 
 
