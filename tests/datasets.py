@@ -422,6 +422,22 @@ class FdReport(Range):
         return sample
 
 
+class HeapChurn:
+    """Each sample allocates 64 objects of 64 KiB (a batch's worth of tar members), frees them,
+    and returns the page faults that cost its process (``ru_minflt`` before and after)."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> int:
+        import resource
+
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        members = [bytes(64 << 10) for _ in range(64)]
+        del members
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
 # -- tar shards (tests/test_tar_shards.py, tests/scripts/dist_ranks.py) -----------------------
 
 
@@ -440,6 +456,15 @@ def tar_shard(shard: int, samples: int, size: int = 24) -> bytes:
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
     return out.getvalue()
+
+
+def tar_digest(raw: dict[str, Any]) -> dict[str, Any]:
+    """A tar sample's decode that says what arrived: the key, the type and CRC-32 of each
+    member's bytes (``bytes`` or not: what ``decode`` is handed), and the decoding process."""
+    import zlib
+
+    members = {k: (type(v).__name__, zlib.crc32(v)) for k, v in raw.items() if k[:2] != "__"}
+    return {"key": raw["__key__"], "members": members, "pid": os.getpid()}
 
 
 def tar_keys(shards: int, samples: Callable[[int], int]) -> list[str]:

@@ -119,6 +119,10 @@ def test_tar_shards_quick_run_reports_rates_ceiling_and_ratios(tmp_path: Path) -
     assert rates["bare"] > 0
     assert document["latency_ceiling_samples_per_s"] > 0
     assert document["ratios"]["ceiling"] > 0
+    for name in rates:  # each run's CPU time per sample, by process, and their sum
+        cpu = document["cpu_us_per_sample"][name]
+        assert set(cpu) == {"server", "main", "workers", "total"}
+        assert cpu["total"] == pytest.approx(cpu["server"] + cpu["main"] + cpu["workers"])
     if importlib.util.find_spec("webdataset") is None:
         assert "webdataset is not installed: skipped" in result.stderr
         assert "webdataset" not in rates

@@ -108,6 +108,23 @@ def test_the_parser_reads_what_tarfile_reads_in_any_chunking(fmt: int, step: int
     assert parse(data, step) == reference(data)
 
 
+@pytest.mark.parametrize("step", [300, 513, 4096])
+def test_the_parser_is_fed_from_a_buffer_reused_for_every_chunk(step: int) -> None:
+    # Pieces of a member left incomplete by a chunk are kept as views only of immutable bytes;
+    # a bytearray the reader fills again for the next chunk must not change what was read.
+    data = archive(tarfile.PAX_FORMAT)
+    parser = TarParser()
+    buffer = bytearray(step)
+    out = []
+    for start in range(0, len(data), step):
+        piece = data[start : start + step]
+        buffer[: len(piece)] = piece
+        out += parser.feed(memoryview(buffer)[: len(piece)])
+        buffer[:] = bytes(step)  # the next read overwrites it
+    parser.close()
+    assert out == reference(data)
+
+
 def test_a_truncated_archive_is_an_error_naming_the_member() -> None:
     data = archive(tarfile.GNU_FORMAT)
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:

@@ -19,7 +19,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -351,6 +351,30 @@ class SlotPool:
             fin.atexit = False
             return batch
 
+    def write(self, slot: Slot, parts: Sequence[tuple[int, Any]]) -> None:
+        """Copy each ``(offset, data)`` of ``parts`` into the leased ``slot``: the other way
+        round, data the main process sends a worker (raw samples for it to decode). The slot
+        stays leased; release it once the worker is done reading.
+
+        Raises:
+            RuntimeError: if the pool is closed.
+            ValueError: if ``slot`` is not currently leased under this lease id, or a part
+                lies outside the slot.
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("SlotPool is closed")
+            seg = self._segments.get(slot.name)
+            if seg is None or seg.state is not _State.LEASED or seg.lease_id != slot.lease_id:
+                raise ValueError(f"slot={slot!r} is not leased under this lease id")
+            mapping = seg.mapping  # keeps the segment mapped while the bytes are copied
+        with memoryview(mapping) as mapped, mapped.cast("B") as view:
+            for offset, data in parts:
+                size = len(data)
+                if offset < 0 or offset + size > seg.size:
+                    raise ValueError(f"{size} bytes at offset {offset} do not fit {slot!r}")
+                view[offset : offset + size] = data
+
     def _drain(self) -> None:
         # Lock held. Apply the returns that finalizers queued.
         while self._returned:
@@ -422,4 +446,3 @@ class SlotPool:
     @property
     def closed(self) -> bool:
         return self._closed
-

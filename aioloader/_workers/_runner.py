@@ -1,21 +1,22 @@
 """ProcessRunner: the epoch's :class:`~aioloader._types.Runner` over worker processes.
 
-It only routes: a slot for the job (:class:`._wire.Receiver`), the job to a worker
+It only routes: a slot for the job (:class:`._wire.Receiver`; a map job's fetched samples may
+travel to the worker in it, :class:`._wire.Sender`), the job to a worker
 (:class:`._pool.WorkerPool`), and the worker's :class:`~aioloader._types.Made` opened back into
 a batch (:class:`._wire.Receiver`). Whether a batch travels in shared memory or inline is not
 decided here (see :mod:`._wire`).
 
 Slot ownership, which every path keeps: a leased slot is either opened into the batch (its
 views own it then), released when the batch came back inline or the job failed, or released by
-the channel once the worker is done with a job whose awaiting task was cancelled.
+the channel once the worker is done with a job whose awaiting task was cancelled. A slot that
+carried fetched samples is the job's slot: the same rules hold for it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any
 
 from .. import _shm
 from .._errors import WorkerCrashedError
@@ -23,12 +24,10 @@ from .._log import workers_log
 from .._types import BatchRequest, InlineMaking, Made, StreamRequest
 from ._frames import Packed
 from ._pool import WorkerPool
-from ._wire import MapJob, OwnSlot, Receiver, StreamJob
+from ._wire import MapJob, RawSlotError, Receiver, Sender, StreamJob
 from ._worker import run_map_job, run_stream_job
 
 __all__ = ["ProcessRunner"]
-
-J = TypeVar("J")
 
 
 class ProcessRunner:
@@ -46,6 +45,7 @@ class ProcessRunner:
     def __init__(self, pool: WorkerPool, slots: _shm.SlotPool | None, prefetch: int = 1) -> None:
         self.pool = pool
         self._receiver = Receiver(slots, prefetch)
+        self._sender = Sender(slots)
         self._restarts_logged = 0  # worker replacements said in the log so far
 
     @property
@@ -61,7 +61,7 @@ class ProcessRunner:
     @property
     def shm_fallbacks(self) -> int:
         """Batches sent inline because no shared-memory segment could be had."""
-        return self._receiver.fallbacks
+        return self._receiver.fallbacks + self._sender.fallbacks
 
     def start(self) -> None:
         """Start every worker and wait until each ran its initializer (blocking)."""
@@ -73,8 +73,7 @@ class ProcessRunner:
 
     def start_make(self, request: BatchRequest) -> asyncio.Future[Made]:
         """Start making a map-style batch on the least-loaded worker."""
-        job_of = functools.partial(MapJob, request)
-        return asyncio.ensure_future(self._run(run_map_job, job_of, request.batch_id, None))
+        return asyncio.ensure_future(self._run(run_map_job, request, None))
 
     async def pull(self, request: StreamRequest, stream: int) -> Made:
         """Make the next batch of worker ``stream``'s stream (``Made.batch is END`` at its end).
@@ -82,29 +81,50 @@ class ProcessRunner:
         A stream's batch is never resubmitted to another worker: only that worker's iterator
         knows where the stream stands.
         """
-        job_of = functools.partial(StreamJob, request)
-        return await self._run(run_stream_job, job_of, request.batch_id, stream)
+        return await self._run(run_stream_job, request, stream)
 
     async def _run(
         self,
-        fn: Callable[[J], Packed[Made]],
-        job_of: Callable[[_shm.Slot | OwnSlot | None], J],
-        batch_id: int,
+        fn: Callable[[Any], Packed[Made]],
+        request: BatchRequest | StreamRequest,
         worker: int | None,
+        *,
+        pickled: bool = False,
     ) -> Made:
-        slot = await self._receiver.lease()
+        plan = None
+        if isinstance(request, BatchRequest) and not pickled:
+            plan = self._sender.plan(request)  # fetched samples' bytes to send in the slot
+        slot = await self._receiver.lease(plan.nbytes if plan is not None else 0)
         release = self._receiver.releaser(slot)
+        job: MapJob | StreamJob
+        if isinstance(request, BatchRequest):
+            wire = request
+            if plan is not None and isinstance(slot, _shm.Slot) and slot.size >= plan.nbytes:
+                try:
+                    wire = self._sender.fill(plan, slot)
+                except BaseException:
+                    if release is not None:
+                        release()
+                    raise
+            job = MapJob(wire, slot, raw_in_slot=wire is not request)
+        else:
+            job = StreamJob(request, slot)
         try:
             made: Made = await self.pool.submit(
                 fn,
-                job_of(slot),
-                batch_id=batch_id,
+                job,
+                batch_id=request.batch_id,
                 worker=worker,
                 on_abandon=release,
                 resubmit_innocent=worker is None,
             )
         except asyncio.CancelledError:
-            raise  # on_abandon releases the slot once the worker is done with it
+            raise  # on_abandon releases the slot once the worker is done with the job
+        except RawSlotError as exc:
+            # The worker could not map the slot: the same request again, pickled.
+            assert isinstance(slot, _shm.Slot)
+            self._sender.lost(slot, exc)
+            return await self._run(fn, request, worker, pickled=True)
         except BaseException as exc:
             if release is not None:
                 release()

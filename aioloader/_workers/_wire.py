@@ -5,7 +5,8 @@ Three job records go out (pickled over the worker's request pipe, with the funct
 - :class:`LoadJob`: the dataset copy (and the callables) a worker makes its batches with from
   now on, sent before the first batch job of each epoch that renews it;
 - :class:`MapJob`: a map-style :class:`~aioloader._types.BatchRequest` and the slot, if any,
-  the batch should be collated into;
+  the batch should be collated into; with samples the loop fetched (async datasets, tar
+  shards), their large ``bytes`` may travel in a second slot, ``raw_slot`` (see below);
 - :class:`StreamJob`: a :class:`~aioloader._types.StreamRequest` (the next batch of this
   worker's stream) and likewise a slot.
 
@@ -15,12 +16,13 @@ in the main process. Nothing else is built from it and nothing is patched into i
 
 Shared memory or inline is decided here and nowhere else, on both sides of the pipe::
 
-    main: Receiver.lease()     the largest batch seen so far is >= INLINE_MAX_BYTES and a slot
-                               pool exists ─▶ a slot (reused at once, or created in a thread);
-                               none seen yet ─▶ an OwnSlot: the worker makes the segment of a
+    main: Receiver.lease()     the largest batch seen so far (or the fetched samples' bytes) is
+                               >= INLINE_MAX_BYTES and a slot pool exists ─▶ a slot (reused at
+                               once, or created in a thread); no batch seen yet (and no fetched
+                               bytes to send) ─▶ an OwnSlot: the worker makes the segment of a
                                large batch under a name from here, the pool adopts it (the
-                               first batches of a loader need not travel pickled);
-                               otherwise None: the batch will travel inline
+                               first batches of a loader need not travel pickled); otherwise
+                               None: inline
     worker: Packer(slot)       collate straight into the slot (Packer.alloc), then pack():
                                no slot, a tiny batch, or one that did not fit ─▶ inline
                                (with the bytes a slot would need, so the next lease fits);
@@ -30,6 +32,19 @@ Shared memory or inline is decided here and nowhere else, on both sides of the p
     main: Receiver.open()      in the slot ─▶ zero-copy views (the slot goes with them);
                                inline ─▶ the slot goes back to the pool (forgotten if it
                                was removed), tensors are rebuilt
+
+The samples the event loop fetched for a map job travel the other way, main to worker, in the
+same slot (:class:`Sender`): an item that is ``bytes`` (or a plain ``dict`` whose values are),
+of at least :data:`RAW_SLOT_MIN_BYTES` each and :data:`INLINE_MAX_BYTES` in all, is copied once
+into the job's slot (leased for the larger of the two) and replaced in the pickled request by a
+:class:`RawRef`; the worker copies each back out into ``bytes`` of its own (:func:`unpack_raw`)
+before anything sees it, so ``decode`` gets exactly the types it would have got inline, and
+then collates the batch into the same slot. Pickling the same bytes instead costs a copy into
+the pickle, the kernel's two copies through a 64 KiB pipe (dozens of wake-ups of both processes
+per batch of megabytes) and a copy out of the pickle; a second slot would cost a second
+segment's pages in every process. No slot to be had (no pool, the cap, a full ``/dev/shm``)
+sends the request inline; a worker that cannot map the slot answers :class:`RawSlotError` and
+the request is sent again inline (``ProcessRunner``).
 
 Sharp edges:
 - torch registers a reduction with multiprocessing's pickler that moves every pickled tensor
@@ -46,13 +61,14 @@ Sharp edges:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -65,21 +81,29 @@ from ._payload import Payload
 
 __all__ = [
     "INLINE_MAX_BYTES",
+    "RAW_SLOT_MIN_BYTES",
     "LoadJob",
     "MapJob",
     "Packer",
     "Parcel",
+    "RawPlan",
+    "RawRef",
+    "RawSlotError",
     "Receiver",
+    "Sender",
     "StreamJob",
     "batch_nbytes",
     "from_wire",
     "inline",
     "to_wire",
+    "unpack_raw",
 ]
 
 # Batches with fewer array bytes than this travel inline, never in a slot: for them a slot
 # costs more (a lease, a mapping, a finalizer) than the pickle copy it saves.
 INLINE_MAX_BYTES = _shm.INLINE_MAX_BYTES
+
+_log = logging.getLogger("aioloader.shm")
 
 
 # -- out: the jobs -------------------------------------------------------------------------
@@ -98,6 +122,12 @@ class LoadJob:
     epoch: int
 
 
+# A fetched item's bytes travel in the job's raw slot from this size on. Smaller ones are
+# pickled with the request: for them, a descriptor and a copy out of the slot cost about what
+# the pickle copy does.
+RAW_SLOT_MIN_BYTES = 4 << 10
+
+
 @dataclass(frozen=True, slots=True)
 class OwnSlot:
     """In place of a slot, before the loader knows how large its batches are: a batch of
@@ -111,10 +141,12 @@ class OwnSlot:
 @dataclass(frozen=True, slots=True)
 class MapJob:
     """Make the batch of ``request`` (indices, or samples the loop fetched), into ``slot`` if
-    one is given."""
+    one is given; with ``raw_in_slot``, the :class:`RawRef` in ``request.raw`` point into
+    ``slot``, to be copied out before the batch is collated there."""
 
     request: BatchRequest
     slot: _shm.Slot | OwnSlot | None
+    raw_in_slot: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +155,153 @@ class StreamJob:
 
     request: StreamRequest
     slot: _shm.Slot | OwnSlot | None
+
+
+# -- out: fetched bytes through a slot ------------------------------------------------------
+
+
+class RawRef(NamedTuple):
+    """In place of a fetched item's bytes: where they lie in the job's slot, and whether they
+    were a ``bytearray`` (else ``bytes``). A tuple: thousands a second are pickled, and a
+    slotted dataclass pickles through ``dataclasses.fields``, ten times slower."""
+
+    offset: int
+    size: int
+    mutable: bool = False
+
+
+class RawSlotError(Exception):
+    """A worker could not map a job's raw slot (``vanished``: its segment is gone); the main
+    process sends the request again inline."""
+
+    def __init__(self, reason: str, vanished: bool) -> None:
+        super().__init__(reason, vanished)
+        self.reason = reason
+        self.vanished = vanished
+
+    def __str__(self) -> str:
+        return f"the raw samples' slot cannot be mapped: {self.reason}"
+
+
+_BYTES = (bytes, bytearray)
+
+
+def _raw_parts(raw: Sequence[Any]) -> list[tuple[int, Any, Any]]:
+    """``(item position, dict key or None, bytes)`` of each large bytes value of ``raw``."""
+    parts: list[tuple[int, Any, Any]] = []
+    least = RAW_SLOT_MIN_BYTES
+    for position, item in enumerate(raw):
+        kind = type(item)
+        if kind is dict:
+            for key, value in item.items():
+                if type(value) in _BYTES and len(value) >= least:
+                    parts.append((position, key, value))
+        elif kind in _BYTES and len(item) >= least:
+            parts.append((position, None, item))
+    return parts
+
+
+@dataclass(frozen=True, slots=True)
+class RawPlan:
+    """Where the large bytes of ``request``'s samples go in a slot: ``parts`` are ``(item
+    position, dict key or None, bytes)``, at ``offsets``; ``nbytes`` in all."""
+
+    request: BatchRequest
+    parts: list[tuple[int, Any, Any]]
+    offsets: list[int]
+    nbytes: int
+
+
+class Sender:
+    """Main side: the large bytes of a map job's fetched samples into the job's slot (see the
+    module docstring). One per runner; the slot is the one the batch comes back in.
+
+    Args:
+        slots: the shared-memory slot pool, or None to send every request inline.
+    """
+
+    def __init__(self, slots: _shm.SlotPool | None) -> None:
+        self._slots = slots
+        self.fallbacks = 0  # requests sent again inline: a worker could not map their slot
+        self._said = False
+
+    def plan(self, request: BatchRequest) -> RawPlan | None:
+        """Where ``request``'s large bytes would lie in a slot; None if they travel inline
+        (no pool, or too few bytes to be worth a slot)."""
+        if self._slots is None or request.raw is None or request.sharded:
+            return None
+        parts = _raw_parts(request.raw)
+        align = _shm.ALIGN
+        offsets, total = [], 0
+        for _position, _key, data in parts:
+            offsets.append(total)
+            total += (len(data) + align - 1) // align * align
+        if total < INLINE_MAX_BYTES:
+            return None
+        return RawPlan(request, parts, offsets, total)
+
+    def fill(self, plan: RawPlan, slot: _shm.Slot) -> BatchRequest:
+        """Copy the planned bytes into ``slot`` (leased, at least ``plan.nbytes``); returns
+        the request to send, with :class:`RawRef` in their place. The caller's samples are
+        not changed."""
+        assert self._slots is not None
+        parts, offsets = plan.parts, plan.offsets
+        self._slots.write(slot, [(at, part[2]) for at, part in zip(offsets, parts, strict=True)])
+        raw = list(plan.request.raw or ())
+        copied: set[int] = set()
+        for offset, (position, key, data) in zip(offsets, parts, strict=True):
+            ref = RawRef(offset, len(data), type(data) is bytearray)
+            if key is None:
+                raw[position] = ref
+                continue
+            if position not in copied:  # a shallow copy: the caller's sample stays as it was
+                copied.add(position)
+                raw[position] = dict(raw[position])
+            raw[position][key] = ref
+        return dataclasses.replace(plan.request, raw=raw)
+
+    def lost(self, slot: _shm.Slot, error: RawSlotError) -> None:
+        """The worker could not map ``slot`` (``error``): never lease it again if its segment
+        vanished, else give it back; the caller sends the request again inline."""
+        assert self._slots is not None
+        if error.vanished:
+            self._slots.forget(slot)
+        else:
+            self._slots.release(slot)
+        self.fallbacks += 1
+        if not self._said:
+            self._said = True
+            _log.warning("fetched samples travel to the workers pickled instead: %s", error)
+
+
+def unpack_raw(request: BatchRequest, slot: _shm.Slot) -> BatchRequest:
+    """Worker side: ``request`` with each :class:`RawRef` replaced by a copy of its bytes.
+
+    Raises:
+        RawSlotError: the slot cannot be mapped here (removed from ``/dev/shm``, or no file
+            descriptor left).
+    """
+    try:
+        buffer = _shm.attach(slot)
+    except FileNotFoundError as exc:
+        raise RawSlotError(str(exc), True) from None
+    except SharedMemoryError as exc:
+        raise RawSlotError(str(exc), False) from None
+    with buffer.data as view:
+
+        def copy(ref: RawRef) -> Any:
+            data = view[ref.offset : ref.offset + ref.size]
+            return bytearray(data) if ref.mutable else data.tobytes()
+
+        raw: list[Any] = []
+        assert request.raw is not None
+        for item in request.raw:
+            if isinstance(item, RawRef):
+                item = copy(item)
+            elif type(item) is dict and any(isinstance(v, RawRef) for v in item.values()):
+                item = {k: copy(v) if isinstance(v, RawRef) else v for k, v in item.items()}
+            raw.append(item)
+    return dataclasses.replace(request, raw=raw)
 
 
 # -- back: the parcel ----------------------------------------------------------------------
@@ -229,9 +408,6 @@ class Packer:
         return Parcel(encoded.tree, True, nbytes, own_slot=_shm.Slot(name, size))
 
 
-_log = logging.getLogger("aioloader.shm")
-
-
 class Receiver:
     """Main side: a slot for each job, and the worker's parcel opened into the batch.
 
@@ -248,13 +424,17 @@ class Receiver:
         self.fallbacks = 0  # batches sent inline because no segment could be had
         self._said: set[str] = set()  # the kinds of reason logged already (once each)
 
-    async def lease(self) -> _shm.Slot | OwnSlot | None:
-        """A slot for the next batch; None sends it inline. Reuse is instant; creating a
-        segment reserves and maps its pages, so it runs in a thread, off the loop. Before any
-        batch came back (its size unknown), the worker makes the segment (:class:`OwnSlot`)."""
-        size = self._batch_bytes
-        if self._slots is not None and size == 0 and not self.fallbacks:
+    async def lease(self, at_least: int = 0) -> _shm.Slot | OwnSlot | None:
+        """A slot for the next batch (and for ``at_least`` bytes of fetched samples on their
+        way to the worker); None sends it inline. Reuse is instant; creating a segment
+        reserves and maps its pages, so it runs in a thread, off the loop. If the caller is
+        cancelled meanwhile, the slot the thread leases goes back to the pool when it comes.
+        Before any batch came back (its size unknown) and with nothing to send, the worker
+        makes the segment (:class:`OwnSlot`)."""
+        unknown = self._batch_bytes == 0 and not at_least
+        if self._slots is not None and unknown and not self.fallbacks:
             return OwnSlot(_shm.new_name())
+        size = max(self._batch_bytes, at_least)
         if self._slots is None or size < INLINE_MAX_BYTES:
             return None
         slot = self._slots.reuse(size)
@@ -263,13 +443,24 @@ class Receiver:
         if size > self._checked_bytes:  # warn up front if prefetch x batch will not fit
             self._checked_bytes = size
             self._slots.preflight(size, self._prefetch + 1)
+        leasing = asyncio.ensure_future(asyncio.to_thread(self._slots.lease, size))
         try:
-            return await asyncio.to_thread(self._slots.lease, size)
+            return await asyncio.shield(leasing)
+        except asyncio.CancelledError:
+            leasing.add_done_callback(self._give_back)
+            raise
         except SharedMemoryError as exc:
             # /dev/shm filled up (another process, another rank's loader) or descriptors ran
             # out: the batch still travels, inline, slower but whole. Said once, then counted.
             self._fell_back("lease", str(exc))
             return None
+
+    def _give_back(self, leasing: asyncio.Future[_shm.Slot | None]) -> None:
+        if self._slots is None or leasing.cancelled() or leasing.exception() is not None:
+            return
+        slot = leasing.result()
+        if slot is not None:
+            self._slots.release(slot)
 
     def _fell_back(self, kind: str, why: str) -> None:
         """Count a batch sent inline for want of a slot; log the first of each ``kind`` of

@@ -278,9 +278,10 @@ class HTTPDataset(Source):
             if total is None:
                 total = _expected_length(response)
             try:
-                # As received, not joined into chunk_size pieces: joining is a copy of every
-                # byte, and the consumer (a tar parser) takes pieces of any size.
-                async for chunk in response.content.iter_any():
+                # As received, one buffer at a time, never joined: joining is a copy of every
+                # byte, and the consumer (a tar parser) takes pieces of any size. (iter_any
+                # joins what arrived since the last read: all of it, when the consumer lags.)
+                async for chunk, _ in response.content.iter_chunks():
                     if skip:
                         cut, skip = min(skip, len(chunk)), max(0, skip - len(chunk))
                         chunk = chunk[cut:]

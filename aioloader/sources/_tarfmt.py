@@ -23,15 +23,14 @@ bytes once out of the receive buffer, and never blocks. It handles what shard wr
 ustar (with its 155-byte prefix), GNU long names, pax ``path`` and ``size`` records, and
 base-256 sizes. Sparse files and multi-volume archives are refused as format errors.
 
-Invariant: ``_buffer`` holds exactly the bytes received and not yet parsed, which are less
-than the next header or member needs.
+Invariant: ``_pieces`` hold exactly the bytes received and not yet parsed (``_have`` of them),
+which are less than the next header or member needs.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["BLOCK", "Grouper", "TarFormatError", "TarParser", "split_name"]
 
@@ -53,8 +52,7 @@ class TarFormatError(ValueError):
         self.member = member
 
 
-@dataclass(frozen=True, slots=True)
-class _Header:
+class _Header(NamedTuple):  # a tuple: made twice per sample, it must be cheap
     name: str
     size: int
     kind: bytes
@@ -100,7 +98,10 @@ class TarParser:
     """Tar members from bytes fed in pieces; see the module docstring."""
 
     def __init__(self) -> None:
-        self._buffer = bytearray()  # an incomplete header or member, from the last chunk
+        # An incomplete header or member, from the last chunks: pieces of them (views of
+        # ``bytes`` chunks, which cannot change; copies of other buffers), ``_have`` bytes.
+        self._pieces: list[Any] = []
+        self._have = 0
         self._header: _Header | None = None  # the member whose data comes next
         self._long_name: str | None = None  # from a GNU 'L' member, for the next header
         self._pax: dict[str, str] = {}  # from a pax 'x' member, for the next header
@@ -122,28 +123,50 @@ class TarParser:
             TarFormatError: a header whose checksum or fields are wrong, naming the member.
         """
         out: list[tuple[str, bytes]] = []
+        keep = type(data) is bytes  # its views may be held until a later chunk
         with memoryview(data) as view:
-            # A header or member left incomplete by the last chunk is completed first, with
-            # just the bytes it needs; the rest is parsed straight from this chunk, so each
-            # byte is copied once (into its member), not first into the buffer.
-            while self._buffer and view and not self.ended:
-                need = self._needed() - len(self._buffer)
-                self._buffer += view[:need]
-                view = view[need:]
-                if len(self._buffer) < self._needed():
-                    return out
-                with memoryview(self._buffer) as pending:
-                    self._step(pending, 0, out)
-                self._buffer.clear()
+            # A header or member left incomplete by the last chunks is completed first, with
+            # just the bytes it needs, and joined from its pieces; the rest is parsed straight
+            # from this chunk. Either way each byte is copied once, into its member.
             position = 0
+            if self._have and not self.ended:
+                need = self._needed() - self._have
+                if len(view) < need:
+                    self._hold(view, keep)
+                    return out
+                self._pieces.append(view[:need])
+                pieces, self._pieces, self._have = self._pieces, [], 0
+                self._complete(pieces, out)
+                position = need
             while not self.ended:
                 advanced = self._step(view, position, out)
                 if advanced is None:
                     break
                 position = advanced
-            if not self.ended:
-                self._buffer += view[position:]
+            if not self.ended and position < len(view):
+                self._hold(view[position:], keep)
         return out
+
+    def _hold(self, piece: memoryview, keep: bool) -> None:
+        # A slice, not the view itself: feed() releases its view on the way out.
+        self._pieces.append(piece[:] if keep else piece.tobytes())
+        self._have += len(piece)
+
+    def _complete(self, pieces: list[Any], out: list[tuple[str, bytes]]) -> None:
+        """Parse the header or member data whose bytes (padding included) are ``pieces``."""
+        header = self._header
+        if header is None:
+            self._header_block(b"".join(pieces))
+            return
+        self._header = None
+        left = header.size  # the member's bytes; the padding after them is dropped
+        taken = []
+        for piece in pieces:
+            if left <= 0:
+                break
+            taken.append(piece[:left] if len(piece) > left else piece)
+            left -= len(piece)
+        self._member(header, b"".join(taken), out)
 
     def _needed(self) -> int:
         """Bytes the next header, or the current member's padded data, takes."""
@@ -151,9 +174,7 @@ class TarParser:
             return BLOCK
         return (self._header.size + BLOCK - 1) // BLOCK * BLOCK
 
-    def _step(
-        self, view: memoryview, position: int, out: list[tuple[str, bytes]]
-    ) -> int | None:
+    def _step(self, view: memoryview, position: int, out: list[tuple[str, bytes]]) -> int | None:
         """Parse one header or one member's data at ``position`` if ``view`` holds all of it;
         returns the position after it (None if it is incomplete)."""
         need = self._needed()
@@ -161,15 +182,17 @@ class TarParser:
             return None
         header = self._header
         if header is None:
-            block = bytes(view[position : position + BLOCK])
-            if block == _ZERO:
-                self.ended = True
-            else:
-                self._header = self._parse_header(block)
+            self._header_block(bytes(view[position : position + BLOCK]))
         else:
             self._header = None
             self._member(header, bytes(view[position : position + header.size]), out)
         return position + need
+
+    def _header_block(self, block: bytes) -> None:
+        if block == _ZERO:
+            self.ended = True
+        else:
+            self._header = self._parse_header(block)
 
     def close(self) -> None:
         """The input ended: check that it ended where an archive may.
@@ -179,7 +202,7 @@ class TarParser:
         """
         if self.ended:
             return
-        left = len(self._buffer)
+        left = self._have
         if self._header is not None:
             raise TarFormatError(
                 f"truncated: the data of member {self._header.name!r} stops after {left} of "
@@ -195,8 +218,9 @@ class TarParser:
 
     def _parse_header(self, block: bytes) -> _Header:
         name = self._long_name or _text(block[0:100])
-        stored = _octal(block[148:156], "checksum", name)
-        unsigned = sum(block) - sum(block[148:156]) + 8 * 32
+        field = block[148:156]
+        stored = _octal(field, "checksum", name)
+        unsigned = sum(block) - sum(field) + 8 * 32
         if stored != unsigned:
             signed = sum(b - 256 if b > 127 else b for b in block[:148] + block[156:]) + 256
             if stored != signed:
@@ -210,11 +234,13 @@ class TarParser:
             name = f"{prefix}/{name}"
         size = _octal(block[124:136], "size", name)
         kind = block[156:157]
-        pax, self._pax, self._long_name = self._pax, {}, None
-        if "path" in pax:
-            name = pax["path"]
-        if "size" in pax:
-            size = int(pax["size"])
+        if self._pax:
+            pax, self._pax = self._pax, {}
+            if "path" in pax:
+                name = pax["path"]
+            if "size" in pax:
+                size = int(pax["size"])
+        self._long_name = None
         if size < 0:
             raise TarFormatError(f"negative size {size} in the header", name)
         self._last = name
