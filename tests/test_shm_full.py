@@ -51,7 +51,11 @@ def test_a_full_dev_shm_sends_batches_inline_and_loses_none(
     caplog.set_level(logging.WARNING, logger="aioloader")
     with DataLoader(Images(), batch_size=4, num_workers=2, prefetch=6, timeout=BOUND_S) as loader:
         for _ in range(2):  # two epochs: the fallback holds on
-            seen = [int(v) for batch in loader for v in batch[:, 0, 0].tolist()]
+            # Every batch kept until the epoch ends, so slots keep being leased: the first ones
+            # (made by the workers before the batch size was known) cannot serve them all.
+            batches = list(loader)
+            seen = [int(v) for batch in batches for v in batch[:, 0, 0].tolist()]
+            del batches
             assert sorted(seen) == list(range(48))  # nothing lost, nothing twice
             assert seen == list(range(48))  # and in order
         stats = loader.statistics()

@@ -397,7 +397,10 @@ class Packer:
             return inline(batch)
         try:
             _, mapping = _shm.create_segment(size, _shm.SHM_DIR, name)
-        except (OSError, SharedMemoryError):
+        except SharedMemoryError as exc:  # /dev/shm full, or no descriptor: said and counted
+            parcel = inline(batch)
+            return Parcel(parcel.tree, False, parcel.nbytes, slot_error=str(exc))
+        except OSError:  # the name taken: by this job's earlier try, in a worker that died
             return inline(batch)
         encoded = _shm.SlotWriter(_shm.as_bytes(mapping, size)).encode(
             batch, inline_below=INLINE_MAX_BYTES
@@ -485,6 +488,10 @@ class Receiver:
         parcel: Parcel = made.batch
         self._batch_bytes = max(self._batch_bytes, parcel.nbytes)
         slot = leased if isinstance(leased, _shm.Slot) else None
+        if isinstance(leased, OwnSlot) and parcel.own_slot is None:
+            # Inline after all; a worker that made the segment and died (the job ran again
+            # elsewhere, which found the name taken) left it behind.
+            _shm.discard(leased.name)
         if parcel.own_slot is not None:
             if self._slots is None:  # pragma: no cover - an OwnSlot is sent only with a pool
                 _shm.unlink(parcel.own_slot.name)
