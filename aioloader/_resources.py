@@ -401,7 +401,7 @@ os.register_at_fork(after_in_child=_LIVE.clear)
 def finalize(resources: Resources, name: str) -> None:
     """The loader was garbage collected unclosed: warn, then release everything. A loader
     that was never used (its workers only started early) is released without a word."""
-    if not resources.held and resources.starter is None:
+    if resources.closed or (not resources.held and resources.starter is None):
         return
     if not resources.used:  # (its starter may be making the workers still: close waits)
         resources.close()
