@@ -37,6 +37,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import warnings
@@ -59,6 +60,12 @@ class Result:
     @property
     def rate(self) -> float:
         return self.samples / self.seconds
+
+
+def object_urls(port: int, count: int) -> list[str]:
+    """The URLs of the server's first ``count`` objects; object ``i`` starts with ``i``'s eight
+    bytes (``http_server.payload``)."""
+    return [f"http://127.0.0.1:{port}/obj/{i}" for i in range(count)]
 
 
 def keep_list(samples: list[bytes]) -> list[bytes]:
@@ -134,32 +141,35 @@ def run_aioloader(
 
 
 class SyncHTTPDataset:
-    """A map-style dataset that GETs its URLs with http.client, one connection per process."""
+    """A map-style dataset that GETs its URLs with http.client: one keep-alive connection per
+    process and thread (torch's workers read on one thread each; other loaders read on many)."""
 
     def __init__(self, urls: list[str]) -> None:
         self.urls = urls
-        self._connection: http.client.HTTPConnection | None = None
-        self._pid = 0
+        self._local = threading.local()
 
     def __len__(self) -> int:
         return len(self.urls)
 
     def __getitem__(self, index: int) -> bytes:
         parts = urllib.parse.urlsplit(self.urls[index])
+        local = self._local
         for attempt in range(3):
-            if self._connection is None or self._pid != os.getpid():
+            # A forked process inherits its parent's thread-local connection: not its own.
+            if getattr(local, "connection", None) is None or local.pid != os.getpid():
                 assert parts.hostname is not None
-                self._connection = http.client.HTTPConnection(
+                local.connection = http.client.HTTPConnection(
                     parts.hostname, parts.port, timeout=30
                 )
-                self._pid = os.getpid()
+                local.pid = os.getpid()
+            connection: http.client.HTTPConnection = local.connection
             try:
-                self._connection.request("GET", parts.path)
-                response = self._connection.getresponse()
+                connection.request("GET", parts.path)
+                response = connection.getresponse()
                 body = response.read()
             except (OSError, http.client.HTTPException):
-                self._connection.close()
-                self._connection = None
+                connection.close()
+                local.connection = None
                 if attempt == 2:
                     raise
                 continue
@@ -169,7 +179,11 @@ class SyncHTTPDataset:
         raise AssertionError("unreachable")
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"urls": self.urls, "_connection": None, "_pid": 0}
+        return {"urls": self.urls}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.urls = state["urls"]
+        self._local = threading.local()
 
 
 def run_torch(urls: list[str], size: int, batch_size: int, workers: int) -> Result:
@@ -247,7 +261,7 @@ def main() -> None:
     workers = [int(w) for w in args.torch_workers.split(",") if w.strip()]
 
     with serve(args.size, args.latency) as port:
-        urls = [f"http://127.0.0.1:{port}/obj/{i}" for i in range(args.objects)]
+        urls = object_urls(port, args.objects)
         runs: list[tuple[str, Callable[[], Result]]] = [
             ("bare", lambda: run_bare(urls, args.size, args.io_concurrency)),
             (
