@@ -10,7 +10,9 @@ It runs, each in its own process and each with ``--json``:
   and against torchdata.nodes, SPDL and seqtools where they are installed
   (``other_loaders.py``; a note says which were skipped);
 - ``cold``: ``cold_start.py``, time to the first batch and the rate of a run counted from
-  construction, each run a fresh interpreter;
+  construction, each run a fresh interpreter, against torch's DataLoader, the same other
+  loaders (their ratios to torch, and a row against the best of them where torch is not the
+  best) and, for remote objects, the bare aiohttp loop;
 - ``remote``: ``remote_http.py``, objects over HTTP with latency, against torch's DataLoader
   with a synchronous HTTP data set and against a bare aiohttp loop;
 - ``gpu``: ``gpu_transfer.py``, host-to-device GB/s of the device stage against a plain pinned
@@ -96,7 +98,8 @@ def commands(quick: bool, others: list[str], repeat: int | None) -> dict[str, li
     if quick:
         return {
             "warm": ["bench_loader.py", "--quick", "--case", "large", "--loaders", loaders],
-            "cold": ["cold_start.py", "--only", "first", "--repeat", "1"],
+            # No other loaders: each starts its own worker processes, seconds apiece here.
+            "cold": ["cold_start.py", "--only", "first", "--repeat", "1", "--peers"],
             "remote": [
                 "remote_http.py",
                 "--objects",
@@ -110,7 +113,7 @@ def commands(quick: bool, others: list[str], repeat: int | None) -> dict[str, li
         }
     return {
         "warm": ["bench_loader.py", "--loaders", loaders, *again],
-        "cold": ["cold_start.py", *again],
+        "cold": ["cold_start.py", "--peers", *others, *again],
         "remote": ["remote_http.py", *(again or ["--repeat", "2"])],
         "gpu": ["gpu_transfer.py", "--batch-mb", "4", "32", "128"],
     }
@@ -162,31 +165,41 @@ def warm_rows(doc: dict[str, Any]) -> list[Row]:
 def cold_rows(doc: dict[str, Any]) -> list[Row]:
     rows = []
     for r in doc["rows"]:
+        case = r["workload"]
+        if r["torch_workers"] != r["workers"]:
+            case += f" (torch w{r['torch_workers']})"
         first = r["first_batch_s"]
+        base = first["torch"]
+        others = {k: base / v for k, v in first.items() if k not in ("torch", "aioloader")}
+        ours = first["aioloader"]
         rows.append(
             Row(
                 "cold",
-                r["workload"],
+                case,
                 "first batch (ms)",
                 "torch",
-                first["torch"] * 1e3,
-                first["aioloader"] * 1e3,
-                first["torch"] / first["aioloader"],
+                base * 1e3,
+                ours * 1e3,
+                base / ours,
+                others,
             )
         )
         rate = r["samples_per_s"]
-        if rate is not None:
+        if rate is None:  # "first" stops at the first batch: it has no rate
+            continue
+        measure = "samples/s from construction"
+        base, ours = rate["torch"], rate["aioloader"]
+        others = {k: v / base for k, v in rate.items() if k not in ("torch", "aioloader", "bare")}
+        rows.append(Row("cold", case, measure, "torch", base, ours, ours / base, others))
+        best = r.get("best_peer")
+        if best is not None and best != "torch":
+            value = r["best_peer_samples_per_s"]
             rows.append(
-                Row(
-                    "cold",
-                    r["workload"],
-                    "samples/s from construction",
-                    "torch",
-                    rate["torch"],
-                    rate["aioloader"],
-                    rate["aioloader"] / rate["torch"],
-                )
+                Row("cold", case, measure, f"best other: {best}", value, ours, ours / value)
             )
+        if "bare" in rate:
+            value = rate["bare"]
+            rows.append(Row("cold", case, measure, "bare aiohttp loop", value, ours, ours / value))
     return rows
 
 
@@ -335,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     others = [name for name, module in OTHER_LOADERS.items() if installed(module)]
     for name in OTHER_LOADERS:
         if name in others:
-            notes.append(f"{name}: {INSTALL[name]} {version_of(INSTALL[name])}, in the warm rows")
+            notes.append(
+                f"{name}: {INSTALL[name]} {version_of(INSTALL[name])}, in the warm and cold rows"
+            )
         else:
             notes.append(f"{name}: not installed, skipped (pip install {INSTALL[name]})")
     chosen = list(args.only or BENCHMARKS)

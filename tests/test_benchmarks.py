@@ -21,15 +21,21 @@ HEADER = "| benchmark | case | measure | baseline | baseline value | aioloader |
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def load_run_all(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """benchmarks/run_all.py as a module (benchmarks/ is not a package), for this test only."""
-    spec = importlib.util.spec_from_file_location("run_all", BENCHMARKS / "run_all.py")
+def load_benchmark(monkeypatch: pytest.MonkeyPatch, name: str) -> ModuleType:
+    """benchmarks/<name>.py as a module (benchmarks/ is not a package), for this test only;
+    the modules it imports by name (other_loaders) come from benchmarks/ too."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "run_all", module)  # its dataclass looks itself up there
+    monkeypatch.setitem(sys.modules, name, module)  # a dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
+
+
+def load_run_all(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    return load_benchmark(monkeypatch, "run_all")
 
 
 @pytest.mark.slow
@@ -130,3 +136,80 @@ def test_tar_shards_quick_run_reports_rates_ceiling_and_ratios(tmp_path: Path) -
         assert document["ratios"]["webdataset"] > 0
     assert "latency ceiling" in (tmp_path / "tar_shards.md").read_text()
     assert json.loads((tmp_path / "tar_shards.json").read_text()) == document
+
+
+@pytest.mark.timeout(120)
+def test_cold_start_runs_the_other_loaders_in_fresh_processes_beside_torch() -> None:
+    # The cheapest other loader (seqtools forks its workers; the others start forkservers),
+    # or none where it is not installed: the run says it skipped it.
+    has_seqtools = importlib.util.find_spec("seqtools") is not None
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "cold_start.py"),
+            *("--only", "first", "--repeat", "1", "--peers", "seqtools", "--json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    document = json.loads(result.stdout)
+    (row,) = document["rows"]
+    assert row["workload"] == "first"
+    assert row["samples_per_s"] is None  # "first" stops at the first batch
+    expected = {"torch", "aioloader", *(["seqtools"] if has_seqtools else [])}
+    assert set(row["first_batch_s"]) == expected
+    assert all(seconds > 0 for seconds in row["first_batch_s"].values())
+    assert row["fastest_first_peer"] in expected - {"aioloader"}
+    assert row["first_ratio_to_fastest_peer"] > 0
+    assert "| workload | torch | aioloader |" in result.stderr
+    if not has_seqtools:
+        assert "seqtools: not installed" in result.stderr
+
+
+def test_cold_start_best_other_loader_and_its_rows_in_the_runner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cold_start = load_benchmark(monkeypatch, "cold_start")
+    run_all = load_run_all(monkeypatch)
+
+    def runs(*pairs: tuple[float, float]) -> list[dict[str, float | None]]:
+        return [{"first_s": first, "rate": rate, "import_s": 0.0} for first, rate in pairs]
+
+    row = cold_start.summarise(
+        "W1 w0",
+        {
+            "aioloader": runs((0.1, 900.0), (0.3, 1000.0), (0.2, 1100.0)),  # median 0.2, 1000
+            "torch": runs((1.0, 250.0), (1.0, 300.0), (1.0, 200.0)),
+            "spdl": runs((0.05, 800.0), (0.05, 800.0), (0.05, 800.0)),
+            "seqtools": runs((0.1, 1250.0), (0.1, 1250.0), (0.1, 1250.0)),
+            "torchdata": runs((0.1, 1e6)),  # failed later: left out of the workload
+            "bare": [{"first_s": None, "rate": 2000.0, "import_s": 0.0}],
+        },
+        {"torchdata": "torchdata W1 w0 failed: RuntimeError"},
+    )
+    assert row["first_batch_s"] == {"aioloader": 0.2, "torch": 1.0, "spdl": 0.05, "seqtools": 0.1}
+    assert "torchdata" not in row["samples_per_s"]
+    assert (row["best_peer"], row["best_peer_samples_per_s"]) == ("seqtools", 1250.0)
+    assert row["ratio_to_best_peer"] == pytest.approx(0.8)
+    assert (row["fastest_first_peer"], row["first_ratio_to_fastest_peer"]) == ("spdl", 0.25)
+    assert row["ratio_to_ceiling"] == pytest.approx(0.5)  # the bare loop is no "other loader"
+    line = cold_start.cells(row, ["torch", "aioloader", "torchdata", "spdl", "seqtools", "bare"])
+    assert line.startswith("| W1 w0 (torch w8) | 1,000 ms, 250/s | 200 ms, 1,000/s | failed |")
+    assert "| seqtools 1,250/s | 0.80x | 0.25x (spdl) |" in line
+
+    rows = run_all.cold_rows({"rows": [row]})
+    assert [(r.measure, r.baseline) for r in rows] == [
+        ("first batch (ms)", "torch"),
+        ("samples/s from construction", "torch"),
+        ("samples/s from construction", "best other: seqtools"),
+        ("samples/s from construction", "bare aiohttp loop"),
+    ]
+    assert rows[0].case == "W1 w0 (torch w8)"
+    assert rows[0].others == {"spdl": 20.0, "seqtools": 10.0}  # torch's time over theirs
+    assert rows[1].ratio == pytest.approx(4.0)
+    assert rows[1].others == {"spdl": pytest.approx(3.2), "seqtools": 5.0}
+    assert rows[2].ratio == pytest.approx(0.8)
+    assert rows[3].ratio == pytest.approx(0.5)
