@@ -29,9 +29,8 @@ per worker, as in torch, but no process start: the processes, their imports and 
 shared-memory mappings are kept warm.
 
 Sharp edges:
-- A worker that dies while starting or loading its copy (before it answers any job) gets no
-  culprit batch, so its jobs would be resubmitted to a fresh worker forever; after
-  :data:`MAX_START_FAILURES` such deaths in a row they fail with ``WorkerInitError`` instead.
+- A worker that dies while starting or loading its copy (before it answers any job) has no
+  culprit batch: after :data:`MAX_START_FAILURES` such deaths its jobs fail (WorkerInitError).
 - A copy that cannot be pickled fails every job that needs it with the ``TypeError`` that
   names what could not be pickled (a fresh one each time: each batch adds its own notes).
 - A worker killed for hanging (:meth:`WorkerPool.kill_holding`) is not blamed for the jobs
@@ -42,7 +41,7 @@ Sharp edges:
   not come, or go to a replacement that would most likely hang the same way.
 - A forkserver child's exit status (it names the killing signal) is read from a pipe, once: a
   second reader at the same time gets EOF and records 255. So the broken executor's manager
-  thread is let finish reaping before anyone asks (:func:`_reap`), off the event loop.
+  thread is let finish reaping before anyone asks (:func:`._exits.reap`), off the event loop.
 - A job whose awaiting task is cancelled keeps running in the worker; ``on_abandon`` is called
   once the worker is really done with it (or dead), so a shared-memory slot is never reused
   while a worker may still write into it.
@@ -60,15 +59,18 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from typing import Any, TypeVar
 
 from .._errors import WorkerCrashedError, WorkerInitError
 from .._log import workers_log
+from . import _exits
 from ._channel import Channel, open_channel
 from ._copy import DatasetCopy
+from ._exits import EXIT_STATUS_WAIT_S as EXIT_STATUS_WAIT_S
+from ._exits import describe_exit
 from ._frames import Packed
 from ._payload import Payload
 from ._starting import START_POLL_S, Hang, StackPipe, describe_start, kill, take_stack
@@ -87,10 +89,6 @@ R = TypeVar("R")
 
 # How long close() lets a worker finish its current job before killing it.
 SHUTDOWN_GRACE_S = 1.0
-
-# How long to wait for a dead worker's exit status (it names the signal that killed it). The
-# status normally arrives within milliseconds.
-EXIT_STATUS_WAIT_S = 1.0
 
 # How many times in a row a worker may die before it ran any job (an import or unpickling that
 # crashes the interpreter, the OOM killer at start-up) before its jobs fail with
@@ -127,6 +125,7 @@ class _Worker:
     load_job: int | None = None  # the job id of the copy sent to it, until answered
     stopping: bool = False  # found hung while starting: one job deals with it (see _reply)
     hang: Hang | None = None  # why it was killed while starting (set before the kill)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # its launch, its stop
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +206,7 @@ class WorkerPool:
         first job (a ping), then runs :func:`._worker.serve` on it for the rest of its life."""
         if w.started is not None:
             return
-        with self._launch_lock:
+        with w.lock:
             if w.started is not None or self._closed:
                 return
             executor, generation, channel = w.executor, w.generation, w.channel
@@ -232,10 +231,24 @@ class WorkerPool:
 
     def launch(self) -> None:
         """Start every worker's process now, without waiting until it is ready (blocking while
-        each is forked: call it from a thread). :meth:`start` waits for them; a job waits for
-        its own worker only."""
-        for w in self._workers:
-            self._launch(w)
+        they are forked: call it from a thread). :meth:`start` waits for them; a job waits for
+        its own worker only. All at once: each waits for its process on its own thread."""
+        errors: list[BaseException] = []
+
+        def launch(w: _Worker) -> None:
+            try:
+                self._launch(w)
+            except BaseException as exc:  # raised below, in the caller's thread
+                errors.append(exc)
+
+        others = [threading.Thread(target=launch, args=(w,), daemon=True) for w in self._workers]
+        for thread in others[1:]:
+            thread.start()
+        launch(self._workers[0])
+        for thread in others[1:]:
+            thread.join()
+        if errors:
+            raise errors[0]
 
     def start(self) -> None:
         """Start every worker and wait until each has run its initializer (blocking: call it
@@ -245,10 +258,8 @@ class WorkerPool:
         Raises:
             WorkerInitError: a worker did not start within the start deadline (it is killed).
         """
-        waits = []
-        for w in self._workers:
-            self._launch(w)
-            waits.append((w, w.generation, w.started))
+        self.launch()
+        waits = [(w, w.generation, w.started) for w in self._workers]
         for w, generation, started in waits:
             if started is None:  # closed meanwhile (by another thread)
                 raise RuntimeError("the worker pool is closed")
@@ -354,7 +365,7 @@ class WorkerPool:
                 # the loop, then the bookkeeping on it (no race with other jobs' submits).
                 if w.generation == generation:
                     try:
-                        await asyncio.to_thread(_reap, w.executor, w.process)
+                        await asyncio.to_thread(_exits.reap, w.executor, w.process)
                     except asyncio.CancelledError:
                         if on_abandon is not None:  # the worker is dead: done with the job
                             on_abandon()
@@ -420,7 +431,7 @@ class WorkerPool:
     def _stop_hung_start(self, w: _Worker, generation: int) -> bool:
         """Worker ``w`` passed its start deadline: take its stack, kill it, fail its jobs.
         Blocking (call it off the loop). False if it is gone or taken care of already."""
-        with self._launch_lock:
+        with w.lock:
             process = w.process
             if w.generation != generation or w.stopping or process is None:
                 return False
@@ -446,7 +457,7 @@ class WorkerPool:
             return crash
         process = w.process
         pid = getattr(process, "pid", None)
-        _reap(w.executor, process)  # returns at once: submit waited for it off the loop
+        _exits.reap(w.executor, process)  # returns at once: submit waited for it off the loop
         exitcode = process.exitcode if process is not None else None
         culprit: int | None = int(self._current[w.id]) - 1
         self._current[w.id] = 0
@@ -489,7 +500,7 @@ class WorkerPool:
 
     @staticmethod
     def _crash_error(crash: _Crash, batch_id: int) -> WorkerCrashedError:
-        how = _describe_exit(crash.exitcode)
+        how = describe_exit(crash.exitcode)
         return WorkerCrashedError(
             f"worker {crash.worker_id} (pid {crash.pid}) {how} while making batch {batch_id}; "
             "the worker was replaced and the loader can go on",
@@ -499,7 +510,7 @@ class WorkerPool:
 
     @staticmethod
     def _start_error(crash: _Crash, batch_id: int) -> WorkerInitError:
-        how = _describe_exit(crash.exitcode)
+        how = describe_exit(crash.exitcode)
         return WorkerInitError(
             f"worker {crash.worker_id} (pid {crash.pid}) {how} before it ran any job, "
             f"{crash.failed_starts} times in a row, so batch {batch_id} was not run: the worker "
@@ -524,11 +535,14 @@ class WorkerPool:
 
     def close(self) -> None:
         """Stop every worker: let current jobs end for a moment, then kill. Idempotent."""
-        with self._launch_lock:  # a launch under way (another thread's) finishes first
+        with self._launch_lock:
             if self._closed:
                 return
             self._closed = True
             copies = [c for c in (self._copy, self._retired) if c is not None]
+        for w in self._workers:  # a launch under way (another thread's) finishes first
+            with w.lock:
+                pass
         for copy in copies:
             copy.release()
         for w in self._workers:  # end-of-file: each worker's serve loop returns
@@ -568,32 +582,3 @@ class WorkerPool:
 def _close_pipes(pipes: tuple[Connection, ...] | None) -> None:
     for end in pipes or ():
         end.close()
-
-
-def _reap(executor: ProcessPoolExecutor, process: Any) -> None:
-    """Wait (bounded) until a broken executor's manager thread has reaped its dead process.
-
-    A forkserver child's exit status is read from a pipe, once: a second reader at the same
-    time gets EOF and records 255 instead of the signal. Blocking: :meth:`WorkerPool.submit`
-    runs it in a thread before the crash is looked at.
-    """
-    manager = getattr(executor, "_executor_manager_thread", None)
-    if manager is not None and manager is not threading.current_thread():
-        manager.join(timeout=EXIT_STATUS_WAIT_S)
-    if process is not None:
-        process.join(timeout=EXIT_STATUS_WAIT_S)
-
-
-def _describe_exit(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "stopped answering"
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        text = f"was killed by {name}"
-        if -exitcode == signal.SIGKILL:
-            text += " (often the out-of-memory killer: check `dmesg`, lower batch size or workers)"
-        return text
-    return f"exited unexpectedly with code {exitcode}"
