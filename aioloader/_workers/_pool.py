@@ -241,12 +241,17 @@ class WorkerPool:
             except BaseException as exc:  # raised below, in the caller's thread
                 errors.append(exc)
 
-        others = [threading.Thread(target=launch, args=(w,), daemon=True) for w in self._workers]
-        for thread in others[1:]:
-            thread.start()
-        launch(self._workers[0])
-        for thread in others[1:]:
-            thread.join()
+        workers = self._workers
+        if self.context.get_start_method() == "fork":  # a fork beside another fork's threads
+            for w in self._workers:  # could copy a lock mid-use: one after the other
+                launch(w)
+        else:
+            others = [threading.Thread(target=launch, args=(w,), daemon=True) for w in workers]
+            for thread in others[1:]:
+                thread.start()
+            launch(self._workers[0])
+            for thread in others[1:]:
+                thread.join()
         if errors:
             raise errors[0]
 
