@@ -300,10 +300,9 @@ class Resources:
         runner = self.runner
         if not isinstance(runner, ProcessRunner):
             return
-        pool = runner.pool
-        if pool.has_copy and (config.persistent_workers or not alone):
+        if runner.has_copy and (config.persistent_workers or not alone):
             return
-        pool.load(functools.partial(worker_payload, config, dataset, pool.context), epoch)
+        runner.load(functools.partial(worker_payload, config, dataset, runner.pool.context), epoch)
 
     def loop(self) -> LoopThread:
         """The private event-loop thread for sync iteration, started on first use."""

@@ -221,6 +221,11 @@ class Channel:
     def pending(self) -> int:
         return len(self._pending)
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop jobs are sent from now (None before the first job)."""
+        return self._loop
+
     def send(self, fn: Callable[[Any], Any], arg: Any) -> tuple[int, asyncio.Future[Any]]:
         """Queue ``fn(arg)`` for the worker; returns the job id and the future of its result.
 

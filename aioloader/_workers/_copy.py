@@ -26,10 +26,23 @@ class DatasetCopy:
         make: pickles the copy (``_payload.dumps_copy`` of the batch maker and
             worker_init_fn).
         epoch: the epoch it is made for (the workers' seeds derive from it).
+        copy_id: which copy of the workers' it replaces (see :class:`._wire.LoadJob`).
+        seed: the loader's seed, if not the one the workers started with.
+        per_batch_seeds: likewise, ``worker_seeding='batch'``.
     """
 
-    def __init__(self, make: Callable[[], Payload], epoch: int) -> None:
+    def __init__(
+        self,
+        make: Callable[[], Payload],
+        epoch: int,
+        copy_id: int = 0,
+        *,
+        seed: int | None = None,
+        per_batch_seeds: bool | None = None,
+    ) -> None:
         self.epoch = epoch
+        self.copy_id = copy_id
+        self._seeds = (seed, per_batch_seeds)
         self._make: Callable[[], Payload] | None = make
         self._lock = threading.Lock()
         self._done: concurrent.futures.Future[Payload] = concurrent.futures.Future()
@@ -50,7 +63,7 @@ class DatasetCopy:
             payload = await asyncio.wrap_future(self._done)
         except TypeError as exc:
             raise TypeError(str(exc)) from exc
-        return LoadJob(payload, self.epoch)
+        return LoadJob(payload, self.epoch, self.copy_id, *self._seeds)
 
     def _run(self, make: Callable[[], Payload]) -> None:
         try:

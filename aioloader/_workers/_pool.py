@@ -28,6 +28,10 @@ it each epoch (``persistent_workers=False``) therefore costs one pickling and on
 per worker, as in torch, but no process start: the processes, their imports and their
 shared-memory mappings are kept warm.
 
+Loaders sharing the pool (``aioloader._shared_pool``) keep a copy each, by copy id, dropped
+when the loader closes (:meth:`WorkerPool.release`); a worker publishes copy and batch of the
+job it runs as one tag (``_wire.running_tag``): a crash blames that job only, of one loader.
+
 Sharp edges:
 - A worker that dies while starting or loading its copy (before it answers any job) has no
   culprit batch: after :data:`MAX_START_FAILURES` such deaths its jobs fail (WorkerInitError).
@@ -64,17 +68,18 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from typing import Any, TypeVar
 
-from .._errors import WorkerCrashedError, WorkerInitError
+from .._errors import WorkerInitError
 from .._log import workers_log
 from . import _exits
 from ._channel import Channel, open_channel
 from ._copy import DatasetCopy
+from ._deaths import Crash, crash_error, start_error
 from ._exits import EXIT_STATUS_WAIT_S as EXIT_STATUS_WAIT_S
-from ._exits import describe_exit
 from ._frames import Packed
 from ._payload import Payload
 from ._starting import START_POLL_S, Hang, StackPipe, describe_start, kill, take_stack
-from ._worker import init_worker, load_copy, ping, serve
+from ._wire import running_tag
+from ._worker import drop_copy, init_worker, load_copy, ping, serve
 
 __all__ = [
     "DEFAULT_START_TIMEOUT_S",
@@ -120,22 +125,15 @@ class _Worker:
     served: bool = False  # this generation's process answered a job: it started fine
     killed: bool = False  # this generation's process was killed by kill_holding (it hung)
     failed_starts: int = 0  # consecutive generations that died before answering any job
-    loaded: DatasetCopy | None = None  # the copy sent to this generation's process, if any
+    # Copies sent to this process by id, the last one sent, released ids it may still hold:
+    loaded: dict[int, DatasetCopy] = field(default_factory=dict)
+    last_load: DatasetCopy | None = None
+    drops: list[int] = field(default_factory=list)
     launched: float = 0.0  # time.monotonic() when this generation's process was launched
     load_job: int | None = None  # the job id of the copy sent to it, until answered
     stopping: bool = False  # found hung while starting: one job deals with it (see _reply)
     hang: Hang | None = None  # why it was killed while starting (set before the kill)
     lock: threading.Lock = field(default_factory=threading.Lock)  # its launch, its stop
-
-
-@dataclass(frozen=True, slots=True)
-class _Crash:
-    worker_id: int
-    pid: int | None
-    exitcode: int | None
-    culprit: int | None  # batch id the worker was running, if any
-    failed_starts: int = 0  # the worker's consecutive deaths before answering any job
-    hang: Hang | None = None  # it was killed for hanging while it started
 
 
 class WorkerPool:
@@ -167,13 +165,13 @@ class WorkerPool:
         self._per_batch_seeds = per_batch_seeds
         self._start_timeout = start_timeout
         self._start_setting = start_setting
-        self._copy: DatasetCopy | None = None
-        self._retired: DatasetCopy | None = None  # the copy before, still maybe being loaded
+        self._copies: dict[int, DatasetCopy] = {}  # by copy id: 0, or one per loader sharing
+        self._retired: dict[int, DatasetCopy] = {}  # the copy before each, maybe being loaded
         self._current = context.Array(ctypes.c_int64, num_workers, lock=False)
         self._loading = context.Array(ctypes.c_double, num_workers, lock=False)
         self._launch_lock = threading.Lock()
         self._workers = [_Worker(i, *self._new_worker(i)) for i in range(num_workers)]
-        self._crashes: dict[tuple[int, int], _Crash] = {}
+        self._crashes: dict[tuple[int, int], Crash] = {}
         self._closed = False
         self.rebuilds = 0
 
@@ -279,20 +277,48 @@ class WorkerPool:
             except Exception:  # a crash shows at the first real job
                 pass
 
-    def load(self, make: Callable[[], Payload], epoch: int) -> None:
+    def load(self, make: Callable[[], Payload], epoch: int, copy_id: int = 0, **seeds: Any) -> None:
         """Give the workers a new dataset copy: ``make()`` pickles it (once, in a thread, when
-        the first worker needs it); each worker loads it before its next job. Thread-safe.
-        The one before the current one is released: no worker can have its load queued."""
+        the first worker needs it); each worker loads it before its next job of ``copy_id``
+        (one per loader sharing the pool, with its own seeds). Thread-safe. The one before the
+        current one of ``copy_id`` is released: no worker can have its load queued."""
+        copy = DatasetCopy(make, epoch, copy_id, **seeds)  # seed=, per_batch_seeds= if given
         with self._launch_lock:
-            retired, self._retired = self._retired, self._copy
-            self._copy = DatasetCopy(make, epoch)
+            retired = self._retired.pop(copy_id, None)
+            current = self._copies.get(copy_id)
+            if current is not None:
+                self._retired[copy_id] = current
+            self._copies[copy_id] = copy
         if retired is not None:
             retired.release()
 
-    @property
-    def has_copy(self) -> bool:
-        """Whether a dataset copy was given (:meth:`load`)."""
-        return self._copy is not None
+    def copy_given(self, copy_id: int = 0) -> bool:
+        """Whether dataset copy ``copy_id`` was given (:meth:`load`) and not released."""
+        return copy_id in self._copies
+
+    def release(self, copy_id: int) -> None:
+        """Forget copy ``copy_id`` (its loader closed): workers drop it, soon on the loop of their
+        pipes if one runs, else before their next job. Thread-safe."""
+        with self._launch_lock:
+            copies = [self._copies.pop(copy_id, None), self._retired.pop(copy_id, None)]
+        for copy in filter(None, copies):
+            copy.release()  # a load still queued fails, then the drop behind it runs
+        for w in self._workers:
+            w.drops.append(copy_id)
+            loop = w.channel.loop
+            if loop is not None and not self._closed:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: the next job
+                    loop.call_soon_threadsafe(self._drop_released, w, loop)
+
+    def _drop_released(self, w: _Worker, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Tell worker ``w`` to drop the released copies it holds (on its pipes' loop)."""
+        if loop is not None and w.channel.loop is not loop:
+            return  # the pipes moved to another loop meanwhile: the next job does it there
+        while w.drops:
+            copy_id = w.drops.pop()
+            if w.loaded.pop(copy_id, None) is not None:
+                with contextlib.suppress(BrokenProcessPool):  # dead: the copy went with it
+                    w.channel.post(drop_copy, copy_id)
 
     def pids(self) -> list[int]:
         """Pids of the worker processes started so far."""
@@ -310,6 +336,7 @@ class WorkerPool:
         worker: int | None = None,
         on_abandon: Callable[[], None] | None = None,
         resubmit_innocent: bool = True,
+        copy_id: int = 0,
     ) -> R:
         """Run ``fn(job)`` in a worker and await its reply without blocking the loop.
 
@@ -334,12 +361,14 @@ class WorkerPool:
             on_abandon: called once the worker is done with a job whose awaiting task was
                 cancelled.
             resubmit_innocent: resubmit a job that was only queued behind a crash.
+            copy_id: the dataset copy the job runs with (its loader's, on a shared pool).
 
         Raises:
             WorkerCrashedError: the worker died while running this job.
             WorkerInitError: the worker keeps dying while it starts.
             TypeError: the dataset copy cannot be pickled (names what).
         """
+        tag = running_tag(copy_id, batch_id)
         while True:
             if self._closed:
                 raise RuntimeError("the worker pool is closed")
@@ -350,13 +379,15 @@ class WorkerPool:
             w.outstanding += 1
             try:
                 self._launch(w)
-                copy = self._copy
-                if copy is not None and w.loaded is not copy:
+                if w.drops:
+                    self._drop_released(w)
+                copy = self._copies.get(copy_id)
+                if copy is not None and w.loaded.get(copy_id) is not copy:
                     load = await copy.job()  # raises the TypeError of an unpicklable copy
-                    if w.loaded is not copy and w.generation == generation:
+                    if w.loaded.get(copy_id) is not copy and w.generation == generation:
                         # Ahead of the job; its failures show in it, its hang in _reply.
                         w.load_job = channel.post(load_copy, load)
-                        w.loaded = copy
+                        w.loaded[copy_id] = w.last_load = copy
                 job_id, future = channel.send(fn, job)
                 result: R = await self._reply(w, generation, future)
                 if w.generation == generation:
@@ -379,10 +410,10 @@ class WorkerPool:
                 if crash.hang is not None:
                     raise WorkerInitError(crash.hang.message(batch_id)) from exc
                 if crash.culprit is None and crash.failed_starts >= MAX_START_FAILURES:
-                    raise self._start_error(crash, batch_id) from exc
-                if crash.culprit != batch_id and resubmit_innocent:
+                    raise start_error(crash, batch_id) from exc
+                if crash.culprit != tag and resubmit_innocent:
                     continue
-                raise self._crash_error(crash, batch_id) from exc
+                raise crash_error(crash, batch_id) from exc
             except asyncio.CancelledError:
                 if job_id is not None:  # on_abandon runs once the worker is done with it
                     channel.abandon(job_id, on_abandon)
@@ -444,7 +475,7 @@ class WorkerPool:
             loading = float(self._loading[w.id])
             w.stopping = True  # the other jobs' watches leave it to this one
         pid = int(process.pid)
-        epoch = w.loaded.epoch if w.loaded is not None and loading else None
+        epoch = w.last_load.epoch if w.last_load is not None and loading else None
         when = (self._start_timeout, self._start_setting)
         head = describe_start(w.id, pid, when, initialized=initialized, loading_epoch=epoch)
         stack = take_stack(pid, w.stacks) if initialized else ""
@@ -455,7 +486,7 @@ class WorkerPool:
         workers_log.warning("worker process pid %d killed: %s", pid, head)
         return True
 
-    def _on_broken(self, w: _Worker, generation: int) -> _Crash:
+    def _on_broken(self, w: _Worker, generation: int) -> Crash:
         key = (w.id, generation)
         crash = self._crashes.get(key)
         if crash is not None:
@@ -464,19 +495,19 @@ class WorkerPool:
         pid = getattr(process, "pid", None)
         _exits.reap(w.executor, process)  # returns at once: submit waited for it off the loop
         exitcode = process.exitcode if process is not None else None
-        culprit: int | None = int(self._current[w.id]) - 1
+        culprit: int | None = int(self._current[w.id])  # the running job's tag, 0 for none
         self._current[w.id] = 0
         if w.killed:
             # We killed it for hanging: that batch was already reported by its deadline, and
             # a retry of it, submitted here before the death was noticed, is innocent.
             culprit = None
-        elif culprit is not None and culprit < 0:
+        elif culprit is not None and culprit <= 0:
             culprit = None
         if culprit is None and not w.served and not w.killed:
             w.failed_starts += 1  # it died before it answered anything: while starting
         else:
             w.failed_starts = 0
-        crash = _Crash(w.id, pid, exitcode, culprit, w.failed_starts, w.hang)
+        crash = Crash(w.id, pid, exitcode, culprit, w.failed_starts, w.hang)
         self._crashes[key] = crash
         self._replace(w)
         return crash
@@ -495,7 +526,9 @@ class WorkerPool:
         w.started = None
         w.served = False
         w.killed = False
-        w.loaded = None  # the replacement gets the current copy before its first job
+        w.loaded = {}  # the replacement gets the current copies before its first jobs
+        w.last_load = None
+        w.drops = []
         w.load_job = None
         w.stopping = False
         w.hang = None
@@ -503,34 +536,17 @@ class WorkerPool:
         if not self._closed:
             w.executor, w.channel, w.child_pipes, w.stacks = self._new_worker(w.id)
 
-    @staticmethod
-    def _crash_error(crash: _Crash, batch_id: int) -> WorkerCrashedError:
-        how = describe_exit(crash.exitcode)
-        return WorkerCrashedError(
-            f"worker {crash.worker_id} (pid {crash.pid}) {how} while making batch {batch_id}; "
-            "the worker was replaced and the loader can go on",
-            pid=crash.pid,
-            exitcode=crash.exitcode,
+    def is_running(self, batch_id: int, copy_id: int = 0) -> bool:
+        """Whether a worker runs ``batch_id`` of copy ``copy_id`` now (not merely queued)."""
+        return any(
+            int(self._current[w.id]) == running_tag(copy_id, batch_id) for w in self._workers
         )
 
-    @staticmethod
-    def _start_error(crash: _Crash, batch_id: int) -> WorkerInitError:
-        how = describe_exit(crash.exitcode)
-        return WorkerInitError(
-            f"worker {crash.worker_id} (pid {crash.pid}) {how} before it ran any job, "
-            f"{crash.failed_starts} times in a row, so batch {batch_id} was not run: the worker "
-            "cannot start. Check what a worker does at start: unpickling the dataset, "
-            "worker_init_fn, the imports they trigger, and the memory they need."
-        )
-
-    def is_running(self, batch_id: int) -> bool:
-        """Whether a worker has started ``batch_id`` and not finished it (not merely queued)."""
-        return any(int(self._current[w.id]) - 1 == batch_id for w in self._workers)
-
-    def kill_holding(self, batch_id: int) -> int | None:
-        """Kill the worker running ``batch_id`` (a hung batch); returns its pid, if any."""
+    def kill_holding(self, batch_id: int, copy_id: int = 0) -> int | None:
+        """Kill the worker running ``batch_id`` of copy ``copy_id`` (hung); returns its pid."""
+        tag = running_tag(copy_id, batch_id)
         for w in self._workers:
-            if int(self._current[w.id]) - 1 == batch_id and w.process is not None:
+            if int(self._current[w.id]) == tag and w.process is not None:
                 pid = int(w.process.pid)
                 w.killed = True  # its death is ours: see _on_broken
                 with contextlib.suppress(ProcessLookupError):
@@ -544,7 +560,7 @@ class WorkerPool:
             if self._closed:
                 return
             self._closed = True
-            copies = [c for c in (self._copy, self._retired) if c is not None]
+            copies = [*self._copies.values(), *self._retired.values()]
         for w in self._workers:  # a launch under way (another thread's) finishes first
             with w.lock:
                 pass

@@ -23,6 +23,7 @@ from .._errors import WorkerCrashedError
 from .._log import workers_log
 from .._types import BatchRequest, InlineMaking, Made, StreamRequest
 from ._frames import Packed
+from ._payload import Payload
 from ._pool import WorkerPool
 from ._wire import MapJob, RawSlotError, Receiver, Sender, StreamJob
 from ._worker import run_map_job, run_stream_job
@@ -38,15 +39,26 @@ class ProcessRunner:
             are the loader's to use).
         slots: the shared-memory slot pool, or None to send every batch inline.
         prefetch: batches in flight at once (to check /dev/shm for that many slots).
+        copy_id: the workers' dataset copy this runner's jobs use: 0 for a loader's own
+            workers, one per loader on a shared pool (see ``aioloader._shared_pool``).
     """
 
     inline: InlineMaking | None = None  # every batch is a worker's
 
-    def __init__(self, pool: WorkerPool, slots: _shm.SlotPool | None, prefetch: int = 1) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        slots: _shm.SlotPool | None,
+        prefetch: int = 1,
+        *,
+        copy_id: int = 0,
+    ) -> None:
         self.pool = pool
+        self.slots = slots
+        self.copy_id = copy_id
         self._receiver = Receiver(slots, prefetch)
         self._sender = Sender(slots)
-        self._restarts_logged = 0  # worker replacements said in the log so far
+        self._restarts_logged = pool.rebuilds  # worker replacements said in the log so far
 
     @property
     def streams(self) -> int:
@@ -62,6 +74,15 @@ class ProcessRunner:
     def shm_fallbacks(self) -> int:
         """Batches sent inline because no shared-memory segment could be had."""
         return self._receiver.fallbacks + self._sender.fallbacks
+
+    @property
+    def has_copy(self) -> bool:
+        """Whether the workers were given this runner's dataset copy (:meth:`load`)."""
+        return self.pool.copy_given(self.copy_id)
+
+    def load(self, make: Callable[[], Payload], epoch: int) -> None:
+        """Give the workers a new dataset copy (see ``WorkerPool.load``)."""
+        self.pool.load(make, epoch, self.copy_id)
 
     def start(self) -> None:
         """Start every worker and wait until each ran its initializer (blocking)."""
@@ -106,9 +127,9 @@ class ProcessRunner:
                     if release is not None:
                         release()
                     raise
-            job = MapJob(wire, slot, raw_in_slot=wire is not request)
+            job = MapJob(wire, slot, raw_in_slot=wire is not request, copy_id=self.copy_id)
         else:
-            job = StreamJob(request, slot)
+            job = StreamJob(request, slot, copy_id=self.copy_id)
         try:
             made: Made = await self.pool.submit(
                 fn,
@@ -117,6 +138,7 @@ class ProcessRunner:
                 worker=worker,
                 on_abandon=release,
                 resubmit_innocent=worker is None,
+                copy_id=self.copy_id,
             )
         except asyncio.CancelledError:
             raise  # on_abandon releases the slot once the worker is done with the job
@@ -145,11 +167,11 @@ class ProcessRunner:
 
     def is_running(self, batch_id: int) -> bool:
         """Whether a worker runs ``batch_id`` now (not merely has it queued)."""
-        return self.pool.is_running(batch_id)
+        return self.pool.is_running(batch_id, self.copy_id)
 
     def on_deadline(self, batch_id: int) -> int | None:
         """Kill the worker that runs ``batch_id`` (it hung); returns its pid, if one was."""
-        pid = self.pool.kill_holding(batch_id)
+        pid = self.pool.kill_holding(batch_id, self.copy_id)
         if pid is not None:
             # Said here, with its cause; the replacement this causes is then not said again.
             self._restarts_logged += 1

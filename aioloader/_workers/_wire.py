@@ -80,6 +80,7 @@ from .._types import BatchRequest, Made, StreamRequest
 from ._payload import Payload
 
 __all__ = [
+    "COPY_TAG_SPAN",
     "INLINE_MAX_BYTES",
     "RAW_SLOT_MIN_BYTES",
     "LoadJob",
@@ -95,6 +96,7 @@ __all__ = [
     "batch_nbytes",
     "from_wire",
     "inline",
+    "running_tag",
     "to_wire",
     "unpack_raw",
 ]
@@ -104,6 +106,18 @@ __all__ = [
 INLINE_MAX_BYTES = _shm.INLINE_MAX_BYTES
 
 _log = logging.getLogger("aioloader.shm")
+
+# A worker publishes the job it runs as one int64 (see :func:`running_tag`): the batch id below
+# this span, the dataset copy's id above it. Batch ids stay below 2**40 and copy ids (one per
+# loader on a shared pool) below 2**23, so a tag fits, and copy 0's tag is ``batch_id + 1``.
+COPY_TAG_SPAN = 1 << 40
+
+
+def running_tag(copy_id: int, batch_id: int) -> int:
+    """What a worker publishes while it runs ``batch_id`` of dataset copy ``copy_id`` (0 while
+    it runs nothing): two loaders sharing the workers number their batches alike, and a crash
+    or a deadline must name the right one."""
+    return copy_id * COPY_TAG_SPAN + batch_id + 1
 
 
 # -- out: the jobs -------------------------------------------------------------------------
@@ -116,10 +130,18 @@ class LoadJob:
     Attributes:
         payload: ``(BatchMaker, worker_init_fn)`` pickled by :func:`._payload.dumps_copy`.
         epoch: the epoch it was made for (the worker's seed derives from it).
+        copy_id: which of the worker's copies it replaces: 0 for a loader's own workers, one
+            id per loader on a shared pool (each keeps its copy beside the others').
+        seed: the loader's seed, when it is not the one the worker started with (a shared
+            pool's workers serve loaders of different seeds).
+        per_batch_seeds: likewise, ``worker_seeding='batch'``.
     """
 
     payload: Payload
     epoch: int
+    copy_id: int = 0
+    seed: int | None = None
+    per_batch_seeds: bool | None = None
 
 
 # A fetched item's bytes travel in the job's raw slot from this size on. Smaller ones are
@@ -147,14 +169,17 @@ class MapJob:
     request: BatchRequest
     slot: _shm.Slot | OwnSlot | None
     raw_in_slot: bool = False
+    copy_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class StreamJob:
-    """Make the next batch of this worker's stream for ``request``, into ``slot`` if given."""
+    """Make the next batch of this worker's stream of dataset copy ``copy_id`` for
+    ``request``, into ``slot`` if given."""
 
     request: StreamRequest
     slot: _shm.Slot | OwnSlot | None
+    copy_id: int = 0
 
 
 # -- out: fetched bytes through a slot ------------------------------------------------------

@@ -14,6 +14,9 @@ main pid, and its ends of the two pipes. Its dataset copy comes later, as a job
 (``persistent_workers=False``, torch's default). Loading a copy drops the previous one, seeds
 the worker (see :mod:`._info`), publishes its :class:`WorkerInfo` (to torch's API too), and
 runs ``worker_init_fn``; the process itself, its imports and its shared-memory mappings stay.
+The workers of a pool that several loaders share (:mod:`aioloader._shared_pool`) hold one copy
+per loader, keyed by a copy id that each job names: a job of another copy than the last one
+publishes that copy's worker info first, and :func:`drop_copy` forgets a closed loader's copy.
 
 Sharp edges:
 - Workers ignore SIGINT: Ctrl-C is the main process's to handle; it then closes the pool.
@@ -65,16 +68,17 @@ from .._batch import BatchMaker, StreamCursor, annotate, continued_share, not_an
 from .._distributed import every_nth, stream_share
 from .._errors import WorkerInitError
 from .._shm import Slot
-from .._types import END, BatchRequest, Made, stream_state
+from .._types import END, BatchRequest, Made, StreamRequest, stream_state
 from . import _info, _payload
 from ._channel import serve_over
 from ._frames import Packed, pack_result, picklable
 from ._info import WorkerInfo
-from ._wire import LoadJob, MapJob, OwnSlot, Packer, StreamJob, inline, unpack_raw
+from ._wire import LoadJob, MapJob, OwnSlot, Packer, StreamJob, inline, running_tag, unpack_raw
 
 __all__ = [
     "STACK_SIGNAL",
     "WATCHDOG_INTERVAL_S",
+    "drop_copy",
     "init_worker",
     "load_copy",
     "ping",
@@ -94,29 +98,30 @@ STACK_SIGNAL = signal.SIGUSR1
 
 
 @dataclass(slots=True)
-class _WorkerState:
-    """The worker process's one state: set by :func:`init_worker` and :func:`load_copy`, read
-    by every job."""
+class _Copy:
+    """One dataset copy a worker makes batches with: its loader's (a shared pool's workers hold
+    one per loader, see :mod:`aioloader._shared_pool`). Set by :func:`load_copy`."""
 
     worker_id: int
     num_workers: int
     seed: int  # the loader's seed: per-batch seeds derive from it
     per_batch_seeds: bool  # worker_seeding='batch': reseed before every batch
-    current: Any  # shared ctypes array: batch id + 1 being worked on, 0 when idle
-    loading: Any  # shared ctypes array: time.monotonic() a copy's load began, 0.0 when none
-    pipes: tuple[Connection, Connection]  # this worker's (requests, replies)
-    stacks: Connection  # where STACK_SIGNAL's handler writes the stacks (kept open for it)
-    maker: BatchMaker | None = None  # None until the first copy loads
+    maker: BatchMaker | None = None  # None if it failed to load
+    info: WorkerInfo | None = None  # what get_worker_info() says while its jobs run
     init_error: BaseException | None = None
     init_tb: str = ""
     init_shards: bool = False  # worker_init_fn read which worker this is: it set up the copy
     stream: StreamCursor = field(init=False)
 
     def __post_init__(self) -> None:
-        self.stream = self._cursor()
+        self.stream = StreamCursor(self._open_stream, self._position)
 
-    def _cursor(self) -> StreamCursor:
-        return StreamCursor(self._open_stream, self._position)
+    def release(self) -> None:
+        """Let go of the dataset and its streams now, not at the next garbage collection (the
+        cursor's callbacks tie it and this copy into a cycle): their files and memory go."""
+        self.maker = None
+        self.info = None
+        self.stream = StreamCursor(self._open_stream, self._position)
 
     def _position(self) -> Any:
         assert self.maker is not None
@@ -144,6 +149,23 @@ class _WorkerState:
         else:
             share = stream_share(shard, self.worker_id, self.num_workers)
         return every_nth(rest, *continued_share(*share, resume is not None))
+
+
+@dataclass(slots=True)
+class _WorkerState:
+    """The worker process's one state: set by :func:`init_worker`, its copies by
+    :func:`load_copy` and :func:`drop_copy`, read by every job."""
+
+    worker_id: int
+    num_workers: int
+    seed: int  # the seed the worker started with: its copies' unless a LoadJob says
+    per_batch_seeds: bool  # likewise, worker_seeding='batch'
+    current: Any  # shared ctypes array: the running job's tag (_wire.running_tag), 0 when idle
+    loading: Any  # shared ctypes array: time.monotonic() a copy's load began, 0.0 when none
+    pipes: tuple[Connection, Connection]  # this worker's (requests, replies)
+    stacks: Connection  # where STACK_SIGNAL's handler writes the stacks (kept open for it)
+    copies: dict[int, _Copy] = field(default_factory=dict)  # by copy id (0: the only one)
+    active: int | None = None  # the copy whose worker info is published now
 
 
 _STATE: _WorkerState | None = None
@@ -213,31 +235,53 @@ def load_copy(job: LoadJob) -> None:
 
 
 def _load(state: _WorkerState, job: LoadJob) -> None:
-    # The previous copy goes first (its files, its memory), as torch's exiting worker would.
-    state.maker = None
-    state.stream = state._cursor()
-    state.init_error, state.init_tb, state.init_shards = None, "", False
+    # The previous copy goes first (its files, its memory), as torch's exiting worker would;
+    # another loader's copies stay.
     _info.publish(None)
-    seed = _info.worker_seed(state.seed, job.epoch, state.worker_id)
+    state.active = None
+    previous = state.copies.pop(job.copy_id, None)
+    if previous is not None:
+        previous.release()
+    copy = state.copies[job.copy_id] = _Copy(
+        state.worker_id,
+        state.num_workers,
+        state.seed if job.seed is None else job.seed,
+        state.per_batch_seeds if job.per_batch_seeds is None else job.per_batch_seeds,
+    )
+    seed = _info.worker_seed(copy.seed, job.epoch, state.worker_id)
     init_fn: Callable[[int], Any] | None = None
     try:
         maker, init_fn = _payload.loads(job.payload)
     except BaseException as exc:  # reported by the jobs, not as a silent crash
-        state.init_error, state.init_tb = exc, traceback.format_exc()
+        copy.init_error, copy.init_tb = exc, traceback.format_exc()
         return
-    state.maker = maker
+    copy.maker = maker
     # After unpickling: the dataset's modules are imported now, torch among them if it uses it.
-    _info.seed_worker(seed, torch_later=not state.per_batch_seeds)
-    _info.publish(WorkerInfo(state.worker_id, state.num_workers, seed, maker.dataset))
+    _info.seed_worker(seed, torch_later=not copy.per_batch_seeds)
+    copy.info = WorkerInfo(state.worker_id, state.num_workers, seed, maker.dataset)
+    _info.publish(copy.info)
+    state.active = job.copy_id
     if init_fn is None:
         return
     _info.watch()
     try:
         init_fn(state.worker_id)
     except BaseException as exc:
-        state.init_error, state.init_tb = exc, traceback.format_exc()
+        copy.init_error, copy.init_tb = exc, traceback.format_exc()
     finally:
-        state.init_shards = _info.unwatch()
+        copy.init_shards = _info.unwatch()
+
+
+def drop_copy(copy_id: int) -> None:
+    """Forget dataset copy ``copy_id`` (its loader was closed; the worker serves others)."""
+    state = _STATE
+    assert state is not None, "worker job run outside a worker"
+    if state.active == copy_id:
+        _info.publish(None)
+        state.active = None
+    copy = state.copies.pop(copy_id, None)
+    if copy is not None:
+        copy.release()
 
 
 def ping() -> int:
@@ -282,14 +326,14 @@ def _alive(pid: int) -> bool:
 def run_map_job(job: MapJob) -> Packed[Made]:
     """Make one batch of a map-style dataset: a :class:`~aioloader._types.Made` whose batch is
     a :class:`._wire.Parcel`, packed for the reply (see :func:`_packed`)."""
-    state = _state()
+    state, copy = _state(job.copy_id)
     request = job.request
-    _begin(state, request.epoch, request.batch_id)
+    _begin(state, copy, job.copy_id, request)
     try:
         if job.raw_in_slot:  # the fetched samples' bytes, out of the slot the batch goes into
             assert isinstance(job.slot, Slot)
             request = unpack_raw(request, job.slot)
-        return _packed(_make(state, request, job.slot), state, request)
+        return _packed(_make(state, copy, request, job.slot), state, request)
     finally:
         state.current[state.worker_id] = 0
 
@@ -297,13 +341,13 @@ def run_map_job(job: MapJob) -> Packed[Made]:
 def run_stream_job(job: StreamJob) -> Packed[Made]:
     """Make the next batch of this worker's share of an iterable dataset (``END`` once it ran
     out): a :class:`~aioloader._types.Made` as :func:`run_map_job` makes it."""
-    state = _state()
+    state, copy = _state(job.copy_id)
     request = job.request
-    _begin(state, request.epoch, request.batch_id)
+    _begin(state, copy, job.copy_id, request)
     try:
         started = time.perf_counter()
         try:
-            samples, position = state.stream.next_samples(request)
+            samples, position = copy.stream.next_samples(request)
         except BaseException as exc:
             raise _worker_side(exc, state, request.batch_id, "the stream of ") from None
         if samples is END:
@@ -312,7 +356,7 @@ def run_stream_job(job: StreamJob) -> Packed[Made]:
         of_samples = BatchRequest(
             request.epoch, request.batch_id, list(range(len(samples))), raw=samples
         )
-        made = _make(state, of_samples, job.slot)
+        made = _make(state, copy, of_samples, job.slot)
         made.read_s += pulled_s
         made.position = position
         return _packed(made, state, of_samples)
@@ -320,33 +364,42 @@ def run_stream_job(job: StreamJob) -> Packed[Made]:
         state.current[state.worker_id] = 0
 
 
-def _state() -> _WorkerState:
+def _state(copy_id: int) -> tuple[_WorkerState, _Copy]:
     state = _STATE
     assert state is not None, "worker job run outside a worker"
-    if state.init_error is not None:
-        exc = state.init_error
+    copy = state.copies.get(copy_id)
+    assert copy is not None, "a batch job reached a worker before its dataset copy"
+    if copy.init_error is not None:
+        exc = copy.init_error
         raise WorkerInitError(
             f"worker {state.worker_id} (pid {os.getpid()}) failed to start: "
-            f"{type(exc).__name__}: {exc}\n{state.init_tb}"
+            f"{type(exc).__name__}: {exc}\n{copy.init_tb}"
         )
-    assert state.maker is not None, "a batch job reached a worker before its dataset copy"
-    return state
+    return state, copy
 
 
-def _begin(state: _WorkerState, epoch: int, batch_id: int) -> None:
-    """Publish the batch this worker now runs (first: a deadline asks for it), then seed."""
-    state.current[state.worker_id] = batch_id + 1
-    if state.per_batch_seeds:
-        _info.seed_everything(state.seed, epoch, batch_id)
+def _begin(
+    state: _WorkerState, copy: _Copy, copy_id: int, request: BatchRequest | StreamRequest
+) -> None:
+    """Publish the job this worker now runs (first: a deadline asks for it), the worker info
+    of its copy (another loader's ran before it, on a shared pool), then seed."""
+    state.current[state.worker_id] = running_tag(copy_id, request.batch_id)
+    if state.active != copy_id:
+        _info.publish(copy.info)
+        state.active = copy_id
+    if copy.per_batch_seeds:
+        _info.seed_everything(copy.seed, request.epoch, request.batch_id)
     _info.catch_up()  # torch imported since the copy loaded gets the worker info
 
 
-def _make(state: _WorkerState, request: BatchRequest, slot: Slot | OwnSlot | None) -> Made:
+def _make(
+    state: _WorkerState, copy: _Copy, request: BatchRequest, slot: Slot | OwnSlot | None
+) -> Made:
     """Read, collate (into ``slot``, if any) and pack the batch of ``request``."""
     try:
         packer = Packer(slot)
-        assert state.maker is not None
-        made = state.maker.make(request, packer.alloc)
+        assert copy.maker is not None
+        made = copy.maker.make(request, packer.alloc)
         made.batch = packer.pack(made.batch)
     except BaseException as exc:
         raise _worker_side(exc, state, request.batch_id) from None
