@@ -34,6 +34,8 @@ from ._sampler import DistributedSampler as DistributedSampler
 from ._sampler import RandomSampler as RandomSampler
 from ._sampler import SequentialSampler as SequentialSampler
 from ._sampler import ShardedBatchSampler as ShardedBatchSampler
+from ._shared_pool import WorkerPool as WorkerPool
+from ._shared_pool import WorkerPoolStatistics as WorkerPoolStatistics
 from ._stats import LoaderStatistics as LoaderStatistics
 from ._types import AsyncDataset as AsyncDataset
 from ._types import AsyncIterableDataset as AsyncIterableDataset
@@ -83,6 +85,8 @@ __all__ = [
     "WorkerError",
     "WorkerInfo",
     "WorkerInitError",
+    "WorkerPool",
+    "WorkerPoolStatistics",
     "default_collate",
     "default_convert",
     "get_worker_info",

@@ -66,11 +66,11 @@ from ._progress import EpochProgress, progress_display
 from ._resources import Resources, check_callables, finalize, weak_call
 from ._resume import EpochBook
 from ._settings import SettingsView
+from ._shared_pool import WorkerPool, shared_pool, worker_context
 from ._stats import Counters, LoaderStatistics
 from ._sync import LoopThread, SyncIterator
 from ._types import Runner, dataset_kind
 from ._validate import boolean, to_int
-from ._workers import resolve_context
 
 __all__ = ["DataLoader"]
 
@@ -164,6 +164,7 @@ class DataLoader(SettingsView):
             copy (unpickling it, ``worker_init_fn``); past it :class:`WorkerInitError` names
             the worker, its pid and its stack, and the worker is killed. None (default): the
             batch ``timeout`` if set (in torch it covers the start too), else 120 s.
+        workers: a :class:`WorkerPool` shared with other loaders; it decides ``num_workers``.
 
     Epochs and ``set_epoch``: each iteration is the next epoch, and shuffling and worker seeds
     derive from its number. The loader calls ``set_epoch(epoch)`` on the samplers it made
@@ -219,6 +220,7 @@ class DataLoader(SettingsView):
         shard: bool | None = None,
         worker_seeding: str = "batch",
         start_timeout: float | None = None,
+        workers: WorkerPool | None = None,
     ) -> None:
         self.dataset = dataset
         kind = dataset_kind(dataset)
@@ -228,10 +230,11 @@ class DataLoader(SettingsView):
         self._generator = generator
         policy = resolve_last_batch(last_batch, drop_last if drop_last else None)
         share = resolve_shard(shard, kind, sampler, batch_sampler, dataset)
+        pool = shared_pool(workers, num_workers=num_workers, thread_pool=thread_pool)
         self._config = config = LoaderConfig.build(
             kind=kind,
             batch_size=batch_size,
-            num_workers=num_workers,
+            num_workers=num_workers if pool is None else pool.num_workers,
             thread_pool=thread_pool,
             in_order=in_order,
             prefetch=prefetch,
@@ -284,7 +287,7 @@ class DataLoader(SettingsView):
         if config.collate_fn in (default_collate, default_convert):
             import torch  # noqa: F401  # tensors ahead: before workers fork, not once in each
         if config.uses_processes:
-            self._context = resolve_context(context, allow_fork=allow_fork)
+            self._context = worker_context(pool, config, context, allow_fork)
             check_callables(config)  # the dataset is pickled when an epoch needs it
         cpus = os.cpu_count() or 1
         # Only processes compete for CPUs: threads (thread_pool=True) mostly wait on IO with the
@@ -299,7 +302,7 @@ class DataLoader(SettingsView):
         self._counters = Counters()
         self._book = EpochBook(self._sampling, dataset)
         self._progress = progress_display(progress)
-        self._res = Resources()
+        self._res = Resources(shared=pool)
         self._closed = False
         self._finalizer = weakref.finalize(self, finalize, self._res, type(self).__name__)
         self._initialized = True

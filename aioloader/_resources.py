@@ -48,6 +48,8 @@ from ._batch import BatchMaker
 from ._config import LoaderConfig
 from ._epoch import Epoch
 from ._errors import out_of_descriptors_note
+from ._shared_pool import WorkerPool as SharedPool
+from ._shared_pool import close_pools
 from ._signals import release_before_sigterm
 from ._sync import LoopThread
 from ._threads import ThreadRunner
@@ -186,6 +188,7 @@ class Resources:
     starter: threading.Thread | None = None  # starts the workers at construction (start_early)
     used: bool = False  # made or started for the user (not only by start_early)
     closed: bool = False
+    shared: SharedPool | None = None  # workers shared with other loaders (_shared_pool)
 
     def ensure(
         self,
@@ -210,7 +213,10 @@ class Resources:
                 from ._device import DeviceStage  # imports torch: only for a device stage
 
                 self.device = DeviceStage(device_spec, pin_memory=config.pin_memory)
-            if self.runner is None:
+            if self.shared is not None:  # the pool's runner for this loader; raises if closed
+                self.runner = self.shared.attach(config, self.runner)
+                release_before_sigterm(close_all_at_exit)
+            elif self.runner is None:
                 if config.uses_processes:
                     assert context is not None
                     if self.slots is None and _shm.shm_available():
@@ -251,10 +257,12 @@ class Resources:
 
         Only where a start is cheap and safe from a thread: workers forked from the forked
         server (the default; not ``spawn``, whose workers each import the program, nor
-        ``fork`` from a thread), and no device stage (it is made on first use).
+        ``fork`` from a thread), and no device stage (it is made on first use). A shared
+        pool's workers are the pool's to start.
         """
         if (
             not config.uses_processes
+            or self.shared is not None
             or not is_zygote(context)
             or device_spec is not None
             or config.pin_memory
@@ -307,8 +315,8 @@ class Resources:
     def loop(self) -> LoopThread:
         """The private event-loop thread for sync iteration, started on first use."""
         with self.lock:
-            if self.loop_thread is None:
-                self.loop_thread = LoopThread()
+            if self.loop_thread is None:  # a shared pool's loaders share the pool's
+                self.loop_thread = LoopThread() if self.shared is None else self.shared.loop()
             _LIVE.add(self)
             return self.loop_thread
 
@@ -334,7 +342,8 @@ class Resources:
             if aclose is not None:  # sessions the dataset opened on the private loop
                 with contextlib.suppress(Exception):
                     loop_thread.run(aclose(), timeout=DATASET_CLOSE_TIMEOUT_S)
-            loop_thread.close()
+            if self.shared is None:  # a shared pool's loop is the pool's to close
+                loop_thread.close()
         if runner is not None:
             runner.close()
         starter = self.starter
@@ -354,8 +363,9 @@ class Resources:
         """The statistics only these resources know: batches in flight and waiting, shared
         memory, restarts and fallbacks (see :class:`aioloader.LoaderStatistics`)."""
         epoch = self.epoch
-        slots = self.slots.stats() if self.slots is not None else None
         runner = self.runner
+        pool = runner.slots if isinstance(runner, ProcessRunner) else self.slots
+        slots = pool.stats() if pool is not None else None
         return {
             "in_flight": epoch.reorder.pending if epoch is not None else 0,
             "waiting": epoch.reorder.waiting if epoch is not None else 0,
@@ -370,7 +380,10 @@ class Resources:
 
     @property
     def held(self) -> bool:
-        """Whether anything is still held (a process, a thread, a segment)."""
+        """Whether anything is still held (a process, a thread, a segment); a loader on a
+        closed shared pool holds nothing."""
+        if self.shared is not None and self.shared.closed:
+            return False
         return self.runner is not None or self.loop_thread is not None or self.slots is not None
 
 
@@ -388,6 +401,7 @@ def close_all_at_exit() -> None:
     for resources in list(_LIVE):
         with contextlib.suppress(Exception):
             resources.close()
+    close_pools()  # shared worker pools, after the loaders that use them
 
 
 threading._register_atexit(close_all_at_exit)  # type: ignore[attr-defined]

@@ -27,8 +27,10 @@ __all__ = [
     "boolean",
     "callable_or_none",
     "check_state_keys",
+    "decided_by",
     "finite_number",
     "fraction_or_count",
+    "instance_or_none",
     "is_int",
     "non_negative_int",
     "one_of",
@@ -185,6 +187,41 @@ def callable_or_none(name: str, value: Any) -> Callable[..., Any] | None:
     if value is not None and not callable(value):
         raise TypeError(f"{name} must be callable, got {value!r}")
     return value  # type: ignore[no-any-return]
+
+
+def instance_or_none(name: str, value: object, kind: type[T]) -> T | None:
+    """``value`` if it is a ``kind`` or ``None``; raises ``TypeError`` naming ``name`` otherwise."""
+    if value is not None and not isinstance(value, kind):
+        raise TypeError(f"{name} must be a {kind.__name__} or None, got {value!r}")
+    return value
+
+
+def decided_by(
+    owner: str,
+    owner_value: object,
+    name: str,
+    value: object,
+    decided: object,
+    *,
+    unset: object = None,
+) -> None:
+    """Refuse ``name=value`` beside ``owner=owner_value``, which decides that setting (as
+    ``decided``): leaving it ``unset``, or giving the same, is fine. A bool never equals a
+    number here (``num_workers=True`` is not 1).
+
+    Raises:
+        ValueError: names both arguments and both values.
+    """
+    if _same(value, unset) or _same(value, decided):
+        return
+    raise ValueError(
+        f"{name}={value!r} conflicts with {owner}={owner_value!r}, which decides it "
+        f"({name}={decided!r} there): leave {name} out, or give the same"
+    )
+
+
+def _same(a: object, b: object) -> bool:
+    return a is b or (isinstance(a, bool) == isinstance(b, bool) and a == b)
 
 
 def check_state_keys(owner: str, state: object, required: Collection[str]) -> dict[str, Any]:

@@ -560,3 +560,70 @@ class AsyncResumable:
             await asyncio.sleep(0)
             self._next = i + 1
             yield i
+
+
+# -- loaders that share one worker pool (tests/test_shared_pool.py) ---------------------------
+
+
+def _touch(marker_dir: str, name: str) -> None:
+    """Create a marker file named ``name`` plus a unique suffix (any process)."""
+    for attempt in range(1000):
+        try:
+            fd = os.open(os.path.join(marker_dir, f"{name}-{attempt}"), os.O_CREAT | os.O_EXCL)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return
+    raise AssertionError(f"too many markers named {name!r}")  # pragma: no cover
+
+
+def markers(marker_dir: str, prefix: str) -> list[str]:
+    """The markers in ``marker_dir`` whose name starts with ``prefix`` (suffix dropped)."""
+    names = [n.rpartition("-")[0] for n in os.listdir(marker_dir)]
+    return sorted(n for n in names if n.startswith(prefix))
+
+
+class InitMarker:
+    """A worker_init_fn that leaves ``init-<tag>-<pid>-<worker id>`` in ``marker_dir`` per call,
+    so a test counts the calls of each loader's worker_init_fn in each worker process."""
+
+    def __init__(self, marker_dir: str, tag: str) -> None:
+        self.marker_dir = marker_dir
+        self.tag = tag
+
+    def __call__(self, worker_id: int) -> None:
+        _touch(self.marker_dir, f"init-{self.tag}-{os.getpid()}-{worker_id}")
+
+
+class Tagged:
+    """Sample ``i`` tells which dataset made it (``tag``) and what its worker knows: its id,
+    pid and seed, and whether ``get_worker_info().dataset`` is this very copy. A copy dropped
+    in a worker process leaves ``dropped-<tag>-<pid>`` in ``marker_dir``."""
+
+    def __init__(self, n: int, tag: str, marker_dir: str) -> None:
+        self.n = n
+        self.tag = tag
+        self.marker_dir = marker_dir
+        self.owner = os.getpid()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not 0 <= index < self.n:
+            raise IndexError(index)
+        info = get_worker_info()
+        assert info is not None, "get_worker_info() is None in a worker"
+        return {
+            "tag": self.tag,
+            "index": index,
+            "id": info.id,
+            "num_workers": info.num_workers,
+            "pid": os.getpid(),
+            "seed": info.seed,
+            "mine": info.dataset is self,
+        }
+
+    def __del__(self) -> None:
+        if os.getpid() != self.owner:  # a worker's copy, not the test's own dataset
+            _touch(self.marker_dir, f"dropped-{self.tag}-{os.getpid()}")

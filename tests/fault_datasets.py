@@ -382,6 +382,27 @@ class HangingStartContext(multiprocessing.context.SpawnContext):
     Process = _HangingStartProcess
 
 
+class GatedKill(Faulty):
+    """Reading index ``at`` (once) leaves ``<gate>.waiting``, waits (bounded) until the file
+    ``gate`` exists, then SIGKILLs its worker: the test decides what else the worker holds
+    (jobs queued in its pipe) when it dies."""
+
+    def __init__(self, n: int, at: int, gate: str, shape: tuple[int, ...] | None = None) -> None:
+        super().__init__(n, shape=shape)
+        self.at = at
+        self.gate = gate
+
+    def __getitem__(self, index: int) -> Any:
+        if index == self.at and not os.path.exists(f"{self.gate}.waiting"):
+            with open(f"{self.gate}.waiting", "w"):
+                pass
+            deadline = time.monotonic() + SCENARIO_TIMEOUT_S
+            while not os.path.exists(self.gate) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            fire(SIGKILL, index)
+        return super().__getitem__(index)
+
+
 class ExitsInGetitem(Faulty):
     """Raises ``SystemExit(code)`` reading index ``at``: a dataset that calls ``sys.exit``."""
 

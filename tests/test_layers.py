@@ -69,6 +69,8 @@ LEVELS: dict[str, int] = {
     # 4 - the loader's settings as attributes, and its epochs' bookkeeping for resume
     "_settings": 4,
     "_resume": 4,
+    # 4 - worker processes that several loaders share
+    "_shared_pool": 4,
     # 5 - the consumer side of an epoch
     "_epoch": 5,
     # 6 - what a loader holds between epochs: runner, slots, device stage, loop thread
