@@ -5,7 +5,9 @@ worker processes with the shared-memory slot pool they write into), the device s
 private event-loop thread behind ``for batch in loader``, the epoch being iterated, and the
 dataset's own ``aclose``. :class:`Resources` keeps them apart from the loader object, so that
 a ``weakref.finalize`` on the loader can release them without keeping the loader alive
-(:func:`finalize` warns ``ResourceWarning`` first, as an unclosed file does).
+(:func:`finalize` warns ``ResourceWarning`` first, as an unclosed file does). A loader on a
+shared :class:`~aioloader.WorkerPool` (``_shared_pool``) holds only its runner over the pool's
+workers: the processes, the slot pool and the loop thread are the pool's to close.
 
 At interpreter exit, loaders that were never closed (a module-level ``loader = DataLoader(...)``,
 an exception from the training step that was not caught, Ctrl-C without ``with``) are closed

@@ -368,8 +368,8 @@ class WorkerPool:
         held = self._held
         state = " closed" if held.closed else ""
         return (
-            f"<WorkerPool {self.num_workers} processes ({self._context.get_start_method()}) "
-            f"loaders={len(held.attached)}{state}>"
+            f"<WorkerPool num_workers={self.num_workers} "
+            f"({self._context.get_start_method()}) loaders={len(held.attached)}{state}>"
         )
 
     # -- what loaders use (through ``_resources``) -------------------------------------------

@@ -25,7 +25,7 @@ import fault_datasets as fd
 import pytest
 from datasets import InitMarker, Range, Stream, Tagged, markers
 
-from aioloader import DataLoader, WorkerCrashedError, WorkerPool
+from aioloader import DataLoader, LoaderTimeoutError, WorkerCrashedError, WorkerPool
 
 SHAPE = (32, 32, 16)  # 16 KiB samples: batches of 8 travel in shared-memory slots
 WAIT_S = 10.0  # bound on waiting for what workers do after the fact (markers)
@@ -234,6 +234,25 @@ async def test_a_retried_crash_loses_nothing_of_either_loader(tmp_path: pathlib.
         assert run.batches == fd.sequential_batches(32, 4)
 
 
+async def test_a_hung_batch_is_killed_at_its_own_loaders_deadline(tmp_path: pathlib.Path) -> None:
+    # One worker hangs in train's batch 2; val's batches wait behind it. Train's deadline kills
+    # the worker and reports the batch to train; val's batches run on the replacement.
+    hung = fd.Faulty(16, faults={9: fd.HANG}, marker_dir=str(tmp_path))
+    async with WorkerPool(1) as pool:
+        train = DataLoader(hung, batch_size=4, workers=pool, timeout=1.0, prefetch=2)
+        val = DataLoader(fd.Faulty(24), batch_size=4, workers=pool)  # no deadline of its own
+        async with train, val:
+            train_run, val_run = await asyncio.gather(epoch_of(train), epoch_of(val))
+    [err] = train_run.errors
+    assert isinstance(err, LoaderTimeoutError)
+    assert fd.failed_batch_id(err) == 2
+    [(pid, _)] = fd.visits(str(tmp_path), 9)
+    assert f"worker pid {pid} was killed" in str(err)
+    fd.assert_exact(train_run, fd.sequential_batches(16, 4))
+    assert val_run.errors == []
+    assert val_run.batches == fd.sequential_batches(24, 4)
+
+
 # -- lifetimes --------------------------------------------------------------------------------
 
 
@@ -280,7 +299,7 @@ async def test_a_loader_used_after_its_pool_closed_errors_clearly() -> None:
         await anext(aiter(loader))
     with pytest.raises(RuntimeError, match=r"WorkerPool this loader uses .*is closed"):
         next(iter(loader))
-    with pytest.raises(ValueError, match=r"^workers=<WorkerPool 1 processes .*closed> is closed"):
+    with pytest.raises(ValueError, match=r"^workers=<WorkerPool num_workers=1 .*closed> is closed"):
         DataLoader(Range(8), workers=pool)
     # Nothing is held any more: collecting the unclosed loader warns of nothing.
     with warnings.catch_warnings(record=True) as caught:
@@ -315,7 +334,7 @@ def unstarted(**kwargs: Any) -> Any:
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        (dict(num_workers=3), ValueError, r"^num_workers=3 conflicts with workers=<WorkerPool 1 "),
+        (dict(num_workers=3), ValueError, r"^num_workers=3 conflicts with workers=<WorkerPool "),
         (dict(thread_pool=True), ValueError, r"^thread_pool=True conflicts with workers=<Worker"),
         (dict(mp_context="spawn"), ValueError, r"^multiprocessing_context='spawn' conflicts wi"),
         (dict(shm_max_bytes=1 << 20), ValueError, r"^shm_max_bytes=1048576 conflicts with work"),
@@ -329,7 +348,9 @@ def test_loader_arguments_that_conflict_with_the_pool_are_named(
     with unstarted(num_workers=1) as pool:
         with pytest.raises(error, match=message) as info:
             DataLoader(Range(8), workers=pool, **kwargs)
-        assert " there): leave " in str(info.value)  # the pool's value too
+        text = str(info.value)
+        assert "workers=<WorkerPool num_workers=1 (" in text
+        assert " there): leave " in text  # the pool's value too
 
 
 def test_the_pools_own_values_may_be_repeated() -> None:

@@ -15,6 +15,7 @@ One module a job::
     _copy      the dataset copy the workers load: pickled once, in a thread, when needed
     _pool      WorkerPool: one single-process executor per worker; deaths and rebuilds
     _starting  workers that hang while they start: the start deadline, their stacks
+    _deaths    what a dead worker's error says; reading its exit status
     _runner    ProcessRunner: the epoch's Runner over the pool
 
 One map-style batch on its way (a stream's batch goes the same way, as ``pull`` →
