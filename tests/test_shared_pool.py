@@ -27,6 +27,9 @@ from datasets import InitMarker, Range, Stream, Tagged, markers
 
 from aioloader import DataLoader, LoaderTimeoutError, WorkerCrashedError, WorkerPool
 
+# The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
+pytestmark = pytest.mark.usefixtures("baseline")
+
 SHAPE = (32, 32, 16)  # 16 KiB samples: batches of 8 travel in shared-memory slots
 WAIT_S = 10.0  # bound on waiting for what workers do after the fact (markers)
 
