@@ -64,6 +64,7 @@ OWN_PARAMETERS = {
     "shard",
     "worker_seeding",
     "start_timeout",
+    "workers",
 }
 
 
