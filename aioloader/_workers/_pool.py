@@ -77,7 +77,15 @@ from ._deaths import Crash, crash_error, start_error
 from ._exits import EXIT_STATUS_WAIT_S as EXIT_STATUS_WAIT_S
 from ._frames import Packed
 from ._payload import Payload
-from ._starting import START_POLL_S, Hang, StackPipe, describe_start, kill, take_stack
+from ._starting import (
+    START_POLL_S,
+    Hang,
+    StackPipe,
+    describe_start,
+    each_at_once,
+    kill,
+    take_stack,
+)
 from ._wire import running_tag
 from ._worker import drop_copy, init_worker, load_copy, ping, serve
 
@@ -230,28 +238,9 @@ class WorkerPool:
     def launch(self) -> None:
         """Start every worker's process now, without waiting until it is ready (blocking while
         they are forked: call it from a thread). :meth:`start` waits for them; a job waits for
-        its own worker only. All at once: each waits for its process on its own thread."""
-        errors: list[BaseException] = []
-
-        def launch(w: _Worker) -> None:
-            try:
-                self._launch(w)
-            except BaseException as exc:  # raised below, in the caller's thread
-                errors.append(exc)
-
-        workers = self._workers
-        if self.context.get_start_method() == "fork":  # a fork beside another fork's threads
-            for w in self._workers:  # could copy a lock mid-use: one after the other
-                launch(w)
-        else:
-            others = [threading.Thread(target=launch, args=(w,), daemon=True) for w in workers]
-            for thread in others[1:]:
-                thread.start()
-            launch(self._workers[0])
-            for thread in others[1:]:
-                thread.join()
-        if errors:
-            raise errors[0]
+        its own worker only. All at once (see :func:`._starting.each_at_once`)."""
+        together = self.context.get_start_method() != "fork"
+        each_at_once(self._launch, self._workers, together=together)
 
     def start(self) -> None:
         """Start every worker and wait until each has run its initializer (blocking: call it

@@ -30,8 +30,10 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import TypeVar
 
 from ._worker import STACK_SIGNAL
 
@@ -41,9 +43,12 @@ __all__ = [
     "Hang",
     "StackPipe",
     "describe_start",
+    "each_at_once",
     "kill",
     "take_stack",
 ]
+
+T = TypeVar("T")
 
 # How often a job waiting on a starting worker looks at the start deadline. Shorter: a hang is
 # reported closer to its deadline; longer: fewer wake-ups while workers start (only then).
@@ -182,3 +187,31 @@ def kill(pid: int) -> None:
     """SIGKILL ``pid`` if it still runs."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+
+
+def each_at_once(fn: Callable[[T], None], items: Sequence[T], *, together: bool) -> None:
+    """``fn(item)`` for every item, each on a thread of its own (the first on this one) when
+    ``together``, else one after the other; the first error is raised here once all are done.
+    Launches wait on the forked server, so they overlap well; not under ``fork``, where a fork
+    made beside another launch's thread could copy a lock that thread holds."""
+    errors: list[BaseException] = []
+
+    def call(item: T) -> None:
+        try:
+            fn(item)
+        except BaseException as exc:  # raised below, in the caller's thread
+            errors.append(exc)
+
+    if not together:
+        for item in items:
+            call(item)
+    else:
+        threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in items[1:]]
+        for thread in threads:
+            thread.start()
+        if items:
+            call(items[0])
+        for thread in threads:
+            thread.join()
+    if errors:
+        raise errors[0]
