@@ -73,7 +73,7 @@ from ._listing import alist_objects
 from ._mixing import Mixer, buffer_rng, shard_order
 from ._parquetio import Storage, pyarrow_parquet
 from ._parquetio import rows as as_rows
-from ._readers import Epoch, check_fits
+from ._readers import UnitStream, check_fits
 from ._retry import RetryPolicy
 
 __all__ = ["BrokenRowGroup", "ParquetDataset"]
@@ -126,7 +126,7 @@ class _Catalog:
     rows: int
 
 
-class ParquetDataset:
+class ParquetDataset(UnitStream):
     """Parquet files' rows, row groups read concurrently, shuffled reproducibly, resumable.
 
     Example::
@@ -188,7 +188,7 @@ class ParquetDataset:
         self._epoch = 0
         self._rank = (0, 1)
         self._resume: dict[str, Any] | None = None
-        self._current: Epoch | None = None
+        self._current = None
         self._catalog: _Catalog | None = None
         self._storage: Storage | None = None
 
@@ -211,22 +211,6 @@ class ParquetDataset:
 
     # -- what the loader calls -----------------------------------------------------------
 
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration epoch ``epoch`` (its row group order and shuffle). Each
-        iteration moves the epoch on by one by itself; the loader sets it before each."""
-        self._epoch = non_negative_int("epoch", epoch)
-        if self._resume is not None and self._resume["epoch"] != epoch:
-            self._resume = None  # another epoch was asked for: the saved position is moot
-
-    def set_rank(self, rank: int, world_size: int) -> None:
-        """Read rank ``rank``'s share of the row groups (of ``world_size``) from the next
-        iteration on; the loader calls it when it shards by rank."""
-        world_size = positive_int("world_size", world_size)
-        rank = non_negative_int("rank", rank)
-        if rank >= world_size:
-            raise ValueError(f"rank must be below world_size={world_size}, got {rank}")
-        self._rank = (rank, world_size)
-
     def decode(self, raw: Any) -> Any:
         """Turn a row into what the loader collates (runs off the event loop).
 
@@ -245,14 +229,9 @@ class ParquetDataset:
 
         Between iterations (or after one ran to its end) it points at the next epoch's start.
         """
-        run = self._current
-        epoch, yielded, ended = run.position() if run and not run.finished else (self._epoch, 0, [])
         catalog = self._catalog
         return {
-            "version": STATE_VERSION,
-            "epoch": epoch,
-            "yielded": yielded,
-            "ended": ended,
+            **self._position(STATE_VERSION),
             **self._fingerprint(),
             "rank": list(self._rank),
             "row_groups": None if catalog is None else len(catalog.units),
@@ -269,9 +248,7 @@ class ParquetDataset:
         """
         state = check_state_keys("ParquetDataset", state, ("epoch", "yielded", "ended", "seed"))
         check_fits("ParquetDataset", state, self._fingerprint())
-        self._epoch = non_negative_int("state 'epoch'", state["epoch"])
-        non_negative_int("state 'yielded'", state["yielded"])
-        self._resume = dict(state)
+        self._resume_from(state)
 
     def _fingerprint(self) -> dict[str, Any]:
         return {
@@ -288,14 +265,7 @@ class ParquetDataset:
             await storage.aclose()
 
     def __aiter__(self) -> AsyncIterator[Any]:
-        epoch = self._epoch
-        resume, self._resume = self._resume, None
-        if resume is not None:
-            check_fits("ParquetDataset", resume, {"rank": list(self._rank)})
-        self._epoch = epoch + 1
-        run = Epoch(_RowGroups(self), epoch, resume, self.row_groups_in_flight)
-        self._current = run
-        return run.samples()
+        return self._start("ParquetDataset", _RowGroups(self), self.row_groups_in_flight)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

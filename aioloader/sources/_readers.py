@@ -34,9 +34,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .._errors import ShardError
+from .._validate import non_negative_int, positive_int
 from ._mixing import Mixer, SampleId, replay
 
-__all__ = ["READAHEAD", "Epoch", "Units", "check_fits"]
+__all__ = ["READAHEAD", "Epoch", "UnitStream", "Units", "check_fits"]
 
 #: Records read ahead per open unit: the queue that lets a unit keep streaming while the mixer
 #: waits for another one. Memory: ``units in flight x READAHEAD x`` record size.
@@ -283,3 +284,57 @@ class _Reader:
                 future.exception()
             else:
                 future.cancel()
+
+
+class UnitStream:
+    """What a stream read unit by unit (tar shards, Parquet row groups) does the same way: the
+    epoch and the rank the loader sets, where its iteration stands (``state_dict``), picking
+    that up again, and starting an epoch. A subclass sets ``_epoch`` (0), ``_rank`` ((0, 1)),
+    ``_resume`` and ``_current`` (None)."""
+
+    _epoch: int
+    _rank: tuple[int, int]
+    _resume: dict[str, Any] | None
+    _current: Epoch | None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch`` (its unit order and shuffle). Each
+        iteration moves the epoch on by one by itself; the loader sets it before each."""
+        self._epoch = non_negative_int("epoch", epoch)
+        if self._resume is not None and self._resume["epoch"] != epoch:
+            self._resume = None  # another epoch was asked for: the saved position is moot
+
+    def set_rank(self, rank: int, world_size: int) -> None:
+        """Read rank ``rank``'s share of the units (of ``world_size``) from the next iteration
+        on; the loader calls it when it shards by rank."""
+        world_size = positive_int("world_size", world_size)
+        rank = non_negative_int("rank", rank)
+        if rank >= world_size:
+            raise ValueError(f"rank must be below world_size={world_size}, got {rank}")
+        self._rank = (rank, world_size)
+
+    def _position(self, version: int) -> dict[str, Any]:
+        """The common part of ``state_dict``: after what the current (or last) iteration
+        yielded; between iterations, or after one ran to its end, the next epoch's start."""
+        run = self._current
+        epoch, yielded, ended = run.position() if run and not run.finished else (self._epoch, 0, [])
+        return {"version": version, "epoch": epoch, "yielded": yielded, "ended": ended}
+
+    def _resume_from(self, state: Mapping[str, Any]) -> None:
+        """The common end of ``load_state_dict``, once the state was checked against this
+        dataset: the next iteration continues from it."""
+        self._epoch = non_negative_int("state 'epoch'", state["epoch"])
+        non_negative_int("state 'yielded'", state["yielded"])
+        self._resume = dict(state)
+
+    def _start(self, owner: str, units: Units, in_flight: int) -> AsyncIterator[Any]:
+        """The next epoch's samples (``__aiter__``): from the saved state if one was loaded,
+        checked against the rank the loader has told by now."""
+        epoch = self._epoch
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            check_fits(owner, resume, {"rank": list(self._rank)})
+        self._epoch = epoch + 1
+        run = Epoch(units, epoch, resume, in_flight)
+        self._current = run
+        return run.samples()

@@ -72,7 +72,7 @@ from ._file import FileDataset
 from ._fsspec import FsspecDataset
 from ._http import HTTPDataset
 from ._mixing import Mixer, buffer_rng, shard_order
-from ._readers import Epoch, check_fits
+from ._readers import UnitStream, check_fits
 from ._tarfmt import Grouper, TarFormatError, TarParser
 
 __all__ = ["BrokenShard", "TarDataset"]
@@ -114,7 +114,7 @@ def _make_source(urls: tuple[str, ...], storage_options: Mapping[str, Any] | Non
     return FsspecDataset(urls, storage_options=storage_options)
 
 
-class TarDataset:
+class TarDataset(UnitStream):
     """WebDataset-style tar shards, streamed concurrently, shuffled reproducibly, resumable.
 
     Each sample is a dict ``{"__key__": key, "__url__": shard url, ext: bytes, ...}`` of the
@@ -181,7 +181,7 @@ class TarDataset:
         self._epoch = 0
         self._rank = (0, 1)
         self._resume: dict[str, Any] | None = None
-        self._current: Epoch | None = None
+        self._current = None
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -195,22 +195,6 @@ class TarDataset:
         )
 
     # -- what the loader calls -----------------------------------------------------------
-
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration epoch ``epoch`` (its shard order and shuffle). Each
-        iteration moves the epoch on by one by itself; the loader sets it before each."""
-        self._epoch = non_negative_int("epoch", epoch)
-        if self._resume is not None and self._resume["epoch"] != epoch:
-            self._resume = None  # another epoch was asked for: the saved position is moot
-
-    def set_rank(self, rank: int, world_size: int) -> None:
-        """Read rank ``rank``'s share of the shards (of ``world_size``) from the next
-        iteration on; the loader calls it when it shards by rank."""
-        world_size = positive_int("world_size", world_size)
-        rank = non_negative_int("rank", rank)
-        if rank >= world_size:
-            raise ValueError(f"rank must be below world_size={world_size}, got {rank}")
-        self._rank = (rank, world_size)
 
     def decode(self, raw: Any) -> Any:
         """Turn a raw sample into what the loader collates (runs off the event loop).
@@ -234,13 +218,8 @@ class TarDataset:
 
         Between iterations (or after one ran to its end) it points at the next epoch's start.
         """
-        run = self._current
-        epoch, yielded, ended = run.position() if run and not run.finished else (self._epoch, 0, [])
         return {
-            "version": STATE_VERSION,
-            "epoch": epoch,
-            "yielded": yielded,
-            "ended": ended,
+            **self._position(STATE_VERSION),
             **self._fingerprint(),
         }
 
@@ -255,9 +234,7 @@ class TarDataset:
         fingerprint = self._fingerprint()
         del fingerprint["rank"]  # the loader may tell the rank later: checked by __aiter__
         check_fits("TarDataset", state, fingerprint)
-        self._epoch = non_negative_int("state 'epoch'", state["epoch"])
-        non_negative_int("state 'yielded'", state["yielded"])
-        self._resume = dict(state)
+        self._resume_from(state)
 
     def _fingerprint(self) -> dict[str, Any]:
         return {
@@ -274,14 +251,7 @@ class TarDataset:
         await self._source.aclose()
 
     def __aiter__(self) -> AsyncIterator[Any]:
-        epoch = self._epoch
-        resume, self._resume = self._resume, None
-        if resume is not None:
-            check_fits("TarDataset", resume, {"rank": list(self._rank)})
-        self._epoch = epoch + 1
-        run = Epoch(_Shards(self), epoch, resume, self.shards_in_flight)
-        self._current = run
-        return run.samples()
+        return self._start("TarDataset", _Shards(self), self.shards_in_flight)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
