@@ -265,6 +265,25 @@ def main() -> None:
             report["counted_len"] = len(loader)
             report["counted_batches"] = len(lists(loader))
 
+    def epochs_and_resume(
+        make: Callable[[int], DataLoader], key: str, report: dict[str, Any]
+    ) -> None:
+        # Two epochs under 2 workers (who decoded what), then epoch 0 stopped after 2 batches
+        # without workers and resumed under 2: the stream's state crosses worker counts.
+        with make(2) as loader:
+            epochs = [[s for b in loader for s in b] for _ in range(2)]
+            reports["worker_pids"].extend(loader.worker_pids)
+        report["epochs"] = [[s[key] for s in samples] for samples in epochs]
+        report["decoded_by"] = sorted({s["pid"] for samples in epochs for s in samples})
+        with make(0) as stopped:
+            it = iter(stopped)
+            report["head"] = [s[key] for _ in range(2) for s in next(it)]
+            state = stopped.state_dict()
+        with make(2) as resumed:
+            resumed.load_state_dict(state)
+            report["rest"] = [s[key] for b in resumed for s in b]
+            reports["worker_pids"].extend(resumed.worker_pids)
+
     def tar(report: dict[str, Any]) -> None:
         # Tar shards (TAR_SHARDS of them, 3 to 6 samples each), shuffled, 2 worker processes
         # decoding: each rank reads whole shards of its own, on its loop.
@@ -280,19 +299,7 @@ def main() -> None:
             ds = TarDataset(paths, decode=tar_sample, shuffle=True, shuffle_buffer=5, seed=1)
             return DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=keep)
 
-        with make(2) as loader:
-            epochs = [[s for b in loader for s in b] for _ in range(2)]
-            reports["worker_pids"].extend(loader.worker_pids)
-        report["epochs"] = [[s["key"] for s in samples] for samples in epochs]
-        report["decoded_by"] = sorted({s["pid"] for samples in epochs for s in samples})
-        with make(0) as stopped:  # resume epoch 0 after 2 batches, under 2 workers
-            it = iter(stopped)
-            report["head"] = [s["key"] for _ in range(2) for s in next(it)]
-            state = stopped.state_dict()
-        with make(2) as resumed:
-            resumed.load_state_dict(state)
-            report["rest"] = [s["key"] for b in resumed for s in b]
-            reports["worker_pids"].extend(resumed.worker_pids)
+        epochs_and_resume(make, "key", report)
 
     def parquet(report: dict[str, Any]) -> None:
         # Parquet files (PARQUET_ROWS rows, row groups of 3), shuffled, 2 worker processes
@@ -309,19 +316,7 @@ def main() -> None:
             )
             return DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=keep)
 
-        with make(2) as loader:
-            epochs = [[s for b in loader for s in b] for _ in range(2)]
-            reports["worker_pids"].extend(loader.worker_pids)
-        report["epochs"] = [[s["id"] for s in samples] for samples in epochs]
-        report["decoded_by"] = sorted({s["pid"] for samples in epochs for s in samples})
-        with make(0) as stopped:  # resume epoch 0 after 2 batches, under 2 workers
-            it = iter(stopped)
-            report["head"] = [s["id"] for _ in range(2) for s in next(it)]
-            state = stopped.state_dict()
-        with make(2) as resumed:
-            resumed.load_state_dict(state)
-            report["rest"] = [s["id"] for b in resumed for s in b]
-            reports["worker_pids"].extend(resumed.worker_pids)
+        epochs_and_resume(make, "id", report)
 
     for name, body in (
         ("early", early),
