@@ -330,6 +330,40 @@ print("local", sorted({sample for batch in second for sample in batch}))
 """
 
 
+_LAZY_GENERATORS = """
+import sys
+import aioloader
+
+class Plain:  # uses neither numpy.random nor torch: no worker imports them to seed them
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return "numpy.random" in sys.modules, "torch" in sys.modules
+
+class Draws:  # imports each generator at its first sample, and draws from it at once
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        import numpy.random
+        import torch
+        return int(numpy.random.randint(1 << 30)), int(torch.randint(1 << 30, ()))
+
+def draws(workers):
+    loader = aioloader.DataLoader(
+        Draws(), batch_size=2, num_workers=workers, seed=7, collate_fn=lambda b: b
+    )
+    return [sample for batch in loader for sample in batch]
+
+plain = aioloader.DataLoader(Plain(), batch_size=2, num_workers=2, collate_fn=lambda b: b)
+print("plain", sorted({sample for batch in plain for sample in batch}))
+two = draws(2)
+print("same", two == draws(2) == draws(1), len(set(two)))
+print("main", "numpy.random" in sys.modules, "torch" in sys.modules)
+"""
+
+
 def _run_python(args: list[str], cwd: Path) -> _Ran:
     proc = subprocess.Popen(
         [sys.executable, *args],
@@ -412,4 +446,21 @@ def test_torch_imported_by_the_worker_after_it_started_still_tells_the_worker_in
         "torch False",
         "global [(0, True), (1, True)]",
         "local [0, 1]",
+    ], ran.stdout
+
+
+@pytest.mark.slow
+def test_generators_a_worker_imports_mid_batch_are_seeded_from_that_batch(
+    tmp_path: Path,
+) -> None:
+    # A worker seeds numpy.random and torch only once something imports them: a dataset that
+    # never uses them does not pay for their import (torch: a second), and one that imports
+    # them inside a sample draws as if they had been seeded before its batch began, so the
+    # draws depend on the seed and the batch alone, not on the worker count.
+    ran = _run_python(["-c", _LAZY_GENERATORS], tmp_path)
+    _assert_clean_exit(ran)
+    assert ran.stdout.splitlines() == [
+        "plain [(False, False)]",
+        "same True 8",
+        "main False False",
     ], ran.stdout

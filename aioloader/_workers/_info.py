@@ -5,7 +5,7 @@ get_worker_info()`` returns a torch ``WorkerInfo`` with the same values, so data
 themselves with torch's API (WebDataset, Hugging Face ``IterableDataset``, torch's own
 documented examples) read each shard once here too. torch keeps its worker info in a module
 global of ``torch.utils.data._utils.worker``; :func:`publish` sets it, in this one place, if
-torch is imported in the worker, and :func:`catch_up` when it arrives later (torch is never
+torch is imported in the worker, and again the moment it arrives later (torch is never
 imported for this: a numpy-only pipeline never loads it).
 
 Whether a stream shards itself is seen, not asked: while a stream starts, and while
@@ -25,12 +25,11 @@ made it or how many there are.
 
 from __future__ import annotations
 
+import importlib.abc
 import random
 import sys
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 __all__ = [
     "WorkerInfo",
@@ -38,6 +37,7 @@ __all__ = [
     "get_worker_info",
     "publish",
     "seed_everything",
+    "seed_on_import",
     "seed_worker",
     "unwatch",
     "watch",
@@ -110,10 +110,8 @@ def get_worker_info() -> WorkerInfo | None:
     return _current
 
 
-# Whether torch has the current info (torch was imported when it was published), and the seed
-# torch is still to get when it arrives (worker_seeding='worker'; None once given or not due).
+# Whether torch has the current info (torch was imported when it was published).
 _torch_has_it = False
-_torch_seed: int | None = None
 
 
 def publish(info: WorkerInfo | None) -> None:
@@ -124,15 +122,14 @@ def publish(info: WorkerInfo | None) -> None:
 
 
 def catch_up() -> None:
-    """Before each job: torch imported since the copy loaded (lazily, by the dataset or the
-    per-batch seeding) gets the worker info, and the worker's seed if it was still due."""
-    global _torch_has_it, _torch_seed
-    if _torch_has_it or "torch" not in sys.modules:
-        return
-    _torch_has_it = _publish_to_torch(_current)
-    seed, _torch_seed = _torch_seed, None
-    if seed is not None:
-        sys.modules["torch"].manual_seed(seed)
+    """Before each job: a generator imported since the last one that the import hook did not
+    see (another finder found it first) gets the seed in force, and torch the worker info."""
+    global _torch_has_it
+    for name in _SEEDED:
+        if name not in _arrived and name in sys.modules:
+            _arrive(name)
+    if not _torch_has_it and "torch" in sys.modules:
+        _torch_has_it = _publish_to_torch(_current)
 
 
 def _publish_to_torch(info: WorkerInfo | None) -> bool:
@@ -199,17 +196,17 @@ def worker_seed(seed: int, epoch: int, worker_id: int) -> int:
     return base + worker_id
 
 
-def seed_worker(seed: int, *, torch_later: bool) -> None:
+def seed_worker(seed: int, *, every_device: bool) -> None:
     """Seed ``random``, ``numpy.random`` and torch once, as torch seeds a worker:
-    ``torch.initial_seed()`` is ``seed`` afterwards. torch is never imported for it: if it is
-    not yet, it is seeded when it arrives (:func:`catch_up`) if ``torch_later``."""
-    global _torch_seed
+    ``torch.initial_seed()`` is ``seed`` afterwards (once torch is imported, see below).
+
+    With ``every_device``, torch is seeded through ``torch.manual_seed``, accelerators included,
+    as torch's own workers are (``worker_seeding='worker'``). Otherwise only its CPU generator:
+    batches are reseeded that way anyway (:func:`seed_everything`), and ``torch.manual_seed``
+    costs 1-3 ms the first time (it records a stack trace for each lazy accelerator seed).
+    """
     random.seed(seed)
-    np.random.seed(_mix(seed) & _MASK32)  # numpy takes 32 bits; mixed, so not random's stream
-    torch = sys.modules.get("torch")
-    _torch_seed = seed if torch is None and torch_later else None
-    if torch is not None:
-        torch.manual_seed(seed)
+    _in_force(_mix(seed) & _MASK32, seed, every_device=every_device)  # numpy: not random's
 
 
 def seed_everything(seed: int, epoch: int, batch_id: int) -> int:
@@ -226,11 +223,90 @@ def seed_everything(seed: int, epoch: int, batch_id: int) -> int:
     """
     derived = _mix(_mix(_mix(seed) ^ epoch) ^ batch_id)
     random.seed(derived)
-    np.random.seed(derived & _MASK32)
-    import torch
-
-    torch.default_generator.manual_seed(derived & _MASK63)
+    _in_force(derived & _MASK32, derived & _MASK63, every_device=False)
     return derived
+
+
+# numpy.random and torch are seeded only once imported: a worker does not import numpy.random
+# (~5 ms) or torch (~1 s) to seed a generator that nothing may use. One imported later (by the
+# dataset, in the middle of a batch) is seeded the moment its import completes, with the seed
+# in force then, by an import hook (:func:`seed_on_import`): its first draw is as reproducible
+# as if it had been imported from the start.
+_SEEDED = ("numpy.random", "torch")
+_numpy_seed: int | None = None
+_torch_seed: tuple[int, bool] | None = None  # (seed, through torch.manual_seed: every device)
+_arrived: set[str] = set()  # of _SEEDED, those seen imported (and seeded then)
+
+
+def _in_force(numpy_seed: int, torch_seed: int, *, every_device: bool) -> None:
+    global _numpy_seed, _torch_seed
+    _numpy_seed, _torch_seed = numpy_seed, (torch_seed, every_device)
+    for name in _SEEDED:
+        if name in sys.modules:
+            _seed(name)
+
+
+def _seed(name: str) -> None:
+    module: Any = sys.modules[name]
+    if name == "numpy.random":
+        if _numpy_seed is not None:
+            module.seed(_numpy_seed)
+    elif _torch_seed is not None:
+        seed, every_device = _torch_seed
+        if every_device:
+            module.manual_seed(seed)
+        else:
+            module.default_generator.manual_seed(seed)
+
+
+def _arrive(name: str) -> None:
+    """``name`` was just imported: seed it, and give torch the worker info."""
+    global _torch_has_it
+    _arrived.add(name)
+    _seed(name)
+    if name == "torch":
+        _torch_has_it = _publish_to_torch(_current)
+
+
+class _SeedOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """A meta path finder for the generators of :data:`_SEEDED`: their spec is the one the
+    other finders give, with a loader that runs the real one, then :func:`_arrive`."""
+
+    def __init__(self) -> None:
+        self._loaders: dict[str, Any] = {}
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in _SEEDED or name in self._loaders:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            self._loaders[name], spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loaders[spec.name].create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        name = module.__spec__.name
+        loader = self._loaders.pop(name)
+        module.__loader__ = module.__spec__.loader = loader  # as if found without this hook
+        loader.exec_module(module)
+        _arrive(name)
+
+
+def seed_on_import() -> None:
+    """In a worker: seed numpy.random and torch as they are imported (see :data:`_SEEDED`)."""
+    _arrived.update(name for name in _SEEDED if name in sys.modules)
+    if not any(isinstance(finder, _SeedOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _SeedOnImport())
 
 
 def _mix(x: int) -> int:

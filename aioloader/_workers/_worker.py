@@ -189,6 +189,7 @@ def init_worker(
     global _STATE
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _keep_freed_memory()
+    _info.seed_on_import()
     faulthandler.register(STACK_SIGNAL, file=stacks.fileno(), all_threads=True, chain=False)
     threading.Thread(
         target=_watchdog, args=(main_pid,), name="aioloader-watchdog", daemon=True
@@ -257,7 +258,7 @@ def _load(state: _WorkerState, job: LoadJob) -> None:
         return
     copy.maker = maker
     # After unpickling: the dataset's modules are imported now, torch among them if it uses it.
-    _info.seed_worker(seed, torch_later=not copy.per_batch_seeds)
+    _info.seed_worker(seed, every_device=not copy.per_batch_seeds)
     copy.info = WorkerInfo(state.worker_id, state.num_workers, seed, maker.dataset)
     _info.publish(copy.info)
     state.active = job.copy_id
@@ -389,7 +390,7 @@ def _begin(
         state.active = copy_id
     if copy.per_batch_seeds:
         _info.seed_everything(copy.seed, request.epoch, request.batch_id)
-    _info.catch_up()  # torch imported since the copy loaded gets the worker info
+    _info.catch_up()  # a backstop: what the import hook did not see
 
 
 def _make(

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import importlib
 import io
 import os
@@ -60,9 +59,9 @@ __all__ = [
     "zygote_pid",
 ]
 
-# What a worker imports as it starts or at its first batch that the main process may not have
-# imported yet (numpy.random: the per-batch reseeding; ~20 ms a worker otherwise).
-PRELOAD = ("numpy.random", "aioloader._workers._worker", "concurrent.futures.process")
+# What every worker imports as it starts that the main process may not have imported yet.
+# Not numpy.random: a worker seeds it only once something imports it (``_info``).
+PRELOAD = ("aioloader._workers._worker", "concurrent.futures.process")
 
 SERVER_NAME = b"aiol-forkserver"  # at most 15 bytes: the kernel's limit for a process name
 
@@ -178,7 +177,7 @@ def _release_sockets_and_pipes(keep: set[int]) -> None:
 
 def _name_process(name: bytes) -> None:
     with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # the loaded C library (find_library forks)
         libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
 
 
