@@ -11,12 +11,12 @@ workers: the processes, the slot pool and the loop thread are the pool's to clos
 
 At interpreter exit, loaders that were never closed (a module-level ``loader = DataLoader(...)``,
 an exception from the training step that was not caught, Ctrl-C without ``with``) are closed
-by :func:`close_all_at_exit` *before* the executors' own exit hook runs: that hook joins each
-worker's executor, whose one long job (the serve loop) only ends when the pool closes its
-pipes, so without this the interpreter would wait forever. The hook is registered with
-``threading._register_atexit``, the CPython hook ``concurrent.futures`` itself uses (called in
-reverse order of registration, so ours, registered after ``concurrent.futures.process`` is
-imported, runs first); ``atexit`` would run too late, after the threads are joined. A SIGTERM,
+by :func:`close_all_at_exit` *before* Python joins its threads: a worker's serve loop only ends
+when the pool closes its pipes, and a thread of the program's own (an executor's) may wait on
+a batch. The hook is registered with ``threading._register_atexit``, the CPython hook
+``concurrent.futures`` itself uses (called in reverse order of registration, so ours runs
+before that of an executor made earlier); ``atexit`` would run too late, after the threads are
+joined. A SIGTERM,
 which skips both, releases them too (:mod:`._signals`) before it ends the process.
 
 What goes to worker processes is decided here too. :func:`worker_payload` pickles the batch
@@ -50,6 +50,7 @@ from ._batch import BatchMaker
 from ._config import LoaderConfig
 from ._epoch import Epoch
 from ._errors import out_of_descriptors_note
+from ._log import shm_log
 from ._shared_pool import WorkerPool as SharedPool
 from ._shared_pool import close_pools
 from ._signals import release_before_sigterm
@@ -447,6 +448,12 @@ def _start_up_note(exc: OSError, workers: int) -> str | None:
 def _slot_pool(config: LoaderConfig, device: DeviceStage | None) -> _shm.SlotPool | None:
     cap = config.shm_cap()
     if cap <= 0:
+        if config.shm_max_bytes is None:  # not the user's choice: say why, once per loader
+            shm_log.warning(
+                "batches travel inline (pickled) instead: /dev/shm has %d bytes free; enlarge "
+                "it (docker run --shm-size=...) for zero-copy batches",
+                _shm.free_bytes(),
+            )
         return None
     # A nearly full /dev/shm gives a cap under the smallest slot: slots as small as the cap.
     smallest = min(cap, _shm.MIN_SLOT_BYTES)

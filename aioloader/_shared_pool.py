@@ -465,7 +465,7 @@ def worker_context(
 
 
 # Pools not closed yet: closed at interpreter exit (or SIGTERM) by ``_resources``, after the
-# loaders, before the executors' own exit hook would wait for their workers forever.
+# loaders, before Python joins its threads.
 _OPEN: weakref.WeakSet[_Held] = weakref.WeakSet()
 
 

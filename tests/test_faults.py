@@ -455,7 +455,7 @@ async def test_three_epochs_with_crashes_leave_nothing_and_stay_exact(tmp_path: 
     mine = f"{_shm.SHM_PREFIX}{os.getpid()}_"
     assert [s for s in os.listdir(_shm.SHM_DIR) if s.startswith(mine)] == []
     assert [t for t in asyncio.all_tasks() if t.get_name().startswith("aioloader")] == []
-    for _ in range(100):  # pipes of replaced executors close as their threads end
+    for _ in range(100):  # pipes of replaced workers close as their processes are reaped
         extra = _open_fds() - fds_before
         if not extra:
             break
@@ -718,7 +718,7 @@ print("ok", flush=True)
 @pytest.mark.slow
 def test_fork_workers_crash_is_detected_and_replaced(tmp_path: Path) -> None:
     # Under fork each worker inherits the pipes of the workers started before it, so a dead
-    # worker's pipe does not reach end-of-file: the executor's report of the death must do.
+    # worker's pipe does not reach end-of-file: the watch on its sentinel must report it.
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(_FORK_CHILD.format(marker_dir=str(tmp_path))))
     out = subprocess.run(

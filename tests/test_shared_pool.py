@@ -409,7 +409,7 @@ if __name__ == "__main__":
 @pytest.mark.slow
 def test_a_script_that_never_closes_its_pool_exits_promptly(tmp_path: pathlib.Path) -> None:
     # Neither the loaders nor the pool closed, as torch users write scripts: the exit hook
-    # closes them before the executors' own hook would wait for the workers forever.
+    # closes them before Python joins its threads, and the script ends at once.
     path = tmp_path / "train.py"
     path.write_text(SCRIPT)
     tests = pathlib.Path(__file__).resolve().parent

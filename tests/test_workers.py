@@ -234,7 +234,7 @@ def test_the_forkserver_preloads_the_module_workers_run() -> None:
     # that module once, so that each worker forks with it (and numpy, torch) already loaded.
     jobs = (
         _worker.init_worker,
-        _worker.ping,
+        _worker.run_worker,
         _worker.serve,
         _worker.load_copy,
         _worker.run_map_job,

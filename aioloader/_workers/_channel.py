@@ -1,11 +1,11 @@
 """The wire between the main process and one worker: two pipes carrying length-prefixed pickles.
 
-Why not the executor's own queues: a ``ProcessPoolExecutor`` job crosses three threads of the
-main process on its way (the caller, the queue's feeder thread, the executor's manager thread)
-and a fourth hop back to the event loop. Measured on 2 cores with a 2 KB payload, that costs
-~200 us of main-process CPU per job and caps two workers at ~4,500 trivial jobs/s, the whole
-budget of a tiny batch. The executor still owns each worker process (start, initializer, death
-detection); it runs one long job, :func:`serve`, and the batches travel here instead:
+Why not a ``ProcessPoolExecutor``'s queues: a job crosses three threads of the main process on
+its way (the caller, the queue's feeder thread, the executor's manager thread) and a fourth
+hop back to the event loop. Measured on 2 cores with a 2 KB payload, that costs ~200 us of
+main-process CPU per job and caps two workers at ~4,500 trivial jobs/s, the whole budget of a
+tiny batch. Each worker process (``_pool``) runs :func:`serve` for its whole life, and the
+batches travel here:
 
 - main side, :class:`Channel`: non-blocking pipe ends watched by the event loop itself
   (``add_reader`` / ``add_writer``), no thread, no hop: ~25 us of CPU per job;

@@ -1,9 +1,11 @@
-"""The dataset copy the worker processes load: pickled once, in a thread, when first needed.
+"""The dataset copy the worker processes load: pickled once, in a thread, as it is given.
 
-The copy (the batch maker and ``worker_init_fn``, see ``_payload``) is pickled when the first
-worker needs it, not when it is given (:meth:`._pool.WorkerPool.load`): a loader whose epoch
-never starts pickles nothing. The pickling runs in a thread of its own, tied to no event loop,
-so a large dataset never stalls the loop, and every worker waits on the one result.
+The copy (the batch maker and ``worker_init_fn``, see ``_payload``) is given when an epoch
+starts (:meth:`._pool.WorkerPool.load`, so a loader whose epoch never starts pickles nothing)
+and pickled from then on (:meth:`DatasetCopy.start`), while the workers start and the first
+jobs are queued, rather than when the first worker asks for it. The pickling runs in a thread
+of its own, tied to no event loop, so a large dataset never stalls the loop, and every worker
+waits on the one result.
 """
 
 from __future__ import annotations
@@ -48,17 +50,21 @@ class DatasetCopy:
         self._done: concurrent.futures.Future[Payload] = concurrent.futures.Future()
         self._released = False
 
-    async def job(self) -> LoadJob:
-        """The job that loads this copy (pickled now if nobody did yet, off the loop)."""
+    def start(self) -> None:
+        """Start pickling the copy, in its own thread, if nobody did yet."""
         with self._lock:
             make, self._make = self._make, None
         if make is not None:
             # A thread of its own, tied to no event loop: the pickling finishes and keeps its
-            # result even if this caller is cancelled or its loop closes meanwhile; every
-            # caller waits on the one future.
+            # result even if the caller that needs it first is cancelled or its loop closes
+            # meanwhile; every caller waits on the one future.
             threading.Thread(
                 target=self._run, args=(make,), name="aioloader-pickle", daemon=True
             ).start()
+
+    async def job(self) -> LoadJob:
+        """The job that loads this copy (pickled off the loop: see :meth:`start`)."""
+        self.start()
         try:
             payload = await asyncio.wrap_future(self._done)
         except TypeError as exc:

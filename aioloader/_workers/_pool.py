@@ -1,24 +1,26 @@
 """The worker processes, seen from the main process: start, route jobs, detect and attribute
 deaths, rebuild, close.
 
-Each worker is its own single-process :class:`concurrent.futures.ProcessPoolExecutor`, rather
-than all workers sharing one pool. That buys the failure contract:
+Each worker is a process of its own, started through the multiprocessing context
+(:func:`._worker.run_worker`), with its own pipes. That buys the failure contract:
 
 - a dead worker is attributed exactly (pid, exit code or signal), because only its own jobs
-  fail with ``BrokenProcessPool``, and only that worker is rebuilt; the others keep running;
+  fail, and only that worker is rebuilt; the others keep running;
 - a hung worker can be killed alone when its batch misses its deadline;
 - stream (iterable) datasets keep one iterator per worker, which needs jobs routed to a
   chosen worker.
 
-The executor starts the worker, runs its initializer (:func:`._worker.init_worker`) and reports
-its death; jobs do not go through the executor's queues. Each worker runs one long executor job,
-:func:`._worker.serve`, a loop over two pipes that the event loop watches directly
-(:mod:`._channel`): no thread of the main process touches a job on its way, which cuts the main
-process's cost per job from ~200 us to ~25 us (what decides the rate of tiny batches).
+Jobs travel over two pipes per worker that the event loop watches directly (:mod:`._channel`):
+no thread of the main process touches a job on its way, which cuts the main process's cost per
+job from ~200 us (a ``ProcessPoolExecutor``'s queues) to ~25 us, what decides the rate of tiny
+batches. No executor either: one per worker cost two threads, three queues pickled to the
+worker and rebuilt there, and a start-up ping through them, all on the first batch's path. A
+worker says it has started by writing its pid into a shared array once its initializer ran.
 
-A worker's death shows twice: its pipe reaches end-of-file at once (the usual signal), and the
-executor fails the serve job (the backstop, e.g. under ``fork``, where a sibling may hold the
-pipe open). Either fails every job the worker held with ``BrokenProcessPool``.
+A worker's death shows twice: its pipe reaches end-of-file at once (the usual signal), and its
+process sentinel becomes readable (:class:`._exits.ExitWatch`, the backstop, e.g. under
+``fork``, where a sibling may hold the pipe open). Either fails every job the worker held with
+``BrokenProcessPool``.
 
 The dataset copy (:meth:`WorkerPool.load`) is not part of a worker's start: it is a job of its
 own, sent ahead of the first job a worker gets after a new copy was given (a replacement
@@ -44,8 +46,8 @@ Sharp edges:
   fails with ``WorkerInitError`` naming its stack, rather than wait for a start that will
   not come, or go to a replacement that would most likely hang the same way.
 - A forkserver child's exit status (it names the killing signal) is read from a pipe, once: a
-  second reader at the same time gets EOF and records 255. So the broken executor's manager
-  thread is let finish reaping before anyone asks (:func:`._exits.reap`), off the event loop.
+  second reader at the same time gets EOF and records 255. So it is read under one lock
+  (:func:`._exits.reap`), off the event loop.
 - A job whose awaiting task is cancelled keeps running in the worker; ``on_abandon`` is called
   once the worker is really done with it (or dead), so a shared-memory slot is never reused
   while a worker may still write into it.
@@ -61,9 +63,8 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from multiprocessing import connection
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from typing import Any, TypeVar
@@ -76,18 +77,11 @@ from ._copy import DatasetCopy
 from ._deaths import Crash, crash_error, start_error
 from ._exits import EXIT_STATUS_WAIT_S as EXIT_STATUS_WAIT_S
 from ._frames import Packed
+from ._launch import Launcher, Worker
 from ._payload import Payload
-from ._starting import (
-    START_POLL_S,
-    Hang,
-    StackPipe,
-    describe_start,
-    each_at_once,
-    kill,
-    take_stack,
-)
+from ._starting import START_POLL_S, Hang, StackPipe, describe_start, kill, take_stack
 from ._wire import running_tag
-from ._worker import drop_copy, init_worker, load_copy, ping, serve
+from ._worker import drop_copy, load_copy
 
 __all__ = [
     "DEFAULT_START_TIMEOUT_S",
@@ -117,35 +111,12 @@ MAX_START_FAILURES = 3
 DEFAULT_START_TIMEOUT_S = 120.0
 
 
-@dataclass(slots=True)
-class _Worker:
-    """One worker: its executor, process, pipes and the jobs it holds."""
-
-    id: int
-    executor: ProcessPoolExecutor
-    channel: Channel
-    child_pipes: tuple[Connection, ...] | None  # the worker's ends, until it starts
-    stacks: StackPipe  # where it writes its stacks when asked (see _starting)
-    generation: int = 0
-    outstanding: int = 0
-    process: Any = None
-    started: Future[int] | None = None  # the start-up ping: done once the initializer ran
-    served: bool = False  # this generation's process answered a job: it started fine
-    killed: bool = False  # this generation's process was killed by kill_holding (it hung)
-    failed_starts: int = 0  # consecutive generations that died before answering any job
-    # Copies sent to this process by id, the last one sent, released ids it may still hold:
-    loaded: dict[int, DatasetCopy] = field(default_factory=dict)
-    last_load: DatasetCopy | None = None
-    drops: list[int] = field(default_factory=list)
-    launched: float = 0.0  # time.monotonic() when this generation's process was launched
-    load_job: int | None = None  # the job id of the copy sent to it, until answered
-    stopping: bool = False  # found hung while starting: one job deals with it (see _reply)
-    hang: Hang | None = None  # why it was killed while starting (set before the kill)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # its launch, its stop
+# How often a blocking start (:meth:`WorkerPool.start`) looks whether a worker is up.
+_START_CHECK_S = 0.002
 
 
 class WorkerPool:
-    """``num_workers`` single-process executors with crash detection and targeted rebuild.
+    """``num_workers`` worker processes with crash detection and targeted rebuild.
 
     Args:
         num_workers: how many worker processes.
@@ -177,70 +148,54 @@ class WorkerPool:
         self._retired: dict[int, DatasetCopy] = {}  # the copy before each, maybe being loaded
         self._current = context.Array(ctypes.c_int64, num_workers, lock=False)
         self._loading = context.Array(ctypes.c_double, num_workers, lock=False)
+        self._started = context.Array(ctypes.c_int64, num_workers, lock=False)  # pids, once up
+        self._exits = _exits.ExitWatch()
+        self._launcher = Launcher(context, self._exits, lambda: self._closed)
+        self._reap_lock = threading.Lock()  # exit statuses are read once (see _exits.reap)
         self._launch_lock = threading.Lock()
-        self._workers = [_Worker(i, *self._new_worker(i)) for i in range(num_workers)]
+        self._workers = [Worker(i, *self._new_worker()) for i in range(num_workers)]
         self._crashes: dict[tuple[int, int], Crash] = {}
         self._closed = False
         self.rebuilds = 0
 
-    def _new_worker(
-        self, worker_id: int
-    ) -> tuple[ProcessPoolExecutor, Channel, tuple[Connection, ...], StackPipe]:
-        """An executor for one worker (its process starts at :meth:`_launch`) and its pipes."""
+    def _new_worker(self) -> tuple[Channel, tuple[Connection, ...], StackPipe]:
+        """A worker's pipes (its process starts at :meth:`_launch`)."""
         channel, child = open_channel()
         stacks = StackPipe()
-        executor = ProcessPoolExecutor(
-            max_workers=1,
-            mp_context=self.context,
-            initializer=init_worker,
-            initargs=(
-                worker_id,
-                self.num_workers,
-                self._seed,
-                self._per_batch_seeds,
-                self._current,
-                self._loading,
-                os.getpid(),
-                child,
-                stacks.child,
-            ),
+        return channel, (*child, stacks.child), stacks
+
+    def _launch(self, w: Worker, *, wait: bool = True) -> None:
+        """Start ``w``'s process if it has not started (see :class:`._launch.Launcher`)."""
+        self._launcher.launch(w, self._worker_args, wait=wait)
+
+    def _worker_args(self, w: Worker) -> tuple[Any, ...]:
+        """What :func:`._worker.run_worker` gets in worker ``w`` (see ``init_worker``)."""
+        assert w.child_pipes is not None
+        requests, replies, stacks = w.child_pipes
+        return (
+            w.id,
+            self.num_workers,
+            self._seed,
+            self._per_batch_seeds,
+            self._current,
+            self._loading,
+            self._started,
+            os.getpid(),
+            (requests, replies),
+            stacks,
         )
-        return executor, channel, (*child, stacks.child), stacks
 
-    def _launch(self, w: _Worker) -> None:
-        """Start the worker's process if it has not started: the executor spawns it at the
-        first job (a ping), then runs :func:`._worker.serve` on it for the rest of its life."""
-        if w.started is not None:
-            return
-        with w.lock:
-            if w.started is not None or self._closed:
-                return
-            executor, generation, channel = w.executor, w.generation, w.channel
-            w.launched = time.monotonic()
-            started = executor.submit(ping)  # spawns the process, handing it the pipes
-            serving = executor.submit(serve)
-            w.process = next(iter(executor._processes.values()), None)
-            if w.child_pipes is not None:  # the worker has its copies now
-                for end in w.child_pipes:
-                    end.close()
-                w.child_pipes = None
-            w.started = started
-
-        def serve_ended(future: Future[None]) -> None:
-            # Normally the channel's end-of-file tells first; this covers a worker whose pipe
-            # another process still holds open (fork), and a serve loop that failed.
-            if w.generation == generation:
-                error = future.exception() if not future.cancelled() else None
-                channel.fail_threadsafe(f"the worker stopped serving ({error or 'it exited'})")
-
-        serving.add_done_callback(serve_ended)
+    def _is_up(self, w: Worker) -> bool:
+        """Whether this generation's process of ``w`` ran its initializer."""
+        process = w.process
+        return process is not None and int(self._started[w.id]) == process.pid
 
     def launch(self) -> None:
         """Start every worker's process now, without waiting until it is ready (blocking while
         they are forked: call it from a thread). :meth:`start` waits for them; a job waits for
-        its own worker only. All at once (see :func:`._starting.each_at_once`)."""
-        together = self.context.get_start_method() != "fork"
-        each_at_once(self._launch, self._workers, together=together)
+        its own worker only. From the forked server, in order; else all at once (see
+        :func:`._starting.each_at_once`)."""
+        self._launcher.launch_all(self._workers, self._worker_args)
 
     def start(self) -> None:
         """Start every worker and wait until each has run its initializer (blocking: call it
@@ -251,24 +206,23 @@ class WorkerPool:
             WorkerInitError: a worker did not start within the start deadline (it is killed).
         """
         self.launch()
-        waits = [(w, w.generation, w.started) for w in self._workers]
-        for w, generation, started in waits:
-            if started is None:  # closed meanwhile (by another thread)
+        for w in self._workers:
+            generation, process = w.generation, w.process
+            if process is None:  # closed meanwhile (by another thread)
                 raise RuntimeError("the worker pool is closed")
-            try:
-                started.result(
-                    timeout=max(0.0, w.launched + self._start_timeout - time.monotonic())
-                )
-            except TimeoutError:
-                if self._stop_hung_start(w, generation):
-                    assert w.hang is not None
-                    raise WorkerInitError(w.hang.message(None)) from None
-            except Exception:  # a crash shows at the first real job
-                pass
+            while not self._is_up(w) and w.generation == generation:
+                left = w.launched + self._start_timeout - time.monotonic()
+                if left <= 0:
+                    if self._stop_hung_start(w, generation):
+                        assert w.hang is not None
+                        raise WorkerInitError(w.hang.message(None)) from None
+                    break
+                if connection.wait([process.sentinel], min(left, _START_CHECK_S)):
+                    break  # it died while starting: its first job tells how
 
     def load(self, make: Callable[[], Payload], epoch: int, copy_id: int = 0, **seeds: Any) -> None:
-        """Give the workers a new dataset copy: ``make()`` pickles it (once, in a thread, when
-        the first worker needs it); each worker loads it before its next job of ``copy_id``
+        """Give the workers a new dataset copy: ``make()`` pickles it (once, in a thread, from
+        now on); each worker loads it before its next job of ``copy_id``
         (one per loader sharing the pool, with its own seeds). Thread-safe. The one before the
         current one of ``copy_id`` is released: no worker can have its load queued."""
         copy = DatasetCopy(make, epoch, copy_id, **seeds)  # seed=, per_batch_seeds= if given
@@ -280,6 +234,7 @@ class WorkerPool:
             self._copies[copy_id] = copy
         if retired is not None:
             retired.release()
+        copy.start()
 
     def copy_given(self, copy_id: int = 0) -> bool:
         """Whether dataset copy ``copy_id`` was given (:meth:`load`) and not released."""
@@ -299,7 +254,7 @@ class WorkerPool:
                 with contextlib.suppress(RuntimeError):  # the loop is closed: the next job
                     loop.call_soon_threadsafe(self._drop_released, w, loop)
 
-    def _drop_released(self, w: _Worker, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def _drop_released(self, w: Worker, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Tell worker ``w`` to drop the released copies it holds (on its pipes' loop)."""
         if loop is not None and w.channel.loop is not loop:
             return  # the pipes moved to another loop meanwhile: the next job does it there
@@ -313,7 +268,7 @@ class WorkerPool:
         """Pids of the worker processes started so far."""
         return [w.process.pid for w in self._workers if w.process is not None]
 
-    def _pick(self) -> _Worker:
+    def _pick(self) -> Worker:
         return min(self._workers, key=lambda w: w.outstanding)
 
     async def submit(
@@ -367,7 +322,7 @@ class WorkerPool:
             job_id: int | None = None
             w.outstanding += 1
             try:
-                self._launch(w)
+                self._launch(w, wait=False)  # the job may wait in the pipe meanwhile
                 if w.drops:
                     self._drop_released(w)
                 copy = self._copies.get(copy_id)
@@ -390,7 +345,7 @@ class WorkerPool:
                 # the loop, then the bookkeeping on it (no race with other jobs' submits).
                 if w.generation == generation:
                     try:
-                        await asyncio.to_thread(_exits.reap, w.executor, w.process)
+                        await asyncio.to_thread(_exits.reap, w.process, self._reap_lock)
                     except asyncio.CancelledError:
                         if on_abandon is not None:  # the worker is dead: done with the job
                             on_abandon()
@@ -412,7 +367,7 @@ class WorkerPool:
             finally:
                 w.outstanding -= 1
 
-    async def _reply(self, w: _Worker, generation: int, future: asyncio.Future[R]) -> R:
+    async def _reply(self, w: Worker, generation: int, future: asyncio.Future[R]) -> R:
         """Await a job's reply; while its worker starts (ahead of the job), under the start
         deadline: past it the worker is killed, and the job fails like every job it held.
 
@@ -436,13 +391,15 @@ class WorkerPool:
             raise
         return await future
 
-    def _start_left(self, w: _Worker, generation: int) -> float | None:
+    def _start_left(self, w: Worker, generation: int) -> float | None:
         """Seconds left before worker ``w`` passes its start deadline; ``inf`` while a copy
         it was sent waits behind other jobs (its clock has not begun); None once it started,
         or if it is another generation now, or its hang is being dealt with."""
-        if w.generation != generation or w.stopping or w.started is None:
+        if w.generation != generation or w.stopping:
             return None
-        if not w.started.done():
+        if w.process is None:  # another thread may be starting it now
+            return w.launched + self._start_timeout - time.monotonic() if w.launching else None
+        if not self._is_up(w):
             since = w.launched  # the process itself is starting
         elif w.load_job is not None and not w.channel.answered(w.load_job):
             since = float(self._loading[w.id])  # the worker publishes when its load began
@@ -453,14 +410,14 @@ class WorkerPool:
             return None
         return since + self._start_timeout - time.monotonic()
 
-    def _stop_hung_start(self, w: _Worker, generation: int) -> bool:
+    def _stop_hung_start(self, w: Worker, generation: int) -> bool:
         """Worker ``w`` passed its start deadline: take its stack, kill it, fail its jobs.
         Blocking (call it off the loop). False if it is gone or taken care of already."""
         with w.lock:
             process = w.process
             if w.generation != generation or w.stopping or process is None:
                 return False
-            initialized = w.started is not None and w.started.done()
+            initialized = self._is_up(w)
             loading = float(self._loading[w.id])
             w.stopping = True  # the other jobs' watches leave it to this one
         pid = int(process.pid)
@@ -475,14 +432,14 @@ class WorkerPool:
         workers_log.warning("worker process pid %d killed: %s", pid, head)
         return True
 
-    def _on_broken(self, w: _Worker, generation: int) -> Crash:
+    def _on_broken(self, w: Worker, generation: int) -> Crash:
         key = (w.id, generation)
         crash = self._crashes.get(key)
         if crash is not None:
             return crash
         process = w.process
         pid = getattr(process, "pid", None)
-        _exits.reap(w.executor, process)  # returns at once: submit waited for it off the loop
+        _exits.reap(process, self._reap_lock)  # returns at once: submit waited for it off the loop
         exitcode = process.exitcode if process is not None else None
         culprit: int | None = int(self._current[w.id])  # the running job's tag, 0 for none
         self._current[w.id] = 0
@@ -501,18 +458,16 @@ class WorkerPool:
         self._replace(w)
         return crash
 
-    def _replace(self, w: _Worker) -> None:
-        old = w.executor
+    def _replace(self, w: Worker) -> None:
+        if w.process is not None:
+            self._exits.discard(w.process)
         w.channel.close()
-        # No cancel_futures: a broken executor has already failed every job it held, and a
-        # cancelled job would look like the awaiting task's own cancellation.
-        old.shutdown(wait=False)
         _close_pipes(w.child_pipes)
         w.stacks.close()
         self._loading[w.id] = 0.0  # a killed worker's load never ended
         w.generation += 1
         w.process = None
-        w.started = None
+        self._started[w.id] = 0
         w.served = False
         w.killed = False
         w.loaded = {}  # the replacement gets the current copies before its first jobs
@@ -523,7 +478,7 @@ class WorkerPool:
         w.hang = None
         self.rebuilds += 1
         if not self._closed:
-            w.executor, w.channel, w.child_pipes, w.stacks = self._new_worker(w.id)
+            w.channel, w.child_pipes, w.stacks = self._new_worker()
 
     def is_running(self, batch_id: int, copy_id: int = 0) -> bool:
         """Whether a worker runs ``batch_id`` of copy ``copy_id`` now (not merely queued)."""
@@ -561,32 +516,24 @@ class WorkerPool:
             w.child_pipes = None
             w.stacks.close()
         processes = [w.process for w in self._workers if w.process is not None]
-        # shutdown() forgets its manager thread even when it does not wait for it; keep them to
-        # wait for below.
-        managers = [getattr(w.executor, "_executor_manager_thread", None) for w in self._workers]
-        for w in self._workers:
-            w.executor.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
         for p in processes:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            with self._reap_lock:  # the exit status is read once (see _exits.reap)
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.exitcode is None:
                 with contextlib.suppress(ProcessLookupError):
                     p.kill()
-                p.join(timeout=5.0)
-        for w in self._workers:
-            w.executor.shutdown(wait=True)
-        for manager in managers:
-            if manager is not None and manager is not threading.current_thread():
-                manager.join(timeout=5.0)
+                with self._reap_lock:
+                    p.join(timeout=5.0)
+        self._exits.close()  # before the sentinels close
         # Release each process's pipes now, not when the process object is collected: an error
         # the user keeps holds this pool through its traceback (a frame of submit), and with it
-        # every worker's last process. Only once no manager thread can still touch them.
+        # every worker's last process.
         for w in self._workers:
             w.process = None
-        if all(m is None or not m.is_alive() for m in managers):
-            for p in processes:
-                with contextlib.suppress(ValueError):  # still running after the kill: leave it
-                    p.close()
+        for p in processes:
+            with contextlib.suppress(ValueError):  # still running after the kill: leave it
+                p.close()
 
 
 def _close_pipes(pipes: tuple[Connection, ...] | None) -> None:

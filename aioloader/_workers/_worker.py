@@ -1,22 +1,23 @@
 """Everything that runs inside a worker process.
 
-A worker is started by its executor (see :mod:`._pool`), which runs :func:`init_worker` once
-and then one long job, :func:`serve`: a loop that reads jobs from the worker's request pipe and
-writes replies to its reply pipe (:mod:`._channel`). The jobs it runs are :func:`load_copy`
+A worker process runs :func:`run_worker`: :func:`init_worker` once, then :func:`serve`, a loop
+that reads jobs from the worker's request pipe and writes replies to its reply pipe
+(:mod:`._channel`) until the main process closes it. The jobs it runs are :func:`load_copy`
 (the dataset copy to work with from now on), :func:`run_map_job` and :func:`run_stream_job`;
 the last two return a :class:`~aioloader._types.Made` whose batch is a :class:`._wire.Parcel`.
 
 What a worker gets once, at start: its id, the worker count, the loader's seed and how to seed
 (``'batch'`` or ``'worker'``), a shared array in which it publishes the batch it is working on
-(so a crash names the batch it killed, and a deadline can tell "running" from "queued"), the
-main pid, and its ends of the two pipes. Its dataset copy comes later, as a job
-(:class:`._wire.LoadJob`): before its first batch, and again at each epoch that renews it
-(``persistent_workers=False``, torch's default). Loading a copy drops the previous one, seeds
-the worker (see :mod:`._info`), publishes its :class:`WorkerInfo` (to torch's API too), and
-runs ``worker_init_fn``; the process itself, its imports and its shared-memory mappings stay.
-The workers of a pool that several loaders share (:mod:`aioloader._shared_pool`) hold one copy
-per loader, keyed by a copy id that each job names: a job of another copy than the last one
-publishes that copy's worker info first, and :func:`drop_copy` forgets a closed loader's copy.
+(so a crash names the batch it killed, and a deadline can tell "running" from "queued"), one
+in which it says it is up, the main pid, and its ends of the two pipes. Its dataset copy
+comes later, as a job (:class:`._wire.LoadJob`): before its first batch, and again at each
+epoch that renews it (``persistent_workers=False``, torch's default). Loading a copy drops the
+previous one, seeds the worker (see :mod:`._info`), publishes its :class:`WorkerInfo` (to
+torch's API too), and runs ``worker_init_fn``; the process itself, its imports and its
+shared-memory mappings stay. The workers of a pool that several loaders share
+(:mod:`aioloader._shared_pool`) hold one copy per loader, keyed by a copy id that each job
+names: a job of another copy than the last one publishes that copy's worker info first, and
+:func:`drop_copy` forgets a closed loader's copy.
 
 Sharp edges:
 - Workers ignore SIGINT: Ctrl-C is the main process's to handle; it then closes the pool.
@@ -81,9 +82,9 @@ __all__ = [
     "drop_copy",
     "init_worker",
     "load_copy",
-    "ping",
     "run_map_job",
     "run_stream_job",
+    "run_worker",
     "serve",
 ]
 
@@ -174,6 +175,13 @@ _STATE: _WorkerState | None = None
 # -- start-up, loading a copy, the serve loop ---------------------------------------------------
 
 
+def run_worker(*args: Any) -> None:
+    """A worker process's whole life: :func:`init_worker` with ``args``, then :func:`serve`
+    until the main process closes the pipes (or says stop)."""
+    init_worker(*args)
+    serve()
+
+
 def init_worker(
     worker_id: int,
     num_workers: int,
@@ -181,11 +189,13 @@ def init_worker(
     per_batch_seeds: bool,
     current: Any,
     loading: Any,
+    started: Any,
     main_pid: int,
     pipes: tuple[Connection, Connection],
     stacks: Connection,
 ) -> None:
-    """The executor's initializer: set up this worker's state (see the module docstring)."""
+    """Set up this worker's state (see the module docstring); last, publish its pid in
+    ``started[worker_id]``: the main process's sign that the worker is up."""
     global _STATE
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _keep_freed_memory()
@@ -197,6 +207,7 @@ def init_worker(
     _STATE = _WorkerState(
         worker_id, num_workers, seed, per_batch_seeds, current, loading, pipes, stacks
     )
+    started[worker_id] = os.getpid()
 
 
 # glibc's malloc settings in a worker: what glibc itself settles on after the first large
@@ -285,14 +296,9 @@ def drop_copy(copy_id: int) -> None:
         copy.release()
 
 
-def ping() -> int:
-    """The first executor job: returns once the initializer ran (it starts the process)."""
-    return os.getpid()
-
-
 def serve() -> None:
-    """The one long executor job a worker runs: serve jobs over its pipes until the main
-    process closes them (see :mod:`._channel`)."""
+    """Serve jobs over the worker's pipes until the main process closes them (see
+    :mod:`._channel`)."""
     assert _STATE is not None, "worker job run outside a worker"
     serve_over(*_STATE.pipes)
 

@@ -183,7 +183,12 @@ def _name_process(name: bytes) -> None:
 
 class _Popen(_PopenBase):  # type: ignore[misc]
     """Start a process through the forked server instead of the stdlib's global one: the
-    stdlib's launch, with the server it connects to swapped."""
+    stdlib's launch, with the server it connects to swapped, that returns once the request is
+    sent. The server writes the child's pid, then its exit status, to the sentinel; the pid is
+    read when first asked for (:attr:`pid`), so that one thread can ask for several workers
+    before waiting for any: the server forks them back to back, in the order asked."""
+
+    returncode: int | None
 
     def _launch(self, process_obj: Any) -> None:
         prep_data = preparation_data(process_obj._name)
@@ -194,6 +199,8 @@ class _Popen(_PopenBase):  # type: ignore[misc]
             _context.reduction.dump(process_obj, buf)
         finally:
             _context.set_spawning_popen(None)
+        self._pid: int | None = None
+        self._pid_lock = threading.Lock()
         self.sentinel, w = _server().connect_to_new_process(self._fds)
         # The data pipe's write end, kept open: the child reads its end's closing as this
         # process's death.
@@ -201,7 +208,39 @@ class _Popen(_PopenBase):  # type: ignore[misc]
         self.finalizer = _util.Finalize(self, _util.close_fds, (parent_w, self.sentinel))
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
-        self.pid = forkserver.read_signed(self.sentinel)
+
+    @property
+    def pid(self) -> int:
+        """The child's pid (blocking until the server has forked it).
+
+        Raises:
+            EOFError: the server died before it forked the child.
+        """
+        if self._pid is None:
+            with self._pid_lock:
+                if self._pid is None:
+                    self._pid = forkserver.read_signed(self.sentinel)
+        return self._pid
+
+    def poll(self, flag: int = os.WNOHANG) -> int | None:
+        if self.returncode is None and self._pid is None:
+            if flag == os.WNOHANG and not _connection.wait([self.sentinel], 0):
+                return None  # not even forked yet
+            try:
+                _ = self.pid  # the sentinel's first message: only then its exit status
+            except (OSError, EOFError):
+                self.returncode = 255  # the server died first, as the stdlib records it
+        result: int | None = super().poll(flag)
+        return result
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if self.returncode is None and self._pid is None and self.poll() is None:
+            try:
+                _ = self.pid  # forked by now or soon: the wait below is for its exit
+            except (OSError, EOFError):
+                self.returncode = 255
+        result: int | None = super().wait(timeout)
+        return result
 
 
 class _Process(ForkServerProcess):

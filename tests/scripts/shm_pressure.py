@@ -14,10 +14,10 @@ Modes:
   ``/dev/shm`` has.
 - ``fill``: after the second batch another process fills ``/dev/shm`` to the last byte; every
   batch is held, so later batches need new segments that cannot be had.
-- ``full``: ``/dev/shm`` is filled before the loader starts, all but 1 MiB (room for the
-  workers' locks, not for a batch).
-- ``brim``: ``/dev/shm`` is filled to the last byte before the loader starts: no worker can
-  start (multiprocessing keeps its locks there); the report holds the error and its notes.
+- ``full``: ``/dev/shm`` is filled before the loader starts, all but 1 MiB (no room for a
+  batch).
+- ``brim``: ``/dev/shm`` is filled to the last byte before the loader starts. The workers
+  start all the same: nothing of theirs lives there.
 
 The report holds, per epoch, the sample indices delivered (in order) and the loader's
 ``shm_fallbacks``, the messages of the ``aioloader.shm`` warnings logged, and the pre-flight
@@ -122,15 +122,6 @@ def main(mode: str, report_path: str, barrier_dir: str = "", ranks: int = 1) -> 
         timeout=30,
         shm_max_bytes=SHM_MAX_BYTES if mode in ("rank", "fill") else None,
     )
-    if mode == "brim":
-        try:
-            with loader:
-                list(loader)
-        except OSError as exc:
-            error = {"errno": exc.errno, "notes": getattr(exc, "__notes__", [])}
-            with open(report_path, "w") as out:
-                json.dump({"pid": os.getpid(), "error": error}, out)
-        return
     with loader:
         held: list[Any] = []
         for batch in loader:
