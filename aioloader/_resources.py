@@ -305,8 +305,8 @@ class Resources:
         """Give the worker processes the dataset copy for ``epoch``, if it needs a new one: the
         first epoch does; with ``persistent_workers=False`` every epoch does, unless another
         epoch of the loader still runs on the current copy (``alone`` is False): two
-        iterators at once share it, as they share the processes. Pickled later, when the
-        first worker needs it (see ``_workers._pool``); threads need nothing.
+        iterators at once share it, as they share the processes. Pickled from now on, in a
+        thread (see ``_workers._copy``); threads need nothing.
         """
         runner = self.runner
         if not isinstance(runner, ProcessRunner):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pathlib
+import time
 
 import numpy as np
 import pytest
@@ -90,3 +92,35 @@ def test_a_job_that_failed_after_its_worker_made_a_segment_leaves_none() -> None
     assert own.name in own_segments()
     release()
     assert own.name not in own_segments()
+
+
+class SlowTiles(Tiles):
+    """Tiles that take 50 ms each, and say in ``marker_dir`` that a worker began one."""
+
+    def __init__(self, n: int, marker_dir: str) -> None:
+        super().__init__(n)
+        self.marker_dir = marker_dir
+
+    def __getitem__(self, index: int) -> np.ndarray:  # type: ignore[override]
+        open(os.path.join(self.marker_dir, f"began-{index}"), "w").close()
+        time.sleep(0.05)
+        return super().__getitem__(index)
+
+
+async def test_a_loader_closed_while_workers_make_their_first_segments_leaves_none(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The loader closes while its workers are still making the first batches' segments (the
+    # jobs given up, their worker not done): what the workers make afterwards is unlinked too.
+    loader = DataLoader(SlowTiles(64, str(tmp_path)), batch_size=8, num_workers=2, prefetch=4)
+    async with loader:
+        first = asyncio.ensure_future(anext(aiter(loader)))
+        for _ in range(200):  # bounded: 10 s
+            if len(os.listdir(tmp_path)) >= 2:
+                break
+            await asyncio.sleep(0.05)
+        assert len(os.listdir(tmp_path)) >= 2  # both workers are making a batch
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+    assert own_segments() == set()

@@ -464,3 +464,32 @@ def test_generators_a_worker_imports_mid_batch_are_seeded_from_that_batch(
         "same True 8",
         "main False False",
     ], ran.stdout
+
+
+_FOUND_BEFORE_IMPORTED = """
+import importlib.util
+import sys
+
+import numpy
+from aioloader._workers import _info
+
+_info.seed_on_import()  # as a worker does at start
+_info.seed_worker(1234, every_device=False)
+assert "numpy.random" not in sys.modules
+importlib.util.find_spec("numpy.random")  # a library asking whether it is there
+import numpy.random
+
+first = numpy.random.randint(1 << 30)
+numpy.random.seed(_info._numpy_seed)
+print("seeded", first == numpy.random.randint(1 << 30))
+"""
+
+
+def test_a_generator_looked_up_before_its_import_is_still_seeded_as_it_arrives(
+    tmp_path: Path,
+) -> None:
+    # Libraries look torch up (importlib.util.find_spec) before anything imports it: the hook
+    # must still seed it when the import comes.
+    ran = _run_python(["-c", _FOUND_BEFORE_IMPORTED], tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.splitlines() == ["seeded True"], ran.stdout

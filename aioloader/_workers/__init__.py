@@ -12,8 +12,10 @@ One module a job::
                memory or inline, on both sides
     _channel   the pipes a job and its reply travel over, watched by the event loop
     _frames    what travels on them: frame header and kinds, results and errors packed
-    _copy      the dataset copy the workers load: pickled once, in a thread, when needed
-    _pool      WorkerPool: one single-process executor per worker; deaths and rebuilds
+    _copy      the dataset copy the workers load: pickled once, in a thread, when given
+    _pool      WorkerPool: a process and two pipes per worker; deaths and rebuilds
+    _launch    starting the workers' processes, in worker order
+    _exits     the watch on the workers' exits, and their exit status
     _starting  workers that hang while they start: the start deadline, their stacks
     _deaths    what a dead worker's error says; reading its exit status
     _runner    ProcessRunner: the epoch's Runner over the pool
@@ -49,12 +51,12 @@ Sharp edges (each module's docstring tells its own in full):
   ``spawn`` re-import ``aioloader`` in a fresh interpreter; the forkserver preloads the
   worker module once; neither runs the user's ``__main__`` again (``_context``), so what lives
   there travels by value (``_payload``).
-- The dataset copy is pickled when an epoch needs it, off the event loop, once for all
+- The dataset copy is pickled when an epoch starts, off the event loop, once for all
   workers; ``persistent_workers=False`` renews it each epoch in the same processes (``_pool``).
 - Workers ignore SIGINT, and a watchdog ends a worker whose main process died, zombies
   included (``_worker``).
-- A worker's death is seen twice, as end-of-file on its pipe and as the executor's broken
-  serve job; the job it was running gets ``WorkerCrashedError``, jobs only queued behind it go
+- A worker's death is seen twice, as end-of-file on its pipe and as its process sentinel
+  (``_exits``); the job it was running gets ``WorkerCrashedError``, jobs only queued behind it go
   to its replacement, and a worker that keeps dying while it starts ends in
   ``WorkerInitError`` (``_pool``); so does one that hangs while it starts, at the start
   deadline, with its stack (``_starting``).

@@ -19,9 +19,9 @@ with torch's default ``fork`` on Linux: its top level runs once. The start metho
 context object is used as given.
 
 ``fork`` is refused unless the caller insists: workers are started while the loader runs, from
-the event loop's thread or a helper thread, with the loop's executor and the executors' manager
-threads alive, and a forked child inherits locks those threads may hold (and can deadlock on
-them). Counting threads when the loader is made would not tell what runs at fork time.
+the event loop's thread or a helper thread, with the loop's executor and the pool's exit watch
+alive, and a forked child inherits locks those threads may hold (and can deadlock on them).
+Counting threads when the loader is made would not tell what runs at fork time.
 
 Sharp edges:
 - Leaving ``__main__`` out means copying CPython's ``Popen._launch`` of each start method with

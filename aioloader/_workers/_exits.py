@@ -104,8 +104,12 @@ class ExitWatch:
                         os.read(self._wake_r, 4096)
                     continue
                 with self._lock:
-                    entry = self._watched.pop(fd, None) if not self._closed else None
-                if entry is not None and entry[0] is watched[fd][0]:
+                    entry = self._watched.get(fd) if not self._closed else None
+                    if entry is not None and entry[0] is watched[fd][0]:
+                        del self._watched[fd]
+                    else:
+                        entry = None  # replaced meanwhile by a process reusing the number
+                if entry is not None:
                     entry[1]()
 
 

@@ -17,7 +17,8 @@ sharding it again would silently drop items.
 Seeds, as torch: worker ``k`` gets ``seed = base + k``, where the base is drawn from the loader's
 seed and the epoch its dataset copy was made for (torch draws a fresh base for each epoch's
 workers); ``random``, ``numpy.random`` and torch are seeded with it before ``worker_init_fn``
-runs, so ``torch.initial_seed() == get_worker_info().seed`` there. With the default
+runs (the last two when imported, or the moment they are: see :func:`seed_on_import`), so
+``torch.initial_seed() == get_worker_info().seed`` there. With the default
 ``worker_seeding='batch'`` the three are then reseeded before every batch from (seed, epoch,
 batch id) (:func:`seed_everything`), so a sample's randomness does not depend on which worker
 made it or how many there are.
@@ -28,8 +29,11 @@ from __future__ import annotations
 import importlib.abc
 import random
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
+
+from .._log import workers_log
 
 __all__ = [
     "WorkerInfo",
@@ -123,7 +127,8 @@ def publish(info: WorkerInfo | None) -> None:
 
 def catch_up() -> None:
     """Before each job: a generator imported since the last one that the import hook did not
-    see (another finder found it first) gets the seed in force, and torch the worker info."""
+    see (a finder put before it on ``sys.meta_path`` found it first) gets the seed in force,
+    and torch the worker info."""
     global _torch_has_it
     for name in _SEEDED:
         if name not in _arrived and name in sys.modules:
@@ -268,38 +273,53 @@ def _arrive(name: str) -> None:
         _torch_has_it = _publish_to_torch(_current)
 
 
-class _SeedOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _SeedOnImport(importlib.abc.MetaPathFinder):
     """A meta path finder for the generators of :data:`_SEEDED`: their spec is the one the
-    other finders give, with a loader that runs the real one, then :func:`_arrive`."""
+    other finders give, with a loader that runs the real one, then :func:`_arrive`
+    (:class:`_ThenSeed`). A spec found but never executed (``importlib.util.find_spec``, as
+    libraries do to see whether torch is installed) leaves nothing behind."""
 
     def __init__(self) -> None:
-        self._loaders: dict[str, Any] = {}
+        self._finding = threading.local()  # names being looked up by this thread, below
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name not in _SEEDED or name in self._loaders:
+        finding: set[str] = self._finding.__dict__.setdefault("names", set())
+        if name not in _SEEDED or name in finding:
             return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
+        finding.add(name)
+        try:
+            for finder in sys.meta_path:
+                find = getattr(finder, "find_spec", None)
+                if finder is self or find is None:
+                    continue
+                spec = find(name, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            finding.discard(name)
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            self._loaders[name], spec.loader = spec.loader, self
+            spec.loader = _ThenSeed(spec.loader)
         return spec
 
+
+class _ThenSeed(importlib.abc.Loader):
+    """A module's own loader, then :func:`_arrive` once the module is executed."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
     def create_module(self, spec: Any) -> Any:
-        return self._loaders[spec.name].create_module(spec)
+        return self._loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
-        name = module.__spec__.name
-        loader = self._loaders.pop(name)
-        module.__loader__ = module.__spec__.loader = loader  # as if found without this hook
-        loader.exec_module(module)
-        _arrive(name)
+        module.__loader__ = module.__spec__.loader = self._loader  # as if found without the hook
+        self._loader.exec_module(module)
+        try:
+            _arrive(module.__spec__.name)
+        except Exception:  # the import itself succeeded: never fail it for a seed
+            workers_log.warning("could not seed %s", module.__spec__.name, exc_info=True)
 
 
 def seed_on_import() -> None:

@@ -7,8 +7,9 @@ order: worker 0, which gets the first batch, comes first); under the other start
 each launch waits for its own process, so they run on a thread each (not under ``fork``).
 
 A job may be sent to a worker whose process another thread is launching: it waits in the
-pipe. If that launch fails, the worker's channel fails (the jobs in it with it) and the next
-job tries the launch again itself, so its error reaches that job's caller.
+pipe. If that launch fails, the worker's ends of the pipes are closed: its channel reaches
+end-of-file, the jobs in it fail and are resubmitted to a replacement worker, and the launch
+is tried again by the job itself, so that its error reaches that job's caller.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class Launcher:
 
     def launch_all(self, workers: list[Worker], args: Callable[[Worker], tuple[Any, ...]]) -> None:
         """Start every worker's process that has not started (blocking while they are
-        forked); the first error is raised once all were tried."""
+        forked); the first error is raised once every launch begun was finished."""
         if not is_zygote(self._context):
             together = self._context.get_start_method() != "fork"
             each_at_once(lambda w: self.launch(w, args), workers, together=together)
@@ -147,7 +148,12 @@ class Launcher:
         self._exits.add(process, exited)
 
     def _failed(self, w: Worker, exc: BaseException) -> None:
-        """The process did not start: fail the jobs already sent to it, release the lock."""
+        """The process did not start: close the worker's ends of its pipes, release the lock.
+        The channel then reaches end-of-file (on its own loop: no race with a job being sent),
+        the jobs already sent to it fail and go to a replacement worker, whose launch the next
+        job makes itself, so that its error reaches a caller."""
+        for end in w.child_pipes or ():
+            end.close()
+        w.child_pipes = None
         w.launching = False
-        w.channel.fail_threadsafe(f"the worker's process could not start ({exc!r})")
         w.lock.release()

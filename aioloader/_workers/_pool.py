@@ -25,7 +25,7 @@ process sentinel becomes readable (:class:`._exits.ExitWatch`, the backstop, e.g
 The dataset copy (:meth:`WorkerPool.load`) is not part of a worker's start: it is a job of its
 own, sent ahead of the first job a worker gets after a new copy was given (a replacement
 worker gets the current copy the same way). The copy is pickled once for all workers, in a
-thread (a large dataset would stall the event loop), when the first of them needs it. Renewing
+thread (a large dataset would stall the event loop), as soon as it is given. Renewing
 it each epoch (``persistent_workers=False``) therefore costs one pickling and one unpickling
 per worker, as in torch, but no process start: the processes, their imports and their
 shared-memory mappings are kept warm.
@@ -46,8 +46,9 @@ Sharp edges:
   fails with ``WorkerInitError`` naming its stack, rather than wait for a start that will
   not come, or go to a replacement that would most likely hang the same way.
 - A forkserver child's exit status (it names the killing signal) is read from a pipe, once: a
-  second reader at the same time gets EOF and records 255. So it is read under one lock
-  (:func:`._exits.reap`), off the event loop.
+  second reader at the same time gets EOF and records 255. So it is read under the process's
+  own lock (``_zygote._Popen.poll``), and waited for off the event loop
+  (:func:`._exits.reap`).
 - A job whose awaiting task is cancelled keeps running in the worker; ``on_abandon`` is called
   once the worker is really done with it (or dead), so a shared-memory slot is never reused
   while a worker may still write into it.
@@ -397,8 +398,10 @@ class WorkerPool:
         or if it is another generation now, or its hang is being dealt with."""
         if w.generation != generation or w.stopping:
             return None
-        if w.process is None:  # another thread may be starting it now
-            return w.launched + self._start_timeout - time.monotonic() if w.launching else None
+        if w.launching:  # read first: a launch sets the process, then clears this
+            return w.launched + self._start_timeout - time.monotonic()
+        if w.process is None:
+            return None
         if not self._is_up(w):
             since = w.launched  # the process itself is starting
         elif w.load_job is not None and not w.channel.answered(w.load_job):
@@ -506,8 +509,8 @@ class WorkerPool:
             self._closed = True
             copies = [*self._copies.values(), *self._retired.values()]
         for w in self._workers:  # a launch under way (another thread's) finishes first
-            with w.lock:
-                pass
+            if w.lock.acquire(timeout=SHUTDOWN_GRACE_S):  # bounded: a stalled server
+                w.lock.release()
         for copy in copies:
             copy.release()
         for w in self._workers:  # end-of-file: each worker's serve loop returns

@@ -25,7 +25,7 @@ from .._types import BatchRequest, InlineMaking, Made, StreamRequest
 from ._frames import Packed
 from ._payload import Payload
 from ._pool import WorkerPool
-from ._wire import MapJob, RawSlotError, Receiver, Sender, StreamJob
+from ._wire import MapJob, OwnSlot, RawSlotError, Receiver, Sender, StreamJob
 from ._worker import run_map_job, run_stream_job
 
 __all__ = ["ProcessRunner"]
@@ -57,6 +57,9 @@ class ProcessRunner:
         self.slots = slots
         self.copy_id = copy_id
         self._receiver = Receiver(slots, prefetch)
+        # Names of segments workers make (OwnSlot) for jobs given up while they ran: a pool
+        # that closes lets them go before their worker is done, which may still make one.
+        self._abandoned_own: set[str] = set()
         self._sender = Sender(slots)
         self._restarts_logged = pool.rebuilds  # worker replacements said in the log so far
 
@@ -140,18 +143,20 @@ class ProcessRunner:
                 resubmit_innocent=worker is None,
                 copy_id=self.copy_id,
             )
-        except asyncio.CancelledError:
-            raise  # on_abandon releases the slot once the worker is done with the job
-        except RawSlotError as exc:
+        except BaseException as exc:
+            if isinstance(slot, OwnSlot):  # unlinked again at close (see __init__)
+                self._abandoned_own.add(slot.name)
+            if isinstance(exc, asyncio.CancelledError):
+                raise  # on_abandon releases the slot once the worker is done with the job
+            if not isinstance(exc, RawSlotError):
+                if release is not None:
+                    release()
+                self._log_restarts(exc)
+                raise
             # The worker could not map the slot: the same request again, pickled.
             assert isinstance(slot, _shm.Slot)
             self._sender.lost(slot, exc)
             return await self._run(fn, request, worker, pickled=True)
-        except BaseException as exc:
-            if release is not None:
-                release()
-            self._log_restarts(exc)
-            raise
         if self.pool.rebuilds > self._restarts_logged:  # a worker died with nothing of ours
             self._log_restarts(None)
         return self._receiver.open(made, slot)
@@ -183,5 +188,8 @@ class ProcessRunner:
         return pid
 
     def close(self) -> None:
-        """Stop every worker (blocking)."""
+        """Stop every worker (blocking), then unlink what they made for abandoned jobs."""
         self.pool.close()
+        for name in self._abandoned_own:
+            _shm.discard(name)
+        self._abandoned_own.clear()

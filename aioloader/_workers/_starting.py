@@ -1,8 +1,8 @@
 """Workers that hang while they start: the start deadline, the worker's stack, the report.
 
 A worker starts in two steps, and either may hang: its process starts (the interpreter, the
-start method's imports and unpickling, then :func:`._worker.init_worker`; the executor's
-start-up ping answers once that ran), and it loads its dataset copy (:func:`._worker.load_copy`:
+start method's imports and unpickling, then :func:`._worker.init_worker`, which says the
+worker is up in a shared array), and it loads its dataset copy (:func:`._worker.load_copy`:
 unpickling the dataset, with the imports that brings, then ``worker_init_fn``), at its first
 job and again at every epoch with ``persistent_workers=False``. A batch's own deadline cannot
 see either: its job is only queued behind the start. So the pool watches the start itself

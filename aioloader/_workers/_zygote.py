@@ -37,6 +37,7 @@ import socket
 import stat
 import sys
 import threading
+import time
 from multiprocessing import connection, forkserver, popen_forkserver, resource_tracker, spawn, util
 from multiprocessing import context as mp_context
 from multiprocessing.context import ForkServerContext, ForkServerProcess
@@ -216,31 +217,44 @@ class _Popen(_PopenBase):  # type: ignore[misc]
         Raises:
             EOFError: the server died before it forked the child.
         """
-        if self._pid is None:
-            with self._pid_lock:
-                if self._pid is None:
-                    self._pid = forkserver.read_signed(self.sentinel)
+        while self._pid is None:
+            _connection.wait([self.sentinel])  # the server writes the pid once it forked
+            if self.poll() is not None and self._pid is None:
+                raise EOFError("the worker server died before it forked the process")
         return self._pid
 
     def poll(self, flag: int = os.WNOHANG) -> int | None:
-        if self.returncode is None and self._pid is None:
-            if flag == os.WNOHANG and not _connection.wait([self.sentinel], 0):
-                return None  # not even forked yet
-            try:
-                _ = self.pid  # the sentinel's first message: only then its exit status
-            except (OSError, EOFError):
-                self.returncode = 255  # the server died first, as the stdlib records it
-        result: int | None = super().poll(flag)
-        return result
+        # The sentinel carries the pid, then the exit status. One reader at a time (a status
+        # read twice is lost: the second reader gets end-of-file and would record 255), and a
+        # status once read is kept: multiprocessing polls every child from Process.start()
+        # and active_children(), beside the pool's own reads. Blocking waits hold no lock.
+        while True:
+            with self._pid_lock:
+                if self.returncode is not None:
+                    return self.returncode
+                if _connection.wait([self.sentinel], 0):
+                    try:
+                        message = forkserver.read_signed(self.sentinel)
+                    except (OSError, EOFError):  # the server died: as the stdlib records it
+                        self.returncode = 255
+                        return self.returncode
+                    if self._pid is None:
+                        self._pid = message
+                        continue  # its exit status may have come too
+                    self.returncode = message
+                    return self.returncode
+                if flag == os.WNOHANG:
+                    return None
+            _connection.wait([self.sentinel])
 
     def wait(self, timeout: float | None = None) -> int | None:
-        if self.returncode is None and self._pid is None and self.poll() is None:
-            try:
-                _ = self.pid  # forked by now or soon: the wait below is for its exit
-            except (OSError, EOFError):
-                self.returncode = 255
-        result: int | None = super().wait(timeout)
-        return result
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            _connection.wait([self.sentinel], left)
+        return code
 
 
 class _Process(ForkServerProcess):
