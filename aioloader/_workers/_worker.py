@@ -20,6 +20,14 @@ names: a job of another copy than the last one publishes that copy's worker info
 :func:`drop_copy` forgets a closed loader's copy.
 
 Sharp edges:
+- What a worker inherits from the process it was forked from (the whole program's objects: torch's
+  modules, the model) is moved out of reach of the garbage collector as the worker starts
+  (``gc.freeze``). A full collection walks every object it tracks, writing to each; in a
+  forked worker each such write copies a shared page, so one full collection made every worker
+  a private copy of the program's heap (measured: +40 MB and 80 ms per worker, torch
+  imported). The cost: a cycle among those objects that the worker itself drops is not
+  collected in the worker (its pages are mostly the parent's anyway). Objects the worker makes
+  from then on, its dataset copy's included, are collected as usual.
 - Workers ignore SIGINT: Ctrl-C is the main process's to handle; it then closes the pool.
   Otherwise every worker would print a KeyboardInterrupt traceback mid-batch.
 - A watchdog thread makes the worker exit within :data:`WATCHDOG_INTERVAL_S` of the main
@@ -54,6 +62,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import gc
 import os
 import re
 import signal
@@ -197,6 +206,7 @@ def init_worker(
     """Set up this worker's state (see the module docstring); last, publish its pid in
     ``started[worker_id]``: the main process's sign that the worker is up."""
     global _STATE
+    gc.freeze()  # what the worker inherited: see the module docstring
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _keep_freed_memory()
     _info.seed_on_import()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import importlib
 import io
 import os
@@ -141,6 +142,7 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)
         _release_sockets_and_pipes(keep={0, 1, 2, listener_fd, alive_r})
+        gc.freeze()  # the server lives long: its collections would copy the heap it shares
         for module in PRELOAD:  # once here, rather than once in every worker
             with contextlib.suppress(ImportError):
                 importlib.import_module(module)
