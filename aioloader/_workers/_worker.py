@@ -21,13 +21,15 @@ names: a job of another copy than the last one publishes that copy's worker info
 
 Sharp edges:
 - What a worker inherits from the process it was forked from (the whole program's objects: torch's
-  modules, the model) is moved out of reach of the garbage collector as the worker starts
-  (``gc.freeze``). A full collection walks every object it tracks, writing to each; in a
-  forked worker each such write copies a shared page, so one full collection made every worker
-  a private copy of the program's heap (measured: +40 MB and 80 ms per worker, torch
-  imported). The cost: a cycle among those objects that the worker itself drops is not
-  collected in the worker (its pages are mostly the parent's anyway). Objects the worker makes
-  from then on, its dataset copy's included, are collected as usual.
+  modules, the model) is out of reach of the garbage collector (``gc.freeze``: here as the
+  worker starts, and already in the forked server it comes from). A full collection walks every
+  object it tracks, writing to each; in a forked worker each such write copies a shared page,
+  so one full collection made every worker a private copy of the program's heap (measured:
+  +40 MB and 80 ms per worker, torch imported). The cost: garbage the parent had not yet
+  collected when it forked, or that the worker makes of inherited objects, stays for the
+  worker's life (a numpy view of a shared segment caught in such a cycle keeps the segment
+  mapped). Objects the worker makes from then on, its dataset copy's included, are collected
+  as usual; finalizers of the parent's garbage no longer run in workers.
 - Workers ignore SIGINT: Ctrl-C is the main process's to handle; it then closes the pool.
   Otherwise every worker would print a KeyboardInterrupt traceback mid-batch.
 - A watchdog thread makes the worker exit within :data:`WATCHDOG_INTERVAL_S` of the main
