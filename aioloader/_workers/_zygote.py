@@ -39,6 +39,7 @@ import stat
 import sys
 import threading
 import time
+import types
 from multiprocessing import connection, forkserver, popen_forkserver, resource_tracker, spawn, util
 from multiprocessing import context as mp_context
 from multiprocessing.context import ForkServerContext, ForkServerProcess
@@ -303,11 +304,20 @@ def fork_is_safe() -> bool:
 def _importing() -> bool:
     """Whether a module is being imported now (a loader made at a module's top level). The
     server would keep that module half-made forever: names it defines further down would be
-    missing in every worker, which unpickles by reference from the server's copy."""
-    for module in list(sys.modules.values()):
-        spec = getattr(module, "__spec__", None)
-        if spec is not None and getattr(spec, "_initializing", False):
-            return True
+    missing in every worker, which unpickles by reference from the server's copy.
+
+    Read from the threads' stacks (a module's body runs in a frame of its own), not from every
+    module in ``sys.modules``: right after a fork each object touched there costs a copied
+    page, and with torch loaded that walk took milliseconds.
+    """
+    for top in sys._current_frames().values():
+        frame: types.FrameType | None = top
+        while frame is not None:
+            if frame.f_code.co_name == "<module>":
+                spec = frame.f_globals.get("__spec__")
+                if getattr(spec, "_initializing", False):
+                    return True
+            frame = frame.f_back
     return False
 
 
