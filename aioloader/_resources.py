@@ -200,9 +200,11 @@ class Resources:
         *,
         device_spec: Any,
         context: BaseContext | None,
+        early: bool = False,
     ) -> Runner:
         """Make what is missing (device stage, slot pool, runner); returns the runner. Worker
-        processes get their dataset copy from :meth:`renew`.
+        processes get their dataset copy from :meth:`renew`. ``early``: for
+        :meth:`start_early`, not for the user (the loader does not count as used).
 
         Raises:
             RuntimeError: closed (:meth:`start_early`'s thread, outrun by the loader's close).
@@ -210,7 +212,7 @@ class Resources:
         with self.lock:
             if self.closed:
                 raise RuntimeError("this DataLoader is closed")
-            if threading.current_thread() is not self.starter:
+            if not early and threading.current_thread() is not self.starter:
                 self.used = True
             if self.device is None and (device_spec is not None or config.pin_memory):
                 from ._device import DeviceStage  # imports torch: only for a device stage
@@ -255,8 +257,10 @@ class Resources:
         """Start the worker processes now, in the background (at the loader's construction):
         they start while the program builds its model, and are ready, or nearly, when the
         first batch is asked for. Only the processes: their dataset copy still comes with the
-        first epoch, so a change made to the dataset before it reaches them. Whatever fails
-        here fails again, and is reported, where the workers are first used.
+        first epoch, so a change made to the dataset before it reaches them. Worker 0 is forked
+        from this thread when that is safe (``WorkerPool.fork_first``); the others start in a
+        thread. Whatever fails here fails again, and is reported, where the workers are first
+        used.
 
         Only where a start is cheap and safe from a thread: workers forked from the forked
         server (the default; not ``spawn``, whose workers each import the program, nor
@@ -272,6 +276,12 @@ class Resources:
         ):
             return
         release_before_sigterm(close_all_at_exit)  # from this thread: off it, it cannot
+        # Worker 0 is forked from here, now, where that is safe: its start is the first batch's
+        # longest wait (see WorkerPool.fork_first). The rest start from the server, in a thread.
+        with contextlib.suppress(Exception):  # reported where the workers are first used
+            runner = self.ensure(config, dataset, device_spec=None, context=context, early=True)
+            if isinstance(runner, ProcessRunner):
+                runner.pool.fork_first()
 
         def launch() -> None:
             with contextlib.suppress(Exception):

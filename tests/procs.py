@@ -15,14 +15,17 @@ import psutil
 
 
 def worker_processes() -> set[int]:
-    """Live worker processes of ours: children of the forkserver."""
+    """Live worker processes of ours: those that named themselves workers as they started, and
+    any other child of a forkserver (one still starting). The first worker of a loader may be
+    forked from this process itself, not from the server."""
     pids = set()
     for process in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
+            if process.status() == psutil.STATUS_ZOMBIE:
+                continue
             parent = process.parent()
-            if (
+            if process.name().startswith("aiol-worker") or (
                 parent is not None
-                and process.status() != psutil.STATUS_ZOMBIE
                 and (
                     "forkserver" in " ".join(parent.cmdline())
                     or parent.name() == "aiol-forkserver"

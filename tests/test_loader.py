@@ -158,14 +158,17 @@ def test_workers_start_on_enter_for_sync_use() -> None:
 def test_worker_pids_are_the_worker_processes_while_they_run() -> None:
     before = worker_processes()
     loader = DataLoader(Range(8), batch_size=4, num_workers=2)
-    assert loader.worker_pids == ()  # nothing started yet
+    # Workers start as the loader is made (worker 0 at once, the others in the background): the
+    # pids are those of the workers started so far, the same processes as after the start.
+    early = loader.worker_pids
     with loader:
         pids = loader.worker_pids
         assert len(pids) == 2
+        assert set(early) <= set(pids)
         assert set(pids) == worker_processes() - before
         assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
         assert loader.worker_pids == pids  # the same processes serve every epoch
-    assert loader.worker_pids == ()  # closed: gone
+    assert not loader.worker_pids  # closed: gone
     with DataLoader(Range(8), batch_size=4, num_workers=2, thread_pool=True) as threads:
         assert [b.tolist() for b in threads] == [[0, 1, 2, 3], [4, 5, 6, 7]]
         assert threads.worker_pids == ()  # threads are not processes

@@ -81,8 +81,9 @@ def test_a_dataset_class_defined_in_python_c_works_with_workers(tmp_path: Path) 
 
 
 def test_the_server_holds_no_socket_or_pipe_of_the_main_process(tmp_path: Path) -> None:
-    """A connection the program closes is closed for its peer, though the server was forked
-    while it was open (a TCP connection, a torch.distributed store, a subprocess pipe)."""
+    """A connection the program closes is closed for its peer, though the server and the first
+    worker (forked from the program itself) were forked while it was open (a TCP connection, a
+    torch.distributed store, a subprocess pipe)."""
     proc = _run(
         """
         import os, socket
@@ -104,6 +105,36 @@ def test_the_server_holds_no_socket_or_pipe_of_the_main_process(tmp_path: Path) 
     assert proc.returncode == 0, proc.stderr
     assert "socket peer sees b''" in proc.stdout, proc.stdout
     assert "pipe reader sees b''" in proc.stdout, proc.stdout
+
+
+
+def test_the_first_worker_forks_from_the_program_and_workers_name_themselves(
+    tmp_path: Path,
+) -> None:
+    """Worker 0 makes the first batch: it is forked from the program as the loader is made (one
+    fork on the way to that batch), the others from the server; each names itself for ps."""
+    proc = _run(
+        """
+        import os, psutil
+        from aioloader import DataLoader
+        from datasets import Range
+
+        with DataLoader(Range(8), batch_size=4, num_workers=2) as loader:
+            assert [len(b) for b in loader] == [4, 4]
+            for pid in loader.worker_pids:
+                worker = psutil.Process(pid)
+                parent = worker.parent()
+                origin = "program" if parent.pid == os.getpid() else parent.name()
+                print("worker", worker.name(), "from", origin)
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("worker"))
+    assert lines == [
+        "worker aiol-worker-0 from program",
+        f"worker aiol-worker-1 from {SERVER_NAME.decode()}",
+    ], proc.stdout
 
 
 def test_output_buffered_before_the_fork_is_written_once(tmp_path: Path) -> None:

@@ -6,6 +6,12 @@ worker's process before it waits for any (the server forks them back to back, in
 order: worker 0, which gets the first batch, comes first); under the other start methods
 each launch waits for its own process, so they run on a thread each (not under ``fork``).
 
+A pool's first worker may instead be forked from the main process itself, as the loader is
+made (:meth:`._pool.WorkerPool.fork_first`): one fork, where the server path costs two in a
+row (the server's own, then the worker's), on the way to the first batch. Such a child, like
+every worker under ``fork``, runs :func:`._worker.run_forked_worker`, which first sheds what
+the server would have shed. Its replacements come from the server.
+
 A job may be sent to a worker whose process another thread is launching: it waits in the
 pipe. If that launch fails, the worker's ends of the pipes are closed: its channel reaches
 end-of-file, the jobs in it fail and are resubmitted to a replacement worker, and the launch
@@ -18,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from typing import Any
@@ -26,8 +33,8 @@ from ._channel import Channel
 from ._copy import DatasetCopy
 from ._exits import ExitWatch
 from ._starting import Hang, StackPipe, each_at_once
-from ._worker import run_worker
-from ._zygote import is_zygote
+from ._worker import run_forked_worker, run_worker
+from ._zygote import is_zygote, sockets_and_pipes
 
 __all__ = ["Launcher", "Worker"]
 
@@ -73,13 +80,19 @@ class Launcher:
         self._closed = closed
 
     def launch(
-        self, w: Worker, args: Callable[[Worker], tuple[Any, ...]], *, wait: bool = True
+        self,
+        w: Worker,
+        args: Callable[[Worker], tuple[Any, ...]],
+        *,
+        wait: bool = True,
+        via: BaseContext | None = None,
     ) -> None:
-        """Start ``w``'s process with ``args(w)`` if it has not started. Without ``wait``, a
-        launch that another thread is making is not waited for."""
+        """Start ``w``'s process with ``args(w)`` if it has not started, through ``via`` rather
+        than the pool's context if given. Without ``wait``, a launch that another thread is
+        making is not waited for."""
         if w.process is not None or (not wait and w.launching):
             return
-        process = self._begin(w, args)
+        process = self._begin(w, args, via)
         if process is not None:
             self._end(w, process)
 
@@ -105,17 +118,30 @@ class Launcher:
         if errors:
             raise errors[0]
 
-    def _begin(self, w: Worker, args: Callable[[Worker], tuple[Any, ...]]) -> Any:
+    def _begin(
+        self, w: Worker, args: Callable[[Worker], tuple[Any, ...]], via: BaseContext | None = None
+    ) -> Any:
         """Take ``w``'s lock and start its process: the process, with the lock held
         (:meth:`_end` releases it), or None (nothing to launch; the lock released)."""
+        context = self._context if via is None else via
+        # A child of this very process sheds what it must not keep of it (the server did that
+        # for the children it forks).
+        target = run_forked_worker if context.get_start_method() == "fork" else run_worker
         w.lock.acquire()
         try:
             if w.process is not None or self._closed() or w.child_pipes is None:
                 w.lock.release()
                 return None
             w.launched, w.launching = time.monotonic(), True
-            process = self._context.Process(  # type: ignore[attr-defined]
-                target=run_worker, args=args(w), name=f"aioloader-worker-{w.id}", daemon=True
+            given = args(w)
+            if target is run_forked_worker:  # what of this process the child must let go
+                keep = {end.fileno() for end in w.child_pipes}
+                tracker = getattr(resource_tracker._resource_tracker, "_fd", None)
+                if isinstance(tracker, int):
+                    keep.add(tracker)
+                given = (sockets_and_pipes(keep), *given)
+            process = context.Process(  # type: ignore[attr-defined]
+                target=target, args=given, name=f"aioloader-worker-{w.id}", daemon=True
             )
             process.start()  # from the forked server: the request is sent, the pid comes later
             return process

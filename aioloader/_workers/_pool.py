@@ -59,6 +59,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import multiprocessing
 import os
 import signal
 import threading
@@ -83,6 +84,7 @@ from ._payload import Payload
 from ._starting import START_POLL_S, Hang, StackPipe, describe_start, kill, take_stack
 from ._wire import running_tag
 from ._worker import drop_copy, load_copy
+from ._zygote import fork_is_safe, is_zygote
 
 __all__ = [
     "DEFAULT_START_TIMEOUT_S",
@@ -114,6 +116,13 @@ DEFAULT_START_TIMEOUT_S = 120.0
 
 # How often a blocking start (:meth:`WorkerPool.start`) looks whether a worker is up.
 _START_CHECK_S = 0.002
+
+# Worker 0's start method where the pool may fork it from this process (fork_first).
+_FORK: BaseContext | None = (
+    multiprocessing.get_context("fork")
+    if "fork" in multiprocessing.get_all_start_methods()
+    else None
+)
 
 
 class WorkerPool:
@@ -190,6 +199,22 @@ class WorkerPool:
         """Whether this generation's process of ``w`` ran its initializer."""
         process = w.process
         return process is not None and int(self._started[w.id]) == process.pid
+
+    def fork_first(self) -> None:
+        """Fork worker 0's process from this process now, if that is safe here (the caller is
+        the main thread, as the loader is made, with no other thread that matters running:
+        :func:`._zygote.fork_is_safe`); else leave it to :meth:`launch`. From the forked server
+        (the default), worker 0 takes two forks in a row, each a copy of this process's page
+        tables (milliseconds with torch loaded), before it can make the first batch; forked
+        here, one. Its replacements, and the other workers, come from the server.
+
+        Raises:
+            OSError: the fork failed (the worker's channel then fails its jobs, and the next job
+                launches it again from the server).
+        """
+        if _FORK is None or self._closed or not is_zygote(self.context) or not fork_is_safe():
+            return
+        self._launcher.launch(self._workers[0], self._worker_args, via=_FORK)
 
     def launch(self) -> None:
         """Start every worker's process now, without waiting until it is ready (blocking while

@@ -86,6 +86,7 @@ from ._channel import serve_over
 from ._frames import Packed, pack_result, picklable
 from ._info import WorkerInfo
 from ._wire import LoadJob, MapJob, OwnSlot, Packer, StreamJob, inline, running_tag, unpack_raw
+from ._zygote import name_process, shed_parent_state
 
 __all__ = [
     "STACK_SIGNAL",
@@ -193,6 +194,16 @@ def run_worker(*args: Any) -> None:
     serve()
 
 
+def run_forked_worker(release: list[int], *args: Any) -> None:
+    """:func:`run_worker` in a process forked from the main process itself (the first worker,
+    forked as the loader is made; every worker under ``mp_context='fork'``): first drop what it
+    must not keep of the main process, as the forked server does (``_zygote``): the sockets and
+    pipes in ``release`` (the main process's, listed just before the fork), its signal
+    handlers."""
+    shed_parent_state(release)
+    run_worker(*args)
+
+
 def init_worker(
     worker_id: int,
     num_workers: int,
@@ -209,6 +220,7 @@ def init_worker(
     ``started[worker_id]``: the main process's sign that the worker is up."""
     global _STATE
     gc.freeze()  # what the worker inherited: see the module docstring
+    name_process(f"aiol-worker-{worker_id}".encode())  # for ps and top
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _keep_freed_memory()
     _info.seed_on_import()

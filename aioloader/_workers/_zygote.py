@@ -23,6 +23,11 @@ would otherwise never see them close: a TCP connection, a torch.distributed stor
 subprocess's pipe), signal handlers other than the default, the signal wake-up descriptor.
 
 The server names itself ``aiol-forkserver`` (``/proc/PID/comm``, what ``ps`` and ``top`` show).
+
+A pool's first worker may skip the server: forked from the main process itself as the loader
+is made, under the same test (:func:`fork_is_safe`), it sheds what the server sheds
+(:func:`shed_parent_state`) and saves the server's fork on the way to the first batch (see
+``_pool.WorkerPool.fork_first``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Iterable
 from multiprocessing import connection, forkserver, popen_forkserver, resource_tracker, spawn, util
 from multiprocessing import context as mp_context
 from multiprocessing.context import ForkServerContext, ForkServerProcess
@@ -56,8 +62,12 @@ _context: Any = mp_context
 __all__ = [
     "PRELOAD",
     "SERVER_NAME",
+    "fork_is_safe",
     "is_zygote",
+    "name_process",
     "preparation_data",
+    "shed_parent_state",
+    "sockets_and_pipes",
     "zygote_context",
     "zygote_pid",
 ]
@@ -138,11 +148,8 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
     code = 1
     try:
         os.close(alive_w)
-        _name_process(SERVER_NAME)
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-            signal.signal(sig, signal.SIG_DFL)
-        _release_sockets_and_pipes(keep={0, 1, 2, listener_fd, alive_r})
+        name_process(SERVER_NAME)
+        shed_parent_state(sockets_and_pipes(keep={listener_fd, alive_r}))
         gc.freeze()  # the server lives long: its collections would copy the heap it shares
         for module in PRELOAD:  # once here, rather than once in every worker
             with contextlib.suppress(ImportError):
@@ -157,29 +164,53 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
         os._exit(code)  # never the main program's atexit hooks or buffered output
 
 
-def _release_sockets_and_pipes(keep: set[int]) -> None:
-    """Point every inherited socket and pipe at /dev/null, so that this process no longer holds
-    them open. Not ``close()``: objects copied from the main process still own those numbers and
-    close them when collected; a number closed now could be reused meanwhile by a descriptor
-    this server needs, which that late close would then take away."""
-    try:
-        fds = [int(name) for name in os.listdir("/proc/self/fd")]
-    except OSError:  # no procfs: nothing to walk
-        return
+def shed_parent_state(release: Iterable[int]) -> None:
+    """In a process just forked from the main process: drop what it must not keep of it (see
+    the module docstring): the signal wake-up descriptor, signal handlers other than the
+    default, and the sockets and pipes in ``release`` (see :func:`sockets_and_pipes`). From
+    the process's only thread.
+
+    Each is pointed at /dev/null rather than closed: objects copied from the main process still
+    own those numbers and close them when collected; a number closed now could be reused
+    meanwhile by a descriptor this process needs, which that late close would then take away.
+    """
+    with contextlib.suppress(ValueError):  # not the main thread: nothing was set there
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_DFL)
     null = os.open(os.devnull, os.O_RDWR)
     try:
-        for fd in fds:
-            if fd in keep or fd == null:
-                continue
-            with contextlib.suppress(OSError):
-                mode = os.fstat(fd).st_mode
-                if stat.S_ISSOCK(mode) or stat.S_ISFIFO(mode):
-                    os.dup2(null, fd)
+        for fd in release:
+            if fd != null and _is_socket_or_pipe(fd):  # still: the list may be the parent's
+                os.dup2(null, fd)
     finally:
         os.close(null)
 
 
-def _name_process(name: bytes) -> None:
+def sockets_and_pipes(keep: Iterable[int] = ()) -> list[int]:
+    """The sockets and pipes open in this process now, but the standard streams and ``keep``:
+    what a process forked from it sheds. Taken in the child (the forked server), or in the
+    parent just before a fork whose own descriptors come after (``multiprocessing``'s fork
+    makes the pipe that tells the child's death then: the child must keep it)."""
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no procfs: nothing to walk
+        return []
+    skip = {0, 1, 2, *keep}
+    return [fd for fd in fds if fd not in skip and _is_socket_or_pipe(fd)]
+
+
+def _is_socket_or_pipe(fd: int) -> bool:
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:  # closed meanwhile (listdir's own descriptor, among others)
+        return False
+    return stat.S_ISSOCK(mode) or stat.S_ISFIFO(mode)
+
+
+def name_process(name: bytes) -> None:
+    """Set this process's name as ``ps`` and ``top`` show it (``/proc/PID/comm``; at most 15
+    bytes are kept). Best effort."""
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL(None, use_errno=True)  # the loaded C library (find_library forks)
         libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
