@@ -107,7 +107,6 @@ def test_the_server_holds_no_socket_or_pipe_of_the_main_process(tmp_path: Path) 
     assert "pipe reader sees b''" in proc.stdout, proc.stdout
 
 
-
 def test_the_first_worker_forks_from_the_program_and_workers_name_themselves(
     tmp_path: Path,
 ) -> None:
@@ -135,6 +134,35 @@ def test_the_first_worker_forks_from_the_program_and_workers_name_themselves(
         "worker aiol-worker-0 from program",
         f"worker aiol-worker-1 from {SERVER_NAME.decode()}",
     ], proc.stdout
+
+
+
+def test_a_first_worker_that_cannot_be_forked_starts_from_the_server(tmp_path: Path) -> None:
+    """The fork of worker 0 as the loader is made fails (EAGAIN: no process left to the user):
+    nothing is lost, the worker starts from the server like the others."""
+    proc = _run(
+        """
+        import multiprocessing, os, psutil
+        from aioloader import DataLoader
+        from aioloader._workers import _pool
+        from datasets import Range
+
+        class Refused:  # the fork context, whose processes cannot start
+            def __getattr__(self, name):
+                return getattr(multiprocessing.get_context("fork"), name)
+            def Process(self, *args, **kwargs):
+                raise BlockingIOError(11, "Resource temporarily unavailable")
+
+        _pool._FORK = Refused()
+        with DataLoader(Range(8), batch_size=4, num_workers=2) as loader:
+            assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+            parents = {psutil.Process(pid).parent().pid for pid in loader.worker_pids}
+            print("workers", len(loader.worker_pids), "from program", os.getpid() in parents)
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "workers 2 from program False" in proc.stdout, proc.stdout
 
 
 def test_output_buffered_before_the_fork_is_written_once(tmp_path: Path) -> None:

@@ -8,9 +8,9 @@ each launch waits for its own process, so they run on a thread each (not under `
 
 A pool's first worker may instead be forked from the main process itself, as the loader is
 made (:meth:`._pool.WorkerPool.fork_first`): one fork, where the server path costs two in a
-row (the server's own, then the worker's), on the way to the first batch. Such a child, like
-every worker under ``fork``, runs :func:`._worker.run_forked_worker`, which first sheds what
-the server would have shed. Its replacements come from the server.
+row (the server's own, then the worker's), on the way to the first batch. Such a child runs
+:func:`._worker.run_forked_worker`, which first sheds what the server would have shed. Its
+replacements come from the server.
 
 A job may be sent to a worker whose process another thread is launching: it waits in the
 pipe. If that launch fails, the worker's ends of the pipes are closed: its channel reaches
@@ -20,6 +20,7 @@ is tried again by the job itself, so that its error reaches that job's caller.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -34,7 +35,7 @@ from ._copy import DatasetCopy
 from ._exits import ExitWatch
 from ._starting import Hang, StackPipe, each_at_once
 from ._worker import run_forked_worker, run_worker
-from ._zygote import is_zygote, sockets_and_pipes
+from ._zygote import SHED_SIGNALS, is_zygote, sockets_and_pipes
 
 __all__ = ["Launcher", "Worker"]
 
@@ -124,9 +125,9 @@ class Launcher:
         """Take ``w``'s lock and start its process: the process, with the lock held
         (:meth:`_end` releases it), or None (nothing to launch; the lock released)."""
         context = self._context if via is None else via
-        # A child of this very process sheds what it must not keep of it (the server did that
-        # for the children it forks).
-        target = run_forked_worker if context.get_start_method() == "fork" else run_worker
+        # A worker forked from this process in place of the server's sheds what the server
+        # would have shed (under mp_context='fork' the user asked for this process's copy).
+        target = run_worker if via is None else run_forked_worker
         w.lock.acquire()
         try:
             if w.process is not None or self._closed() or w.child_pipes is None:
@@ -143,7 +144,15 @@ class Launcher:
             process = context.Process(  # type: ignore[attr-defined]
                 target=target, args=given, name=f"aioloader-worker-{w.id}", daemon=True
             )
-            process.start()  # from the forked server: the request is sent, the pid comes later
+            if target is run_forked_worker:
+                # No handler of this process's may run in the child before it resets them.
+                blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SHED_SIGNALS)
+                try:
+                    process.start()
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            else:
+                process.start()  # from the forked server: the request is sent, pid later
             return process
         except BaseException as exc:
             self._failed(w, exc)

@@ -209,12 +209,20 @@ class WorkerPool:
         here, one. Its replacements, and the other workers, come from the server.
 
         Raises:
-            OSError: the fork failed (the worker's channel then fails its jobs, and the next job
-                launches it again from the server).
+            OSError: the fork failed (EAGAIN, ENOMEM); worker 0 is then left, with new pipes, to
+                :meth:`launch` like the others.
         """
         if _FORK is None or self._closed or not is_zygote(self.context) or not fork_is_safe():
             return
-        self._launcher.launch(self._workers[0], self._worker_args, via=_FORK)
+        w = self._workers[0]
+        try:
+            self._launcher.launch(w, self._worker_args, via=_FORK)
+        except BaseException:
+            if w.process is None:  # the launcher closed its pipes: the server's launch needs new
+                w.channel.close()
+                w.stacks.close()
+                w.channel, w.child_pipes, w.stacks = self._new_worker()
+            raise
 
     def launch(self) -> None:
         """Start every worker's process now, without waiting until it is ready (blocking while

@@ -86,7 +86,7 @@ from ._channel import serve_over
 from ._frames import Packed, pack_result, picklable
 from ._info import WorkerInfo
 from ._wire import LoadJob, MapJob, OwnSlot, Packer, StreamJob, inline, running_tag, unpack_raw
-from ._zygote import name_process, shed_parent_state
+from ._zygote import SHED_SIGNALS, Held, name_process, shed_parent_state
 
 __all__ = [
     "STACK_SIGNAL",
@@ -194,13 +194,15 @@ def run_worker(*args: Any) -> None:
     serve()
 
 
-def run_forked_worker(release: list[int], *args: Any) -> None:
-    """:func:`run_worker` in a process forked from the main process itself (the first worker,
-    forked as the loader is made; every worker under ``mp_context='fork'``): first drop what it
-    must not keep of the main process, as the forked server does (``_zygote``): the sockets and
-    pipes in ``release`` (the main process's, listed just before the fork), its signal
-    handlers."""
+def run_forked_worker(release: list[Held], *args: Any) -> None:
+    """:func:`run_worker` in a worker forked from the main process itself (a pool's first, as
+    the loader is made: ``_pool.WorkerPool.fork_first``): first drop what it must not keep of
+    the main process, as the forked server does (``_zygote``): the sockets and pipes in
+    ``release`` (the main process's, listed just before the fork) and its signal handlers.
+    The parent blocked :data:`._zygote.SHED_SIGNALS` around the fork, so that none runs the
+    main process's handler here before that: they are unblocked after."""
     shed_parent_state(release)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SHED_SIGNALS)
     run_worker(*args)
 
 

@@ -62,6 +62,8 @@ _context: Any = mp_context
 __all__ = [
     "PRELOAD",
     "SERVER_NAME",
+    "SHED_SIGNALS",
+    "Held",
     "fork_is_safe",
     "is_zygote",
     "name_process",
@@ -164,48 +166,66 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
         os._exit(code)  # never the main program's atexit hooks or buffered output
 
 
-def shed_parent_state(release: Iterable[int]) -> None:
+#: What a forked child must let go of: the descriptor, and what it was when listed (device
+#: and inode), so that a number closed and reused meanwhile is left alone.
+Held = tuple[int, int, int]
+
+# The signals whose handlers a child forked from the main process resets to the default.
+SHED_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def shed_parent_state(release: Iterable[Held]) -> None:
     """In a process just forked from the main process: drop what it must not keep of it (see
     the module docstring): the signal wake-up descriptor, signal handlers other than the
-    default, and the sockets and pipes in ``release`` (see :func:`sockets_and_pipes`). From
-    the process's only thread.
+    default, and the sockets and pipes in ``release`` (see :func:`sockets_and_pipes`), each
+    only if it is still the one listed. From the process's only thread (the one that forked
+    becomes its main thread).
 
     Each is pointed at /dev/null rather than closed: objects copied from the main process still
     own those numbers and close them when collected; a number closed now could be reused
     meanwhile by a descriptor this process needs, which that late close would then take away.
     """
-    with contextlib.suppress(ValueError):  # not the main thread: nothing was set there
+    with contextlib.suppress(ValueError):  # where the signal module refuses: nothing to undo
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+    for sig in SHED_SIGNALS:
+        with contextlib.suppress(ValueError, OSError):
             signal.signal(sig, signal.SIG_DFL)
     null = os.open(os.devnull, os.O_RDWR)
     try:
-        for fd in release:
-            if fd != null and _is_socket_or_pipe(fd):  # still: the list may be the parent's
+        for fd, device, inode in release:
+            if fd != null and _identity(fd) == (device, inode):
                 os.dup2(null, fd)
     finally:
         os.close(null)
 
 
-def sockets_and_pipes(keep: Iterable[int] = ()) -> list[int]:
+def sockets_and_pipes(keep: Iterable[int] = ()) -> list[Held]:
     """The sockets and pipes open in this process now, but the standard streams and ``keep``:
     what a process forked from it sheds. Taken in the child (the forked server), or in the
-    parent just before a fork whose own descriptors come after (``multiprocessing``'s fork
-    makes the pipe that tells the child's death then: the child must keep it)."""
+    parent just before the fork (``multiprocessing``'s fork makes the pipe that tells the
+    child's death after it: the child keeps it)."""
     try:
         fds = [int(name) for name in os.listdir("/proc/self/fd")]
     except OSError:  # no procfs: nothing to walk
         return []
     skip = {0, 1, 2, *keep}
-    return [fd for fd in fds if fd not in skip and _is_socket_or_pipe(fd)]
+    held = []
+    for fd in fds:
+        if fd in skip:
+            continue
+        with contextlib.suppress(OSError):  # closed meanwhile (listdir's own, among others)
+            info = os.fstat(fd)
+            if stat.S_ISSOCK(info.st_mode) or stat.S_ISFIFO(info.st_mode):
+                held.append((fd, info.st_dev, info.st_ino))
+    return held
 
 
-def _is_socket_or_pipe(fd: int) -> bool:
+def _identity(fd: int) -> tuple[int, int] | None:
     try:
-        mode = os.fstat(fd).st_mode
-    except OSError:  # closed meanwhile (listdir's own descriptor, among others)
-        return False
-    return stat.S_ISSOCK(mode) or stat.S_ISFIFO(mode)
+        info = os.fstat(fd)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
 
 
 def name_process(name: bytes) -> None:
@@ -341,6 +361,11 @@ def _importing() -> bool:
     module in ``sys.modules``: right after a fork each object touched there costs a copied
     page, and with torch loaded that walk took milliseconds.
     """
+    # An import that is not executing its module's body right now (reading, compiling, a C
+    # extension's init, or waiting on a nested import) still holds its module lock.
+    locks = getattr(importlib._bootstrap, "_module_locks", {})
+    if any(ref() is not None for ref in list(locks.values())):
+        return True
     for top in sys._current_frames().values():
         frame: types.FrameType | None = top
         while frame is not None:
