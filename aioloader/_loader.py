@@ -287,7 +287,7 @@ class DataLoader(SettingsView):
         if config.collate_fn in (default_collate, default_convert):
             import torch  # noqa: F401  # tensors ahead: before workers fork, not once in each
         if config.uses_processes:
-            self._context = worker_context(pool, config, context, allow_fork)
+            self._context = worker_context(pool, config, context, allow_fork, dataset)
             check_callables(config)  # the dataset is pickled when an epoch needs it
         cpus = os.cpu_count() or 1
         # Only processes compete for CPUs: threads (thread_pool=True) mostly wait on IO with the

@@ -66,13 +66,20 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
+from typing import Any
 
 from . import _shm
 from . import _validate as check
 from ._config import SHM_FRACTION, SHM_MAX_DEFAULT, LoaderConfig, context_argument
 from ._sync import LoopThread
 from ._types import Runner
-from ._workers import DEFAULT_START_TIMEOUT_S, Payload, ProcessRunner, resolve_context
+from ._workers import (
+    DEFAULT_START_TIMEOUT_S,
+    Payload,
+    ProcessRunner,
+    preload_pickler,
+    resolve_context,
+)
 from ._workers import WorkerPool as Processes
 
 __all__ = [
@@ -442,16 +449,21 @@ def worker_context(
     config: LoaderConfig,
     context: str | BaseContext | None,
     allow_fork: bool,
+    dataset: Any = None,
 ) -> BaseContext:
     """The multiprocessing context a loader's workers start from: the shared pool's, whose
     start method, ``allow_fork``, start deadline and shared-memory budget the loader may leave
-    out or give alike; else the loader's own (see ``_workers._context``).
+    out or give alike; else the loader's own (see ``_workers._context``). By default, before
+    the server forks: the pickler that ``dataset`` and the loader's callables need, if they
+    come from ``__main__`` (``_workers.preload_pickler``).
 
     Raises:
         ValueError: a loader argument conflicts with the pool (both named); an unknown or
             refused start method.
     """
     if pool is None:
+        if context is None:
+            preload_pickler(dataset, config.collate_fn, config.worker_init_fn)
         return resolve_context(context, allow_fork=allow_fork)
     mp_context = pool.multiprocessing_context
     if context is not mp_context:

@@ -374,3 +374,37 @@ def test_a_collection_in_a_worker_does_not_copy_the_heap_it_inherited(
     # Unfrozen, the collection copies ~28,000 pages of the heap; frozen, a worker's whole life
     # so far is ~2,000 faults.
     assert faults < 12_000, f"the worker took {faults} page faults: it copied inherited pages"
+
+
+def test_the_by_value_pickler_is_loaded_before_the_forks_only_for_a_main_dataset(
+    tmp_path: Path,
+) -> None:
+    """A dataset of the script travels to the workers by value (cloudpickle): imported before
+    the server and worker 0 fork, they have it instead of importing it to load their copy.
+    A dataset from a module travels by reference: nothing more is imported for it."""
+    proc = _run(
+        """
+        import sys
+        from aioloader import DataLoader
+        from datasets import Range
+
+        class Squares:
+            def __len__(self):
+                return 8
+            def __getitem__(self, i):
+                return i * i
+
+        module_loader = DataLoader(Range(8), batch_size=4, num_workers=1)
+        print("module dataset:", "cloudpickle" in sys.modules)
+        main_loader = DataLoader(Squares(), batch_size=4, num_workers=1)
+        print("main dataset:", "cloudpickle" in sys.modules)
+        print("batches", [b.tolist() for b in main_loader])
+        module_loader.close()
+        main_loader.close()
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "module dataset: False" in proc.stdout, proc.stdout
+    assert "main dataset: True" in proc.stdout, proc.stdout
+    assert "batches [[0, 1, 4, 9], [16, 25, 36, 49]]" in proc.stdout, proc.stdout

@@ -78,6 +78,7 @@ from ._info import seed_everything as seed_everything
 from ._payload import Payload as Payload
 from ._payload import dumps as dumps_payload
 from ._payload import dumps_copy as dumps_copy
+from ._payload import preload_pickler as preload_pickler
 from ._pool import DEFAULT_START_TIMEOUT_S as DEFAULT_START_TIMEOUT_S
 from ._pool import WorkerPool as WorkerPool
 from ._runner import ProcessRunner as ProcessRunner
@@ -94,6 +95,7 @@ __all__ = [
     "get_worker_info",
     "is_zygote",
     "pickles_main_by_value",
+    "preload_pickler",
     "resolve_context",
     "seed_everything",
 ]
