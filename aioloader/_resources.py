@@ -429,15 +429,28 @@ def finalize(resources: Resources, name: str) -> None:
     that was never used (its workers only started early) is released without a word."""
     if resources.closed or (not resources.held and resources.starter is None):
         return
-    if not resources.used:  # (its starter may be making the workers still: close waits)
-        resources.close()
+    if resources.used:
+        warnings.warn(
+            f"{name} was not closed; use `async with` / `with`, or call aclose() / close()",
+            ResourceWarning,
+            stacklevel=2,
+        )
+    _close_soon(resources)
+
+
+def _close_soon(resources: Resources) -> None:
+    """``resources.close()`` now, where that is safe, else from a thread of its own. The
+    collector runs a finalizer on whichever thread allocates when a loader in a reference
+    cycle is found dead: the starter thread inside :meth:`Resources.ensure`, with the lock
+    held that ``close()`` takes (a deadlock, and then the program's exit waited on it too), or
+    a loop or watch thread that ``close()`` would join."""
+    if threading.current_thread() is threading.main_thread() and resources.lock.acquire(
+        blocking=False
+    ):
+        resources.lock.release()
+        resources.close()  # (its starter may be making the workers still: close waits)
         return
-    warnings.warn(
-        f"{name} was not closed; use `async with` / `with`, or call aclose() / close()",
-        ResourceWarning,
-        stacklevel=2,
-    )
-    resources.close()
+    threading.Thread(target=resources.close, name="aioloader-close", daemon=True).start()
 
 
 def _start_up_note(exc: OSError, workers: int) -> str | None:

@@ -187,3 +187,35 @@ def test_a_signal_mid_epoch_ends_the_script_and_releases_everything(
     assert proc.returncode == -sig, (proc.returncode, stderr)
     _assert_quiet(stderr)
     _assert_nothing_left(main_pid, workers)
+
+
+def test_a_loader_collected_on_a_thread_that_holds_its_lock_is_closed_without_deadlock() -> None:
+    """The collector runs a dead loader's finalizer on whichever thread allocates: found
+    unreachable in a reference cycle while its own starter thread is making the workers
+    (``ensure()``, the resources' lock held), the finalizer must not wait for that lock on
+    that thread: it did, and the program's exit then waited on it forever."""
+    import threading
+
+    from datasets import Range
+
+    from aioloader import DataLoader, _resources
+
+    loader = DataLoader(Range(8), batch_size=4, num_workers=1)
+    res = loader._res
+    returned = threading.Event()
+
+    def collected_while_ensuring() -> None:
+        with res.lock:  # as ensure() holds it when an allocation there runs the collector
+            _resources.finalize(res, "DataLoader")
+            returned.set()
+
+    thread = threading.Thread(target=collected_while_ensuring, daemon=True)
+    thread.start()
+    thread.join(10.0)
+    assert returned.is_set(), "the finalizer waited for a lock its own thread holds"
+    deadline = time.monotonic() + 20.0
+    while not res.closed and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert res.closed  # closed all the same, once the lock was free
+    assert loader.worker_pids == ()
+    loader.close()
