@@ -124,35 +124,18 @@ class Launcher:
     ) -> Any:
         """Take ``w``'s lock and start its process: the process, with the lock held
         (:meth:`_end` releases it), or None (nothing to launch; the lock released)."""
-        context = self._context if via is None else via
-        # A worker forked from this process in place of the server's sheds what the server
-        # would have shed (under mp_context='fork' the user asked for this process's copy).
-        target = run_worker if via is None else run_forked_worker
         w.lock.acquire()
         try:
             if w.process is not None or self._closed() or w.child_pipes is None:
                 w.lock.release()
                 return None
             w.launched, w.launching = time.monotonic(), True
-            given = args(w)
-            if target is run_forked_worker:  # what of this process the child must let go
-                keep = {end.fileno() for end in w.child_pipes}
-                tracker = getattr(resource_tracker._resource_tracker, "_fd", None)
-                if isinstance(tracker, int):
-                    keep.add(tracker)
-                given = (sockets_and_pipes(keep), *given)
-            process = context.Process(  # type: ignore[attr-defined]
-                target=target, args=given, name=f"aioloader-worker-{w.id}", daemon=True
+            if via is not None:
+                return _fork_here(via, w, args(w))
+            process = self._context.Process(  # type: ignore[attr-defined]
+                target=run_worker, args=args(w), name=_name(w), daemon=True
             )
-            if target is run_forked_worker:
-                # No handler of this process's may run in the child before it resets them.
-                blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SHED_SIGNALS)
-                try:
-                    process.start()
-                finally:
-                    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-            else:
-                process.start()  # from the forked server: the request is sent, pid later
+            process.start()  # from the forked server: the request is sent, the pid comes later
             return process
         except BaseException as exc:
             self._failed(w, exc)
@@ -192,3 +175,29 @@ class Launcher:
         w.child_pipes = None
         w.launching = False
         w.lock.release()
+
+
+def _name(w: Worker) -> str:
+    return f"aioloader-worker-{w.id}"
+
+
+def _fork_here(context: BaseContext, w: Worker, given: tuple[Any, ...]) -> Any:
+    """Start ``w``'s process as a fork of this very process, in place of the server's
+    (``WorkerPool.fork_first``): its child first lets go of what the server would have shed
+    (:func:`._worker.run_forked_worker`): this process's sockets and pipes, listed now, but its
+    own pipes and the resource tracker's; and its signal handlers, which may not run in the
+    child before it resets them (blocked around the fork)."""
+    assert w.child_pipes is not None
+    keep = {end.fileno() for end in w.child_pipes}
+    tracker = getattr(resource_tracker._resource_tracker, "_fd", None)
+    if isinstance(tracker, int):
+        keep.add(tracker)
+    process = context.Process(  # type: ignore[attr-defined]
+        target=run_forked_worker, args=(sockets_and_pipes(keep), *given), name=_name(w), daemon=True
+    )
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SHED_SIGNALS)
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return process
