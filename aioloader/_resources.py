@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _shm
 from ._batch import BatchMaker
+from ._closing import close_soon
 from ._config import LoaderConfig
 from ._epoch import Epoch
 from ._errors import out_of_descriptors_note
@@ -435,22 +436,7 @@ def finalize(resources: Resources, name: str) -> None:
             ResourceWarning,
             stacklevel=2,
         )
-    _close_soon(resources)
-
-
-def _close_soon(resources: Resources) -> None:
-    """``resources.close()`` now, where that is safe, else from a thread of its own. The
-    collector runs a finalizer on whichever thread allocates when a loader in a reference
-    cycle is found dead: the starter thread inside :meth:`Resources.ensure`, with the lock
-    held that ``close()`` takes (a deadlock, and then the program's exit waited on it too), or
-    a loop or watch thread that ``close()`` would join."""
-    if threading.current_thread() is threading.main_thread() and resources.lock.acquire(
-        blocking=False
-    ):
-        resources.lock.release()
-        resources.close()  # (its starter may be making the workers still: close waits)
-        return
-    threading.Thread(target=resources.close, name="aioloader-close", daemon=True).start()
+    close_soon(resources.close, resources.lock)  # the collector may run this inside ensure()
 
 
 def _start_up_note(exc: OSError, workers: int) -> str | None:

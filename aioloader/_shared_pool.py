@@ -70,6 +70,7 @@ from typing import Any
 
 from . import _shm
 from . import _validate as check
+from ._closing import close_soon
 from ._config import SHM_FRACTION, SHM_MAX_DEFAULT, LoaderConfig, context_argument
 from ._sync import LoopThread
 from ._types import Runner
@@ -493,7 +494,9 @@ os.register_at_fork(after_in_child=_OPEN.clear)
 
 
 def _finalize(held: _Held) -> None:
-    """The pool was garbage collected unclosed: warn, then stop its workers."""
+    """The pool was garbage collected unclosed: warn, then stop its workers (from a thread of
+    their own where the collecting thread holds the pool's lock or is its loop thread: see
+    ``_closing``)."""
     if held.closed:
         return
     warnings.warn(
@@ -501,4 +504,4 @@ def _finalize(held: _Held) -> None:
         ResourceWarning,
         stacklevel=2,
     )
-    held.close()
+    close_soon(held.close, held.lock)

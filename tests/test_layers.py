@@ -36,6 +36,7 @@ LEVELS: dict[str, int] = {
     "_tree": 0,
     "_mismatch": 0,
     "_signals": 0,
+    "_closing": 0,
     "_lazy": 0,
     "_stats": 0,
     "_log": 0,

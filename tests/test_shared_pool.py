@@ -321,6 +321,39 @@ def test_an_unclosed_pool_warns_and_stops_its_workers() -> None:
     assert fd.wait_gone(pids) == []
 
 
+def test_a_pool_collected_on_a_thread_that_holds_its_lock_is_closed_without_deadlock() -> None:
+    """The collector runs a dead pool's finalizer on whichever thread allocates, possibly one
+    inside a method that holds the pool's lock (making its slot pool, dropping a loader's
+    copy): the finalizer must not wait there for that lock. Its workers still stop, once the
+    lock is free."""
+    import threading
+
+    from aioloader import _shared_pool
+
+    pool = WorkerPool(1)
+    pool.start()
+    pids = pool.worker_pids
+    held = pool._held
+    returned = threading.Event()
+
+    def collected_under_the_lock() -> None:
+        with held.lock:
+            _shared_pool._finalize(held)
+            returned.set()
+
+    def run_bounded() -> None:
+        thread = threading.Thread(target=collected_under_the_lock, daemon=True)
+        thread.start()
+        thread.join(10.0)
+
+    with pytest.warns(ResourceWarning, match="WorkerPool was not closed"):  # from that thread
+        run_bounded()
+    assert returned.is_set(), "the finalizer waited for a lock its own thread holds"
+    assert wait_for(lambda: held.closed)
+    assert fd.wait_gone(pids) == []
+    pool.close()
+
+
 # -- arguments --------------------------------------------------------------------------------
 
 
