@@ -130,6 +130,9 @@ class SharedRunner(ProcessRunner):
         config: the loader's settings (prefetch, seed, worker seeding).
         copy_id: this loader's copy id in the workers.
         on_close: called once when the runner is closed (the pool forgets the loader).
+        abandoned_own: the pool's set of segment names to sweep once its workers are stopped
+            (closing one loader leaves the workers running: what they make for its given-up
+            jobs is unlinked when they are done, or else when the pool closes).
     """
 
     def __init__(
@@ -139,8 +142,11 @@ class SharedRunner(ProcessRunner):
         config: LoaderConfig,
         copy_id: int,
         on_close: Callable[[], None],
+        abandoned_own: set[str],
     ) -> None:
-        super().__init__(processes, slots, config.prefetch, copy_id=copy_id)
+        super().__init__(
+            processes, slots, config.prefetch, copy_id=copy_id, abandoned_own=abandoned_own
+        )
         self._seed = config.seed
         self._per_batch_seeds = config.worker_seeding == "batch"
         self._on_close: Callable[[], None] | None = on_close
@@ -169,6 +175,9 @@ class _Held:
     slots_made: bool = False
     loop_thread: LoopThread | None = None
     attached: set[int] = field(default_factory=set)  # copy ids of the loaders attached now
+    # Segment names of every loader's jobs given up while a worker may still make them: the
+    # workers' channels let them go at close before the workers are stopped (ProcessRunner).
+    abandoned_own: set[str] = field(default_factory=set)
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -204,6 +213,9 @@ class _Held:
         if loop_thread is not None:
             loop_thread.close()
         self.processes.close()
+        for name in list(self.abandoned_own):  # the workers are stopped: none makes one now
+            _shm.discard(name)
+        self.abandoned_own.clear()
         if slots is not None:
             slots.close()
 
@@ -409,6 +421,7 @@ class WorkerPool:
                 config,
                 copy_id,
                 functools.partial(held.detach, copy_id),
+                held.abandoned_own,
             )
 
     def loop(self) -> LoopThread:

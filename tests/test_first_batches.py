@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from datasets import Range
 
-from aioloader import DataLoader, _shm
+from aioloader import DataLoader, WorkerPool, _shm
 from aioloader._shm import SlotPool
 from aioloader._workers._wire import OwnSlot, Receiver
 
@@ -123,4 +123,39 @@ async def test_a_loader_closed_while_workers_make_their_first_segments_leaves_no
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
+    assert own_segments() == set()
+
+
+@pytest.mark.parametrize("pool_closes", ["at once", "after the workers are done"])
+async def test_a_shared_pool_leaves_none_of_a_closed_loaders_first_segments(
+    tmp_path: pathlib.Path, pool_closes: str
+) -> None:
+    # As above, over a shared pool: the loader closes and the pool runs on, its workers still
+    # making the segments of the jobs given up. They are unlinked when the workers are done
+    # with those jobs, or, if the pool closes first, when it has stopped its workers.
+    pool = WorkerPool(num_workers=2)
+    try:
+        loader = DataLoader(SlowTiles(64, str(tmp_path)), batch_size=8, workers=pool, prefetch=4)
+        async with loader:
+            first = asyncio.ensure_future(anext(aiter(loader)))
+            for _ in range(200):  # bounded: 10 s
+                if len(os.listdir(tmp_path)) >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert len(os.listdir(tmp_path)) >= 2  # both workers are making a batch
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+        if pool_closes != "at once":
+            # Done: no sample begun for longer than a batch takes (0.4 s). Bounded: 10 s.
+            begun, still_since = -1, time.monotonic()
+            for _ in range(100):
+                if len(os.listdir(tmp_path)) != begun:
+                    begun, still_since = len(os.listdir(tmp_path)), time.monotonic()
+                elif time.monotonic() - still_since > 0.6:
+                    break
+                await asyncio.sleep(0.1)
+            assert own_segments() == set()  # the pool still runs
+    finally:
+        await pool.aclose()
     assert own_segments() == set()

@@ -41,6 +41,9 @@ class ProcessRunner:
         prefetch: batches in flight at once (to check /dev/shm for that many slots).
         copy_id: the workers' dataset copy this runner's jobs use: 0 for a loader's own
             workers, one per loader on a shared pool (see ``aioloader._shared_pool``).
+        abandoned_own: where to note the segment names of jobs given up while a worker may
+            still make them (see ``__init__``); the runner's own set when None. A shared
+            pool passes its set, which it sweeps when it stops the workers.
     """
 
     inline: InlineMaking | None = None  # every batch is a worker's
@@ -52,6 +55,7 @@ class ProcessRunner:
         prefetch: int = 1,
         *,
         copy_id: int = 0,
+        abandoned_own: set[str] | None = None,
     ) -> None:
         self.pool = pool
         self.slots = slots
@@ -59,7 +63,7 @@ class ProcessRunner:
         self._receiver = Receiver(slots, prefetch)
         # Names of segments workers make (OwnSlot) for jobs given up while they ran: a pool
         # that closes lets them go before their worker is done, which may still make one.
-        self._abandoned_own: set[str] = set()
+        self._abandoned_own: set[str] = set() if abandoned_own is None else abandoned_own
         self._sender = Sender(slots)
         self._restarts_logged = pool.rebuilds  # worker replacements said in the log so far
 
