@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -362,12 +363,34 @@ async def test_the_loader_reports_a_missing_object() -> None:
 
 
 @pytest.mark.parametrize(
-    "url", ["ftp://host/file", "s3://bucket/key", "file:///etc/hosts", "no-scheme", "http://"]
+    "url",
+    [
+        "ftp://host/file",
+        "s3://bucket/key",
+        "file:///etc/hosts",
+        "no-scheme",
+        "http://",
+        "http:///no/host",
+        "https://?query",
+        "http://#fragment",
+        "http//host/x",
+    ],
 )
 def test_unsupported_urls_are_refused_at_construction(url: str) -> None:
     with pytest.raises(ValueError, match="urls\\[1\\]") as info:
         HTTPDataset(["http://127.0.0.1/ok", url])
     assert repr(url) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://h", "HTTPS://host:8443/a?b#c", "http://user:pw@host/x", " http://host/x", "Http://h/"],
+)
+def test_http_urls_of_every_form_are_taken_as_urlsplit_reads_them(url: str) -> None:
+    parts = urllib.parse.urlsplit(url)
+    assert parts.scheme.lower() in ("http", "https")  # what the check means
+    assert parts.netloc
+    assert HTTPDataset([url]).urls == (url,)
 
 
 @pytest.mark.parametrize(
