@@ -16,9 +16,10 @@ Errors from user code keep their type; a note names the batch and the sample ind
 
 from __future__ import annotations
 
+import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ import numpy as np
 from ._collate import default_collate, numpy_collate
 from ._distributed import Shard
 from ._errors import WorkerError
+from ._tree import iter_leaves
 from ._types import EMPTY_BATCH, END, BatchRequest, Made, StreamRequest
 
 __all__ = [
@@ -34,9 +36,14 @@ __all__ = [
     "StreamCursor",
     "annotate",
     "continued_share",
+    "flat_indices",
+    "indices_text",
+    "nbytes_of",
     "not_an_exit",
+    "request_for",
     "stream_batch",
     "take",
+    "take_async",
 ]
 
 Alloc = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray[Any, Any]]
@@ -345,3 +352,51 @@ def _short(indices: Sequence[int], limit: int = 16) -> str:
     if len(indices) <= limit:
         return str(list(indices))
     return f"[{', '.join(map(str, indices[:limit]))}, ... ({len(indices)} in all)]"
+
+
+def request_for(epoch: int, batch_id: int, indices: Any) -> BatchRequest:
+    """The request for ``indices``: a list of indices, or of shards' lists of them."""
+    sharded = bool(indices) and isinstance(indices[0], list | tuple)
+    return BatchRequest(epoch, batch_id, indices, sharded=sharded)
+
+
+def flat_indices(request: BatchRequest) -> list[int]:
+    """A map-style request's indices, its shards' one after another."""
+    if request.sharded:
+        return [int(i) for shard in request.indices for i in shard]  # type: ignore[union-attr]
+    return [int(i) for i in request.indices]  # type: ignore[arg-type]
+
+
+def indices_text(request: BatchRequest) -> str:
+    """The indices of ``request`` for a message: the first eight, and the count."""
+    indices = list(request.indices)
+    if len(indices) > 8:
+        return f"indices {indices[:8]}... ({len(indices)} in all)"
+    return f"indices {indices}"
+
+
+def nbytes_of(batch: Any) -> int:
+    """Bytes of the arrays and tensors in ``batch`` (for the bytes/s of the statistics)."""
+    torch = sys.modules.get("torch")  # a batch can hold tensors only once torch is imported
+    total = 0
+    for leaf in iter_leaves(batch):
+        if isinstance(leaf, np.ndarray):
+            total += leaf.nbytes
+        elif torch is not None and isinstance(leaf, torch.Tensor):
+            total += leaf.element_size() * leaf.nelement()
+    return total
+
+
+async def take_async(
+    iterator: AsyncIterator[Any], n: int
+) -> tuple[list[Any], BaseException | None]:
+    """Up to ``n`` items, and the error that stopped the stream early, if any."""
+    out: list[Any] = []
+    while len(out) < n:
+        try:
+            out.append(await anext(iterator))
+        except StopAsyncIteration:
+            break
+        except Exception as exc:
+            return out, exc
+    return out, None

@@ -37,13 +37,18 @@ from typing import Any, Protocol
 
 from ._config import LoaderConfig, Sampling
 from ._log import epoch_log
-from ._produce import Producer
+from ._produce import BUSY, Producer
 from ._reorder import Outcome, ReorderBuffer
 from ._stats import WAIT_SHARE_THRESHOLD, Capacity, Counters, EpochStatistics
 from ._sync import NOT_INLINE
 from ._types import EMPTY_BATCH, END, Runner, StreamPosition, StreamResume
 
-__all__ = ["DeviceStage", "Epoch", "EpochIterator", "Plan"]
+__all__ = ["LOOP_TURN_S", "DeviceStage", "Epoch", "EpochIterator", "Plan"]
+
+#: While the consumer makes cheap batches on the loop itself (``Epoch._next_on_loop``), the
+#: loop's other tasks get a turn at least this often (a batch that takes longer than
+#: ``_threads.INLINE_ABOVE_S`` sends the rest of the epoch back to the helper thread).
+LOOP_TURN_S = 1e-3
 
 
 class Transfer(Protocol):
@@ -202,6 +207,8 @@ class Epoch:
             and device is None
             else None
         )
+        self._producer.may_park = self._inline is not None
+        self._turn_due = 0.0  # when the consumer making batches on the loop yields to it next
         self._progress = progress
         self._stats_token = object()  # this epoch's claim on the counters' epoch clock
 
@@ -247,6 +254,11 @@ class Epoch:
                     self._taken(outcome.batch_id)  # done, for resume
                     continue
                 return await self._take(outcome)
+            if self._producer.parked and len(self.reorder) == 0:
+                batch = await self._next_on_loop()
+                if batch is not NOT_INLINE:
+                    return batch
+                continue  # the scheduler goes on
             if self._producer.done and len(self.reorder) == 0:
                 await self.aclose()
                 self._finish()
@@ -303,6 +315,49 @@ class Epoch:
                 self._taken(batch_id)
                 raise outcome.error
             self._yielded(batch_id)
+            return outcome.value
+
+    async def _next_on_loop(self) -> Any:
+        """The next batch, made here on the loop by the consumer, with no task, permit or
+        future: the scheduler parked once batches proved cheap (``Producer.may_park``), as
+        ``next_inline`` makes them with no loop. Returns :data:`NOT_INLINE` once they got
+        costly (or a thread makes one): the scheduler then goes on. Other tasks on the loop get
+        a turn every :data:`LOOP_TURN_S`."""
+        inline, producer = self._inline, self._producer
+        assert inline is not None
+        assert self.plan is not None
+        while True:
+            if (inline.costly or not inline.cheap) and producer.can_leave_inline:
+                producer.unpark(self.plan.put_back)
+                return NOT_INLINE
+            if time.perf_counter() >= self._turn_due:
+                await asyncio.sleep(0)
+                self._turn_due = time.perf_counter() + LOOP_TURN_S
+                if self._closed:
+                    raise StopAsyncIteration
+            started = time.perf_counter()
+            try:
+                outcome = producer.make_inline(inline, on_loop=True)
+            except BaseException:  # Ctrl-C in the dataset's code: the epoch ends, as in a thread
+                self.close_nowait()
+                raise
+            finally:
+                self._counters.consumer_wait_s += time.perf_counter() - started
+            if outcome is BUSY:
+                producer.unpark(self.plan.put_back)
+                return NOT_INLINE
+            if outcome is None:
+                await self.aclose()
+                self._finish()
+                raise StopAsyncIteration
+            if outcome.value is EMPTY_BATCH:  # every sample skipped: nothing to hand over
+                producer.taken(outcome.batch_id)
+                self._taken(outcome.batch_id)
+                continue
+            if outcome.error is not None:
+                self._taken(outcome.batch_id)
+                raise outcome.error
+            self._yielded(outcome.batch_id)
             return outcome.value
 
     async def _take(self, outcome: Outcome) -> Any:

@@ -43,15 +43,22 @@ import asyncio
 import contextlib
 import functools
 import itertools
-import sys
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
-from typing import Any
+from typing import Any, Final
 
-import numpy as np
-
-from ._batch import annotate, continued_share, stream_batch
+from ._batch import (
+    annotate,
+    continued_share,
+    flat_indices,
+    indices_text,
+    nbytes_of,
+    not_an_exit,
+    request_for,
+    stream_batch,
+    take_async,
+)
 from ._config import LoaderConfig
 from ._deadline import DeadlinePolicy, run_attempts, timeout_error
 from ._distributed import every_nth_async, stream_share
@@ -60,7 +67,6 @@ from ._failures import FailureBudget
 from ._fetch import Fetcher
 from ._reorder import Outcome, ReorderBuffer
 from ._stats import Counters, current_counters
-from ._tree import iter_leaves
 from ._types import (
     END,
     BatchRequest,
@@ -74,7 +80,10 @@ from ._types import (
     stream_state,
 )
 
-__all__ = ["BYTES_WALK_BUDGET_S", "Producer"]
+__all__ = ["BUSY", "BYTES_WALK_BUDGET_S", "Producer"]
+
+#: What :meth:`Producer.make_inline` says on the loop while a thread is making a batch.
+BUSY: Final = Outcome(-1)
 
 # The tasks and futures of every running epoch, per loop, each held until it is done. The loop
 # holds its tasks only weakly: when a consumer drops an epoch whose iterator is in a reference
@@ -170,6 +179,10 @@ class Producer:
         self._unwalked = 0  # batches whose bytes are estimated before the next walk
         self._bytes_per_sample = 0.0  # of the last walked batch
         self.done = False  # the scheduler has scheduled its last batch
+        # The consumer may make the plan's batches itself on the loop (Epoch sets it): then
+        # the scheduler parks once batches prove cheap, and the consumer takes over.
+        self.may_park = False
+        self.parked = False  # the scheduler stopped for the consumer; done is not set
         self.closed = False  # outcomes that arrive now are dropped
 
     def start(self) -> None:
@@ -205,10 +218,13 @@ class Producer:
 
     # -- inline, with no loop -------------------------------------------------------------------
 
-    def make_inline(self, inline: InlineMaking) -> Outcome | None:
-        """Make the plan's next batch in the calling thread, no loop (``Epoch.next_inline``);
-        None once the plan ran out. Read one pair ahead, so ``done`` is set as the last batch
-        is made; a failing sampler is delivered in order and ends the epoch, as scheduled."""
+    def make_inline(self, inline: InlineMaking, *, on_loop: bool = False) -> Outcome | None:
+        """Make the plan's next batch in the calling thread (``Epoch.next_inline``, or on the
+        loop with the scheduler parked); None once the plan ran out, :data:`BUSY` (on the loop,
+        which never waits) while a thread makes a batch. Read one pair ahead, so ``done`` is
+        set as the last batch is made; a failing sampler is delivered in order and ends the
+        epoch, as scheduled. On the loop, a ``SystemExit`` from the dataset is the batch's
+        error, as from the helper thread (only Ctrl-C is raised as it is)."""
         assert self._plan is not None
         if self._ahead is None:
             self._read_ahead()
@@ -220,13 +236,22 @@ class Producer:
             return Outcome(self._next_id, error=ahead)
         batch_id, indices = ahead
         self._next_id = batch_id + 1
-        request = _request(self._epoch, batch_id, indices)
+        request = request_for(self._epoch, batch_id, indices)
         try:
-            made = inline.make(request)
+            made = inline.make(request, wait=not on_loop)
         except Exception as exc:
             outcome = Outcome(batch_id, error=exc)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            if not on_loop:
+                raise  # in the caller's own thread, as torch's num_workers=0
+            where = "the event loop (a batch made inline)"
+            outcome = Outcome(batch_id, error=not_an_exit(exc, where, batch_id))
         else:
-            assert made is not None  # a make that waits for the lock always makes
+            if made is None:  # a thread makes one: the pair waits for the scheduler
+                self._ahead = ahead
+                return BUSY
             outcome = self._accounted(batch_id, made, request)
         self._read_ahead()
         return outcome
@@ -251,6 +276,13 @@ class Producer:
         ahead, self._ahead = self._ahead, None
         if isinstance(ahead, tuple):
             put_back(ahead)
+
+    def unpark(self, put_back: Callable[[tuple[int, Any]], None]) -> None:
+        """The consumer stops making batches on the loop: the scheduler goes on from the
+        pair read ahead (batches got costly, or a thread makes one)."""
+        self.leave_inline(put_back)
+        self.parked = False
+        self.start()
 
     # -- scheduling ----------------------------------------------------------------------------
 
@@ -302,7 +334,7 @@ class Producer:
             self._claimed = None
             self._reorder.put_nowait(Outcome(batch_id, error=exc))
         finally:
-            self.done = True
+            self.done = self.done or not self.parked
             self._wake()
 
     async def _schedule_plan(self) -> None:
@@ -312,12 +344,16 @@ class Producer:
         for batch_id, indices in self._plan:
             self._next_id = batch_id + 1
             await self._scheduled(batch_id)
-            request = _request(self._epoch, batch_id, indices)
+            request = request_for(self._epoch, batch_id, indices)
             if fast:
                 future = self._runner.start_make(request)
                 self._claimed = None
                 if future.done():  # made inline (cheap): no callback round through the loop
                     self._made_fast(request, future)
+                    inline = self._runner.inline
+                    if self.may_park and inline is not None and inline.cheap:
+                        self.parked = True  # the consumer makes the rest (Epoch._next_on_loop)
+                        return
                     continue
                 self._tasks.add(future)
                 _hold(future)
@@ -391,7 +427,7 @@ class Producer:
         try:
             while True:
                 started = time.perf_counter()
-                samples, error = await _take_async(iterator, size)
+                samples, error = await take_async(iterator, size)
                 self._counters.stream_s += time.perf_counter() - started
                 position = stream_state(self._dataset) if samples else None
                 short = len(samples) < size
@@ -433,7 +469,7 @@ class Producer:
         error = future.exception()
         if error is not None:
             if isinstance(error, WorkerCrashedError):
-                annotate(error, f"batch {request.batch_id}: {_indices_text(request)}")
+                annotate(error, f"batch {request.batch_id}: {indices_text(request)}")
             self._store(Outcome(request.batch_id, error=error))
         else:
             self._store(self._accounted(request.batch_id, future.result(), request))
@@ -456,7 +492,7 @@ class Producer:
                     self._counters.timeouts += 1
                     error = timeout_error(
                         request.batch_id,
-                        f"fetching {_indices_text(request)}",
+                        f"fetching {indices_text(request)}",
                         clock() - started,
                         self._config.timeout,
                         None,
@@ -471,7 +507,7 @@ class Producer:
             await self._attempts(
                 request.batch_id,
                 lambda: self._runner.start_make(request),
-                lambda: _indices_text(request),
+                lambda: indices_text(request),
                 request=request,
             )
         )
@@ -528,7 +564,7 @@ class Producer:
             self._unwalked -= 1
             return round(made.samples * self._bytes_per_sample)
         started = time.perf_counter()
-        nbytes = _nbytes(made.batch)
+        nbytes = nbytes_of(made.batch)
         cost = time.perf_counter() - started
         self._unwalked = min(_MAX_UNWALKED, int(cost / BYTES_WALK_BUDGET_S))
         self._bytes_per_sample = nbytes / made.samples if made.samples else 0.0
@@ -547,54 +583,8 @@ class Producer:
             read: list[int] | int = made.samples
             if request is not None and self._config.kind in ("map", "async_map"):  # dataset indices
                 failed = {index for index, _ in made.skipped}
-                read = [i for i in _flat_indices(request) if i not in failed]
+                read = [i for i in flat_indices(request) if i not in failed]
             error = self._budget.over(batch_id, read)
             if error is not None:
                 return Outcome(batch_id, error=error)  # named in the error, not delivered
         return Outcome(batch_id, value=made.batch)
-
-
-def _nbytes(batch: Any) -> int:
-    """Bytes of the arrays and tensors in ``batch`` (for the bytes/s of the statistics)."""
-    torch = sys.modules.get("torch")  # a batch can hold tensors only once torch is imported
-    total = 0
-    for leaf in iter_leaves(batch):
-        if isinstance(leaf, np.ndarray):
-            total += leaf.nbytes
-        elif torch is not None and isinstance(leaf, torch.Tensor):
-            total += leaf.element_size() * leaf.nelement()
-    return total
-
-
-def _flat_indices(request: BatchRequest) -> list[int]:
-    """A map-style request's indices, its shards' one after another."""
-    if request.sharded:
-        return [int(i) for shard in request.indices for i in shard]  # type: ignore[union-attr]
-    return [int(i) for i in request.indices]  # type: ignore[arg-type]
-
-
-def _request(epoch: int, batch_id: int, indices: Any) -> BatchRequest:
-    sharded = bool(indices) and isinstance(indices[0], list | tuple)
-    return BatchRequest(epoch, batch_id, indices, sharded=sharded)
-
-
-async def _take_async(
-    iterator: AsyncIterator[Any], n: int
-) -> tuple[list[Any], BaseException | None]:
-    """Up to ``n`` items, and the error that stopped the stream early, if any."""
-    out: list[Any] = []
-    while len(out) < n:
-        try:
-            out.append(await anext(iterator))
-        except StopAsyncIteration:
-            break
-        except Exception as exc:
-            return out, exc
-    return out, None
-
-
-def _indices_text(request: BatchRequest) -> str:
-    indices = list(request.indices)
-    if len(indices) > 8:
-        return f"indices {indices[:8]}... ({len(indices)} in all)"
-    return f"indices {indices}"

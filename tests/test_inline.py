@@ -9,6 +9,7 @@ Which thread made a batch is read from the dataset itself (the thread that ran `
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 from datasets import Range
 from helpers import BOUND_S, as_lists, expected_batches, flat, notes_of
 
-from aioloader import DataLoader, _threads
+from aioloader import DataLoader, WorkerError, _threads
 from aioloader._batch import BatchMaker
 from aioloader._threads import INLINE_AFTER, InlineMaker, ThreadRunner
 from aioloader._types import BatchRequest
@@ -295,3 +296,143 @@ def test_a_loader_closed_under_an_inline_iterator_ends_it() -> None:
     with pytest.raises((StopIteration, RuntimeError)):
         next(it)
     assert time.monotonic() - started < BOUND_S
+
+
+# -- async for: the consumer makes the batches on the loop ------------------------------------
+# Once batches proved cheap, the scheduler parks and the consumer makes each batch itself in
+# __anext__ (no task, permit or future per batch), giving the loop a turn every LOOP_TURN_S.
+
+PARKED_FROM = 4 * (INLINE_AFTER + 4)  # an index whose batch comes after the scheduler parked
+
+
+async def test_a_costly_batch_after_the_consumer_took_over_sends_the_next_to_the_thread() -> None:
+    data = WhereMade(240, costly=frozenset({120}))
+    async with DataLoader(data, batch_size=4) as loader:
+        assert as_lists([b async for b in loader]) == expected_batches(240, 4)
+    loop_thread = threading.current_thread().name
+    before = [data.threads[i] for i in range(PARKED_FROM, 120)]
+    assert before.count(loop_thread) > len(before) * 0.9
+    assert made_by(data, range(124, 128)) == {HELPER}  # the batch after the costly one
+    # Cheap again: back on the loop within a few batches.
+    assert data.threads[239] == loop_thread
+    assert data.most_at_once == 1
+
+
+async def test_the_loop_gets_turns_while_the_consumer_makes_cheap_batches() -> None:
+    ticks: list[float] = []
+    stop = False
+
+    async def ticker() -> None:
+        while not stop:
+            ticks.append(time.perf_counter())
+            await asyncio.sleep(0)
+
+    data = WhereMade(4 * 8000)
+    async with DataLoader(data, batch_size=4) as loader:
+        task = asyncio.ensure_future(ticker())
+        taken = 0
+        half = 0.0
+        async for _ in loader:  # never awaits anything else: only the loader gives turns
+            taken += 1
+            if taken == 4000:
+                half = time.perf_counter()  # long after the consumer took over
+        ended = time.perf_counter()
+        stop = True
+        await asyncio.wait_for(task, BOUND_S)
+    assert taken == 8000
+    assert made_by(data, range(4 * 4000, 4 * 8000)) == {threading.current_thread().name}
+    # A turn every LOOP_TURN_S of making: tens in the second half (which takes tens of ms at
+    # least); none if the consumer never yielded.
+    second_half = [t for t in ticks if half <= t <= ended]
+    assert len(second_half) >= 10, (len(second_half), ended - half)
+
+
+async def test_a_state_taken_mid_epoch_on_the_loop_resumes_exactly() -> None:
+    def loader() -> DataLoader:
+        return DataLoader(WhereMade(200), batch_size=4, shuffle=True, seed=11)
+
+    async with loader() as whole:
+        expected = as_lists([b async for b in whole])
+    async with loader() as first:
+        it = aiter(first)
+        head = as_lists([await anext(it) for _ in range(30)])  # well past the take-over
+        state = first.state_dict()
+    async with loader() as second:
+        second.load_state_dict(state)
+        rest = as_lists([b async for b in second])
+    assert head + rest == expected
+
+
+async def test_an_exit_in_the_dataset_on_the_loop_is_that_batchs_error_and_the_epoch_goes_on() -> (
+    None
+):
+    class ExitAt(WhereMade):
+        def __getitem__(self, index: int) -> int:
+            if index == 101:
+                raise SystemExit(3)
+            return super().__getitem__(index)
+
+    data = ExitAt(120)
+    async with DataLoader(data, batch_size=4) as loader:
+        it = aiter(loader)
+        got = [(await anext(it)).tolist() for _ in range(25)]
+        with pytest.raises(WorkerError, match="SystemExit") as info:
+            await anext(it)
+        assert "batch 25" in str(info.value)
+        got += [b.tolist() async for b in it]
+    assert data.threads[100] == threading.current_thread().name  # made on the loop
+    assert got == [b for b in expected_batches(120, 4) if 101 not in b]
+
+
+async def test_ctrl_c_in_the_dataset_on_the_loop_ends_the_epoch_and_the_next_starts_whole() -> (
+    None
+):
+    data = WhereMade(120, interrupt=101)
+    async with DataLoader(data, batch_size=4) as loader:
+        it = aiter(loader)
+        for _ in range(25):
+            await anext(it)
+        with pytest.raises(KeyboardInterrupt):
+            await anext(it)
+        with pytest.raises(StopAsyncIteration):
+            await anext(it)
+        assert flat([b async for b in loader]) == list(range(120))
+
+
+async def test_two_async_epochs_at_once_run_whole_and_never_read_together() -> None:
+    data = WhereMade(400, costly=frozenset({150, 301}))
+    async with DataLoader(data, batch_size=4) as loader:
+        a, b = aiter(loader), aiter(loader)
+        pairs = [(await anext(a), await anext(b)) for _ in range(100)]
+        for it in (a, b):
+            with pytest.raises(StopAsyncIteration):
+                await anext(it)
+    assert [x.tolist() for x, _ in pairs] == [y.tolist() for _, y in pairs]
+    assert flat([x for x, _ in pairs]) == list(range(400))
+    assert data.most_at_once == 1
+
+
+async def test_while_a_thread_makes_a_batch_the_consumer_leaves_the_next_to_the_scheduler() -> (
+    None
+):
+    data = WhereMade(200)
+    async with DataLoader(data, batch_size=4) as loader:
+        it = aiter(loader)
+        got = [(await anext(it)).tolist() for _ in range(20)]  # the consumer took over
+        runner = loader._res.runner
+        assert runner is not None
+        inline = runner.inline
+        assert isinstance(inline, InlineMaker)
+        # As the helper thread of another epoch of this loader holds it, making a batch:
+        inline._lock.acquire()
+        try:
+            nxt = asyncio.ensure_future(anext(it))
+            await asyncio.sleep(0.05)  # the loop runs: it never waits for the lock
+            assert not nxt.done()
+        finally:
+            inline._lock.release()
+        got.append((await asyncio.wait_for(nxt, BOUND_S)).tolist())
+        got += [b.tolist() async for b in it]
+    assert got == expected_batches(200, 4)
+    assert data.threads[80] == HELPER  # made by the scheduler's thread once the lock was free
+    assert data.most_at_once == 1
