@@ -17,8 +17,9 @@ to a thread and back costs about 60 us of CPU across the two threads, more than 
 of a few hundred small samples (torch's ``num_workers=0`` makes them in the caller's thread,
 and was twice as fast here). Batches that take under :data:`INLINE_BELOW_S` are made where
 they are asked for: on the event loop (async iteration, once :data:`INLINE_AFTER` batches in a
-row were that cheap, and only while the thread is not making one), or in the caller's own thread
-(``for``, from the first batch: see ``Epoch.next_inline``). A batch that takes longer than
+row were that cheap, and only while the thread is not making one; then by the consumer's
+``__anext__`` itself: see ``Epoch._next_on_loop``), or in the caller's own thread (``for``,
+from the first batch: see ``Epoch.next_inline``). A batch that takes longer than
 :data:`INLINE_ABOVE_S` sends the next ones back to the thread, which makes them while the
 consumer works: the loop never stalls for longer than that, and slow batches keep their
 prefetch. Never with a ``timeout`` (a batch made inline cannot be abandoned) or
