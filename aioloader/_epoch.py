@@ -327,14 +327,17 @@ class Epoch:
         assert inline is not None
         assert self.plan is not None
         while True:
+            if self._closed:
+                raise StopAsyncIteration
+            if not producer.parked:  # another __anext__ of this epoch handed it back meanwhile
+                return NOT_INLINE
             if (inline.costly or not inline.cheap) and producer.can_leave_inline:
                 producer.unpark(self.plan.put_back)
                 return NOT_INLINE
             if time.perf_counter() >= self._turn_due:
-                await asyncio.sleep(0)
                 self._turn_due = time.perf_counter() + LOOP_TURN_S
-                if self._closed:
-                    raise StopAsyncIteration
+                await asyncio.sleep(0)
+                continue  # the state is looked at again after the turn
             started = time.perf_counter()
             try:
                 outcome = producer.make_inline(inline, on_loop=True)
@@ -432,7 +435,8 @@ class Epoch:
             # would end it, which a consumer that counts to len(loader) never makes (Lightning,
             # accelerate). A state_dict() taken now must start the next epoch, not resume an
             # empty one. The scheduler is done by now: it reads the end of a map-style plan
-            # right after starting the last batch, before that batch can arrive.
+            # right after starting the last batch, before that batch can arrive (or before
+            # it parks, leaving the rest to the consumer, who reads it as it makes the last).
             self._finish()
 
     def _finish(self) -> None:

@@ -352,7 +352,10 @@ class Producer:
                     self._made_fast(request, future)
                     inline = self._runner.inline
                     if self.may_park and inline is not None and inline.cheap:
-                        self.parked = True  # the consumer makes the rest (Epoch._next_on_loop)
+                        # The consumer makes the rest (Epoch._next_on_loop) from the pair read
+                        # here, so that the end of the plan sets done at the last batch still.
+                        self._read_ahead()
+                        self.parked = not self.done
                         return
                     continue
                 self._tasks.add(future)

@@ -436,3 +436,21 @@ async def test_while_a_thread_makes_a_batch_the_consumer_leaves_the_next_to_the_
     assert got == expected_batches(200, 4)
     assert data.threads[80] == HELPER  # made by the scheduler's thread once the lock was free
     assert data.most_at_once == 1
+
+
+@pytest.mark.parametrize("batches", [1, 2, 5, 6, 7, 12])
+async def test_taking_len_batches_on_the_loop_ends_each_epoch_without_a_last_next(
+    batches: int,
+) -> None:
+    # As Lightning counts: len(loader) batches and no further __anext__. Whether the scheduler
+    # parks at the last batch (a warm loader's one-batch epoch, or an epoch that ends just as
+    # its batches prove cheap), the epoch ends at that batch: done, and the state says so.
+    async with DataLoader(WhereMade(4 * batches), batch_size=4, seed=3) as loader:
+        for epoch in range(INLINE_AFTER + 2):
+            it = aiter(loader)
+            for _ in range(len(loader)):
+                await anext(it)
+            state = loader.state_dict()
+            assert state["epoch"] == epoch + 1, (epoch, state)
+            assert state["done"] == [], (epoch, state)
+            del it
