@@ -867,3 +867,19 @@ def test_a_mapping_lives_exactly_as_long_as_its_last_view() -> None:
     del kept
     gc.collect()
     assert not _mapped_in("self", slot.name)  # unmapped with its last view: memory given back
+
+
+def test_a_name_taken_already_is_retried_under_a_fresh_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aioloader._shm import _segment
+
+    taken, _ = _shm.create_segment(1 << 16, _shm.SHM_DIR)
+    fresh = _segment.new_name()
+    names = iter([taken, taken, fresh])
+    monkeypatch.setattr(_segment, "new_name", lambda: next(names))
+    try:
+        name, mapping = _shm.create_segment(1 << 16, _shm.SHM_DIR)
+        assert name == fresh  # two attempts hit the taken name; the third is new
+        del mapping  # unmapped when the last reference goes
+    finally:
+        _shm.unlink(taken)
+        _shm.discard(fresh)

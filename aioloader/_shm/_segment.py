@@ -197,8 +197,9 @@ def create_segment(
         SharedMemoryError: if ``shm_dir`` has no room for the segment or this process has no
             file descriptor left.
     """
-    for _ in range(_NAME_ATTEMPTS if name is None else 1):
-        name = name or new_name()
+    given = name
+    for _ in range(_NAME_ATTEMPTS if given is None else 1):
+        name = given or new_name()  # a fresh name for each attempt
         try:
             fd = _posixshmem.shm_open("/" + name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
