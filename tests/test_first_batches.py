@@ -107,6 +107,19 @@ class SlowTiles(Tiles):
         return super().__getitem__(index)
 
 
+async def give_up_the_first_batches(loader: DataLoader, markers: pathlib.Path) -> None:
+    """Ask for the first batch, wait until both workers are making one, and give it up."""
+    first = asyncio.ensure_future(anext(aiter(loader)))
+    for _ in range(200):  # bounded: 10 s
+        if len(os.listdir(markers)) >= 2:
+            break
+        await asyncio.sleep(0.05)
+    assert len(os.listdir(markers)) >= 2  # both workers are making a batch
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+
+
 async def test_a_loader_closed_while_workers_make_their_first_segments_leaves_none(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -114,15 +127,7 @@ async def test_a_loader_closed_while_workers_make_their_first_segments_leaves_no
     # jobs given up, their worker not done): what the workers make afterwards is unlinked too.
     loader = DataLoader(SlowTiles(64, str(tmp_path)), batch_size=8, num_workers=2, prefetch=4)
     async with loader:
-        first = asyncio.ensure_future(anext(aiter(loader)))
-        for _ in range(200):  # bounded: 10 s
-            if len(os.listdir(tmp_path)) >= 2:
-                break
-            await asyncio.sleep(0.05)
-        assert len(os.listdir(tmp_path)) >= 2  # both workers are making a batch
-        first.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await first
+        await give_up_the_first_batches(loader, tmp_path)
     assert own_segments() == set()
 
 
@@ -137,15 +142,7 @@ async def test_a_shared_pool_leaves_none_of_a_closed_loaders_first_segments(
     try:
         loader = DataLoader(SlowTiles(64, str(tmp_path)), batch_size=8, workers=pool, prefetch=4)
         async with loader:
-            first = asyncio.ensure_future(anext(aiter(loader)))
-            for _ in range(200):  # bounded: 10 s
-                if len(os.listdir(tmp_path)) >= 2:
-                    break
-                await asyncio.sleep(0.05)
-            assert len(os.listdir(tmp_path)) >= 2  # both workers are making a batch
-            first.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await first
+            await give_up_the_first_batches(loader, tmp_path)
         if pool_closes != "at once":
             # Done: no sample begun for longer than a batch takes (0.4 s). Bounded: 10 s.
             begun, still_since = -1, time.monotonic()
