@@ -288,6 +288,21 @@ def record_init(worker_id: int) -> None:
     INIT_CALLS.append((worker_id, info.seed, torch.initial_seed()))
 
 
+class IntraOpThreads:
+    """Returns ``torch.get_num_threads()``: the threads torch runs an op on where it is read."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return torch.get_num_threads()
+
+
+def two_intra_op_threads(worker_id: int) -> None:
+    """A worker_init_fn that gives torch two threads again."""
+    torch.set_num_threads(2)
+
+
 def keep(samples: list[Any]) -> list[Any]:
     """A collate_fn that keeps the samples as they are."""
     return list(samples)

@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 from datasets import (
+    IntraOpThreads,
     Probe,
     Range,
     Span,
@@ -37,6 +38,7 @@ from datasets import (
     record_init,
     seed_numpy_from_info,
     split_span,
+    two_intra_op_threads,
 )
 from helpers import as_lists, assert_raises_naming
 
@@ -124,6 +126,16 @@ def test_each_worker_is_seeded_base_plus_id_and_worker_init_fn_sees_it_in_torch(
             assert s["initial_seed"] != s["seed"]
     assert epochs[0][0]["seed"] != epochs[1][0]["seed"]  # a fresh base each epoch, as torch
     assert {s["seed"] for s in first_again} == {s["seed"] for s in epochs[0]}  # from the seed
+
+
+def test_torch_runs_its_ops_on_one_thread_in_a_worker_as_in_torchs_workers() -> None:
+    # Two workers with torch's default threads each (one per core) ran 4 threads on 2 cores.
+    threads = torch.get_num_threads()
+    with _probe_loader(IntraOpThreads()) as loader:
+        assert _samples(loader) == [1, 1, 1, 1]
+    with _probe_loader(IntraOpThreads(), worker_init_fn=two_intra_op_threads) as loader:
+        assert _samples(loader) == [2, 2, 2, 2]  # worker_init_fn has the last word, as in torch
+    assert torch.get_num_threads() == threads  # the program's own are left alone
 
 
 def _draws_by_worker(epochs: list[list[dict[str, Any]]]) -> dict[tuple[int, int], Any]:
@@ -330,6 +342,22 @@ print("local", sorted({sample for batch in second for sample in batch}))
 """
 
 
+_LAZY_THREADS = """
+import aioloader
+
+class Threads:  # imports torch itself, at its first sample, as _LAZY_TORCH's Local
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        import torch
+        return torch.get_num_threads()
+
+loader = aioloader.DataLoader(Threads(), batch_size=2, num_workers=2, collate_fn=lambda b: b)
+print("threads", sorted({sample for batch in loader for sample in batch}))
+"""
+
+
 _LAZY_GENERATORS = """
 import sys
 import aioloader
@@ -447,6 +475,9 @@ def test_torch_imported_by_the_worker_after_it_started_still_tells_the_worker_in
         "global [(0, True), (1, True)]",
         "local [0, 1]",
     ], ran.stdout
+    ran = _run_python(["-c", _LAZY_THREADS], tmp_path)  # and one intra-op thread from then
+    _assert_clean_exit(ran)
+    assert ran.stdout.splitlines() == ["threads [1]"], ran.stdout
 
 
 @pytest.mark.slow

@@ -22,6 +22,9 @@ runs (the last two when imported, or the moment they are: see :func:`seed_on_imp
 ``worker_seeding='batch'`` the three are then reseeded before every batch from (seed, epoch,
 batch id) (:func:`seed_everything`), so a sample's randomness does not depend on which worker
 made it or how many there are.
+
+torch in a worker runs its ops on one thread, as in torch's workers: set when torch is there at
+the worker's start, or the moment it arrives, before ``worker_init_fn`` can set more.
 """
 
 from __future__ import annotations
@@ -270,7 +273,15 @@ def _arrive(name: str) -> None:
     _arrived.add(name)
     _seed(name)
     if name == "torch":
+        _one_intra_op_thread()
         _torch_has_it = _publish_to_torch(_current)
+
+
+def _one_intra_op_thread() -> None:
+    """torch in a worker runs its ops on one thread, as in torch's workers: the workers
+    share the cores already (2 workers of 2 threads each ran 4 threads on 2 cores). A
+    ``worker_init_fn`` may set more; it runs after this, or imports torch itself first."""
+    sys.modules["torch"].set_num_threads(1)
 
 
 class _SeedOnImport(importlib.abc.MetaPathFinder):
@@ -323,8 +334,11 @@ class _ThenSeed(importlib.abc.Loader):
 
 
 def seed_on_import() -> None:
-    """In a worker: seed numpy.random and torch as they are imported (see :data:`_SEEDED`)."""
+    """In a worker: seed numpy.random and torch as they are imported (see :data:`_SEEDED`);
+    torch also gets one intra-op thread then."""
     _arrived.update(name for name in _SEEDED if name in sys.modules)
+    if "torch" in sys.modules:
+        _one_intra_op_thread()
     if not any(isinstance(finder, _SeedOnImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _SeedOnImport())
 
