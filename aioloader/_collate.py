@@ -221,24 +221,28 @@ def _torch_can_hold(dtype: np.dtype[Any]) -> bool:
 def _stack_large(
     samples: Sequence[np.ndarray[Any, Any]], shape: tuple[int, ...], dtype: np.dtype[Any]
 ) -> torch.Tensor:
-    """Stack large arrays into a tensor as torch's collate does: in memory of torch's
-    allocator, and where torch can view every sample, by ``torch.stack``.
-
-    Two costs of ``np.stack`` this avoids, for a batch made in the main process. numpy asks
-    the kernel to back an array of 4 MiB or more with huge pages (``MADV_HUGEPAGE``); where
-    the kernel then defragments memory at the page fault (THP ``defrag`` set to ``madvise``,
-    a common default), a fresh 9.6 MB batch took 24 ms in some processes and 6 ms in others,
-    one or the other for a whole run. And ``torch.stack`` copies on torch's intra-op threads,
-    faulting the fresh pages in on each core: 2.3 ms against 4.4 for ``np.stack``, on 2 cores.
-    """
-    # torch views only writable arrays (others warn) with no negative stride, of its dtype.
-    if all(
-        a.dtype == dtype and a.flags.writeable and min(a.strides, default=0) >= 0 for a in samples
-    ):
+    """Stack large arrays as torch's collate does: into torch's memory, by ``torch.stack``
+    where torch can view every sample. numpy asks the kernel for huge pages from 4 MiB on; a
+    kernel that compacts memory at the fault for those (THP ``defrag`` = ``madvise``) made a
+    9.6 MB batch take 24 ms in some processes and 6 in others, for a whole run. And
+    ``torch.stack`` copies on torch's threads: 2.3 ms against 4.4 for ``np.stack``, 2 cores."""
+    if all(_torch_can_view(a, dtype) for a in samples):
         return torch.stack([torch.from_numpy(a) for a in samples])
-    tensor = torch.empty(shape, dtype=_torch_dtype_of(dtype))
+    # On the CPU whatever torch's default device: the batch is made here, then moved.
+    tensor = torch.empty(shape, dtype=_torch_dtype_of(dtype), device="cpu")
     np.stack(samples, out=tensor.numpy(), casting="same_kind")
     return tensor
+
+
+def _torch_can_view(array: np.ndarray[Any, Any], dtype: np.dtype[Any]) -> bool:
+    """Whether ``torch.from_numpy`` takes ``array`` as a tensor of ``dtype``. torch refuses
+    negative strides and partial-item ones (a packed record's field), and warns on read-only
+    arrays; zero strides are left out, as numpy warns when a broadcast array is asked that."""
+    return (
+        array.dtype == dtype
+        and all(stride > 0 and stride % array.itemsize == 0 for stride in array.strides)
+        and array.flags.writeable
+    )
 
 
 # -- error messages (phrased by _mismatch) ------------------------------------------------------
@@ -457,8 +461,7 @@ class _Collator:
         if self.alloc is None:
             if self.to_torch and dtype.itemsize * first.size * len(samples) >= _LARGE_BATCH_BYTES:
                 return _stack_large(samples, shape, dtype)
-            # Into a C-contiguous array, as torch.stack makes: np.stack keeps the samples'
-            # layout (a batch of Fortran-ordered samples would not be contiguous).
+            # C-contiguous, as torch.stack makes (np.stack keeps Fortran-ordered samples so).
             array = np.empty(shape, dtype)
         else:
             array = self._out(shape, dtype)

@@ -415,7 +415,23 @@ LARGE_CASES: dict[str, Callable[[], list[np.ndarray[Any, Any]]]] = {
     "big-endian": lambda: [_large(">i2", s) for s in range(4)],
     "mixed dtypes": lambda: [_large("u1", 0), _large("i2", 1), _large("u1", 2), _large("u1", 3)],
     "fortran order": lambda: [np.asfortranarray(_large("f4", s)) for s in range(4)],
+    "field of packed records": lambda: [_packed_field(s) for s in range(4)],
+    "broadcast": lambda: [_broadcast(s) for s in range(4)],
 }
+
+
+def _packed_field(seed: int) -> np.ndarray[Any, Any]:
+    """A float32 field of records 5 bytes apart: strides torch cannot view."""
+    records = np.zeros((3, 640, 640), dtype=[("label", "u1"), ("x", "<f4")])
+    records["x"] = _large("f4", seed)
+    return records["x"]
+
+
+def _broadcast(seed: int) -> np.ndarray[Any, Any]:
+    """A row repeated by broadcasting (zero strides), which numpy warns about if asked
+    whether it is writable."""
+    row = (np.arange(640) % 251 + seed).astype("f4")
+    return np.broadcast_arrays(row, np.zeros((3, 640, 1)))[0]
 
 
 @pytest.mark.parametrize("make", LARGE_CASES.values(), ids=LARGE_CASES.keys())
@@ -432,6 +448,18 @@ def test_large_batches_equal_the_stacked_samples(make: Callable[[], list[Any]]) 
     np.testing.assert_array_equal(batch.numpy(), expected)
     assert batch.numpy().dtype == expected.dtype
     assert batch.is_contiguous()
+
+
+@pytest.mark.parametrize("case", ["contiguous", "read-only"])
+def test_large_batches_are_made_on_the_cpu_whatever_torchs_default_device(case: str) -> None:
+    samples = LARGE_CASES[case]()
+    torch.set_default_device("meta")  # a device without data: stands in for "cuda"
+    try:
+        batch = default_collate(samples)
+    finally:
+        torch.set_default_device(None)
+    assert batch.device == torch.device("cpu")
+    np.testing.assert_array_equal(batch.numpy(), np.stack(samples))
 
 
 def test_large_batches_are_not_advised_onto_huge_pages() -> None:
