@@ -23,8 +23,8 @@ runs (the last two when imported, or the moment they are: see :func:`seed_on_imp
 batch id) (:func:`seed_everything`), so a sample's randomness does not depend on which worker
 made it or how many there are.
 
-torch in a worker runs its ops on one thread, as in torch's workers: set when torch is there at
-the worker's start, or the moment it arrives, before ``worker_init_fn`` can set more.
+torch in a worker runs its ops on one thread, as in torch's workers: set as each dataset copy
+loads, before its ``worker_init_fn`` (which may set more), and the moment torch is imported.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ __all__ = [
     "seed_everything",
     "seed_on_import",
     "seed_worker",
+    "torch_on_one_thread",
     "unwatch",
     "watch",
     "worker_seed",
@@ -273,15 +274,18 @@ def _arrive(name: str) -> None:
     _arrived.add(name)
     _seed(name)
     if name == "torch":
-        _one_intra_op_thread()
         _torch_has_it = _publish_to_torch(_current)
 
 
-def _one_intra_op_thread() -> None:
-    """torch in a worker runs its ops on one thread, as in torch's workers: the workers
-    share the cores already (2 workers of 2 threads each ran 4 threads on 2 cores). A
-    ``worker_init_fn`` may set more; it runs after this, or imports torch itself first."""
-    sys.modules["torch"].set_num_threads(1)
+def torch_on_one_thread() -> None:
+    """Where torch is imported: run its ops on one thread, as torch's workers do. The workers
+    share the cores already (2 workers of 2 threads each ran 4 threads on 2 cores). Called as
+    each dataset copy loads, before its ``worker_init_fn`` (which may set more), and when the
+    import hook sees torch arrive; never by :func:`catch_up`, which may come after a
+    ``worker_init_fn`` that set its own."""
+    torch: Any = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 class _SeedOnImport(importlib.abc.MetaPathFinder):
@@ -329,16 +333,16 @@ class _ThenSeed(importlib.abc.Loader):
         self._loader.exec_module(module)
         try:
             _arrive(module.__spec__.name)
+            if module.__spec__.name == "torch":
+                torch_on_one_thread()
         except Exception:  # the import itself succeeded: never fail it for a seed
             workers_log.warning("could not seed %s", module.__spec__.name, exc_info=True)
 
 
 def seed_on_import() -> None:
     """In a worker: seed numpy.random and torch as they are imported (see :data:`_SEEDED`);
-    torch also gets one intra-op thread then."""
+    torch also gets one intra-op thread then (:func:`torch_on_one_thread`)."""
     _arrived.update(name for name in _SEEDED if name in sys.modules)
-    if "torch" in sys.modules:
-        _one_intra_op_thread()
     if not any(isinstance(finder, _SeedOnImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _SeedOnImport())
 

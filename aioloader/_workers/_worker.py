@@ -296,6 +296,7 @@ def _load(state: _WorkerState, job: LoadJob) -> None:
     copy.maker = maker
     # After unpickling: the dataset's modules are imported now, torch among them if it uses it.
     _info.seed_worker(seed, every_device=not copy.per_batch_seeds)
+    _info.torch_on_one_thread()  # each copy starts as torch's fresh workers do
     copy.info = WorkerInfo(state.worker_id, state.num_workers, seed, maker.dataset)
     _info.publish(copy.info)
     state.active = job.copy_id
