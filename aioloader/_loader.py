@@ -496,7 +496,7 @@ class DataLoader(SettingsView):
                 await device.drain()  # copies still in flight finish without blocking the loop
         finally:
             try:
-                await asyncio.to_thread(self._close_now)
+                await self._res.run_close(self._close_now, may_block=self._progress is not None)
             except asyncio.CancelledError:
                 self._close_now()  # cancelled while waiting: finish the job here, then go
                 raise

@@ -31,6 +31,7 @@ plain function is cheap to check and is reported at construction already
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import functools
@@ -340,6 +341,30 @@ class Resources:
         self.epoch = None
         self.others = weakref.WeakSet()
         return epochs
+
+    async def run_close(self, close: Callable[[], None], *, may_block: bool) -> None:
+        """Run ``close`` (which calls :meth:`close`) without the loop waiting on anything.
+
+        In place where nothing it would wait for exists, as with an idle ``num_workers=0``
+        loader: no worker process or shared pool, loop thread, device stage, shared memory or
+        start-up thread, and no batch queued or made on a helper thread. Else in a thread.
+        ``may_block``: the caller's own part may block. In place saves the hand-off to a
+        thread (about 0.5 ms), and the loop does not start its default executor for it."""
+        with self.lock:
+            runner, starter = self.runner, self.starter
+            at_once = (
+                not may_block
+                and self.shared is None
+                and self.loop_thread is None
+                and self.device is None
+                and self.slots is None
+                and (starter is None or not starter.is_alive())
+                and (runner is None or (isinstance(runner, ThreadRunner) and runner.idle))
+            )
+        if at_once:
+            close()
+        else:
+            await asyncio.to_thread(close)
 
     def close(self) -> None:
         """Release everything (blocking). Idempotent."""

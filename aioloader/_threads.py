@@ -224,6 +224,11 @@ class ThreadRunner:
     def is_running(self, batch_id: int) -> bool:
         return batch_id in self._running
 
+    @property
+    def idle(self) -> bool:
+        """No batch queued or being made on a thread: :meth:`close` returns at once."""
+        return self._threads.idle
+
     def on_deadline(self, batch_id: int) -> int | None:
         return None  # a thread cannot be killed; its late result is dropped
 
@@ -246,10 +251,22 @@ class ThreadPool:
         self._count = count
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
+        # Jobs handed in and jobs done (or skipped): equal while no job is queued or running.
+        # Counted under a lock: two loops may hand jobs in (an async and a sync epoch).
+        self._handed_in = 0
+        self._done = 0
+        self._count_lock = threading.Lock()
+
+    @property
+    def idle(self) -> bool:
+        """No job queued or running: closing now joins threads that only wait for work."""
+        return self._done == self._handed_in
 
     def run(self, fn: Callable[[A], R], arg: A) -> asyncio.Future[R]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
+        with self._count_lock:
+            self._handed_in += 1
         if len(self._threads) < self._count:  # started on demand, like ThreadPoolExecutor
             thread = threading.Thread(
                 target=self._work, name=f"aioloader-{len(self._threads)}", daemon=True
@@ -265,14 +282,18 @@ class ThreadPool:
             if job is None:
                 return
             loop, future, fn, arg = job
-            if future.cancelled():
-                continue
             try:
-                result = fn(arg)
-            except BaseException as exc:
-                _post(loop, future, None, exc)
-            else:
-                _post(loop, future, result, None)
+                if future.cancelled():
+                    continue
+                try:
+                    result = fn(arg)
+                except BaseException as exc:
+                    _post(loop, future, None, exc)
+                else:
+                    _post(loop, future, result, None)
+            finally:
+                with self._count_lock:
+                    self._done += 1
             del job, loop, future, arg
 
     def close(self, timeout: float) -> list[str]:

@@ -130,6 +130,64 @@ async def test_aclose_releases_everything_even_when_the_dataset_close_fails() ->
     assert _loader_threads() == []  # the helper thread is gone (the leak check agrees)
 
 
+def _executor_threads() -> list[str]:
+    """Threads of an event loop's default executor (``asyncio.to_thread``)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("asyncio_")]
+
+
+@pytest.mark.parametrize("iterated", ["never", "whole epoch", "slow batches"])
+def test_aclose_of_an_idle_loader_without_workers_closes_in_place(iterated: str) -> None:
+    # Nothing to wait for: no process, no batch on the helper thread. Closing in a thread
+    # would cost a hand-off and start the loop's default executor for nothing.
+    async def main() -> list[str]:
+        dataset = Slow(8, 0.002) if iterated == "slow batches" else Range(8)
+        loader = DataLoader(dataset, batch_size=2)
+        async with asyncio.timeout(BOUND_S):
+            if iterated != "never":
+                assert len([b async for b in loader]) == 4
+            await loader.aclose()
+        assert loader.closed
+        assert _loader_threads() == []
+        return _executor_threads()
+
+    assert asyncio.run(main()) == []
+
+
+class Gated(Range):
+    """Blocks in ``__getitem__`` until ``release`` is set, after setting ``entered``."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __getitem__(self, index: int) -> int:
+        self.entered.set()
+        self.release.wait(BOUND_S)
+        return super().__getitem__(index)
+
+
+async def test_aclose_with_a_batch_on_the_helper_thread_leaves_the_loop_free() -> None:
+    dataset = Gated(4)
+    loader = DataLoader(dataset, batch_size=2)
+    it = aiter(loader)
+    first = asyncio.ensure_future(anext(it))
+    try:
+        async with asyncio.timeout(BOUND_S):
+            assert await asyncio.to_thread(dataset.entered.wait, BOUND_S)
+            closing = asyncio.ensure_future(loader.aclose())
+            await asyncio.sleep(0.05)  # runs: closing waits for the thread off the loop
+            assert not closing.done()
+            dataset.release.set()
+            await closing
+    finally:
+        dataset.release.set()
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+    assert loader.closed
+    assert _loader_threads() == []
+
+
 def _forget(holder: list[Any]) -> None:
     holder.clear()
     gc.collect()
