@@ -359,7 +359,8 @@ class Resources:
                 and self.device is None
                 and self.slots is None
                 and (starter is None or not starter.is_alive())
-                and (runner is None or (isinstance(runner, ThreadRunner) and runner.idle))
+                # Last: once it says yes, the threads take no more batches.
+                and (runner is None or (isinstance(runner, ThreadRunner) and runner.stop_if_idle()))
             )
         if at_once:
             close()

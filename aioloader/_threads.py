@@ -224,10 +224,10 @@ class ThreadRunner:
     def is_running(self, batch_id: int) -> bool:
         return batch_id in self._running
 
-    @property
-    def idle(self) -> bool:
-        """No batch queued or being made on a thread: :meth:`close` returns at once."""
-        return self._threads.idle
+    def stop_if_idle(self) -> bool:
+        """If no batch is queued or being made on a thread, take no more and say so:
+        :meth:`close` then returns at once."""
+        return self._threads.stop_if_idle()
 
     def on_deadline(self, batch_id: int) -> int | None:
         return None  # a thread cannot be killed; its late result is dropped
@@ -255,18 +255,30 @@ class ThreadPool:
         # Counted under a lock: two loops may hand jobs in (an async and a sync epoch).
         self._handed_in = 0
         self._done = 0
+        self._closed = False  # no more jobs: see stop_if_idle and close
         self._count_lock = threading.Lock()
 
     @property
     def idle(self) -> bool:
-        """No job queued or running: closing now joins threads that only wait for work."""
-        return self._done == self._handed_in
+        """No job queued or running (a job counts as done before its result is posted)."""
+        with self._count_lock:
+            return self._done == self._handed_in
+
+    def stop_if_idle(self) -> bool:
+        """If no job is queued or running, take no more and say so: :meth:`close` then only
+        joins threads that wait for work. One step, so no job can slip in after the check."""
+        with self._count_lock:
+            if self._done == self._handed_in:
+                self._closed = True
+            return self._closed
 
     def run(self, fn: Callable[[A], R], arg: A) -> asyncio.Future[R]:
+        with self._count_lock:
+            if self._closed:
+                raise RuntimeError("the loader is closed: its threads take no more batches")
+            self._handed_in += 1
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
-        with self._count_lock:
-            self._handed_in += 1
         if len(self._threads) < self._count:  # started on demand, like ThreadPoolExecutor
             thread = threading.Thread(
                 target=self._work, name=f"aioloader-{len(self._threads)}", daemon=True
@@ -282,22 +294,25 @@ class ThreadPool:
             if job is None:
                 return
             loop, future, fn, arg = job
-            try:
-                if future.cancelled():
-                    continue
+            result: Any = None
+            error: BaseException | None = None
+            skipped = future.cancelled()
+            if not skipped:
                 try:
                     result = fn(arg)
                 except BaseException as exc:
-                    _post(loop, future, None, exc)
-                else:
-                    _post(loop, future, result, None)
-            finally:
-                with self._count_lock:
-                    self._done += 1
-            del job, loop, future, arg
+                    error = exc
+            # Done before the result is posted: a consumer that has it may close at once.
+            with self._count_lock:
+                self._done += 1
+            if not skipped:
+                _post(loop, future, result, error)
+            del job, loop, future, arg, result, error
 
     def close(self, timeout: float) -> list[str]:
         """Stop the threads; returns the names of those still busy after ``timeout``."""
+        with self._count_lock:
+            self._closed = True
         for _ in self._threads:
             self._jobs.put(None)
         deadline = time.monotonic() + timeout

@@ -169,7 +169,8 @@ class Gated(Range):
 
 async def test_aclose_with_a_batch_on_the_helper_thread_leaves_the_loop_free() -> None:
     dataset = Gated(4)
-    loader = DataLoader(dataset, batch_size=2)
+    # One batch in flight: the held one is the only job, queued or running.
+    loader = DataLoader(dataset, batch_size=2, prefetch=1)
     it = aiter(loader)
     first = asyncio.ensure_future(anext(it))
     try:

@@ -63,6 +63,29 @@ class Gated:
         return i
 
 
+async def test_a_pool_stops_only_while_idle_and_then_refuses_jobs() -> None:
+    threads = ThreadPool(1)
+    gate = threading.Event()
+    try:
+        held = threads.run(lambda _: gate.wait(5.0), None)
+        queued = threads.run(lambda x: x, "queued")
+        assert not threads.stop_if_idle()  # one job runs, one waits
+        gate.set()
+        assert await held
+        assert await queued == "queued"
+        # A job is counted done before its result is posted: whoever has the last result
+        # finds the pool idle at once (a race the loader's in-place close depends on).
+        for i in range(200):
+            assert await threads.run(lambda x: x, i) == i
+            assert threads.idle
+        assert threads.stop_if_idle()
+        with pytest.raises(RuntimeError, match="closed"):
+            threads.run(lambda x: x, "late")  # no job slips in after the pool said yes
+    finally:
+        gate.set()
+        assert threads.close(5.0) == []
+
+
 async def test_closing_names_a_thread_stuck_in_user_code(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_threads, "THREAD_JOIN_TIMEOUT_S", 0.1)
     dataset = Gated()
