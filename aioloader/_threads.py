@@ -273,11 +273,11 @@ class ThreadPool:
             return self._closed
 
     def run(self, fn: Callable[[A], R], arg: A) -> asyncio.Future[R]:
+        loop = asyncio.get_running_loop()  # raises outside a loop, before anything is counted
         with self._count_lock:
             if self._closed:
                 raise RuntimeError("the loader is closed: its threads take no more batches")
             self._handed_in += 1
-        loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
         if len(self._threads) < self._count:  # started on demand, like ThreadPoolExecutor
             thread = threading.Thread(
