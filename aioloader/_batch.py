@@ -17,6 +17,7 @@ Errors from user code keep their type; a note names the batch and the sample ind
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -59,6 +60,16 @@ def annotate(exc: BaseException, text: str) -> BaseException:
     if text not in getattr(exc, "__notes__", ()):
         exc.add_note(text)
     return exc
+
+
+def users_interrupt(exc: BaseException) -> bool:
+    """Whether ``exc`` may be the user's Ctrl-C: a ``KeyboardInterrupt`` on the main thread,
+    the only one Python delivers SIGINT to. Raised by the dataset on any other thread (a
+    loader thread, the private loop of sync iteration), it is the dataset's own: see
+    :func:`not_an_exit`."""
+    return (
+        isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread()
+    )
 
 
 def not_an_exit(exc: BaseException, where: str, batch_id: int) -> WorkerError:

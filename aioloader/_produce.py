@@ -58,6 +58,7 @@ from ._batch import (
     request_for,
     stream_batch,
     take_async,
+    users_interrupt,
 )
 from ._config import LoaderConfig
 from ._deadline import DeadlinePolicy, run_attempts, timeout_error
@@ -241,11 +242,9 @@ class Producer:
             made = inline.make(request, wait=not on_loop)
         except Exception as exc:
             outcome = Outcome(batch_id, error=exc)
-        except KeyboardInterrupt:
-            raise
         except BaseException as exc:
-            if not on_loop:
-                raise  # in the caller's own thread, as torch's num_workers=0
+            if not on_loop or users_interrupt(exc):
+                raise  # in the caller's own thread, as torch's num_workers=0; or Ctrl-C
             where = "the event loop (a batch made inline)"
             outcome = Outcome(batch_id, error=not_an_exit(exc, where, batch_id))
         else:

@@ -48,7 +48,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from ._batch import BatchMaker, StreamCursor, continued_share, not_an_exit
+from ._batch import BatchMaker, StreamCursor, continued_share, not_an_exit, users_interrupt
 from ._distributed import every_nth, stream_share
 from ._errors import WorkerError
 from ._types import END, BatchRequest, Made, StreamRequest, stream_state
@@ -175,9 +175,9 @@ class ThreadRunner:
             future: asyncio.Future[Made] = asyncio.get_running_loop().create_future()
             try:
                 made = inline.make(request, wait=False)
-            except KeyboardInterrupt:
-                raise  # on the loop's thread, this may well be the user's Ctrl-C
             except BaseException as exc:
+                if users_interrupt(exc):
+                    raise
                 if not isinstance(exc, Exception):  # SystemExit would end the program here too
                     exc = not_an_exit(exc, "the event loop (a batch made inline)", request.batch_id)
                 future.set_exception(exc)

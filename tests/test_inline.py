@@ -268,6 +268,21 @@ def test_ctrl_c_in_the_dataset_ends_the_epoch_and_the_next_one_starts_whole() ->
         assert flat(list(loader)) == list(range(24))
 
 
+def test_ctrl_c_raised_by_the_dataset_on_the_private_loop_is_a_worker_error() -> None:
+    # A costly first batch hands the epoch to the private loop's scheduler; once batches prove
+    # cheap it makes them on that loop's thread, where a KeyboardInterrupt is the dataset's
+    # own (Python delivers Ctrl-C to the main thread only). It killed that thread, and the
+    # loader with it: the next epoch raised "the DataLoader was closed".
+    data = WhereMade(128, costly=frozenset({0}), interrupt=96)
+    with DataLoader(data, batch_size=4) as loader:
+        it = iter(loader)
+        assert [next(it)[0].item() for _ in range(24)] == list(range(0, 96, 4))
+        with pytest.raises(WorkerError, match="while making batch 24"):
+            next(it)
+        assert data.threads[96] == "aioloader-loop"  # the case this test is about
+        assert flat(list(loader)) == list(range(128))  # the loader lives on
+
+
 def test_a_failing_batch_sampler_is_delivered_in_order_inline() -> None:
     plan: list[Any] = [[0, 1], [2, 3], ["x"], [4, 5]]
     with DataLoader(WhereMade(8), batch_sampler=plan) as loader:
