@@ -52,7 +52,6 @@ from ._closing import close_soon
 from ._config import LoaderConfig
 from ._epoch import Epoch
 from ._errors import out_of_descriptors_note
-from ._log import shm_log
 from ._shared_pool import WorkerPool as SharedPool
 from ._shared_pool import close_pools
 from ._signals import release_before_sigterm
@@ -243,7 +242,12 @@ class Resources:
                             exc.add_note(note)
                         raise
                     release_before_sigterm(close_all_at_exit)
-                    self.runner = ProcessRunner(pool, self.slots, config.prefetch)
+                    # No pool for want of room (not the user's shm_max_bytes=0): every large
+                    # batch is then a fallback, said and counted.
+                    no_room = (
+                        self.slots is None and _shm.shm_available() and config.shm_max_bytes is None
+                    )
+                    self.runner = ProcessRunner(pool, self.slots, config.prefetch, no_room=no_room)
                 else:
                     self.runner = ThreadRunner(
                         batch_maker(config, dataset), config.threads, inline=config.makes_inline
@@ -482,13 +486,7 @@ def _start_up_note(exc: OSError, workers: int) -> str | None:
 
 def _slot_pool(config: LoaderConfig, device: DeviceStage | None) -> _shm.SlotPool | None:
     cap = config.shm_cap()
-    if cap <= 0:
-        if config.shm_max_bytes is None:  # not the user's choice: say why, once per loader
-            shm_log.warning(
-                "batches travel inline (pickled) instead: /dev/shm has %d bytes free; enlarge "
-                "it (docker run --shm-size=...) for zero-copy batches",
-                _shm.free_bytes(),
-            )
+    if cap <= 0:  # the batches that then travel inline are said and counted as they come
         return None
     # A nearly full /dev/shm gives a cap under the smallest slot: slots as small as the cap.
     smallest = min(cap, _shm.MIN_SLOT_BYTES)

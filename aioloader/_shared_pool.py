@@ -143,9 +143,16 @@ class SharedRunner(ProcessRunner):
         copy_id: int,
         on_close: Callable[[], None],
         abandoned_own: set[str],
+        *,
+        no_room: bool = False,
     ) -> None:
         super().__init__(
-            processes, slots, config.prefetch, copy_id=copy_id, abandoned_own=abandoned_own
+            processes,
+            slots,
+            config.prefetch,
+            copy_id=copy_id,
+            abandoned_own=abandoned_own,
+            no_room=no_room,
         )
         self._seed = config.seed
         self._per_batch_seeds = config.worker_seeding == "batch"
@@ -173,6 +180,7 @@ class _Held:
     shm_max_bytes: int | None
     slots: _shm.SlotPool | None = None
     slots_made: bool = False
+    no_room: bool = False  # no slot pool for want of room in /dev/shm (not shm_max_bytes=0)
     loop_thread: LoopThread | None = None
     attached: set[int] = field(default_factory=set)  # copy ids of the loaders attached now
     # Segment names of every loader's jobs given up while a worker may still make them: the
@@ -187,6 +195,7 @@ class _Held:
         if not self.slots_made:
             self.slots_made = True
             cap = _shm_cap(self.shm_max_bytes) if _shm.shm_available() else 0
+            self.no_room = cap <= 0 and _shm.shm_available() and self.shm_max_bytes is None
             if cap > 0:
                 # A nearly full /dev/shm gives a cap under the smallest slot: slots that small.
                 self.slots = _shm.SlotPool(cap, min_slot_bytes=min(cap, _shm.MIN_SLOT_BYTES))
@@ -422,6 +431,7 @@ class WorkerPool:
                 copy_id,
                 functools.partial(held.detach, copy_id),
                 held.abandoned_own,
+                no_room=held.no_room,
             )
 
     def loop(self) -> LoopThread:

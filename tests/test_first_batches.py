@@ -156,3 +156,62 @@ async def test_a_shared_pool_leaves_none_of_a_closed_loaders_first_segments(
     finally:
         await pool.aclose()
     assert own_segments() == set()
+
+
+# -- the cap before the batch size is known: reservations ---------------------------------------
+
+MIB = 1 << 20
+
+
+def test_reservations_count_against_the_cap_until_given_back_or_adopted() -> None:
+    pool = SlotPool(8 * MIB)
+    try:
+        assert pool.reserve(3 * MIB) == 3 * MIB
+        assert pool.reserve(6 * MIB) == 5 * MIB  # what is left
+        assert pool.reserve(MIB) == 0  # nothing left
+        assert pool.lease(MIB) is None  # a lease cannot take reserved bytes either
+        name, _ = _shm.create_segment(2 * MIB, _shm.SHM_DIR)
+        slot = pool.adopt(name, 2 * MIB, 3 * MIB)  # made under the first reservation
+        assert pool.stats().bytes_total == 2 * MIB
+        assert pool.reserve(2 * MIB) == MIB  # the 1 MiB the segment did not use came back
+        pool.unreserve(5 * MIB)
+        pool.unreserve(MIB)
+        assert pool.reserve(8 * MIB) == 6 * MIB  # all but the adopted segment
+        pool.unreserve(6 * MIB)
+        pool.release(slot)
+    finally:
+        pool.close()
+    assert name not in own_segments()
+
+
+def test_a_reservation_under_the_smallest_slot_is_none() -> None:
+    pool = SlotPool(4 * MIB, min_slot_bytes=MIB)
+    try:
+        assert pool.reserve(MIB - 1) == 0
+        assert pool.reserve(3 * MIB + MIB // 2) == 3 * MIB + MIB // 2
+        assert pool.reserve(MIB) == 0  # half a MiB left: under the smallest slot
+    finally:
+        pool.close()
+
+
+def test_an_own_slot_holds_a_share_of_the_cap_until_its_job_ends() -> None:
+    pool = SlotPool(9 * MIB)
+    try:
+        receiver = Receiver(pool, prefetch=2)
+        owns = [asyncio.run(receiver.lease()) for _ in range(4)]
+        assert all(isinstance(own, OwnSlot) for own in owns)
+        limits = [own.limit for own in owns if isinstance(own, OwnSlot)]
+        assert limits == [3 * MIB, 3 * MIB, 3 * MIB, 0]  # a third each: prefetch + 1 shares
+        release = receiver.releaser(owns[0])
+        assert release is not None
+        release()  # the job was given up: its share comes back
+        release()  # once: the other two shares stay reserved
+        assert pool.reserve(9 * MIB) == 3 * MIB
+        for own in owns[1:]:
+            release = receiver.releaser(own)
+            assert release is not None
+            release()
+        pool.unreserve(3 * MIB)
+        assert pool.reserve(9 * MIB) == 9 * MIB
+    finally:
+        pool.close()

@@ -91,7 +91,7 @@ async def test_train_and_eval_interleaved_share_the_workers_and_the_budget() -> 
                 stats, a, b = pool.statistics(), train.statistics(), val.statistics()
                 assert stats.loaders == 2
                 assert stats.shm_max_bytes == budget
-                assert stats.shm_bytes > 0  # (the cap binds as slots are made: _shm.adopt)
+                assert 0 < stats.shm_bytes <= budget  # the first batches' segments too
                 # One slot pool: each loader reports the pool's, not a share of its own.
                 assert a.live_shm_slots == b.live_shm_slots == stats.live_shm_slots > 0
                 assert a.shm_bytes == b.shm_bytes == stats.shm_bytes

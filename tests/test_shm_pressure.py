@@ -224,8 +224,8 @@ def test_a_segment_removed_behind_the_loaders_back_costs_no_batch(
                 os.unlink(os.path.join(_shm.SHM_DIR, slot.name))
         return slot
 
-    def adopt_then_lose(self: SlotPool, name: str, size: int) -> Slot:
-        slot = real_adopt(self, name, size)
+    def adopt_then_lose(self: SlotPool, name: str, size: int, reserved: int = 0) -> Slot:
+        slot = real_adopt(self, name, size, reserved)
         os.unlink(os.path.join(_shm.SHM_DIR, name))
         return slot
 

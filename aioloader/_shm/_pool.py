@@ -4,7 +4,8 @@
 :mod:`._segment`), leases them one batch at a time, rebuilds a worker's batch as views of its
 slot, takes a slot back when the last view dies, and unlinks every segment on ``close``.
 Invariant: every segment is FREE, LEASED to a worker, or HELD by a live batch, and the sizes of
-all segments sum to at most ``max_bytes``.
+all segments, plus the bytes reserved for segments workers are making (:meth:`SlotPool.reserve`),
+sum to at most ``max_bytes``.
 """
 
 from __future__ import annotations
@@ -151,8 +152,9 @@ class SlotPool:
         self._on_map = on_map
         self._on_unmap = on_unmap
         # Invariant: every segment is FREE, LEASED to a worker, or HELD by a live batch, and the
-        # sizes of all segments sum to at most max_bytes.
+        # sizes of all segments plus _reserved sum to at most max_bytes.
         self._segments: dict[str, _Segment] = {}
+        self._reserved = 0  # bytes promised to segments workers make (reserve(), adopt())
         self._lock = threading.Lock()
         self._lease_ids = itertools.count(1)
         # (name, lease_id) of held batches whose views died; appended by finalizers (any thread,
@@ -226,6 +228,7 @@ class SlotPool:
             (s for s in self._segments.values() if s.state is _State.FREE), key=lambda s: s.size
         )
         busy = sum(s.size for s in self._segments.values()) - sum(s.size for s in free)
+        busy += self._reserved
         exact = page_round(max(nbytes, self.min_slot_bytes))
         roomy = page_round(max(math.ceil(nbytes * GROWTH), self.min_slot_bytes))
         size = next((n for n in (roomy, exact) if busy + n <= self.max_bytes), None)
@@ -255,10 +258,33 @@ class SlotPool:
         name, mapping = create_segment(size, self.shm_dir)
         return _Segment(name, size, mapping)
 
-    def adopt(self, name: str, size: int) -> Slot:
+    def reserve(self, nbytes: int) -> int:
+        """Set aside up to ``nbytes`` of the cap for a segment a worker will make (a batch whose
+        size is not known yet): the bytes reserved, or 0 if less than ``min_slot_bytes`` is
+        left. The worker makes a segment of at most that size; :meth:`adopt` takes it over
+        with its reservation, or :meth:`unreserve` gives the reservation back."""
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+        with self._lock:
+            if self._closed:
+                return 0
+            used = sum(s.size for s in self._segments.values()) + self._reserved
+            granted = min(nbytes, self.max_bytes - used)
+            if granted < self.min_slot_bytes:
+                return 0
+            self._reserved += granted
+            return granted
+
+    def unreserve(self, nbytes: int) -> None:
+        """Give back a reservation of :meth:`reserve` whose segment was not made."""
+        with self._lock:
+            self._reserved = max(0, self._reserved - nbytes)
+
+    def adopt(self, name: str, size: int, reserved: int = 0) -> Slot:
         """Take over segment ``name`` that a worker created for a batch (one made before the
         batch size was known) as a leased slot, to be opened like any: it is then the pool's
-        to reuse and unlink. The cap is enforced as segments are created next.
+        to reuse and unlink. ``reserved`` is the :meth:`reserve` it was made under (at least
+        ``size``), given back as the segment takes its place under the cap.
 
         Raises:
             RuntimeError: if the pool is closed (the segment is unlinked).
@@ -267,9 +293,11 @@ class SlotPool:
         try:
             mapping = map_shared(Slot(name, size))
         except BaseException:
+            self.unreserve(reserved)
             unlink(name)
             raise
         with self._lock:
+            self._reserved = max(0, self._reserved - reserved)
             if self._closed:
                 unlink(name)
                 raise RuntimeError("SlotPool is closed")
@@ -417,8 +445,8 @@ class SlotPool:
         if want > have:
             warnings.warn(
                 f"{count} batches of {batch_bytes} bytes need {want} bytes of shared memory, "
-                f"but {self.shm_dir} has {have} bytes available; batches may fail with "
-                "SharedMemoryError. Enlarge it (docker run --shm-size=...) or lower prefetch "
+                f"but {self.shm_dir} has {have} bytes available; those that do not fit travel "
+                "pickled (slower). Enlarge it (docker run --shm-size=...) or lower prefetch "
                 "or batch size.",
                 RuntimeWarning,
                 stacklevel=2,

@@ -56,11 +56,12 @@ class ProcessRunner:
         *,
         copy_id: int = 0,
         abandoned_own: set[str] | None = None,
+        no_room: bool = False,
     ) -> None:
         self.pool = pool
         self.slots = slots
         self.copy_id = copy_id
-        self._receiver = Receiver(slots, prefetch)
+        self._receiver = Receiver(slots, prefetch, no_room=no_room)
         # Names of segments workers make (OwnSlot) for jobs given up while they ran: a pool
         # that closes lets them go before their worker is done, which may still make one.
         self._abandoned_own: set[str] = set() if abandoned_own is None else abandoned_own

@@ -18,10 +18,12 @@ Shared memory or inline is decided here and nowhere else, on both sides of the p
 
     main: Receiver.lease()     the largest batch seen so far (or the fetched samples' bytes) is
                                >= INLINE_MAX_BYTES and a slot pool exists ─▶ a slot (reused at
-                               once, or created in a thread); no batch seen yet (and no fetched
-                               bytes to send) ─▶ an OwnSlot: the worker makes the segment of a
-                               large batch under a name from here, the pool adopts it (the
-                               first batches of a loader need not travel pickled); otherwise
+                               once, or created in a thread; none under the cap ─▶ inline,
+                               counted); no batch seen yet (and no fetched bytes to send) ─▶
+                               an OwnSlot: the worker makes the segment of a large batch under
+                               a name from here, within 1/(prefetch + 1) of the cap reserved
+                               in the pool, which adopts it (the first batches of a loader
+                               need not travel pickled, and stay under the cap); otherwise
                                None: inline
     worker: Packer(slot)       collate straight into the slot (Packer.alloc), then pack():
                                no slot, a tiny batch, or one that did not fit ─▶ inline
@@ -34,7 +36,7 @@ Shared memory or inline is decided here and nowhere else, on both sides of the p
                                was removed), tensors are rebuilt
 
 The samples the event loop fetched for a map job travel the other way, main to worker, in the
-same slot (:class:`Sender`): an item that is ``bytes`` (or a plain ``dict`` whose values are),
+same slot (:class:`._raw.Sender`): an item that is ``bytes`` (or a plain ``dict`` whose values are),
 of at least :data:`RAW_SLOT_MIN_BYTES` each and :data:`INLINE_MAX_BYTES` in all, is copied once
 into the job's slot (leased for the larger of the two) and replaced in the pickled request by a
 :class:`RawRef`; the worker copies each back out into ``bytes`` of its own (:func:`unpack_raw`)
@@ -61,14 +63,13 @@ Sharp edges:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -78,6 +79,7 @@ from .._errors import SharedMemoryError
 from .._tree import iter_leaves, map_tree
 from .._types import BatchRequest, Made, StreamRequest
 from ._payload import Payload
+from ._raw import RAW_SLOT_MIN_BYTES, RawPlan, RawRef, RawSlotError, Sender, unpack_raw
 
 __all__ = [
     "COPY_TAG_SPAN",
@@ -144,20 +146,16 @@ class LoadJob:
     per_batch_seeds: bool | None = None
 
 
-# A fetched item's bytes travel in the job's raw slot from this size on. Smaller ones are
-# pickled with the request: for them, a descriptor and a copy out of the slot cost about what
-# the pickle copy does.
-RAW_SLOT_MIN_BYTES = 4 << 10
-
-
 @dataclass(frozen=True, slots=True)
 class OwnSlot:
     """In place of a slot, before the loader knows how large its batches are: a batch of
     :data:`INLINE_MAX_BYTES` or more goes into a segment the worker creates under ``name``
     (the main process's name: it takes the segment over into its pool, or unlinks it if the
-    job fails), not inline."""
+    job fails), not inline, if the segment fits in ``limit`` bytes: the pool's reservation
+    under its cap (0: none, so a large batch travels inline and says why)."""
 
     name: str
+    limit: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,153 +180,6 @@ class StreamJob:
     copy_id: int = 0
 
 
-# -- out: fetched bytes through a slot ------------------------------------------------------
-
-
-class RawRef(NamedTuple):
-    """In place of a fetched item's bytes: where they lie in the job's slot, and whether they
-    were a ``bytearray`` (else ``bytes``). A tuple: thousands a second are pickled, and a
-    slotted dataclass pickles through ``dataclasses.fields``, ten times slower."""
-
-    offset: int
-    size: int
-    mutable: bool = False
-
-
-class RawSlotError(Exception):
-    """A worker could not map a job's raw slot (``vanished``: its segment is gone); the main
-    process sends the request again inline."""
-
-    def __init__(self, reason: str, vanished: bool) -> None:
-        super().__init__(reason, vanished)
-        self.reason = reason
-        self.vanished = vanished
-
-    def __str__(self) -> str:
-        return f"the raw samples' slot cannot be mapped: {self.reason}"
-
-
-_BYTES = (bytes, bytearray)
-
-
-def _raw_parts(raw: Sequence[Any]) -> list[tuple[int, Any, Any]]:
-    """``(item position, dict key or None, bytes)`` of each large bytes value of ``raw``."""
-    parts: list[tuple[int, Any, Any]] = []
-    least = RAW_SLOT_MIN_BYTES
-    for position, item in enumerate(raw):
-        kind = type(item)
-        if kind is dict:
-            for key, value in item.items():
-                if type(value) in _BYTES and len(value) >= least:
-                    parts.append((position, key, value))
-        elif kind in _BYTES and len(item) >= least:
-            parts.append((position, None, item))
-    return parts
-
-
-@dataclass(frozen=True, slots=True)
-class RawPlan:
-    """Where the large bytes of ``request``'s samples go in a slot: ``parts`` are ``(item
-    position, dict key or None, bytes)``, at ``offsets``; ``nbytes`` in all."""
-
-    request: BatchRequest
-    parts: list[tuple[int, Any, Any]]
-    offsets: list[int]
-    nbytes: int
-
-
-class Sender:
-    """Main side: the large bytes of a map job's fetched samples into the job's slot (see the
-    module docstring). One per runner; the slot is the one the batch comes back in.
-
-    Args:
-        slots: the shared-memory slot pool, or None to send every request inline.
-    """
-
-    def __init__(self, slots: _shm.SlotPool | None) -> None:
-        self._slots = slots
-        self.fallbacks = 0  # requests sent again inline: a worker could not map their slot
-        self._said = False
-
-    def plan(self, request: BatchRequest) -> RawPlan | None:
-        """Where ``request``'s large bytes would lie in a slot; None if they travel inline
-        (no pool, or too few bytes to be worth a slot)."""
-        if self._slots is None or request.raw is None or request.sharded:
-            return None
-        parts = _raw_parts(request.raw)
-        align = _shm.ALIGN
-        offsets, total = [], 0
-        for _position, _key, data in parts:
-            offsets.append(total)
-            total += (len(data) + align - 1) // align * align
-        if total < INLINE_MAX_BYTES:
-            return None
-        return RawPlan(request, parts, offsets, total)
-
-    def fill(self, plan: RawPlan, slot: _shm.Slot) -> BatchRequest:
-        """Copy the planned bytes into ``slot`` (leased, at least ``plan.nbytes``); returns
-        the request to send, with :class:`RawRef` in their place. The caller's samples are
-        not changed."""
-        assert self._slots is not None
-        parts, offsets = plan.parts, plan.offsets
-        self._slots.write(slot, [(at, part[2]) for at, part in zip(offsets, parts, strict=True)])
-        raw = list(plan.request.raw or ())
-        copied: set[int] = set()
-        for offset, (position, key, data) in zip(offsets, parts, strict=True):
-            ref = RawRef(offset, len(data), type(data) is bytearray)
-            if key is None:
-                raw[position] = ref
-                continue
-            if position not in copied:  # a shallow copy: the caller's sample stays as it was
-                copied.add(position)
-                raw[position] = dict(raw[position])
-            raw[position][key] = ref
-        return dataclasses.replace(plan.request, raw=raw)
-
-    def lost(self, slot: _shm.Slot, error: RawSlotError) -> None:
-        """The worker could not map ``slot`` (``error``): never lease it again if its segment
-        vanished, else give it back; the caller sends the request again inline."""
-        assert self._slots is not None
-        if error.vanished:
-            self._slots.forget(slot)
-        else:
-            self._slots.release(slot)
-        self.fallbacks += 1
-        if not self._said:
-            self._said = True
-            _log.warning("fetched samples travel to the workers pickled instead: %s", error)
-
-
-def unpack_raw(request: BatchRequest, slot: _shm.Slot) -> BatchRequest:
-    """Worker side: ``request`` with each :class:`RawRef` replaced by a copy of its bytes.
-
-    Raises:
-        RawSlotError: the slot cannot be mapped here (removed from ``/dev/shm``, or no file
-            descriptor left).
-    """
-    try:
-        buffer = _shm.attach(slot)
-    except FileNotFoundError as exc:
-        raise RawSlotError(str(exc), True) from None
-    except SharedMemoryError as exc:
-        raise RawSlotError(str(exc), False) from None
-    with buffer.data as view:
-
-        def copy(ref: RawRef) -> Any:
-            data = view[ref.offset : ref.offset + ref.size]
-            return bytearray(data) if ref.mutable else data.tobytes()
-
-        raw: list[Any] = []
-        assert request.raw is not None
-        for item in request.raw:
-            if isinstance(item, RawRef):
-                item = copy(item)
-            elif type(item) is dict and any(isinstance(v, RawRef) for v in item.values()):
-                item = {k: copy(v) if isinstance(v, RawRef) else v for k, v in item.items()}
-            raw.append(item)
-    return dataclasses.replace(request, raw=raw)
-
-
 # -- back: the parcel ----------------------------------------------------------------------
 
 
@@ -342,8 +193,11 @@ class Parcel:
         in_slot: whether the arrays lie in the job's slot.
         nbytes: the bytes a slot needs for a batch like this one; later leases are sized from
             the largest seen.
-        slot_error: why the worker could not map the job's slot, so the batch came inline
-            ("" if it could, or had no slot): the segment vanished, or descriptors ran out.
+        slot_error: why a batch too large to travel inline came inline all the same ("" if
+            it did not): the segment vanished or descriptors ran out (the worker could not map
+            the job's slot), or the worker could not make one (:class:`OwnSlot`).
+        fallback: the kind of that reason, for the log (said once per kind): "vanished",
+            "attach", "cap" or "room"; "" means "vanished" or "attach" by ``slot_vanished``.
         slot_vanished: the slot's segment no longer exists (someone removed it): the pool must
             stop leasing it.
     """
@@ -354,6 +208,7 @@ class Parcel:
     slot_error: str = ""
     slot_vanished: bool = False
     own_slot: _shm.Slot | None = None  # the segment the worker made for it (OwnSlot)
+    fallback: str = ""
 
 
 def inline(batch: Any) -> Parcel:
@@ -372,13 +227,13 @@ class Packer:
         slot: the job's slot (attached here, cached per process), or None for inline.
     """
 
-    __slots__ = ("_error", "_own_name", "_vanished", "_writer")
+    __slots__ = ("_error", "_own", "_vanished", "_writer")
 
     def __init__(self, slot: _shm.Slot | OwnSlot | None) -> None:
         self._writer: _shm.SlotWriter | None = None
         self._error = ""
         self._vanished = False
-        self._own_name = slot.name if isinstance(slot, OwnSlot) else None
+        self._own = slot if isinstance(slot, OwnSlot) else None
         if slot is None or isinstance(slot, OwnSlot):
             return
         try:
@@ -400,8 +255,8 @@ class Packer:
             if self._error:
                 parcel = inline(batch)
                 return Parcel(parcel.tree, False, parcel.nbytes, self._error, self._vanished)
-            if self._own_name is not None:
-                return self._in_own_slot(batch, self._own_name)
+            if self._own is not None:
+                return self._in_own_slot(batch, self._own)
             return inline(batch)
         nbytes = batch_nbytes(batch)
         encoded = self._writer.encode(batch, inline_below=INLINE_MAX_BYTES)
@@ -410,16 +265,30 @@ class Packer:
         return Parcel(encoded.tree, True, nbytes)
 
     @staticmethod
-    def _in_own_slot(batch: Any, name: str) -> Parcel:
-        """``batch`` in a segment made for it here (:class:`OwnSlot`), if it is not tiny and
-        ``/dev/shm`` has room to spare (four times the segment); else inline."""
+    def _in_own_slot(batch: Any, own: OwnSlot) -> Parcel:
+        """``batch`` in a segment made for it here (:class:`OwnSlot`), if it is not tiny, the
+        segment fits the pool's reservation and ``/dev/shm`` has room to spare (four times
+        the segment); else inline, saying why."""
         nbytes = batch_nbytes(batch)
-        # The pool's headroom (alignment, a batch a little larger next time), as it sizes its own.
-        size = _shm.page_round(max(math.ceil(nbytes * _shm.GROWTH), _shm.MIN_SLOT_BYTES))
         if nbytes < INLINE_MAX_BYTES or not _shm.shm_available():
             return inline(batch)
-        if 4 * size > _shm.free_bytes():
-            return inline(batch)
+        # The pool's headroom (alignment, a batch a little larger next time), as it sizes its
+        # own; the exact size where only that fits the reservation.
+        roomy = _shm.page_round(max(math.ceil(nbytes * _shm.GROWTH), _shm.MIN_SLOT_BYTES))
+        exact = _shm.page_round(max(nbytes, _shm.MIN_SLOT_BYTES))
+        size = roomy if roomy <= own.limit else exact
+        name = own.name
+        why, kind = "", ""
+        if size > own.limit:
+            share = f"its share, {own.limit} bytes," if own.limit else "no room left"
+            why = f"a batch of {nbytes} bytes finds {share} under the cap (shm_max_bytes)"
+            kind = "cap"
+        elif 4 * size > (free := _shm.free_bytes()):
+            why = f"/dev/shm has {free} bytes free, too few for a segment of {size} bytes"
+            kind = "room"
+        if why:
+            parcel = inline(batch)
+            return Parcel(parcel.tree, False, parcel.nbytes, slot_error=why, fallback=kind)
         try:
             _, mapping = _shm.create_segment(size, _shm.SHM_DIR, name)
         except SharedMemoryError as exc:  # /dev/shm full, or no descriptor: said and counted
@@ -441,16 +310,26 @@ class Receiver:
 
     Args:
         slots: the shared-memory slot pool, or None to send every batch inline.
-        prefetch: batches in flight at once: /dev/shm is checked up front for that many slots.
+        prefetch: batches in flight at once: /dev/shm is checked up front for that many slots,
+            and before the batch size is known each job may reserve ``1 / (prefetch + 1)`` of
+            the pool's cap for the segment its worker makes.
+        no_room: ``slots`` is None because ``/dev/shm`` had no room for a pool (not by the
+            user's choice): every batch too large to travel inline is then a fallback.
     """
 
-    def __init__(self, slots: _shm.SlotPool | None, prefetch: int) -> None:
+    def __init__(
+        self, slots: _shm.SlotPool | None, prefetch: int, *, no_room: bool = False
+    ) -> None:
         self._slots = slots
         self._prefetch = prefetch
+        self._no_room = no_room
         self._batch_bytes = 0  # the largest batch seen: leases are sized from it
         self._checked_bytes = 0  # the batch size /dev/shm was last checked for
         self.fallbacks = 0  # batches sent inline because no segment could be had
         self._said: set[str] = set()  # the kinds of reason logged already (once each)
+        # What each OwnSlot out now holds of the pool's cap, by name: given back once, when
+        # its batch is opened or its job is given up.
+        self._reserved: dict[str, int] = {}
 
     async def lease(self, at_least: int = 0) -> _shm.Slot | OwnSlot | None:
         """A slot for the next batch (and for ``at_least`` bytes of fetched samples on their
@@ -461,7 +340,13 @@ class Receiver:
         makes the segment (:class:`OwnSlot`)."""
         unknown = self._batch_bytes == 0 and not at_least
         if self._slots is not None and unknown and not self.fallbacks:
-            return OwnSlot(_shm.new_name())
+            # A share of the cap, as the prefetched batches will share it once their size is
+            # known; the worker makes a segment within it, or says why the batch came inline.
+            name = _shm.new_name()
+            limit = self._slots.reserve(self._slots.max_bytes // (self._prefetch + 1))
+            if limit:
+                self._reserved[name] = limit
+            return OwnSlot(name, limit)
         size = max(self._batch_bytes, at_least)
         if self._slots is None or size < INLINE_MAX_BYTES:
             return None
@@ -473,7 +358,7 @@ class Receiver:
             self._slots.preflight(size, self._prefetch + 1)
         leasing = asyncio.ensure_future(asyncio.to_thread(self._slots.lease, size))
         try:
-            return await asyncio.shield(leasing)
+            slot = await asyncio.shield(leasing)
         except asyncio.CancelledError:
             leasing.add_done_callback(self._give_back)
             raise
@@ -482,6 +367,13 @@ class Receiver:
             # out: the batch still travels, inline, slower but whole. Said once, then counted.
             self._fell_back("lease", str(exc))
             return None
+        if slot is None:  # the slots alive leave no room under the cap for one this size
+            self._fell_back(
+                "cap",
+                f"a batch of {size} bytes does not fit under the shared-memory cap "
+                f"shm_max_bytes={self._slots.max_bytes} beside the batches in flight",
+            )
+        return slot
 
     def _give_back(self, leasing: asyncio.Future[_shm.Slot | None]) -> None:
         if self._slots is None or leasing.cancelled() or leasing.exception() is not None:
@@ -491,21 +383,35 @@ class Receiver:
             self._slots.release(slot)
 
     def _fell_back(self, kind: str, why: str) -> None:
-        """Count a batch sent inline for want of a slot; log the first of each ``kind`` of
-        reason (no room, a vanished segment, no descriptor in a worker), with the reason."""
+        """Count a batch sent inline for want of a slot. The first one is a WARNING, with its
+        reason; the first of each other ``kind`` of reason (the cap, no room, a vanished
+        segment, no descriptor in a worker) is logged at INFO: one warning per loader."""
         self.fallbacks += 1
         if kind not in self._said:
+            level = logging.INFO if self._said else logging.WARNING
             self._said.add(kind)
-            _log.warning("batches travel inline (pickled) instead: %s", why)
+            _log.log(level, "batches travel inline (pickled) instead: %s", why)
 
     def releaser(self, slot: _shm.Slot | OwnSlot | None) -> Callable[[], None] | None:
         """What gives ``slot`` back to the pool, to call once no worker can write into it
         (for an :class:`OwnSlot`: what unlinks the segment the worker may have made)."""
         if isinstance(slot, OwnSlot):
-            return functools.partial(_shm.discard, slot.name)
+            return functools.partial(self._drop_own, slot.name)
         if slot is None or self._slots is None:
             return None
         return functools.partial(self._slots.release, slot)
+
+    def _drop_own(self, name: str) -> None:
+        """An :class:`OwnSlot`'s job was given up: unlink what its worker may have made, and
+        give its reservation back."""
+        _shm.discard(name)
+        self._unreserve(name)
+
+    def _unreserve(self, name: str) -> int:
+        reserved = self._reserved.pop(name, 0)
+        if reserved and self._slots is not None:
+            self._slots.unreserve(reserved)
+        return reserved
 
     def open(self, made: Made, leased: _shm.Slot | OwnSlot | None) -> Made:
         """``made`` with its parcel opened: views of its slot, or the inline batch (then the
@@ -517,14 +423,18 @@ class Receiver:
             # Inline after all; a worker that made the segment and died (the job ran again
             # elsewhere, which found the name taken) left it behind.
             _shm.discard(leased.name)
+            self._unreserve(leased.name)
         if parcel.own_slot is not None:
             if self._slots is None:  # pragma: no cover - an OwnSlot is sent only with a pool
                 _shm.unlink(parcel.own_slot.name)
                 raise RuntimeError("a worker's segment came back to a loader without a pool")
-            slot = self._slots.adopt(parcel.own_slot.name, parcel.own_slot.size)
+            reserved = self._reserved.pop(parcel.own_slot.name, 0)
+            slot = self._slots.adopt(parcel.own_slot.name, parcel.own_slot.size, reserved)
         if parcel.slot_error and self._slots is not None and not self._slots.closed:
-            # The worker could not map the slot (after close: the pool unlinked it itself).
-            self._fell_back("vanished" if parcel.slot_vanished else "attach", parcel.slot_error)
+            # The worker could not map the slot or make one (after close: the pool unlinked
+            # the slot itself).
+            kind = parcel.fallback or ("vanished" if parcel.slot_vanished else "attach")
+            self._fell_back(kind, parcel.slot_error)
             if parcel.slot_vanished and slot is not None and self._slots is not None:
                 self._slots.forget(slot)  # never lease a segment that no worker can map
                 slot = None
@@ -539,6 +449,13 @@ class Receiver:
             return made
         if slot is not None and self._slots is not None:
             self._slots.release(slot)
+        if self._no_room and parcel.nbytes >= INLINE_MAX_BYTES:
+            self._fell_back(
+                "none",
+                f"/dev/shm has {_shm.free_bytes()} bytes free, and had no room for shared "
+                "memory when the loader started; enlarge it (docker run --shm-size=...) for "
+                "zero-copy batches",
+            )
         made.batch = from_wire(parcel.tree)
         return made
 
