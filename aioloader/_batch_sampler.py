@@ -275,9 +275,14 @@ class IndexCheck:
         if flat is not None:
             return flat
         if self.sharded and isinstance(batch, Iterable) and not isinstance(batch, str | bytes):
-            shards = [_indices(shard) for shard in batch]
-            if shards and all(shard is not None for shard in shards):
-                return shards  # type: ignore[return-value]
+            items = list(batch)
+            # A tuple of ints is a key (torch's datasets may take any key: (index, size) pairs
+            # of a multi-scale sampler), never a shard: read as one, it would load other
+            # samples without a word. Shards are lists, arrays or tensors.
+            if not any(isinstance(shard, tuple) for shard in items):
+                shards = [_indices(shard) for shard in items]
+                if shards and all(shard is not None for shard in shards):
+                    return shards  # type: ignore[return-value]
         raise TypeError(self._describe(batch_id, batch))
 
     def _describe(self, batch_id: int, batch: object) -> str:
@@ -290,10 +295,16 @@ class IndexCheck:
                 "batches of indices is a batch_sampler"
             )
         shape = "a batch of indices, or a list of such batches (shards)"
+        keys = (
+            "; keys other than indices (tuples, strings) are not supported: map them to "
+            "indices in the dataset"
+            if isinstance(batch, list | tuple) and any(_index(v) is None for v in batch)
+            else ""
+        )
         return (
             f"batch_sampler={self.source!r} yielded {_short_repr(batch)} as batch {batch_id}, "
             f"which is not {shape if self.sharded else 'a batch of indices'}: a batch is a "
-            f"list, tuple, numpy array or torch tensor of indices ({_WHAT_AN_INDEX_IS})"
+            f"list, tuple, numpy array or torch tensor of indices ({_WHAT_AN_INDEX_IS}){keys}"
         )
 
 

@@ -317,14 +317,15 @@ def resolve_seed(seed: object, generator: Any) -> int:
 
 
 def context_argument(
-    multiprocessing_context: object, mp_context: object
+    multiprocessing_context: object, mp_context: object, *, uses_processes: bool = True
 ) -> tuple[str, str | BaseContext | None]:
     """torch's ``multiprocessing_context`` or its aioloader alias ``mp_context``, checked.
 
     Returns ``(the name it was given under, the start method name or context)``.
 
     Raises:
-        ValueError: both given and different; an unknown start method (named).
+        ValueError: both given and different; an unknown start method (named); given to a
+            loader without worker processes (``uses_processes`` false), as torch refuses it.
         TypeError: neither a start method name nor a context.
     """
     name, value = "multiprocessing_context", multiprocessing_context
@@ -339,10 +340,14 @@ def context_argument(
         methods = mp.get_all_start_methods()
         if value not in methods:
             raise ValueError(f"{name}={value!r} is not a start method here; use one of {methods}")
-        return name, value
-    if value is None or isinstance(value, BaseContext):
-        return name, value
-    raise TypeError(f"{name} must be a start method name or a context, got {value!r}")
+    elif value is not None and not isinstance(value, BaseContext):
+        raise TypeError(f"{name} must be a start method name or a context, got {value!r}")
+    if value is not None and not uses_processes:
+        raise ValueError(
+            f"{name}={value!r} needs worker processes (num_workers > 0, thread_pool=False), "
+            "as in torch"
+        )
+    return name, value
 
 
 @dataclass(frozen=True, slots=True)

@@ -279,7 +279,9 @@ class DataLoader(SettingsView):
         )
         self._sampling = self._sampling_for(shard=share)
         self._user_samplers = (sampler, batch_sampler)
-        _, context = context_argument(multiprocessing_context, mp_context)
+        _, context = context_argument(
+            multiprocessing_context, mp_context, uses_processes=config.uses_processes
+        )
         # Built before init_process_group (Lightning and accelerate make the group after the
         # script made the loader): the share is decided later (_shard_if_group_appeared).
         self._group_unseen = shard is None and process_group() is None
@@ -289,16 +291,11 @@ class DataLoader(SettingsView):
         if config.uses_processes:
             self._context = worker_context(pool, config, context, allow_fork, dataset)
             check_callables(config)  # the dataset is pickled when an epoch needs it
-        cpus = os.cpu_count() or 1
         # Only processes compete for CPUs: threads (thread_pool=True) mostly wait on IO with the
         # GIL released, where more threads than CPUs is the point.
-        if config.num_workers > cpus and config.uses_processes:
-            warnings.warn(
-                f"num_workers={config.num_workers} is more than the {cpus} CPUs here; "
-                "extra workers only compete for them",
-                UserWarning,
-                stacklevel=2,
-            )
+        if config.uses_processes and config.num_workers > (cpus := os.cpu_count() or 1):
+            message = f"num_workers={config.num_workers} is more than the {cpus} CPUs here"
+            warnings.warn(f"{message}; extra workers only compete for them", stacklevel=2)
         self._counters = Counters()
         self._book = EpochBook(self._sampling, dataset)
         self._progress = progress_display(progress)

@@ -749,3 +749,35 @@ def test_the_seed_cannot_change_under_a_running_epoch_of_worker_processes() -> N
 def test_exports() -> None:
     assert aioloader.default_convert is default_convert
     assert default_convert.__module__ == "aioloader"
+
+
+class _EchoKey:
+    """A map-style dataset that returns the key it is given."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, key: Any) -> Any:
+        return key
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_tuple_keys_are_refused_never_read_as_shards(workers: int) -> None:
+    # (index, size) pairs of a multi-scale batch sampler: read as two shards of indices, they
+    # would load samples 0, 224, 1 and 224 without a word.
+    plan = [[(0, 224), (1, 224)], [(2, 320), (3, 320)]]
+    with DataLoader(_EchoKey(), batch_sampler=plan, num_workers=workers) as loader:
+        with pytest.raises(TypeError) as info:
+            _batches(loader)
+    assert "yielded [(0, 224), (1, 224)] as batch 0" in str(info.value)
+    assert "keys other than indices" in str(info.value)
+
+
+@pytest.mark.parametrize("context", ["spawn", mp.get_context("spawn")])
+def test_a_start_method_without_workers_is_refused_as_in_torch(context: Any) -> None:
+    with pytest.raises(ValueError, match=r"multiprocessing_context=.* needs worker processes"):
+        DataLoader(Range(4), multiprocessing_context=context)
+    with pytest.raises(ValueError, match=r"mp_context=.* needs worker processes"):
+        DataLoader(Range(4), num_workers=2, thread_pool=True, mp_context=context)
+    with pytest.raises(ValueError, match="multiprocessing_context"):
+        tud.DataLoader(list(range(4)), multiprocessing_context=context)  # torch's rule
