@@ -196,6 +196,9 @@ class Epoch:
         )
         self._handing: list[tuple[int, Transfer]] = []  # popped, not yet handed over (copies)
         self._closed = False
+        # The consumer's last step raised a batch's error: if a new epoch starts before the next
+        # step, the consumer stopped there (a loop unwound by the error); see _new_epoch.
+        self.raised_last = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._began = False  # the epoch's clock started (by __anext__ or next_inline)
         # Made in the consumer's thread while cheap (``for``, num_workers=0: next_inline).
@@ -531,7 +534,13 @@ class EpochIterator:
             if self._start is None:  # closed before it started
                 raise StopAsyncIteration
             self.epoch = self._start()
-        return await self.epoch.__anext__()
+        try:
+            batch = await self.epoch.__anext__()
+        except Exception as exc:
+            self.epoch.raised_last = not isinstance(exc, StopAsyncIteration)
+            raise
+        self.epoch.raised_last = False
+        return batch
 
     async def aclose(self) -> None:
         """Close the epoch now and wait until its tasks are over."""

@@ -375,6 +375,9 @@ class DataLoader(SettingsView):
         self._shard_if_group_appeared()  # before the workers start: they get the share's config
         runner = self._ensure_resources()
         previous = self._res.epoch
+        if previous is not None and previous.raised_last and not previous.finished:
+            # Its consumer stopped at an error (a traceback keeps it alive): not a 2nd iterator.
+            previous.close_nowait()
         alone = previous is None or previous.finished
         if previous is not None and not previous.finished:
             # Another iterator is mid-epoch: both run a full epoch, as torch's do. The older

@@ -129,7 +129,9 @@ class SyncIterator:
             except BaseException as exc:
                 if not isinstance(exc, Exception):  # interrupted: the epoch closed itself
                     self._done = True
+                self._epoch.raised_last = True
                 raise
+            self._epoch.raised_last = False
             if batch is not NOT_INLINE:
                 return batch
             self._loop_thread = self._loop()
@@ -146,7 +148,11 @@ class SyncIterator:
             if not future.done() or future.cancelled():  # the wait was interrupted, not a batch
                 future.cancel()
                 self.close()
+            elif self._epoch is not None:
+                self._epoch.raised_last = True
             raise
+        if self._epoch is not None:
+            self._epoch.raised_last = False
         if not more:
             self._done = True
             self._epoch = None

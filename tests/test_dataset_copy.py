@@ -15,6 +15,7 @@ import pytest
 import torch
 from datasets import Range
 
+import aioloader
 from aioloader import DataLoader, _shm
 from aioloader._workers import _payload
 from aioloader._workers._payload import OUT_OF_BAND_MIN_BYTES, dumps_copy, loads
@@ -128,3 +129,47 @@ def test_torch_tensors_travel_out_of_band_too_with_their_dtype_and_shape() -> No
         assert len(payload.spans) == 2
     finally:
         payload.release()
+
+
+class _Tagged:
+    """Samples carry the dataset's ``tag``; index ``fail_at`` raises (a missing file)."""
+
+    def __init__(self) -> None:
+        self.tag = 0
+        self.fail_at: int | None = 13
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> int:
+        if index == self.fail_at:
+            raise KeyError(f"missing {index} (tag {self.tag})")
+        return self.tag
+
+
+def _epoch_after_an_error(mode: str) -> list[int]:
+    """One epoch that stops at a batch's error, the dataset fixed, and the next epoch's tags.
+    No gc.collect() in between: the error's traceback keeps the first iterator alive."""
+    dataset = _Tagged()
+    with DataLoader(dataset, batch_size=4, num_workers=2, timeout=30) as loader:
+
+        async def read() -> list[int]:
+            return [int(t) for batch in [b async for b in loader] for t in batch]
+
+        def run() -> list[int]:
+            if mode == "async":
+                return aioloader.run(read())
+            return [int(t) for batch in loader for t in batch]
+
+        with pytest.raises(KeyError, match="missing 13"):
+            run()
+        dataset.tag, dataset.fail_at = 1, None  # fixed, as a user does between epochs
+        return run()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_epoch_after_one_that_raised_gets_a_fresh_copy(mode: str) -> None:
+    # Without persistent_workers, each epoch gets a fresh copy, also after an epoch that ended
+    # in an error; before, the traceback's iterator looked like a second live iterator, so the
+    # workers kept the old copy and raised the old error every epoch.
+    assert _epoch_after_an_error(mode) == [1] * 40

@@ -780,4 +780,4 @@ def test_a_start_method_without_workers_is_refused_as_in_torch(context: Any) -> 
     with pytest.raises(ValueError, match=r"mp_context=.* needs worker processes"):
         DataLoader(Range(4), num_workers=2, thread_pool=True, mp_context=context)
     with pytest.raises(ValueError, match="multiprocessing_context"):
-        tud.DataLoader(list(range(4)), multiprocessing_context=context)  # torch's rule
+        tud.DataLoader(cast(Any, range(4)), multiprocessing_context=context)  # torch's rule
