@@ -21,12 +21,16 @@ import signal
 import threading
 from collections.abc import Callable
 
-__all__ = ["release_before_sigterm"]
+__all__ = ["release_before_sigterm", "terminating"]
 
 # How long the handler waits for the release before it lets the signal end the process.
 RELEASE_BOUND_S = 3.0
 
 _installed_in: int | None = None  # the pid whose handler is ours
+
+#: Set while the handler releases: the main thread waits in it, so an event loop that runs
+#: there runs nothing until the process ends. Whoever would wait for such a loop must not.
+terminating = threading.Event()
 
 
 def release_before_sigterm(release: Callable[[], None]) -> None:
@@ -41,6 +45,7 @@ def release_before_sigterm(release: Callable[[], None]) -> None:
 
     def on_sigterm(signum: int, frame: object) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        terminating.set()
         # On a thread of its own: the main thread was interrupted anywhere, perhaps holding a
         # lock the release needs; it must not wait on itself, and a stuck release must not
         # keep the process from ending.

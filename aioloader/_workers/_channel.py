@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from .._signals import terminating
 from ._frames import (
     CANCEL,
     CANCELLED,
@@ -539,4 +540,6 @@ def _call_on(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
     except RuntimeError:  # closed meanwhile
         fn()
         return
-    done.wait(_DETACH_WAIT_S)
+    # Not while a SIGTERM is being handled: the loop may be the main thread's, stopped in the
+    # handler that waits for this release (the pipes are then left open: the process ends).
+    done.wait(0 if terminating.is_set() else _DETACH_WAIT_S)
