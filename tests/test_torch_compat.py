@@ -237,6 +237,28 @@ def test_a_sampler_of_index_lists_with_batch_size_none_reads_them_in_bulk() -> N
     assert sorted(torch.cat(batches).tolist()) == list(range(35))
 
 
+class _KeyEcho:
+    """A map-style dataset whose samples are the keys it is given."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, key: Any) -> Any:
+        return key
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="samplers (_batch_sampler index check): keys that are not indices, such as the "
+    "(index, size) pairs of a multi-scale batch sampler, are refused (TypeError: 'keys other "
+    "than indices ... are not supported') instead of being passed to dataset[key] as torch does",
+)
+def test_a_batch_sampler_of_tuple_keys_passes_them_to_the_dataset() -> None:
+    plan = [[(0, 224), (1, 224)], [(2, 320), (3, 320)]]
+    batches = load(_KeyEcho(), batch_sampler=plan, collate_fn=list, num_workers=2)
+    assert batches == plan
+
+
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_list_and_tuple_of_a_loader(num_workers: int) -> None:
     expected = [torch.tensor([i, i + 1]) for i in range(0, 20, 2)]
