@@ -766,9 +766,11 @@ def test_tuple_keys_are_refused_never_read_as_shards(workers: int) -> None:
     # (index, size) pairs of a multi-scale batch sampler: read as two shards of indices, they
     # would load samples 0, 224, 1 and 224 without a word.
     plan = [[(0, 224), (1, 224)], [(2, 320), (3, 320)]]
-    with DataLoader(_EchoKey(), batch_sampler=plan, num_workers=workers) as loader:
-        with pytest.raises(TypeError) as info:
-            _batches(loader)
+    with (
+        DataLoader(_EchoKey(), batch_sampler=plan, num_workers=workers) as loader,
+        pytest.raises(TypeError) as info,
+    ):
+        _batches(loader)
     assert "yielded [(0, 224), (1, 224)] as batch 0" in str(info.value)
     assert "keys other than indices" in str(info.value)
 
