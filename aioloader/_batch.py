@@ -42,6 +42,7 @@ __all__ = [
     "nbytes_of",
     "not_an_exit",
     "request_for",
+    "stop_as_error",
     "stream_batch",
     "take",
     "take_async",
@@ -90,6 +91,23 @@ def not_an_exit(exc: BaseException, where: str, batch_id: int) -> WorkerError:
     return error
 
 
+def stop_as_error(exc: BaseException, where: str) -> RuntimeError:
+    """A RuntimeError for a ``StopIteration`` (or ``StopAsyncIteration``) that a dataset's
+    ``__getitem__``, a transform or ``collate_fn`` raised while ``where``. Left as it is, it
+    would end the consumer's ``for`` loop as if the epoch were over, dropping the batch and
+    every one after it without a word, and a future cannot hold it at all (as a generator
+    turns it into a RuntimeError, PEP 479). Keeps the notes that name the sample."""
+    error = RuntimeError(
+        f"{type(exc).__name__} was raised while {where}: a map-style dataset's __getitem__, "
+        "transform or collate_fn must not raise it (it would end the epoch silently and lose "
+        "the samples after it); raise IndexError or another exception, or use an "
+        "IterableDataset for a stream that ends"
+    )
+    for note in getattr(exc, "__notes__", ()):
+        error.add_note(note)
+    return error
+
+
 class BatchMaker:
     """Reads, transforms and collates batches of one dataset.
 
@@ -124,6 +142,12 @@ class BatchMaker:
 
     def make(self, request: BatchRequest, alloc: Alloc | None = None) -> Made:
         """Build the batch of ``request``; ``alloc`` places collated arrays (shared memory)."""
+        try:
+            return self._make(request, alloc)
+        except (StopIteration, StopAsyncIteration) as exc:
+            raise stop_as_error(exc, f"making batch {request.batch_id}") from exc
+
+    def _make(self, request: BatchRequest, alloc: Alloc | None) -> Made:
         made = Made(batch=None)
         if request.sharded:
             shards: Sequence[Sequence[int]] = request.indices  # type: ignore[assignment]

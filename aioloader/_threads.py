@@ -48,7 +48,14 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from ._batch import BatchMaker, StreamCursor, continued_share, not_an_exit, users_interrupt
+from ._batch import (
+    BatchMaker,
+    StreamCursor,
+    continued_share,
+    not_an_exit,
+    stop_as_error,
+    users_interrupt,
+)
 from ._distributed import every_nth, stream_share
 from ._errors import WorkerError
 from ._types import END, BatchRequest, Made, StreamRequest, stream_state
@@ -336,7 +343,11 @@ def _post(
     def settle() -> None:
         if future.cancelled():
             return
-        if error is not None:
+        if isinstance(error, StopIteration | StopAsyncIteration):
+            # A future refuses these (set_exception raises TypeError, and the awaiting
+            # consumer would wait for ever): a RuntimeError carries them, as in a generator.
+            future.set_exception(stop_as_error(error, "running a loader thread's job"))
+        elif error is not None:
             future.set_exception(error)
         else:
             future.set_result(result)
