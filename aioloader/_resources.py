@@ -193,6 +193,7 @@ class Resources:
     used: bool = False  # made or started for the user (not only by start_early)
     closed: bool = False
     shared: SharedPool | None = None  # workers shared with other loaders (_shared_pool)
+    pid: int = field(default_factory=os.getpid)  # the process they belong to (see close)
 
     def ensure(
         self,
@@ -372,7 +373,12 @@ class Resources:
             await asyncio.to_thread(close)
 
     def close(self) -> None:
-        """Release everything (blocking). Idempotent."""
+        """Release everything (blocking). Idempotent. In a forked child (torch's workers
+        under 'fork', a fork-started pool) that collects its copy of an unclosed loader, or
+        closes it, nothing: the workers, pipes, threads and segments are the parent's."""
+        if os.getpid() != self.pid:
+            self.closed = True
+            return
         for epoch in self.take_epochs():
             epoch.close_nowait()
         with self.lock:
@@ -459,6 +465,9 @@ def finalize(resources: Resources, name: str) -> None:
     """The loader was garbage collected unclosed: warn, then release everything. A loader
     that was never used (its workers only started early) is released without a word."""
     if resources.closed or (not resources.held and resources.starter is None):
+        return
+    if os.getpid() != resources.pid:  # a forked child's copy: its parent's to close and warn
+        resources.closed = True
         return
     if resources.used:
         warnings.warn(

@@ -189,6 +189,7 @@ class _Held:
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    pid: int = field(default_factory=os.getpid)  # the process the pool belongs to
 
     def slot_pool(self) -> _shm.SlotPool | None:
         """The one slot pool, made at the first loader's first epoch (under the lock)."""
@@ -210,7 +211,12 @@ class _Held:
         self.processes.release(copy_id)
 
     def close(self) -> None:
-        """Stop the workers, the private loop and the slot pool (blocking). Idempotent."""
+        """Stop the workers, the private loop and the slot pool (blocking). Idempotent. In a
+        forked child, nothing: they are the parent's (see ``_resources.Resources.close``);
+        nor is its lock, which a parent's thread may have held as the child forked."""
+        if os.getpid() != self.pid:
+            self.closed = True
+            return
         with self.lock:
             if self.closed:
                 return
@@ -520,7 +526,7 @@ def _finalize(held: _Held) -> None:
     """The pool was garbage collected unclosed: warn, then stop its workers (from a thread of
     their own where the collecting thread holds the pool's lock or is its loop thread: see
     ``_closing``)."""
-    if held.closed:
+    if held.closed or os.getpid() != held.pid:  # a forked child's copy: the parent's pool
         return
     warnings.warn(
         "WorkerPool was not closed; use `with` / `async with`, or call close() / aclose()",

@@ -171,7 +171,8 @@ class SyncIterator:
             return
         if threading.current_thread() is loop_thread._thread:
             epoch.close_nowait()  # collected on the loop thread: it cannot wait for itself
-        elif loop_thread.loop.is_running():
+        elif loop_thread._thread.is_alive() and loop_thread.loop.is_running():
+            # (A forked child's copy says the loop runs, but its thread is the parent's.)
             with contextlib.suppress(Exception):
                 loop_thread.run(epoch.aclose(), timeout=CLOSE_TIMEOUT_S)
 

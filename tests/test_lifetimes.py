@@ -248,3 +248,69 @@ def test_a_loader_collected_on_a_thread_that_holds_its_lock_is_closed_without_de
     assert res.closed  # closed all the same, once the lock was free
     assert loader.worker_pids == ()
     loader.close()
+
+
+@pytest.mark.slow
+def test_torchs_forked_workers_leave_this_process_loaders_alone(tmp_path: Path) -> None:
+    # torch's workers under 'fork' (its default on Linux) inherit this process's loaders. Where
+    # one collects its copy of an unclosed loader (here: one an error left in a reference
+    # cycle, and a sync iterator dropped mid-epoch in a cycle), that copy must not be closed:
+    # its workers, pipes, threads and segments are the parent's. Before, the child raised
+    # "can only join a child process" from the finalizer and waited 10 s for the parent's loop.
+    path = _script(
+        tmp_path,
+        """
+        import gc, time, warnings
+        import torch
+
+        class Collects(torch.utils.data.Dataset):
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, index):
+                gc.collect()  # in torch's forked worker: finds the copies of the cycles below
+                return index
+
+        def fails_mid_epoch():
+            failing = DataLoader(Range(64), batch_size=4, num_workers=2)
+            try:
+                for _ in failing:
+                    raise ValueError("the training step failed")
+            except ValueError:
+                pass
+
+        warnings.simplefilter("ignore", ResourceWarning)  # the parent's own collection, below
+        gc.disable()  # the cycles stay for the forked children to find
+        it = iter(loader)
+        first = next(it).tolist()
+        fails_mid_epoch()
+        dropped = iter(DataLoader(Range(64), batch_size=4, num_workers=2))
+        next(dropped)
+        cycle = [dropped]
+        cycle.append(cycle)
+        del dropped, cycle
+        pids = loader.worker_pids
+        start = time.monotonic()
+        torch_batches = list(
+            torch.utils.data.DataLoader(
+                Collects(), batch_size=None, num_workers=2, multiprocessing_context="fork"
+            )
+        )
+        print("TORCH_S", time.monotonic() - start, flush=True)
+        assert [int(b) for b in torch_batches] == [0, 1, 2, 3], torch_batches
+        rest = [x for batch in it for x in batch.tolist()]
+        assert first + rest == list(range(64)), (first, rest)
+        assert loader.worker_pids == pids, (pids, loader.worker_pids)
+        gc.enable()
+        gc.collect()
+        loader.close()
+        print("PIDS", os.getpid(), *pids, flush=True)
+        """,
+    )
+    proc, _ = _run(path)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    _assert_quiet(proc.stderr)
+    torch_s = next(float(x.split()[1]) for x in proc.stdout.splitlines() if x.startswith("TORCH_S"))
+    assert torch_s < EXIT_BOUND_S, proc.stdout
+    _assert_nothing_left(*_pids(proc.stdout))
