@@ -171,7 +171,11 @@ class EpochBook:
         self._readers, self._last_reader = None, -1
 
     def state_dict(self, seed: int) -> dict[str, Any]:
-        """Where the epochs are (see :meth:`aioloader.DataLoader.state_dict`)."""
+        """Where the epochs are (see :meth:`aioloader.DataLoader.state_dict`). A state loaded
+        and not yet begun is where they are: saving again before the first resumed batch (a
+        second preemption, a framework's checkpoint right after its restore) keeps it."""
+        if self._resume is not None:
+            return {**self._resume, "seed": seed}
         if self.open:
             streams = None
             if self._readers is not None:

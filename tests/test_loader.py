@@ -413,6 +413,35 @@ def test_resume_yields_exactly_the_rest_then_matches_an_uninterrupted_run(
         assert second.statistics().epoch == 2
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_saved_again_before_the_first_resumed_batch_is_the_one_loaded(
+    num_workers: int,
+) -> None:
+    # A job preempted twice, or a framework that checkpoints right after its restore: the
+    # second save must not fall back to the start of epoch 0 (it replayed everything).
+    def make() -> DataLoader:
+        return DataLoader(Range(23), batch_size=4, shuffle=True, seed=5, num_workers=num_workers)
+
+    with make() as reference:
+        epochs = [as_lists(list(reference)) for _ in range(3)]
+    with make() as first:
+        list(first)
+        it = iter(first)
+        [next(it) for _ in range(2)]
+        state = first.state_dict()
+        del it
+    with make() as second:
+        second.load_state_dict(state)
+        again = second.state_dict()
+    assert again == state
+    with make() as third:
+        third.load_state_dict(again)
+        assert third.state_dict() == state
+        assert as_lists(list(third)) == epochs[1][2:]
+        assert third.state_dict()["epoch"] == 2
+        assert as_lists(list(third)) == epochs[2]
+
+
 def test_resume_between_epochs_and_state_survives_pickle() -> None:
     import pickle
 
