@@ -63,6 +63,7 @@ __all__ = [
     "every_nth_async",
     "process_group",
     "rank_aware",
+    "rank_seed",
     "resolve_shard",
     "stream_items",
     "stream_share",
@@ -104,6 +105,21 @@ def process_group() -> tuple[int, int] | None:
     if dist is not None and dist.is_available() and dist.is_initialized():
         return int(dist.get_rank()), int(dist.get_world_size())
     return None
+
+
+def rank_seed(seed: int) -> int:
+    """The base seed of this rank's worker processes: ``seed`` itself without a process group
+    and on rank 0, another 64-bit seed on each other rank.
+
+    Every rank is given the same ``seed=`` (its shares are shuffled by it), and each rank's
+    batches are numbered from 0: seeded from (seed, epoch, batch) alone, batch ``b`` of every
+    rank would draw the same augmentations. Lightning mixes the rank into worker seeds for the
+    same reason. Decided when a dataset copy is made (each epoch's, with
+    ``persistent_workers=False``), so a group made after the loader counts from then on."""
+    group = process_group()
+    if group is None or group[0] == 0:
+        return seed
+    return (seed ^ (group[0] * 0x9E3779B97F4A7C15)) & 0xFFFFFFFFFFFFFFFF
 
 
 def rank_aware(sampler: object) -> bool:

@@ -50,6 +50,7 @@ from . import _shm
 from ._batch import BatchMaker
 from ._closing import close_soon
 from ._config import LoaderConfig
+from ._distributed import rank_seed
 from ._epoch import Epoch
 from ._errors import out_of_descriptors_note
 from ._shared_pool import WorkerPool as SharedPool
@@ -330,7 +331,8 @@ class Resources:
             return
         if runner.has_copy and (config.persistent_workers or not alone):
             return
-        runner.load(functools.partial(worker_payload, config, dataset, runner.pool.context), epoch)
+        make = functools.partial(worker_payload, config, dataset, runner.pool.context)
+        runner.load(make, epoch, seed=rank_seed(config.seed))
 
     def loop(self) -> LoopThread:
         """The private event-loop thread for sync iteration, started on first use."""

@@ -72,6 +72,7 @@ from . import _shm
 from . import _validate as check
 from ._closing import close_soon
 from ._config import SHM_FRACTION, SHM_MAX_DEFAULT, LoaderConfig, context_argument
+from ._distributed import rank_seed
 from ._sync import LoopThread
 from ._types import Runner
 from ._workers import (
@@ -158,10 +159,15 @@ class SharedRunner(ProcessRunner):
         self._per_batch_seeds = config.worker_seeding == "batch"
         self._on_close: Callable[[], None] | None = on_close
 
-    def load(self, make: Callable[[], Payload], epoch: int) -> None:
-        """Give the workers this loader's next dataset copy, with its own seeds."""
+    def load(self, make: Callable[[], Payload], epoch: int, seed: int | None = None) -> None:
+        """Give the workers this loader's next dataset copy, with its own seeds (``seed``, else
+        the loader's, for this rank: see ``_distributed.rank_seed``)."""
         self.pool.load(
-            make, epoch, self.copy_id, seed=self._seed, per_batch_seeds=self._per_batch_seeds
+            make,
+            epoch,
+            self.copy_id,
+            seed=rank_seed(self._seed) if seed is None else seed,
+            per_batch_seeds=self._per_batch_seeds,
         )
 
     def close(self) -> None:

@@ -556,6 +556,22 @@ def test_parquet_row_groups_are_read_once_across_ranks_and_workers(
         assert report["head"] + report["rest"] == report["epochs"][0], rank
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S)
+def test_worker_randomness_differs_between_ranks_and_rank_0_keeps_its_seeds(
+    ranks: list[dict[str, Any]],
+) -> None:
+    # Every rank has the same seed= and numbers its batches from 0: without the rank in the
+    # worker seeds, batch b drew the same augmentations on every rank.
+    draws = [report["draws"] for report in case(ranks, "augment")]
+    assert len(draws[0]) == len(draws[1]) == 2
+    for batch0, batch1 in zip(*draws, strict=True):
+        assert batch0 != batch1
+    # Rank 0's worker seeds are those of the same loader without a process group.
+    alone = case(ranks, "early_build")[0]["draws_before"]
+    assert draws[0] == alone[:2]
+
+
 # -- the example under torchrun -----------------------------------------------------------------
 
 

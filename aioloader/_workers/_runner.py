@@ -88,9 +88,10 @@ class ProcessRunner:
         """Whether the workers were given this runner's dataset copy (:meth:`load`)."""
         return self.pool.copy_given(self.copy_id)
 
-    def load(self, make: Callable[[], Payload], epoch: int) -> None:
-        """Give the workers a new dataset copy (see ``WorkerPool.load``)."""
-        self.pool.load(make, epoch, self.copy_id)
+    def load(self, make: Callable[[], Payload], epoch: int, seed: int | None = None) -> None:
+        """Give the workers a new dataset copy (see ``WorkerPool.load``), seeded from ``seed``
+        (None: the pool's)."""
+        self.pool.load(make, epoch, self.copy_id, seed=seed)
 
     def start(self) -> None:
         """Start every worker and wait until each ran its initializer (blocking)."""

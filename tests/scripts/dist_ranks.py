@@ -34,6 +34,7 @@ from datasets import (
     Range,
     SelfSharded,
     Stream,
+    TorchDraws,
     keep,
     parquet_bytes,
     parquet_row,
@@ -126,6 +127,13 @@ def main() -> None:
         started = DataLoader(Range(10), batch_size=5)
         report["before"] = lists(started)
         early_holder.append(started)
+        report["draws_before"] = draws()
+
+    def draws() -> list[list[float]]:
+        # Each batch's draws from torch's generator in worker processes (the same seed= on
+        # every rank, as the README asks): what a random crop or flip would use.
+        with DataLoader(TorchDraws(16), batch_size=4, shuffle=True, seed=100, num_workers=2) as dl:
+            return [[float(d) for d in batch[1]] for batch in dl]
 
     case(reports, "early_build", build_early)
     dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
@@ -318,8 +326,12 @@ def main() -> None:
 
         epochs_and_resume(make, "id", report)
 
+    def augment(report: dict[str, Any]) -> None:
+        report["draws"] = draws()
+
     for name, body in (
         ("early", early),
+        ("augment", augment),
         ("auto", auto),
         ("seeded", seeded),
         ("rank0_only", rank0_only),
