@@ -337,12 +337,8 @@ class DataLoader(SettingsView):
         if group is None or group[1] == 1:
             return  # still none: look again next time
         self._group_unseen = False
-        started = self._counters.batches_yielded > 0 or self._res.epoch is not None
-        workers_hold_stream = self._res.runner is not None and self._config.kind in (
-            "iterable",
-            "async_iterable",
-        )
-        if started or workers_hold_stream:
+        # Workers started early hold no dataset copy yet: the first epoch's carries the share.
+        if self._counters.batches_yielded > 0 or self._res.epoch is not None:
             warn_if_group_appeared(self.dataset)
             return
         share = resolve_shard(None, self._config.kind, *self._user_samplers, self.dataset)

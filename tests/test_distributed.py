@@ -478,6 +478,8 @@ def test_a_loader_built_before_the_group_takes_its_share_at_its_first_epoch(
     assert [r["len"] for r in reports] == [1, 1]  # 10 samples, 5 a rank, batches of 5
     for epoch in range(2):
         assert_disjoint_cover([flat(r["epochs"][epoch]) for r in reports], 10)
+        # A stream too, though its workers started before the group (at construction).
+        assert_disjoint_cover([r["stream_epochs"][epoch] for r in reports], 24)
     # The other loader ran an epoch before the group existed: it keeps reading everything
     # (switching mid-run would split what it reads), and says so once.
     for report in reports:

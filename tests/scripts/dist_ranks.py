@@ -119,11 +119,14 @@ def main() -> None:
     reports: dict[str, Any] = {"pid": os.getpid(), "worker_pids": []}
 
     early_holder: list[DataLoader] = []
+    early_streams: list[DataLoader] = []
 
     def build_early(report: dict[str, Any]) -> None:
         # No process group yet. One loader is only built (as a script hands it to Lightning's
         # fit(), which makes the group); the other also runs an epoch before the group exists.
         early_holder.append(DataLoader(Range(10), batch_size=5))
+        # A stream whose worker processes start at construction, before the group too.
+        early_streams.append(DataLoader(Stream(24), batch_size=4, num_workers=2))
         started = DataLoader(Range(10), batch_size=5)
         report["before"] = lists(started)
         early_holder.append(started)
@@ -146,6 +149,8 @@ def main() -> None:
         with early_holder.pop() as loader:
             report["len"] = len(loader)
             report["epochs"] = [lists(loader), lists(loader)]
+        with early_streams.pop() as stream:
+            report["stream_epochs"] = [flat(lists(stream)), flat(lists(stream))]
 
     def auto(report: dict[str, Any]) -> None:
         # No sampler, no seed: sharded, shuffled by the default share seed on every rank.
