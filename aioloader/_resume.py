@@ -38,6 +38,7 @@ state saved between epochs needs nothing of the stream and is always accepted.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from ._config import Sampling
@@ -74,6 +75,8 @@ class EpochBook:
         self._resume: dict[str, Any] | None = None
         self._done: list[int] = []  # batch ids of the current epoch taken by the consumer
         self._sampler_state: dict[str, Any] | None = None  # before the current epoch's iter()
+        self._generators: list[Any] | None = None  # of samplers without a state, likewise
+        self._warned_unresumable = False
         self._epoch = 0
         self.open = False  # an epoch started and not run to its end
 
@@ -126,10 +129,13 @@ class EpochBook:
                         "no load_state_dict"
                     )
                 batches.load_state_dict(resume["sampler"])
+            if resume is not None and resume.get("generators") is not None:
+                _set_generators(batches, resume["generators"])
             set_epoch = getattr(batches, "set_epoch", None)
             if callable(set_epoch) and (self._sampling.built or drive):
                 set_epoch(epoch)
             self._sampler_state = _state_of(batches)
+            self._generators = _generator_states(batches)
         self.open = True
         return epoch, done
 
@@ -184,10 +190,13 @@ class EpochBook:
                     "last": self._last_reader,
                     "states": dict(self._positions),
                 }
+            if self._done:
+                self._warn_unresumable()
             return {
                 "epoch": self._epoch,
                 "done": list(self._done),
                 "sampler": self._sampler_state,
+                "generators": self._generators,
                 "set_epoch": self._drives,
                 "seed": seed,
                 "streams": streams,
@@ -196,9 +205,31 @@ class EpochBook:
             "epoch": self.next_epoch,
             "done": [],
             "sampler": _state_of(self._sampling.batches),
+            "generators": _generator_states(self._sampling.batches),
             "set_epoch": self._asked is not None and not self._sampling.built,
             "seed": seed,
         }
+
+    def _warn_unresumable(self) -> None:
+        """Warn (once) if a sampler the user passed draws its order from torch's global
+        generator: no state restores that, so a resumed epoch would repeat and miss samples."""
+        if self._warned_unresumable:
+            return
+        for sampler in _samplers(self._sampling.batches):
+            name = type(sampler).__name__
+            stateless = not isinstance(sampler, Stateful)  # (aioloader's save their seed)
+            if stateless and name in _GLOBAL_RANDOM and getattr(sampler, "generator", 0) is None:
+                self._warned_unresumable = True
+                warnings.warn(
+                    f"state_dict(): {name} without a generator draws each epoch's order from "
+                    "torch's global generator when the epoch starts, which no state restores: "
+                    "resuming this state mid-epoch repeats some samples and misses others. "
+                    f"Give it one ({name}(..., generator=torch.Generator().manual_seed(s)); "
+                    "its state is saved), or use the loader's shuffle=True with seed=",
+                    UserWarning,
+                    stacklevel=4,  # the caller of loader.state_dict()
+                )
+                return
 
     def load(self, state: dict[str, Any], *, check: bool = True) -> None:
         """Make the next epoch continue from ``state`` (its seed was checked by the caller).
@@ -248,3 +279,52 @@ class EpochBook:
 
 def _state_of(batches: object) -> dict[str, Any] | None:
     return batches.state_dict() if isinstance(batches, Stateful) else None
+
+
+# torch's samplers that draw from their ``generator``, or torch's global one without it.
+_GLOBAL_RANDOM = frozenset({"RandomSampler", "SubsetRandomSampler", "WeightedRandomSampler"})
+_DEPTH = 4  # wrappers looked through: a sharded batch sampler around a batch sampler around...
+
+
+def _samplers(batches: object) -> list[Any]:
+    """``batches`` and the samplers it wraps (``.sampler`` / ``.batch_sampler``), outermost
+    first."""
+    found: list[Any] = []
+    current: Any = batches
+    for _ in range(_DEPTH):
+        if current is None:
+            break
+        found.append(current)
+        inner = getattr(current, "sampler", None)
+        current = inner if inner is not None else getattr(current, "batch_sampler", None)
+    return found
+
+
+def _generators(batches: object) -> list[Any]:
+    """The torch generators of the samplers without a state of their own (torch's
+    ``RandomSampler(generator=g)``, ``WeightedRandomSampler``, ...): their state before an
+    epoch's ``iter()`` is its order."""
+    return [
+        g
+        for sampler in _samplers(batches)
+        if not isinstance(sampler, Stateful)
+        and callable(getattr(g := getattr(sampler, "generator", None), "get_state", None))
+        and callable(getattr(g, "set_state", None))
+    ]
+
+
+def _generator_states(batches: object) -> list[Any] | None:
+    generators = _generators(batches)
+    return [g.get_state() for g in generators] if generators else None
+
+
+def _set_generators(batches: object, states: list[Any]) -> None:
+    generators = _generators(batches)
+    if len(generators) != len(states):
+        raise ValueError(
+            f"the state holds {len(states)} sampler generator states, but the samplers of "
+            f"this loader have {len(generators)} generators: load it into a loader built "
+            "the same way"
+        )
+    for generator, state in zip(generators, states, strict=True):
+        generator.set_state(state)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import warnings
 from collections import Counter
 from typing import Any
 
@@ -440,6 +441,56 @@ def test_a_state_saved_again_before_the_first_resumed_batch_is_the_one_loaded(
         assert as_lists(list(third)) == epochs[1][2:]
         assert third.state_dict()["epoch"] == 2
         assert as_lists(list(third)) == epochs[2]
+
+
+def _torch_samplers(kind: str, seeded: bool) -> dict[str, Any]:
+    import torch
+    import torch.utils.data as tud
+
+    generator = torch.Generator().manual_seed(3) if seeded else None
+    data = Range(30)
+    if kind == "random":
+        return {"sampler": tud.RandomSampler(data, generator=generator), "batch_size": 4}
+    if kind == "weighted":
+        weights = [1.0 + (i % 3) for i in range(30)]
+        sampler = tud.WeightedRandomSampler(weights, 30, generator=generator)
+        return {"sampler": sampler, "batch_size": 4}
+    inner = tud.RandomSampler(data, generator=generator)
+    return {"batch_sampler": tud.BatchSampler(inner, 4, drop_last=False)}
+
+
+@pytest.mark.parametrize("kind", ["random", "weighted", "batch_sampler"])
+def test_torchs_random_samplers_with_a_generator_resume_exactly(kind: str) -> None:
+    # torch's samplers have no state_dict: their order is their generator's state at the
+    # epoch's iter(), which the loader's state now carries (it repeated and lost samples).
+    def make() -> DataLoader:
+        return DataLoader(Range(30), **_torch_samplers(kind, seeded=True))
+
+    with make() as reference:
+        epochs = [as_lists(list(reference)) for _ in range(3)]
+    with make() as first:
+        list(first)
+        it = iter(first)
+        [next(it) for _ in range(3)]
+        state = first.state_dict()
+        del it
+    with make() as second, warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about: the order is restored
+        second.load_state_dict(state)
+        assert as_lists(list(second)) == epochs[1][3:]
+        assert as_lists(list(second)) == epochs[2]
+
+
+def test_a_mid_epoch_state_of_torchs_random_sampler_without_a_generator_warns() -> None:
+    with DataLoader(Range(30), **_torch_samplers("random", seeded=False)) as loader:
+        between = loader.state_dict()  # between epochs: the next order is drawn anyway
+        it = iter(loader)
+        next(it)
+        with pytest.warns(UserWarning, match="global generator") as caught:
+            loader.state_dict()
+        assert caught[0].filename == __file__  # points at the caller
+        del it
+    assert between["done"] == []
 
 
 def test_resume_between_epochs_and_state_survives_pickle() -> None:
