@@ -16,6 +16,7 @@ Errors from user code keep their type; a note names the batch and the sample ind
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 import time
@@ -43,6 +44,7 @@ __all__ = [
     "not_an_exit",
     "request_for",
     "stop_as_error",
+    "stray_cancel",
     "stream_batch",
     "take",
     "take_async",
@@ -88,6 +90,25 @@ def not_an_exit(exc: BaseException, where: str, batch_id: int) -> WorkerError:
     )
     for note in getattr(exc, "__notes__", ()):
         error.add_note(note)
+    return error
+
+
+def stray_cancel(exc: BaseException, what: str) -> RuntimeError | None:
+    """A RuntimeError for a ``CancelledError`` that ``what`` (the user's async code) raised
+    while the loader's task awaiting it was not being cancelled: something it awaited was
+    cancelled. None where the task is being cancelled: the caller re-raises ``exc``.
+
+    Re-raised as it is, it would end the task as if the loader had cancelled it: a batch whose
+    task ends so never arrives (the epoch waits for it for ever), and a stream whose read ends
+    so looks finished (the epoch ends early, silently)."""
+    task = asyncio.current_task()
+    if task is None or task.cancelling():
+        return None
+    error = RuntimeError(
+        f"{what} raised CancelledError although the loader did not cancel it (something it "
+        "awaited was cancelled); it is reported as this error so that nothing is lost silently"
+    )
+    error.__cause__ = exc
     return error
 
 
@@ -434,4 +455,8 @@ async def take_async(
             break
         except Exception as exc:
             return out, exc
+        except asyncio.CancelledError as exc:
+            if (error := stray_cancel(exc, "the async stream")) is None:
+                raise
+            return out, error
     return out, None

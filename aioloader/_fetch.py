@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from ._batch import annotate
+from ._batch import annotate, stray_cancel
 from ._failures import FailureBudget
 from ._stats import Counters
 from ._types import BatchRequest, SourceDataset
@@ -102,7 +102,13 @@ class Fetcher:
         async with self._io:
             started = time.perf_counter()  # the fetch slot's busy time (fetch_share)
             try:
-                return await self._get(index)
+                try:
+                    return await self._get(index)
+                except asyncio.CancelledError as exc:
+                    # Not this task's own cancellation: the dataset's error (see stray_cancel).
+                    if (error := stray_cancel(exc, "the dataset's fetch")) is None:
+                        raise
+                    raise error from exc
             except Exception as exc:
                 if self._skip_errors:
                     return _Failed(index, exc)

@@ -240,6 +240,33 @@ class AsyncStream:
             self.closed += 1
 
 
+async def cancelled_under_us() -> None:
+    """Await something that another party cancels (a library's request, a peer's task): the
+    awaiting code gets a CancelledError although nobody cancelled it."""
+    inner = asyncio.ensure_future(asyncio.sleep(10))
+    asyncio.get_running_loop().call_later(0.005, inner.cancel)
+    await inner
+
+
+class CancelledAt(AsyncRange):
+    """An async map dataset whose items in ``bad`` raise such a CancelledError."""
+
+    async def __getitem__(self, index: int) -> int:
+        if index in self.bad:
+            await cancelled_under_us()
+        return index
+
+
+class AsyncStreamCancelledAt(AsyncStream):
+    """An async stream that raises such a CancelledError at item ``fail_at``."""
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        for i in range(self.n):
+            if i == self.fail_at:
+                await cancelled_under_us()
+            yield i
+
+
 def fail_collate_on_7(samples: list[int]) -> list[int]:
     """A collate_fn that fails for a batch holding sample 7."""
     if 7 in samples:

@@ -11,8 +11,8 @@ import gc
 from typing import Any
 
 import pytest
-from datasets import AsyncRange, Range
-from helpers import as_lists, collect, drain, flat, notes_of
+from datasets import AsyncRange, CancelledAt, Range
+from helpers import BOUND_S, as_lists, collect, drain, flat, notes_of
 
 from aioloader import DataLoader, TooManyFailuresError
 
@@ -85,6 +85,29 @@ async def test_async_dataset_error_keeps_its_type_and_no_task_error_is_lost() ->
             assert "async sample 2 is broken" in notes_of(first.value)
             await asyncio.sleep(0.05)  # let the sibling fetches of the failed batches settle
     assert handler.calls == []
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+async def test_a_cancelled_error_from_the_dataset_is_its_batchs_error_not_a_hang(
+    num_workers: int,
+) -> None:
+    # Something the dataset awaited was cancelled under it. Before, the batch's task ended as
+    # if the loader had cancelled it, and the epoch waited for that batch for ever.
+    async with DataLoader(CancelledAt(16, bad={5}), batch_size=4, num_workers=num_workers) as dl:
+        it = aiter(dl)
+        async with asyncio.timeout(BOUND_S):
+            assert (await anext(it)).tolist() == [0, 1, 2, 3]
+            with pytest.raises(RuntimeError, match="CancelledError") as info:
+                await anext(it)
+            assert "index 5" in notes_of(info.value)
+            assert isinstance(info.value.__cause__, asyncio.CancelledError)
+            assert as_lists([b async for b in it]) == [[8, 9, 10, 11], [12, 13, 14, 15]]
+    # With on_error='skip' it is one skipped sample like any other failure.
+    dataset = CancelledAt(12, bad={5})
+    async with DataLoader(dataset, batch_size=4, on_error="skip", max_failures=1) as loader:
+        async with asyncio.timeout(BOUND_S):
+            assert flat(await collect(loader)) == [i for i in range(12) if i != 5]
+        assert [index for index, _ in loader.statistics().skipped] == [5]
 
 
 async def test_async_dataset_skips_failures_up_to_max_failures() -> None:

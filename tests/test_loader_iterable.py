@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 import torch.utils.data as tud
-from datasets import AsyncStream, Broken, SelfSharded, Stream
-from helpers import BOUND_S, as_lists, chunks, drain_sync
+from datasets import AsyncStream, AsyncStreamCancelledAt, Broken, SelfSharded, Stream
+from helpers import BOUND_S, as_lists, chunks, drain, drain_sync
 from procs import no_worker_left_behind
 
 from aioloader import DataLoader
@@ -132,6 +132,20 @@ async def test_async_stream_yields_every_item_once_in_order() -> None:
         assert await collect(loader) == chunks(list(range(22)), 4, drop_last=True)
     async with DataLoader(AsyncStream(8), batch_size=4, drop_last=True) as loader:
         assert await collect(loader) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+async def test_a_cancelled_error_from_an_async_stream_is_an_error_not_its_end(
+    num_workers: int,
+) -> None:
+    # Before, the stream's read ended as if cancelled: the epoch ended early without a word,
+    # and the items read into the unfinished batch were dropped.
+    stream = AsyncStreamCancelledAt(64, fail_at=20)
+    async with DataLoader(stream, batch_size=8, num_workers=num_workers) as loader:
+        got: list[list[int]] = []
+        with pytest.raises(RuntimeError, match="CancelledError"):
+            await drain(aiter(loader), got)
+    assert [i for batch in got for i in batch] == list(range(20))
 
 
 async def test_abandoned_async_stream_is_closed_and_the_next_epoch_is_complete() -> None:
