@@ -85,6 +85,12 @@ INLINE_BELOW_S = 100e-6
 INLINE_AFTER = 4
 # A batch made inline that takes longer than this sends the next ones back to the thread.
 INLINE_ABOVE_S = 1e-3
+# Each batch that stalled the event loop so makes the run of cheap batches needed before the
+# loop makes them again 2**INLINE_BACKOFF_BITS times longer, for the first INLINE_BACKOFF_STALLS
+# stalls (4, 64, 1024, then 16384 batches): a dataset with a slow sample now and then (a cache
+# miss, a lazy open) stalls the loop a few times in the loader's life, not once per slow one.
+INLINE_BACKOFF_BITS = 4
+INLINE_BACKOFF_STALLS = 3
 
 
 class InlineMaker:
@@ -103,8 +109,10 @@ class InlineMaker:
         self._maker = maker
         self._lock = threading.Lock()
         self._cheap_run = 0  # cheap batches in a row
-        self.cheap = False  # the last INLINE_AFTER batches were cheap, none costly since
+        self._needed = INLINE_AFTER  # of them before the loop makes batches (see backoff)
+        self.cheap = False  # the last `_needed` batches were cheap, none costly since
         self.costly = False  # the last batch measured took longer than INLINE_ABOVE_S
+        self.loop_stalls = 0  # batches made on the event loop that took longer than that
 
     def make(self, request: BatchRequest, *, wait: bool = True) -> Made | None:
         """Make ``request``'s batch here and now, and time it; None if ``wait`` is False and
@@ -116,12 +124,16 @@ class InlineMaker:
             try:
                 return self._maker.make(request)
             finally:
-                self._record(time.perf_counter() - started)
+                self._record(time.perf_counter() - started, on_loop=not wait)
         finally:
             self._lock.release()
 
-    def _record(self, seconds: float) -> None:
+    def _record(self, seconds: float, *, on_loop: bool = False) -> None:
         if seconds > INLINE_ABOVE_S:
+            if on_loop and self.cheap:
+                self.loop_stalls += 1
+                shift = INLINE_BACKOFF_BITS * min(self.loop_stalls, INLINE_BACKOFF_STALLS)
+                self._needed = INLINE_AFTER << shift
             self._cheap_run = 0
             self.cheap = False
             self.costly = True
@@ -129,7 +141,7 @@ class InlineMaker:
         self.costly = False
         if seconds < INLINE_BELOW_S:
             self._cheap_run += 1
-            if self._cheap_run >= INLINE_AFTER:
+            if self._cheap_run >= self._needed:
                 self.cheap = True
         else:
             self._cheap_run = 0

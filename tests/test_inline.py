@@ -157,6 +157,31 @@ def test_the_policy_goes_inline_after_cheap_batches_and_leaves_at_a_costly_one()
     assert (inline.cheap, inline.costly) == (False, False)
 
 
+def test_each_stall_of_the_loop_makes_the_run_of_cheap_batches_needed_16_times_longer() -> None:
+    # A sample that is slow now and then (a cache miss) stalled the loop once per slow sample:
+    # after 4 cheap batches the loop made them again, and met the next slow one.
+    inline = InlineMaker(BatchMaker(Range(8), collate_fn=list))
+
+    def cheap_after(batches: int) -> bool:
+        for _ in range(batches):
+            inline._record(CHEAP_BELOW_S / 2, on_loop=True)
+        return inline.cheap
+
+    assert cheap_after(INLINE_AFTER)
+    for stall, needed in enumerate([INLINE_AFTER * 16, INLINE_AFTER * 256, INLINE_AFTER * 4096]):
+        inline._record(COSTLY_ABOVE_S * 2, on_loop=True)
+        assert inline.loop_stalls == stall + 1
+        assert not cheap_after(needed - 1)
+        assert cheap_after(1)
+    inline._record(COSTLY_ABOVE_S * 2, on_loop=True)  # no longer than that, however many
+    assert not cheap_after(INLINE_AFTER * 4096 - 1)
+    assert cheap_after(1)
+    # A slow batch in the caller's own thread (``for``) stalls no loop: no longer run needed.
+    inline = InlineMaker(BatchMaker(Range(8), collate_fn=list))
+    inline._record(COSTLY_ABOVE_S * 2)
+    assert (inline.loop_stalls, cheap_after(INLINE_AFTER)) == (0, True)
+
+
 async def test_a_runner_found_cheap_makes_on_the_loop_and_a_costly_batch_sends_the_next_away() -> (
     None
 ):
@@ -321,15 +346,19 @@ PARKED_FROM = 4 * (INLINE_AFTER + 4)  # an index whose batch comes after the sch
 
 
 async def test_a_costly_batch_after_the_consumer_took_over_sends_the_next_to_the_thread() -> None:
-    data = WhereMade(240, costly=frozenset({120}))
+    back = 128 + 4 * INLINE_AFTER * 16  # the stall asks for 16 times the cheap run
+    n = back + 4 * 8
+    data = WhereMade(n, costly=frozenset({120}))
     async with DataLoader(data, batch_size=4) as loader:
-        assert as_lists([b async for b in loader]) == expected_batches(240, 4)
+        assert as_lists([b async for b in loader]) == expected_batches(n, 4)
     loop_thread = threading.current_thread().name
     before = [data.threads[i] for i in range(PARKED_FROM, 120)]
     assert before.count(loop_thread) > len(before) * 0.9
     assert made_by(data, range(124, 128)) == {HELPER}  # the batch after the costly one
-    # Cheap again: back on the loop within a few batches.
-    assert data.threads[239] == loop_thread
+    # Cheap again, but it stalled the loop: not back after INLINE_AFTER cheap batches...
+    assert made_by(data, range(128, 128 + 4 * INLINE_AFTER * 2)) == {HELPER}
+    # ... only after 16 times as many.
+    assert data.threads[n - 1] == loop_thread
     assert data.most_at_once == 1
 
 
