@@ -233,6 +233,43 @@ def test_a_non_daemon_thread_makes_the_loader_use_the_standard_forkserver(tmp_pa
     assert proc.stdout.split() == ["[4,", "4]", "False", "forkserver"], proc.stdout
 
 
+PRELOAD_SCRIPT = """
+import sys, threading
+{imports}
+from aioloader import DataLoader
+
+
+class WhatWorkersHave:
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return "torch" in sys.modules  # read before anything here could import it
+
+
+if __name__ == "__main__":
+    release = threading.Event()
+    threading.Thread(target=release.wait, args=(30,)).start()  # no forked server now
+    with DataLoader(WhatWorkersHave(), batch_size=2, num_workers=2, collate_fn=list) as loader:
+        print(loader.mp_context.get_start_method(), [b for b in loader])
+    release.set()
+"""
+
+
+@pytest.mark.parametrize("uses_torch", [True, False])
+def test_the_standard_forkserver_preloads_torch_where_the_program_uses_it(
+    tmp_path: Path, uses_torch: bool
+) -> None:
+    # Else every worker it forks imports torch (about 1 s) at its first batch: the first batch
+    # of every loader of such a process took seconds. A program without torch does not pay.
+    imports = "import torch" if uses_torch else ""
+    proc = _run(PRELOAD_SCRIPT.format(imports=imports), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    method, batches = proc.stdout.split(maxsplit=1)
+    assert method == "forkserver"
+    assert batches.strip() == str([[uses_torch] * 2] * 2)
+
+
 def test_off_the_main_thread_the_loader_uses_the_standard_forkserver(tmp_path: Path) -> None:
     proc = _run(
         """

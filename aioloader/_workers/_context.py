@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import sys
 import threading
 import types
 from collections.abc import Callable
@@ -175,8 +176,11 @@ def resolve_context(mp_context: str | BaseContext | None, *, allow_fork: bool) -
             "'spawn', or pass allow_fork=True."
         )
     if ctx.get_start_method() == "forkserver":
+        # torch too where this program uses it: else every worker forked from the server
+        # imports it (about 1 s) at its first batch, for every loader of the process.
+        preload = [WORKER_MODULE, *(["torch"] if "torch" in sys.modules else [])]
         with contextlib.suppress(Exception):  # only effective before the server starts
-            ctx.set_forkserver_preload([WORKER_MODULE])
+            ctx.set_forkserver_preload(preload)
     return ctx
 
 
