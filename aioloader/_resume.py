@@ -87,6 +87,7 @@ class EpochBook:
         set_epoch = getattr(sampling.batches, "set_epoch", None)
         if callable(set_epoch) and sampling.built:
             set_epoch(self.next_epoch)
+            self._took_sampler_epoch()
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next epoch ``epoch``; a user's sampler is told too, at its start.
@@ -100,6 +101,16 @@ class EpochBook:
         set_epoch = getattr(self._sampling.batches, "set_epoch", None)
         if callable(set_epoch) and self._sampling.built:
             set_epoch(epoch)
+            self._took_sampler_epoch()
+
+    def _took_sampler_epoch(self) -> int | None:
+        """The epoch the user gave the sampler the loader made (``loader.sampler.set_epoch(e)``,
+        torch's idiom) since the book last told it one, if any; forgotten once read."""
+        sampler = self._sampling.sampler
+        asked = getattr(sampler, "set_epoch_asked", None)
+        if asked is not None:
+            sampler.set_epoch_asked = None
+        return asked if self._sampling.built and isinstance(asked, int) else None
 
     def begin(self) -> tuple[int, set[int]]:
         """Start the next epoch: returns its number and the batch ids already taken (resume).
@@ -114,6 +125,9 @@ class EpochBook:
             drive = bool(resume.get("set_epoch", False))
         else:
             epoch, done, drive = self.next_epoch, set(), self._asked is not None
+            told = self._took_sampler_epoch()
+            if told is not None and self._asked is None:
+                epoch = told  # loader.sampler.set_epoch(e): as loader.set_epoch(e)
         self._asked = None
         self._epoch = epoch
         self.next_epoch = epoch + 1
@@ -134,6 +148,7 @@ class EpochBook:
             set_epoch = getattr(batches, "set_epoch", None)
             if callable(set_epoch) and (self._sampling.built or drive):
                 set_epoch(epoch)
+                self._took_sampler_epoch()  # the book's own, forgotten
             self._sampler_state = _state_of(batches)
             self._generators = _generator_states(batches)
         self.open = True

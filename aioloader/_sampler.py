@@ -226,6 +226,7 @@ class RandomSampler:
         if generator is None:
             self.seed = _fresh_seed() if seed is None else to_int("seed", seed)
         self._epoch = 0
+        self.set_epoch_asked: int | None = None  # the last set_epoch's, until a loader reads it
 
     @property
     def num_samples(self) -> int:
@@ -240,8 +241,9 @@ class RandomSampler:
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next ``iter()`` use epoch ``epoch`` (a non-negative int)."""
-        self._epoch = non_negative_int("epoch", epoch)
+        """Make the next ``iter()`` use epoch ``epoch`` (a non-negative int). On the sampler
+        a loader made (``loader.sampler``), as ``loader.set_epoch(epoch)``."""
+        self._epoch = self.set_epoch_asked = non_negative_int("epoch", epoch)
 
     def __iter__(self) -> Iterator[int]:
         n = _length_of("data_source", self.data_source)
@@ -370,6 +372,7 @@ class DistributedSampler:
         self.seed = to_int("seed", seed)
         self.drop_last = boolean("drop_last", drop_last)
         self._epoch = 0
+        self.set_epoch_asked: int | None = None  # the last set_epoch's, until a loader reads it
 
     @property
     def num_samples(self) -> int:
@@ -390,8 +393,10 @@ class DistributedSampler:
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next ``iter()`` use epoch ``epoch``; give every rank the same value."""
-        self._epoch = non_negative_int("epoch", epoch)
+        """Make the next ``iter()`` use epoch ``epoch``; give every rank the same value. On
+        the sampler a loader made (``loader.sampler``, torch's idiom), as
+        ``loader.set_epoch(epoch)``."""
+        self._epoch = self.set_epoch_asked = non_negative_int("epoch", epoch)
 
     def __iter__(self) -> Iterator[int]:
         n = _length_of("dataset", self.dataset)

@@ -493,6 +493,33 @@ def test_a_mid_epoch_state_of_torchs_random_sampler_without_a_generator_warns() 
     assert between["done"] == []
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_set_epoch_on_the_sampler_the_loader_made_picks_the_epoch(num_workers: int) -> None:
+    # torch's DDP idiom, loader.sampler.set_epoch(epoch) before each epoch: a run restarted at
+    # epoch 5 got epoch 0's order, the loader's own count overriding the sampler's.
+    def make() -> DataLoader:
+        return DataLoader(Range(21), batch_size=4, shuffle=True, seed=8, num_workers=num_workers)
+
+    with make() as reference:
+        epochs = [as_lists(list(reference)) for _ in range(8)]
+    assert epochs[5] != epochs[0]
+    with make() as restarted:
+        for epoch in (5, 6):
+            restarted.sampler.set_epoch(epoch)
+            assert as_lists(list(restarted)) == epochs[epoch]
+        assert as_lists(list(restarted)) == epochs[7]  # not told: the count goes on from there
+    with make() as counted:
+        restarted_order = []
+        for epoch in range(3):
+            counted.sampler.set_epoch(epoch)  # in step with the loader's own count
+            restarted_order.append(as_lists(list(counted)))
+        assert restarted_order == epochs[:3]
+        counted.sampler.set_epoch(5)
+        counted.set_epoch(1)  # the loader's own call wins over the sampler's
+        assert as_lists(list(counted)) == epochs[1]
+        assert as_lists(list(counted)) == epochs[2]  # and its count goes on from there
+
+
 def test_resume_between_epochs_and_state_survives_pickle() -> None:
     import pickle
 
