@@ -23,7 +23,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from helpers import Sleeps
+from helpers import Sleeps, collect, notes_of
 from http_server import Fault, FaultServer, payload
 from hypothesis import given
 from hypothesis import strategies as st
@@ -357,6 +357,20 @@ async def test_the_loader_reports_a_missing_object() -> None:
                     pass
     assert server.obj_url(3) in str(info.value)
     assert server.count("/obj/3") == 1
+
+
+async def test_a_decode_error_names_the_url_beside_the_index() -> None:
+    def decode(raw: bytes) -> bytes:
+        if raw == payload(3):
+            raise ValueError("corrupt image")
+        return raw
+
+    async with FaultServer() as server:
+        ds = dataset(server, range(8), decode=decode)
+        async with aioloader.DataLoader(ds, batch_size=4, collate_fn=list) as loader:
+            with pytest.raises(ValueError, match="corrupt image") as info:
+                await collect(loader)
+    assert f"sample index 3 ({server.obj_url(3)}) of batch 0" in notes_of(info.value)
 
 
 # -- construction, indices, pickling, sessions ------------------------------------------------

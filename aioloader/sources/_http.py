@@ -214,6 +214,10 @@ class HTTPDataset(Source):
         """The retry policy every fetch follows."""
         return self._retry
 
+    def item_name(self, index: int) -> str:
+        """Where item ``index`` comes from, for the notes of its errors."""
+        return self._urls[index]
+
     def __len__(self) -> int:
         return len(self._urls)
 
