@@ -141,6 +141,8 @@ class BatchMaker:
             in :attr:`Made.skipped` instead of failing the batch.
         shard: the rank share of an iterable dataset's stream that is read (None: all of it;
             see :func:`aioloader._distributed.stream_share`).
+        item_name: where item ``index`` comes from (a URL: :class:`~._types.NamedItems`), for
+            the note of an error while decoding or transforming it.
     """
 
     def __init__(
@@ -152,8 +154,10 @@ class BatchMaker:
         decode: Callable[[Any], Any] | None = None,
         skip_errors: bool = False,
         shard: Shard | None = None,
+        item_name: Callable[[int], str] | None = None,
     ) -> None:
         self.dataset = dataset
+        self.item_name = item_name
         self.collate_fn = collate_fn
         self.transform = transform
         self.decode = decode
@@ -297,7 +301,8 @@ class BatchMaker:
             if self.skip_errors:
                 made.skipped.append((index, _describe(exc)))
                 return
-            annotate(exc, f"transforming sample index {index} of batch {request.batch_id}")
+            where = "" if self.item_name is None else f" ({self.item_name(index)})"
+            annotate(exc, f"transforming sample index {index}{where} of batch {request.batch_id}")
             raise
         samples.append(item)
 

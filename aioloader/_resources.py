@@ -58,7 +58,7 @@ from ._shared_pool import close_pools
 from ._signals import release_before_sigterm
 from ._sync import LoopThread
 from ._threads import ThreadRunner
-from ._types import AsyncCloseable, DecodingStream, Runner, SourceDataset
+from ._types import AsyncCloseable, DecodingStream, NamedItems, Runner, SourceDataset
 from ._workers import (
     DEFAULT_START_TIMEOUT_S,
     Payload,
@@ -92,9 +92,12 @@ def batch_maker(config: LoaderConfig, dataset: Any) -> BatchMaker:
     """The :class:`BatchMaker` for ``dataset``: for async datasets the items arrive fetched by
     the loop, so the maker gets no dataset (only a :class:`SourceDataset`'s ``decode``)."""
     decode = None
+    item_name = None
     if config.kind == "async_map":
         if isinstance(dataset, SourceDataset):
             decode = dataset.decode
+        if isinstance(dataset, NamedItems):
+            item_name = dataset.item_name  # the loop's dataset is not there to ask later
         dataset = None  # items arrive fetched; the dataset stays on the loop
     elif config.kind == "async_iterable" and isinstance(dataset, DecodingStream):
         decode = dataset.decode  # raw items arrive pulled by the loop
@@ -106,6 +109,7 @@ def batch_maker(config: LoaderConfig, dataset: Any) -> BatchMaker:
         decode=decode,
         skip_errors=config.skip_errors,
         shard=config.shard,
+        item_name=item_name,
     )
 
 

@@ -24,7 +24,8 @@ every module can name them without importing a module above its own level:
 - :class:`Runner`: where the CPU work of a batch runs (threads or worker processes);
 - :class:`SourceDataset`: a two-stage dataset (``fetch`` on the loop, ``decode`` off it);
   :class:`DecodingStream`: an async stream whose raw items are decoded off the loop;
-  :class:`RankShardedStream`: an async stream that takes its epoch and rank share itself.
+  :class:`RankShardedStream`: an async stream that takes its epoch and rank share itself;
+  :class:`NamedItems`: a dataset that names where an item comes from, for error notes.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ __all__ = [
     "InlineMaking",
     "IterableDataset",
     "Made",
+    "NamedItems",
     "RankShardedStream",
     "ResumableStream",
     "Runner",
@@ -180,6 +182,14 @@ class SourceDataset(Protocol[T_co]):
     def fetch(self, index: int, /) -> Awaitable[Any]: ...
 
     def decode(self, raw: Any, /) -> T_co: ...
+
+
+@runtime_checkable
+class NamedItems(Protocol):
+    """A dataset that can say where item ``index`` comes from (a URL, a path): an error while
+    decoding or transforming the item then names it beside the index, as the user knows it."""
+
+    def item_name(self, index: int, /) -> str: ...
 
 
 @runtime_checkable

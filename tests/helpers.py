@@ -89,6 +89,15 @@ def drain_sync(batches: Iterable[Any], into: list[Any]) -> None:
         into.append(batch.tolist() if isinstance(batch, torch.Tensor) else batch)
 
 
+async def until(condition: Callable[[], bool]) -> None:
+    """Poll the loop until ``condition()`` holds (a bounded wait: a hang fails the test)."""
+    async with asyncio.timeout(BOUND_S):
+        while True:
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+
+
 async def quiet(dataset: Recorder, for_s: float = 0.1) -> None:
     """Wait until the dataset has not been read for ``for_s`` seconds."""
     async with asyncio.timeout(BOUND_S):

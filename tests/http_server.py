@@ -6,9 +6,11 @@
 injected per path, either for the next requests (``fail(path, f1, f2)``: the next request to
 ``path`` gets ``f1``, the one after ``f2``, then service is normal) or for every request
 (``fail_always(path, f)``). ``requests[path]`` counts the requests per path, so tests can
-assert exact attempt counts. ``latency`` delays every response. ``put(path, body)`` serves
-fixed bytes at any other path (an index file); other paths answer 404 (status faults apply
-to them too).
+assert exact attempt counts. ``Fault.hold()`` keeps a response half sent until the test calls
+``release()``, so a test can look at the client while a read is surely in the middle of a body
+(``holding`` counts the responses held now), with no timing involved. ``latency`` delays every
+response. ``put(path, body)`` serves fixed bytes at any other path (an index file); other paths
+answer 404 (status faults apply to them too).
 
 Three ways to run it:
 
@@ -79,7 +81,8 @@ class Fault:
     (promise a Content-Length of half the body, send all of it, then close cleanly),
     ``long_late`` (promise half, send that half, and the rest ``seconds`` later on the same
     connection, kept open), ``stall`` (send the headers, then stay silent for ``seconds``,
-    then send the body).
+    then send the body), ``hold`` (send the headers and half the body, then wait until
+    :meth:`FaultServer.release` is called, then send the rest).
     """
 
     kind: str
@@ -115,6 +118,10 @@ class Fault:
     def stall(cls, seconds: float = 30.0) -> Fault:
         return cls("stall", seconds=seconds)
 
+    @classmethod
+    def hold(cls) -> Fault:
+        return cls("hold")
+
 
 class FaultServer:
     """The server; see the module docstring.
@@ -131,12 +138,14 @@ class FaultServer:
         self.files: dict[str, bytes] = {}  # served at /files/{name}
         self.active = 0  # requests being answered now
         self.most_active = 0  # the most at once so far
+        self.holding = 0  # responses held by Fault.hold now
         self._lock = threading.Lock()  # the test thread and the server thread both touch state
         self._script: dict[str, deque[Fault]] = {}
         self._always: dict[str, Fault] = {}
         self._files: dict[str, bytes] = {}
         self._runner: web.AppRunner | None = None
         self._stopping: asyncio.Event | None = None
+        self._released: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.port = 0
@@ -168,6 +177,12 @@ class FaultServer:
         with self._lock:
             self._files[path] = body
         return self.url(path)
+
+    def release(self) -> None:
+        """Let every held response (``Fault.hold``) finish, and those held from now on."""
+        assert self._loop is not None
+        assert self._released is not None
+        self._loop.call_soon_threadsafe(self._released.set)
 
     def count(self, path: str) -> int:
         with self._lock:
@@ -231,6 +246,20 @@ class FaultServer:
                 raise asyncio.CancelledError  # the client gave up meanwhile: nothing to send
             await response.write(body)
             return response
+        if fault.kind == "hold":
+            await response.write(body[: len(body) // 2])
+            assert self._released is not None
+            assert self._stopping is not None
+            waits = [asyncio.ensure_future(e.wait()) for e in (self._released, self._stopping)]
+            self.holding += 1
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self.holding -= 1
+                for wait in waits:
+                    wait.cancel()
+            await response.write(body[len(body) // 2 :])
+            return response
         if fault.kind not in ("reset", "short", "long", "long_late"):  # pragma: no cover
             raise ValueError(f"unknown fault kind {fault.kind!r}")
         transport = request.transport
@@ -272,6 +301,7 @@ class FaultServer:
     async def start(self) -> None:
         """Listen on 127.0.0.1 at an ephemeral port (``self.port``)."""
         self._stopping = asyncio.Event()
+        self._released = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         app = web.Application()
         app.router.add_get("/obj/{index}", self._handle)

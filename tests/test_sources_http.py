@@ -8,8 +8,10 @@ between attempts (recorded through the injectable ``sleep``, so no test waits fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import hashlib
+import logging
 import math
 import pickle
 import socket
@@ -23,7 +25,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from helpers import Sleeps
+from helpers import Sleeps, collect, notes_of, until
 from http_server import Fault, FaultServer, payload
 from hypothesis import given
 from hypothesis import strategies as st
@@ -357,6 +359,95 @@ async def test_the_loader_reports_a_missing_object() -> None:
                     pass
     assert server.obj_url(3) in str(info.value)
     assert server.count("/obj/3") == 1
+
+
+async def test_a_decode_error_names_the_url_beside_the_index() -> None:
+    def decode(raw: bytes) -> bytes:
+        if raw == payload(3):
+            raise ValueError("corrupt image")
+        return raw
+
+    async with FaultServer() as server:
+        ds = dataset(server, range(8), decode=decode)
+        async with aioloader.DataLoader(ds, batch_size=4, collate_fn=list) as loader:
+            with pytest.raises(ValueError, match="corrupt image") as info:
+                await collect(loader)
+    assert f"sample index 3 ({server.obj_url(3)}) of batch 0" in notes_of(info.value)
+
+
+async def test_requests_waiting_for_a_connection_are_neither_in_flight_nor_stalls(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, "aioloader.remote")
+    async with FaultServer() as server:
+        server.fail("/obj/0", Fault.hold())  # half its body, then silence: a real stall
+        ds = dataset(server, range(2), max_connections=1, stall_warning=0.2, read_timeout=60)
+        async with aioloader.DataLoader(
+            ds, batch_size=2, io_concurrency=2, collate_fn=list
+        ) as loader:
+            epoch = asyncio.ensure_future(collect(loader))
+            await until(lambda: loader.statistics().remote_stalls > 0)
+            # /obj/1 has waited for the only connection as long as /obj/0 has been silent,
+            # and waits on: give a false stall warning time to come.
+            await asyncio.sleep(0.5)
+            assert loader.statistics().requests_in_flight == 1  # /obj/0 alone is on the wire
+            server.release()
+            batches = await epoch
+            stats = loader.statistics()
+    assert batches == [[payload(0), payload(1)]]
+    messages = [r.getMessage() for r in caplog.records if r.name == "aioloader.remote"]
+    [stall] = [m for m in messages if " stalls: " in m]
+    assert server.obj_url(0) in stall
+    assert stats.remote_stalls == 1
+    [busy] = [m for m in messages if "connections are busy" in m]  # the cap is said, once
+    assert "max_connections=1" in busy
+    assert stats.requests_in_flight == 0
+
+
+# -- streams (tar shards) ---------------------------------------------------------------------
+
+
+async def read_stream(ds: HTTPDataset, into: bytearray) -> None:
+    async with contextlib.aclosing(ds.stream(0)) as chunks:
+        async for chunk in chunks:
+            into += chunk
+
+
+async def test_a_stream_that_keeps_breaking_off_backs_off_and_gives_up_as_fetch_does() -> None:
+    body = payload(0, 200_000)
+    async with FaultServer() as server:
+        server.files["big"] = body
+        server.fail_always("/files/big", Fault.reset())
+        sleeps = Sleeps()
+        received = bytearray()
+        async with HTTPDataset([server.file_url("big")], retry=FAST, sleep=sleeps) as ds:
+            with pytest.raises(RetriesExhaustedError) as info:
+                await read_stream(ds, received)
+    assert type(info.value) is RetriesExhaustedError  # not a timeout: nothing timed out
+    assert server.count("/files/big") == 3 == len(info.value.attempts)  # FAST.max_attempts
+    assert sleeps == [0.01, 0.02]  # FAST's backoff, as fetch() waits it
+    assert all("broke off after" in attempt for attempt in info.value.attempts)
+    assert server.file_url("big") in str(info.value)
+    assert info.value.__cause__ is not None
+    assert received == body[: len(received)]  # no byte handed out twice
+
+
+async def test_a_stream_whose_reader_lags_is_not_a_stall(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, "aioloader.remote")
+    body = payload(1, 4 << 20)  # far more than aiohttp buffers before it stops reading
+    async with FaultServer() as server:
+        server.files["big"] = body
+        async with HTTPDataset([server.file_url("big")], stall_warning=0.2) as ds:
+            received = bytearray()
+            lags = 0
+            async with contextlib.aclosing(ds.stream(0)) as chunks:
+                async for chunk in chunks:
+                    received += chunk
+                    if lags < 2:  # the reader's own time, four stall_warnings each
+                        lags += 1
+                        await asyncio.sleep(0.8)
+    assert received == body
+    assert not [r for r in caplog.records if r.name == "aioloader.remote"]
 
 
 # -- construction, indices, pickling, sessions ------------------------------------------------

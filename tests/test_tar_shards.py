@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import os
 import tarfile
 from collections.abc import AsyncGenerator, Iterator, Mapping
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 from datasets import keep, tar_keys, tar_sample, tar_shard
+from helpers import collect, until
 from http_server import Fault, FaultServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,7 +26,7 @@ from s3_server import moto_s3, s3_options
 
 import aioloader
 from aioloader import DataLoader, ShardError
-from aioloader.sources import BrokenShard, TarDataset
+from aioloader.sources import BrokenShard, HTTPDataset, TarDataset
 from aioloader.sources._mixing import Mixer, buffer_rng, replay, shard_order
 from aioloader.sources._readers import Epoch
 from aioloader.sources._tarfmt import Grouper, TarFormatError, TarParser, split_name
@@ -169,9 +171,7 @@ def test_webdatasets_rule_splits_key_and_extension() -> None:
 
 
 def test_ranks_share_the_shards_of_one_order() -> None:
-    orders = [
-        shard_order(11, shuffle=True, seed=3, epoch=1, reader=r, readers=3) for r in range(3)
-    ]
+    orders = [shard_order(11, shuffle=True, seed=3, epoch=1, reader=r, readers=3) for r in range(3)]
     assert sorted(s for order in orders for s in order) == list(range(11))
     again = shard_order(11, shuffle=True, seed=3, epoch=1, reader=0, readers=3)
     other = shard_order(11, shuffle=True, seed=3, epoch=2, reader=0, readers=3)
@@ -455,7 +455,8 @@ async def test_a_cut_http_shard_names_its_url_or_is_skipped(
                 [batch async for batch in loader]
             assert info.value.url == urls[2]
             assert urls[2] in str(info.value)
-            assert "broke off 5 times" in str(info.value)  # the default max_attempts
+            assert "RetriesExhaustedError" in str(info.value)  # as fetch() ends
+            assert "gave up after 5 attempts" in str(info.value)  # the default max_attempts
             return
         keys = keys_of([batch async for batch in loader])
         assert loader.statistics().skipped_count == 1
@@ -478,6 +479,46 @@ async def test_a_shard_that_breaks_off_once_continues_where_it_stopped(
         assert loader.statistics().remote_retries >= 2
     assert sorted(keys) == tar_keys(4, counts_here.__getitem__)  # nothing lost or repeated
     assert server.count("/files/s2.tar") == 3
+
+
+async def test_a_streamed_shard_is_in_flight_until_its_body_ends() -> None:
+    async with FaultServer() as server:
+        server.files["s0.tar"] = tar_shard(0, 40, size=2000)
+        server.fail("/files/s0.tar", Fault.hold())  # half the body, then held
+        ds = TarDataset([server.file_url("s0.tar")], decode=tar_sample)
+        async with DataLoader(ds, batch_size=4, collate_fn=keep) as loader:
+            epoch = asyncio.ensure_future(collect(loader))
+            await until(lambda: server.holding == 1 and loader.statistics().bytes_read > 0)
+            # Its headers and part of its body arrived; the rest is still to come.
+            assert loader.statistics().requests_in_flight == 1
+            server.release()
+            batches = await epoch
+            assert loader.statistics().requests_in_flight == 0
+    assert sorted(keys_of(batches)) == tar_keys(1, lambda _: 40)
+
+
+async def test_a_stalled_shard_body_is_warned_and_counted_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, "aioloader.remote")
+    async with FaultServer() as server:
+        server.files["s0.tar"] = tar_shard(0, 40, size=2000)
+        server.fail("/files/s0.tar", Fault.hold())
+        url = server.file_url("s0.tar")
+        source = HTTPDataset([url], stall_warning=0.2, read_timeout=60)
+        ds = TarDataset(None, source=source, decode=tar_sample)
+        async with DataLoader(ds, batch_size=4, collate_fn=keep) as loader:
+            epoch = asyncio.ensure_future(collect(loader))
+            await until(lambda: loader.statistics().remote_stalls > 0)
+            server.release()
+            batches = await epoch
+            stats = loader.statistics()
+    assert sorted(keys_of(batches)) == tar_keys(1, lambda _: 40)  # it went on, whole
+    [record] = [r for r in caplog.records if r.name == "aioloader.remote"]
+    assert url in record.getMessage()
+    assert "no byte after" in record.getMessage()
+    assert "stall_warning=0.2" in record.getMessage()
+    assert (stats.remote_stalls, stats.remote_retries) == (1, 0)
 
 
 async def test_a_missing_http_shard_is_a_shard_error_naming_it(server: FaultServer) -> None:

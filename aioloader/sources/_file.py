@@ -93,6 +93,10 @@ class FileDataset(Source):
         """The files, in index order."""
         return self._paths
 
+    def item_name(self, index: int) -> str:
+        """Where item ``index`` comes from, for the notes of its errors."""
+        return self._paths[index]
+
     def __len__(self) -> int:
         return len(self._paths)
 

@@ -288,6 +288,10 @@ class FsspecDataset(Source):
         """The protocol of every URL (``None`` for an empty dataset)."""
         return self._protocol
 
+    def item_name(self, index: int) -> str:
+        """Where item ``index`` comes from, for the notes of its errors."""
+        return self._urls[index]
+
     def __len__(self) -> int:
         return len(self._urls)
 

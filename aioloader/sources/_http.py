@@ -18,8 +18,12 @@ connection of the pool is not a failure and is not bounded), ``read_timeout`` bo
 between two reads, so a server that sends headers and then stalls is caught without limiting
 how long a large but flowing body may take. ``item_deadline`` bounds all attempts of one item.
 Before a timeout, ``stall_warning`` seconds without a byte (headers or body, counted from the
-attempt's start) log a WARNING on ``aioloader.remote``, once per attempt, and count in the
-loader's ``statistics().remote_stalls``: a read that hangs is visible while it hangs.
+moment the request has a connection) log a WARNING on ``aioloader.remote``, once per attempt,
+and count in the loader's ``statistics().remote_stalls``: a read that hangs is visible while it
+hangs. A request counts in ``statistics().requests_in_flight`` from the moment it has a
+connection until its body is read (see :mod:`._inflight`): at most ``max_connections`` at once,
+whatever the loader's ``io_concurrency``; the first request of a session that has to wait for
+a connection logs one WARNING saying so.
 
 Sharp edges:
 
@@ -49,17 +53,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import urllib.parse
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Self
 
 from .._errors import RemoteError, RemoteNotFoundError, RemotePermissionError
-from .._log import remote_log
 from .._stats import current_counters
 from .._validate import positive_int, seconds, value_errors
 from ._base import Source, as_names, require, run_sync
-from ._retry import RetryableError, RetryPolicy, parse_retry_after, retrying
+from ._inflight import Wire, wire_trace
+from ._retry import Attempts, RetryableError, RetryPolicy, parse_retry_after, retrying
 
 if TYPE_CHECKING:
     import aiohttp
@@ -134,11 +137,13 @@ class HTTPDataset(Source):
         read_timeout: longest silence between two reads, per attempt (``None``: no limit).
         item_deadline: seconds for all attempts of one item, waits included (``None``: no
             limit).
-        max_connections: connections open at once per event loop. Requests beyond it wait
-            for a free connection; keep it at least the loader's ``io_concurrency``.
-        stall_warning: seconds an attempt may go without receiving a byte before a WARNING is
-            logged (once per attempt; waiting for a free connection counts too), or ``None``
-            for never. Below ``read_timeout``, so a hang is said before it is retried.
+        max_connections: connections open at once per event loop: the most requests on the
+            wire, whatever the loader's ``io_concurrency``. Requests beyond it wait for a free
+            connection (said once per session by a WARNING; the wait is neither in flight nor
+            a stall); raise it with an ``io_concurrency`` above 256.
+        stall_warning: seconds an attempt may go without receiving a byte once it has a
+            connection before a WARNING is logged (once per attempt), or ``None`` for never.
+            Below ``read_timeout``, so a hang is said before it is retried.
         headers: extra request headers (authorisation, user agent).
         sleep: awaited between attempts with the delay in seconds; for tests to record the
             delays instead of waiting them. ``None`` means :func:`asyncio.sleep`.
@@ -214,6 +219,10 @@ class HTTPDataset(Source):
         """The retry policy every fetch follows."""
         return self._retry
 
+    def item_name(self, index: int) -> str:
+        """Where item ``index`` comes from, for the notes of its errors."""
+        return self._urls[index]
+
     def __len__(self) -> int:
         return len(self._urls)
 
@@ -240,6 +249,7 @@ class HTTPDataset(Source):
             describe=url,
             deadline=self._item_deadline,
             sleep=asyncio.sleep if self._sleep is None else self._sleep,
+            count_in_flight=False,  # Wire counts it once it has a connection
         )
 
     async def stream(
@@ -248,42 +258,60 @@ class HTTPDataset(Source):
         """The body of ``urls[index]`` in chunks as they arrive (of any size: ``chunk_size``
         is not used here), for objects too large to hold (tar shards).
 
-        Opening is retried as :meth:`fetch` is. A body that breaks off (a reset, a timeout, a
-        short body) is continued where it stopped: asked again from that byte on with a
-        ``Range`` header (a server that ignores it answers 200, and the bytes already handed
-        out are skipped), within the same ``max_attempts``; the bytes handed out are never
-        handed out twice. Close the iterator (``aclosing``) if it is not read to its end.
+        Retried as :meth:`fetch` is, with the same backoff and the same final errors. A body
+        that breaks off (a reset, a timeout, a short body) is one failed attempt; the next is
+        asked from the byte it stopped at with a ``Range`` header (a server that ignores it
+        answers 200, and the bytes already handed out are skipped): the bytes handed out are
+        never handed out twice, and opening and breaking off share ``max_attempts``. The read
+        counts in ``requests_in_flight`` until its body ends, and a body that goes
+        ``stall_warning`` seconds without a byte while its reader waits for one is warned
+        about as in :meth:`fetch` (time the reader spends on the previous chunk is not a
+        stall). ``item_deadline`` bounds each opening (up to the headers): a large shard's
+        body may take any time. Close the iterator (``aclosing``) if it is not read to its end.
 
         Raises:
-            RemoteError: as :meth:`fetch` while opening; the body broke off more often than
-                the policy allows, naming the URL, the bytes received and each break.
+            RemoteNotFoundError, RemotePermissionError, RemoteError: as :meth:`fetch`.
+            RemoteTimeoutError: the attempts ran out and the last one timed out, or an opening
+                passed ``item_deadline`` (also a ``TimeoutError``).
+            RetriesExhaustedError: the attempts ran out; the message lists each, with the
+                bytes received before each break.
         """
         import aiohttp
 
         url = self._urls[self._check_index(index)]
         session: aiohttp.ClientSession = self._pool()
         counters = current_counters.get()
+        sleep = asyncio.sleep if self._sleep is None else self._sleep
+        attempts = Attempts(self._retry, url)
         received = 0
         total: int | None = None
-        breaks: list[str] = []
         while True:
-            response = await retrying(
-                functools.partial(self._open, session, url, received),
-                policy=self._retry,
-                describe=url,
-                deadline=self._item_deadline,
-                sleep=asyncio.sleep if self._sleep is None else self._sleep,
-            )
-            skip = received if response.status == 200 else 0  # the Range was not honoured
-            answered = response.headers.get("Content-Range", f"bytes {received}-")
-            if response.status == 206 and not answered.startswith(f"bytes {received}-"):
-                response.release()
-                raise RemoteError(
-                    f"{url}: asked for bytes {received}- and got {answered!r}", url=url
-                )
-            if total is None:
-                total = _expected_length(response)
+            began = attempts.begin()
+            wire = Wire(url, self._stall_warning)
             try:
+                async with asyncio.timeout(self._item_deadline) as scope:
+                    response = await self._open(session, url, received, wire)
+            except RetryableError as exc:
+                wire.close()
+                await sleep(attempts.failed(exc, began))
+                continue
+            except Exception as exc:
+                wire.close()
+                if scope.expired():
+                    raise attempts.expired(began) from exc
+                attempts.final(exc, began)
+                raise
+            failure: RetryableError
+            try:
+                skip = received if response.status == 200 else 0  # the Range was not honoured
+                answered = response.headers.get("Content-Range", f"bytes {received}-")
+                if response.status == 206 and not answered.startswith(f"bytes {received}-"):
+                    raise RemoteError(
+                        f"{url}: asked for bytes {received}- and got {answered!r}", url=url
+                    )
+                if total is None:
+                    total = _expected_length(response)
+                wire.reading(response.content)
                 # As received, one buffer at a time, never joined: joining is a copy of every
                 # byte, and the consumer (a tar parser) takes pieces of any size. (iter_any
                 # joins what arrived since the last read: all of it, when the consumer lags.)
@@ -296,27 +324,25 @@ class HTTPDataset(Source):
                     received += len(chunk)
                     if counters is not None:
                         counters.remote_bytes += len(chunk)
+                    wire.hold()  # the reader has the chunk: its time is not the server's
                     yield chunk
+                    wire.wait()
                 if total is None or received == total:
                     return
-                failure = f"short body: {received} of {total} bytes (Content-Length)"
+                failure = RetryableError(f"short body: {received} of {total} bytes")
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
-                failure = f"broke off after {received} bytes: {_name(exc)}"
+                timed_out = isinstance(exc, TimeoutError)
+                failure = RetryableError(
+                    f"broke off after {received} bytes: {_name(exc)}", timed_out=timed_out
+                )
+                failure.__cause__ = exc
             finally:
                 response.release()
-            breaks.append(failure)
-            if len(breaks) >= self._retry.max_attempts:
-                raise RemoteError(
-                    f"{url}: the body broke off {len(breaks)} times: {'; '.join(breaks)}",
-                    url=url,
-                    attempts=tuple(breaks),
-                )
-            remote_log.info("%s: %s; continuing from byte %d", url, failure, received)
-            if counters is not None:
-                counters.remote_retries += 1
+                wire.close()
+            await sleep(attempts.failed(failure, began))
 
     async def _open(
-        self, session: aiohttp.ClientSession, url: str, start: int = 0
+        self, session: aiohttp.ClientSession, url: str, start: int, wire: Wire
     ) -> aiohttp.ClientResponse:
         """One GET up to its headers (for :meth:`stream`), from byte ``start`` on, classified
         as :meth:`_attempt` classifies."""
@@ -324,7 +350,7 @@ class HTTPDataset(Source):
 
         headers = {"Range": f"bytes={start}-"} if start else None
         try:
-            response = await session.get(url, headers=headers)
+            response = await session.get(url, headers=headers, trace_request_ctx=wire)
         except aiohttp.ServerTimeoutError as exc:
             raise RetryableError(f"timeout: {_name(exc)}", timed_out=True) from exc
         except aiohttp.ClientConnectorCertificateError:
@@ -344,11 +370,10 @@ class HTTPDataset(Source):
         import aiohttp
         from aiohttp.http_exceptions import HttpProcessingError
 
-        watch = None if self._stall_warning is None else _StallWatch(url, self._stall_warning)
+        wire = Wire(url, self._stall_warning)
         try:
-            async with session.get(url) as response:
-                if watch is not None:
-                    watch.reading(response.content)
+            async with session.get(url, trace_request_ctx=wire) as response:
+                wire.reading(response.content)
                 if not 200 <= response.status < 300:
                     raise self._status_error(url, response)
                 connection = response.connection  # released when the body is read
@@ -391,8 +416,7 @@ class HTTPDataset(Source):
         except TimeoutError as exc:  # e.g. a resolver's own timeout
             raise RetryableError(f"timeout: {_name(exc)}", timed_out=True) from exc
         finally:
-            if watch is not None:
-                watch.cancel()
+            wire.close()
 
     def _status_error(self, url: str, response: aiohttp.ClientResponse) -> Exception:
         status = response.status
@@ -421,7 +445,11 @@ class HTTPDataset(Source):
         )
         connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0)
         return aiohttp.ClientSession(
-            connector=connector, timeout=timeout, headers=self._headers, raise_for_status=False
+            connector=connector,
+            timeout=timeout,
+            headers=self._headers,
+            raise_for_status=False,
+            trace_configs=[wire_trace(self._max_connections)],
         )
 
     async def _close_pool(self, pool: aiohttp.ClientSession) -> None:
@@ -437,55 +465,6 @@ class HTTPDataset(Source):
             with contextlib.suppress(RuntimeError):  # a closed loop took its sockets along
                 close_now()
         pool.detach()
-
-
-class _StallWatch:
-    """Warns once if an attempt goes ``after`` seconds without a byte.
-
-    Progress is the response's arrival, then the body's byte count (aiohttp's
-    ``StreamReader.total_bytes``), sampled every quarter of ``after`` by one timer on the loop:
-    nothing is done per chunk, and the warning comes between ``after`` and ``1.25 * after``
-    seconds into a silence.
-    """
-
-    def __init__(self, url: str, after: float) -> None:
-        self._url = url
-        self._after = after
-        self._loop = asyncio.get_running_loop()
-        self._counters = current_counters.get()
-        self._reader: aiohttp.StreamReader | None = None
-        self._seen = -1  # progress at the last check: -1 before the response
-        self._since = self._loop.time()
-        self._handle: asyncio.TimerHandle | None = self._loop.call_later(after / 4, self._check)
-
-    def reading(self, reader: aiohttp.StreamReader) -> None:
-        """The response arrived: from now on, its body's bytes are the progress."""
-        self._reader = reader
-
-    def _check(self) -> None:
-        now = self._loop.time()
-        seen = -1 if self._reader is None else self._reader.total_bytes
-        if seen != self._seen:
-            self._seen, self._since = seen, now
-        elif now - self._since >= self._after:
-            self._handle = None
-            if self._counters is not None:
-                self._counters.remote_stalls += 1
-            what = "no response" if seen < 0 else f"no byte after {seen} bytes of the body"
-            remote_log.warning(
-                "%s stalls: %s for %.1f s (stall_warning=%s s); the read timeout ends it",
-                self._url,
-                what,
-                now - self._since,
-                self._after,
-            )
-            return
-        self._handle = self._loop.call_later(self._after / 4, self._check)
-
-    def cancel(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
 
 
 def _expected_length(response: aiohttp.ClientResponse) -> int | None:

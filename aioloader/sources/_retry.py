@@ -15,7 +15,10 @@ coroutine function (one *attempt*) until it returns, fails for good, or runs out
 The split of work: an attempt *classifies* its own failure (only it knows that an aiohttp
 ``ServerTimeoutError`` is a timeout or that S3's ``SlowDown`` is transient) by raising
 :class:`RetryableError`; this module decides *whether and when* to try again. So one policy,
-one backoff and one error format serve HTTP, S3, GCS and whatever comes next.
+one backoff and one error format serve HTTP, S3, GCS and whatever comes next. The bookkeeping
+(attempts so far, the wait after a failure, the final error) is :class:`Attempts`, a state
+machine with no IO, so that a loop that cannot be one awaited call (a streamed body, which
+hands out chunks between its attempts) waits and fails exactly as :func:`retrying` does.
 
 Sharp edges:
 
@@ -25,8 +28,9 @@ Sharp edges:
 - A ``Retry-After`` longer than ``backoff_max`` is cut to ``backoff_max``: no single wait of a
   data loader is longer than the user allowed, whatever the server says.
 - Each attempt is counted in the statistics of the loader whose fetch awaits it (requests, in
-  flight, retries, bytes returned; see :data:`aioloader._stats.current_counters`), and each
-  retry is logged at INFO on ``aioloader.remote`` with its cause and delay.
+  flight unless the attempt counts itself, retries, bytes returned; see
+  :data:`aioloader._stats.current_counters`), and each retry is logged at INFO on
+  ``aioloader.remote`` with its cause and delay.
 - Cancellation is never caught here: an attempt that is cancelled (the consumer gave up, the
   loader closes) stops the whole read at once, without recording an attempt.
 """
@@ -60,6 +64,7 @@ __all__ = [
     "DEFAULT_RETRY_STATUSES",
     "NEVER_RETRY_STATUSES",
     "Attempt",
+    "Attempts",
     "RetryPolicy",
     "RetryableError",
     "parse_retry_after",
@@ -263,6 +268,108 @@ def _give_up(
     return cls(message, url=describe, attempts=tuple(str(a) for a in attempts))
 
 
+class Attempts:
+    """The attempts of one remote read so far, and what follows a failed one: wait, or give up.
+
+    A synchronous state machine (no IO, no sleeping), shared by the two loops that read
+    remotely: :func:`retrying`, where one attempt is one awaited call, and a streamed body
+    (:meth:`HTTPDataset.stream <aioloader.sources.HTTPDataset.stream>`), where one attempt is
+    a request and the part of the body it delivered. So a read that fails waits the same
+    jittered exponential backoff and ends with the same error, whichever loop made it.
+
+    Invariant: ``failures`` lists every attempt that failed, in order; the attempt being made
+    is number ``len(failures) + 1``, never more than ``policy.max_attempts``.
+
+    Args:
+        policy: attempts, backoff and Retry-After handling.
+        describe: the resource, as the errors name it (a URL); also the errors' ``url``.
+        deadline: seconds for all attempts and waits together, or ``None`` for no limit.
+        clock: monotonic seconds, for the elapsed times in the attempt list.
+        rand: uniform numbers in ``[0, 1)`` for jitter.
+    """
+
+    def __init__(
+        self,
+        policy: RetryPolicy,
+        describe: str,
+        *,
+        deadline: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
+        self.policy = policy
+        self.describe = describe
+        self.deadline = deadline
+        self.failures: list[Attempt] = []
+        self._clock = clock
+        self._rand = rand
+        self._start = clock()
+        self._counters = current_counters.get()
+
+    @property
+    def number(self) -> int:
+        """The number of the attempt being made (1-based)."""
+        return len(self.failures) + 1
+
+    def begin(self) -> float:
+        """Count a new attempt as a request; returns when it began (for :meth:`failed`)."""
+        if self._counters is not None:
+            self._counters.remote_requests += 1
+        return self._clock()
+
+    def time_left(self, began: float) -> float | None:
+        """Seconds of the deadline left to an attempt that began at ``began`` (``None``: no
+        deadline)."""
+        return None if self.deadline is None else self.deadline - (began - self._start)
+
+    def failed(self, failure: RetryableError, began: float) -> float:
+        """Record the attempt that began at ``began`` and failed with ``failure``; returns the
+        wait before the next attempt (logged at INFO, counted as a retry).
+
+        Raises:
+            RetriesExhaustedError: that was the last attempt (a ``RemoteTimeoutError`` if it
+                timed out), listing every attempt; caused by the failure's cause.
+            RemoteTimeoutError: the wait would pass the deadline.
+        """
+        number = self.number
+        self.failures.append(
+            Attempt(number, failure.reason, self._clock() - began, failure.timed_out)
+        )
+        cause: BaseException = failure.__cause__ or failure
+        policy = self.policy
+        if number >= policy.max_attempts:
+            why = f"gave up after {number} attempts (max_attempts={policy.max_attempts})"
+            raise _give_up(self.describe, self.failures, why) from cause
+        wait = policy.delay(number, failure.retry_after, rand=self._rand)
+        deadline = self.deadline
+        if deadline is not None and self._clock() + wait - self._start >= deadline:
+            why = f"gave up: waiting {wait:.3f} s more would pass the {deadline} s deadline"
+            raise _give_up(self.describe, self.failures, why, deadline=True) from cause
+        if self._counters is not None:
+            self._counters.remote_retries += 1
+        remote_log.info(
+            "retrying %s in %.3f s (attempt %d of %d failed): %s",
+            self.describe,
+            wait,
+            number,
+            policy.max_attempts,
+            failure.reason,
+        )
+        return wait
+
+    def expired(self, began: float) -> RemoteError:
+        """The final error for the attempt that began at ``began`` and was ended by the
+        deadline (raise it from what the attempt raised)."""
+        outcome = f"item deadline of {self.deadline} s passed"
+        self.failures.append(Attempt(self.number, outcome, self._clock() - began, timed_out=True))
+        return _give_up(self.describe, self.failures, "deadline passed", deadline=True)
+
+    def final(self, exc: Exception, began: float) -> None:
+        """Give ``exc``, a failure that is not retried, the history of the attempts before it."""
+        last = Attempt(self.number, str(exc), self._clock() - began)
+        _annotate(exc, self.describe, self.failures, last)
+
+
 async def retrying(
     op: Callable[[], Awaitable[T]],
     *,
@@ -272,6 +379,7 @@ async def retrying(
     sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
     clock: Callable[[], float] = time.monotonic,
     rand: Callable[[], float] = random.random,
+    count_in_flight: bool = True,
 ) -> T:
     """Await ``op()`` until it succeeds, following ``policy``.
 
@@ -284,6 +392,9 @@ async def retrying(
         sleep: awaited between attempts with the delay in seconds (tests record it).
         clock: monotonic seconds, for the elapsed times in the attempt list.
         rand: uniform numbers in ``[0, 1)`` for jitter.
+        count_in_flight: count each attempt in ``requests_in_flight`` while ``op`` runs;
+            ``False`` when ``op`` counts itself (HTTP counts from the moment a request has a
+            connection, not while it waits for one).
 
     Returns:
         What ``op`` returned.
@@ -298,57 +409,35 @@ async def retrying(
     """
     with value_errors():
         deadline = seconds("deadline", deadline, positive=True)
-    attempts: list[Attempt] = []
-    start = clock()
-    counters = current_counters.get()
-    for number in range(1, policy.max_attempts + 1):
-        began = clock()
+    attempts = Attempts(policy, describe, deadline=deadline, clock=clock, rand=rand)
+    counters = current_counters.get() if count_in_flight else None
+    while True:
+        began = attempts.begin()
+        left = attempts.time_left(began)
         scope: asyncio.Timeout | None = None
         if counters is not None:
-            counters.remote_requests += 1
             counters.remote_in_flight += 1
         try:
-            if deadline is None:
+            if left is None:
                 result = await op()
             else:
-                async with asyncio.timeout(deadline - (began - start)) as scope:
+                async with asyncio.timeout(left) as scope:
                     result = await op()
-            if counters is not None and isinstance(result, bytes | bytearray | memoryview):
-                counters.remote_bytes += len(result)
+            done = current_counters.get()
+            if done is not None and isinstance(result, bytes | bytearray | memoryview):
+                done.remote_bytes += len(result)
             return result
         except RetryableError as exc:
             failure = exc
         except Exception as exc:
             if scope is not None and scope.expired():
-                outcome = f"item deadline of {deadline} s passed"
-                attempts.append(Attempt(number, outcome, clock() - began, timed_out=True))
-                raise _give_up(describe, attempts, "deadline passed", deadline=True) from exc
-            _annotate(exc, describe, attempts, Attempt(number, str(exc), clock() - began))
+                raise attempts.expired(began) from exc
+            attempts.final(exc, began)
             raise
         finally:
             if counters is not None:
                 counters.remote_in_flight -= 1
-        attempts.append(Attempt(number, failure.reason, clock() - began, failure.timed_out))
-        cause: BaseException = failure.__cause__ or failure
-        if number == policy.max_attempts:
-            why = f"gave up after {number} attempts (max_attempts={policy.max_attempts})"
-            raise _give_up(describe, attempts, why) from cause
-        wait = policy.delay(number, failure.retry_after, rand=rand)
-        if deadline is not None and clock() + wait - start >= deadline:
-            why = f"gave up: waiting {wait:.3f} s more would pass the {deadline} s deadline"
-            raise _give_up(describe, attempts, why, deadline=True) from cause
-        if counters is not None:
-            counters.remote_retries += 1
-        remote_log.info(
-            "retrying %s in %.3f s (attempt %d of %d failed): %s",
-            describe,
-            wait,
-            number,
-            policy.max_attempts,
-            failure.reason,
-        )
-        await sleep(wait)
-    raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
+        await sleep(attempts.failed(failure, began))
 
 
 def _annotate(exc: Exception, describe: str, attempts: list[Attempt], last: Attempt) -> None:
