@@ -143,12 +143,17 @@ async def _await_job(
 
 
 def timeout_error(
-    batch_id: int, what: str, waited: float, timeout: float | None, pid: int | None
+    batch_id: int,
+    what: str,
+    waited: float,
+    timeout: float | None,
+    pid: int | None,
+    advice: str = "Try a larger timeout, more workers, or max_retries to re-run a batch whose "
+    "worker hung.",
 ) -> LoaderTimeoutError:
     """The error of a batch that missed its deadline, with what to try."""
     killed = f"; worker pid {pid} was killed and replaced" if pid is not None else ""
     return LoaderTimeoutError(
         f"batch {batch_id} ({what}) was not ready after {waited:.2f} s "
-        f"(timeout={timeout}){killed}. Try a larger timeout, more workers, "
-        "or max_retries to re-run a batch whose worker hung."
+        f"(timeout={timeout}){killed}. {advice}"
     )

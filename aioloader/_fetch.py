@@ -30,7 +30,7 @@ from typing import Any, cast
 from ._batch import annotate, stray_cancel
 from ._failures import FailureBudget
 from ._stats import Counters
-from ._types import BatchRequest, SourceDataset
+from ._types import BatchRequest, NamedItems, SourceDataset
 
 __all__ = ["Fetcher"]
 
@@ -57,6 +57,8 @@ class Fetcher:
         counters: Counters,
     ) -> None:
         self._get = dataset.fetch if isinstance(dataset, SourceDataset) else dataset.__getitem__
+        self._name = dataset.item_name if isinstance(dataset, NamedItems) else None
+        self._awaited: dict[int, list[int]] = {}  # batch id -> indices its cancel cut short
         self._io = asyncio.Semaphore(io_concurrency)  # binds to the loop at first use
         self._skip_errors = skip_errors
         self._budget = budget
@@ -81,6 +83,14 @@ class Fetcher:
                     tasks.append([group.create_task(self._one(i, request)) for i in shard])
         except BaseExceptionGroup as exc:
             failed_group = exc
+        except asyncio.CancelledError:  # a deadline, or the epoch closing: say what was awaited
+            self._awaited[request.batch_id] = [
+                index
+                for shard, shard_tasks in zip(shards, tasks, strict=False)
+                for index, task in zip(shard, shard_tasks, strict=False)
+                if task.cancelled()
+            ]
+            raise
         if failed_group is not None:
             # Raised outside the ``except`` block so the group does not become its context.
             raise _first_failure(tasks, failed_group)
@@ -97,6 +107,20 @@ class Fetcher:
         if request.sharded:
             return BatchRequest(request.epoch, request.batch_id, shards, True, raws)
         return BatchRequest(request.epoch, request.batch_id, shards[0], False, raws[0])
+
+    def awaited(self, batch_id: int) -> str:
+        """The items batch ``batch_id`` still awaited when its fetch was cancelled (by its
+        deadline), named as the dataset names them (a URL, a path); forgotten once told."""
+        indices = self._awaited.pop(batch_id, [])
+        named = [
+            f"{index} ({self._name(index)})" if self._name is not None else str(index)
+            for index in indices[:_NAMED]
+        ]
+        more = f" and {len(indices) - _NAMED} more" if len(indices) > _NAMED else ""
+        return ", ".join(named) + more
+
+    def forget(self, batch_id: int) -> None:
+        self._awaited.pop(batch_id, None)
 
     async def _one(self, index: int, request: BatchRequest) -> Any:
         async with self._io:
@@ -116,6 +140,9 @@ class Fetcher:
                 raise
             finally:
                 self._counters.io_busy_s += time.perf_counter() - started
+
+
+_NAMED = 4  # items a timeout names (the rest are counted)
 
 
 @dataclass(frozen=True, slots=True)

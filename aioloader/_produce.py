@@ -487,6 +487,7 @@ class Producer:
                 async with deadline:
                     request = await self._fetcher.fetch(request)
             except asyncio.CancelledError:
+                self._fetcher.forget(request.batch_id)
                 raise
             except BaseException as exc:
                 error = exc
@@ -498,6 +499,9 @@ class Producer:
                         clock() - started,
                         self._config.timeout,
                         None,
+                        f"It still awaited item(s) {self._fetcher.awaited(request.batch_id)}. "
+                        "Try a larger timeout; a read that never answers is better bounded "
+                        "by the source itself (HTTPDataset's item_deadline=), which retries it.",
                     )
                     error.__cause__ = exc
                 self._store(Outcome(request.batch_id, error=error))

@@ -14,7 +14,7 @@ import pytest
 from datasets import AsyncRange, CancelledAt, Range
 from helpers import BOUND_S, as_lists, collect, drain, flat, notes_of
 
-from aioloader import DataLoader, TooManyFailuresError
+from aioloader import DataLoader, LoaderTimeoutError, TooManyFailuresError
 
 # The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
 pytestmark = pytest.mark.usefixtures("baseline")
@@ -108,6 +108,34 @@ async def test_a_cancelled_error_from_the_dataset_is_its_batchs_error_not_a_hang
         async with asyncio.timeout(BOUND_S):
             assert flat(await collect(loader)) == [i for i in range(12) if i != 5]
         assert [index for index, _ in loader.statistics().skipped] == [5]
+
+
+class HangsAt(AsyncRange):
+    """Item ``bad`` never arrives; items are named like the URLs of a remote source."""
+
+    async def __getitem__(self, index: int) -> int:
+        if index in self.bad:
+            await asyncio.Event().wait()
+        return index
+
+    def item_name(self, index: int) -> str:
+        return f"http://store/obj/{index}"
+
+
+async def test_a_fetch_that_misses_the_timeout_names_the_items_it_still_awaited() -> None:
+    # Before, it named the batch's 8 indices and advised more workers or max_retries, which do
+    # nothing for a read that never answers.
+    loader = DataLoader(HangsAt(16, bad={13}), batch_size=8, timeout=0.3)
+    async with loader:
+        it = aiter(loader)
+        async with asyncio.timeout(BOUND_S):
+            assert (await anext(it)).tolist() == list(range(8))
+            with pytest.raises(LoaderTimeoutError) as info:
+                await anext(it)
+    message = str(info.value)
+    assert "item(s) 13 (http://store/obj/13)" in message
+    assert "more workers" not in message
+    assert "item_deadline" in message
 
 
 async def test_async_dataset_skips_failures_up_to_max_failures() -> None:
