@@ -33,7 +33,7 @@ from aioloader._errors import (
     RetriesExhaustedError,
 )
 from aioloader.sources import FsspecDataset, RetryableError, RetryPolicy
-from aioloader.sources._fsspec import classify
+from aioloader.sources._classify import classify
 
 BUCKET = "aiol-test"
 OBJECTS = 20

@@ -5,7 +5,7 @@
 :class:`~aioloader.sources.HTTPDataset`::
 
     fetch(i) ──▶ retrying(policy) ──▶ fs._cat_file(url) on the loop's own filesystem
-                                        │ raises: classified by classify()
+                                        │ raises: classified by classify() (:mod:`._classify`)
       FileNotFoundError, NoSuchKey, 404 ─┼──▶ RemoteNotFoundError, no retry
       PermissionError, AccessDenied, 403 ┼──▶ RemotePermissionError, no retry
       SlowDown, 503, 5xx, throttling ────┼──▶ RetryableError
@@ -37,14 +37,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, Self, TypeVar
 
-from .._errors import RemoteError, RemoteNotFoundError, RemotePermissionError
+from .._errors import RemoteError, RemoteNotFoundError
 from .._validate import seconds, value_errors
 from ._base import Source, as_names, has_glob, refuse_patterns, require, run_sync
-from ._retry import RetryableError, RetryPolicy, retrying
+from ._classify import classify
+from ._retry import RetryPolicy, retrying
 
 __all__ = ["FsspecDataset", "list_fsspec"]
 
@@ -54,31 +54,6 @@ LISTING_HINT = "FsspecDataset.from_prefix(url_or_glob) or aioloader.sources.list
 
 #: Bytes asked per read by :meth:`FsspecDataset.stream` (see ``_http.STREAM_CHUNK``).
 STREAM_CHUNK = 1 << 20
-
-#: Error codes of S3-compatible stores that mean "try again later".
-RETRYABLE_CODES = frozenset(
-    {
-        "SlowDown",
-        "ServiceUnavailable",
-        "InternalError",
-        "RequestTimeout",
-        "Throttling",
-        "ThrottlingException",
-        "RequestLimitExceeded",
-        "TooManyRequestsException",
-    }
-)
-NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchVersion", "NotFound", "404"})
-PERMISSION_CODES = frozenset({"AccessDenied", "Forbidden", "InvalidAccessKeyId", "403"})
-
-#: errno values s3fs gives transient S3 errors it translated (SlowDown/503 -> EBUSY,
-#: InternalError/500 -> EREMOTEIO).
-RETRYABLE_ERRNOS = frozenset({errno.EBUSY, getattr(errno, "EREMOTEIO", errno.EIO)})
-
-#: botocore exception classes (by name, to avoid importing botocore) that are transient.
-BOTOCORE_TRANSIENT = frozenset(
-    {"ConnectionError", "HTTPClientError", "IncompleteReadError", "ResponseStreamingError"}
-)
 
 #: Options per protocol, under the user's storage_options. For S3: botocore's retries are off
 #: (our policy retries), and ``max_concurrency=1`` makes a read one GET instead of a HEAD (for
@@ -111,75 +86,6 @@ def _merge(defaults: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, A
 def _protocols(cls: Any) -> tuple[str, ...]:
     names = getattr(cls, "protocol", ())
     return (names,) if isinstance(names, str) else tuple(names)
-
-
-def _name(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _chain(exc: BaseException) -> Iterable[BaseException]:
-    """``exc`` and its causes and contexts, each once."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        current = current.__cause__ or current.__context__
-
-
-def _status_and_code(exc: BaseException) -> tuple[int | None, str | None]:
-    """The HTTP status and S3 error code carried anywhere in ``exc``'s chain."""
-    for link in _chain(exc):
-        response = getattr(link, "response", None)  # botocore ClientError
-        if isinstance(response, Mapping):
-            error = response.get("Error", {})
-            meta = response.get("ResponseMetadata", {})
-            code = error.get("Code") if isinstance(error, Mapping) else None
-            status = meta.get("HTTPStatusCode") if isinstance(meta, Mapping) else None
-            return (status if isinstance(status, int) else None), code
-        status = getattr(link, "status", None)  # aiohttp ClientResponseError
-        if isinstance(status, int) and not isinstance(status, bool):
-            return status, None
-    return None, None
-
-
-def _is_transient_transport(exc: BaseException) -> bool:
-    for link in _chain(exc):
-        for klass in type(link).__mro__:
-            module = klass.__module__
-            if module.startswith("botocore") and klass.__name__ in BOTOCORE_TRANSIENT:
-                return True
-            if module.startswith("aiohttp") and klass.__name__ in (
-                "ClientConnectionError",
-                "ClientPayloadError",
-            ):
-                return True
-    return False
-
-
-def classify(exc: Exception, url: str, policy: RetryPolicy) -> Exception | None:
-    """Our exception for a backend's failure, or ``None`` to let it propagate unchanged."""
-    status, code = _status_and_code(exc)
-    detail = f"{url}: {_name(exc)}"
-    if isinstance(exc, FileNotFoundError) or status == 404 or code in NOT_FOUND_CODES:
-        return RemoteNotFoundError(detail, url=url)
-    if isinstance(exc, PermissionError) or status in (401, 403) or code in PERMISSION_CODES:
-        return RemotePermissionError(detail, url=url)
-    timed_out = any(isinstance(link, TimeoutError) for link in _chain(exc)) or any(
-        "Timeout" in type(link).__name__ for link in _chain(exc)
-    )
-    what = f"{code} (HTTP {status})" if code else f"HTTP {status}" if status else None
-    reason = f"{what}: {_name(exc)}" if what else _name(exc)
-    if (
-        code in RETRYABLE_CODES
-        or (status is not None and status in policy.retry_statuses)
-        or timed_out
-        or (isinstance(exc, OSError) and exc.errno in RETRYABLE_ERRNOS)
-        or _is_transient_transport(exc)
-    ):
-        return RetryableError(("timeout: " if timed_out else "") + reason, timed_out=timed_out)
-    return None
 
 
 class FsspecDataset(Source):
