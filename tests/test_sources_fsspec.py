@@ -226,6 +226,25 @@ async def test_http_through_fsspec_retries_and_maps_not_found() -> None:
     assert sleeps == pytest.approx([0.01, 0.02])
 
 
+async def test_http_through_fsspec_size_retries_a_503_that_info_wraps_as_not_found() -> None:
+    # fsspec's HTTP _info tries HEAD, then GET, and wraps any failure of both in
+    # FileNotFoundError: a 503 must still be retried, and only a real 404 be "not found".
+    sleeps = Sleeps()
+    async with FaultServer() as server:
+        ds = FsspecDataset([server.obj_url(1), server.obj_url(2)], retry=FAST, sleep=sleeps)
+        async with ds:
+            server.fail("/obj/1", Fault.http(503), Fault.http(503))
+            assert await ds.size(0) == len(payload(1))
+            assert server.count("/obj/1") == 3  # HEAD and GET of attempt 1, HEAD of attempt 2
+            assert sleeps == pytest.approx([0.01])
+            server.fail_always("/obj/2", Fault.http(404))
+            with pytest.raises(RemoteNotFoundError) as info:
+                await ds.size(1)
+    assert len(info.value.attempts) == 1
+    assert server.count("/obj/2") == 2  # HEAD and GET of the one attempt
+    assert sleeps == pytest.approx([0.01])
+
+
 async def test_http_through_fsspec_stall_is_a_timeout() -> None:
     timeout = aiohttp.ClientTimeout(sock_read=0.2)
     async with FaultServer() as server:
@@ -286,6 +305,19 @@ def translated(code: str, status: int) -> Exception:
     return error
 
 
+def http_error(status: int) -> aiohttp.ClientResponseError:
+    info: Any = types.SimpleNamespace(real_url="http://x", method="GET")
+    return aiohttp.ClientResponseError(info, (), status=status)
+
+
+def wrapped(inner: Exception) -> Exception:
+    """``inner`` wrapped as fsspec's HTTP ``_info`` wraps every failure."""
+    try:
+        raise FileNotFoundError("http://x") from inner
+    except FileNotFoundError as exc:
+        return exc
+
+
 @pytest.mark.parametrize(
     ("make", "kind"),
     [
@@ -303,6 +335,13 @@ def translated(code: str, status: int) -> Exception:
         (lambda: aiohttp.ClientPayloadError("short"), "retry"),
         (lambda: TimeoutError(), "timeout"),
         (lambda: FileNotFoundError("x"), "missing"),
+        (lambda: wrapped(http_error(503)), "retry"),
+        (lambda: wrapped(http_error(429)), "retry"),
+        (lambda: wrapped(aiohttp.ServerDisconnectedError()), "retry"),
+        (lambda: wrapped(TimeoutError()), "timeout"),
+        (lambda: wrapped(http_error(404)), "missing"),
+        (lambda: wrapped(http_error(400)), "missing"),
+        (lambda: wrapped(ValueError("bad URL")), "missing"),
         (lambda: PermissionError("x"), "denied"),
         (lambda: ValueError("a bug"), "final"),
         (lambda: KeyError("a bug"), "final"),
@@ -325,9 +364,7 @@ def test_classify(make: Any, kind: str) -> None:
 @given(status=st.integers(100, 599), retry=st.sets(st.sampled_from([408, 429, 500, 503, 599])))
 def test_classify_http_statuses_follows_the_policy(status: int, retry: set[int]) -> None:
     policy = RetryPolicy(retry_statuses=frozenset(retry))
-    info: Any = types.SimpleNamespace(real_url="http://x", method="GET")
-    error = aiohttp.ClientResponseError(info, (), status=status)
-    result = classify(error, "http://x", policy)
+    result = classify(http_error(status), "http://x", policy)
     if status == 404:
         assert isinstance(result, RemoteNotFoundError)
     elif status in (401, 403):

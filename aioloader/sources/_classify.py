@@ -6,11 +6,15 @@ and ``SlowDown`` an ``OSError(EBUSY)``) or wrapped (fsspec's HTTP ``_info`` wrap
 failure in ``FileNotFoundError``). :func:`classify` reads the whole chain of causes and
 contexts and answers with our vocabulary::
 
-    FileNotFoundError, NoSuchKey, 404 ──────────────────▶ RemoteNotFoundError, no retry
-    PermissionError, AccessDenied, 401, 403 ────────────▶ RemotePermissionError, no retry
+    NoSuchKey, 404 ─────────────────────────────────────▶ RemoteNotFoundError, no retry
+    AccessDenied, 401, 403 ─────────────────────────────▶ RemotePermissionError, no retry
     503, SlowDown, 5xx, throttling, EBUSY ──────────────▶ RetryableError
     timeouts, resets, short reads ──────────────────────▶ RetryableError (timeouts marked)
+    FileNotFoundError, PermissionError (nothing above) ─▶ RemoteNotFoundError, ...Permission...
     anything else ──────────────────────────────────────▶ None: it propagates unchanged
+
+Read top down: the first line that matches decides. So a ``FileNotFoundError`` wrapping a 503
+(fsspec's HTTP ``_info``) is retried, and one wrapping a 404 is not found.
 """
 
 from __future__ import annotations
@@ -95,12 +99,17 @@ def _is_transient_transport(exc: BaseException) -> bool:
 
 
 def classify(exc: Exception, url: str, policy: RetryPolicy) -> Exception | None:
-    """Our exception for a backend's failure, or ``None`` to let it propagate unchanged."""
+    """Our exception for a backend's failure, or ``None`` to let it propagate unchanged.
+
+    A status or code in the chain decides first; then anything transient in the chain; the
+    exception's type (``FileNotFoundError``, ``PermissionError``) only last, because fsspec's
+    HTTP ``_info`` raises ``FileNotFoundError`` for *any* failure, a 503 or a reset included.
+    """
     status, code = _status_and_code(exc)
     detail = f"{url}: {_name(exc)}"
-    if isinstance(exc, FileNotFoundError) or status == 404 or code in NOT_FOUND_CODES:
+    if status == 404 or code in NOT_FOUND_CODES:
         return RemoteNotFoundError(detail, url=url)
-    if isinstance(exc, PermissionError) or status in (401, 403) or code in PERMISSION_CODES:
+    if status in (401, 403) or code in PERMISSION_CODES:
         return RemotePermissionError(detail, url=url)
     timed_out = any(isinstance(link, TimeoutError) for link in _chain(exc)) or any(
         "Timeout" in type(link).__name__ for link in _chain(exc)
@@ -115,4 +124,8 @@ def classify(exc: Exception, url: str, policy: RetryPolicy) -> Exception | None:
         or _is_transient_transport(exc)
     ):
         return RetryableError(("timeout: " if timed_out else "") + reason, timed_out=timed_out)
+    if isinstance(exc, FileNotFoundError):
+        return RemoteNotFoundError(detail, url=url)
+    if isinstance(exc, PermissionError):
+        return RemotePermissionError(detail, url=url)
     return None
