@@ -20,19 +20,21 @@ import aiobotocore.session
 import aiohttp
 import botocore.exceptions
 import pytest
+from datasets import keep, tar_shard
 from helpers import Sleeps
 from http_server import Fault, FaultServer, payload
 from hypothesis import given
 from hypothesis import strategies as st
 from s3_server import moto_s3, s3_options
 
+from aioloader import DataLoader
 from aioloader._errors import (
     RemoteNotFoundError,
     RemotePermissionError,
     RemoteTimeoutError,
     RetriesExhaustedError,
 )
-from aioloader.sources import FsspecDataset, RetryableError, RetryPolicy
+from aioloader.sources import FsspecDataset, RetryableError, RetryPolicy, TarDataset
 from aioloader.sources._classify import classify
 
 BUCKET = "aiol-test"
@@ -41,10 +43,16 @@ SIZE = 3000
 FAST = RetryPolicy(max_attempts=3, backoff_initial=0.01, backoff_max=1.0, jitter=False)
 
 
+#: Tar shards in BUCKET beside the objects, under ``tars/``.
+SHARDS = {f"tars/{shard}.tar": tar_shard(shard, 30, size=500) for shard in range(2)}
+
+
 @pytest.fixture(scope="module")
 def moto_endpoint() -> Iterator[str]:
-    """A moto S3 server on an ephemeral loopback port, with BUCKET holding OBJECTS objects."""
-    with moto_s3({BUCKET: {f"obj-{i}": payload(i, SIZE) for i in range(OBJECTS)}}) as endpoint:
+    """A moto S3 server on an ephemeral loopback port, with BUCKET holding OBJECTS objects
+    (and SHARDS)."""
+    objects = {f"obj-{i}": payload(i, SIZE) for i in range(OBJECTS)}
+    with moto_s3({BUCKET: {**objects, **SHARDS}}) as endpoint:
         yield endpoint
 
 
@@ -115,6 +123,24 @@ async def test_missing_object_is_not_found_without_retry(moto_endpoint: str, url
     assert len(info.value.attempts) == 1
     assert faults.calls == 1
     assert sleeps == []
+
+
+async def test_streamed_shards_count_their_bytes_in_the_statistics(moto_endpoint: str) -> None:
+    # TarDataset reads S3 shards through FsspecDataset.stream, as it reads HTTP shards through
+    # HTTPDataset.stream; both count what they read.
+    ds = TarDataset(
+        [f"s3://{BUCKET}/{key}" for key in SHARDS],
+        decode=len,
+        storage_options=s3_options(moto_endpoint),
+    )
+    async with DataLoader(ds, batch_size=10, collate_fn=keep) as loader:
+        samples = [sample async for batch in loader for sample in batch]
+        stats = loader.statistics()
+    assert len(samples) == 60
+    assert stats.remote_requests == len(SHARDS)
+    assert stats.bytes_read == sum(map(len, SHARDS.values()))
+    assert stats.epoch_stats.bytes_read == stats.bytes_read
+    assert stats.epoch_stats.read_bytes_per_s > 0
 
 
 # -- injected S3 faults -----------------------------------------------------------------------

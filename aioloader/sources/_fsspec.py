@@ -41,6 +41,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mappi
 from typing import Any, Self, TypeVar
 
 from .._errors import RemoteError, RemoteNotFoundError
+from .._stats import current_counters
 from .._validate import seconds, value_errors
 from ._base import Source, as_names, has_glob, refuse_patterns, require, run_sync
 from ._classify import classify
@@ -233,7 +234,8 @@ class FsspecDataset(Source):
         """``urls[index]`` in chunks as it arrives (``fs.open_async``: one streamed GET on
         s3fs), for objects too large to hold (tar shards). Opening is retried as :meth:`fetch`
         is; a read that fails after bytes were handed out raises. A filesystem without
-        streamed files is read whole, as one chunk. Close the iterator (``aclosing``) if it is
+        streamed files is read whole, as one chunk. The bytes count in the loader's
+        ``statistics().bytes_read`` as they arrive. Close the iterator (``aclosing``) if it is
         not read to its end.
 
         Raises:
@@ -242,6 +244,7 @@ class FsspecDataset(Source):
         url = self._urls[self._check_index(index)]
         fs = self._pool()
         sleep = asyncio.sleep if self._sleep is None else self._sleep
+        counters = current_counters.get()  # the loader's, as HTTPDataset.stream counts
         try:
             file = await retrying(
                 lambda: self._open_file(fs, url),
@@ -264,6 +267,8 @@ class FsspecDataset(Source):
                     raise RemoteError(f"{url}: the read broke off: {ours}", url=url) from exc
                 if not chunk:
                     return
+                if counters is not None:
+                    counters.remote_bytes += len(chunk)
                 yield bytes(chunk)
         finally:
             with contextlib.suppress(Exception):
