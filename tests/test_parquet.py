@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from datasets import keep, parquet_bytes, parquet_row
 from helpers import assert_raises_naming
+from http_server import FaultServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from s3_server import moto_s3, s3_options
@@ -301,6 +302,28 @@ def test_default_collate_stacks_numbers_and_embeddings(files: list[str]) -> None
     assert batch["id"].tolist() == [0, 3, 1, 4]
     assert tuple(batch["emb"].shape) == (4, 2)
     assert batch["tag"] == ["f0r0", "f0r3", "f0r1", "f0r4"]
+
+
+# -- HTTP --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("honoured", [True, False])
+async def test_http_files_read_exactly_whether_or_not_the_server_honours_range(
+    honoured: bool,
+) -> None:
+    # Footers and column chunks are byte ranges; a server that ignores Range sends the whole
+    # file each time, and the ranges are cut from it (before, pyarrow got the wrong bytes).
+    async with FaultServer(ranges=honoured) as server:
+        for file, rows in enumerate(ROWS):
+            server.files[f"part-{file}.parquet"] = parquet_bytes(file, rows, GROUP)
+        urls = [server.file_url(f"part-{file}.parquet") for file in range(len(ROWS))]
+        ds = ParquetDataset(urls, columns=["id", "vec"], shuffle=True)
+        raws = [raw async for raw in ds]
+        await ds.aclose()
+    assert not [raw for raw in raws if isinstance(raw, BrokenRowGroup)]
+    assert sorted(int(raw["id"]) for raw in raws) == every_id()
+    for raw in raws:
+        assert raw["vec"].tolist() == [float(raw["id"] % 1000)] * (raw["id"] % 1000 % 3)
 
 
 # -- S3 (moto) ---------------------------------------------------------------------------------

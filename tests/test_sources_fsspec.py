@@ -13,7 +13,7 @@ import asyncio
 import errno
 import pickle
 import types
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiobotocore.session
@@ -29,6 +29,7 @@ from s3_server import moto_s3, s3_options
 
 from aioloader import DataLoader
 from aioloader._errors import (
+    RemoteError,
     RemoteNotFoundError,
     RemotePermissionError,
     RemoteTimeoutError,
@@ -269,6 +270,61 @@ async def test_http_through_fsspec_size_retries_a_503_that_info_wraps_as_not_fou
     assert len(info.value.attempts) == 1
     assert server.count("/obj/2") == 2  # HEAD and GET of the one attempt
     assert sleeps == pytest.approx([0.01])
+
+
+class Ranges:
+    """An async iterable dataset of byte ranges ``spans`` of object 0 of ``source``."""
+
+    def __init__(self, source: FsspecDataset, spans: list[tuple[int, int]]) -> None:
+        self.source = source
+        self.spans = spans
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for start, end in self.spans:
+            yield await self.source.fetch_range(0, start, end)
+
+
+@pytest.mark.parametrize("honoured", [True, False])
+async def test_ranged_reads_are_exact_whether_or_not_the_server_honours_range(
+    honoured: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A server that ignores Range answers 200 with the whole object: the range asked is cut
+    # from it, and the statistics count every byte that came.
+    spans = [(0, 100), (100, 4000), (4999, 5000)]
+    async with FaultServer(ranges=honoured) as server:
+        source = FsspecDataset([server.obj_url(3, size=5000)], retry=FAST, sleep=Sleeps())
+        async with (
+            source,
+            DataLoader(Ranges(source, spans), batch_size=3, collate_fn=keep) as loader,
+        ):
+            (pieces,) = [batch async for batch in loader]
+            stats = loader.statistics()
+    whole = payload(3, 5000)
+    assert pieces == [whole[a:b] for a, b in spans]
+    assert stats.remote_requests == len(spans)
+    assert stats.bytes_read == (sum(b - a for a, b in spans) if honoured else 3 * len(whole))
+    # Ignored: each read also asks for the size (a HEAD), to be sure the body is all of it.
+    assert server.count("/obj/3") == (3 if honoured else 6)
+    warned = [r for r in caplog.records if "ignores Range" in r.getMessage()]
+    assert len(warned) == (0 if honoured else 1)  # once per dataset
+
+
+@pytest.mark.parametrize("honoured", [True, False])
+async def test_a_range_answered_with_other_bytes_is_an_error_naming_what_came(
+    honoured: bool,
+) -> None:
+    async with FaultServer(ranges=honoured) as server:
+        url = server.obj_url(3, size=5000)
+        async with FsspecDataset([url], retry=FAST, sleep=Sleeps()) as source:
+            with pytest.raises(RemoteError) as info:
+                await source.fetch_range(0, 4000, 6000)  # past the object's end
+    received = 1000 if honoured else 5000
+    assert str(info.value).startswith(
+        f"{url}: asked for bytes 4000-6000 (2000 bytes) and received {received} bytes"
+    )
+    assert info.value.url == url
+    assert len(info.value.attempts) == 1  # the same question gets the same answer
+    assert server.count("/obj/3") == 1
 
 
 async def test_http_through_fsspec_stall_is_a_timeout() -> None:

@@ -23,7 +23,9 @@ Sharp edges:
   instances per thread, and a cached async instance holds a session bound to the loop that
   first used it. ``aclose()`` closes the sessions (s3fs's client, an aiohttp session).
 - The length of the bytes is checked by the backend (botocore and aiohttp both fail a body
-  shorter than its Content-Length); such failures are retried here.
+  shorter than its Content-Length); such failures are retried here. A ranged read's length is
+  checked here: a server that ignores ``Range`` sends the whole object, and the range is cut
+  from it (see :meth:`FsspecDataset.fetch_range`).
 - A URL that is a prefix (ends with ``/``) or a glob (``*``, ``?``) is refused at
   construction: it would be one item that fails only when read, with a 404.
   :meth:`FsspecDataset.from_prefix` and :func:`list_fsspec` list such a URL::
@@ -41,6 +43,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mappi
 from typing import Any, Self, TypeVar
 
 from .._errors import RemoteError, RemoteNotFoundError
+from .._log import remote_log
 from .._stats import current_counters
 from .._validate import seconds, value_errors
 from ._base import Source, as_names, has_glob, refuse_patterns, require, run_sync
@@ -147,6 +150,7 @@ class FsspecDataset(Source):
         with value_errors():  # ValueError for any bad deadline, as always (also a TypeError)
             self._item_deadline = seconds("item_deadline", item_deadline, positive=True)
         self._sleep = sleep
+        self._range_ignored = False  # a server ignored Range (warned once)
 
     @classmethod
     def from_prefix(
@@ -217,10 +221,48 @@ class FsspecDataset(Source):
 
     async def fetch_range(self, index: int, start: int, end: int) -> bytes:
         """Bytes ``start`` to ``end`` (exclusive) of ``urls[index]``, retried as :meth:`fetch`
-        is (one ranged GET on s3fs): for formats read in parts, like Parquet's."""
+        is (one ranged GET): for formats read in parts, like Parquet's.
+
+        A server that ignores ``Range`` answers with the whole object (fsspec's HTTP
+        filesystem hands that on as it is): the range is cut from it, every byte that came is
+        counted in the statistics, and a warning says so once per dataset.
+
+        Raises:
+            RemoteError: as :meth:`fetch`; or the answer is neither ``end - start`` bytes nor
+                the whole object (a range past the object's end, a server that misbehaves),
+                naming the URL, the range asked and the length received; not retried.
+        """
         url = self._urls[self._check_index(index)]
-        data = await self._retried(url, lambda fs: fs._cat_file(url, start=start, end=end))
-        return bytes(data) if not isinstance(data, bytes) else data
+        return await self._retried(url, lambda fs: self._read_range(fs, url, start, end))
+
+    async def _read_range(self, fs: Any, url: str, start: int, end: int) -> bytes:
+        """One attempt of :meth:`fetch_range`."""
+        data = await fs._cat_file(url, start=start, end=end)
+        data = bytes(data) if not isinstance(data, bytes) else data
+        if len(data) == end - start:
+            return data
+        # More than asked and at least up to ``end``: the whole object, if its size says so
+        # (one more request, only from a server that ignores Range).
+        if len(data) > end - start and len(data) >= end:
+            size = (await fs._info(url)).get("size")
+            if size == len(data):
+                counters = current_counters.get()
+                if counters is not None:  # retrying counts the bytes returned, not the rest
+                    counters.remote_bytes += len(data) - (end - start)
+                if not self._range_ignored:
+                    self._range_ignored = True
+                    remote_log.warning(
+                        "%s: the server ignores Range and sends the whole object (%d bytes) "
+                        "for each range asked; reading on, at the cost of those bytes",
+                        url,
+                        len(data),
+                    )
+                return data[start:end]
+        raise RemoteError(
+            f"{url}: asked for bytes {start}-{end} ({end - start} bytes) and received "
+            f"{len(data)} bytes, neither the range nor the whole object",
+            url=url,
+        )
 
     async def size(self, index: int) -> int:
         """The size in bytes of ``urls[index]``, retried as :meth:`fetch` is."""
