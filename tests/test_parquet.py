@@ -337,6 +337,8 @@ def moto_parquet() -> Iterator[str]:
     objects["train/_SUCCESS"] = b""
     objects["broken/part-000.parquet"] = parquet_bytes(0, ROWS[0], GROUP)
     objects["broken/part-001.parquet"] = b"PAR1 and then not a Parquet file"
+    objects["odd/x?y.parquet"] = parquet_bytes(0, ROWS[0], GROUP)  # keys that look like globs
+    objects["odd/[1]*.parquet"] = parquet_bytes(1, ROWS[1], GROUP)
     with moto_s3({"tables": objects}) as endpoint:
         yield endpoint
 
@@ -367,6 +369,17 @@ async def test_s3_columns_are_read_from_their_byte_ranges_alone(moto_parquet: st
     for row in rows:
         assert set(row) == {"vec", "id"}
         assert row["vec"].tolist() == [float(row["id"] % 1000)] * (row["id"] % 1000 % 3)
+
+
+async def test_s3_keys_that_hold_glob_characters_are_files_like_any_other(
+    moto_parquet: str,
+) -> None:
+    ds = ParquetDataset("s3://tables/odd/", storage_options=s3_options(moto_parquet))
+    raws = [raw async for raw in ds]
+    await ds.aclose()
+    assert not [raw for raw in raws if isinstance(raw, BrokenRowGroup)]
+    assert sorted(int(raw["id"]) for raw in raws) == every_id(2)
+    assert ds.files == ("s3://tables/odd/[1]*.parquet", "s3://tables/odd/x?y.parquet")
 
 
 async def test_an_s3_object_that_is_not_parquet_is_a_shard_error_naming_it(

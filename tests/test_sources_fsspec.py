@@ -35,7 +35,13 @@ from aioloader._errors import (
     RemoteTimeoutError,
     RetriesExhaustedError,
 )
-from aioloader.sources import FsspecDataset, RetryableError, RetryPolicy, TarDataset
+from aioloader.sources import (
+    FsspecDataset,
+    RetryableError,
+    RetryPolicy,
+    TarDataset,
+    list_objects,
+)
 from aioloader.sources._classify import classify
 
 BUCKET = "aiol-test"
@@ -47,13 +53,16 @@ FAST = RetryPolicy(max_attempts=3, backoff_initial=0.01, backoff_max=1.0, jitter
 #: Tar shards in BUCKET beside the objects, under ``tars/``.
 SHARDS = {f"tars/{shard}.tar": tar_shard(shard, 30, size=500) for shard in range(2)}
 
+#: Keys that hold glob characters, under ``odd/``: objects like any other.
+ODD = {f"odd/{name}": name.encode() for name in ("a?b.bin", "d*e.bin", "[x].bin", "plain.bin")}
+
 
 @pytest.fixture(scope="module")
 def moto_endpoint() -> Iterator[str]:
     """A moto S3 server on an ephemeral loopback port, with BUCKET holding OBJECTS objects
-    (and SHARDS)."""
+    (and SHARDS and ODD)."""
     objects = {f"obj-{i}": payload(i, SIZE) for i in range(OBJECTS)}
-    with moto_s3({BUCKET: {**objects, **SHARDS}}) as endpoint:
+    with moto_s3({BUCKET: {**objects, **SHARDS, **ODD}}) as endpoint:
         yield endpoint
 
 
@@ -142,6 +151,26 @@ async def test_streamed_shards_count_their_bytes_in_the_statistics(moto_endpoint
     assert stats.bytes_read == sum(map(len, SHARDS.values()))
     assert stats.epoch_stats.bytes_read == stats.bytes_read
     assert stats.epoch_stats.read_bytes_per_s > 0
+
+
+def test_listed_keys_that_hold_glob_characters_are_read_as_objects(moto_endpoint: str) -> None:
+    options = s3_options(moto_endpoint)
+    odd = sorted(f"s3://{BUCKET}/{key}" for key in ODD)
+    by_prefix = FsspecDataset.from_prefix(f"s3://{BUCKET}/odd/", storage_options=options)
+    names = list_objects(f"s3://{BUCKET}/odd/", storage_options=options)
+    listed = FsspecDataset(names, storage_options=options)
+    assert by_prefix.urls == listed.urls == tuple(odd)
+
+    async def read(ds: FsspecDataset) -> list[bytes]:
+        async with ds:
+            return [await ds.fetch(i) for i in range(len(ds))]
+
+    copy = pickle.loads(pickle.dumps(by_prefix))  # as worker processes get it
+    for ds in (by_prefix, listed, copy):
+        assert asyncio.run(read(ds)) == [ODD[url.split("/", 3)[3]] for url in odd]
+    # The same text typed by hand cannot be told from a glob without asking the store.
+    with pytest.raises(ValueError, match="is a prefix or a glob"):
+        FsspecDataset([f"s3://{BUCKET}/odd/a?b.bin"], storage_options=options)
 
 
 # -- injected S3 faults -----------------------------------------------------------------------

@@ -27,8 +27,9 @@ Sharp edges:
   checked here: a server that ignores ``Range`` sends the whole object, and the range is cut
   from it (see :meth:`FsspecDataset.fetch_range`).
 - A URL that is a prefix (ends with ``/``) or a glob (``*``, ``?``) is refused at
-  construction: it would be one item that fails only when read, with a 404.
-  :meth:`FsspecDataset.from_prefix` and :func:`list_fsspec` list such a URL::
+  construction: it would be one item that fails only when read, with a 404. The names a
+  listing returns are objects, never refused, whatever characters their keys hold (they are
+  ``ListedName``). :meth:`FsspecDataset.from_prefix` and :func:`list_fsspec` list a URL::
 
       list_fsspec("s3://b/train/*.tar") ──▶ retrying(policy) ──▶ fs._glob / fs._find
           (one listing: the store's pages, 1,000 keys each on S3, read by the backend in turn)
@@ -46,7 +47,15 @@ from .._errors import RemoteError, RemoteNotFoundError
 from .._log import remote_log
 from .._stats import current_counters
 from .._validate import seconds, value_errors
-from ._base import Source, as_names, has_glob, refuse_patterns, require, run_sync
+from ._base import (
+    ListedName,
+    Source,
+    as_names,
+    has_glob,
+    refuse_patterns,
+    require,
+    run_sync,
+)
 from ._classify import classify
 from ._retry import RetryPolicy, retrying
 
@@ -115,7 +124,7 @@ class FsspecDataset(Source):
             async filesystem for, or mixing protocols; names the URL. An ``item_deadline`` that
             is not a positive finite number of seconds (of the wrong type, also a ``TypeError``).
             A URL that is a prefix (ends with ``/``) or a glob (``*``, ``?``): list it with
-            :meth:`from_prefix`.
+            :meth:`from_prefix` (the names a listing returns are never refused).
         TypeError: ``retry`` or ``storage_options`` of the wrong type.
         ImportError: fsspec, or the package of the protocol (s3fs, gcsfs), is not installed.
     """
@@ -425,7 +434,8 @@ async def list_fsspec(
     filesystems (fsspec's local, memory, ...) list in a thread.
 
     Returns:
-        The objects' URLs with the protocol given, sorted by URL (code point order).
+        The objects' URLs with the protocol given, sorted by URL (code point order); each a
+        ``ListedName``, so a key that holds ``*`` or ``?`` is read as the object it is.
 
     Raises:
         RemoteNotFoundError: nothing matches (a missing prefix or bucket), naming the URL.
@@ -473,7 +483,8 @@ async def list_fsspec(
             f"{url_or_glob}: no objects match (a missing prefix, or an empty listing)",
             url=url_or_glob,
         )
-    return sorted(f"{protocol}://{name.lstrip('/')}" for name in names)
+    # Listed names are objects, even where a key looks like a glob (ListedName).
+    return sorted(ListedName(f"{protocol}://{name.lstrip('/')}") for name in names)
 
 
 async def _find(fs: Any, url: str) -> list[str]:
