@@ -10,7 +10,10 @@ assert exact attempt counts. ``Fault.hold()`` keeps a response half sent until t
 ``release()``, so a test can look at the client while a read is surely in the middle of a body
 (``holding`` counts the responses held now), with no timing involved. ``latency`` delays every
 response. ``put(path, body)`` serves fixed bytes at any other path (an index file); other paths
-answer 404 (status faults apply to them too).
+answer 404 (status faults apply to them too). ``Range`` headers are ignored (200 and the whole
+body, as some servers answer) unless ``ranges=True``: then ``Range: bytes=a-b`` (or ``a-``) of
+an object or file is answered 206 with those bytes and a ``Content-Range``, as S3 and most
+servers do.
 
 Three ways to run it:
 
@@ -129,11 +132,15 @@ class FaultServer:
     Args:
         size: default object size in bytes.
         latency: seconds added before every response.
+        ranges: honour ``Range`` headers (see the module docstring); ignored by default.
     """
 
-    def __init__(self, *, size: int = DEFAULT_SIZE, latency: float = 0.0) -> None:
+    def __init__(
+        self, *, size: int = DEFAULT_SIZE, latency: float = 0.0, ranges: bool = False
+    ) -> None:
         self.size = size
         self.latency = latency
+        self.ranges = ranges
         self.requests: Counter[str] = Counter()
         self.files: dict[str, bytes] = {}  # served at /files/{name}
         self.active = 0  # requests being answered now
@@ -226,7 +233,7 @@ class FaultServer:
             index = int(request.match_info["index"])
             body = payload(index, int(request.query.get("size", self.size)))
         if fault is None:
-            return web.Response(body=body, content_type="application/octet-stream")
+            return self._whole_or_range(request, body)
         if fault.kind == "status":
             headers = {"Retry-After": fault.retry_after} if fault.retry_after is not None else {}
             return web.Response(
@@ -234,7 +241,7 @@ class FaultServer:
             )
         if fault.kind == "latency":
             await self._pause(fault.seconds)
-            return web.Response(body=body, content_type="application/octet-stream")
+            return self._whole_or_range(request, body)
         response = web.StreamResponse()
         long = fault.kind in ("long", "long_late")
         response.content_length = len(body) // 2 if long else len(body)
@@ -287,6 +294,22 @@ class FaultServer:
                 transport.close()  # FIN after the half already written: a clean short body
         # The connection is gone; end the handler without aiohttp writing the rest.
         raise asyncio.CancelledError
+
+    def _whole_or_range(self, request: web.Request, body: bytes) -> web.Response:
+        """``body``, or with ``ranges`` the one range ``Range: bytes=a-b`` asks for."""
+        asked = request.headers.get("Range", "") if self.ranges else ""
+        first, dash, last = asked.removeprefix("bytes=").partition("-")
+        if not (asked.startswith("bytes=") and dash and first.isdigit()):
+            return web.Response(body=body, content_type="application/octet-stream")
+        start, end = int(first), min(int(last) if last.isdigit() else len(body), len(body) - 1)
+        if start >= len(body):
+            return web.Response(status=416, headers={"Content-Range": f"bytes */{len(body)}"})
+        return web.Response(
+            status=206,
+            body=body[start : end + 1],
+            content_type="application/octet-stream",
+            headers={"Content-Range": f"bytes {start}-{end}/{len(body)}"},
+        )
 
     async def _handle_file(self, request: web.Request) -> web.StreamResponse:
         fault = self._next_fault(request.path)

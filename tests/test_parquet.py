@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from datasets import keep, parquet_bytes, parquet_row
 from helpers import assert_raises_naming
+from http_server import FaultServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from s3_server import moto_s3, s3_options
@@ -303,6 +304,28 @@ def test_default_collate_stacks_numbers_and_embeddings(files: list[str]) -> None
     assert batch["tag"] == ["f0r0", "f0r3", "f0r1", "f0r4"]
 
 
+# -- HTTP --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("honoured", [True, False])
+async def test_http_files_read_exactly_whether_or_not_the_server_honours_range(
+    honoured: bool,
+) -> None:
+    # Footers and column chunks are byte ranges; a server that ignores Range sends the whole
+    # file each time, and the ranges are cut from it (before, pyarrow got the wrong bytes).
+    async with FaultServer(ranges=honoured) as server:
+        for file, rows in enumerate(ROWS):
+            server.files[f"part-{file}.parquet"] = parquet_bytes(file, rows, GROUP)
+        urls = [server.file_url(f"part-{file}.parquet") for file in range(len(ROWS))]
+        ds = ParquetDataset(urls, columns=["id", "vec"], shuffle=True)
+        raws = [raw async for raw in ds]
+        await ds.aclose()
+    assert not [raw for raw in raws if isinstance(raw, BrokenRowGroup)]
+    assert sorted(int(raw["id"]) for raw in raws) == every_id()
+    for raw in raws:
+        assert raw["vec"].tolist() == [float(raw["id"] % 1000)] * (raw["id"] % 1000 % 3)
+
+
 # -- S3 (moto) ---------------------------------------------------------------------------------
 
 
@@ -314,6 +337,8 @@ def moto_parquet() -> Iterator[str]:
     objects["train/_SUCCESS"] = b""
     objects["broken/part-000.parquet"] = parquet_bytes(0, ROWS[0], GROUP)
     objects["broken/part-001.parquet"] = b"PAR1 and then not a Parquet file"
+    objects["odd/x?y.parquet"] = parquet_bytes(0, ROWS[0], GROUP)  # keys that look like globs
+    objects["odd/[1]*.parquet"] = parquet_bytes(1, ROWS[1], GROUP)
     with moto_s3({"tables": objects}) as endpoint:
         yield endpoint
 
@@ -344,6 +369,17 @@ async def test_s3_columns_are_read_from_their_byte_ranges_alone(moto_parquet: st
     for row in rows:
         assert set(row) == {"vec", "id"}
         assert row["vec"].tolist() == [float(row["id"] % 1000)] * (row["id"] % 1000 % 3)
+
+
+async def test_s3_keys_that_hold_glob_characters_are_files_like_any_other(
+    moto_parquet: str,
+) -> None:
+    ds = ParquetDataset("s3://tables/odd/", storage_options=s3_options(moto_parquet))
+    raws = [raw async for raw in ds]
+    await ds.aclose()
+    assert not [raw for raw in raws if isinstance(raw, BrokenRowGroup)]
+    assert sorted(int(raw["id"]) for raw in raws) == every_id(2)
+    assert ds.files == ("s3://tables/odd/[1]*.parquet", "s3://tables/odd/x?y.parquet")
 
 
 async def test_an_s3_object_that_is_not_parquet_is_a_shard_error_naming_it(

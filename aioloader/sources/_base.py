@@ -42,6 +42,7 @@ from .._validate import callable_or_none
 __all__ = [
     "CLOSE_TIMEOUT_S",
     "WILDCARDS",
+    "ListedName",
     "PerLoop",
     "Source",
     "as_names",
@@ -251,6 +252,19 @@ def as_names(items: object, argument: str, *, paths: bool = False) -> tuple[str,
     return tuple(names)
 
 
+class ListedName(str):
+    """A name that a listing returned: one object that exists, taken literally.
+
+    Object stores allow any character in a key, so a listed key can look like a glob
+    (``a?b.bin``, ``d*e.bin``). :func:`refuse_patterns` refuses a pattern given where one
+    object is expected, but never a name of this type: it came out of a listing. Otherwise a
+    plain ``str`` (equal, hashed, sorted and pickled as its text); a string made from one
+    (``+``, a slice, an f-string) is a plain ``str`` again, and is checked.
+    """
+
+    __slots__ = ()
+
+
 #: Characters that make a name a glob where one object is expected. ``[`` opens a glob class
 #: too, but it is common in real object names (``img[1].png``), so it alone is not refused.
 WILDCARDS = frozenset("*?")
@@ -278,7 +292,9 @@ def refuse_patterns(
     """Refuse a glob or a prefix where one object per name is expected.
 
     Without this, ``FsspecDataset("s3://b/train/")`` is a dataset of one item that fails
-    only when read, with a 404 that does not say why.
+    only when read, with a 404 that does not say why. A :class:`ListedName` is never refused:
+    a listing found it. A name typed by hand that holds ``*`` or ``?`` is, although the store
+    may hold such an object: only a request could tell, and a constructor makes none.
 
     Args:
         names: the names given, in order.
@@ -290,10 +306,11 @@ def refuse_patterns(
         ValueError: naming the first pattern, its position and ``listing``.
     """
     for position, name in enumerate(names):
-        if is_pattern(name, query=query):
+        if is_pattern(name, query=query) and not isinstance(name, ListedName):
             raise ValueError(
                 f"{argument}[{position}]={name!r} is a prefix or a glob, not one object; "
-                f"list the objects first: {listing}"
+                f"list the objects first (the names a listing returns are read as they are, "
+                f"whatever characters they hold): {listing}"
             )
 
 

@@ -5,7 +5,7 @@
 :class:`~aioloader.sources.HTTPDataset`::
 
     fetch(i) ──▶ retrying(policy) ──▶ fs._cat_file(url) on the loop's own filesystem
-                                        │ raises: classified by classify()
+                                        │ raises: classified by classify() (:mod:`._classify`)
       FileNotFoundError, NoSuchKey, 404 ─┼──▶ RemoteNotFoundError, no retry
       PermissionError, AccessDenied, 403 ┼──▶ RemotePermissionError, no retry
       SlowDown, 503, 5xx, throttling ────┼──▶ RetryableError
@@ -23,10 +23,13 @@ Sharp edges:
   instances per thread, and a cached async instance holds a session bound to the loop that
   first used it. ``aclose()`` closes the sessions (s3fs's client, an aiohttp session).
 - The length of the bytes is checked by the backend (botocore and aiohttp both fail a body
-  shorter than its Content-Length); such failures are retried here.
+  shorter than its Content-Length); such failures are retried here. A ranged read's length is
+  checked here: a server that ignores ``Range`` sends the whole object, and the range is cut
+  from it (see :meth:`FsspecDataset.fetch_range`).
 - A URL that is a prefix (ends with ``/``) or a glob (``*``, ``?``) is refused at
-  construction: it would be one item that fails only when read, with a 404.
-  :meth:`FsspecDataset.from_prefix` and :func:`list_fsspec` list such a URL::
+  construction: it would be one item that fails only when read, with a 404. The names a
+  listing returns are objects, never refused, whatever characters their keys hold (they are
+  ``ListedName``). :meth:`FsspecDataset.from_prefix` and :func:`list_fsspec` list a URL::
 
       list_fsspec("s3://b/train/*.tar") ──▶ retrying(policy) ──▶ fs._glob / fs._find
           (one listing: the store's pages, 1,000 keys each on S3, read by the backend in turn)
@@ -37,14 +40,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, Self, TypeVar
 
-from .._errors import RemoteError, RemoteNotFoundError, RemotePermissionError
+from .._errors import RemoteError, RemoteNotFoundError
+from .._log import remote_log
+from .._stats import current_counters
 from .._validate import seconds, value_errors
-from ._base import Source, as_names, has_glob, refuse_patterns, require, run_sync
-from ._retry import RetryableError, RetryPolicy, retrying
+from ._base import (
+    ListedName,
+    Source,
+    as_names,
+    has_glob,
+    refuse_patterns,
+    require,
+    run_sync,
+)
+from ._classify import classify
+from ._retry import RetryPolicy, retrying
 
 __all__ = ["FsspecDataset", "list_fsspec"]
 
@@ -54,31 +67,6 @@ LISTING_HINT = "FsspecDataset.from_prefix(url_or_glob) or aioloader.sources.list
 
 #: Bytes asked per read by :meth:`FsspecDataset.stream` (see ``_http.STREAM_CHUNK``).
 STREAM_CHUNK = 1 << 20
-
-#: Error codes of S3-compatible stores that mean "try again later".
-RETRYABLE_CODES = frozenset(
-    {
-        "SlowDown",
-        "ServiceUnavailable",
-        "InternalError",
-        "RequestTimeout",
-        "Throttling",
-        "ThrottlingException",
-        "RequestLimitExceeded",
-        "TooManyRequestsException",
-    }
-)
-NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchVersion", "NotFound", "404"})
-PERMISSION_CODES = frozenset({"AccessDenied", "Forbidden", "InvalidAccessKeyId", "403"})
-
-#: errno values s3fs gives transient S3 errors it translated (SlowDown/503 -> EBUSY,
-#: InternalError/500 -> EREMOTEIO).
-RETRYABLE_ERRNOS = frozenset({errno.EBUSY, getattr(errno, "EREMOTEIO", errno.EIO)})
-
-#: botocore exception classes (by name, to avoid importing botocore) that are transient.
-BOTOCORE_TRANSIENT = frozenset(
-    {"ConnectionError", "HTTPClientError", "IncompleteReadError", "ResponseStreamingError"}
-)
 
 #: Options per protocol, under the user's storage_options. For S3: botocore's retries are off
 #: (our policy retries), and ``max_concurrency=1`` makes a read one GET instead of a HEAD (for
@@ -113,75 +101,6 @@ def _protocols(cls: Any) -> tuple[str, ...]:
     return (names,) if isinstance(names, str) else tuple(names)
 
 
-def _name(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _chain(exc: BaseException) -> Iterable[BaseException]:
-    """``exc`` and its causes and contexts, each once."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        current = current.__cause__ or current.__context__
-
-
-def _status_and_code(exc: BaseException) -> tuple[int | None, str | None]:
-    """The HTTP status and S3 error code carried anywhere in ``exc``'s chain."""
-    for link in _chain(exc):
-        response = getattr(link, "response", None)  # botocore ClientError
-        if isinstance(response, Mapping):
-            error = response.get("Error", {})
-            meta = response.get("ResponseMetadata", {})
-            code = error.get("Code") if isinstance(error, Mapping) else None
-            status = meta.get("HTTPStatusCode") if isinstance(meta, Mapping) else None
-            return (status if isinstance(status, int) else None), code
-        status = getattr(link, "status", None)  # aiohttp ClientResponseError
-        if isinstance(status, int) and not isinstance(status, bool):
-            return status, None
-    return None, None
-
-
-def _is_transient_transport(exc: BaseException) -> bool:
-    for link in _chain(exc):
-        for klass in type(link).__mro__:
-            module = klass.__module__
-            if module.startswith("botocore") and klass.__name__ in BOTOCORE_TRANSIENT:
-                return True
-            if module.startswith("aiohttp") and klass.__name__ in (
-                "ClientConnectionError",
-                "ClientPayloadError",
-            ):
-                return True
-    return False
-
-
-def classify(exc: Exception, url: str, policy: RetryPolicy) -> Exception | None:
-    """Our exception for a backend's failure, or ``None`` to let it propagate unchanged."""
-    status, code = _status_and_code(exc)
-    detail = f"{url}: {_name(exc)}"
-    if isinstance(exc, FileNotFoundError) or status == 404 or code in NOT_FOUND_CODES:
-        return RemoteNotFoundError(detail, url=url)
-    if isinstance(exc, PermissionError) or status in (401, 403) or code in PERMISSION_CODES:
-        return RemotePermissionError(detail, url=url)
-    timed_out = any(isinstance(link, TimeoutError) for link in _chain(exc)) or any(
-        "Timeout" in type(link).__name__ for link in _chain(exc)
-    )
-    what = f"{code} (HTTP {status})" if code else f"HTTP {status}" if status else None
-    reason = f"{what}: {_name(exc)}" if what else _name(exc)
-    if (
-        code in RETRYABLE_CODES
-        or (status is not None and status in policy.retry_statuses)
-        or timed_out
-        or (isinstance(exc, OSError) and exc.errno in RETRYABLE_ERRNOS)
-        or _is_transient_transport(exc)
-    ):
-        return RetryableError(("timeout: " if timed_out else "") + reason, timed_out=timed_out)
-    return None
-
-
 class FsspecDataset(Source):
     """Objects behind fsspec's asynchronous filesystems, one sample per URL, with retries.
 
@@ -205,7 +124,7 @@ class FsspecDataset(Source):
             async filesystem for, or mixing protocols; names the URL. An ``item_deadline`` that
             is not a positive finite number of seconds (of the wrong type, also a ``TypeError``).
             A URL that is a prefix (ends with ``/``) or a glob (``*``, ``?``): list it with
-            :meth:`from_prefix`.
+            :meth:`from_prefix` (the names a listing returns are never refused).
         TypeError: ``retry`` or ``storage_options`` of the wrong type.
         ImportError: fsspec, or the package of the protocol (s3fs, gcsfs), is not installed.
     """
@@ -240,6 +159,7 @@ class FsspecDataset(Source):
         with value_errors():  # ValueError for any bad deadline, as always (also a TypeError)
             self._item_deadline = seconds("item_deadline", item_deadline, positive=True)
         self._sleep = sleep
+        self._range_ignored = False  # a server ignored Range (warned once)
 
     @classmethod
     def from_prefix(
@@ -314,10 +234,48 @@ class FsspecDataset(Source):
 
     async def fetch_range(self, index: int, start: int, end: int) -> bytes:
         """Bytes ``start`` to ``end`` (exclusive) of ``urls[index]``, retried as :meth:`fetch`
-        is (one ranged GET on s3fs): for formats read in parts, like Parquet's."""
+        is (one ranged GET): for formats read in parts, like Parquet's.
+
+        A server that ignores ``Range`` answers with the whole object (fsspec's HTTP
+        filesystem hands that on as it is): the range is cut from it, every byte that came is
+        counted in the statistics, and a warning says so once per dataset.
+
+        Raises:
+            RemoteError: as :meth:`fetch`; or the answer is neither ``end - start`` bytes nor
+                the whole object (a range past the object's end, a server that misbehaves),
+                naming the URL, the range asked and the length received; not retried.
+        """
         url = self._urls[self._check_index(index)]
-        data = await self._retried(url, lambda fs: fs._cat_file(url, start=start, end=end))
-        return bytes(data) if not isinstance(data, bytes) else data
+        return await self._retried(url, lambda fs: self._read_range(fs, url, start, end))
+
+    async def _read_range(self, fs: Any, url: str, start: int, end: int) -> bytes:
+        """One attempt of :meth:`fetch_range`."""
+        data = await fs._cat_file(url, start=start, end=end)
+        data = bytes(data) if not isinstance(data, bytes) else data
+        if len(data) == end - start:
+            return data
+        # More than asked and at least up to ``end``: the whole object, if its size says so
+        # (one more request, only from a server that ignores Range).
+        if len(data) > end - start and len(data) >= end:
+            size = (await fs._info(url)).get("size")
+            if size == len(data):
+                counters = current_counters.get()
+                if counters is not None:  # retrying counts the bytes returned, not the rest
+                    counters.remote_bytes += len(data) - (end - start)
+                if not self._range_ignored:
+                    self._range_ignored = True
+                    remote_log.warning(
+                        "%s: the server ignores Range and sends the whole object (%d bytes) "
+                        "for each range asked; reading on, at the cost of those bytes",
+                        url,
+                        len(data),
+                    )
+                return data[start:end]
+        raise RemoteError(
+            f"{url}: asked for bytes {start}-{end} ({end - start} bytes) and received "
+            f"{len(data)} bytes, neither the range nor the whole object",
+            url=url,
+        )
 
     async def size(self, index: int) -> int:
         """The size in bytes of ``urls[index]``, retried as :meth:`fetch` is."""
@@ -331,7 +289,8 @@ class FsspecDataset(Source):
         """``urls[index]`` in chunks as it arrives (``fs.open_async``: one streamed GET on
         s3fs), for objects too large to hold (tar shards). Opening is retried as :meth:`fetch`
         is; a read that fails after bytes were handed out raises. A filesystem without
-        streamed files is read whole, as one chunk. Close the iterator (``aclosing``) if it is
+        streamed files is read whole, as one chunk. The bytes count in the loader's
+        ``statistics().bytes_read`` as they arrive. Close the iterator (``aclosing``) if it is
         not read to its end.
 
         Raises:
@@ -340,6 +299,7 @@ class FsspecDataset(Source):
         url = self._urls[self._check_index(index)]
         fs = self._pool()
         sleep = asyncio.sleep if self._sleep is None else self._sleep
+        counters = current_counters.get()  # the loader's, as HTTPDataset.stream counts
         try:
             file = await retrying(
                 lambda: self._open_file(fs, url),
@@ -362,6 +322,8 @@ class FsspecDataset(Source):
                     raise RemoteError(f"{url}: the read broke off: {ours}", url=url) from exc
                 if not chunk:
                     return
+                if counters is not None:
+                    counters.remote_bytes += len(chunk)
                 yield bytes(chunk)
         finally:
             with contextlib.suppress(Exception):
@@ -476,7 +438,8 @@ async def list_fsspec(
     filesystems (fsspec's local, memory, ...) list in a thread.
 
     Returns:
-        The objects' URLs with the protocol given, sorted by URL (code point order).
+        The objects' URLs with the protocol given, sorted by URL (code point order); each a
+        ``ListedName``, so a key that holds ``*`` or ``?`` is read as the object it is.
 
     Raises:
         RemoteNotFoundError: nothing matches (a missing prefix or bucket), naming the URL.
@@ -524,7 +487,8 @@ async def list_fsspec(
             f"{url_or_glob}: no objects match (a missing prefix, or an empty listing)",
             url=url_or_glob,
         )
-    return sorted(f"{protocol}://{name.lstrip('/')}" for name in names)
+    # Listed names are objects, even where a key looks like a glob (ListedName).
+    return sorted(ListedName(f"{protocol}://{name.lstrip('/')}") for name in names)
 
 
 async def _find(fs: Any, url: str) -> list[str]:
