@@ -7,17 +7,21 @@ in the stream as before.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from datasets import Range
+from helpers import BOUND_S
 
 import aioloader
 from aioloader import DataLoader, _shm
 from aioloader._workers import _payload
+from aioloader._workers._copy import DatasetCopy
 from aioloader._workers._payload import OUT_OF_BAND_MIN_BYTES, dumps_copy, loads
 
 pytestmark = pytest.mark.usefixtures("baseline")
@@ -165,6 +169,30 @@ def _epoch_after_an_error(mode: str) -> list[int]:
             run()
         dataset.tag, dataset.fail_at = 1, None  # fixed, as a user does between epochs
         return run()
+
+
+async def test_a_cancelled_waiter_does_not_cancel_the_copy_for_the_others() -> None:
+    # An epoch closed while its job waited for the copy (a new epoch closing the one that
+    # raised) cancelled the one future every waiter shares: the pickling thread then died on
+    # it, and the next epoch's workers waited for the copy for ever (a hang, about 1 run in 3).
+    gate = threading.Event()
+
+    def make() -> _payload.Payload:
+        assert gate.wait(BOUND_S)
+        return dumps_copy(Range(5), main_by_value=False)
+
+    copy = DatasetCopy(make, epoch=1)
+    first = asyncio.ensure_future(copy.job())
+    second = asyncio.ensure_future(copy.job())
+    await asyncio.sleep(0.01)
+    first.cancel()
+    gate.set()
+    async with asyncio.timeout(BOUND_S):
+        job = await second
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert loads(job.payload)[0] is not None
+    copy.release()
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

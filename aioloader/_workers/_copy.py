@@ -66,7 +66,10 @@ class DatasetCopy:
         """The job that loads this copy (pickled off the loop: see :meth:`start`)."""
         self.start()
         try:
-            payload = await asyncio.wrap_future(self._done)
+            # Shielded: a waiter cancelled (its epoch closed) must not cancel the one future
+            # that every other waiter, of this epoch or the next, waits on too (wrap_future
+            # passes a cancellation on to the future it wraps).
+            payload = await asyncio.shield(asyncio.wrap_future(self._done))
         except TypeError as exc:
             raise TypeError(str(exc)) from exc
         return LoadJob(payload, self.epoch, self.copy_id, *self._seeds)
