@@ -219,6 +219,7 @@ class Resources:
         with self.lock:
             if self.closed:
                 raise RuntimeError("this DataLoader is closed")
+            self._claim()
             if not early and threading.current_thread() is not self.starter:
                 self.used = True
             if self.device is None and (device_spec is not None or config.pin_memory):
@@ -341,10 +342,18 @@ class Resources:
     def loop(self) -> LoopThread:
         """The private event-loop thread for sync iteration, started on first use."""
         with self.lock:
+            self._claim()
             if self.loop_thread is None:  # a shared pool's loaders share the pool's
                 self.loop_thread = LoopThread() if self.shared is None else self.shared.loop()
             _LIVE.add(self)
             return self.loop_thread
+
+    def _claim(self) -> None:
+        """Before making anything (under the lock): what is made from now on belongs to this
+        process, if it holds nothing yet (a loader built before a fork and first used in the
+        child is the child's to close)."""
+        if not self.held and self.device is None:
+            self.pid = os.getpid()
 
     def take_epochs(self) -> list[Epoch]:
         """Every epoch still held, newest first, forgotten here (the caller closes them)."""

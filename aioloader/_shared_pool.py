@@ -197,9 +197,16 @@ class _Held:
     lock: threading.Lock = field(default_factory=threading.Lock)
     pid: int = field(default_factory=os.getpid)  # the process the pool belongs to
 
+    def claim(self) -> None:
+        """Before starting something: if the pool holds nothing yet, what it starts belongs
+        to this process (a pool built before a fork and first used in the child)."""
+        if not self.processes.pids() and self.slots is None and self.loop_thread is None:
+            self.pid = os.getpid()
+
     def slot_pool(self) -> _shm.SlotPool | None:
         """The one slot pool, made at the first loader's first epoch (under the lock)."""
         if not self.slots_made:
+            self.claim()
             self.slots_made = True
             cap = _shm_cap(self.shm_max_bytes) if _shm.shm_available() else 0
             self.no_room = cap <= 0 and _shm.shm_available() and self.shm_max_bytes is None
@@ -347,6 +354,7 @@ class WorkerPool:
             WorkerInitError: a worker did not start within ``start_timeout`` (it was killed).
         """
         self._check_open()
+        self._held.claim()
         self._held.processes.start()
 
     async def astart(self) -> None:
@@ -456,6 +464,7 @@ class WorkerPool:
         with held.lock:
             self._check_open()
             if held.loop_thread is None:
+                held.claim()
                 held.loop_thread = LoopThread()
             return held.loop_thread
 

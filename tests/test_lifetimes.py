@@ -314,3 +314,42 @@ def test_torchs_forked_workers_leave_this_process_loaders_alone(tmp_path: Path) 
     torch_s = next(float(x.split()[1]) for x in proc.stdout.splitlines() if x.startswith("TORCH_S"))
     assert torch_s < EXIT_BOUND_S, proc.stdout
     _assert_nothing_left(*_pids(proc.stdout))
+
+
+@pytest.mark.slow
+def test_a_loader_built_before_a_fork_and_used_in_the_child_is_closed_by_the_child(
+    tmp_path: Path,
+) -> None:
+    # Its workers and segments are made in the child, so they are the child's to release (the
+    # guard against closing a parent's loader from a child must not skip them).
+    path = _script(
+        tmp_path,
+        """
+        import multiprocessing as mp
+        import psutil
+
+        loader.close()  # the prologue's starts its workers at once: this one starts nothing
+        unused = DataLoader(Range(64), batch_size=4, num_workers=2, multiprocessing_context="spawn")
+
+        def child(queue):
+            seen = [int(x) for batch in unused for x in batch]
+            pids = unused.worker_pids
+            unused.close()
+            alive = [p for p in pids if psutil.pid_exists(p)
+                     and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+            queue.put((seen == list(range(64)), pids, alive))
+
+        context = mp.get_context("fork")
+        queue = context.Queue()
+        process = context.Process(target=child, args=(queue,))
+        process.start()
+        complete, pids, alive = queue.get(timeout=50)
+        process.join(30)
+        assert complete and pids and not alive, (complete, pids, alive)
+        print("PIDS", process.pid, *pids, flush=True)
+        """,
+    )
+    proc, _ = _run(path)
+    assert proc.returncode == 0, proc.stderr
+    _assert_quiet(proc.stderr)
+    _assert_nothing_left(*_pids(proc.stdout))
