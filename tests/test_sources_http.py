@@ -39,6 +39,7 @@ from aioloader._errors import (
     RemoteTimeoutError,
     RetriesExhaustedError,
 )
+from aioloader._stats import Counters, current_counters
 from aioloader.sources import HTTPDataset, RetryableError, RetryPolicy, parse_retry_after, retrying
 
 FAST = RetryPolicy(max_attempts=3, backoff_initial=0.01, backoff_max=1.0, jitter=False)
@@ -783,3 +784,40 @@ async def test_retrying_lets_cancellation_through_at_once() -> None:
 async def test_retrying_rejects_a_bad_deadline() -> None:
     with pytest.raises(ValueError, match="deadline"):
         await retrying(failing(0), policy=FAST, describe="x", deadline=-1)
+
+
+async def test_a_stream_cancelled_while_it_opens_leaves_nothing_in_flight() -> None:
+    # Cancelled after its request was sent and before any answer (a consumer's break, an epoch
+    # closing): it stayed counted in flight for ever, and was later warned about as a stall.
+    answered = asyncio.Event()
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1000)
+        answered.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(30)
+        writer.close()
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    counters = Counters()
+    current_counters.set(counters)
+    dataset = HTTPDataset([f"http://127.0.0.1:{port}/x.tar"], stall_warning=0.2)
+
+    async def read() -> None:
+        async for _ in dataset.stream(0):
+            pass
+
+    task = asyncio.create_task(read())
+    async with asyncio.timeout(10):
+        await answered.wait()
+        await until(lambda: counters.remote_in_flight == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.4)  # past stall_warning: a request left on the wire would count
+    assert counters.remote_in_flight == 0
+    assert counters.remote_stalls == 0
+    await dataset.aclose()
+    server.close()
+    await server.wait_closed()

@@ -301,6 +301,9 @@ class HTTPDataset(Source):
                     raise attempts.expired(began) from exc
                 attempts.final(exc, began)
                 raise
+            except BaseException:  # cancelled while opening: off the wire, never a stall
+                wire.close()
+                raise
             failure: RetryableError
             try:
                 skip = received if response.status == 200 else 0  # the Range was not honoured
