@@ -216,8 +216,10 @@ class EpochBook:
                 "seed": seed,
                 "streams": streams,
             }
+        told = getattr(self._sampling.sampler, "set_epoch_asked", None)  # not taken yet
+        built = self._sampling.built and self._asked is None and isinstance(told, int)
         return {
-            "epoch": self.next_epoch,
+            "epoch": told if built else self.next_epoch,
             "done": [],
             "sampler": _state_of(self._sampling.batches),
             "generators": _generator_states(self._sampling.batches),
@@ -268,6 +270,13 @@ class EpochBook:
         non_negative_int("state 'epoch'", state["epoch"])
         if self._sampling.batches is None and state["done"]:
             self._check_stream(state)
+        saved = state.get("generators")
+        if saved is not None and len(saved) != len(_generators(self._sampling.batches)):
+            raise ValueError(
+                f"the state holds {len(saved)} sampler generator states, but the samplers of "
+                f"this loader have {len(_generators(self._sampling.batches))} generators: load "
+                "it into a loader built the same way"
+            )
         return state
 
     def _check_stream(self, state: dict[str, Any]) -> None:

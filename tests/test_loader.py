@@ -481,6 +481,33 @@ def test_torchs_random_samplers_with_a_generator_resume_exactly(kind: str) -> No
         assert as_lists(list(second)) == epochs[2]
 
 
+def test_a_state_for_other_samplers_generators_is_refused_when_loaded() -> None:
+    # Refused at the next iter() before, after the loaded state had been taken: a second
+    # iter() then ran a fresh epoch, the resume lost.
+    with DataLoader(Range(30), **_torch_samplers("random", seeded=True)) as saver:
+        state = saver.state_dict()
+    other = DataLoader(Range(30), **_torch_samplers("random", seeded=False))
+    with other, pytest.raises(ValueError, match="generator"):
+        other.load_state_dict(state)
+
+
+def test_a_state_saved_after_set_epoch_on_the_loaders_sampler_holds_that_epoch() -> None:
+    def make() -> DataLoader:
+        return DataLoader(Range(21), batch_size=4, shuffle=True, seed=8)
+
+    with make() as reference:
+        reference.set_epoch(5)
+        epoch5 = as_lists(list(reference))
+    with make() as saver:
+        saver.sampler.set_epoch(5)
+        state = saver.state_dict()
+        assert as_lists(list(saver)) == epoch5
+    assert state["epoch"] == 5
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        assert as_lists(list(resumed)) == epoch5
+
+
 def test_a_mid_epoch_state_of_torchs_random_sampler_without_a_generator_warns() -> None:
     with DataLoader(Range(30), **_torch_samplers("random", seeded=False)) as loader:
         between = loader.state_dict()  # between epochs: the next order is drawn anyway
