@@ -148,7 +148,11 @@ async def test_streamed_shards_count_their_bytes_in_the_statistics(moto_endpoint
         stats = loader.statistics()
     assert len(samples) == 60
     assert stats.remote_requests == len(SHARDS)
-    assert stats.bytes_read == sum(map(len, SHARDS.values()))
+    # Every byte up to each shard's last member was read and counted; the zero padding of the
+    # archive's last record may be left unread (the reader stops at the end-of-archive mark,
+    # so how much of it arrived depends on where the last chunk ended).
+    members = sum(len(shard.rstrip(b"\0")) for shard in SHARDS.values())
+    assert members <= stats.bytes_read <= sum(map(len, SHARDS.values()))
     assert stats.epoch_stats.bytes_read == stats.bytes_read
     assert stats.epoch_stats.read_bytes_per_s > 0
 
