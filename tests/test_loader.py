@@ -20,6 +20,7 @@ import gc
 import threading
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -414,6 +415,22 @@ def test_resume_yields_exactly_the_rest_then_matches_an_uninterrupted_run(
         assert second.statistics().epoch == 2
 
 
+def _epochs_and_a_state_in_epoch_1(
+    make: Callable[[], DataLoader], taken: int
+) -> tuple[list[list[list[int]]], dict[str, Any]]:
+    """Three uninterrupted epochs of ``make()``, and the state of another loader stopped after
+    ``taken`` batches of its epoch 1."""
+    with make() as reference:
+        epochs = [as_lists(list(reference)) for _ in range(3)]
+    with make() as first:
+        list(first)
+        it = iter(first)
+        [next(it) for _ in range(taken)]
+        state = first.state_dict()
+        del it
+    return epochs, state
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_state_saved_again_before_the_first_resumed_batch_is_the_one_loaded(
     num_workers: int,
@@ -423,14 +440,7 @@ def test_a_state_saved_again_before_the_first_resumed_batch_is_the_one_loaded(
     def make() -> DataLoader:
         return DataLoader(Range(23), batch_size=4, shuffle=True, seed=5, num_workers=num_workers)
 
-    with make() as reference:
-        epochs = [as_lists(list(reference)) for _ in range(3)]
-    with make() as first:
-        list(first)
-        it = iter(first)
-        [next(it) for _ in range(2)]
-        state = first.state_dict()
-        del it
+    epochs, state = _epochs_and_a_state_in_epoch_1(make, taken=2)
     with make() as second:
         second.load_state_dict(state)
         again = second.state_dict()
@@ -466,14 +476,7 @@ def test_torchs_random_samplers_with_a_generator_resume_exactly(kind: str) -> No
     def make() -> DataLoader:
         return DataLoader(Range(30), **_torch_samplers(kind, seeded=True))
 
-    with make() as reference:
-        epochs = [as_lists(list(reference)) for _ in range(3)]
-    with make() as first:
-        list(first)
-        it = iter(first)
-        [next(it) for _ in range(3)]
-        state = first.state_dict()
-        del it
+    epochs, state = _epochs_and_a_state_in_epoch_1(make, taken=3)
     with make() as second, warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing to warn about: the order is restored
         second.load_state_dict(state)
