@@ -215,6 +215,7 @@ class EpochBook:
                 "set_epoch": self._drives,
                 "seed": seed,
                 "streams": streams,
+                "shape": self._shape(),  # what "done" counts in (see check)
             }
         told = getattr(self._sampling.sampler, "set_epoch_asked", None)  # not taken yet
         built = self._sampling.built and self._asked is None and isinstance(told, int)
@@ -225,6 +226,19 @@ class EpochBook:
             "generators": _generator_states(self._sampling.batches),
             "set_epoch": self._asked is not None and not self._sampling.built,
             "seed": seed,
+        }
+
+    def _shape(self) -> dict[str, int | None]:
+        """What a mid-epoch state's batch ids count in: the batch size and the dataset's length
+        (None where unknown: a batch sampler without one, a dataset without ``__len__``)."""
+        sizes = [getattr(s, "batch_size", None) for s in _samplers(self._sampling.batches)]
+        try:
+            samples: int | None = len(self._dataset)
+        except TypeError:
+            samples = None
+        return {
+            "batch_size": next((b for b in sizes if isinstance(b, int)), None),
+            "samples": samples,
         }
 
     def _warn_unresumable(self) -> None:
@@ -270,6 +284,15 @@ class EpochBook:
         non_negative_int("state 'epoch'", state["epoch"])
         if self._sampling.batches is None and state["done"]:
             self._check_stream(state)
+        shape = state.get("shape")
+        if state["done"] and isinstance(shape, dict) and shape != self._shape():
+            raise ValueError(
+                f"the state was saved mid-epoch (epoch {state['epoch']}, {len(state['done'])} "
+                f"batches taken) by a loader with {_shape_text(shape)}; this one has "
+                f"{_shape_text(self._shape())}. Its batches are other samples, so resuming "
+                "would repeat some and skip others: load it into a loader built the same way, "
+                "or save the state between epochs"
+            )
         saved = state.get("generators")
         if saved is not None and len(saved) != len(_generators(self._sampling.batches)):
             raise ValueError(
@@ -299,6 +322,10 @@ class EpochBook:
                 f"the state was saved mid-epoch ({where}) but holds no stream positions (was "
                 f"it saved from a dataset that is not a ResumableStream?); {replay}"
             )
+
+
+def _shape_text(shape: dict[str, Any]) -> str:
+    return f"batch_size={shape.get('batch_size')} over {shape.get('samples')} samples"
 
 
 def _state_of(batches: object) -> dict[str, Any] | None:

@@ -550,6 +550,26 @@ def test_set_epoch_on_the_sampler_the_loader_made_picks_the_epoch(num_workers: i
         assert as_lists(list(counted)) == epochs[2]  # and its count goes on from there
 
 
+def test_a_mid_epoch_state_is_refused_by_a_loader_whose_batches_are_other_samples() -> None:
+    # Its batch ids count in batches of the saving loader: another batch size or dataset
+    # length silently lost or repeated samples (12 of 40 lost, from batch_size 4 to 8).
+    with DataLoader(Range(40), batch_size=4, shuffle=True, seed=1) as saver:
+        it = iter(saver)
+        [next(it) for _ in range(3)]
+        state = saver.state_dict()
+        del it
+        between = DataLoader(Range(40), batch_size=4, shuffle=True, seed=1).state_dict()
+    for other in (
+        DataLoader(Range(40), batch_size=8, shuffle=True, seed=1),
+        DataLoader(Range(60), batch_size=4, shuffle=True, seed=1),
+    ):
+        with other, pytest.raises(ValueError, match="batch_size=4 over 40 samples"):
+            other.load_state_dict(state)
+    with DataLoader(Range(60), batch_size=8, shuffle=True, seed=1) as grown:
+        grown.load_state_dict(between)  # between epochs: nothing taken, nothing to count
+        assert len(flat(list(grown))) == 60
+
+
 def test_resume_between_epochs_and_state_survives_pickle() -> None:
     import pickle
 
