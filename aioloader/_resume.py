@@ -293,13 +293,8 @@ class EpochBook:
                 "would repeat some and skip others: load it into a loader built the same way, "
                 "or save the state between epochs"
             )
-        saved = state.get("generators")
-        if saved is not None and len(saved) != len(_generators(self._sampling.batches)):
-            raise ValueError(
-                f"the state holds {len(saved)} sampler generator states, but the samplers of "
-                f"this loader have {len(_generators(self._sampling.batches))} generators: load "
-                "it into a loader built the same way"
-            )
+        if state.get("generators") is not None:
+            _matching_generators(self._sampling.batches, state["generators"])
         return state
 
     def _check_stream(self, state: dict[str, Any]) -> None:
@@ -369,7 +364,8 @@ def _generator_states(batches: object) -> list[Any] | None:
     return [g.get_state() for g in generators] if generators else None
 
 
-def _set_generators(batches: object, states: list[Any]) -> None:
+def _matching_generators(batches: object, states: list[Any]) -> list[Any]:
+    """The generators of ``batches`` that ``states`` (a state's) are of; raises if they differ."""
     generators = _generators(batches)
     if len(generators) != len(states):
         raise ValueError(
@@ -377,5 +373,10 @@ def _set_generators(batches: object, states: list[Any]) -> None:
             f"this loader have {len(generators)} generators: load it into a loader built "
             "the same way"
         )
+    return generators
+
+
+def _set_generators(batches: object, states: list[Any]) -> None:
+    generators = _matching_generators(batches, states)
     for generator, state in zip(generators, states, strict=True):
         generator.set_state(state)
