@@ -58,6 +58,7 @@ import numpy as np
 from ._errors import CollateError, CollateShapeError, CollateTypeError
 from ._lazy import lazy_module
 from ._mismatch import grouped, key_mismatch, layout_mismatch, positions, type_name
+from ._stacking import stack_into, stack_large
 
 if TYPE_CHECKING:
     import torch
@@ -73,7 +74,7 @@ _INT64 = np.dtype(np.int64)
 _FLOAT64 = np.dtype(np.float64)
 _BOOL = np.dtype(np.bool_)
 
-# A batch of arrays this large and bound for torch is stacked by :func:`_stack_large`. It is
+# A batch of arrays this large and bound for torch is stacked by torch (``stack_large``). It is
 # numpy's threshold for asking the kernel to back an array with huge pages.
 _LARGE_BATCH_BYTES = 1 << 22
 
@@ -216,33 +217,6 @@ def _torch_can_hold(dtype: np.dtype[Any]) -> bool:
     except (TypeError, ValueError):  # e.g. float128, complex256
         return False
     return True
-
-
-def _stack_large(
-    samples: Sequence[np.ndarray[Any, Any]], shape: tuple[int, ...], dtype: np.dtype[Any]
-) -> torch.Tensor:
-    """Stack large arrays as torch's collate does: into torch's memory, by ``torch.stack``
-    where torch can view every sample. numpy asks the kernel for huge pages from 4 MiB on; a
-    kernel that compacts memory at the fault for those (THP ``defrag`` = ``madvise``) made a
-    9.6 MB batch take 24 ms in some processes and 6 in others, for a whole run. And
-    ``torch.stack`` copies on torch's threads: 2.3 ms against 4.4 for ``np.stack``, 2 cores."""
-    if all(_torch_can_view(a, dtype) for a in samples):
-        return torch.stack([torch.from_numpy(a) for a in samples])
-    # On the CPU whatever torch's default device: the batch is made here, then moved.
-    tensor = torch.empty(shape, dtype=_torch_dtype_of(dtype), device="cpu")
-    np.stack(samples, out=tensor.numpy(), casting="same_kind")
-    return tensor
-
-
-def _torch_can_view(array: np.ndarray[Any, Any], dtype: np.dtype[Any]) -> bool:
-    """Whether ``torch.from_numpy`` takes ``array`` as a tensor of ``dtype``. torch refuses
-    negative strides and partial-item ones (a packed record's field), and warns on read-only
-    arrays; zero strides are left out, as numpy warns when a broadcast array is asked that."""
-    return (
-        array.dtype == dtype
-        and all(stride > 0 and stride % array.itemsize == 0 for stride in array.strides)
-        and array.flags.writeable
-    )
 
 
 # -- error messages (phrased by _mismatch) ------------------------------------------------------
@@ -460,7 +434,7 @@ class _Collator:
         shape = (len(samples), *first.shape)
         if self.alloc is None:
             if self.to_torch and dtype.itemsize * first.size * len(samples) >= _LARGE_BATCH_BYTES:
-                return _stack_large(samples, shape, dtype)
+                return stack_large(samples, shape, dtype, _torch_dtype_of(dtype))
             # C-contiguous, as torch.stack makes (np.stack keeps Fortran-ordered samples so).
             array = np.empty(shape, dtype)
         else:
@@ -508,9 +482,9 @@ class _Collator:
         if self.to_torch:
             if np_dtype is None or not plain:
                 return torch.stack(samples)
-            out = torch.from_numpy(self._out(shape, np_dtype))
-            torch.stack(samples, out=out)
-            return out
+            array = self._out(shape, np_dtype)
+            stack_into(samples, array)
+            return torch.from_numpy(array)
         assert np_dtype is not None
         if not plain:
             stacked = torch.stack([t.detach() for t in samples]).cpu().resolve_conj().numpy()
@@ -522,7 +496,7 @@ class _Collator:
         if self.alloc is None:
             return torch.stack(samples).resolve_conj().numpy()
         array = self._out(shape, np_dtype)
-        torch.stack(samples, out=torch.from_numpy(array))
+        stack_into(samples, array)
         return array
 
 

@@ -35,6 +35,9 @@ Sharp edges:
   reseeded per batch (as in torch).
 - An iterable dataset is one stream here, pulled by one thread at a time (of which a rank
   keeps its share, in a distributed job).
+- Large leaves of the batches made on the threads are collated into memory reused from batch
+  to batch (:mod:`aioloader._reuse`): such a batch is a view of a mapping the runner keeps,
+  written again only once the consumer has let go of all of it.
 """
 
 from __future__ import annotations
@@ -56,8 +59,10 @@ from ._batch import (
     stop_as_error,
     users_interrupt,
 )
+from ._collate import Alloc
 from ._distributed import every_nth, stream_share
 from ._errors import WorkerError
+from ._reuse import ReusedBuffers
 from ._types import END, BatchRequest, Made, StreamRequest, stream_state
 
 __all__ = [
@@ -114,15 +119,18 @@ class InlineMaker:
         self.costly = False  # the last batch measured took longer than INLINE_ABOVE_S
         self.loop_stalls = 0  # batches made on the event loop that took longer than that
 
-    def make(self, request: BatchRequest, *, wait: bool = True) -> Made | None:
+    def make(
+        self, request: BatchRequest, *, wait: bool = True, alloc: Alloc | None = None
+    ) -> Made | None:
         """Make ``request``'s batch here and now, and time it; None if ``wait`` is False and
-        another thread is making one (the event loop never waits for that)."""
+        another thread is making one (the event loop never waits for that). ``alloc``: where
+        collated arrays go (the runner's reused memory, on its thread)."""
         if not self._lock.acquire(blocking=wait):
             return None
         try:
             started = time.perf_counter()
             try:
-                return self._maker.make(request)
+                return self._maker.make(request, alloc)
             finally:
                 self._record(time.perf_counter() - started, on_loop=not wait)
         finally:
@@ -171,6 +179,9 @@ class ThreadRunner:
         self._cursor = StreamCursor(open_stream, lambda: stream_state(maker.dataset))
         self._stream_lock = threading.Lock()  # one stream, pulled by one thread at a time
         self._running: set[int] = set()  # batch ids a thread works on now
+        # Large leaves of the batches made on the threads go to memory reused from batch to
+        # batch (see _reuse); batches made inline are cheap, and small.
+        self.buffers = ReusedBuffers()
 
     @property
     def streams(self) -> int:
@@ -210,7 +221,12 @@ class ThreadRunner:
         self._running.add(request.batch_id)  # set.add/discard are atomic: no lock needed
         try:
             inline = self.inline
-            made = self._maker.make(request) if inline is None else inline.make(request)
+            alloc = self.buffers.alloc
+            made = (
+                self._maker.make(request, alloc)
+                if inline is None
+                else inline.make(request, alloc=alloc)
+            )
             assert made is not None  # a make that waits for the lock always makes
             return made
         except BaseException as exc:
@@ -230,7 +246,7 @@ class ThreadRunner:
                 samples, position = self._cursor.next_samples(request)
             if samples is END:
                 return Made(batch=END)
-            made = self._maker.make_from_stream(request, samples)
+            made = self._maker.make_from_stream(request, samples, self.buffers.alloc)
             made.position = position
             return made
         except BaseException as exc:
@@ -253,6 +269,7 @@ class ThreadRunner:
 
     def close(self) -> None:
         stuck = self._threads.close(THREAD_JOIN_TIMEOUT_S)
+        self.buffers.close()
         if stuck:
             warnings.warn(
                 f"{len(stuck)} loader thread(s) still run user code after close ({stuck}): "

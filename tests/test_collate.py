@@ -436,7 +436,7 @@ def _broadcast(seed: int) -> np.ndarray[Any, Any]:
 
 @pytest.mark.parametrize("make", LARGE_CASES.values(), ids=LARGE_CASES.keys())
 def test_large_batches_equal_the_stacked_samples(make: Callable[[], list[Any]]) -> None:
-    # Batches of 4 MiB and more bound for torch take their own route (_stack_large).
+    # Batches of 4 MiB and more bound for torch take their own route (_stacking.stack_large).
     samples = make()
     dtype = functools.reduce(np.promote_types, (a.dtype for a in samples)).newbyteorder("=")
     expected = np.stack(samples).astype(dtype)
@@ -732,3 +732,16 @@ def test_device_tensors_stay_on_their_device_and_bypass_alloc() -> None:
     message = collate_error([torch.ones(2), torch.ones(2, device="cuda")])
     assert "different devices" in message
     assert "cpu at position 0" in message
+
+
+def test_alloc_path_resolves_conjugate_and_negative_views() -> None:
+    # Lazy views whose values torch computes on read: numpy would see the raw memory.
+    base = [torch.randn(3, dtype=torch.complex64) for _ in range(4)]
+    conj = [t.conj() for t in base]
+    neg = [t.conj().imag for t in base]
+    assert all(t.is_conj() for t in conj)
+    assert all(t.is_neg() for t in neg)
+    for samples in (conj, neg):
+        arena = Arena()
+        assert torch.equal(default_collate(samples, alloc=arena), torch.stack(samples))
+        assert np.array_equal(numpy_collate(samples, alloc=Arena()), torch.stack(samples).numpy())

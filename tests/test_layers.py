@@ -42,6 +42,7 @@ LEVELS: dict[str, int] = {
     "_log": 0,
     "_reorder": 0,
     "_sync": 0,
+    "_stacking": 0,
     # 1 - pure building blocks, and what this process's rank reads (_distributed)
     "_batch_sampler": 1,
     "_collate": 1,
@@ -54,6 +55,7 @@ LEVELS: dict[str, int] = {
     "_sampler": 2,
     "_batch": 2,
     "_shm": 2,
+    "_reuse": 2,
     "_device": 2,
     # its modules share it: _base, _retry, _file, _http, _fsspec, _listing; _tar, _tarfmt, the
     # epoch of units read at once (_readers) and its mixer (_mixing); _parquet, _parquetio
@@ -204,9 +206,7 @@ def _private_attribute_uses(name: str, path: pathlib.Path, aliases: dict[str, st
             and node.value.id in aliases
             and _private(node.attr)
         ):
-            out.append(
-                f"{name}:{node.lineno} uses private {aliases[node.value.id]}.{node.attr}"
-            )
+            out.append(f"{name}:{node.lineno} uses private {aliases[node.value.id]}.{node.attr}")
     return out
 
 
