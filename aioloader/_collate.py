@@ -471,12 +471,15 @@ class _Collator:
             )
         if self.to_torch and self.alloc is None:
             return torch.stack(samples)  # the common main-process case: nothing to check
-        # Only plain CPU tensors can be stacked into a numpy-backed ``out``: torch refuses
-        # out= for inputs that require grad, and a device tensor must stay on its device.
-        plain = (
-            first.device.type == "cpu"
-            and first.layout == torch.strided
-            and not any(t.requires_grad for t in samples)
+        # Only plain CPU tensors of one shape are stacked into a numpy-backed ``out`` (by numpy):
+        # a device tensor must stay on its device, and the others go to torch.stack, whose
+        # error for a mismatch _tensors explains.
+        plain = all(
+            t.device.type == "cpu"
+            and t.layout == torch.strided
+            and not t.requires_grad
+            and t.shape == first.shape
+            for t in samples
         )
         shape = (len(samples), *first.shape)
         if self.to_torch:

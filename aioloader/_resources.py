@@ -257,7 +257,10 @@ class Resources:
                     self.runner = ProcessRunner(pool, self.slots, config.prefetch, no_room=no_room)
                 else:
                     self.runner = ThreadRunner(
-                        batch_maker(config, dataset), config.threads, inline=config.makes_inline
+                        batch_maker(config, dataset),
+                        config.threads,
+                        inline=config.makes_inline,
+                        prefetch=config.prefetch,
                     )
             if isinstance(dataset, AsyncCloseable):
                 self.dataset_aclose = dataset.aclose

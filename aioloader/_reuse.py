@@ -15,9 +15,14 @@ an array over the mapping (views of views collapse to it, and ``torch.from_numpy
 so the mapping comes back to the pool only when the last array or tensor of that leaf is
 collected; a batch the user keeps is never written again. Smaller leaves get plain arrays.
 
-Bounds: the free mappings kept never exceed the most bytes that were out with batches at one
-time (the loader's own working set: prefetch plus what the consumer holds); beyond that the
-oldest are unmapped. After :meth:`ReusedBuffers.close`, mappings that come back are dropped.
+Bounds: at most ``keep`` free mappings are kept (the runner asks for its batches in flight,
+twice: two large leaves a batch), and never more bytes than were out with batches at one time;
+beyond that the oldest are unmapped, so a consumer that once held a hundred batches does not
+leave a hundred mappings behind. Mappings come back when the next leaf is asked for (a
+finalizer cannot take the lock). After :meth:`ReusedBuffers.close`, they are dropped.
+
+Private: a child forked while a batch is alive (``multiprocessing`` with ``fork``) gets its own
+copy of it, as of any other memory, never a view the parent will write into.
 
 Thread-safety: ``alloc`` runs on any loader thread, under a lock. A finalizer (any thread, at
 any allocation: the garbage collector) only appends to a deque, never takes the lock: a
@@ -45,11 +50,16 @@ REUSE_MIN_BYTES = 1 << 20
 #: last, smaller batch of an epoch gets its own mapping rather than pinning a larger one.
 _MIN_FILL = 0.5
 
+_PRIVATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+
 
 class ReusedBuffers:
     """Arrays for large collated leaves, over mappings reused once their batch is collected."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int) -> None:
+        if keep < 1:
+            raise ValueError(f"keep={keep!r}: at least one free mapping must be kept")
+        self._keep = keep
         self._lock = threading.Lock()
         self._free: collections.deque[mmap.mmap] = collections.deque()  # oldest first
         self._free_bytes = 0
@@ -69,7 +79,7 @@ class ReusedBuffers:
             self._drain()
             mapping = self._take(nbytes)
             if mapping is None:
-                mapping = mmap.mmap(-1, nbytes)
+                mapping = mmap.mmap(-1, nbytes, flags=_PRIVATE)
                 self.made += 1
             self._out_bytes += len(mapping)
             self._peak_bytes = max(self._peak_bytes, self._out_bytes)
@@ -111,6 +121,8 @@ class ReusedBuffers:
                 continue
             self._free.append(mapping)
             self._free_bytes += len(mapping)
-        while self._free_bytes > self._peak_bytes - self._out_bytes and self._free:
+        while self._free and (
+            len(self._free) > self._keep or self._free_bytes > self._peak_bytes - self._out_bytes
+        ):
             dropped = self._free.popleft()
             self._free_bytes -= len(dropped)

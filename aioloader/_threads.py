@@ -162,9 +162,12 @@ class ThreadRunner:
         maker: builds batches.
         threads: thread count (started on demand).
         inline: make cheap batches without the thread (:class:`InlineMaker`); for one thread.
+        prefetch: batches asked ahead: what the reused memory keeps is sized by it.
     """
 
-    def __init__(self, maker: BatchMaker, threads: int, *, inline: bool = False) -> None:
+    def __init__(
+        self, maker: BatchMaker, threads: int, *, inline: bool = False, prefetch: int = 2
+    ) -> None:
         self._maker = maker
         self._threads = ThreadPool(threads)
         self.inline: InlineMaker | None = InlineMaker(maker) if inline and threads == 1 else None
@@ -181,7 +184,7 @@ class ThreadRunner:
         self._running: set[int] = set()  # batch ids a thread works on now
         # Large leaves of the batches made on the threads go to memory reused from batch to
         # batch (see _reuse); batches made inline are cheap, and small.
-        self.buffers = ReusedBuffers()
+        self.buffers = ReusedBuffers(keep=2 * (prefetch + threads + 1))
 
     @property
     def streams(self) -> int:

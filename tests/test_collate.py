@@ -745,3 +745,19 @@ def test_alloc_path_resolves_conjugate_and_negative_views() -> None:
         arena = Arena()
         assert torch.equal(default_collate(samples, alloc=arena), torch.stack(samples))
         assert np.array_equal(numpy_collate(samples, alloc=Arena()), torch.stack(samples).numpy())
+
+
+@pytest.mark.parametrize("collate", [default_collate, numpy_collate])
+def test_alloc_path_explains_tensors_of_different_shapes(collate: Callable[..., Any]) -> None:
+    # As without alloc: numpy's own stacking error would say neither where nor what.
+    samples = [torch.zeros(3, 4), torch.zeros(3, 5), torch.zeros(3, 4)]
+    with pytest.raises(CollateShapeError, match=r"\(3, 5\) at position 1"):
+        collate(samples, alloc=Arena())
+
+
+def test_alloc_path_leaves_a_sample_numpy_cannot_read_to_torch() -> None:
+    samples = [torch.zeros(2, 2), torch.zeros(2, 2).to_sparse()]
+    with pytest.raises(RuntimeError) as plain:
+        default_collate(samples)
+    with pytest.raises(type(plain.value)):
+        default_collate(samples, alloc=Arena())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import time
 from typing import Any
 
@@ -26,7 +27,7 @@ U8 = np.dtype(np.uint8)
 
 
 def test_small_leaves_get_plain_arrays() -> None:
-    pool = ReusedBuffers()
+    pool = ReusedBuffers(keep=8)
     small = pool.alloc((REUSE_MIN_BYTES // 8 - 1,), np.dtype(np.int64))
     assert small.flags.owndata
     assert small.flags.c_contiguous
@@ -35,7 +36,7 @@ def test_small_leaves_get_plain_arrays() -> None:
 
 
 def test_a_leaf_is_written_again_only_after_its_last_view_is_gone() -> None:
-    pool = ReusedBuffers()
+    pool = ReusedBuffers(keep=8)
     first = pool.alloc((2, MIB), U8)
     first[...] = 7
     address = first.ctypes.data
@@ -54,7 +55,7 @@ def test_a_leaf_is_written_again_only_after_its_last_view_is_gone() -> None:
 
 
 def test_a_much_smaller_leaf_gets_a_mapping_of_its_own() -> None:
-    pool = ReusedBuffers()
+    pool = ReusedBuffers(keep=8)
     big = pool.alloc((4 * MIB,), U8)
     del big
     gc.collect()
@@ -64,7 +65,7 @@ def test_a_much_smaller_leaf_gets_a_mapping_of_its_own() -> None:
 
 
 def test_what_is_kept_free_never_exceeds_the_most_ever_out() -> None:
-    pool = ReusedBuffers()
+    pool = ReusedBuffers(keep=8)
     leaves = [pool.alloc((2 * MIB,), U8) for _ in range(4)]  # 8 MiB out at once: the peak
     del leaves
     gc.collect()
@@ -80,8 +81,45 @@ def test_what_is_kept_free_never_exceeds_the_most_ever_out() -> None:
     del again
 
 
+def test_no_more_than_keep_free_mappings_stay_after_many_were_held() -> None:
+    pool = ReusedBuffers(keep=3)
+    held = [pool.alloc((MIB,), U8) for _ in range(10)]  # a consumer that kept ten batches
+    del held
+    gc.collect()
+    assert pool.free_bytes == 3 * MIB  # the other seven were unmapped
+    again = [pool.alloc((MIB,), U8) for _ in range(3)]
+    assert pool.made == 10  # the three kept are used again
+    del again
+
+
+def test_keep_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="keep=0"):
+        ReusedBuffers(keep=0)
+
+
+def test_a_forked_child_gets_its_own_copy_of_a_batch() -> None:
+    pool = ReusedBuffers(keep=8)
+    leaf = pool.alloc((2 * MIB,), U8)
+    leaf[...] = 1
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            leaf[...] = 99  # the child's own copy, never the parent's batch
+            os.write(write, bytes([int(leaf[0])]))
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 1) == bytes([99])
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+    assert bool((leaf == 1).all())
+
+
 def test_after_close_nothing_is_kept() -> None:
-    pool = ReusedBuffers()
+    pool = ReusedBuffers(keep=8)
     held = pool.alloc((2 * MIB,), U8)
     free = pool.alloc((2 * MIB,), U8)
     del free
