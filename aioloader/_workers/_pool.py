@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import multiprocessing
 import os
 import signal
@@ -74,6 +73,7 @@ from typing import Any, TypeVar
 from .._errors import WorkerInitError
 from .._log import workers_log
 from . import _exits
+from ._cells import Cells
 from ._channel import Channel, open_channel
 from ._copy import DatasetCopy
 from ._deaths import Crash, crash_error, start_error
@@ -156,9 +156,12 @@ class WorkerPool:
         self._start_setting = start_setting
         self._copies: dict[int, DatasetCopy] = {}  # by copy id: 0, or one per loader sharing
         self._retired: dict[int, DatasetCopy] = {}  # the copy before each, maybe being loaded
-        self._current = context.Array(ctypes.c_int64, num_workers, lock=False)
-        self._loading = context.Array(ctypes.c_double, num_workers, lock=False)
-        self._started = context.Array(ctypes.c_int64, num_workers, lock=False)  # pids, once up
+        self._cells = Cells(num_workers)  # what each worker publishes (see _cells)
+        self._current, self._loading, self._started = (
+            self._cells.current,
+            self._cells.loading,
+            self._cells.started,
+        )
         self._exits = _exits.ExitWatch()
         self._launcher = Launcher(context, self._exits, lambda: self._closed)
         self._reap_lock = threading.Lock()  # exit statuses are read once (see _exits.reap)
@@ -187,9 +190,7 @@ class WorkerPool:
             self.num_workers,
             self._seed,
             self._per_batch_seeds,
-            self._current,
-            self._loading,
-            self._started,
+            self._cells,
             os.getpid(),
             (requests, replies),
             stacks,
@@ -551,6 +552,7 @@ class WorkerPool:
             _close_pipes(w.child_pipes)
             w.child_pipes = None
             w.stacks.close()
+        self._cells.close()
         processes = [w.process for w in self._workers if w.process is not None]
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
         for p in processes:

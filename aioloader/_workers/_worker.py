@@ -82,6 +82,7 @@ from .._errors import WorkerInitError
 from .._shm import Slot
 from .._types import END, BatchRequest, Made, StreamRequest, stream_state
 from . import _info, _payload
+from ._cells import Cells, Column
 from ._channel import serve_over
 from ._frames import Packed, pack_result, picklable
 from ._info import WorkerInfo
@@ -173,8 +174,8 @@ class _WorkerState:
     num_workers: int
     seed: int  # the seed the worker started with: its copies' unless a LoadJob says
     per_batch_seeds: bool  # likewise, worker_seeding='batch'
-    current: Any  # shared ctypes array: the running job's tag (_wire.running_tag), 0 when idle
-    loading: Any  # shared ctypes array: time.monotonic() a copy's load began, 0.0 when none
+    current: Column[int]  # the running job's tag (_wire.running_tag), 0 when idle (see _cells)
+    loading: Column[float]  # time.monotonic() a copy's load began, 0.0 when none
     pipes: tuple[Connection, Connection]  # this worker's (requests, replies)
     stacks: Connection  # where STACK_SIGNAL's handler writes the stacks (kept open for it)
     copies: dict[int, _Copy] = field(default_factory=dict)  # by copy id (0: the only one)
@@ -211,15 +212,13 @@ def init_worker(
     num_workers: int,
     seed: int,
     per_batch_seeds: bool,
-    current: Any,
-    loading: Any,
-    started: Any,
+    cells: Cells,
     main_pid: int,
     pipes: tuple[Connection, Connection],
     stacks: Connection,
 ) -> None:
     """Set up this worker's state (see the module docstring); last, publish its pid in
-    ``started[worker_id]``: the main process's sign that the worker is up."""
+    ``cells.started[worker_id]``: the main process's sign that the worker is up."""
     global _STATE
     gc.freeze()  # what the worker inherited: see the module docstring
     name_process(f"aiol-worker-{worker_id}".encode())  # for ps and top
@@ -231,9 +230,9 @@ def init_worker(
         target=_watchdog, args=(main_pid,), name="aioloader-watchdog", daemon=True
     ).start()
     _STATE = _WorkerState(
-        worker_id, num_workers, seed, per_batch_seeds, current, loading, pipes, stacks
+        worker_id, num_workers, seed, per_batch_seeds, cells.current, cells.loading, pipes, stacks
     )
-    started[worker_id] = os.getpid()
+    cells.started[worker_id] = os.getpid()
 
 
 # glibc's malloc settings in a worker: what glibc itself settles on after the first large
