@@ -4,6 +4,7 @@ read in the parent, whatever the start method; a closed pool's cells hold no des
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -73,3 +74,38 @@ def test_bad_sizes_and_indices_are_refused() -> None:
             _ = cells.current[-1]
     finally:
         cells.close()
+
+
+def _memfds() -> set[str]:
+    return {fd for fd, target in _descriptors() if "aioloader-cells" in target}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_a_pool_leaves_no_cells_open_closed_dropped_or_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aioloader import _workers
+    from aioloader._workers import _pool
+
+    before = _memfds()
+    pool = _workers.WorkerPool(2, _workers.resolve_context(None, allow_fork=False), 0)
+    try:
+        pool.start()
+        assert _memfds() - before != set()
+    finally:
+        pool.close()
+    assert _memfds() - before == set()
+
+    def out_of_descriptors() -> Any:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(_pool, "open_channel", out_of_descriptors)
+    with pytest.raises(OSError, match="Too many open files"):
+        _workers.WorkerPool(2, _workers.resolve_context(None, allow_fork=False), 0)
+    assert _memfds() - before == set()
+
+    dropped = Cells(1)
+    assert _memfds() - before != set()
+    del dropped
+    gc.collect()
+    assert _memfds() - before == set()

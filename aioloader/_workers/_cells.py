@@ -24,6 +24,9 @@ import mmap
 import os
 import struct
 import tempfile
+import threading
+import weakref
+from collections.abc import Callable
 from multiprocessing import reduction
 from typing import Any, Generic, TypeVar
 
@@ -53,10 +56,11 @@ class Column(Generic[N]):
 
     def __setitem__(self, i: int, value: N) -> None:
         at = self._at(i)
-        try:
-            struct.pack_into(self._code, self._cells._map, at, value)
-        except (ValueError, TypeError):  # closed (TypeError: a closed mmap is not writable)
-            self._last[i] = value
+        with self._cells._lock:  # not lost between close()'s copy and its unmapping
+            if self._cells._map.closed:
+                self._last[i] = value
+            else:
+                struct.pack_into(self._code, self._cells._map, at, value)
 
     def _at(self, i: int) -> int:
         if not 0 <= i < self._cells.n:
@@ -84,11 +88,21 @@ class Cells:
             raise ValueError(f"n must be positive, got {n}")
         self.n = n
         size = 3 * n * _WORD
-        self._fd: int | None = _anonymous_file(size) if fd is None else fd
-        self._map = mmap.mmap(self._fd, size)
-        if fd is not None:  # a child's copy: the mapping is all it needs
+        given = fd is not None
+        fd = _anonymous_file(size) if fd is None else fd
+        try:
+            self._map = mmap.mmap(fd, size)  # keeps a descriptor of its own until closed
+        except BaseException:
             os.close(fd)
-            self._fd = None
+            raise
+        if given:  # a child's copy: the mapping is all it needs
+            os.close(fd)
+            self._fd: int | None = None
+            self._close_fd: Callable[[], Any] = lambda: None
+        else:  # the descriptor goes at close(), or with this object if nobody closes it
+            self._fd = fd
+            self._close_fd = weakref.finalize(self, os.close, fd)
+        self._lock = threading.Lock()  # close() against a write: see Column.__setitem__
         step = n * _WORD
         self.current: Column[int] = Column(self, 0, "q", 0)
         self.loading: Column[float] = Column(self, step, "d", 0.0)
@@ -105,13 +119,13 @@ class Cells:
         """Close the descriptor and the mapping: no child can be given the cells from now on,
         and what reads or writes them from now on sees a private copy of their last values.
         Idempotent."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
-        if not self._map.closed:
-            for column in (self.current, self.loading, self.started):
-                column._keep()
-            self._map.close()
+        with self._lock:
+            self._fd = None
+            self._close_fd()
+            if not self._map.closed:
+                for column in (self.current, self.loading, self.started):
+                    column._keep()
+                self._map.close()
 
 
 def _rebuild(n: int, dup: Any) -> Cells:

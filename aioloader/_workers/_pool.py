@@ -166,7 +166,11 @@ class WorkerPool:
         self._launcher = Launcher(context, self._exits, lambda: self._closed)
         self._reap_lock = threading.Lock()  # exit statuses are read once (see _exits.reap)
         self._launch_lock = threading.Lock()
-        self._workers = [Worker(i, *self._new_worker()) for i in range(num_workers)]
+        try:
+            self._workers = [Worker(i, *self._new_worker()) for i in range(num_workers)]
+        except BaseException:  # out of descriptors, typically: no cells left open either
+            self._cells.close()
+            raise
         self._crashes: dict[tuple[int, int], Crash] = {}
         self._closed = False
         self.rebuilds = 0
@@ -552,7 +556,6 @@ class WorkerPool:
             _close_pipes(w.child_pipes)
             w.child_pipes = None
             w.stacks.close()
-        self._cells.close()
         processes = [w.process for w in self._workers if w.process is not None]
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
         for p in processes:
@@ -564,6 +567,7 @@ class WorkerPool:
                 with self._reap_lock:
                     p.join(timeout=5.0)
         self._exits.close()  # before the sentinels close
+        self._cells.close()  # after the joins: the start checks read it until then
         # Release each process's pipes now, not when the process object is collected: an error
         # the user keeps holds this pool through its traceback (a frame of submit), and with it
         # every worker's last process.

@@ -228,7 +228,9 @@ def init_worker(
     faulthandler.register(STACK_SIGNAL, file=stacks.fileno(), all_threads=True, chain=False)
     # A bare thread: threading.Thread.start() waits until the new thread has run, which took
     # up to 6 ms on the way to the first batch while the other processes just forked start
-    # beside this one. The worker ends with os._exit: nothing joins it.
+    # beside this one. Nothing joins it (a bare thread is never joined, whatever the start
+    # method). threading.enumerate() does not list it: a loader made inside a worker may fork
+    # from it (it holds no lock).
     _thread.start_new_thread(_watchdog, (main_pid,))
     _STATE = _WorkerState(
         worker_id, num_workers, seed, per_batch_seeds, cells.current, cells.loading, pipes, stacks
