@@ -310,6 +310,46 @@ def test_the_server_is_named_for_ps_and_top(tmp_path: Path) -> None:
     assert proc.stdout.strip() == SERVER_NAME.decode()
 
 
+def test_a_pid_read_by_another_thread_does_not_leave_its_launch_waiting(tmp_path: Path) -> None:
+    # multiprocessing polls every child from each Process.start(): such a poll may read a new
+    # worker's pid just as the thread launching it starts to wait for it (a loader's start
+    # thread launching its workers while the program starts another loader's). That thread
+    # waited for the pipe forever: nothing more comes down it until the child exits.
+    proc = _run(
+        """
+        import threading, time
+        from aioloader._workers import _zygote
+
+        context = _zygote.zygote_context()
+        assert context is not None
+        process = context.Process(target=time.sleep, args=(30,), daemon=True)
+        process.start()
+        popen = process._popen
+        real_wait = _zygote._connection.wait
+        stolen = []
+
+        def wait(objects, timeout=None):
+            if timeout != 0 and not stolen:
+                real_wait(objects, 10)  # the pid has come
+                stolen.append(popen.poll())  # and another thread's poll reads it first
+            return real_wait(objects, timeout)
+
+        _zygote._connection.wait = wait
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(popen.pid), daemon=True)
+        waiter.start()
+        waiter.join(10)
+        _zygote._connection.wait = real_wait
+        print(stolen, waiter.is_alive(), got == [process.pid], process.is_alive())
+        process.kill()
+        process.join(10)
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["[None]", "False", "True", "True"]
+
+
 def test_fork_is_unsafe_while_a_non_daemon_thread_runs() -> None:
     release = threading.Event()
     thread = threading.Thread(target=release.wait, args=(10,), name="busy")

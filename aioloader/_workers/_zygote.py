@@ -78,6 +78,9 @@ __all__ = [
 # Not numpy.random: a worker seeds it only once something imports it (``_info``).
 PRELOAD = ("aioloader._workers._worker", "concurrent.futures.process")
 
+# How often a thread waiting for a child's pid checks whether another thread read it.
+_PID_RECHECK_S = 0.05
+
 SERVER_NAME = b"aiol-forkserver"  # at most 15 bytes: the kernel's limit for a process name
 
 _PR_SET_NAME = 15
@@ -272,7 +275,11 @@ class _Popen(_PopenBase):  # type: ignore[misc]
             EOFError: the server died before it forked the child.
         """
         while self._pid is None:
-            _connection.wait([self.sentinel])  # the server writes the pid once it forked
+            # The server writes the pid once it forked. Bounded: another thread's poll() (the
+            # one multiprocessing makes of every child from each Process.start()) may read it
+            # between this loop's check and this wait, after which nothing comes down the pipe
+            # until the child exits.
+            _connection.wait([self.sentinel], _PID_RECHECK_S)
             if self.poll() is not None and self._pid is None:
                 raise EOFError("the worker server died before it forked the process")
         return self._pid
