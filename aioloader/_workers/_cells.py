@@ -134,13 +134,9 @@ def _rebuild(n: int, dup: Any) -> Cells:
 
 def _anonymous_file(size: int) -> int:
     """A descriptor of a new zeroed file of ``size`` bytes that no name leads to."""
-    memfd = getattr(os, "memfd_create", None)
-    if memfd is not None:
-        try:
-            fd: int = memfd("aioloader-cells", os.MFD_CLOEXEC)
-        except OSError:  # a kernel without memfd (before 3.17), or a seccomp filter
-            fd = _unlinked_file()
-    else:
+    try:
+        fd = os.memfd_create("aioloader-cells", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):  # not Linux; a kernel before 3.17, or a seccomp filter
         fd = _unlinked_file()
     try:
         os.ftruncate(fd, size)

@@ -157,11 +157,6 @@ class WorkerPool:
         self._copies: dict[int, DatasetCopy] = {}  # by copy id: 0, or one per loader sharing
         self._retired: dict[int, DatasetCopy] = {}  # the copy before each, maybe being loaded
         self._cells = Cells(num_workers)  # what each worker publishes (see _cells)
-        self._current, self._loading, self._started = (
-            self._cells.current,
-            self._cells.loading,
-            self._cells.started,
-        )
         self._exits = _exits.ExitWatch()
         self._launcher = Launcher(context, self._exits, lambda: self._closed)
         self._reap_lock = threading.Lock()  # exit statuses are read once (see _exits.reap)
@@ -203,7 +198,7 @@ class WorkerPool:
     def _is_up(self, w: Worker) -> bool:
         """Whether this generation's process of ``w`` ran its initializer."""
         process = w.process
-        return process is not None and int(self._started[w.id]) == process.pid
+        return process is not None and int(self._cells.started[w.id]) == process.pid
 
     def fork_first(self) -> None:
         """Fork worker 0's process from this process now, if that is safe here (the caller is
@@ -443,7 +438,7 @@ class WorkerPool:
         if not self._is_up(w):
             since = w.launched  # the process itself is starting
         elif w.load_job is not None and not w.channel.answered(w.load_job):
-            since = float(self._loading[w.id])  # the worker publishes when its load began
+            since = float(self._cells.loading[w.id])  # the worker publishes when its load began
             if not since:
                 return float("inf")
         else:
@@ -459,7 +454,7 @@ class WorkerPool:
             if w.generation != generation or w.stopping or process is None:
                 return False
             initialized = self._is_up(w)
-            loading = float(self._loading[w.id])
+            loading = float(self._cells.loading[w.id])
             w.stopping = True  # the other jobs' watches leave it to this one
         pid = int(process.pid)
         epoch = w.last_load.epoch if w.last_load is not None and loading else None
@@ -482,8 +477,8 @@ class WorkerPool:
         pid = getattr(process, "pid", None)
         _exits.reap(process, self._reap_lock)  # returns at once: submit waited for it off the loop
         exitcode = process.exitcode if process is not None else None
-        culprit: int | None = int(self._current[w.id])  # the running job's tag, 0 for none
-        self._current[w.id] = 0
+        culprit: int | None = int(self._cells.current[w.id])  # the running job's tag, 0 for none
+        self._cells.current[w.id] = 0
         if w.killed:
             # We killed it for hanging: that batch was already reported by its deadline, and
             # a retry of it, submitted here before the death was noticed, is innocent.
@@ -505,10 +500,10 @@ class WorkerPool:
         w.channel.close()
         _close_pipes(w.child_pipes)
         w.stacks.close()
-        self._loading[w.id] = 0.0  # a killed worker's load never ended
+        self._cells.loading[w.id] = 0.0  # a killed worker's load never ended
         w.generation += 1
         w.process = None
-        self._started[w.id] = 0
+        self._cells.started[w.id] = 0
         w.served = False
         w.killed = False
         w.loaded = {}  # the replacement gets the current copies before its first jobs
@@ -524,14 +519,14 @@ class WorkerPool:
     def is_running(self, batch_id: int, copy_id: int = 0) -> bool:
         """Whether a worker runs ``batch_id`` of copy ``copy_id`` now (not merely queued)."""
         return any(
-            int(self._current[w.id]) == running_tag(copy_id, batch_id) for w in self._workers
+            int(self._cells.current[w.id]) == running_tag(copy_id, batch_id) for w in self._workers
         )
 
     def kill_holding(self, batch_id: int, copy_id: int = 0) -> int | None:
         """Kill the worker running ``batch_id`` of copy ``copy_id`` (hung); returns its pid."""
         tag = running_tag(copy_id, batch_id)
         for w in self._workers:
-            if int(self._current[w.id]) == tag and w.process is not None:
+            if int(self._cells.current[w.id]) == tag and w.process is not None:
                 pid = int(w.process.pid)
                 w.killed = True  # its death is ours: see _on_broken
                 with contextlib.suppress(ProcessLookupError):
