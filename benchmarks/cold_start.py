@@ -293,6 +293,18 @@ def measure(impl: str, name: str, port: int) -> dict[str, float | None]:
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+def compile_bytecode(package: str) -> None:
+    """Cache the bytecode of ``package``, as installing its wheel does (torch and the other
+    loaders here were installed with theirs). Installed in place (``pip install -e``), it is
+    otherwise compiled from source at every import where ``PYTHONDONTWRITEBYTECODE`` is set:
+    aioloader's import took 50 ms that way, against 32 ms from cached bytecode."""
+    import compileall
+
+    spec = importlib.util.find_spec(package)
+    for where in (spec.submodule_search_locations or []) if spec is not None else []:
+        compileall.compile_dir(where, quiet=1)
+
+
 def installed(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -423,6 +435,7 @@ def main() -> None:
     print("|" + "---|" * len(head), file=table)
     imports: dict[str, list[float]] = {impl: [] for impl in columns}
     rows = []
+    compile_bytecode("aioloader")
     with http_server(any(WORKLOADS[name].kind == HTTP for name in chosen)) as port:
         for name in chosen:
             w = WORKLOADS[name]
