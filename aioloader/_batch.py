@@ -26,9 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from ._collate import default_collate, numpy_collate
+from ._collate import collate_prestacked, default_collate, numpy_collate
 from ._distributed import Shard
 from ._errors import WorkerError
+from ._prestack import Prestack
 from ._tree import iter_leaves
 from ._types import EMPTY_BATCH, END, BatchRequest, Made, StreamRequest
 
@@ -164,6 +165,14 @@ class BatchMaker:
         self.skip_errors = skip_errors
         self.shard = shard
         self._getitems = getattr(dataset, "__getitems__", None) if dataset is not None else None
+        # The default collate functions take arrays stacked as the samples are read (_prestack).
+        self._to_torch = (
+            True
+            if collate_fn is default_collate
+            else False
+            if collate_fn is numpy_collate
+            else None
+        )
 
     def make(self, request: BatchRequest, alloc: Alloc | None = None) -> Made:
         """Build the batch of ``request``; ``alloc`` places collated arrays (shared memory)."""
@@ -209,7 +218,13 @@ class BatchMaker:
         made: Made,
     ) -> Any:
         t0 = time.perf_counter()
-        samples = self._samples(request, indices, raw, made)
+        # Skipping would move the samples after a skipped one: not stacked as they are read.
+        stack = (
+            Prestack(alloc, len(indices))
+            if alloc is not None and self._to_torch is not None and not self.skip_errors
+            else None
+        )
+        samples = self._samples(request, indices, raw, made, stack)
         t1 = time.perf_counter()
         made.read_s += t1 - t0
         made.samples += len(samples)
@@ -219,11 +234,15 @@ class BatchMaker:
             return EMPTY_BATCH
         try:
             alloc_aware = any(self.collate_fn is fn for fn in _ALLOC_AWARE)
-            batch = (
-                self.collate_fn(samples, alloc=alloc)  # type: ignore[call-arg]
-                if alloc_aware and alloc is not None
-                else self.collate_fn(samples)
-            )
+            stacked = stack.stacked if stack is not None else None
+            if stacked:
+                assert alloc is not None  # a Prestack is made only with one
+                assert self._to_torch is not None
+                batch = collate_prestacked(samples, self._to_torch, alloc, stacked)
+            elif alloc_aware and alloc is not None:
+                batch = self.collate_fn(samples, alloc=alloc)  # type: ignore[call-arg]
+            else:
+                batch = self.collate_fn(samples)
         except Exception as exc:
             annotate(exc, f"while collating batch {request.batch_id} of indices {_short(indices)}")
             raise
@@ -231,7 +250,12 @@ class BatchMaker:
         return batch
 
     def _samples(
-        self, request: BatchRequest, indices: list[int], raw: Sequence[Any] | None, made: Made
+        self,
+        request: BatchRequest,
+        indices: list[int],
+        raw: Sequence[Any] | None,
+        made: Made,
+        stack: Prestack | None,
     ) -> list[Any]:
         if raw is None and self._getitems is not None and not self.skip_errors:
             try:
@@ -248,10 +272,10 @@ class BatchMaker:
                 )
             samples: list[Any] = []
             for index, item in zip(indices, items, strict=True):
-                self._finish_into(samples, request, index, item, made)
+                self._finish_into(samples, request, index, item, made, stack)
             return samples
         if raw is None and not self.skip_errors and self.decode is None and self.transform is None:
-            return self._read_plain(request, indices)
+            return self._read_plain(request, indices, stack)
         samples = []
         for pos, index in enumerate(indices):
             try:
@@ -265,10 +289,12 @@ class BatchMaker:
             except BaseException as exc:  # never skipped (SystemExit, KeyboardInterrupt)
                 annotate(exc, f"reading sample index {index} of batch {request.batch_id}")
                 raise
-            self._finish_into(samples, request, index, item, made)
+            self._finish_into(samples, request, index, item, made, stack)
         return samples
 
-    def _read_plain(self, request: BatchRequest, indices: list[int]) -> list[Any]:
+    def _read_plain(
+        self, request: BatchRequest, indices: list[int], stack: Prestack | None
+    ) -> list[Any]:
         """Read ``indices`` with nothing to skip or transform: the common case, as a tight
         loop. For small samples the general path's per-sample bookkeeping costs as much as
         the reads themselves (measured: 256 ints, 24 us instead of 50)."""
@@ -277,8 +303,17 @@ class BatchMaker:
         items: list[Any] = []
         append = items.append
         index = None
+        rest = iter(indices)
         try:
-            for index in indices:
+            if stack is not None:  # the first sample says whether there is anything to stack
+                for index in rest:
+                    append(stack.feed(0, get(dataset, index)))
+                    break
+                if stack.active:
+                    feed = stack.feed
+                    for position, index in enumerate(rest, 1):
+                        append(feed(position, get(dataset, index)))
+            for index in rest:
                 append(get(dataset, index))
         except BaseException as exc:  # SystemExit too: the note names the sample either way
             annotate(exc, f"reading sample index {index} of batch {request.batch_id}")
@@ -286,11 +321,18 @@ class BatchMaker:
         return items
 
     def _finish_into(
-        self, samples: list[Any], request: BatchRequest, index: int, item: Any, made: Made
+        self,
+        samples: list[Any],
+        request: BatchRequest,
+        index: int,
+        item: Any,
+        made: Made,
+        stack: Prestack | None,
     ) -> None:
-        """Decode and transform ``item`` and append it to ``samples``, or record it skipped."""
+        """Decode and transform ``item`` and append it to ``samples`` (through ``stack``), or
+        record it skipped."""
         if self.decode is None and self.transform is None:
-            samples.append(item)
+            samples.append(item if stack is None else stack.feed(len(samples), item))
             return
         try:
             if self.decode is not None:
@@ -304,7 +346,7 @@ class BatchMaker:
             where = "" if self.item_name is None else f" ({self.item_name(index)})"
             annotate(exc, f"transforming sample index {index}{where} of batch {request.batch_id}")
             raise
-        samples.append(item)
+        samples.append(item if stack is None else stack.feed(len(samples), item))
 
 
 # Streams one cursor keeps open at once, one per epoch being read: two iterators of one loader

@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 else:  # torch is imported at the first tensor made (see _lazy)
     torch = lazy_module("torch", globals())
 
-__all__ = ["Alloc", "default_collate", "default_convert", "numpy_collate"]
+__all__ = ["Alloc", "collate_prestacked", "default_collate", "default_convert", "numpy_collate"]
 
 Alloc = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray[Any, Any]]
 """``alloc(shape, dtype)`` returns a writable C-contiguous array of exactly that shape and dtype."""
@@ -142,6 +142,14 @@ def numpy_collate(samples: Sequence[Any], *, alloc: Alloc | None = None) -> Any:
         CollateError: as :func:`default_collate`; also for tensors whose dtype numpy lacks.
     """
     return _Collator(to_torch=False, alloc=alloc).batch(samples)
+
+
+def collate_prestacked(samples: Sequence[Any], to_torch: bool, alloc: Alloc, stacked: Any) -> Any:
+    """:func:`default_collate` (``to_torch``) or :func:`numpy_collate` of ``samples`` whose
+    arrays at the key paths of ``stacked`` (path -> array) were stacked as they were read
+    (``_prestack``): such a leaf, checked as ever, is the array given, if its shape and dtype
+    are the ones collation would make (else it is stacked anew)."""
+    return _Collator(to_torch=to_torch, alloc=alloc, stacked=stacked).batch(samples)
 
 
 # -- kinds of samples ---------------------------------------------------------------------------
@@ -232,11 +240,18 @@ def _error(path: str, problem: str, cls: type[CollateError] = CollateError) -> C
 class _Collator:
     """One collation: the output flavour, the allocator, and the recursive walk."""
 
-    __slots__ = ("alloc", "to_torch")
+    __slots__ = ("alloc", "stacked", "to_torch")
 
-    def __init__(self, *, to_torch: bool, alloc: Alloc | None) -> None:
+    def __init__(
+        self,
+        *,
+        to_torch: bool,
+        alloc: Alloc | None,
+        stacked: dict[str, np.ndarray[Any, Any]] | None = None,
+    ) -> None:
         self.to_torch = to_torch
         self.alloc = alloc
+        self.stacked = stacked  # key path -> that leaf, already stacked (collate_prestacked)
 
     def batch(self, samples: Sequence[Any]) -> Any:
         if not isinstance(samples, list | tuple):
@@ -432,6 +447,9 @@ class _Collator:
         # Shapes agree (checked above) and the dtype holds every sample's values (promoted),
         # so stacking cannot fail.
         shape = (len(samples), *first.shape)
+        done = self.stacked.pop(path, None) if self.stacked else None
+        if done is not None and done.shape == shape and done.dtype == dtype:
+            return self._leaf(done)
         if self.alloc is None:
             if self.to_torch and dtype.itemsize * first.size * len(samples) >= _LARGE_BATCH_BYTES:
                 return stack_large(samples, shape, dtype, _torch_dtype_of(dtype))

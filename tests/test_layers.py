@@ -46,6 +46,7 @@ LEVELS: dict[str, int] = {
     # 1 - pure building blocks, and what this process's rank reads (_distributed)
     "_batch_sampler": 1,
     "_collate": 1,
+    "_prestack": 1,
     "_shm_tree": 1,
     "_failures": 1,
     "_run": 1,

@@ -1,0 +1,174 @@
+"""Stacking a batch's large arrays as its samples are read, while each is still in cache.
+
+Collation stacks each array leaf once every sample of the batch has been read. For large
+samples (images) that is a second trip through memory: every sample is written once where
+``__getitem__`` makes it, fresh memory since the samples before it are all still held, and
+read again when the batch is stacked, by when the ones after it have pushed it out of the
+CPU's caches. :class:`Prestack` copies each sample's large arrays into the batch's output the
+moment the sample is read, and keeps in its place a view of the copy: the sample's own memory
+goes back to the allocator at once, and the next sample is made in it, still cached.
+:func:`aioloader._collate.collate_prestacked` then takes the stacked arrays as the leaves.
+
+Measured on 2 cores, 64 samples of 3x224x224 uint8 flipped by ``__getitem__`` (9.6 MB a batch),
+into memory already faulted in, two processes side by side as two workers run: 2.65 ms a batch
+copied as each sample is read, against 3.1 ms read first and stacked after (2.9 ms copied as
+read but with every sample kept).
+
+What it never changes is the batch. It handles only what the default collate functions would
+stack unchanged: a leaf that is an ``np.ndarray`` in every sample, of one shape and one numeric
+dtype in native byte order, the sample itself or one level down in a ``dict``, ``list``,
+``tuple`` or namedtuple (``(image, label)``, ``{"image": ..., "label": ...}``). The samples the
+collate function gets have the same types and values (a container is copied, never changed:
+the dataset may hold it), and it checks them all as before, so its errors are the ones it
+always gave. A sample that differs at a leaf (another shape, dtype or type) leaves that leaf to
+the collate function, which stacks it (or promotes it, or raises) from the samples; the array
+begun for it then goes unused in the batch's memory (a shared-memory slot has room for it, or
+the batch travels inline once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["MIN_BATCH_BYTES", "Prestack", "paths"]
+
+Alloc = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray[Any, Any]]
+
+#: A leaf is stacked as it is read when its batch holds at least this many bytes of it: below,
+#: every sample still sits in the CPU's caches when the collate function stacks it.
+MIN_BATCH_BYTES = 1 << 20
+
+# numpy dtype kinds stacked as they are read: bool, signed and unsigned ints, floats, complex.
+_NUMERIC = frozenset("biufc")
+
+
+def paths(sample: Any) -> list[tuple[str, Any]]:
+    """Where ``sample``'s arrays may be, named as the collate functions name key paths (the
+    root ``batch``, ``batch['image']``, ``batch[0]``, ``batch.image``), each with its key, index
+    or field in the sample (None for the root). Empty for any other type of sample."""
+    kind = type(sample)
+    if kind is np.ndarray:
+        return [("batch", None)]
+    if kind is dict:
+        return [(f"batch[{key!r}]", key) for key in sample]
+    if _is_namedtuple(kind):
+        return [(f"batch.{name}", name) for name in kind._fields]
+    if kind is list or kind is tuple:
+        return [(f"batch[{i}]", i) for i in range(len(sample))]
+    return []
+
+
+def _is_namedtuple(kind: type) -> bool:
+    return issubclass(kind, tuple) and hasattr(kind, "_fields") and hasattr(kind, "_replace")
+
+
+def _get(sample: Any, route: Any, by_name: bool) -> Any:
+    if route is None:
+        return sample
+    return getattr(sample, route) if by_name else sample[route]
+
+
+class _Leaf:
+    __slots__ = ("array", "path", "route", "whole")
+
+    def __init__(self, path: str, route: Any, array: np.ndarray[Any, Any]) -> None:
+        self.path = path
+        self.route = route  # key, index or field name in the sample; None: the sample itself
+        self.array = array
+        self.whole = True  # every sample so far was copied in
+
+
+class Prestack:
+    """The large array leaves of one batch of ``size`` samples, stacked as the samples come.
+
+    Feed every sample in order (:meth:`feed`, positions 0, 1, ...) and keep what it returns in
+    the sample's place; then :attr:`stacked` maps the key path of each leaf that every sample
+    filled to its stacked array, made by ``alloc``. Not thread-safe: one batch, one thread.
+    """
+
+    __slots__ = ("_alloc", "_by_name", "_kind", "_leaves", "_size")
+
+    def __init__(self, alloc: Alloc, size: int) -> None:
+        self._alloc = alloc
+        self._size = size
+        self._kind: type | None = None  # the first sample's type
+        self._by_name = False  # leaves are namedtuple fields
+        self._leaves: list[_Leaf] = []
+
+    def feed(self, position: int, sample: Any) -> Any:
+        """Copy the large arrays of ``sample``, the batch's sample at ``position``, into place;
+        return the sample to keep: ``sample`` with each of them replaced by a view of its copy
+        (a container copied for that), or ``sample`` itself."""
+        if position == 0:
+            self._begin(sample)
+        elif not self._leaves:
+            return sample
+        elif type(sample) is not self._kind:
+            for leaf in self._leaves:
+                leaf.whole = False
+            return sample
+        views: dict[Any, np.ndarray[Any, Any]] = {}
+        for leaf in self._leaves:
+            if not leaf.whole:
+                continue
+            try:
+                value = _get(sample, leaf.route, self._by_name)
+            except (KeyError, IndexError):  # the collate function says what differs
+                leaf.whole = False
+                continue
+            array = leaf.array
+            if (
+                type(value) is not np.ndarray
+                or value.dtype != array.dtype
+                or value.shape != array.shape[1:]
+            ):
+                leaf.whole = False
+                continue
+            if position:
+                array[position] = value
+            views[leaf.route] = array[position]
+        return self._replaced(sample, views) if views else sample
+
+    @property
+    def active(self) -> bool:
+        """Whether the first sample had a leaf to stack (:meth:`feed` does nothing else)."""
+        return bool(self._leaves)
+
+    @property
+    def stacked(self) -> dict[str, np.ndarray[Any, Any]]:
+        """Key path -> the stacked array, for every leaf each sample fed so far filled."""
+        return {leaf.path: leaf.array for leaf in self._leaves if leaf.whole}
+
+    def _begin(self, first: Any) -> None:
+        self._kind = type(first)
+        self._by_name = _is_namedtuple(self._kind)
+        for path, route in paths(first):
+            value = _get(first, route, self._by_name)
+            if (
+                type(value) is not np.ndarray
+                or value.dtype.kind not in _NUMERIC
+                or not value.dtype.isnative
+                or value.nbytes * self._size < MIN_BATCH_BYTES
+            ):
+                continue
+            try:
+                array = self._alloc((self._size, *value.shape), value.dtype)
+            except ValueError:  # a dtype the memory cannot hold: the collate function decides
+                continue
+            array[0] = value
+            self._leaves.append(_Leaf(path, route, array))
+
+    def _replaced(self, sample: Any, views: dict[Any, np.ndarray[Any, Any]]) -> Any:
+        """``sample`` with the leaves in ``views`` replaced, the sample itself never changed."""
+        if None in views:
+            return views[None]
+        kind = self._kind
+        if kind is dict:
+            return {**sample, **views}
+        if self._by_name:
+            return sample._replace(**views)
+        items = [views.get(i, item) for i, item in enumerate(sample)]
+        return items if kind is list else tuple(items)

@@ -1,0 +1,276 @@
+"""Tests of aioloader._prestack: large arrays stacked as the samples are read.
+
+The contract: the batch is exactly what the default collate functions make from the samples
+(values, dtypes, container types, errors), its large leaves lie in the memory ``alloc`` gave,
+and no sample the dataset handed over is changed.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+import torch
+
+from aioloader import DataLoader, _batch
+from aioloader._batch import BatchMaker
+from aioloader._collate import collate_prestacked, default_collate, numpy_collate
+from aioloader._errors import CollateShapeError
+from aioloader._prestack import MIN_BATCH_BYTES, Prestack, paths
+from aioloader._types import BatchRequest
+
+BIG = (4, 64, 64)  # 16 KiB of uint8 a sample: a batch of 64 holds MIN_BATCH_BYTES
+N = 64
+
+
+class Pair(NamedTuple):
+    image: Any
+    label: Any
+
+
+class Recorder:
+    """An ``alloc`` that hands out plain arrays and remembers them."""
+
+    def __init__(self) -> None:
+        self.arrays: list[np.ndarray[Any, Any]] = []
+
+    def __call__(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+        array = np.empty(shape, dtype)
+        self.arrays.append(array)
+        return array
+
+
+def image(i: int, dtype: Any = np.uint8, shape: tuple[int, ...] = BIG) -> np.ndarray[Any, Any]:
+    return (np.arange(int(np.prod(shape))).reshape(shape) + i).astype(dtype)
+
+
+def feed_all(stack: Prestack, samples: list[Any]) -> list[Any]:
+    return [stack.feed(position, sample) for position, sample in enumerate(samples)]
+
+
+def same(a: Any, b: Any) -> None:
+    """``a`` and ``b`` are the same batch: types, dtypes and values, all the way down."""
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype
+        assert a.shape == b.shape
+        assert torch.equal(a, b)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for key in a:
+            same(a[key], b[key])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            same(x, y)
+    else:
+        assert a == b
+
+
+def test_the_threshold_is_the_whole_batch_of_one_leaf() -> None:
+    assert image(0).nbytes * N == MIN_BATCH_BYTES
+    small = [image(i, shape=(BIG[0], BIG[1], BIG[2] - 1)) for i in range(N)]
+    stack = Prestack(Recorder(), N)
+    feed_all(stack, small)
+    assert stack.stacked == {}
+
+
+@pytest.mark.parametrize(
+    ("make", "path"),
+    [
+        (lambda i: image(i), "batch"),
+        (lambda i: {"image": image(i), "label": i}, "batch['image']"),
+        (lambda i: (image(i), i), "batch[0]"),
+        (lambda i: [i, image(i)], "batch[1]"),
+        (lambda i: Pair(image(i), i), "batch.image"),
+    ],
+    ids=["array", "dict", "tuple", "list", "namedtuple"],
+)
+@pytest.mark.parametrize("collate", [default_collate, numpy_collate], ids=["torch", "numpy"])
+def test_the_batch_is_what_collation_makes_and_lies_in_the_allocated_memory(
+    make: Any, path: str, collate: Any
+) -> None:
+    samples = [make(i) for i in range(N)]
+    kept = copy.deepcopy(samples)
+    alloc = Recorder()
+    stack = Prestack(alloc, N)
+    fed = feed_all(stack, samples)
+    assert list(stack.stacked) == [path]
+    [stacked] = alloc.arrays
+    batch = collate_prestacked(fed, collate is default_collate, alloc, stack.stacked)
+    same(batch, collate(kept))
+    leaves = (
+        [batch] if path == "batch" else list(batch.values() if isinstance(batch, dict) else batch)
+    )
+    big = [leaf for leaf in leaves if getattr(leaf, "ndim", 0) == 4]
+    assert len(big) == 1
+    assert np.shares_memory(np.asarray(big[0]), stacked)  # the stacked array itself, no copy
+    # What the dataset handed over is unchanged, and each kept sample is a view of its copy.
+    for given, original in zip(samples, kept, strict=True):
+        same(given, original)
+    for position, sample in enumerate(fed):
+        assert type(sample) is type(samples[position])
+        leaf = (
+            sample if path == "batch" else next(v for v in paths_values(sample) if np.ndim(v) == 3)
+        )
+        assert np.shares_memory(leaf, stacked)
+
+
+def paths_values(sample: Any) -> list[Any]:
+    if isinstance(sample, dict):
+        return list(sample.values())
+    return list(sample)
+
+
+def test_paths_name_leaves_as_collation_names_them() -> None:
+    assert [p for p, _ in paths(image(0))] == ["batch"]
+    assert [p for p, _ in paths({"a": 1, 2: 3})] == ["batch['a']", "batch[2]"]
+    assert [p for p, _ in paths(Pair(1, 2))] == ["batch.image", "batch.label"]
+    assert [p for p, _ in paths([1, 2])] == ["batch[0]", "batch[1]"]
+    # Other containers are left to the collate function as they are.
+    assert paths(collections.OrderedDict(a=1)) == []
+    assert paths(7) == []
+
+
+def test_a_sample_of_another_dtype_leaves_the_leaf_to_collation_which_promotes() -> None:
+    samples = [image(i, np.float32) for i in range(N)]
+    samples[40] = image(40, np.float64)
+    alloc = Recorder()
+    stack = Prestack(alloc, N)
+    fed = feed_all(stack, samples)
+    assert stack.stacked == {}
+    batch = collate_prestacked(fed, True, alloc, stack.stacked)
+    same(batch, default_collate(samples))
+    assert batch.dtype == torch.float64
+
+
+def test_a_sample_of_another_shape_fails_as_collation_fails() -> None:
+    samples = [image(i) for i in range(N)]
+    samples[7] = image(7, shape=(BIG[0], BIG[1] + 1, BIG[2]))
+    stack = Prestack(Recorder(), N)
+    fed = feed_all(stack, samples)
+    with pytest.raises(CollateShapeError) as got:
+        collate_prestacked(fed, True, Recorder(), stack.stacked)
+    with pytest.raises(CollateShapeError) as expected:
+        default_collate(samples)
+    assert str(got.value) == str(expected.value)
+
+
+def test_a_sample_of_another_structure_leaves_every_leaf_to_collation() -> None:
+    renamed: list[Any] = [{"image": image(i), "label": i} for i in range(N)]
+    renamed[5] = {"picture": image(5), "label": 5}
+    retyped: list[Any] = [{"image": image(i), "label": i} for i in range(N)]
+    retyped[9] = (image(9), 9)
+    for samples, odd in ((renamed, 5), (retyped, 9)):
+        stack = Prestack(Recorder(), N)
+        fed = feed_all(stack, samples)
+        assert stack.stacked == {}
+        assert fed[odd] is samples[odd]
+
+
+@pytest.mark.parametrize(
+    "dtype", [np.dtype(">u4"), np.dtype("U4"), np.dtype(object)], ids=["big-endian", "str", "obj"]
+)
+def test_arrays_collation_converts_or_refuses_are_left_to_it(dtype: np.dtype[Any]) -> None:
+    sample = np.zeros(BIG, dtype=dtype)
+    stack = Prestack(Recorder(), N)
+    assert stack.feed(0, sample) is sample
+    assert stack.stacked == {}
+
+
+def test_an_alloc_that_refuses_the_dtype_leaves_it_to_collation() -> None:
+    def refuse(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+        raise ValueError(f"dtype={dtype} cannot be placed here")
+
+    stack = Prestack(refuse, N)
+    sample = image(0)
+    assert stack.feed(0, sample) is sample
+    assert stack.stacked == {}
+
+
+class Cached:
+    """A dataset that hands out the same sample objects every time (a cache)."""
+
+    def __init__(self) -> None:
+        self.items = [{"image": image(i), "label": i} for i in range(N)]
+        self.kept = copy.deepcopy(self.items)
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.items[i]
+
+
+@pytest.mark.parametrize("transform", [None, lambda s: s], ids=["plain", "transform"])
+def test_batch_maker_stacks_through_alloc_and_leaves_a_cached_dataset_alone(
+    transform: Any,
+) -> None:
+    dataset = Cached()
+    maker = BatchMaker(dataset, default_collate, transform=transform)
+    alloc = Recorder()
+    request = BatchRequest(0, 0, list(range(N)))
+    made = maker.make(request, alloc)
+    same(made.batch, default_collate(dataset.kept))
+    assert np.shares_memory(made.batch["image"].numpy(), alloc.arrays[0])
+    for item, kept in zip(dataset.items, dataset.kept, strict=True):
+        same(item, kept)
+    # Twice: the second batch reads the same cached samples, unchanged by the first.
+    same(maker.make(request, Recorder()).batch, default_collate(dataset.kept))
+
+
+def test_batch_maker_with_skipping_or_another_collate_does_not_prestack(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made: list[Prestack] = []
+
+    class Recorded(Prestack):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            made.append(self)
+
+    monkeypatch.setattr(_batch, "Prestack", Recorded)
+    request = BatchRequest(0, 0, list(range(N)))
+    BatchMaker(Cached(), default_collate).make(request, Recorder())
+    assert len(made) == 1  # the recorder sees the default case
+    for maker in (
+        BatchMaker(Cached(), default_collate, skip_errors=True),  # positions would shift
+        BatchMaker(Cached(), lambda s: default_collate(s)),  # collate_fn is the user's
+    ):
+        same(maker.make(request, Recorder()).batch, default_collate(Cached().kept))
+    BatchMaker(Cached(), default_collate).make(request, None)  # nowhere to stack into
+    assert len(made) == 1
+
+
+class Images:
+    """Large images, one of them of another dtype when ``odd`` is set."""
+
+    def __init__(self, odd: int | None = None) -> None:
+        self.odd = odd
+
+    def __len__(self) -> int:
+        return 4 * N
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray[Any, Any], int]:
+        return image(i, np.float64 if i == self.odd else np.float32), i
+
+
+@pytest.mark.parametrize("workers", [2, 0])
+@pytest.mark.parametrize("odd", [None, 70], ids=["uniform", "one-promoted"])
+def test_loader_batches_equal_the_collated_samples(odd: int | None, workers: int) -> None:
+    dataset = Images(odd)
+    loader = DataLoader(dataset, batch_size=N, num_workers=workers)
+    try:
+        batches = list(loader)
+    finally:
+        loader.close()
+    assert len(batches) == 4
+    for k, (images, labels) in enumerate(batches):
+        expected = default_collate([dataset[i] for i in range(k * N, (k + 1) * N)])
+        same([images, labels], expected)
