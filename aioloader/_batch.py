@@ -165,14 +165,10 @@ class BatchMaker:
         self.skip_errors = skip_errors
         self.shard = shard
         self._getitems = getattr(dataset, "__getitems__", None) if dataset is not None else None
-        # The default collate functions take arrays stacked as the samples are read (_prestack).
-        self._to_torch = (
-            True
-            if collate_fn is default_collate
-            else False
-            if collate_fn is numpy_collate
-            else None
-        )
+        # The default collate functions take arrays stacked as the samples are read (_prestack),
+        # until a batch's samples differ at a leaf begun (each such batch wastes its array).
+        self._to_torch = {id(default_collate): True, id(numpy_collate): False}.get(id(collate_fn))
+        self._prestacking = self._to_torch is not None
 
     def make(self, request: BatchRequest, alloc: Alloc | None = None) -> Made:
         """Build the batch of ``request``; ``alloc`` places collated arrays (shared memory)."""
@@ -221,7 +217,7 @@ class BatchMaker:
         # Skipping would move the samples after a skipped one: not stacked as they are read.
         stack = (
             Prestack(alloc, len(indices))
-            if alloc is not None and self._to_torch is not None and not self.skip_errors
+            if alloc is not None and self._prestacking and not self.skip_errors
             else None
         )
         samples = self._samples(request, indices, raw, made, stack)
@@ -235,6 +231,8 @@ class BatchMaker:
         try:
             alloc_aware = any(self.collate_fn is fn for fn in _ALLOC_AWARE)
             stacked = stack.stacked if stack is not None else None
+            if stack is not None and stack.broke:
+                self._prestacking = False
             if stacked:
                 assert alloc is not None  # a Prestack is made only with one
                 assert self._to_torch is not None
@@ -332,7 +330,7 @@ class BatchMaker:
         """Decode and transform ``item`` and append it to ``samples`` (through ``stack``), or
         record it skipped."""
         if self.decode is None and self.transform is None:
-            samples.append(item if stack is None else stack.feed(len(samples), item))
+            samples.append(_through(stack, samples, item))
             return
         try:
             if self.decode is not None:
@@ -346,7 +344,15 @@ class BatchMaker:
             where = "" if self.item_name is None else f" ({self.item_name(index)})"
             annotate(exc, f"transforming sample index {index}{where} of batch {request.batch_id}")
             raise
-        samples.append(item if stack is None else stack.feed(len(samples), item))
+        samples.append(_through(stack, samples, item))
+
+
+def _through(stack: Prestack | None, samples: list[Any], item: Any) -> Any:
+    """``item``, the next of ``samples``, as ``stack`` keeps it (the first sample says whether
+    there is anything to stack)."""
+    if stack is not None and (stack.active or not samples):
+        return stack.feed(len(samples), item)
+    return item
 
 
 # Streams one cursor keeps open at once, one per epoch being read: two iterators of one loader

@@ -15,19 +15,27 @@ copied as each sample is read, against 3.1 ms read first and stacked after (2.9 
 read but with every sample kept).
 
 What it never changes is the batch. It handles only what the default collate functions would
-stack unchanged: a leaf that is an ``np.ndarray`` in every sample, of one shape and one numeric
-dtype in native byte order, the sample itself or one level down in a ``dict``, ``list``,
-``tuple`` or namedtuple (``(image, label)``, ``{"image": ..., "label": ...}``). The samples the
-collate function gets have the same types and values (a container is copied, never changed:
-the dataset may hold it), and it checks them all as before, so its errors are the ones it
-always gave. A sample that differs at a leaf (another shape, dtype or type) leaves that leaf to
-the collate function, which stacks it (or promotes it, or raises) from the samples; the array
-begun for it then goes unused in the batch's memory (a shared-memory slot has room for it, or
-the batch travels inline once).
+stack unchanged: a leaf that is a numpy array in every sample (``np.memmap`` slices too; not
+masked arrays), of one shape and one numeric dtype in native byte order, with at least one
+dimension, the sample itself or one level down in a ``dict``, ``list``, ``tuple`` or namedtuple
+(``(image, label)``, ``{"image": ..., "label": ...}``). The samples the collate function gets
+have the same values and container types (a container is copied, never changed: the dataset
+may hold it), and it checks them all as before, so its errors are the ones it always gave.
+
+A sample that differs at a leaf (another shape, dtype or type) leaves that leaf to the collate
+function, which stacks it (or promotes it, or raises) from the samples; the array begun for it
+then goes unused in the batch's memory, so that batch needs a slot up to twice its size, or
+travels inline once. The caller stops stacking after such a batch (:attr:`Prestack.broke`):
+a data set that mixes dtypes costs that once, not every batch.
+
+One difference is deliberate: a data set that hands out one buffer and then overwrites it
+(a sample that is not its own memory) gets each sample as it was when read, where stacking at
+the end would repeat the last one.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import Any
 
@@ -49,13 +57,17 @@ def paths(sample: Any) -> list[tuple[str, Any]]:
     """Where ``sample``'s arrays may be, named as the collate functions name key paths (the
     root ``batch``, ``batch['image']``, ``batch[0]``, ``batch.image``), each with its key, index
     or field in the sample (None for the root). Empty for any other type of sample."""
-    kind = type(sample)
+    kind = _kind(sample)
     if kind is np.ndarray:
         return [("batch", None)]
     if kind is dict:
-        return [(f"batch[{key!r}]", key) for key in sample]
+        named = [(f"batch[{key!r}]", key) for key in sample]
+        # Two keys that print alike would name one leaf: the collate function could not tell
+        # which array is whose.
+        counts = collections.Counter(path for path, _ in named)
+        return [(path, key) for path, key in named if counts[path] == 1]
     if _is_namedtuple(kind):
-        return [(f"batch.{name}", name) for name in kind._fields]
+        return [(f"batch.{name}", name) for name in sample._fields]
     if kind is list or kind is tuple:
         return [(f"batch[{i}]", i) for i in range(len(sample))]
     return []
@@ -63,6 +75,16 @@ def paths(sample: Any) -> list[tuple[str, Any]]:
 
 def _is_namedtuple(kind: type) -> bool:
     return issubclass(kind, tuple) and hasattr(kind, "_fields") and hasattr(kind, "_replace")
+
+
+def _kind(sample: Any) -> type:
+    """What decides where a sample's arrays are: its type (any plain array counts as one)."""
+    return np.ndarray if _plain_array(sample) else type(sample)
+
+
+def _plain_array(value: Any) -> bool:
+    """A numpy array whose values are all it holds (a masked array's mask would be lost)."""
+    return isinstance(value, np.ndarray) and not isinstance(value, np.ma.MaskedArray)
 
 
 def _get(sample: Any, route: Any, by_name: bool) -> Any:
@@ -89,7 +111,7 @@ class Prestack:
     filled to its stacked array, made by ``alloc``. Not thread-safe: one batch, one thread.
     """
 
-    __slots__ = ("_alloc", "_by_name", "_kind", "_leaves", "_size")
+    __slots__ = ("_alloc", "_by_name", "_kind", "_leaves", "_size", "active")
 
     def __init__(self, alloc: Alloc, size: int) -> None:
         self._alloc = alloc
@@ -97,6 +119,8 @@ class Prestack:
         self._kind: type | None = None  # the first sample's type
         self._by_name = False  # leaves are namedtuple fields
         self._leaves: list[_Leaf] = []
+        #: Whether the first sample had a leaf to stack (:meth:`feed` does nothing else).
+        self.active = False
 
     def feed(self, position: int, sample: Any) -> Any:
         """Copy the large arrays of ``sample``, the batch's sample at ``position``, into place;
@@ -106,7 +130,7 @@ class Prestack:
             self._begin(sample)
         elif not self._leaves:
             return sample
-        elif type(sample) is not self._kind:
+        elif _kind(sample) is not self._kind:
             for leaf in self._leaves:
                 leaf.whole = False
             return sample
@@ -121,7 +145,7 @@ class Prestack:
                 continue
             array = leaf.array
             if (
-                type(value) is not np.ndarray
+                not _plain_array(value)
                 or value.dtype != array.dtype
                 or value.shape != array.shape[1:]
             ):
@@ -133,9 +157,9 @@ class Prestack:
         return self._replaced(sample, views) if views else sample
 
     @property
-    def active(self) -> bool:
-        """Whether the first sample had a leaf to stack (:meth:`feed` does nothing else)."""
-        return bool(self._leaves)
+    def broke(self) -> bool:
+        """Whether a sample differed at a leaf begun (its array goes unused)."""
+        return not all(leaf.whole for leaf in self._leaves)
 
     @property
     def stacked(self) -> dict[str, np.ndarray[Any, Any]]:
@@ -143,12 +167,13 @@ class Prestack:
         return {leaf.path: leaf.array for leaf in self._leaves if leaf.whole}
 
     def _begin(self, first: Any) -> None:
-        self._kind = type(first)
+        self._kind = _kind(first)
         self._by_name = _is_namedtuple(self._kind)
         for path, route in paths(first):
             value = _get(first, route, self._by_name)
             if (
-                type(value) is not np.ndarray
+                not _plain_array(value)
+                or value.ndim == 0  # its row of the stack would be a scalar, not a view
                 or value.dtype.kind not in _NUMERIC
                 or not value.dtype.isnative
                 or value.nbytes * self._size < MIN_BATCH_BYTES
@@ -156,10 +181,11 @@ class Prestack:
                 continue
             try:
                 array = self._alloc((self._size, *value.shape), value.dtype)
-            except ValueError:  # a dtype the memory cannot hold: the collate function decides
+            except Exception:  # the collate function allocates it again and says why
                 continue
             array[0] = value
             self._leaves.append(_Leaf(path, route, array))
+        self.active = bool(self._leaves)
 
     def _replaced(self, sample: Any, views: dict[Any, np.ndarray[Any, Any]]) -> Any:
         """``sample`` with the leaves in ``views`` replaced, the sample itself never changed."""

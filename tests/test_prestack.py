@@ -20,6 +20,7 @@ from aioloader._batch import BatchMaker
 from aioloader._collate import collate_prestacked, default_collate, numpy_collate
 from aioloader._errors import CollateShapeError
 from aioloader._prestack import MIN_BATCH_BYTES, Prestack, paths
+from aioloader._shm_tree import SlotWriter
 from aioloader._types import BatchRequest
 
 BIG = (4, 64, 64)  # 16 KiB of uint8 a sample: a batch of 64 holds MIN_BATCH_BYTES
@@ -171,7 +172,13 @@ def test_a_sample_of_another_structure_leaves_every_leaf_to_collation() -> None:
         stack = Prestack(Recorder(), N)
         fed = feed_all(stack, samples)
         assert stack.stacked == {}
+        assert stack.broke
         assert fed[odd] is samples[odd]
+        with pytest.raises(Exception) as got:  # noqa: PT011 - compared with collation's own
+            collate_prestacked(fed, True, Recorder(), stack.stacked)
+        with pytest.raises(type(got.value)) as expected:
+            default_collate(samples)
+        assert str(got.value) == str(expected.value)
 
 
 @pytest.mark.parametrize(
@@ -192,6 +199,53 @@ def test_an_alloc_that_refuses_the_dtype_leaves_it_to_collation() -> None:
     sample = image(0)
     assert stack.feed(0, sample) is sample
     assert stack.stacked == {}
+
+
+def test_keys_that_print_alike_are_left_to_collation() -> None:
+    class Key:
+        def __init__(self, side: str) -> None:
+            self.side = side
+
+        def __repr__(self) -> str:
+            return "Cam"
+
+    left, right = Key("L"), Key("R")
+    samples = [{left: np.ones(BIG, np.uint8), right: np.full(BIG, 2, np.uint8)} for _ in range(N)]
+    stack = Prestack(Recorder(), N)
+    fed = feed_all(stack, samples)
+    assert stack.stacked == {}
+    batch = collate_prestacked(fed, False, Recorder(), stack.stacked)
+    assert (batch[left] == 1).all()
+    assert (batch[right] == 2).all()
+
+
+def test_zero_dimensional_leaves_are_left_to_collation() -> None:
+    samples = [{"x": np.array(float(i))} for i in range(MIN_BATCH_BYTES // 8)]
+    stack = Prestack(Recorder(), len(samples))
+    fed = feed_all(stack, samples)
+    assert stack.stacked == {}
+    assert fed[3] is samples[3]
+
+
+def test_memmap_slices_are_stacked_beside_plain_arrays(tmp_path: Any) -> None:
+    stored = np.lib.format.open_memmap(tmp_path / "x.npy", "w+", np.float32, (N, *BIG))
+    stored[...] = np.arange(N, dtype=np.float32)[:, None, None, None]
+    stored.flush()
+    loaded = np.load(tmp_path / "x.npy", mmap_mode="r")
+    samples = [loaded[i] if i % 2 else np.array(loaded[i]) for i in range(N)]
+    assert isinstance(samples[1], np.memmap)
+    alloc = Recorder()
+    stack = Prestack(alloc, N)
+    fed = feed_all(stack, samples)
+    assert list(stack.stacked) == ["batch"]
+    same(collate_prestacked(fed, True, alloc, stack.stacked), default_collate(samples))
+
+
+def test_masked_arrays_are_left_to_collation() -> None:
+    sample = np.ma.masked_array(image(0), mask=image(0) % 2 == 0)
+    stack = Prestack(Recorder(), N)
+    assert stack.feed(0, sample) is sample
+    assert not stack.active
 
 
 class Cached:
@@ -248,6 +302,34 @@ def test_batch_maker_with_skipping_or_another_collate_does_not_prestack(
     assert len(made) == 1
 
 
+class Mixed:
+    """float32 images, but sample ``odd`` float64: its batch promotes."""
+
+    def __init__(self, odd: int) -> None:
+        self.odd = odd
+
+    def __len__(self) -> int:
+        return 4 * N
+
+    def __getitem__(self, i: int) -> np.ndarray[Any, Any]:
+        return image(i, np.float64 if i == self.odd else np.float32)
+
+
+def test_a_batch_that_breaks_stacking_is_right_and_the_next_ones_are_not_stacked() -> None:
+    dataset = Mixed(odd=N + 5)
+    maker = BatchMaker(dataset, default_collate)
+    nbytes = N * image(0, np.float32).nbytes
+    needed = []
+    for k in range(3):
+        writer = SlotWriter(np.zeros(3 * nbytes, np.uint8))
+        batch = maker.make(BatchRequest(0, k, list(range(k * N, (k + 1) * N))), writer.alloc).batch
+        same(batch, default_collate([dataset[i] for i in range(k * N, (k + 1) * N)]))
+        needed.append(writer.needed_bytes)
+    # Batch 0 stacked as read; batch 1 began so, then promoted: its float32 array goes unused
+    # beside the float64 batch; batch 2 is collated at the end, as before prestacking existed.
+    assert needed == [nbytes, nbytes + 2 * nbytes, nbytes]
+
+
 class Images:
     """Large images, one of them of another dtype when ``odd`` is set."""
 
@@ -255,14 +337,14 @@ class Images:
         self.odd = odd
 
     def __len__(self) -> int:
-        return 4 * N
+        return 12 * N
 
     def __getitem__(self, i: int) -> tuple[np.ndarray[Any, Any], int]:
         return image(i, np.float64 if i == self.odd else np.float32), i
 
 
 @pytest.mark.parametrize("workers", [2, 0])
-@pytest.mark.parametrize("odd", [None, 70], ids=["uniform", "one-promoted"])
+@pytest.mark.parametrize("odd", [None, 9 * N + 3], ids=["uniform", "one-promoted"])
 def test_loader_batches_equal_the_collated_samples(odd: int | None, workers: int) -> None:
     dataset = Images(odd)
     loader = DataLoader(dataset, batch_size=N, num_workers=workers)
@@ -270,7 +352,9 @@ def test_loader_batches_equal_the_collated_samples(odd: int | None, workers: int
         batches = list(loader)
     finally:
         loader.close()
-    assert len(batches) == 4
+    # Twelve batches: the first ones go to segments made for them before any size is known,
+    # the later ones to leased slots, through their writer's alloc.
+    assert len(batches) == 12
     for k, (images, labels) in enumerate(batches):
         expected = default_collate([dataset[i] for i in range(k * N, (k + 1) * N)])
         same([images, labels], expected)
