@@ -31,10 +31,9 @@ from ._distributed import Shard
 from ._errors import WorkerError
 from ._prestack import Prestack
 from ._tree import iter_leaves
-from ._types import EMPTY_BATCH, END, BatchRequest, Made, StreamRequest
+from ._types import EMPTY_BATCH, END, Alloc, BatchRequest, Made, StreamRequest
 
 __all__ = [
-    "Alloc",
     "BatchMaker",
     "StreamCursor",
     "annotate",
@@ -51,7 +50,6 @@ __all__ = [
     "take_async",
 ]
 
-Alloc = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray[Any, Any]]
 
 # Collate functions that can write their output through an ``alloc`` (straight into shared
 # memory). Any other collate_fn is called plainly and its output copied into the slot once.

@@ -50,7 +50,7 @@ from __future__ import annotations
 import copy
 import functools
 import sys
-from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
+from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -59,16 +59,15 @@ from ._errors import CollateError, CollateShapeError, CollateTypeError
 from ._lazy import lazy_module
 from ._mismatch import grouped, key_mismatch, layout_mismatch, positions, type_name
 from ._stacking import stack_into, stack_large
+from ._types import Alloc
 
 if TYPE_CHECKING:
     import torch
 else:  # torch is imported at the first tensor made (see _lazy)
     torch = lazy_module("torch", globals())
 
-__all__ = ["Alloc", "collate_prestacked", "default_collate", "default_convert", "numpy_collate"]
+__all__ = ["collate_prestacked", "default_collate", "default_convert", "numpy_collate"]
 
-Alloc = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray[Any, Any]]
-"""``alloc(shape, dtype)`` returns a writable C-contiguous array of exactly that shape and dtype."""
 
 _INT64 = np.dtype(np.int64)
 _FLOAT64 = np.dtype(np.float64)

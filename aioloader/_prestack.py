@@ -36,14 +36,13 @@ the end would repeat the last one.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["MIN_BATCH_BYTES", "Prestack", "paths"]
+from ._types import Alloc
 
-Alloc = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray[Any, Any]]
+__all__ = ["MIN_BATCH_BYTES", "Prestack", "paths"]
 
 #: A leaf is stacked as it is read when its batch holds at least this many bytes of it: below,
 #: every sample still sits in the CPU's caches when the collate function stacks it.

@@ -59,11 +59,10 @@ from ._batch import (
     stop_as_error,
     users_interrupt,
 )
-from ._collate import Alloc
 from ._distributed import every_nth, stream_share
 from ._errors import WorkerError
 from ._reuse import ReusedBuffers
-from ._types import END, BatchRequest, Made, StreamRequest, stream_state
+from ._types import END, Alloc, BatchRequest, Made, StreamRequest, stream_state
 
 __all__ = [
     "INLINE_ABOVE_S",

@@ -33,13 +33,16 @@ from __future__ import annotations
 import asyncio
 import inspect
 import sys
-from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol, TypeVar, runtime_checkable
+
+import numpy as np
 
 __all__ = [
     "EMPTY_BATCH",
     "END",
+    "Alloc",
     "AsyncDataset",
     "AsyncIterableDataset",
     "BatchRequest",
@@ -106,6 +109,12 @@ class Sampler(Protocol):
     """Yields dataset indices (a sampler) or lists of them (a batch sampler)."""
 
     def __iter__(self) -> Iterator[Any]: ...
+
+
+Alloc = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray[Any, Any]]
+"""``alloc(shape, dtype)`` returns a writable C-contiguous array of exactly that shape and dtype:
+where a collate function places a stacked leaf (a worker's shared-memory slot, memory a loader
+thread reuses)."""
 
 
 class CollateFn(Protocol):

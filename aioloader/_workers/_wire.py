@@ -74,10 +74,9 @@ from typing import Any
 import numpy as np
 
 from .. import _shm
-from .._batch import Alloc
 from .._errors import SharedMemoryError
 from .._tree import iter_leaves, map_tree
-from .._types import BatchRequest, Made, StreamRequest
+from .._types import Alloc, BatchRequest, Made, StreamRequest
 from ._payload import Payload
 from ._raw import RAW_SLOT_MIN_BYTES, RawPlan, RawRef, RawSlotError, Sender, unpack_raw
 
