@@ -12,7 +12,8 @@ sample indices of that epoch's order (``fault_datasets.arm``: each fires exactly
   cancelled task in odd ones): the next ``anext`` must return it. The epoch starts at that
   first ``anext`` and batch 0 cannot come before its deadline, so the consumer surely gives up
   while the batch is in flight, however loaded the machine;
-- every third epoch (1, 4, 7, ...) the consumer breaks out at batch 15, abandoning the rest.
+- every third epoch (1, 4, 7, ...) the consumer breaks out at batch 15, abandoning the rest;
+  the next epoch's faults are armed only once the workers are done with them (``_settle``).
 
 After each epoch: the index checksum (what came plus the collate failure is exactly the
 sampler's batches, in order, up to the break), every armed fault fired, and the process's RSS
@@ -151,6 +152,27 @@ async def _one_epoch(loader: aioloader.DataLoader, epoch: int, broken: bool) -> 
     return run
 
 
+async def _settle(loader: aioloader.DataLoader) -> None:
+    """Wait (2 s at most) until the workers are done with the batches of the epoch just left.
+
+    A ``break`` abandons the batches in flight; a worker already making one finishes it (only
+    queued ones are withdrawn). Arming the next epoch's faults before then would let such a
+    batch fire one of them: a fault spent on a batch nobody waits for, which the next epoch
+    then never re-runs (seen as one retry short)."""
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        stats = loader.statistics()
+        if not (stats.leased_shm_slots or stats.held_shm_slots or stats.in_flight):
+            return
+        gc.collect()
+        await asyncio.sleep(0.01)
+    stats = loader.statistics()
+    raise AssertionError(
+        f"the last epoch's batches were not done within 2 s: {stats.in_flight} in flight, "
+        f"{stats.leased_shm_slots} slots leased, {stats.held_shm_slots} held"
+    )
+
+
 def _check_epoch(run: fd.EpochRun, expected: list[list[int]], broken: bool) -> None:
     [error] = run.errors
     assert isinstance(error, ValueError), repr(error)
@@ -192,6 +214,7 @@ async def run_soak(epochs: int, marker_dir: str, *, deadline_s: float = 1.0) -> 
             figures.epochs += 1
             gc.collect()
             await asyncio.sleep(0)  # the dropped iterator's closing runs on the loop
+            await _settle(loader)  # before the next epoch's faults are armed
             figures.rss.append(me.memory_info().rss)
             figures.worker_rss.append(_worker_rss(loader.worker_pids))
         stats = loader.statistics()
