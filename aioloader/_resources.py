@@ -254,7 +254,9 @@ class Resources:
                     no_room = (
                         self.slots is None and _shm.shm_available() and config.shm_max_bytes is None
                     )
-                    self.runner = ProcessRunner(pool, self.slots, config.prefetch, no_room=no_room)
+                    self.runner = ProcessRunner(
+                        pool, self.slots, config.prefetch, no_room=no_room, timeout=config.timeout
+                    )
                 else:
                     self.runner = ThreadRunner(
                         batch_maker(config, dataset),

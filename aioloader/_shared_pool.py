@@ -154,6 +154,7 @@ class SharedRunner(ProcessRunner):
             copy_id=copy_id,
             abandoned_own=abandoned_own,
             no_room=no_room,
+            timeout=config.timeout,
         )
         self._seed = config.seed
         self._per_batch_seeds = config.worker_seeding == "batch"

@@ -79,9 +79,12 @@ def visits(marker_dir: str, index: int) -> list[tuple[int, float]]:
         path = os.path.join(marker_dir, f"visit-{index}-{visit}")
         try:
             with open(path) as f:
-                pid, when = f.read().split()
+                fields = f.read().split()
         except FileNotFoundError:
             return out
+        if len(fields) != 2:  # claimed, not yet written (read while a worker records it)
+            return out
+        pid, when = fields
         out.append((int(pid), float(when)))
         visit += 1
 

@@ -303,6 +303,62 @@ async def test_batch_queued_behind_a_hung_one_does_not_time_out(tmp_path: Path) 
     fd.assert_exact(run, fd.sequential_batches(16, 4))
 
 
+async def _leave_while_running(loader: aioloader.DataLoader, marks: str, index: int) -> int:
+    """Take one batch, wait until a worker reads sample ``index`` (it hangs there), then leave
+    the epoch; the pid of the worker that hangs."""
+    it = aiter(loader)
+    async with asyncio.timeout(fd.SCENARIO_TIMEOUT_S):
+        await anext(it)
+        while not fd.visits(marks, index):
+            await asyncio.sleep(0.01)
+    [(hung, _)] = fd.visits(marks, index)
+    await it.aclose()
+    return hung
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "renewed"])
+async def test_a_batch_its_epoch_gave_up_that_hangs_does_not_hold_up_the_next(
+    tmp_path: Path, persistent: bool
+) -> None:
+    # One worker. The consumer leaves the epoch while the worker runs batch 1, which hangs:
+    # nobody awaits it any more, and the next epoch's batches queue behind it in that worker,
+    # where their own deadlines have not begun. The worker is killed once the given-up batch
+    # has run past the deadline, and the next epoch comes whole from its replacement.
+    marks = str(tmp_path)
+    ds = fd.Faulty(16, faults={5: fd.HANG}, marker_dir=marks)
+    async with fd.make_loader(
+        ds, num_workers=1, prefetch=2, timeout=0.5, persistent_workers=persistent
+    ) as loader:
+        hung = await _leave_while_running(loader, marks, 5)
+        run = await fd.run_epoch(aiter(loader))
+        stats = loader.statistics()
+    assert run.errors == []
+    assert run.batches == fd.sequential_batches(16, 4)
+    assert stats.worker_restarts == 1
+    assert fd.wait_gone([hung]) == []
+
+
+async def test_a_given_up_batch_that_hangs_does_not_hold_up_another_loader_on_the_pool(
+    tmp_path: Path,
+) -> None:
+    marks = str(tmp_path)
+    async with aioloader.WorkerPool(1) as pool:
+        hanging = fd.make_loader(
+            fd.Faulty(16, faults={5: fd.HANG}, marker_dir=marks),
+            workers=pool,
+            num_workers=1,
+            timeout=0.5,
+        )
+        other = fd.make_loader(fd.Faulty(12), workers=pool, num_workers=1, timeout=0.5)
+        async with hanging, other:
+            hung = await _leave_while_running(hanging, marks, 5)
+            run = await fd.run_epoch(aiter(other))
+        assert run.errors == []
+        assert run.batches == fd.sequential_batches(12, 4)
+        assert hung not in pool.worker_pids
+    assert fd.wait_gone([hung]) == []
+
+
 # -- rows 10 and 12: the consumer stops early --------------------------------------------------
 
 

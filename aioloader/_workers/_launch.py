@@ -20,6 +20,8 @@ is tried again by the job itself, so that its error reaches that job's caller.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import threading
 import time
@@ -52,7 +54,7 @@ class Worker:
     outstanding: int = 0
     process: Any = None  # this generation's process, once launched
     served: bool = False  # this generation's process answered a job: it started fine
-    killed: bool = False  # this generation's process was killed by kill_holding (it hung)
+    killed: bool = False  # this generation's process was killed by kill() (it hung)
     failed_starts: int = 0  # consecutive generations that died before answering any job
     # Copies sent to this process by id, the last one sent, released ids it may still hold:
     loaded: dict[int, DatasetCopy] = field(default_factory=dict)
@@ -64,6 +66,18 @@ class Worker:
     stopping: bool = False  # found hung while starting: one job deals with it (see _reply)
     hang: Hang | None = None  # why it was killed while starting (set before the kill)
     lock: threading.Lock = field(default_factory=threading.Lock)  # its launch, its stop
+
+    def kill(self) -> int | None:
+        """SIGKILL this generation's process (it hung), its death then being ours (see
+        ``WorkerPool._on_broken``); its pid, or None if it has none."""
+        process = self.process
+        if process is None:
+            return None
+        pid = int(process.pid)
+        self.killed = True
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        return pid
 
 
 class Launcher:

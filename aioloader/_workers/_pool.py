@@ -51,7 +51,8 @@ Sharp edges:
   (:func:`._exits.reap`).
 - A job whose awaiting task is cancelled keeps running in the worker; ``on_abandon`` is called
   once the worker is really done with it (or dead), so a shared-memory slot is never reused
-  while a worker may still write into it.
+  while a worker may still write into it. Under a deadline, a worker that runs such a job
+  past it is killed (:mod:`._abandoned`): nothing else would free the jobs behind it.
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ import asyncio
 import contextlib
 import multiprocessing
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -73,6 +73,7 @@ from typing import Any, TypeVar
 from .._errors import WorkerInitError
 from .._log import workers_log
 from . import _exits
+from ._abandoned import watch_abandoned
 from ._cells import Cells
 from ._channel import Channel, open_channel
 from ._copy import DatasetCopy
@@ -315,6 +316,8 @@ class WorkerPool:
         on_abandon: Callable[[], None] | None = None,
         resubmit_innocent: bool = True,
         copy_id: int = 0,
+        tag: int | None = None,
+        hang_after: float | None = None,
     ) -> R:
         """Run ``fn(job)`` in a worker and await its reply without blocking the loop.
 
@@ -333,20 +336,25 @@ class WorkerPool:
         Args:
             fn: what the worker runs (a module-level function: it is pickled by reference).
             job: its argument.
-            batch_id: the batch the job makes: a crash is blamed on the job whose batch the
-                worker was running.
+            batch_id: the batch the job makes, for errors.
             worker: the worker to run it on (a stream's own); None picks the least loaded.
             on_abandon: called once the worker is done with a job whose awaiting task was
                 cancelled.
             resubmit_innocent: resubmit a job that was only queued behind a crash.
             copy_id: the dataset copy the job runs with (its loader's, on a shared pool).
+            tag: what the worker publishes while it runs the job (``_wire.running_tag``), if
+                it publishes one: a crash is blamed on the job whose tag it published. None:
+                ``running_tag(copy_id, batch_id)``.
+            hang_after: the batch deadline, if any: a job given up while it runs is watched
+                under it (:mod:`._abandoned`).
 
         Raises:
             WorkerCrashedError: the worker died while running this job.
             WorkerInitError: the worker keeps dying while it starts.
             TypeError: the dataset copy cannot be pickled (names what).
         """
-        tag = running_tag(copy_id, batch_id)
+        if tag is None:
+            tag = running_tag(copy_id, batch_id)
         while True:
             if self._closed:
                 raise RuntimeError("the worker pool is closed")
@@ -395,6 +403,8 @@ class WorkerPool:
             except asyncio.CancelledError:
                 if job_id is not None:  # on_abandon runs once the worker is done with it
                     channel.abandon(job_id, on_abandon)
+                    if hang_after is not None and not channel.answered(job_id):
+                        watch_abandoned(w, job_id, tag, hang_after, self._cells.current)
                 elif on_abandon is not None:  # cancelled before it was sent
                     on_abandon()
                 raise
@@ -516,22 +526,15 @@ class WorkerPool:
         if not self._closed:
             w.channel, w.child_pipes, w.stacks = self._new_worker()
 
-    def is_running(self, batch_id: int, copy_id: int = 0) -> bool:
-        """Whether a worker runs ``batch_id`` of copy ``copy_id`` now (not merely queued)."""
-        return any(
-            int(self._cells.current[w.id]) == running_tag(copy_id, batch_id) for w in self._workers
-        )
+    def is_running(self, tag: int) -> bool:
+        """Whether a worker runs the job tagged ``tag`` now (not merely queued)."""
+        return any(int(self._cells.current[w.id]) == tag for w in self._workers)
 
-    def kill_holding(self, batch_id: int, copy_id: int = 0) -> int | None:
-        """Kill the worker running ``batch_id`` of copy ``copy_id`` (hung); returns its pid."""
-        tag = running_tag(copy_id, batch_id)
+    def kill_holding(self, tag: int) -> int | None:
+        """Kill the worker running the job tagged ``tag`` (hung); returns its pid."""
         for w in self._workers:
             if int(self._cells.current[w.id]) == tag and w.process is not None:
-                pid = int(w.process.pid)
-                w.killed = True  # its death is ours: see _on_broken
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                return pid
+                return w.kill()
         return None
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ carried fetched samples is the job's slot: the same rules hold for it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ from .._types import BatchRequest, InlineMaking, Made, StreamRequest
 from ._frames import Packed
 from ._payload import Payload
 from ._pool import WorkerPool
-from ._wire import MapJob, OwnSlot, RawSlotError, Receiver, Sender, StreamJob
+from ._wire import MapJob, OwnSlot, RawSlotError, Receiver, Sender, StreamJob, running_tag
 from ._worker import run_map_job, run_stream_job
 
 __all__ = ["ProcessRunner"]
@@ -44,6 +45,8 @@ class ProcessRunner:
         abandoned_own: where to note the segment names of jobs given up while a worker may
             still make them (see ``__init__``); the runner's own set when None. A shared
             pool passes its set, which it sweeps when it stops the workers.
+        timeout: the batch deadline; a job given up while it runs past it has its worker
+            killed (``WorkerPool.submit``'s ``hang_after``).
     """
 
     inline: InlineMaking | None = None  # every batch is a worker's
@@ -57,8 +60,10 @@ class ProcessRunner:
         copy_id: int = 0,
         abandoned_own: set[str] | None = None,
         no_room: bool = False,
+        timeout: float | None = None,
     ) -> None:
         self.pool = pool
+        self.timeout = timeout
         self.slots = slots
         self.copy_id = copy_id
         self._receiver = Receiver(slots, prefetch, no_room=no_room)
@@ -67,6 +72,10 @@ class ProcessRunner:
         self._abandoned_own: set[str] = set() if abandoned_own is None else abandoned_own
         self._sender = Sender(slots)
         self._restarts_logged = pool.rebuilds  # worker replacements said in the log so far
+        # Each attempt at a batch has a tag of its own (see _wire.running_tag); the deadline
+        # asks about a batch id, which means its newest attempt.
+        self._numbers = itertools.count()
+        self._attempts: dict[int, int] = {}  # batch id -> tag of its attempt under way
 
     @property
     def streams(self) -> int:
@@ -126,6 +135,7 @@ class ProcessRunner:
             plan = self._sender.plan(request)  # fetched samples' bytes to send in the slot
         slot = await self._receiver.lease(plan.nbytes if plan is not None else 0)
         release = self._receiver.releaser(slot)
+        tag = running_tag(self.copy_id, next(self._numbers))
         job: MapJob | StreamJob
         if isinstance(request, BatchRequest):
             wire = request
@@ -136,9 +146,10 @@ class ProcessRunner:
                     if release is not None:
                         release()
                     raise
-            job = MapJob(wire, slot, raw_in_slot=wire is not request, copy_id=self.copy_id)
+            job = MapJob(wire, slot, wire is not request, self.copy_id, tag)
         else:
-            job = StreamJob(request, slot, copy_id=self.copy_id)
+            job = StreamJob(request, slot, self.copy_id, tag)
+        self._attempts[request.batch_id] = tag
         try:
             made: Made = await self.pool.submit(
                 fn,
@@ -148,6 +159,8 @@ class ProcessRunner:
                 on_abandon=release,
                 resubmit_innocent=worker is None,
                 copy_id=self.copy_id,
+                tag=tag,
+                hang_after=self.timeout,
             )
         except BaseException as exc:
             if isinstance(slot, OwnSlot):  # unlinked again at close (see __init__)
@@ -163,6 +176,9 @@ class ProcessRunner:
             assert isinstance(slot, _shm.Slot)
             self._sender.lost(slot, exc)
             return await self._run(fn, request, worker, pickled=True)
+        finally:
+            if self._attempts.get(request.batch_id) == tag:
+                del self._attempts[request.batch_id]
         if self.pool.rebuilds > self._restarts_logged:  # a worker died with nothing of ours
             self._log_restarts(None)
         return self._receiver.open(made, slot)
@@ -178,11 +194,13 @@ class ProcessRunner:
 
     def is_running(self, batch_id: int) -> bool:
         """Whether a worker runs ``batch_id`` now (not merely has it queued)."""
-        return self.pool.is_running(batch_id, self.copy_id)
+        tag = self._attempts.get(batch_id)
+        return tag is not None and self.pool.is_running(tag)
 
     def on_deadline(self, batch_id: int) -> int | None:
         """Kill the worker that runs ``batch_id`` (it hung); returns its pid, if one was."""
-        pid = self.pool.kill_holding(batch_id, self.copy_id)
+        tag = self._attempts.get(batch_id)
+        pid = self.pool.kill_holding(tag) if tag is not None else None
         if pid is not None:
             # Said here, with its cause; the replacement this causes is then not said again.
             self._restarts_logged += 1

@@ -108,17 +108,19 @@ INLINE_MAX_BYTES = _shm.INLINE_MAX_BYTES
 
 _log = logging.getLogger("aioloader.shm")
 
-# A worker publishes the job it runs as one int64 (see :func:`running_tag`): the batch id below
-# this span, the dataset copy's id above it. Batch ids stay below 2**40 and copy ids (one per
-# loader on a shared pool) below 2**23, so a tag fits, and copy 0's tag is ``batch_id + 1``.
+# A worker publishes the job it runs as one int64 (see :func:`running_tag`): the job's number
+# below this span, the dataset copy's id above it. Job numbers stay below 2**40 and copy ids
+# (one per loader on a shared pool) below 2**23, so a tag fits.
 COPY_TAG_SPAN = 1 << 40
 
 
-def running_tag(copy_id: int, batch_id: int) -> int:
-    """What a worker publishes while it runs ``batch_id`` of dataset copy ``copy_id`` (0 while
-    it runs nothing): two loaders sharing the workers number their batches alike, and a crash
-    or a deadline must name the right one."""
-    return copy_id * COPY_TAG_SPAN + batch_id + 1
+def running_tag(copy_id: int, number: int) -> int:
+    """What a worker publishes while it runs job ``number`` of dataset copy ``copy_id`` (0 while
+    it runs nothing). A loader numbers each attempt at a batch afresh (``ProcessRunner``), not
+    by batch id: a batch given up with its epoch may still run when the next epoch's batch of
+    the same id does, and two loaders sharing the workers number their batches alike; a crash
+    or a deadline must name the right attempt."""
+    return copy_id * COPY_TAG_SPAN + number + 1
 
 
 # -- out: the jobs -------------------------------------------------------------------------
@@ -167,6 +169,7 @@ class MapJob:
     slot: _shm.Slot | OwnSlot | None
     raw_in_slot: bool = False
     copy_id: int = 0
+    tag: int = 0  # what the worker publishes while it runs the job (running_tag)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +180,7 @@ class StreamJob:
     request: StreamRequest
     slot: _shm.Slot | OwnSlot | None
     copy_id: int = 0
+    tag: int = 0  # what the worker publishes while it runs the job (running_tag)
 
 
 # -- back: the parcel ----------------------------------------------------------------------

@@ -86,7 +86,7 @@ from ._cells import Cells, Column
 from ._channel import serve_over
 from ._frames import Packed, pack_result, picklable
 from ._info import WorkerInfo
-from ._wire import LoadJob, MapJob, OwnSlot, Packer, StreamJob, inline, running_tag, unpack_raw
+from ._wire import LoadJob, MapJob, OwnSlot, Packer, StreamJob, inline, unpack_raw
 from ._zygote import SHED_SIGNALS, Held, name_process, shed_parent_state
 
 __all__ = [
@@ -174,7 +174,7 @@ class _WorkerState:
     num_workers: int
     seed: int  # the seed the worker started with: its copies' unless a LoadJob says
     per_batch_seeds: bool  # likewise, worker_seeding='batch'
-    current: Column[int]  # the running job's tag (_wire.running_tag), 0 when idle (see _cells)
+    current: Column[int]  # the running job's tag (its MapJob.tag), 0 when idle (see _cells)
     loading: Column[float]  # time.monotonic() a copy's load began, 0.0 when none
     pipes: tuple[Connection, Connection]  # this worker's (requests, replies)
     stacks: Connection  # where STACK_SIGNAL's handler writes the stacks (kept open for it)
@@ -364,7 +364,7 @@ def run_map_job(job: MapJob) -> Packed[Made]:
     a :class:`._wire.Parcel`, packed for the reply (see :func:`_packed`)."""
     state, copy = _state(job.copy_id)
     request = job.request
-    _begin(state, copy, job.copy_id, request)
+    _begin(state, copy, job, request)
     try:
         if job.raw_in_slot:  # the fetched samples' bytes, out of the slot the batch goes into
             assert isinstance(job.slot, Slot)
@@ -379,7 +379,7 @@ def run_stream_job(job: StreamJob) -> Packed[Made]:
     out): a :class:`~aioloader._types.Made` as :func:`run_map_job` makes it."""
     state, copy = _state(job.copy_id)
     request = job.request
-    _begin(state, copy, job.copy_id, request)
+    _begin(state, copy, job, request)
     try:
         started = time.perf_counter()
         try:
@@ -415,14 +415,14 @@ def _state(copy_id: int) -> tuple[_WorkerState, _Copy]:
 
 
 def _begin(
-    state: _WorkerState, copy: _Copy, copy_id: int, request: BatchRequest | StreamRequest
+    state: _WorkerState, copy: _Copy, job: MapJob | StreamJob, request: BatchRequest | StreamRequest
 ) -> None:
     """Publish the job this worker now runs (first: a deadline asks for it), the worker info
     of its copy (another loader's ran before it, on a shared pool), then seed."""
-    state.current[state.worker_id] = running_tag(copy_id, request.batch_id)
-    if state.active != copy_id:
+    state.current[state.worker_id] = job.tag
+    if state.active != job.copy_id:
         _info.publish(copy.info)
-        state.active = copy_id
+        state.active = job.copy_id
     if copy.per_batch_seeds:
         _info.seed_everything(copy.seed, request.epoch, request.batch_id)
     _info.catch_up()  # a backstop: what the import hook did not see
