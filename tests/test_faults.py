@@ -31,6 +31,7 @@ from pathlib import Path
 import fault_datasets as fd
 import pytest
 from datasets import Slow
+from helpers import until
 
 import aioloader
 from aioloader import _shm
@@ -309,8 +310,7 @@ async def _leave_while_running(loader: aioloader.DataLoader, marks: str, index: 
     it = aiter(loader)
     async with asyncio.timeout(fd.SCENARIO_TIMEOUT_S):
         await anext(it)
-        while not fd.visits(marks, index):
-            await asyncio.sleep(0.01)
+    await until(lambda: bool(fd.visits(marks, index)))
     [(hung, _)] = fd.visits(marks, index)
     await it.aclose()
     return hung
