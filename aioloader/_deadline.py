@@ -3,14 +3,17 @@
 ::
 
     produce task ──attempt()──▶ runner future ──(done)──▶ Made
-         │  every `timeout` s of waiting: is the runner working on it (not merely queued)?
-         │     yes ─▶ runner.on_deadline(batch): the worker is killed ─▶ retry or LoaderTimeoutError
-         │     no  ─▶ the clock starts again: time queued behind another batch is not its time
+         │  a look every timeout/LOOKS s: is the runner working on it (not merely queued)?
+         │     seen running for `timeout` s ─▶ runner.on_deadline: the worker is killed
+         │                                     ─▶ retry or LoaderTimeoutError
+         │     queued ─▶ its clock starts again: time queued behind another batch is not its time
          └─ WorkerCrashedError ─▶ retry (max_retries) or the error, annotated with the batch
 
 Deadlines measure producer time: a batch's clock starts when its attempt starts (after its
-permit was taken), so a slow consumer never causes a timeout. A retry is a fresh attempt with a
-fresh clock.
+permit was taken), so a slow consumer never causes a timeout, and runs only while the runner
+works on it. A batch has run at least ``timeout`` when it is stopped (counted from the first
+look that saw it running), and at most ``timeout`` plus two looks. A retry is a fresh attempt
+with a fresh clock.
 
 Cancellation edges: cancelling the waiting task cancels the attempt's future (a runner then
 releases what the job held once its worker is done with it) and re-raises.
@@ -28,9 +31,13 @@ from ._batch import annotate
 from ._errors import LoaderTimeoutError, WorkerCrashedError
 from ._log import workers_log
 from ._stats import Counters
-from ._types import Made, Runner
+from ._types import BatchRequest, Made, Runner, StreamRequest
 
-__all__ = ["DeadlinePolicy", "run_attempts", "timeout_error"]
+__all__ = ["LOOKS", "DeadlinePolicy", "run_attempts", "timeout_error"]
+
+#: Looks per deadline at whether a batch runs. More: a batch is stopped closer to its deadline
+#: after it began running (at most 2/LOOKS of it late); fewer: fewer wake-ups per batch.
+LOOKS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +58,7 @@ class DeadlinePolicy:
 async def run_attempts(
     attempt: Callable[[], Awaitable[Made]],
     *,
-    batch_id: int,
+    request: BatchRequest | StreamRequest,
     describe: Callable[[], str],
     runner: Runner,
     policy: DeadlinePolicy,
@@ -62,7 +69,8 @@ async def run_attempts(
 
     Args:
         attempt: starts one attempt and returns what to await for its :class:`Made`.
-        batch_id: the batch, for errors and for asking the runner about it.
+        request: the batch's request, the object ``attempt`` gives the runner: the runner is
+            asked about it (running? kill it), its batch id named in errors.
         describe: what the batch is (its indices, a stream), for errors; called only then.
         runner: where the batch runs (asked whether it is running, and to kill it).
         policy: the deadline and retry settings.
@@ -74,6 +82,7 @@ async def run_attempts(
         WorkerCrashedError: its worker died on its last attempt (annotated with the batch).
         BaseException: the user's own error from making the batch, unchanged.
     """
+    batch_id = request.batch_id
     may_retry = retry and policy.max_retries > 0
     if policy.timeout is None and not may_retry:
         # The common case, kept lean: no extra task per batch.
@@ -86,7 +95,7 @@ async def run_attempts(
     while True:
         job = asyncio.ensure_future(attempt())
         try:
-            timed_out, started = await _await_job(job, batch_id, runner, policy)
+            timed_out, started = await _await_job(job, request, runner, policy)
         except WorkerCrashedError as exc:
             if may_retry and tries < policy.max_retries:
                 tries += 1
@@ -98,7 +107,7 @@ async def run_attempts(
         if not timed_out:
             return job.result()
         counters.timeouts += 1
-        pid = runner.on_deadline(batch_id)
+        pid = runner.on_deadline(request)
         job.cancel()
         await asyncio.gather(job, return_exceptions=True)
         if may_retry and tries < policy.max_retries:
@@ -118,7 +127,10 @@ def _log_rerun(batch_id: int, retry: int, retries: int, why: str) -> None:
 
 
 async def _await_job(
-    job: asyncio.Future[Any], batch_id: int, runner: Runner, policy: DeadlinePolicy
+    job: asyncio.Future[Any],
+    request: BatchRequest | StreamRequest,
+    runner: Runner,
+    policy: DeadlinePolicy,
 ) -> tuple[bool, float]:
     """Wait for ``job``; ``(True, start)`` once it ran past the deadline, else ``(False, _)``
     with the job done (its exception, if any, raised)."""
@@ -128,13 +140,19 @@ async def _await_job(
         if timeout is None:
             await asyncio.wait([job])
         else:
+            loop = asyncio.get_running_loop()
+            running_since: float | None = None  # the first look that saw it running
             while True:
-                done, _ = await asyncio.wait([job], timeout=timeout)
+                done, _ = await asyncio.wait([job], timeout=timeout / LOOKS)
                 if done:
                     break
-                if runner.is_running(batch_id):
+                if not runner.is_running(request):
+                    running_since = None
+                    started = policy.clock()  # still queued: its time has not begun
+                elif running_since is None:
+                    running_since = loop.time()  # it began since the last look
+                elif loop.time() - running_since >= timeout:
                     return True, started
-                started = policy.clock()  # still queued: its time has not begun
     except asyncio.CancelledError:
         job.cancel()
         raise

@@ -511,10 +511,9 @@ class Producer:
     async def _produce_request(self, request: BatchRequest) -> None:
         self._store(
             await self._attempts(
-                request.batch_id,
+                request,
                 lambda: self._runner.start_make(request),
                 lambda: indices_text(request),
-                request=request,
             )
         )
 
@@ -523,7 +522,7 @@ class Producer:
     ) -> None:
         stream = reader[0]  # (stream, seq)
         outcome = await self._attempts(
-            request.batch_id,
+            request,
             lambda: self._runner.pull(request, stream),
             lambda: f"the stream of worker {stream}",
             retry=False,  # a stream cannot be rewound: a lost batch is an error, never a re-read
@@ -535,18 +534,18 @@ class Producer:
 
     async def _attempts(
         self,
-        batch_id: int,
+        request: BatchRequest | StreamRequest,
         attempt: Callable[[], Awaitable[Made]],
         describe: Callable[[], str],
         *,
         retry: bool = True,
-        request: BatchRequest | None = None,
         reader: tuple[int, int] | None = None,
     ) -> Outcome:
+        batch_id = request.batch_id
         try:
             made = await run_attempts(
                 attempt,
-                batch_id=batch_id,
+                request=request,
                 describe=describe,
                 runner=self._runner,
                 policy=self._policy,
@@ -561,7 +560,9 @@ class Producer:
             stream, seq = reader
             streams = self._runner.streams
             self._positions[batch_id] = StreamPosition(stream, streams, made.position, seq)
-        return self._accounted(batch_id, made, request)
+        return self._accounted(
+            batch_id, made, request if isinstance(request, BatchRequest) else None
+        )
 
     def _bytes(self, made: Made) -> int:
         """Bytes of the arrays and tensors of ``made``, walked or estimated (see

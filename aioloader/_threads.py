@@ -180,7 +180,7 @@ class ThreadRunner:
 
         self._cursor = StreamCursor(open_stream, lambda: stream_state(maker.dataset))
         self._stream_lock = threading.Lock()  # one stream, pulled by one thread at a time
-        self._running: set[int] = set()  # batch ids a thread works on now
+        self._running: set[int] = set()  # ids of the requests a thread works on now
         # Large leaves of the batches made on the threads go to memory reused from batch to
         # batch (see _reuse); batches made inline are cheap, and small.
         self.buffers = ReusedBuffers(keep=2 * (prefetch + threads + 1))
@@ -220,7 +220,7 @@ class ThreadRunner:
         return self._threads.run(self._make, request)
 
     def _make(self, request: BatchRequest) -> Made:
-        self._running.add(request.batch_id)  # set.add/discard are atomic: no lock needed
+        self._running.add(id(request))  # set.add/discard are atomic: no lock needed
         try:
             inline = self.inline
             alloc = self.buffers.alloc
@@ -236,13 +236,13 @@ class ThreadRunner:
                 raise  # the user's own error, as it is
             raise _not_an_exit(exc, request.batch_id) from None
         finally:
-            self._running.discard(request.batch_id)
+            self._running.discard(id(request))
 
     async def pull(self, request: StreamRequest, stream: int) -> Made:
         return await self._threads.run(self._pull, request)
 
     def _pull(self, request: StreamRequest) -> Made:
-        self._running.add(request.batch_id)
+        self._running.add(id(request))
         try:
             with self._stream_lock:
                 samples, position = self._cursor.next_samples(request)
@@ -256,17 +256,17 @@ class ThreadRunner:
                 raise  # the user's own error, as it is
             raise _not_an_exit(exc, request.batch_id) from None
         finally:
-            self._running.discard(request.batch_id)
+            self._running.discard(id(request))
 
-    def is_running(self, batch_id: int) -> bool:
-        return batch_id in self._running
+    def is_running(self, request: BatchRequest | StreamRequest) -> bool:
+        return id(request) in self._running  # alive while its attempt runs: the id is its own
 
     def stop_if_idle(self) -> bool:
         """If no batch is queued or being made on a thread, take no more and say so:
         :meth:`close` then returns at once."""
         return self._threads.stop_if_idle()
 
-    def on_deadline(self, batch_id: int) -> int | None:
+    def on_deadline(self, request: BatchRequest | StreamRequest) -> int | None:
         return None  # a thread cannot be killed; its late result is dropped
 
     def close(self) -> None:

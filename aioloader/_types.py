@@ -379,13 +379,16 @@ class Runner(Protocol):
         """Make the next batch of stream ``stream`` (``Made.batch is END`` once it ran out)."""
         ...
 
-    def is_running(self, batch_id: int) -> bool:
-        """Whether ``batch_id`` is being worked on now (not merely queued)."""
+    def is_running(self, request: BatchRequest | StreamRequest) -> bool:
+        """Whether the batch of ``request`` (the object given to :meth:`start_make` or
+        :meth:`pull`) is being worked on now, not merely queued. By the object, not the batch
+        id: ids repeat every epoch, and a batch given up with its epoch, or another
+        iterator's, may run beside this one."""
         ...
 
-    def on_deadline(self, batch_id: int) -> int | None:
-        """``batch_id`` missed its deadline: stop what runs it if possible; returns the pid of
-        a killed worker process, if one was killed."""
+    def on_deadline(self, request: BatchRequest | StreamRequest) -> int | None:
+        """The batch of ``request`` missed its deadline: stop what runs it if possible;
+        returns the pid of a killed worker process, if one was killed."""
         ...
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -309,6 +309,22 @@ class Armed:
         if action is not None:
             fire(action, index)
         return np.full(self.shape, index % 256, dtype=np.uint8)
+
+
+@dataclass
+class HangingStream:
+    """An iterable dataset of ``0 .. n-1`` whose first visit of ``hang_at`` (in any worker)
+    hangs; later visits go on."""
+
+    n: int
+    hang_at: int
+    marker_dir: str
+
+    def __iter__(self) -> Iterator[int]:
+        for i in range(self.n):
+            if i == self.hang_at and claim_visit(self.marker_dir, i) == 0:
+                time.sleep(HANG_S)
+            yield i
 
 
 @dataclass(frozen=True)

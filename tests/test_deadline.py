@@ -68,11 +68,11 @@ class FakeRunner:
     async def pull(self, request: StreamRequest, stream: int) -> Made:
         raise NotImplementedError
 
-    def is_running(self, batch_id: int) -> bool:
+    def is_running(self, request: BatchRequest | StreamRequest) -> bool:
         return self.running
 
-    def on_deadline(self, batch_id: int) -> int | None:
-        self.killed.append(batch_id)
+    def on_deadline(self, request: BatchRequest | StreamRequest) -> int | None:
+        self.killed.append(request.batch_id)
         return 4242
 
     def close(self) -> None:
@@ -109,7 +109,7 @@ async def run(
     return await asyncio.wait_for(
         run_attempts(
             attempt,
-            batch_id=7,
+            request=BatchRequest(0, 7, [1, 2, 3]),
             describe=lambda: "indices [1, 2, 3]",
             runner=runner,
             policy=policy,
@@ -202,6 +202,23 @@ async def test_time_queued_behind_another_batch_does_not_count() -> None:
     assert runner.killed == []
     gate.set_result(Made(batch="late but fine"))
     assert (await task).batch == "late but fine"
+
+
+async def test_a_batch_that_began_late_gets_its_whole_deadline_once_running() -> None:
+    """Queued for most of a deadline, then running for less than one: not timed out (a look
+    that found it running just after it began must not count the time it was queued)."""
+    runner = FakeRunner(running=False)
+    loop = asyncio.get_running_loop()
+    gate: asyncio.Future[Made] = loop.create_future()
+    loop.call_later(0.3, setattr, runner, "running", True)  # begins at 0.3 s
+    loop.call_later(0.6, gate.set_result, Made(batch="ran 0.3 s of its 0.5 s"))
+
+    async def attempt() -> Made:
+        return await gate
+
+    made = await run(attempt, runner, DeadlinePolicy(0.5, 0), Counters())
+    assert made.batch == "ran 0.3 s of its 0.5 s"
+    assert runner.killed == []
 
 
 async def test_cancelling_the_wait_cancels_the_attempt() -> None:

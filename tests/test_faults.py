@@ -338,6 +338,52 @@ async def test_a_batch_its_epoch_gave_up_that_hangs_does_not_hold_up_the_next(
     assert fd.wait_gone([hung]) == []
 
 
+async def test_a_second_iterator_behind_the_firsts_hung_batch_is_not_taken_for_it(
+    tmp_path: Path,
+) -> None:
+    # Iterator A's batch 1 hangs; iterator B starts meanwhile (both run a full epoch, as
+    # torch's do) and its batches 0 and 1 queue behind it in the one worker. A's batch 1 must
+    # miss its deadline (its worker killed), and B's batches come from the replacement: B's
+    # batch 1 is not A's batch 1 because they share a batch id.
+    marks = str(tmp_path)
+    ds = fd.Faulty(16, faults={5: fd.HANG}, marker_dir=marks)
+    async with fd.make_loader(ds, num_workers=1, prefetch=2, timeout=0.5) as loader:
+        a = aiter(loader)
+        async with asyncio.timeout(fd.SCENARIO_TIMEOUT_S):
+            await anext(a)
+        await until(lambda: bool(fd.visits(marks, 5)))
+        b = aiter(loader)
+        second = await fd.run_epoch(b)
+        first = await fd.run_epoch(a)
+    assert second.errors == []
+    assert second.batches == fd.sequential_batches(16, 4)
+    assert [fd.failed_batch_id(e) for e in first.errors] == [1]
+    assert isinstance(first.errors[0], aioloader.LoaderTimeoutError)
+    assert first.batches == fd.sequential_batches(16, 4)[2:]
+
+
+async def test_a_given_up_stream_pull_that_hangs_fails_the_next_epochs_pulls_saying_so(
+    tmp_path: Path,
+) -> None:
+    # An iterable dataset: a pull queued behind the killed worker cannot go to the
+    # replacement (only the dead worker's iterator knew where its stream stood). Its epoch
+    # fails, saying the loader killed the worker, not the out-of-memory killer; the next
+    # epoch is whole.
+    marks = str(tmp_path)
+    ds = fd.HangingStream(16, 5, marks)
+    async with fd.make_loader(ds, num_workers=1, prefetch=2, timeout=0.5) as loader:
+        hung = await _leave_while_running(loader, marks, 5)
+        broken = await fd.run_epoch(aiter(loader))
+        whole = await fd.run_epoch(aiter(loader))
+    assert broken.errors, "the pulls queued behind the killed worker came back"
+    for error in broken.errors:
+        assert isinstance(error, aioloader.WorkerCrashedError), repr(error)
+        assert f"pid {hung}) was killed by the loader" in str(error), str(error)
+        assert "waited behind another job" in str(error), str(error)
+    assert whole.errors == []
+    assert whole.batches == fd.sequential_batches(16, 4)
+
+
 async def test_a_given_up_batch_that_hangs_does_not_hold_up_another_loader_on_the_pool(
     tmp_path: Path,
 ) -> None:

@@ -90,9 +90,11 @@ async def test_closing_names_a_thread_stuck_in_user_code(monkeypatch: pytest.Mon
     monkeypatch.setattr(_threads, "THREAD_JOIN_TIMEOUT_S", 0.1)
     dataset = Gated()
     runner = ThreadRunner(BatchMaker(dataset, default_collate), threads=1)
-    stuck = runner.start_make(BatchRequest(0, 0, [0, 1]))
+    request = BatchRequest(0, 0, [0, 1])
+    stuck = runner.start_make(request)
     await asyncio.to_thread(dataset.reading.wait, 5.0)
-    assert runner.is_running(0)
+    assert runner.is_running(request)
+    assert not runner.is_running(BatchRequest(1, 0, [0, 1]))  # the same batch id, another epoch
     try:
         with pytest.warns(ResourceWarning, match=r"1 loader thread\(s\) still run user code"):
             runner.close()

@@ -36,12 +36,12 @@ def watch_abandoned(w: Worker, job_id: int, tag: int, after: float, current: Col
         current: the pool's cells of running tags (see ``_cells``).
     """
     loop = asyncio.get_running_loop()
-    generation, channel = w.generation, w.channel
+    generation, channel, process = w.generation, w.channel, w.process
     seen_running = False
 
     def look() -> None:
         nonlocal seen_running
-        if not _pending(w, generation, channel, job_id):
+        if w.process is not process or not _pending(w, generation, channel, job_id):
             return  # the worker is done with it, or gone (closing the pool fails every job)
         # A worker runs its jobs in order: this tag while the job is pending is this job.
         running = int(current[w.id]) == tag

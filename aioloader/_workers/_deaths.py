@@ -27,6 +27,7 @@ class Crash:
         culprit: the tag (:func:`._wire.running_tag`) of the job it was running, if any.
         failed_starts: the worker's consecutive deaths before answering any job.
         hang: why it was killed while it started, if it was.
+        killed: the loader killed it, for a job that ran past its deadline.
     """
 
     worker_id: int
@@ -35,13 +36,25 @@ class Crash:
     culprit: int | None
     failed_starts: int = 0
     hang: Hang | None = None
+    killed: bool = False
 
 
-def crash_error(crash: Crash, batch_id: int) -> WorkerCrashedError:
-    """The error of ``batch_id``, the job the worker was running when it died."""
-    how = describe_exit(crash.exitcode)
+def crash_error(crash: Crash, batch_id: int, *, ran: bool = True) -> WorkerCrashedError:
+    """The error of ``batch_id``, lost with its worker: the job the worker was running when it
+    died, or (``ran=False``) one queued behind it that cannot go to another worker (a
+    stream's: only that worker's iterator knows where the stream stands)."""
+    if crash.killed:
+        how = "was killed by the loader (a batch it ran was past its deadline)"
+    else:
+        how = describe_exit(crash.exitcode)
+    what = (
+        f"while making batch {batch_id}"
+        if ran
+        else f"while batch {batch_id} waited behind another job (a stream's batch is not "
+        "re-sent to another worker: only this worker's iterator knew where its stream stood)"
+    )
     return WorkerCrashedError(
-        f"worker {crash.worker_id} (pid {crash.pid}) {how} while making batch {batch_id}; "
+        f"worker {crash.worker_id} (pid {crash.pid}) {how} {what}; "
         "the worker was replaced and the loader can go on",
         pid=crash.pid,
         exitcode=crash.exitcode,

@@ -399,7 +399,7 @@ class WorkerPool:
                     raise start_error(crash, batch_id) from exc
                 if crash.culprit != tag and resubmit_innocent:
                     continue
-                raise crash_error(crash, batch_id) from exc
+                raise crash_error(crash, batch_id, ran=crash.culprit == tag) from exc
             except asyncio.CancelledError:
                 if job_id is not None:  # on_abandon runs once the worker is done with it
                     channel.abandon(job_id, on_abandon)
@@ -499,7 +499,7 @@ class WorkerPool:
             w.failed_starts += 1  # it died before it answered anything: while starting
         else:
             w.failed_starts = 0
-        crash = Crash(w.id, pid, exitcode, culprit, w.failed_starts, w.hang)
+        crash = Crash(w.id, pid, exitcode, culprit, w.failed_starts, w.hang, w.killed)
         self._crashes[key] = crash
         self._replace(w)
         return crash

@@ -72,10 +72,12 @@ class ProcessRunner:
         self._abandoned_own: set[str] = set() if abandoned_own is None else abandoned_own
         self._sender = Sender(slots)
         self._restarts_logged = pool.rebuilds  # worker replacements said in the log so far
-        # Each attempt at a batch has a tag of its own (see _wire.running_tag); the deadline
-        # asks about a batch id, which means its newest attempt.
+        # Each attempt at a batch has a tag of its own (see _wire.running_tag). The deadline
+        # asks about a request object, which means its newest attempt: by the object's id (it
+        # lives while its attempts run), since batch ids repeat every epoch and a batch given
+        # up with its epoch, or another iterator's, may run beside it.
         self._numbers = itertools.count()
-        self._attempts: dict[int, int] = {}  # batch id -> tag of its attempt under way
+        self._attempts: dict[int, int] = {}  # id(request) -> tag of its attempt under way
 
     @property
     def streams(self) -> int:
@@ -149,7 +151,7 @@ class ProcessRunner:
             job = MapJob(wire, slot, wire is not request, self.copy_id, tag)
         else:
             job = StreamJob(request, slot, self.copy_id, tag)
-        self._attempts[request.batch_id] = tag
+        self._attempts[id(request)] = tag
         try:
             made: Made = await self.pool.submit(
                 fn,
@@ -177,8 +179,8 @@ class ProcessRunner:
             self._sender.lost(slot, exc)
             return await self._run(fn, request, worker, pickled=True)
         finally:
-            if self._attempts.get(request.batch_id) == tag:
-                del self._attempts[request.batch_id]
+            if self._attempts.get(id(request)) == tag:
+                del self._attempts[id(request)]
         if self.pool.rebuilds > self._restarts_logged:  # a worker died with nothing of ours
             self._log_restarts(None)
         return self._receiver.open(made, slot)
@@ -192,14 +194,15 @@ class ProcessRunner:
         cause = str(error) if isinstance(error, WorkerCrashedError) else "a worker process died"
         workers_log.warning("worker process replaced (%d so far): %s", rebuilds, cause)
 
-    def is_running(self, batch_id: int) -> bool:
-        """Whether a worker runs ``batch_id`` now (not merely has it queued)."""
-        tag = self._attempts.get(batch_id)
+    def is_running(self, request: BatchRequest | StreamRequest) -> bool:
+        """Whether a worker runs the batch of ``request`` now (not merely has it queued)."""
+        tag = self._attempts.get(id(request))
         return tag is not None and self.pool.is_running(tag)
 
-    def on_deadline(self, batch_id: int) -> int | None:
-        """Kill the worker that runs ``batch_id`` (it hung); returns its pid, if one was."""
-        tag = self._attempts.get(batch_id)
+    def on_deadline(self, request: BatchRequest | StreamRequest) -> int | None:
+        """Kill the worker that runs the batch of ``request`` (it hung); returns its pid, if
+        one was."""
+        tag = self._attempts.get(id(request))
         pid = self.pool.kill_holding(tag) if tag is not None else None
         if pid is not None:
             # Said here, with its cause; the replacement this causes is then not said again.
@@ -207,7 +210,7 @@ class ProcessRunner:
             workers_log.warning(
                 "worker process pid %d killed and replaced: batch %d passed its deadline",
                 pid,
-                batch_id,
+                request.batch_id,
             )
         return pid
 
