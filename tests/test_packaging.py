@@ -122,4 +122,5 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     # Verbatim, then the guard that makes a failure inside the && list fail the run: set -e
     # does not stop there, and a lint error would skip the tests and still pass.
     [line] = [line for line in ci_lines if line.startswith(command)]
-    assert line.startswith(command + " || {") and line.endswith("exit 1; }"), line
+    assert line.startswith(command + " || {"), line
+    assert line.endswith("exit 1; }"), line
