@@ -43,7 +43,7 @@ def watch_abandoned(w: Worker, job_id: int, tag: int, after: float, current: Col
         nonlocal seen_running
         if w.process is not process or not _pending(w, generation, channel, job_id):
             return  # the worker is done with it, or gone (closing the pool fails every job)
-        # A worker runs its jobs in order: this tag while the job is pending is this job.
+        # The tag is this job's own: each attempt has one (see _wire.running_tag).
         running = int(current[w.id]) == tag
         if running and seen_running:
             pid = w.kill()
