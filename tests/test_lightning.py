@@ -175,7 +175,14 @@ def test_the_example_trains(tmp_path: pathlib.Path) -> None:
 
 def run_ddp_script(strategy: str, outdir: pathlib.Path) -> dict[str, Any]:
     """Run ``scripts/lightning_ddp.py`` with ``strategy``; returns what each case left."""
-    env = {**os.environ, **gloo_environment(), "PYTHONPATH": child_pythonpath()}
+    # PYTHONFAULTHANDLER: a rank that dies of a signal prints every thread's stack into the
+    # output a failure shows.
+    env = {
+        **os.environ,
+        **gloo_environment(),
+        "PYTHONPATH": child_pythonpath(),
+        "PYTHONFAULTHANDLER": "1",
+    }
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT"):
         env.pop(name, None)
     command = [sys.executable, str(SCRIPTS / "lightning_ddp.py"), strategy, str(outdir)]
@@ -209,9 +216,10 @@ def ddp_spawn_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def batches_per_rank(run: dict[str, Any], case: str) -> list[list[list[int]]]:
     """The indices of every batch each of the 2 ranks trained on in ``case``."""
-    assert f"{case}-error" not in run, run[f"{case}-error"]
+    tail = run["output"][-4000:]
+    assert f"{case}-error" not in run, f"{run[f'{case}-error']}\nthe ranks' output:\n{tail}"
     ranks = [run.get(f"{case}-rank{r}") for r in range(2)]
-    assert all(ranks), f"a rank wrote nothing:\n{run['output'][-3000:]}"
+    assert all(ranks), f"a rank wrote nothing:\n{tail}"
     assert [rank["world_size"] for rank in ranks] == [2, 2]  # type: ignore[index]
     return [[r[0] for r in rank["records"]] for rank in ranks]  # type: ignore[index]
 
