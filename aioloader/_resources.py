@@ -407,13 +407,15 @@ class Resources:
             slots, self.slots = self.slots, None
             device, self.device = self.device, None
             loop_thread, self.loop_thread = self.loop_thread, None
+        aclose, self.dataset_aclose = self.dataset_aclose, None
         if loop_thread is not None:
-            aclose, self.dataset_aclose = self.dataset_aclose, None
             if aclose is not None:  # sessions the dataset opened on the private loop
                 with contextlib.suppress(Exception):
                     loop_thread.run(aclose(), timeout=DATASET_CLOSE_TIMEOUT_S)
             if self.shared is None:  # a shared pool's loop is the pool's to close
                 loop_thread.close()
+        elif aclose is not None:
+            _close_dataset_without_loop(aclose)
         if runner is not None:
             runner.close()
         starter = self.starter
@@ -461,7 +463,35 @@ class Resources:
 # process start, which the pool's close waits for anyway).
 STARTER_JOIN_S = 10.0
 
+
 # Resources that may hold something: closed at interpreter exit if their loader never was.
+def _close_dataset_without_loop(aclose: Callable[[], Any]) -> None:
+    """The dataset's ``aclose()`` when the loader has no loop of its own: it iterated on the
+    user's loop, which is usually gone by now (``asyncio.run(main())``, then ``close()``).
+
+    Without a running loop here it runs on a fresh one: a source drops the sessions of closed
+    loops without awaiting anything, so they do not warn "Unclosed client session" when
+    collected. Called on a running loop (sync ``close()`` in async code), it is scheduled
+    there: waiting here would block the loop that may own the sessions.
+    """
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        with contextlib.suppress(Exception):
+            asyncio.run(asyncio.wait_for(aclose(), DATASET_CLOSE_TIMEOUT_S))
+        return
+    task = loop.create_task(aclose())
+    _CLOSING.add(task)
+    task.add_done_callback(_CLOSING.discard)
+    task.add_done_callback(_retrieve)
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # best effort, as on the private loop: not "never retrieved"
+
+
+_CLOSING: set[asyncio.Task[Any]] = set()  # the tasks above, held until done
 _LIVE: weakref.WeakSet[Resources] = weakref.WeakSet()
 
 

@@ -71,6 +71,8 @@ class LoopThread:
             # The loop winds down on its own thread: close() may be called from a thread whose
             # own event loop is running, where run_until_complete() is refused.
             with contextlib.suppress(Exception):
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            with contextlib.suppress(Exception):
                 self.loop.run_until_complete(self.loop.shutdown_default_executor())
             asyncio.set_event_loop(None)
             self.loop.close()

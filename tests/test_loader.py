@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 from datasets import FailOnce, Range, Slow, Stream
-from helpers import BOUND_S, as_lists, collect, drain, expected_batches, flat, take
+from helpers import BOUND_S, as_lists, collect, drain, expected_batches, flat, take, until
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from procs import worker_processes
@@ -130,6 +130,39 @@ async def test_aclose_releases_everything_even_when_the_dataset_close_fails() ->
             await loader.aclose()
     assert loader.closed
     assert _loader_threads() == []  # the helper thread is gone (the leak check agrees)
+
+
+class CountsCloses(Range):
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.closes = 0
+
+    async def aclose(self) -> None:
+        self.closes += 1
+
+
+def test_close_after_the_loop_it_iterated_on_ended_still_closes_the_dataset() -> None:
+    # asyncio.run(train()), then loader.close(): no loop is left to run the dataset's aclose().
+    dataset = CountsCloses(8)
+    loader = DataLoader(dataset, batch_size=4)
+
+    async def train() -> int:
+        return len([b async for b in loader])
+
+    assert asyncio.run(train()) == 2
+    loader.close()
+    assert dataset.closes == 1
+    loader.close()  # idempotent
+    assert dataset.closes == 1
+
+
+async def test_sync_close_inside_a_running_loop_closes_the_dataset_on_it() -> None:
+    dataset = CountsCloses(8)
+    loader = DataLoader(dataset, batch_size=4)
+    async with asyncio.timeout(BOUND_S):
+        assert len([b async for b in loader]) == 2
+        loader.close()  # sync, on the loop: the dataset's aclose() is scheduled there
+        await until(lambda: dataset.closes == 1)
 
 
 def _executor_threads() -> list[str]:

@@ -13,6 +13,7 @@ import email.utils
 import hashlib
 import logging
 import math
+import os
 import pickle
 import socket
 import subprocess
@@ -579,6 +580,59 @@ def test_sessions_work_across_separate_runs_when_closed() -> None:
         ds = dataset(server, range(2))
         assert asyncio.run(run(ds, server, 0)) == payload(0)
         assert asyncio.run(run(ds, server, 1)) == payload(1)
+
+
+def test_a_session_closes_with_the_loop_that_opened_it() -> None:
+    # asyncio.run(train()) per epoch, and loader.close() only at the end, or never: each
+    # run's session must not outlive its loop (aiohttp: "Unclosed client session").
+    with FaultServer().in_thread() as server:
+        ds = dataset(server, range(8))
+        loader = aioloader.DataLoader(ds, batch_size=4)
+
+        async def train() -> int:
+            n = sum([len(b) async for b in loader])
+            assert "open_sessions=1" in repr(ds)  # kept across the epoch's batches
+            return n
+
+        try:
+            assert asyncio.run(train()) == 8
+            assert "open_sessions=0" in repr(ds)
+            assert asyncio.run(train()) == 8  # a new loop opens its own
+            assert "open_sessions=0" in repr(ds)
+        finally:
+            loader.close()
+
+
+# A script as torch users write one: a module-level loader, never closed, read by asyncio.run.
+NEVER_CLOSED = """
+import asyncio, aioloader
+from http_server import FaultServer
+from aioloader.sources import HTTPDataset
+
+async def train(loader):
+    return sum([len(b) async for b in loader])
+
+with FaultServer().in_thread() as server:
+    ds = HTTPDataset([server.obj_url(i) for i in range(8)])
+    loader = aioloader.DataLoader(ds, batch_size=4, collate_fn=list)
+    print(asyncio.run(train(loader)))
+    print(asyncio.run(train(loader)))
+"""
+
+
+def test_a_loader_never_closed_leaves_no_unclosed_session_at_exit() -> None:
+    from framework_data import child_pythonpath
+
+    done = subprocess.run(
+        [sys.executable, "-X", "dev", "-c", NEVER_CLOSED],
+        env={**os.environ, "PYTHONPATH": child_pythonpath()},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["8", "8"]
+    assert "Unclosed" not in done.stderr, done.stderr
 
 
 def test_import_is_lazy_and_the_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,23 +19,27 @@ Sharp edges:
   iteration thread's loop holds two pools, never one shared across loops (aiohttp forbids it).
 - ``aclose()`` closes the pool of the running loop normally, asks a pool's loop that is still
   running in another thread to close it, and drops the pools of loops that are gone, best
-  effort (an HTTP session's sockets are closed without the polite shutdown, which needs the
-  loop; an fsspec filesystem is only forgotten). Close a source on its loop before closing
-  the loop, as the loader does.
+  effort (an fsspec filesystem is only forgotten). A pool is also closed when its loop shuts
+  down through ``asyncio.run``, ``uvloop.run`` or :func:`aioloader.run`, which finish the
+  loop's async generators first (see :class:`PerLoop`). A loop closed by hand without
+  ``loop.shutdown_asyncgens()`` leaves its pools to be dropped later: an HTTP session's
+  sockets then close only when collected. Close a source on its loop before closing the loop,
+  as the loader does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import importlib
 import operator
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping
 from types import ModuleType, TracebackType
-from typing import Any, Generic, Self, TypeVar
+from typing import Any, Generic, Self, TypeVar, cast
 
 from .._validate import callable_or_none
 
@@ -82,11 +86,21 @@ class PerLoop(Generic[R]):
     Thread-safe: the loader's loop and a synchronous iteration thread's loop may ask at once.
     Invariant: every entry's loop object is held, so ``id(loop)`` cannot be reused while the
     entry exists.
+
+    With ``close``, a resource is also closed when its loop shuts down (``asyncio.run`` and
+    ``uvloop.run`` finish the loop's async generators before closing it): a program that
+    iterates in ``asyncio.run(main())`` and closes the source later, or never, does not leave a
+    session to a loop that is gone (aiohttp's "Unclosed client session", unclosed sockets).
+    Each entry holds an async generator suspended at its ``yield``, registered with its loop
+    as any async generator is on first use; the loop's shutdown resumes it with
+    ``GeneratorExit`` and its ``finally`` closes the resource on that loop, unless the entry
+    was taken meanwhile (``take_all``, a dead loop's discard), which finishes it at once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, close: Callable[[R], Awaitable[None]] | None = None) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[int, tuple[asyncio.AbstractEventLoop, R]] = {}
+        self._close = close
+        self._entries: dict[int, tuple[asyncio.AbstractEventLoop, R, Any]] = {}
 
     def get(self, create: Callable[[], R], discard: Callable[[R], None]) -> R:
         """The running loop's resource, made with ``create()`` the first time.
@@ -100,11 +114,12 @@ class PerLoop(Generic[R]):
             entry = self._entries.get(id(loop))
             if entry is not None:
                 return entry[1]
-            dead = [key for key, (other, _) in self._entries.items() if other.is_closed()]
-            stale = [self._entries.pop(key)[1] for key in dead]
+            dead = [key for key, (other, _, _) in self._entries.items() if other.is_closed()]
+            stale = [self._entries.pop(key) for key in dead]
             resource = create()
-            self._entries[id(loop)] = (loop, resource)
-        for old in stale:
+            self._entries[id(loop)] = (loop, resource, self._watch(id(loop), resource))
+        for _, old, watch in stale:
+            _finish(watch)
             discard(old)
         return resource
 
@@ -113,10 +128,44 @@ class PerLoop(Generic[R]):
         with self._lock:
             entries = list(self._entries.values())
             self._entries.clear()
-        return entries
+        for _, _, watch in entries:
+            _finish(watch)
+        return [(loop, resource) for loop, resource, _ in entries]
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def _watch(self, key: int, resource: R) -> Any:
+        """The running loop's shutdown hook for ``resource`` (see the class docstring)."""
+        if self._close is None:
+            return None
+        watch = self._until_loop_ends(key, resource, self._close)
+        with contextlib.suppress(StopIteration):  # registered with the loop, at the yield
+            cast(Any, watch.__anext__()).send(None)
+        return watch
+
+    async def _until_loop_ends(
+        self, key: int, resource: R, close: Callable[[R], Awaitable[None]]
+    ) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            with self._lock:
+                entry = self._entries.get(key)
+                ours = entry is not None and entry[1] is resource
+                if ours:
+                    del self._entries[key]
+            if ours:  # the loop is shutting down with the resource still open
+                with contextlib.suppress(Exception):
+                    await close(resource)
+
+
+def _finish(watch: Any) -> None:
+    """End a shutdown hook whose entry was taken: its ``finally`` finds nothing to close and
+    awaits nothing, so it completes here, on any thread, with no loop."""
+    if watch is not None:
+        with contextlib.suppress(StopIteration, RuntimeError):
+            watch.aclose().send(None)
 
 
 class Source(ABC):
@@ -128,7 +177,7 @@ class Source(ABC):
 
     def __init__(self, decode: Callable[[bytes], Any] | None) -> None:
         self._decode_fn: Callable[[bytes], Any] | None = callable_or_none("decode", decode)
-        self._pools: PerLoop[Any] = PerLoop()
+        self._pools: PerLoop[Any] = PerLoop(self._close_pool)
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -225,7 +274,7 @@ class Source(ABC):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._pools = PerLoop()
+        self._pools = PerLoop(self._close_pool)
 
 
 def as_names(items: object, argument: str, *, paths: bool = False) -> tuple[str, ...]:

@@ -28,7 +28,8 @@ a connection logs one WARNING saying so.
 Sharp edges:
 
 - One ``aiohttp.ClientSession`` per event loop (see :mod:`._base`), created on first use: the
-  dataset pickles without it, and the sessions are closed by ``aclose()``.
+  dataset pickles without it, and the sessions are closed by ``aclose()``, or when their loop
+  shuts down (``asyncio.run`` ending: see :class:`._base.PerLoop`).
 - Requests ask for ``Accept-Encoding: identity``: ``fetch`` returns the object's bytes as stored,
   and their length can be checked against ``Content-Length``. If a server compresses anyway,
   aiohttp decompresses and the length check is skipped (the header counts compressed bytes).
