@@ -354,7 +354,8 @@ class DataLoader(SettingsView):
             return len(self._sampling.batches)  # type: ignore[arg-type]
         n = stream_items(self._config.shard, len(self.dataset))  # this rank's share of a stream
         size = self.batch_size or 1
-        return n // size if self.drop_last else -(-n // size)
+        self._book.stream_len = n // size if self.drop_last else -(-n // size)
+        return self._book.stream_len
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch`` (shuffling and seeds derive from it); a

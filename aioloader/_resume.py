@@ -78,6 +78,10 @@ class EpochBook:
         self._generators: list[Any] | None = None  # of samplers without a state, likewise
         self._warned_unresumable = False
         self._epoch = 0
+        #: ``len(loader)`` of a stream, as last asked (None: never asked); more batches than
+        #: that in an epoch are warned of once, as torch does (see :meth:`took`).
+        self.stream_len: int | None = None
+        self._warned_len = False
         self.open = False  # an epoch started and not run to its end
 
     def replace_sampling(self, sampling: Sampling) -> None:
@@ -172,6 +176,8 @@ class EpochBook:
         """The consumer took (or was given the error of) batch ``batch_id``; ``position`` is
         where its stream's reader stood after it (resumable streams)."""
         self._done.append(batch_id)
+        if self.stream_len is not None and len(self._done) > self.stream_len:
+            self._warn_len()
         if position is None:
             return
         reader, seq = position.stream, position.seq
@@ -184,9 +190,23 @@ class EpochBook:
             nxt += 1
         self._next_seq[reader] = nxt
 
+    def _warn_len(self) -> None:
+        if self._warned_len:
+            return
+        self._warned_len = True
+        warnings.warn(
+            f"len(loader) said {self.stream_len} batches, from the IterableDataset's "
+            f"__len__ ({type(self._dataset).__name__}), but the epoch has yielded "
+            f"{len(self._done)} so far: its __len__ undercounts, or, in a stream that shards "
+            "itself by get_worker_info(), workers yield more than their shares",
+            UserWarning,
+            stacklevel=2,
+        )
+
     def finished(self) -> None:
         """The current epoch ran to its end: a state now points at the next one."""
         self.open = False
+        self._warned_len = False
         self._done = []
         self._positions, self._held, self._next_seq = {}, {}, {}
         self._readers, self._last_reader = None, -1

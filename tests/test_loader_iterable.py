@@ -13,6 +13,7 @@ and failing streams and :class:`SelfSharded` are in ``datasets``.
 from __future__ import annotations
 
 import asyncio
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +24,7 @@ from datasets import AsyncStream, AsyncStreamCancelledAt, Broken, SelfSharded, S
 from helpers import BOUND_S, as_lists, chunks, drain, drain_sync
 from procs import no_worker_left_behind
 
-from aioloader import DataLoader
+from aioloader import DataLoader, get_worker_info
 
 # The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
 pytestmark = pytest.mark.usefixtures("baseline")
@@ -117,6 +118,54 @@ def test_worker_processes_drop_last_per_stream_and_a_failing_stream() -> None:
             drain_sync(loader, got)
         # Both workers read the whole stream up to the failure; each kept its half of it.
         assert sorted(i for batch in got for i in batch) == list(range(7))
+
+
+class Undercounted(Stream):
+    """Says it has ``said`` items and yields ``n``."""
+
+    def __init__(self, n: int, said: int) -> None:
+        super().__init__(n)
+        self.said = said
+
+    def __len__(self) -> int:
+        return self.said
+
+
+class ShardsWrongly(SelfSharded):
+    """Asks which worker it is in (so the loader leaves sharding to it), then yields the whole
+    stream in every worker: the mistake torch's length warning is there to catch."""
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        info = get_worker_info()
+        assert info is not None
+        assert info.num_workers == 2  # read: sharding is left to the stream
+        yield from range(self.n)
+
+
+def test_more_batches_than_len_said_warn_once_per_epoch_and_lose_nothing() -> None:
+    with DataLoader(Undercounted(12, said=8), batch_size=4) as loader:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            # len() never asked (list() would ask, for its size): nothing to contradict.
+            assert sum(1 for _ in loader) == 3
+        assert len(loader) == 2
+        for _ in range(2):
+            with pytest.warns(UserWarning, match=r"len\(loader\) said 2 batches.*yielded 3") as w:
+                batches = as_lists(list(loader))
+            assert [i for b in batches for i in b] == list(range(12))
+            assert len([x for x in w if "len(loader)" in str(x.message)]) == 1
+
+
+@no_worker_left_behind()
+def test_a_stream_that_shards_itself_wrongly_across_workers_is_warned_of() -> None:
+    with DataLoader(ShardsWrongly(8), batch_size=2, num_workers=2) as loader:
+        assert len(loader) == 4
+        with pytest.warns(UserWarning, match=r"said 4 batches.*workers yield more than their"):
+            items = [i for b in as_lists(list(loader)) for i in b]
+    assert Counter(items) == Counter({i: 2 for i in range(8)})  # as torch: each worker's copy
 
 
 # -- async streams ----------------------------------------------------------------------------
