@@ -635,6 +635,39 @@ def test_a_loader_never_closed_leaves_no_unclosed_session_at_exit() -> None:
     assert "Unclosed" not in done.stderr, done.stderr
 
 
+# A loop closed by hand, without loop.shutdown_asyncgens(), then the source collected: the hook
+# that closes a session at its loop's shutdown is collected unfinished, and must go quietly.
+CLOSED_BY_HAND = """
+import asyncio, gc
+from http_server import FaultServer
+from aioloader.sources import HTTPDataset
+
+with FaultServer().in_thread() as server:
+    ds = HTTPDataset([server.obj_url(0)])
+    loop = asyncio.new_event_loop()
+    print(len(loop.run_until_complete(ds.fetch(0))))
+    loop.close()
+    del ds
+    gc.collect()
+    print("collected")
+"""
+
+
+def test_a_source_collected_after_its_loop_was_closed_by_hand_raises_nothing() -> None:
+    from framework_data import child_pythonpath
+
+    done = subprocess.run(
+        [sys.executable, "-X", "dev", "-c", CLOSED_BY_HAND],
+        env={**os.environ, "PYTHONPATH": child_pythonpath()},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1024", "collected"]
+    assert "Exception ignored" not in done.stderr, done.stderr
+
+
 def test_import_is_lazy_and_the_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     code = (
         "import sys, aioloader, aioloader.sources\n"
