@@ -297,7 +297,9 @@ class DataLoader(SettingsView):
             message = f"num_workers={config.num_workers} is more than the {cpus} CPUs here"
             warnings.warn(f"{message}; extra workers only compete for them", stacklevel=2)
         self._counters = Counters()
-        self._book = EpochBook(self._sampling, dataset)
+        drawn = seed is None and generator is not None  # then each epoch draws, as torch's
+        redraw = functools.partial(resolve_seed, None, generator) if drawn else None
+        self._book = EpochBook(self._sampling, dataset, draw_seed=redraw)
         self._progress = progress_display(progress)
         self._res = Resources(shared=pool)
         self._closed = False

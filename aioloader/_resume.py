@@ -39,6 +39,7 @@ state saved between epochs needs nothing of the stream and is always accepted.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from ._config import Sampling
@@ -57,9 +58,22 @@ class EpochBook:
             :class:`~aioloader._types.ResumableStream`).
     """
 
-    def __init__(self, sampling: Sampling, dataset: Any = None) -> None:
+    def __init__(
+        self,
+        sampling: Sampling,
+        dataset: Any = None,
+        draw_seed: Callable[[], object] | None = None,
+    ) -> None:
         self._sampling = sampling
         self._dataset = dataset
+        # Draws a base seed from the loader's ``generator`` (when the loader's seed was drawn
+        # from it): torch draws one for every iterator, before its sampler draws from the same
+        # generator. The loader's construction drew the first epoch's; each later epoch draws
+        # its own when the previous one ends (so a state saved between epochs is after it), or
+        # as it begins if the previous one was left early.
+        self._draw_seed = draw_seed
+        self._begun = False
+        self._drawn = False
         # The current epoch's stream readers (see the module docstring): reader -> state after
         # its last batch taken with all its earlier ones; positions taken past a batch of the
         # reader still in flight, by (reader, seq); each reader's first seq not taken.
@@ -133,6 +147,9 @@ class EpochBook:
             if told is not None and self._asked is None:
                 epoch = told  # loader.sampler.set_epoch(e): as loader.set_epoch(e)
         self._asked = None
+        if resume is None and self._begun and not self._drawn and self._draw_seed is not None:
+            self._draw_seed()  # the previous epoch was left early (a resumed one's is saved)
+        self._begun, self._drawn = True, False
         self._epoch = epoch
         self.next_epoch = epoch + 1
         self._done = sorted(done)
@@ -208,6 +225,9 @@ class EpochBook:
         self.open = False
         self._warned_len = False
         self._done = []
+        if self._draw_seed is not None and not self._drawn:
+            self._draw_seed()  # the next epoch's, as torch's next iterator would
+            self._drawn = True
         self._positions, self._held, self._next_seq = {}, {}, {}
         self._readers, self._last_reader = None, -1
 

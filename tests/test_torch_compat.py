@@ -294,6 +294,61 @@ def test_shuffle_with_a_seeded_generator_is_reproducible(num_workers: int) -> No
     assert sorted(i for b in first for i in b) == list(range(20))
 
 
+def _orders(loader: Any, epochs: int, stop_first_after: int | None = None) -> list[Any]:
+    """The batches of ``epochs`` epochs, the first one left after ``stop_first_after``."""
+    out = []
+    for epoch in range(epochs):
+        batches = []
+        for batch in loader:
+            batches.append(batch.tolist())
+            if epoch == 0 and len(batches) == stop_first_after:
+                break
+        out.append(batches)
+    return out
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+@pytest.mark.parametrize("left_early", [False, True], ids=["whole", "first-left-early"])
+def test_a_shared_generator_orders_every_epoch_as_torch_does(
+    num_workers: int, left_early: bool
+) -> None:
+    # torch draws a base seed from the loader's generator for each iterator, then its
+    # RandomSampler draws the permutation from the same generator: the second epoch's order
+    # depends on that draw.
+    stop = 2 if left_early else None
+    kwargs: dict[str, Any] = {"batch_size": 4, "shuffle": True, "num_workers": num_workers}
+    data = Indexed(20)
+    theirs: tud.DataLoader[Any] = tud.DataLoader(
+        data, generator=torch.Generator().manual_seed(7), **kwargs
+    )
+    with DataLoader(data, generator=torch.Generator().manual_seed(7), **kwargs) as ours:
+        assert _orders(ours, 3, stop) == _orders(theirs, 3, stop)
+
+
+def test_a_shared_generator_resumes_between_and_within_epochs_as_it_ran() -> None:
+    def made() -> DataLoader:
+        generator = torch.Generator().manual_seed(3)
+        return DataLoader(list(range(12)), batch_size=3, shuffle=True, generator=generator)
+
+    with made() as straight:
+        whole = _orders(straight, 3)
+    with made() as first:
+        assert _orders(first, 1) == whole[:1]
+        between = first.state_dict()  # after epoch 0: points at epoch 1
+        it = iter(first)
+        taken = [next(it).tolist()]
+        within = first.state_dict()  # one batch into epoch 1
+        del it
+    assert taken == whole[1][:1]
+    with made() as resumed:
+        resumed.load_state_dict(between)
+        assert _orders(resumed, 2) == whole[1:]
+    with made() as resumed:
+        resumed.load_state_dict(within)
+        assert [b.tolist() for b in resumed] == whole[1][1:]
+        assert _orders(resumed, 1) == whole[2:]
+
+
 def test_torchs_dataset_classes_are_accepted() -> None:
     dataset = tensor_dataset(6)
     cases: list[Any] = [
