@@ -297,7 +297,7 @@ class DataLoader(SettingsView):
             message = f"num_workers={config.num_workers} is more than the {cpus} CPUs here"
             warnings.warn(f"{message}; extra workers only compete for them", stacklevel=2)
         self._counters = Counters()
-        drawn = seed is None and generator is not None  # then each epoch draws, as torch's
+        drawn = seed is None and generator is not None and not config.persistent_workers
         redraw = functools.partial(resolve_seed, None, generator) if drawn else None
         self._book = EpochBook(self._sampling, dataset, draw_seed=redraw)
         self._progress = progress_display(progress)
@@ -385,7 +385,7 @@ class DataLoader(SettingsView):
             if previous.plan is not None:
                 previous.plan.freeze()
             self._res.others.add(previous)
-        epoch, done = self._book.begin()
+        epoch, done = self._book.begin(alone)
         self._res.renew(self._config, self.dataset, epoch, alone=alone)
         self._counters.epoch = epoch
         self._counters.epoch_batches_yielded = 0

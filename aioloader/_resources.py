@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import errno
 import functools
+import inspect
 import os
 import pickle
 import threading
@@ -399,7 +400,8 @@ class Resources:
         if os.getpid() != self.pid:
             self.closed = True
             return
-        for epoch in self.take_epochs():
+        epochs = self.take_epochs()
+        for epoch in epochs:
             epoch.close_nowait()
         with self.lock:
             self.closed = True
@@ -415,7 +417,7 @@ class Resources:
             if self.shared is None:  # a shared pool's loop is the pool's to close
                 loop_thread.close()
         elif aclose is not None:
-            _close_dataset_without_loop(aclose)
+            _close_dataset_without_loop(aclose, epochs[0].loop if epochs else None)
         if runner is not None:
             runner.close()
         starter = self.starter
@@ -464,26 +466,48 @@ class Resources:
 STARTER_JOIN_S = 10.0
 
 
-# Resources that may hold something: closed at interpreter exit if their loader never was.
-def _close_dataset_without_loop(aclose: Callable[[], Any]) -> None:
+def _close_dataset_without_loop(
+    aclose: Callable[[], Any], loop: asyncio.AbstractEventLoop | None
+) -> None:
     """The dataset's ``aclose()`` when the loader has no loop of its own: it iterated on the
-    user's loop, which is usually gone by now (``asyncio.run(main())``, then ``close()``).
+    user's ``loop``, which may be gone by now (``asyncio.run(main())``, then ``close()``).
 
-    Without a running loop here it runs on a fresh one: a source drops the sessions of closed
-    loops without awaiting anything, so they do not warn "Unclosed client session" when
-    collected. Called on a running loop (sync ``close()`` in async code), it is scheduled
-    there: waiting here would block the loop that may own the sessions.
+    On that loop while it is open (run here if idle, asked for if it runs in another thread),
+    else on a private one that is not made this thread's current loop: a source drops the
+    sessions of closed loops without awaiting anything. On a loop running in this thread
+    (sync ``close()`` in async code) it is scheduled there: waiting would block that loop.
+    Best effort, as on the private loop: a failing ``aclose()`` does not stop the release.
     """
     try:
-        loop = asyncio.get_running_loop()
+        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
     except RuntimeError:
-        with contextlib.suppress(Exception):
-            asyncio.run(asyncio.wait_for(aclose(), DATASET_CLOSE_TIMEOUT_S))
-        return
-    task = loop.create_task(aclose())
-    _CLOSING.add(task)
-    task.add_done_callback(_CLOSING.discard)
-    task.add_done_callback(_retrieve)
+        running = None
+    with contextlib.suppress(Exception):
+        if running is not None:
+            task = running.create_task(_awaited(aclose))
+            _CLOSING.add(task)
+            task.add_done_callback(_CLOSING.discard)
+            task.add_done_callback(_retrieve)
+        elif loop is not None and not loop.is_closed() and loop.is_running():
+            future = asyncio.run_coroutine_threadsafe(_awaited(aclose), loop)
+            future.result(DATASET_CLOSE_TIMEOUT_S)
+        elif loop is not None and not loop.is_closed():
+            loop.run_until_complete(_awaited(aclose))
+        else:
+            private = asyncio.new_event_loop()
+            try:
+                private.run_until_complete(_awaited(aclose))
+            finally:
+                private.close()
+
+
+async def _awaited(aclose: Callable[[], Any]) -> None:
+    """``aclose()`` within :data:`DATASET_CLOSE_TIMEOUT_S`, awaited if it returns an awaitable
+    (the protocol only asks for the attribute: a plain function passes it too)."""
+    async with asyncio.timeout(DATASET_CLOSE_TIMEOUT_S):
+        result = aclose()
+        if inspect.isawaitable(result):
+            await result
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:
@@ -492,6 +516,7 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
 
 
 _CLOSING: set[asyncio.Task[Any]] = set()  # the tasks above, held until done
+# Resources that may hold something: closed at interpreter exit if their loader never was.
 _LIVE: weakref.WeakSet[Resources] = weakref.WeakSet()
 
 

@@ -96,6 +96,7 @@ class EpochBook:
         #: that in an epoch are warned of once, as torch does (see :meth:`took`).
         self.stream_len: int | None = None
         self._warned_len = False
+        self._alone = True  # the current epoch is the only one under way
         self.open = False  # an epoch started and not run to its end
 
     def replace_sampling(self, sampling: Sampling) -> None:
@@ -130,8 +131,9 @@ class EpochBook:
             sampler.set_epoch_asked = None
         return asked if self._sampling.built and isinstance(asked, int) else None
 
-    def begin(self) -> tuple[int, set[int]]:
+    def begin(self, alone: bool = True) -> tuple[int, set[int]]:
         """Start the next epoch: returns its number and the batch ids already taken (resume).
+        ``alone``: no other iterator's epoch is under way (its batches would be counted here).
 
         Loads a resumed sampler state, then calls ``set_epoch`` where the rule says so, then
         records the sampler's state: the caller calls ``iter()`` on the batch sampler next.
@@ -150,6 +152,7 @@ class EpochBook:
         if resume is None and self._begun and not self._drawn and self._draw_seed is not None:
             self._draw_seed()  # the previous epoch was left early (a resumed one's is saved)
         self._begun, self._drawn = True, False
+        self._alone, self._warned_len = alone, False
         self._epoch = epoch
         self.next_epoch = epoch + 1
         self._done = sorted(done)
@@ -193,26 +196,27 @@ class EpochBook:
         """The consumer took (or was given the error of) batch ``batch_id``; ``position`` is
         where its stream's reader stood after it (resumable streams)."""
         self._done.append(batch_id)
-        if self.stream_len is not None and len(self._done) > self.stream_len:
+        if position is not None:
+            reader, seq = position.stream, position.seq
+            self._readers = position.streams
+            self._held[reader, seq] = position.state
+            nxt = self._next_seq.get(reader, 0)
+            while (reader, nxt) in self._held:
+                self._positions[reader] = self._held.pop((reader, nxt))
+                self._last_reader = reader
+                nxt += 1
+            self._next_seq[reader] = nxt
+        # Last, so that a warning turned into an error leaves the position kept.
+        if self.stream_len is not None and len(self._done) > self.stream_len and self._alone:
             self._warn_len()
-        if position is None:
-            return
-        reader, seq = position.stream, position.seq
-        self._readers = position.streams
-        self._held[reader, seq] = position.state
-        nxt = self._next_seq.get(reader, 0)
-        while (reader, nxt) in self._held:
-            self._positions[reader] = self._held.pop((reader, nxt))
-            self._last_reader = reader
-            nxt += 1
-        self._next_seq[reader] = nxt
 
     def _warn_len(self) -> None:
         if self._warned_len:
             return
         self._warned_len = True
-        warnings.warn(
-            f"len(loader) said {self.stream_len} batches, from the IterableDataset's "
+        warnings.warn(  # the epoch in the text: Python's default filter shows a text once
+            f"epoch {self._epoch}: len(loader) said {self.stream_len} batches, from the "
+            "IterableDataset's "
             f"__len__ ({type(self._dataset).__name__}), but the epoch has yielded "
             f"{len(self._done)} so far: its __len__ undercounts, or, in a stream that shards "
             "itself by get_worker_info(), workers yield more than their shares",

@@ -254,27 +254,26 @@ class RandomSampler:
         if count == 0:
             return iter(())
         if self.generator is not None:
-            return self._from_generator(self.generator, n, count)
+            return iter(self._from_generator(self.generator, n, count))
         assert self.seed is not None  # set whenever there is no generator
         return iter(_draw(self.seed, epoch, n, count, self.replacement).tolist())
 
-    def _from_generator(self, generator: torch.Generator, n: int, count: int) -> Iterator[int]:
-        # The same calls, in the same order and sizes, as torch's RandomSampler makes, and as
-        # lazily: each draw when the items before it are taken, so an epoch left early has
-        # drawn from the generator what torch's would have (the next epoch's order depends on
-        # it). Even a whole epoch's last draw comes only when the items run out.
+    def _from_generator(self, generator: torch.Generator, n: int, count: int) -> list[int]:
+        # The same calls, in the same order and sizes, as torch's RandomSampler makes.
         import torch
 
+        out: list[int] = []
         if self.replacement:
             whole, rest = divmod(count, _TORCH_REPLACEMENT_CHUNK)
             for size in [_TORCH_REPLACEMENT_CHUNK] * whole + [rest]:
                 draws = torch.randint(n, (size,), dtype=torch.int64, generator=generator)
-                yield from draws.tolist()
-            return
+                out.extend(draws.tolist())
+            return out
         whole, rest = divmod(count, n)
         for _ in range(whole):
-            yield from torch.randperm(n, generator=generator).tolist()
-        yield from torch.randperm(n, generator=generator).tolist()[:rest]
+            out.extend(torch.randperm(n, generator=generator).tolist())
+        out.extend(torch.randperm(n, generator=generator).tolist()[:rest])
+        return out
 
     def __len__(self) -> int:
         return self.num_samples

@@ -70,8 +70,9 @@ class LoopThread:
         finally:
             # The loop winds down on its own thread: close() may be called from a thread whose
             # own event loop is running, where run_until_complete() is refused.
-            with contextlib.suppress(Exception):
-                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            with contextlib.suppress(Exception):  # a generator's finally may hang: bounded
+                shutdown = self.loop.shutdown_asyncgens()
+                self.loop.run_until_complete(asyncio.wait_for(shutdown, CLOSE_TIMEOUT_S))
             with contextlib.suppress(Exception):
                 self.loop.run_until_complete(self.loop.shutdown_default_executor())
             asyncio.set_event_loop(None)

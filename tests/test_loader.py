@@ -165,6 +165,52 @@ async def test_sync_close_inside_a_running_loop_closes_the_dataset_on_it() -> No
         await until(lambda: dataset.closes == 1)
 
 
+class ClosesPlainly(CountsCloses):
+    def aclose(self) -> None:  # type: ignore[override]  # a plain function passes the protocol
+        self.closes += 1
+
+
+async def test_sync_close_in_a_running_loop_with_a_plain_aclose_releases_everything() -> None:
+    dataset = ClosesPlainly(8)
+    loader = DataLoader(dataset, batch_size=4)
+    async with asyncio.timeout(BOUND_S):
+        assert len([b async for b in loader]) == 2
+        loader.close()
+        await until(lambda: dataset.closes == 1)
+    assert loader.closed
+    assert _loader_threads() == []
+
+
+class RecordsItsLoop(CountsCloses):
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.loops: list[asyncio.AbstractEventLoop] = []
+
+    async def aclose(self) -> None:
+        self.loops.append(asyncio.get_running_loop())
+
+
+def test_close_after_iterating_on_a_loop_of_ones_own_closes_the_dataset_there() -> None:
+    # The loop is idle but open, and this thread's current one: the dataset's resources
+    # belong to it, and close() must leave it current.
+    dataset = RecordsItsLoop(8)
+    loader = DataLoader(dataset, batch_size=4)
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        assert loop.run_until_complete(_count(loader)) == 2
+        loader.close()
+        assert dataset.loops == [loop]
+        assert asyncio.get_event_loop() is loop
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+async def _count(loader: DataLoader) -> int:
+    return len([b async for b in loader])
+
+
 def _executor_threads() -> list[str]:
     """Threads of an event loop's default executor (``asyncio.to_thread``)."""
     return [t.name for t in threading.enumerate() if t.name.startswith("asyncio_")]

