@@ -620,17 +620,24 @@ with FaultServer().in_thread() as server:
 """
 
 
-def test_a_loader_never_closed_leaves_no_unclosed_session_at_exit() -> None:
+def run_in_dev_mode(code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter under ``-X dev`` (resource warnings shown), with the
+    tests' modules importable; it must succeed."""
     from framework_data import child_pythonpath
 
     done = subprocess.run(
-        [sys.executable, "-X", "dev", "-c", NEVER_CLOSED],
+        [sys.executable, "-X", "dev", "-c", code],
         env={**os.environ, "PYTHONPATH": child_pythonpath()},
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_a_loader_never_closed_leaves_no_unclosed_session_at_exit() -> None:
+    done = run_in_dev_mode(NEVER_CLOSED)
     assert done.stdout.split() == ["8", "8"]
     assert "unclosed" not in done.stderr.lower(), done.stderr  # sessions, sockets, transports
 
@@ -654,16 +661,7 @@ with FaultServer().in_thread() as server:
 
 
 def test_a_source_collected_after_its_loop_was_closed_by_hand_raises_nothing() -> None:
-    from framework_data import child_pythonpath
-
-    done = subprocess.run(
-        [sys.executable, "-X", "dev", "-c", CLOSED_BY_HAND],
-        env={**os.environ, "PYTHONPATH": child_pythonpath()},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
+    done = run_in_dev_mode(CLOSED_BY_HAND)
     assert done.stdout.split() == ["1024", "collected"]
     assert "Exception ignored" not in done.stderr, done.stderr
 
