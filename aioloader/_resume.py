@@ -216,10 +216,9 @@ class EpochBook:
         self._warned_len = True
         warnings.warn(  # the epoch in the text: Python's default filter shows a text once
             f"epoch {self._epoch}: len(loader) said {self.stream_len} batches, from the "
-            "IterableDataset's "
-            f"__len__ ({type(self._dataset).__name__}), but the epoch has yielded "
-            f"{len(self._done)} so far: its __len__ undercounts, or, in a stream that shards "
-            "itself by get_worker_info(), workers yield more than their shares",
+            f"IterableDataset's __len__ ({type(self._dataset).__name__}), but the epoch has "
+            f"yielded {len(self._done)} so far: its __len__ undercounts, or, in a stream that "
+            "shards itself by get_worker_info(), workers yield more than their shares",
             UserWarning,
             stacklevel=2,
         )
@@ -227,7 +226,6 @@ class EpochBook:
     def finished(self) -> None:
         """The current epoch ran to its end: a state now points at the next one."""
         self.open = False
-        self._warned_len = False
         self._done = []
         if self._draw_seed is not None and not self._drawn:
             self._draw_seed()  # the next epoch's, as torch's next iterator would
