@@ -30,7 +30,11 @@ Workloads (the samples of ``bench_loader``):
   here, 8; SPDL with an async stage of concurrency 64; torchdata and seqtools with 64 threads;
   and the bare aiohttp loop (a semaphore of 64, no loader) as the ceiling. ``W1 w2``: aioloader
   collating in 2 worker processes against torch with 2 workers (the other loaders' IO runs in
-  one process: see ``W1 w0``).
+  one process: see ``W1 w0``). ``W1 w0 jitter``: ``W1 w0`` against a second server whose
+  latency is spread uniformly over 15-25 ms (``--jitter 0.25``, the same mean), as a remote
+  store's is. With every wait exactly equal, the one-process server answers the requests that
+  arrive together together, a one-loop client sends the next ones together, and the bursts
+  last; spread out, they do not. The row shows how much of ``W1 w0`` is that lockstep.
 - ``W2``: large images, 1280 samples, batch 64 (2 and 0 workers).
 - ``W3``: ~2 ms of Python per sample, 640 samples, batch 32.
 - ``W4``: Python ints, 102,400 samples, batch 256 (2 and 0 workers; 0 workers with ``for`` too).
@@ -85,6 +89,7 @@ class Workload:
     torch_workers: int | None = None  # torch's num_workers, where it is not ``workers``
     peers: bool = True  # the other loaders run it too
     ceiling: bool = False  # the bare aiohttp loop runs it too
+    jitter: float = 0.0  # remote objects: the server's latency spread (``--jitter``)
 
     @property
     def torch_w(self) -> int:
@@ -96,6 +101,7 @@ WORKLOADS: dict[str, Workload] = {
     "first with": Workload("tiny", 64 * 64, 64, 2, mode="with", peers=False),
     "short": Workload("large", 64 * 64, 64, 2),
     "W1 w0": Workload(HTTP, 1000, 32, 0, torch_workers=8, ceiling=True),
+    "W1 w0 jitter": Workload(HTTP, 1000, 32, 0, torch_workers=8, ceiling=True, jitter=0.25),
     "W1 w2": Workload(HTTP, 1000, 32, 2, peers=False),
     "W2 w2": Workload("large", 1280, 64, 2),
     "W2 w0": Workload("large", 1280, 64, 0),
@@ -313,16 +319,19 @@ def installed(module: str) -> bool:
 
 
 @contextlib.contextmanager
-def http_server(needed: bool) -> Iterator[int]:
-    """The loopback object server for W1, one for the whole run (port 0 where not needed)."""
-    if not needed:
-        yield 0
-        return
-    import remote_http
+def http_servers(chosen: list[str]) -> Iterator[dict[float, int]]:
+    """The loopback object servers of the chosen W1 workloads, one per latency spread, each
+    for the whole run; yields their ports by spread (none where no workload needs one)."""
+    spreads = sorted({WORKLOADS[name].jitter for name in chosen if WORKLOADS[name].kind == HTTP})
+    with contextlib.ExitStack() as stack:
+        ports = {}
+        for spread in spreads:
+            import remote_http
 
-    args = ["--size", str(HTTP_SIZE), "--latency", str(HTTP_LATENCY_S)]
-    with remote_http.server_process(args) as port:
-        yield port
+            args = ["--size", str(HTTP_SIZE), "--latency", str(HTTP_LATENCY_S)]
+            args += ["--jitter", str(spread)]
+            ports[spread] = stack.enter_context(remote_http.server_process(args))
+        yield ports
 
 
 def summarise(
@@ -436,9 +445,10 @@ def main() -> None:
     imports: dict[str, list[float]] = {impl: [] for impl in columns}
     rows = []
     compile_bytecode("aioloader")
-    with http_server(any(WORKLOADS[name].kind == HTTP for name in chosen)) as port:
+    with http_servers(chosen) as ports:
         for name in chosen:
             w = WORKLOADS[name]
+            port = ports.get(w.jitter, 0)
             impls = [
                 "aioloader",
                 "torch",
@@ -484,6 +494,9 @@ def main() -> None:
             "http": {
                 "size": HTTP_SIZE,
                 "latency_s": HTTP_LATENCY_S,
+                "jitter": {
+                    name: WORKLOADS[name].jitter for name in chosen if WORKLOADS[name].kind == HTTP
+                },
                 "io_concurrency": IO_CONCURRENCY,
             },
             "import_s": import_s,

@@ -9,19 +9,19 @@ injected per path, either for the next requests (``fail(path, f1, f2)``: the nex
 assert exact attempt counts. ``Fault.hold()`` keeps a response half sent until the test calls
 ``release()``, so a test can look at the client while a read is surely in the middle of a body
 (``holding`` counts the responses held now), with no timing involved. ``latency`` delays every
-response. ``put(path, body)`` serves fixed bytes at any other path (an index file); other paths
-answer 404 (status faults apply to them too). ``Range`` headers are ignored (200 and the whole
-body, as some servers answer) unless ``ranges=True``: then ``Range: bytes=a-b`` (or ``a-``) of
-an object or file is answered 206 with those bytes and a ``Content-Range``, as S3 and most
-servers do.
+response (``jitter`` spreads it around that mean). ``put(path, body)`` serves fixed bytes at any
+other path (an index file); other paths answer 404 (status faults apply to them too). ``Range``
+headers are ignored (200 and the whole body, as some servers answer) unless ``ranges=True``:
+then ``Range: bytes=a-b`` (or ``a-``) of an object or file is answered 206 with those bytes and
+a ``Content-Range``, as S3 and most servers do.
 
 Three ways to run it:
 
 - in the test's own loop: ``async with FaultServer() as server: ...``;
 - in a background thread with its own loop: ``with FaultServer().in_thread() as server: ...``;
-- as a process: ``python tests/http_server.py --size 65536 --latency 0.02`` prints
-  ``PORT <n>`` once it listens and serves until SIGTERM / SIGINT or stdin closes
-  (``--files DIR`` serves DIR's files too, read into memory first).
+- as a process: ``python tests/http_server.py --size 65536 --latency 0.02`` (``--jitter 0.25``
+  to spread the latency) prints ``PORT <n>`` once it listens and serves until SIGTERM / SIGINT
+  or stdin closes (``--files DIR`` serves DIR's files too, read into memory first).
 
 Every wait inside a handler (latency, stalls) ends when the server stops, so stopping never
 waits for a stall to run out.
@@ -132,14 +132,26 @@ class FaultServer:
     Args:
         size: default object size in bytes.
         latency: seconds added before every response.
+        jitter: spread of that latency, as a fraction of it: each response waits a time drawn
+            uniformly from ``latency * (1 - jitter)`` to ``latency * (1 + jitter)`` (from a
+            seeded generator: the same draws run after run). 0 makes every wait equal.
         ranges: honour ``Range`` headers (see the module docstring); ignored by default.
     """
 
     def __init__(
-        self, *, size: int = DEFAULT_SIZE, latency: float = 0.0, ranges: bool = False
+        self,
+        *,
+        size: int = DEFAULT_SIZE,
+        latency: float = 0.0,
+        jitter: float = 0.0,
+        ranges: bool = False,
     ) -> None:
+        if not 0.0 <= jitter <= 1.0:
+            raise ValueError(f"jitter must be from 0 to 1, got {jitter!r}")
         self.size = size
         self.latency = latency
+        self.jitter = jitter
+        self._draws = random.Random(0)
         self.ranges = ranges
         self.requests: Counter[str] = Counter()
         self.files: dict[str, bytes] = {}  # served at /files/{name}
@@ -156,6 +168,12 @@ class FaultServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.port = 0
+
+    def next_latency(self) -> float:
+        """The wait added before the next response: ``latency``, spread by ``jitter``."""
+        if not self.jitter:
+            return self.latency
+        return self.latency * (1.0 + self.jitter * (2.0 * self._draws.random() - 1.0))
 
     # -- configuration (any thread) ------------------------------------------------------
 
@@ -223,7 +241,7 @@ class FaultServer:
         fault = self._next_fault(request.path)
         if self.latency:
             # A plain sleep: cheaper than _pause's wait_for, and short enough not to delay stop.
-            await asyncio.sleep(self.latency)
+            await asyncio.sleep(self.next_latency())
         name = request.match_info.get("name")
         if name is not None:
             if name not in self.files:
@@ -412,7 +430,7 @@ def _read_files(directory: str) -> dict[str, bytes]:
 async def _main(args: argparse.Namespace) -> None:
     import signal
 
-    server = FaultServer(size=args.size, latency=args.latency)
+    server = FaultServer(size=args.size, latency=args.latency, jitter=args.jitter)
     if args.files:
         server.files.update(_read_files(args.files))  # before serving: blocking is fine here
     await server.start()
@@ -434,6 +452,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=DEFAULT_SIZE, help="object size in bytes")
     parser.add_argument("--latency", type=float, default=0.0, help="seconds added per response")
+    parser.add_argument(
+        "--jitter", type=float, default=0.0, help="latency spread, a fraction of --latency"
+    )
     parser.add_argument("--uvloop", action="store_true", help="serve on uvloop")
     parser.add_argument("--files", help="serve the files of this directory at /files/{name}")
     arguments = parser.parse_args()

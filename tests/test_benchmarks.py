@@ -213,3 +213,23 @@ def test_cold_start_best_other_loader_and_its_rows_in_the_runner(
     assert rows[1].others == {"spdl": pytest.approx(3.2), "seqtools": 5.0}
     assert rows[2].ratio == pytest.approx(0.8)
     assert rows[3].ratio == pytest.approx(0.5)
+
+
+def test_server_latency_jitter_spreads_every_wait_over_its_range_around_the_same_mean() -> None:
+    # W1's second server (cold_start's "W1 w0 jitter"): the same mean wait, spread uniformly
+    # over latency * (1 +- jitter), the same draws every run; without jitter, every wait equal.
+    from http_server import FaultServer
+
+    steady = FaultServer(latency=0.02)
+    assert {steady.next_latency() for _ in range(100)} == {0.02}
+    spread = [FaultServer(latency=0.02, jitter=0.25).next_latency() for _ in range(2)]
+    assert spread[0] == spread[1]  # seeded: runs see the same waits
+    server = FaultServer(latency=0.02, jitter=0.25)
+    waits = [server.next_latency() for _ in range(2000)]
+    assert all(0.015 <= w <= 0.025 for w in waits)
+    assert min(waits) < 0.0155  # reaches both ends
+    assert max(waits) > 0.0245
+    assert sum(waits) / len(waits) == pytest.approx(0.02, rel=0.02)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=rf"jitter must be from 0 to 1, got {bad}"):
+            FaultServer(jitter=bad)
