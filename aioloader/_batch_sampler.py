@@ -36,7 +36,7 @@ from collections.abc import Iterable, Iterator, Sized
 from typing import Any, Literal, cast, get_args
 
 from ._types import Stateful
-from ._validate import boolean, check_state_keys, is_int, one_of, positive_int
+from ._validate import as_torch, boolean, check_state_keys, is_int, one_of, positive_int
 
 __all__ = [
     "BatchSampler",
@@ -64,7 +64,7 @@ def resolve_last_batch(last_batch: object, drop_last: object) -> LastBatch:
             )
         last_batch, drop_last = None, last_batch
     if drop_last is not None:
-        drop_last = boolean("drop_last", drop_last)
+        drop_last = as_torch(boolean, "drop_last", drop_last)
     if last_batch is not None:
         one_of("last_batch", last_batch, _LAST_BATCH_POLICIES)
     implied = None if drop_last is None else ("discard" if drop_last else "keep")
@@ -94,7 +94,8 @@ class BatchSampler:
         drop_last: torch's spelling; must agree with ``last_batch`` when both are given.
 
     Raises:
-        TypeError: if an argument has the wrong type.
+        TypeError: if an argument has the wrong type (for ``batch_size`` and ``drop_last``
+            also a ``ValueError``, which torch raises).
         ValueError: if ``batch_size`` is not positive, ``last_batch`` is unknown, or it
             conflicts with ``drop_last``.
     """
@@ -110,7 +111,7 @@ class BatchSampler:
         if not isinstance(sampler, Iterable):
             raise TypeError(f"sampler must be an iterable of ints, got {sampler!r}")
         self.sampler = sampler
-        self.batch_size = positive_int("batch_size", batch_size)
+        self.batch_size = as_torch(positive_int, "batch_size", batch_size)
         self.last_batch: LastBatch = resolve_last_batch(last_batch, drop_last)
         # Invariant: the carry is empty unless last_batch == "rollover", and always shorter
         # than a batch when produced here (a loaded state may hold more; it is then batched).

@@ -188,7 +188,9 @@ class LoaderConfig:
         attribute is); ``batched`` says whether samples are collated into batches at all.
         """
         workers = check.non_negative_int("num_workers", num_workers)
-        size = None if batch_size is None else check.positive_int("batch_size", batch_size)
+        size = batch_size
+        if size is not None:
+            size = check.as_torch(check.positive_int, "batch_size", batch_size)
         batched = size is not None or batch_sampler_given
         if batch_sampler_given:
             size = None  # the batch sampler decides (its conflicts are checked with it)

@@ -70,7 +70,7 @@ from ._shared_pool import WorkerPool, shared_pool, worker_context
 from ._stats import Counters, LoaderStatistics
 from ._sync import LoopThread, SyncIterator
 from ._types import Runner, dataset_kind
-from ._validate import boolean, to_int
+from ._validate import as_torch, boolean, to_int
 
 __all__ = ["DataLoader"]
 
@@ -270,7 +270,7 @@ class DataLoader(SettingsView):
             shuffle=shuffle,
             sampler=sampler,
             batch_sampler=batch_sampler,
-            drop_last=boolean("drop_last", drop_last),
+            drop_last=as_torch(boolean, "drop_last", drop_last),
             last_batch=last_batch,
             policy=policy,
             seed=config.seed,

@@ -54,7 +54,15 @@ if TYPE_CHECKING:
 
 from ._batch_sampler import BatchSampler, LastBatch, ShardedBatchSampler
 from ._distributed import process_group
-from ._validate import boolean, check_state_keys, is_int, non_negative_int, positive_int, to_int
+from ._validate import (
+    as_torch,
+    boolean,
+    check_state_keys,
+    is_int,
+    non_negative_int,
+    positive_int,
+    to_int,
+)
 
 # The checks under the names this module has always exported.
 validate_positive_int = positive_int
@@ -207,7 +215,7 @@ class RandomSampler:
         n = _length_of("data_source", data_source)
         replacement = boolean("replacement", replacement)
         if num_samples is not None:
-            num_samples = non_negative_int("num_samples", num_samples)
+            num_samples = as_torch(non_negative_int, "num_samples", num_samples)
             if num_samples > 0 and n == 0:
                 raise ValueError(
                     f"num_samples={num_samples} cannot be drawn from an empty data_source"

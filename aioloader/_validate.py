@@ -24,6 +24,7 @@ from typing import Any, Literal, TypeGuard, TypeVar, overload
 
 __all__ = [
     "WrongTypeError",
+    "as_torch",
     "boolean",
     "callable_or_none",
     "check_state_keys",
@@ -254,3 +255,11 @@ def value_errors() -> Iterator[None]:
         if isinstance(exc, WrongTypeError):
             raise
         raise WrongTypeError(*exc.args) from None
+
+
+def as_torch(check: Callable[[str, Any], T], name: str, value: object) -> T:
+    """``check(name, value)`` for an argument torch refuses with ``ValueError`` whatever is
+    wrong with it (``batch_size``, ``drop_last``, ``num_samples``): a wrong type raises a
+    :class:`WrongTypeError`, so code that catches torch's ``ValueError`` still catches it."""
+    with value_errors():
+        return check(name, value)

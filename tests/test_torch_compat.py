@@ -464,6 +464,49 @@ def test_loader_errors_are_also_the_types_torch_raises() -> None:
     assert (type(late), str(late)) == (LoaderTimeoutError, "batch 3 took too long")
 
 
+# Arguments torch refuses with ValueError whatever is wrong with them, a wrong type included:
+# (the call, on torch.utils.data or aioloader; whether the argument's type is wrong).
+REFUSED_AS_TORCH_REFUSES: dict[str, tuple[Callable[[Any], object], bool]] = {
+    "DataLoader batch_size='4'": (lambda m: m.DataLoader(range(8), batch_size="4"), True),
+    "DataLoader batch_size=2.5": (lambda m: m.DataLoader(range(8), batch_size=2.5), True),
+    "DataLoader batch_size=True": (lambda m: m.DataLoader(range(8), batch_size=True), True),
+    "DataLoader batch_size=0": (lambda m: m.DataLoader(range(8), batch_size=0), False),
+    "DataLoader drop_last='x'": (lambda m: m.DataLoader(range(8), drop_last="x"), True),
+    "DataLoader drop_last=1": (lambda m: m.DataLoader(range(8), drop_last=1), True),
+    "BatchSampler batch_size='2'": (lambda m: m.BatchSampler(range(8), "2", False), True),
+    "BatchSampler drop_last=1": (lambda m: m.BatchSampler(range(8), 2, drop_last=1), True),
+    "RandomSampler num_samples='3'": (
+        lambda m: m.RandomSampler(range(8), num_samples="3"),
+        True,
+    ),
+    "RandomSampler num_samples=-1": (
+        lambda m: m.RandomSampler(range(8), num_samples=-1),
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("make", "wrong_type"),
+    REFUSED_AS_TORCH_REFUSES.values(),
+    ids=REFUSED_AS_TORCH_REFUSES.keys(),
+)
+def test_bad_arguments_raise_what_torch_raises(
+    make: Callable[[Any], object], wrong_type: bool
+) -> None:
+    # Code written against torch catches ValueError; a wrong type is also a TypeError here,
+    # as every other wrong type in aioloader is. The message names the argument.
+    names = "batch_size|drop_last|num_samples"
+    with pytest.raises(ValueError, match=names) as torchs:
+        make(tud)
+    with pytest.raises(ValueError, match=names) as ours:
+        make(aioloader)
+    assert type(torchs.value) is ValueError
+    assert isinstance(ours.value, TypeError) is wrong_type
+    name = next(n for n in names.split("|") if n in str(torchs.value))
+    assert name in str(ours.value)
+
+
 @pytest.mark.parametrize("settings", ERROR_SETTINGS.values(), ids=ERROR_SETTINGS.keys())
 async def test_after_a_batch_raises_anext_goes_on_with_the_next_batches(
     settings: dict[str, Any],
