@@ -57,6 +57,9 @@ class Fetcher:
         counters: Counters,
     ) -> None:
         self._get = dataset.fetch if isinstance(dataset, SourceDataset) else dataset.__getitem__
+        expect = getattr(dataset, "expect_in_flight", None)
+        if callable(expect):
+            expect(io_concurrency)  # before any fetch: pools are opened at the first
         self._name = dataset.item_name if isinstance(dataset, NamedItems) else None
         self._awaited: dict[int, list[int]] = {}  # batch id -> indices its cancel cut short
         self._io = asyncio.Semaphore(io_concurrency)  # binds to the loop at first use

@@ -243,7 +243,7 @@ def run_dataloader(
         if w.kind == HTTP:
             from aioloader.sources import HTTPDataset
 
-            dataset = HTTPDataset(urls, max_connections=max(256, IO_CONCURRENCY))
+            dataset = HTTPDataset(urls)
             kwargs = {"collate_fn": remote_http.keep_list, "io_concurrency": IO_CONCURRENCY}
         else:
             dataset = other_loaders.dataset_for(w.kind, w.n)

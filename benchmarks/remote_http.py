@@ -117,7 +117,7 @@ def run_aioloader(
     from aioloader.sources import HTTPDataset
 
     async def main() -> Result:
-        dataset = HTTPDataset(urls, max_connections=max(256, concurrency))
+        dataset = HTTPDataset(urls)  # connections: as many as io_concurrency
         loader = aioloader.DataLoader(
             dataset,
             batch_size=batch_size,

@@ -406,6 +406,48 @@ async def test_requests_waiting_for_a_connection_are_neither_in_flight_nor_stall
     assert stats.requests_in_flight == 0
 
 
+async def test_connections_follow_an_io_concurrency_above_the_default_limit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # io_concurrency=260 asks for more requests on the wire than the 256 connections a session
+    # opens by default; with max_connections left unset, the loader's session opens enough.
+    # Every response is held half sent, so all of them are on the wire at once, for sure.
+    caplog.set_level(logging.WARNING, "aioloader.remote")
+    wanted = 260
+    async with FaultServer() as server:
+        for i in range(wanted):
+            server.fail(f"/obj/{i}", Fault.hold())
+        ds = dataset(server, range(wanted))
+        async with aioloader.DataLoader(
+            ds, batch_size=wanted, io_concurrency=wanted, collate_fn=list
+        ) as loader:
+            epoch = asyncio.ensure_future(collect(loader))
+            await until(lambda: server.holding >= 256)
+            async with asyncio.timeout(10):  # capped at 256, the rest would wait for ever
+                await until(lambda: server.holding == wanted)
+            assert loader.statistics().requests_in_flight == wanted
+            server.release()
+            batches = await epoch
+    assert batches == [[payload(i) for i in range(wanted)]]
+    assert not [r for r in caplog.records if "connections are busy" in r.getMessage()]
+
+
+async def test_an_explicit_max_connections_caps_the_wire_below_io_concurrency() -> None:
+    async with FaultServer() as server:
+        for i in range(8):
+            server.fail(f"/obj/{i}", Fault.hold())
+        ds = dataset(server, range(8), max_connections=3)
+        async with aioloader.DataLoader(
+            ds, batch_size=8, io_concurrency=8, collate_fn=list
+        ) as loader:
+            epoch = asyncio.ensure_future(collect(loader))
+            await until(lambda: server.holding == 3)
+            await asyncio.sleep(0.2)  # time for a fourth request, were it let through
+            assert server.holding == 3
+            server.release()
+            assert await epoch == [[payload(i) for i in range(8)]]
+
+
 # -- streams (tar shards) ---------------------------------------------------------------------
 
 

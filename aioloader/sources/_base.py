@@ -195,6 +195,12 @@ class Source(ABC):
     async def fetch(self, index: int) -> bytes:
         """Read the raw bytes of item ``index`` (the IO stage, awaited on the event loop)."""
 
+    def expect_in_flight(self, fetches: int) -> None:
+        """Told by a loader, before its first fetch, how many fetches it may have in flight at
+        once (its ``io_concurrency``). A source whose pools cap their connections sizes the
+        pools opened afterwards for the most it was told. The base does nothing."""
+        del fetches  # no pool here to size
+
     def decode(self, raw: bytes) -> Any:
         """Turn raw bytes into a sample (the CPU stage, run off the event loop).
 

@@ -81,6 +81,10 @@ STALL_WARNING_S = 10.0
 #: (over HTTP, chunks are handed over as they are received, whatever their size).
 STREAM_CHUNK = 1 << 20
 
+#: Connections per event loop when ``max_connections`` is not given and no loader asked for more
+#: (each is a socket and a file descriptor).
+DEFAULT_MAX_CONNECTIONS = 256
+
 #: Default headers; the user's ``headers`` override them.
 BASE_HEADERS: Mapping[str, str] = {"Accept-Encoding": "identity"}
 
@@ -139,9 +143,10 @@ class HTTPDataset(Source):
         item_deadline: seconds for all attempts of one item, waits included (``None``: no
             limit).
         max_connections: connections open at once per event loop: the most requests on the
-            wire, whatever the loader's ``io_concurrency``. Requests beyond it wait for a free
-            connection (said once per session by a WARNING; the wait is neither in flight nor
-            a stall); raise it with an ``io_concurrency`` above 256.
+            wire. Requests beyond it wait for a free connection (said once per session by a
+            WARNING; the wait is neither in flight nor a stall). ``None``: 256, or the
+            ``io_concurrency`` of the loaders reading the dataset where that is more (the
+            most of those made before the loop's session opened).
         stall_warning: seconds an attempt may go without receiving a byte once it has a
             connection before a WARNING is logged (once per attempt), or ``None`` for never.
             Below ``read_timeout``, so a hang is said before it is retried.
@@ -166,7 +171,7 @@ class HTTPDataset(Source):
         connect_timeout: float | None = 10.0,
         read_timeout: float | None = 30.0,
         item_deadline: float | None = None,
-        max_connections: int = 256,
+        max_connections: int | None = None,
         headers: Mapping[str, str] | None = None,
         sleep: Callable[[float], Awaitable[object]] | None = None,
         stall_warning: float | None = STALL_WARNING_S,
@@ -184,12 +189,17 @@ class HTTPDataset(Source):
             self._connect_timeout = seconds("connect_timeout", connect_timeout, positive=True)
             self._read_timeout = seconds("read_timeout", read_timeout, positive=True)
             self._item_deadline = seconds("item_deadline", item_deadline, positive=True)
-            self._max_connections = positive_int("max_connections", max_connections)
+            self._max_connections = (
+                None
+                if max_connections is None
+                else positive_int("max_connections", max_connections)
+            )
             self._stall_warning = seconds("stall_warning", stall_warning, positive=True)
         if headers is not None and not isinstance(headers, Mapping):
             raise TypeError(f"headers must be a mapping of str to str, got {headers!r}")
         self._headers = {**BASE_HEADERS, **(headers or {})}
         self._sleep = sleep
+        self._expected_in_flight = 0  # the most fetches a loader said it may have in flight
 
     @classmethod
     def from_index(
@@ -438,6 +448,16 @@ class HTTPDataset(Source):
 
     # -- the per-loop session ------------------------------------------------------------
 
+    def expect_in_flight(self, fetches: int) -> None:
+        """Size the sessions opened from now on for ``fetches`` requests at once, where
+        ``max_connections`` was left to its default (see :meth:`Source.expect_in_flight`)."""
+        self._expected_in_flight = max(self._expected_in_flight, fetches)
+
+    def _connection_limit(self) -> int:
+        if self._max_connections is not None:
+            return self._max_connections
+        return max(DEFAULT_MAX_CONNECTIONS, self._expected_in_flight)
+
     def _open_pool(self) -> aiohttp.ClientSession:
         import aiohttp
 
@@ -447,13 +467,14 @@ class HTTPDataset(Source):
             sock_connect=self._connect_timeout,
             sock_read=self._read_timeout,
         )
-        connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0)
+        limit = self._connection_limit()
+        connector = aiohttp.TCPConnector(limit=limit, limit_per_host=0)
         return aiohttp.ClientSession(
             connector=connector,
             timeout=timeout,
             headers=self._headers,
             raise_for_status=False,
-            trace_configs=[wire_trace(self._max_connections)],
+            trace_configs=[wire_trace(limit)],
         )
 
     async def _close_pool(self, pool: aiohttp.ClientSession) -> None:
