@@ -335,6 +335,7 @@ async def test_a_batch_its_epoch_gave_up_that_hangs_does_not_hold_up_the_next(
     assert run.errors == []
     assert run.batches == fd.sequential_batches(16, 4)
     assert stats.worker_restarts == 1
+    assert stats.timeouts == 1  # the given-up batch's missed deadline, counted at its kill
     assert fd.wait_gone([hung]) == []
 
 
@@ -399,6 +400,8 @@ async def test_a_given_up_batch_that_hangs_does_not_hold_up_another_loader_on_th
         async with hanging, other:
             hung = await _leave_while_running(hanging, marks, 5)
             run = await fd.run_epoch(aiter(other))
+            counted = (hanging.statistics().timeouts, other.statistics().timeouts)
+        assert counted == (1, 0)  # the kill counts for the loader that gave the batch up
         assert run.errors == []
         assert run.batches == fd.sequential_batches(12, 4)
         assert hung not in pool.worker_pids

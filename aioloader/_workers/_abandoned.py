@@ -9,7 +9,8 @@ more, and the jobs queued behind it on that worker (the next epoch's, another lo
 shared pool) wait for ever: their own deadlines count from when their batch starts running,
 which it never does. So it is watched here instead: seen running at one look and still
 running at the next, a deadline later, its worker is killed as a hung batch's is; the jobs
-queued behind it are not to blame, and go to the replacement.
+queued behind it are not to blame, and go to the replacement. The kill counts in the
+``timeouts`` (and ``worker_restarts``) of the loader that gave the batch up.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 
 from .._log import workers_log
+from .._stats import current_counters
 from ._cells import Column
 from ._channel import Channel
 from ._launch import Worker
@@ -37,6 +39,7 @@ def watch_abandoned(w: Worker, job_id: int, tag: int, after: float, current: Col
     """
     loop = asyncio.get_running_loop()
     generation, channel, process = w.generation, w.channel, w.process
+    counters = current_counters.get()  # the giving-up loader's: this runs in its task
     seen_running = False
 
     def look() -> None:
@@ -48,6 +51,8 @@ def watch_abandoned(w: Worker, job_id: int, tag: int, after: float, current: Col
         if running and seen_running:
             pid = w.kill()
             if pid is not None:
+                if counters is not None:
+                    counters.timeouts += 1  # a missed deadline, as a watched batch's
                 workers_log.warning(
                     "worker process pid %d killed: a batch given up by its epoch ran past the "
                     "%s s deadline, holding up the jobs queued behind it",
