@@ -199,7 +199,8 @@ class RandomSampler:
             as :attr:`seed` and saved by :meth:`state_dict`.
 
     Raises:
-        TypeError: if an argument has the wrong type.
+        TypeError: if an argument has the wrong type (for ``num_samples`` also a
+            ``ValueError``, which torch raises).
         ValueError: if ``num_samples`` is negative, if both ``generator`` and ``seed`` are
             given, or if samples are asked of an empty dataset.
     """

@@ -183,7 +183,10 @@ class SourceDataset(Protocol[T_co]):
     once), ``decode(raw)`` turns them into a sample off the loop (in a worker or a thread).
 
     The ready sources (:mod:`aioloader.sources`) are of this kind; so is any dataset with
-    ``__len__``, an async ``fetch`` and a sync ``decode``.
+    ``__len__``, an async ``fetch`` and a sync ``decode``. An async dataset may also have
+    ``expect_in_flight(n)``: the loader calls it with its ``io_concurrency`` before the first
+    fetch of each epoch (:meth:`aioloader.sources.Source.expect_in_flight`); a wrapper around
+    a source forwards it, so the source's connection pools are sized for the loader.
     """
 
     def __len__(self) -> int: ...

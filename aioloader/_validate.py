@@ -10,8 +10,9 @@ Rules:
 - numbers (and numbers of seconds) are finite real numbers (numpy floats included), never
   ``bool``; they come back as a plain ``float``;
 - a wrong type raises ``TypeError``, a value of the right type out of range ``ValueError``.
-  Where an API has always promised ``ValueError`` for both (the sources, ``RetryPolicy``), its
-  checks run under :func:`value_errors`, which raises a :class:`WrongTypeError`: both at once.
+  Where an API has always promised ``ValueError`` for both (the sources, ``RetryPolicy``), or
+  torch raises it for both (``batch_size``, ``drop_last``, ``num_samples``: :func:`as_torch`),
+  its checks run under :func:`value_errors`, which raises a :class:`WrongTypeError`: both.
 """
 
 from __future__ import annotations

@@ -133,8 +133,9 @@ class FaultServer:
         size: default object size in bytes.
         latency: seconds added before every response.
         jitter: spread of that latency, as a fraction of it: each response waits a time drawn
-            uniformly from ``latency * (1 - jitter)`` to ``latency * (1 + jitter)`` (from a
-            seeded generator: the same draws run after run). 0 makes every wait equal.
+            uniformly from ``latency * (1 - jitter)`` to ``latency * (1 + jitter)``, from one
+            seeded generator (the same sequence of waits each time the server starts, given to
+            requests in the order they come). 0 makes every wait equal.
         ranges: honour ``Range`` headers (see the module docstring); ignored by default.
     """
 

@@ -10,7 +10,8 @@ shared pool) wait for ever: their own deadlines count from when their batch star
 which it never does. So it is watched here instead: seen running at one look and still
 running at the next, a deadline later, its worker is killed as a hung batch's is; the jobs
 queued behind it are not to blame, and go to the replacement. The kill counts in the
-``timeouts`` (and ``worker_restarts``) of the loader that gave the batch up.
+``timeouts`` of the loader that gave the batch up, at the time of the kill: in the figures of
+the epoch running then (the given-up one has ended). The restart is the pool's, as any.
 """
 
 from __future__ import annotations

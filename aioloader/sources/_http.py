@@ -21,9 +21,9 @@ Before a timeout, ``stall_warning`` seconds without a byte (headers or body, cou
 moment the request has a connection) log a WARNING on ``aioloader.remote``, once per attempt,
 and count in the loader's ``statistics().remote_stalls``: a read that hangs is visible while it
 hangs. A request counts in ``statistics().requests_in_flight`` from the moment it has a
-connection until its body is read (see :mod:`._inflight`): at most ``max_connections`` at once,
-whatever the loader's ``io_concurrency``; the first request of a session that has to wait for
-a connection logs one WARNING saying so.
+connection until its body is read (see :mod:`._inflight`): at most ``max_connections`` at once
+(by default as many as the loader's ``io_concurrency``, 256 at least); the first request of a
+session that has to wait for a connection logs one WARNING saying so.
 
 Sharp edges:
 
