@@ -18,8 +18,8 @@ Cancellation edges:
   loses nothing: a batch popped but not yet handed over is kept and returned by the next call;
 - ``aclose()`` cancels the producer's tasks and waits for them; worker jobs that were already
   running release their shared-memory slots when they finish;
-- an iterator that is dropped without ``aclose()`` is closed by its handle's ``__del__``
-  (:class:`EpochIterator`: the handle, unlike the epoch, is not referenced by the tasks);
+- an iterator dropped without ``aclose()`` (also by a cancelled task a caller keeps) is closed
+  by its handle's ``__del__`` (:class:`EpochIterator`: the tasks do not reference the handle);
 - closing an epoch wakes a consumer that waits on it: it gets ``StopAsyncIteration``.
 """
 
@@ -464,9 +464,8 @@ class Epoch:
         self._release_all()
 
     def close_nowait(self) -> None:
-        """Cancel the tasks and release what was produced, without waiting (from ``__del__``,
-        from a new epoch, or from another thread's close). The work is done on the epoch's
-        loop, which alone touches the tasks and the reorder buffer."""
+        """Cancel the tasks and release what was produced, without waiting (from ``__del__``, a
+        new epoch, another thread's close), on the loop that alone touches tasks and buffer."""
         if self._closed:
             return
         self._closed = True
@@ -512,10 +511,9 @@ class EpochIterator:
     randomness. It holds ``start`` (a bound method of the loader), so the loader lives as long
     as an iterator of it: ``await anext(aiter(DataLoader(...)))`` works.
 
-    The epoch's own tasks reference the epoch, so the epoch cannot notice that the consumer
-    dropped it. This thin handle can, because only the consumer holds it: when it is garbage
-    collected (``del it``, a ``break`` out of ``async for``, an exception that unwinds the
-    loop) the epoch is closed at once: its tasks are cancelled and its batches released.
+    The epoch's tasks reference the epoch; only the consumer holds this handle, so its
+    collection (``del it``, a ``break``, an error or a cancel that unwinds ``async for``)
+    closes the epoch at once: its tasks are cancelled and its batches released.
     """
 
     __slots__ = ("__weakref__", "_start", "epoch")
@@ -534,12 +532,15 @@ class EpochIterator:
             if self._start is None:  # closed before it started
                 raise StopAsyncIteration
             self.epoch = self._start()
+        epoch = self.epoch
         try:
-            batch = await self.epoch.__anext__()
-        except Exception as exc:
-            self.epoch.raised_last = not isinstance(exc, StopAsyncIteration)
+            batch = await epoch.__anext__()
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                epoch.raised_last = not isinstance(exc, StopAsyncIteration)
+            del self  # a kept traceback (a cancelled task's) must not keep the epoch open
             raise
-        self.epoch.raised_last = False
+        epoch.raised_last = False
         return batch
 
     async def aclose(self) -> None:

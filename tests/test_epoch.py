@@ -224,6 +224,35 @@ async def test_a_dropped_iterator_is_closed_at_once() -> None:
         assert flat(await collect(loader)) == list(range(400))
 
 
+async def test_a_cancelled_consumer_task_kept_by_its_caller_closes_its_epoch() -> None:
+    # A supervisor cancels the training task and keeps the Task (gather(...,
+    # return_exceptions=True), a task list): the CancelledError's traceback keeps the frames
+    # the cancel went through, which must not keep the epoch running.
+    dataset = Recorder(60, delay=0.05)
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, thread_pool=True, prefetch=4)
+    async with loader:
+        started = asyncio.Event()
+
+        async def train() -> None:
+            async for _ in loader:
+                started.set()  # then it waits in __anext__: the data is slower than the step
+
+        task = asyncio.create_task(train())
+        async with asyncio.timeout(BOUND_S):
+            await started.wait()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert task.cancelled()  # kept, with its traceback, to the end of the test
+        await _eventually(lambda: _our_tasks() == [])
+        stats = loader.statistics()
+        assert (stats.in_flight, stats.waiting) == (0, 0)
+        await quiet(dataset)
+        read = len(dataset.read)
+        await asyncio.sleep(0.2)  # four reads' time: none starts
+        assert len(dataset.read) == read
+        assert flat(await collect(loader)) == list(range(60))  # the next epoch runs alone
+
+
 def test_sync_break_then_a_new_epoch_is_complete() -> None:
     with DataLoader(Range(20), batch_size=3, num_workers=2, thread_pool=True) as loader:
         for _ in loader:
