@@ -435,7 +435,7 @@ class DataLoader(SettingsView):
         ``next()`` goes on with the following batches, as torch's iterator does.
         """
         self._check_open()
-        return SyncIterator(self._new_epoch, self._sync_loop)
+        return SyncIterator(self._new_epoch, self._sync_loop, self.__len__)
 
     def _sync_loop(self) -> LoopThread:
         self._check_open()

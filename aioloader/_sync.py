@@ -26,6 +26,8 @@ from collections.abc import Callable, Coroutine
 from types import ModuleType
 from typing import Any, Final, TypeVar
 
+from ._errors import out_of_descriptors_note
+
 __all__ = ["NOT_INLINE", "LoopThread", "SyncIterator", "new_event_loop"]
 
 T = TypeVar("T")
@@ -59,7 +61,16 @@ class LoopThread:
     """An event loop running forever in a daemon thread, until :meth:`close`."""
 
     def __init__(self) -> None:
-        self.loop = new_event_loop()
+        try:
+            self.loop = new_event_loop()
+        except OSError as exc:  # no descriptor left for the loop's own (epoll, a wake-up pipe)
+            where = (
+                "making the event loop of a loader iterated with `for` (an open loader keeps "
+                "one, and its workers, until it is closed or collected)"
+            )
+            if (note := out_of_descriptors_note(exc, where)) is not None:
+                exc.add_note(note)
+            raise
         self._thread = threading.Thread(target=self._run, name="aioloader-loop", daemon=True)
         self._thread.start()
 
@@ -112,11 +123,14 @@ class SyncIterator:
     involved; once it says ``NOT_INLINE``, ``loop`` gives the loop thread that runs the rest.
     """
 
-    def __init__(self, start: Callable[[], Any], loop: Callable[[], LoopThread]) -> None:
+    def __init__(
+        self, start: Callable[[], Any], loop: Callable[[], LoopThread], length: Callable[[], int]
+    ) -> None:
         # Kept for the iterator's life, not only until the start: they hold the loader, which
         # must live as long as its iterator does (``next(iter(DataLoader(...)))``).
         self._start = start
         self._loop = loop
+        self._length = length
         self._started = False
         self._loop_thread: LoopThread | None = None
         self._epoch: Any = None
@@ -124,6 +138,10 @@ class SyncIterator:
 
     def __iter__(self) -> SyncIterator:
         return self
+
+    def __len__(self) -> int:
+        """The epoch's batches, as ``len(loader)`` (torch's iterator has a length too)."""
+        return self._length()
 
     def __next__(self) -> Any:
         if self._done:

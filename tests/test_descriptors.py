@@ -191,6 +191,47 @@ def test_out_of_descriptors_names_the_slot_and_the_fix() -> None:
     assert stats_line == "1 1"  # the failed lease created nothing and left the pool intact
 
 
+_NO_FD_FOR_THE_LOOP_CHILD = """
+import os, resource
+import numpy  # imported while descriptors are left (the loader's collation imports it)
+from aioloader import DataLoader
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+filler = []
+try:
+    while True:
+        filler.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+try:
+    # A timeout keeps batches off the caller's thread: the epoch runs on the loop.
+    next(iter(DataLoader(list(range(8)), batch_size=4, timeout=5, collate_fn=numpy.stack)))
+except OSError as exc:
+    print(exc.errno, " ".join(getattr(exc, "__notes__", [])), sep="|")
+else:
+    print("no error")
+"""
+
+
+@needs_proc
+def test_no_descriptor_for_the_sync_loop_names_the_fix() -> None:
+    # Many loaders left open, each with its loop thread (and workers), can use the limit up:
+    # the loop a `for` needs then fails where it is made, saying what holds descriptors.
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_FD_FOR_THE_LOOP_CHILD],
+        cwd=REPO_DIR,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cause, note = proc.stdout.strip().split("|", 1)
+    assert int(cause) == errno.EMFILE
+    assert "event loop of a loader iterated with `for`" in note
+    assert "limit is 64" in note
+    assert "ulimit -n" in note
+
+
 @needs_proc
 @no_worker_left_behind()
 def test_a_worker_out_of_descriptors_names_the_batch_and_the_fix() -> None:

@@ -41,7 +41,6 @@ LEVELS: dict[str, int] = {
     "_stats": 0,
     "_log": 0,
     "_reorder": 0,
-    "_sync": 0,
     "_stacking": 0,
     # 1 - pure building blocks, and what this process's rank reads (_distributed)
     "_batch_sampler": 1,
@@ -49,7 +48,7 @@ LEVELS: dict[str, int] = {
     "_prestack": 1,
     "_shm_tree": 1,
     "_failures": 1,
-    "_run": 1,
+    "_sync": 1,
     "_progress": 1,
     "_distributed": 1,
     # 2 - one batch, one resource: samplers, making a batch, shared memory, CUDA, storage
@@ -58,6 +57,7 @@ LEVELS: dict[str, int] = {
     "_shm": 2,
     "_reuse": 2,
     "_device": 2,
+    "_run": 2,  # aioloader.run: a loop of _sync's making
     # its modules share it: _base, _retry, _file, _http, _fsspec, _listing; _tar, _tarfmt, the
     # epoch of units read at once (_readers) and its mixer (_mixing); _parquet, _parquetio
     "sources": 2,

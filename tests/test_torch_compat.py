@@ -152,6 +152,7 @@ def test_len_and_batch_count_with_drop_last_equal_torchs(drop_last: bool) -> Non
         theirs = tud.DataLoader(dataset, batch_size=batch_size, drop_last=drop_last)
         with DataLoader(dataset, batch_size=batch_size, drop_last=drop_last) as ours:
             assert len(ours) == len(theirs), batch_size
+            assert len(iter(ours)) == len(iter(theirs)), batch_size  # an iterator's too
             assert len(epoch(ours)) == len(list(theirs)), batch_size
             assert ours.drop_last is drop_last
 
@@ -170,6 +171,10 @@ def test_len_of_a_stream_without_len_is_a_type_error() -> None:
         len(tud.DataLoader(NoLength(), batch_size=2))
     with pytest.raises(TypeError):
         len(DataLoader(NoLength(), batch_size=2))
+    with pytest.raises(TypeError):
+        len(iter(tud.DataLoader(NoLength(), batch_size=2)))
+    with pytest.raises(TypeError):
+        len(iter(DataLoader(NoLength(), batch_size=2)))
     # list() asks for a length hint and takes the TypeError as "unknown", as for torch's loader.
     assert as_lists(load(NoLength(), batch_size=2)) == [[0, 1], [2]]
 
