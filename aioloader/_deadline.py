@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._batch import annotate
-from ._errors import LoaderTimeoutError, WorkerCrashedError
+from ._errors import WorkerCrashedError, timeout_error
 from ._log import workers_log
 from ._stats import Counters
 from ._types import BatchRequest, Made, Runner, StreamRequest
@@ -158,20 +158,3 @@ async def _await_job(
         raise
     job.result()  # raises the job's exception
     return False, started
-
-
-def timeout_error(
-    batch_id: int,
-    what: str,
-    waited: float,
-    timeout: float | None,
-    pid: int | None,
-    advice: str = "Try a larger timeout, more workers, or max_retries to re-run a batch whose "
-    "worker hung.",
-) -> LoaderTimeoutError:
-    """The error of a batch that missed its deadline, with what to try."""
-    killed = f"; worker pid {pid} was killed and replaced" if pid is not None else ""
-    return LoaderTimeoutError(
-        f"batch {batch_id} ({what}) was not ready after {waited:.2f} s "
-        f"(timeout={timeout}){killed}. {advice}"
-    )

@@ -57,6 +57,7 @@ __all__ = [
     "WorkerError",
     "WorkerInitError",
     "out_of_descriptors_note",
+    "timeout_error",
 ]
 
 
@@ -237,3 +238,20 @@ def _nofile_limit() -> str:
     import resource
 
     return str(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
+def timeout_error(
+    batch_id: int,
+    what: str,
+    waited: float,
+    timeout: float | None,
+    pid: int | None,
+    advice: str = "Try a larger timeout, more workers, or max_retries to re-run a batch whose "
+    "worker hung.",
+) -> LoaderTimeoutError:
+    """The error of a batch that missed its deadline, with what to try."""
+    killed = f"; worker pid {pid} was killed and replaced" if pid is not None else ""
+    return LoaderTimeoutError(
+        f"batch {batch_id} ({what}) was not ready after {waited:.2f} s "
+        f"(timeout={timeout}){killed}. {advice}"
+    )

@@ -10,8 +10,21 @@
 The semaphore is shared by every batch of the loader's loop, so ``io_concurrency`` bounds the
 requests in flight however many batches are scheduled (``prefetch`` bounds those).
 
+Deadline (``timeout``): a batch's clock runs only while at least one of its items holds an io
+slot, and stops while none does. So the time a prefetched batch waits for slots behind the items
+of earlier batches is not its time, as in the CPU stage (``_deadline``); the time it is served
+is: its items' fetches (the source's retries included), and meanwhile the wait of its other
+items for slots (below ``batch_size``, ``io_concurrency`` queues a batch's items behind each
+other). At the deadline the batch's fetches are cancelled, and a :class:`LoaderTimeoutError`
+names the items still awaited.
+
+Invariant: every held io slot belongs to a batch whose clock runs. So an item that holds a slot
+and never returns is cut off at its batch's deadline, and a batch that waits for slots (the
+semaphore is FIFO) waits only until the batches ahead of it finish or miss their deadlines: it
+never waits forever, and never times out merely for having been queued.
+
 Cancellation edges: cancelling the produce task cancels the task group, and with it every item
-fetch of the batch; nothing is left running.
+fetch of the batch; nothing is left running. The deadline cancels the same way, from inside.
 
 Errors: the user's exception is raised, not an ``ExceptionGroup`` (``except KeyError`` in the
 training loop must keep working), annotated with the index and batch; other items that failed
@@ -27,7 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from ._batch import annotate, stray_cancel
+from ._batch import annotate, indices_text, stray_cancel
+from ._errors import LoaderTimeoutError, timeout_error
 from ._failures import FailureBudget
 from ._stats import Counters
 from ._types import BatchRequest, NamedItems, SourceDataset
@@ -42,6 +56,7 @@ class Fetcher:
         dataset: an async map dataset (``await dataset[i]``) or a :class:`SourceDataset`
             (``await dataset.fetch(i)``).
         io_concurrency: item fetches in flight at once, all batches together.
+        timeout: seconds a batch's fetch may be served (see the module docstring), or None.
         skip_errors: skip failed items (``on_error='skip'``) instead of failing the batch.
         budget: the epoch's skip budget.
         counters: the loader's live statistics.
@@ -52,6 +67,7 @@ class Fetcher:
         dataset: Any,
         io_concurrency: int,
         *,
+        timeout: float | None = None,
         skip_errors: bool,
         budget: FailureBudget,
         counters: Counters,
@@ -61,8 +77,8 @@ class Fetcher:
         if callable(expect):
             expect(io_concurrency)  # before any fetch: pools are opened at the first
         self._name = dataset.item_name if isinstance(dataset, NamedItems) else None
-        self._awaited: dict[int, list[int]] = {}  # batch id -> indices its cancel cut short
         self._io = asyncio.Semaphore(io_concurrency)  # binds to the loop at first use
+        self._timeout = timeout
         self._skip_errors = skip_errors
         self._budget = budget
         self._counters = counters
@@ -73,6 +89,7 @@ class Fetcher:
         Raises:
             Exception: the first failed item's own exception (without ``on_error='skip'``).
             TooManyFailuresError: skipping crossed the skip budget.
+            LoaderTimeoutError: the batch was served for ``timeout`` and still awaited items.
         """
         started = time.perf_counter()
         shards: list[Sequence[int]] = cast(
@@ -80,20 +97,18 @@ class Fetcher:
         )
         tasks: list[list[asyncio.Task[Any]]] = []
         failed_group: BaseExceptionGroup[BaseException] | None = None
+        clock = _ServedClock(self._timeout)
         try:
-            async with asyncio.TaskGroup() as group:
+            async with clock.deadline, asyncio.TaskGroup() as group:
                 for shard in shards:
-                    tasks.append([group.create_task(self._one(i, request)) for i in shard])
+                    tasks.append([group.create_task(self._one(i, request, clock)) for i in shard])
         except BaseExceptionGroup as exc:
             failed_group = exc
-        except asyncio.CancelledError:  # a deadline, or the epoch closing: say what was awaited
-            self._awaited[request.batch_id] = [
-                index
-                for shard, shard_tasks in zip(shards, tasks, strict=False)
-                for index, task in zip(shard, shard_tasks, strict=False)
-                if task.cancelled()
-            ]
-            raise
+        except TimeoutError as exc:
+            if not clock.deadline.expired():  # pragma: no cover - items' errors come grouped
+                raise
+            self._counters.timeouts += 1
+            raise self._timed_out(request, shards, tasks, clock.served()) from exc
         if failed_group is not None:
             # Raised outside the ``except`` block so the group does not become its context.
             raise _first_failure(tasks, failed_group)
@@ -111,22 +126,40 @@ class Fetcher:
             return BatchRequest(request.epoch, request.batch_id, shards, True, raws)
         return BatchRequest(request.epoch, request.batch_id, shards[0], False, raws[0])
 
-    def awaited(self, batch_id: int) -> str:
-        """The items batch ``batch_id`` still awaited when its fetch was cancelled (by its
-        deadline), named as the dataset names them (a URL, a path); forgotten once told."""
-        indices = self._awaited.pop(batch_id, [])
+    def _timed_out(
+        self,
+        request: BatchRequest,
+        shards: list[Sequence[int]],
+        tasks: list[list[asyncio.Task[Any]]],
+        served: float,
+    ) -> LoaderTimeoutError:
+        """The error of a batch whose fetch missed its deadline, naming the items it still
+        awaited (cut short by the deadline) as the dataset names them (a URL, a path)."""
+        awaited = [
+            index
+            for shard, shard_tasks in zip(shards, tasks, strict=False)
+            for index, task in zip(shard, shard_tasks, strict=False)
+            if task.cancelled()
+        ]
         named = [
             f"{index} ({self._name(index)})" if self._name is not None else str(index)
-            for index in indices[:_NAMED]
+            for index in awaited[:_NAMED]
         ]
-        more = f" and {len(indices) - _NAMED} more" if len(indices) > _NAMED else ""
-        return ", ".join(named) + more
+        more = f" and {len(awaited) - _NAMED} more" if len(awaited) > _NAMED else ""
+        return timeout_error(
+            request.batch_id,
+            f"fetching {indices_text(request)}",
+            served,
+            self._timeout,
+            None,
+            f"It still awaited item(s) {', '.join(named)}{more}. Try a larger timeout; a read "
+            "that never answers is better bounded by the source itself (HTTPDataset's "
+            "item_deadline=), which retries it.",
+        )
 
-    def forget(self, batch_id: int) -> None:
-        self._awaited.pop(batch_id, None)
-
-    async def _one(self, index: int, request: BatchRequest) -> Any:
+    async def _one(self, index: int, request: BatchRequest, clock: _ServedClock) -> Any:
         async with self._io:
+            clock.slot_taken()
             started = time.perf_counter()  # the fetch slot's busy time (fetch_share)
             try:
                 try:
@@ -143,9 +176,48 @@ class Fetcher:
                 raise
             finally:
                 self._counters.io_busy_s += time.perf_counter() - started
+                clock.slot_given_back()
 
 
 _NAMED = 4  # items a timeout names (the rest are counted)
+
+
+class _ServedClock:
+    """One batch's fetch deadline, whose clock runs only while an item of the batch holds an io
+    slot (see the module docstring); ``deadline`` is entered around the batch's fetches.
+
+    The deadline is moved when the clock starts or stops, never polled: while no item holds a
+    slot it is unset, else it is when the time served so far reaches ``timeout``.
+    """
+
+    def __init__(self, timeout: float | None) -> None:
+        self.deadline = asyncio.timeout(None)
+        self._timeout = timeout
+        self._holding = 0  # items of the batch holding an io slot
+        self._since = 0.0  # loop time the clock last started
+        self._served = 0.0  # seconds served before that
+
+    def slot_taken(self) -> None:
+        self._holding += 1
+        if self._holding == 1 and self._timeout is not None:  # the clock starts
+            self._since = asyncio.get_running_loop().time()
+            self._move(self._since + self._timeout - self._served)
+
+    def slot_given_back(self) -> None:
+        self._holding -= 1
+        if self._holding == 0 and self._timeout is not None:  # the clock stops
+            self._served += asyncio.get_running_loop().time() - self._since
+            self._move(None)
+
+    def served(self) -> float:
+        """Seconds the batch has been served (held at least one io slot), until now."""
+        running = asyncio.get_running_loop().time() - self._since if self._holding else 0.0
+        return self._served + running
+
+    def _move(self, when: float | None) -> None:
+        # Once expired, the deadline is cancelling the batch: its items stop, and are not timed.
+        if not self.deadline.expired():
+            self.deadline.reschedule(when)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,8 @@
        │               a resumable one's state is taken after each batch (one reader)
        ▼
     produce task (one per batch)
-       │ async map data: Fetcher.fetch: await the items, io_concurrency at once   (_fetch)
+       │ async map data: Fetcher.fetch: await the items, io_concurrency at once,
+       │                 under a deadline that counts only time being served      (_fetch)
        │ make: runner.start_make / runner.pull under the deadline, with retries  (_deadline)
        ▼
     reorder.put_nowait(Outcome) ──▶ wake the consumer (_epoch)
@@ -61,7 +62,7 @@ from ._batch import (
     users_interrupt,
 )
 from ._config import LoaderConfig
-from ._deadline import DeadlinePolicy, run_attempts, timeout_error
+from ._deadline import DeadlinePolicy, run_attempts
 from ._distributed import every_nth_async, stream_share
 from ._errors import WorkerCrashedError, out_of_descriptors_note
 from ._failures import FailureBudget
@@ -163,6 +164,7 @@ class Producer:
             Fetcher(
                 dataset,
                 config.io_concurrency,
+                timeout=config.timeout,
                 skip_errors=config.skip_errors,
                 budget=self._budget,
                 counters=counters,
@@ -478,33 +480,14 @@ class Producer:
 
     async def _produce_map(self, request: BatchRequest) -> None:
         if self._fetcher is not None:
-            # The deadline covers the fetch too: an item that never arrives must not stall the
-            # epoch. (The CPU stage after it gets a deadline of its own.)
-            clock = self._policy.clock
-            started = clock()
-            deadline = asyncio.timeout(self._config.timeout)
+            # The fetch has a deadline of its own (_fetch): an item that never arrives must not
+            # stall the epoch. (The CPU stage after it gets a deadline of its own.)
             try:
-                async with deadline:
-                    request = await self._fetcher.fetch(request)
+                request = await self._fetcher.fetch(request)
             except asyncio.CancelledError:
-                self._fetcher.forget(request.batch_id)
                 raise
             except BaseException as exc:
-                error = exc
-                if isinstance(exc, TimeoutError) and deadline.expired():
-                    self._counters.timeouts += 1
-                    error = timeout_error(
-                        request.batch_id,
-                        f"fetching {indices_text(request)}",
-                        clock() - started,
-                        self._config.timeout,
-                        None,
-                        f"It still awaited item(s) {self._fetcher.awaited(request.batch_id)}. "
-                        "Try a larger timeout; a read that never answers is better bounded "
-                        "by the source itself (HTTPDataset's item_deadline=), which retries it.",
-                    )
-                    error.__cause__ = exc
-                self._store(Outcome(request.batch_id, error=error))
+                self._store(Outcome(request.batch_id, error=exc))
                 return
         await self._produce_request(request)
 
