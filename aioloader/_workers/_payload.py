@@ -27,6 +27,11 @@ what a worker writes into it stays its own, as with torch's ``fork``. The segmen
 the copy (:meth:`Payload.release`, by the pool); where shared memory is missing or short
 (less than :data:`OUT_OF_BAND_SHARE` of it free would be left), the buffers go in the stream.
 
+An ``np.memmap`` or a tensor whose bytes lie in a memory-mapped file (a token file, a
+``torch.load(path, mmap=True)``) is neither: it travels as a reference to the file, which the
+worker maps again (:mod:`._mapped`), so a file of many GB costs a few hundred bytes a copy,
+shared memory or not (an ``np.memmap`` pickled as numpy pickles it is all its bytes).
+
 Sharp edges:
 - The byte test can be fooled only towards the slow path: the text ``__main__`` inside the data
   costs a second pickling, never a wrong one.
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import copyreg
+import functools
 import io
 import pickle
 import sys
@@ -51,6 +57,7 @@ import numpy as np
 
 from .. import _shm
 from .._errors import SharedMemoryError
+from ._mapped import Finder
 
 __all__ = ["OUT_OF_BAND_MIN_BYTES", "OUT_OF_BAND_SHARE", "Payload", "dumps", "dumps_copy", "loads"]
 
@@ -87,7 +94,11 @@ class Payload:
 
 
 def dumps(
-    obj: Any, *, main_by_value: bool, out_of_band: list[pickle.PickleBuffer] | None = None
+    obj: Any,
+    *,
+    main_by_value: bool,
+    out_of_band: list[pickle.PickleBuffer] | None = None,
+    map_files: bool = False,
 ) -> bytes:
     """``obj`` pickled for a worker (see the module docstring).
 
@@ -98,22 +109,26 @@ def dumps(
         out_of_band: where buffers of :data:`OUT_OF_BAND_MIN_BYTES` or more go, out of the
             stream (pickle protocol 5), in the order the stream refers to them; None: all
             buffers in the stream.
+        map_files: an ``np.memmap`` or a tensor in a mapped file goes as a reference to the
+            file (:mod:`._mapped`): for a process that unpickles it on this machine.
 
     Raises:
         Exception: whatever pickling raised (``pickle.PicklingError``, ``TypeError``,
             ``AttributeError`` ...).
     """
     callback = None if out_of_band is None else _collector(out_of_band)
+    files = Finder() if map_files else None  # the second pickling asks it again: cached
     if not main_by_value:
-        return _plain(obj, callback)
+        return _plain(obj, callback, files)
     try:
-        data = _plain(obj, callback)
+        data = _plain(obj, callback, files)
     except Exception:
         if not _main_defines_any():
             raise
-        return _by_value(obj, callback, out_of_band)  # a lambda or local function of __main__
+        # a lambda or local function of __main__
+        return _by_value(obj, callback, out_of_band, files)
     if _MAIN in data:
-        return _by_value(obj, callback, out_of_band)
+        return _by_value(obj, callback, out_of_band, files)
     return data
 
 
@@ -135,7 +150,7 @@ def dumps_copy(obj: Any, *, main_by_value: bool) -> Payload:
         Exception: whatever pickling raised.
     """
     buffers: list[pickle.PickleBuffer] = []
-    data = dumps(obj, main_by_value=main_by_value, out_of_band=buffers)
+    data = dumps(obj, main_by_value=main_by_value, out_of_band=buffers, map_files=True)
     if not buffers:
         return Payload(data)
     spans, offset = [], 0
@@ -145,11 +160,11 @@ def dumps_copy(obj: Any, *, main_by_value: bool) -> Payload:
         offset = -(-(offset + length) // _shm.ALIGN) * _shm.ALIGN
     size = _shm.page_round(max(offset, 1))
     if not _shm.shm_available() or size > OUT_OF_BAND_SHARE * _shm.free_bytes():
-        return Payload(dumps(obj, main_by_value=main_by_value))
+        return Payload(dumps(obj, main_by_value=main_by_value, map_files=True))
     try:
         name, mapping = _shm.create_segment(size, _shm.SHM_DIR)
     except (OSError, SharedMemoryError):
-        return Payload(dumps(obj, main_by_value=main_by_value))
+        return Payload(dumps(obj, main_by_value=main_by_value, map_files=True))
     view = _shm.as_bytes(mapping, size)
     for buffer, (start, length) in zip(buffers, spans, strict=True):
         view[start : start + length] = np.frombuffer(buffer.raw(), dtype=np.uint8)
@@ -159,10 +174,13 @@ def dumps_copy(obj: Any, *, main_by_value: bool) -> Payload:
 def loads(payload: Payload | bytes) -> Any:
     """The object :func:`dumps` or :func:`dumps_copy` pickled; what ``__main__`` defined is set
     on this process's ``__main__`` under the same names (in a worker, the parent's
-    ``__main__`` is not here). Out-of-band buffers are mapped copy-on-write, not copied.
+    ``__main__`` is not here). Out-of-band buffers are mapped copy-on-write, not copied; the
+    files that memory-mapped arrays refer to are mapped again (:mod:`._mapped`).
 
     Raises:
-        FileNotFoundError: the segment of the buffers is gone.
+        FileNotFoundError: the segment of the buffers is gone, or a file a memory-mapped array
+            refers to (its path in the error).
+        OSError: (ESTALE) such a file was replaced or shortened since the pickling.
     """
     if isinstance(payload, bytes):
         payload = Payload(payload)
@@ -183,40 +201,70 @@ def loads(payload: Payload | bytes) -> Any:
 _Callback = Callable[[pickle.PickleBuffer], bool] | None
 
 
-def _plain(obj: Any, buffer_callback: _Callback) -> bytes:
+def _plain(obj: Any, buffer_callback: _Callback, files: Finder | None) -> bytes:
     buffer = io.BytesIO()
     pickler = pickle.Pickler(
         buffer, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffer_callback
     )
-    torch = sys.modules.get("torch")
-    if buffer_callback is not None and torch is not None:  # by type, in C: others pay nothing
-        pickler.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
+    table = _dispatch(buffer_callback is not None, files)
+    if table:  # by type, in C: others pay nothing
+        pickler.dispatch_table = {**copyreg.dispatch_table, **table}
     pickler.dump(obj)
     pickler.dump({})
     return buffer.getvalue()
 
 
+def _dispatch(out_of_band: bool, files: Finder | None) -> dict[type, Callable[[Any], Any]]:
+    """The reductions of arrays and tensors that differ from their own (see the module
+    docstring), by type."""
+    table: dict[type, Callable[[Any], Any]] = {}
+    if files is not None:
+        table[np.memmap] = functools.partial(_reduce_memmap, files=files)
+    torch = sys.modules.get("torch")
+    if torch is not None and (out_of_band or files is not None):
+        table[torch.Tensor] = functools.partial(
+            _reduce_tensor, out_of_band=out_of_band, files=files
+        )
+    return table
+
+
 def _by_value(
-    obj: Any, buffer_callback: _Callback, out_of_band: list[pickle.PickleBuffer] | None
+    obj: Any,
+    buffer_callback: _Callback,
+    out_of_band: list[pickle.PickleBuffer] | None,
+    files: Finder | None,
 ) -> bytes:
     if out_of_band is not None:
         out_of_band.clear()  # those of the first pickling: this one finds them again
     buffer = io.BytesIO()
-    pickler = _main_by_value_pickler(buffer, buffer_callback)
+    pickler = _main_by_value_pickler(buffer, buffer_callback, files)
     pickler.dump(obj)
     # The same pickler, so the same memo: the table refers to the very objects pickled above.
     pickler.dump(pickler.main_table)
     return buffer.getvalue()
 
 
-def _reduce_tensor(tensor: Any) -> Any:
-    """A plain CPU tensor that owns its whole storage, pickled over a buffer (out of band when
-    it is large) rather than through ``torch.save`` (always a copy in the stream); any other
-    tensor as torch pickles it."""
+def _reduce_memmap(array: np.memmap[Any, Any], files: Finder) -> Any:
+    """An ``np.memmap`` as a reference to its file where a worker can map it, else as numpy
+    pickles it (all its bytes)."""
+    reduced = files.reduce_memmap(array)
+    return reduced if reduced is not None else array.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+
+def _reduce_tensor(tensor: Any, *, out_of_band: bool = True, files: Finder | None = None) -> Any:
+    """A CPU tensor over a mapped file, as a reference to the file (``files``); a plain CPU
+    tensor that owns its whole storage, pickled over a buffer (out of band when it is large:
+    ``out_of_band``) rather than through ``torch.save`` (always a copy in the stream); any
+    other tensor as torch pickles it."""
     import torch
 
+    if files is not None:
+        reduced = files.reduce_tensor(tensor)
+        if reduced is not None:
+            return reduced
     if (
-        tensor.device.type == "cpu"
+        out_of_band
+        and tensor.device.type == "cpu"
         and tensor.layout == torch.strided
         and not tensor.requires_grad
         and not tensor.is_quantized
@@ -265,7 +313,9 @@ def preload_pickler(*parts: Any) -> None:
             _main_by_value_pickler(io.BytesIO(), None)
 
 
-def _main_by_value_pickler(buffer: io.BytesIO, buffer_callback: _Callback) -> Any:
+def _main_by_value_pickler(
+    buffer: io.BytesIO, buffer_callback: _Callback, files: Finder | None = None
+) -> Any:
     """A cloudpickle pickler that records ``__main__``'s top-level classes and functions it
     meets in ``main_table``. Made at first use, so cloudpickle is imported only by a program
     that needs it."""
@@ -274,17 +324,19 @@ def _main_by_value_pickler(buffer: io.BytesIO, buffer_callback: _Callback) -> An
         import cloudpickle
 
         class MainByValuePickler(cloudpickle.Pickler):  # type: ignore[misc]
-            def __init__(self, file: io.BytesIO, buffer_callback: _Callback) -> None:
+            def __init__(
+                self, file: io.BytesIO, buffer_callback: _Callback, files: Finder | None
+            ) -> None:
                 super().__init__(
                     file, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffer_callback
                 )
                 self.main_table: dict[str, Any] = {}
-                torch = sys.modules.get("torch")
-                self.tensor = torch.Tensor if torch is not None and buffer_callback else None
+                self.own = _dispatch(buffer_callback is not None, files)
 
             def reducer_override(self, obj: Any) -> Any:
-                if type(obj) is self.tensor:
-                    return _reduce_tensor(obj)
+                reduce = self.own.get(type(obj))
+                if reduce is not None:
+                    return reduce(obj)
                 if _in_main(obj) and obj.__qualname__.isidentifier():  # its top level
                     self.main_table[obj.__qualname__] = obj
                 # cloudpickle takes by reference whatever a worker can import, by value what
@@ -293,4 +345,4 @@ def _main_by_value_pickler(buffer: io.BytesIO, buffer_callback: _Callback) -> An
                 return super().reducer_override(obj)
 
         _pickler_class = MainByValuePickler
-    return _pickler_class(buffer, buffer_callback)
+    return _pickler_class(buffer, buffer_callback, files)
