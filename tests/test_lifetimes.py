@@ -353,3 +353,49 @@ def test_a_loader_built_before_a_fork_and_used_in_the_child_is_closed_by_the_chi
     assert proc.returncode == 0, proc.stderr
     _assert_quiet(proc.stderr)
     _assert_nothing_left(*_pids(proc.stdout))
+
+
+_STATS_MODULE = """
+import os
+from aioloader import DataLoader
+
+class Halves:  # defined by a module whose import is still running when the loader is used
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return i / 2
+
+def total(batch):
+    return sum(batch)
+
+loader = DataLoader(Halves(), batch_size=4, num_workers=2, timeout=20, collate_fn=total,
+                    multiprocessing_context=os.environ["START_METHOD"])
+TOTAL = sum(loader)
+PIDS = loader.worker_pids
+loader.close()
+"""
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_loader_iterated_while_its_module_is_imported(tmp_path: Path, start_method: str) -> None:
+    # Statistics computed at import time (`import stats` in the training script, or pytest
+    # importing a test module): pickling the dataset's class by reference would import its
+    # module, which waits for this very import (a deadlock), and a worker importing it would
+    # run the loader again. They go by value, as __main__'s do.
+    (tmp_path / "stats.py").write_text(_STATS_MODULE)
+    (tmp_path / "train.py").write_text("import os, stats\nprint(stats.TOTAL, os.getpid())\n")
+    env = {**_env(), "START_METHOD": start_method}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "train.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=SUBPROCESS_BOUND_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    total, pid = proc.stdout.split()
+    assert float(total) == sum(i / 2 for i in range(8))
+    _assert_quiet(proc.stderr)
+    _assert_nothing_left(int(pid), [])

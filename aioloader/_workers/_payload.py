@@ -32,6 +32,11 @@ An ``np.memmap`` or a tensor whose bytes lie in a memory-mapped file (a token fi
 worker maps again (:mod:`._mapped`), so a file of many GB costs a few hundred bytes a copy,
 shared memory or not (an ``np.memmap`` pickled as numpy pickles it is all its bytes).
 
+A module still being imported (a loader iterated at the top level of an imported module, or of
+a test module as pytest imports it) is treated as ``__main__`` is: its classes and functions go
+by value. By reference they would deadlock: pickling one imports its module, which waits for
+the import that runs the loader; and a worker importing it would run that loader again.
+
 Sharp edges:
 - The byte test can be fooled only towards the slow path: the text ``__main__`` inside the data
   costs a second pickling, never a wrong one.
@@ -49,8 +54,9 @@ import io
 import pickle
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -118,6 +124,9 @@ def dumps(
     """
     callback = None if out_of_band is None else _collector(out_of_band)
     files = Finder() if map_files else None  # the second pickling asks it again: cached
+    if half := _half_imported():  # by value, or the pickling waits for their import
+        with _pickled_by_value(half):
+            return _by_value(obj, callback, out_of_band, files)
     if not main_by_value:
         return _plain(obj, callback, files)
     try:
@@ -242,6 +251,36 @@ def _by_value(
     # The same pickler, so the same memo: the table refers to the very objects pickled above.
     pickler.dump(pickler.main_table)
     return buffer.getvalue()
+
+
+def _half_imported() -> list[ModuleType]:
+    """The modules being imported now, in any thread (``__main__`` is not imported)."""
+    return [
+        module
+        for name, module in list(sys.modules.items())
+        if name != "__main__" and getattr(getattr(module, "__spec__", None), "_initializing", False)
+    ]
+
+
+@contextlib.contextmanager
+def _pickled_by_value(modules: list[ModuleType]) -> Iterator[None]:
+    """While in the block, cloudpickle takes what ``modules`` define by value. Its registry is
+    the process's: what another thread pickles with cloudpickle meanwhile goes by value too,
+    which costs bytes, never correctness."""
+    import cloudpickle
+
+    added = []
+    for module in modules:
+        with contextlib.suppress(ValueError):  # already registered (by the user), or gone
+            if module.__name__ not in cloudpickle.list_registry_pickle_by_value():
+                cloudpickle.register_pickle_by_value(module)
+                added.append(module)
+    try:
+        yield
+    finally:
+        for module in added:
+            with contextlib.suppress(ValueError):
+                cloudpickle.unregister_pickle_by_value(module)
 
 
 def _reduce_memmap(array: np.memmap[Any, Any], files: Finder) -> Any:
