@@ -533,3 +533,44 @@ def test_a_generator_looked_up_before_its_import_is_still_seeded_as_it_arrives(
     ran = _run_python(["-c", _FOUND_BEFORE_IMPORTED], tmp_path)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.splitlines() == ["seeded True"], ran.stdout
+
+
+_FAILING_SCRIPT = """
+import aioloader
+
+def parse(x):
+    return int("not a number" if x == 5 else x)  # the failing line
+
+class Parsed:
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return parse(i)
+
+try:
+    for batch in aioloader.DataLoader(Parsed(), batch_size=2, num_workers=2):
+        pass
+except ValueError:
+    import traceback
+    traceback.print_exc()
+"""
+
+
+@pytest.mark.parametrize("method", [None, "spawn"])
+def test_a_workers_traceback_names_the_scripts_file_and_line(
+    method: str | None, tmp_path: Path
+) -> None:
+    # __main__'s functions reach the workers by value; the traceback printed from a worker's
+    # error must still point at the user's file and show the failing line, as torch's does.
+    script = tmp_path / "train.py"
+    script.write_text(
+        _FAILING_SCRIPT.replace(
+            "num_workers=2", f"num_workers=2, multiprocessing_context={method!r}"
+        )
+    )
+    ran = _run_python([str(script)], tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert f'File "{script}", line 5, in parse' in ran.stderr, ran.stderr
+    assert 'return int("not a number" if x == 5 else x)  # the failing line' in ran.stderr
+    assert "<dynamic-code>" not in ran.stderr

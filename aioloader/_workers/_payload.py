@@ -362,6 +362,8 @@ def _main_by_value_pickler(
     if _pickler_class is None:
         import cloudpickle
 
+        code_reduce = cloudpickle.Pickler.dispatch_table.get(types.CodeType)
+
         class MainByValuePickler(cloudpickle.Pickler):  # type: ignore[misc]
             def __init__(
                 self, file: io.BytesIO, buffer_callback: _Callback, files: Finder | None
@@ -371,6 +373,8 @@ def _main_by_value_pickler(
                 )
                 self.main_table: dict[str, Any] = {}
                 self.own = _dispatch(buffer_callback is not None, files)
+                if code_reduce is not None:
+                    self.own[types.CodeType] = functools.partial(_keep_file, code_reduce)
 
             def reducer_override(self, obj: Any) -> Any:
                 reduce = self.own.get(type(obj))
@@ -385,3 +389,11 @@ def _main_by_value_pickler(
 
         _pickler_class = MainByValuePickler
     return _pickler_class(buffer, buffer_callback, files)
+
+
+def _keep_file(code_reduce: Callable[[Any], Any], code: types.CodeType) -> Any:
+    """cloudpickle's reduction of a code object, with its file name kept: cloudpickle writes
+    ``<dynamic-code>`` (for bytes that do not depend on where code was defined), and a worker's
+    traceback would then name no file and show no line of it."""
+    func, args = code_reduce(code)[:2]
+    return func, tuple(code.co_filename if arg == "<dynamic-code>" else arg for arg in args)
