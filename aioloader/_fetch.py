@@ -7,8 +7,9 @@
         await dataset[i]         (any other async map dataset)
     ◀── BatchRequest with raw items, in index order (failed items skipped or raised)
 
-The semaphore is shared by every batch of the loader's loop, so ``io_concurrency`` bounds the
-requests in flight however many batches are scheduled (``prefetch`` bounds those).
+The semaphore is shared by every batch of the epoch, so ``io_concurrency`` bounds the epoch's
+requests in flight however many batches are scheduled (``prefetch`` bounds those). Two epochs
+iterated at once each have their own: a source's ``max_connections`` bounds them together.
 
 Deadline (``timeout``): a batch's clock runs only while at least one of its items holds an io
 slot, and stops while none does. So the time a prefetched batch waits for slots behind the items
