@@ -67,8 +67,8 @@ from ._workers import (
     WorkerPool,
     dumps_copy,
     dumps_payload,
-    is_zygote,
     pickles_main_by_value,
+    starts_early,
 )
 
 if TYPE_CHECKING:
@@ -281,22 +281,23 @@ class Resources:
         thread. Whatever fails here fails again, and is reported, where the workers are first
         used.
 
-        Only where a start is cheap and safe from a thread: workers forked from the forked
-        server (the default; not ``spawn``, whose workers each import the program, nor
-        ``fork`` from a thread), and no device stage (it is made on first use). A shared
-        pool's workers are the pool's to start.
+        Only where a start is cheap and safe from a thread: workers forked from a server (the
+        forked one, the default, or the standard forkserver, whose one-time start then overlaps
+        the program's own; not ``spawn``, whose workers each import the program, nor ``fork``
+        from a thread: ``_workers.starts_early``), and no device stage (made on first use). A
+        shared pool's workers are the pool's to start.
         """
         if (
             not config.uses_processes
             or self.shared is not None
-            or not is_zygote(context)
+            or not starts_early(context)
             or device_spec is not None
             or config.pin_memory
         ):
             return
         release_before_sigterm(close_all_at_exit)  # from this thread: off it, it cannot
         # Worker 0 is forked from here, now, where that is safe: its start is the first batch's
-        # longest wait (see WorkerPool.fork_first). The rest start from the server, in a thread.
+        # longest wait (see WorkerPool.fork_first). The rest start from the server, off here.
         with contextlib.suppress(Exception):  # reported where the workers are first used
             runner = self.ensure(config, dataset, device_spec=None, context=context, early=True)
             if isinstance(runner, ProcessRunner):

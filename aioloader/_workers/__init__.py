@@ -14,7 +14,7 @@ One module a job::
     _frames    what travels on them: frame header and kinds, results and errors packed
     _copy      the dataset copy the workers load: pickled once, in a thread, when given
     _pool      WorkerPool: a process and two pipes per worker; deaths and rebuilds
-    _launch    starting the workers' processes, in worker order
+    _launch    starting the workers' processes, on threads (never the event loop's)
     _exits     the watch on the workers' exits, and their exit status
     _starting  workers that hang while they start: the start deadline, their stacks
     _deaths    what a dead worker's error says; reading its exit status
@@ -72,6 +72,7 @@ from __future__ import annotations
 
 from ._context import pickles_main_by_value as pickles_main_by_value
 from ._context import resolve_context as resolve_context
+from ._context import starts_early as starts_early
 from ._info import WorkerInfo as WorkerInfo
 from ._info import get_worker_info as get_worker_info
 from ._info import seed_everything as seed_everything
@@ -98,4 +99,5 @@ __all__ = [
     "preload_pickler",
     "resolve_context",
     "seed_everything",
+    "starts_early",
 ]

@@ -31,6 +31,11 @@ Sharp edges:
   and workers re-run ``__main__`` as before (:data:`WORKERS_SKIP_MAIN` tells which).
 - The forkserver is one per program and its preload list is global: it is set before the
   server starts, and has no effect if something else started it first.
+- The standard forkserver's start is not over when ``ensure_running`` returns: the server
+  imports its preload list (about a second with torch) before it forks anything, and the
+  first ``Process.start()`` blocks until it has. :func:`await_server` waits for that once per
+  server, with a process that does nothing (a probe), before any worker's launch: a worker's
+  start deadline then counts from when its process could begin.
 """
 
 from __future__ import annotations
@@ -42,19 +47,21 @@ import threading
 import types
 from collections.abc import Callable
 from multiprocessing import context as mp_context_module
-from multiprocessing import popen_forkserver, popen_spawn_posix, spawn
+from multiprocessing import forkserver, popen_forkserver, popen_spawn_posix, spawn
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from ._zygote import preparation_data, zygote_context
+from ._zygote import is_zygote, preparation_data, zygote_context
 
 __all__ = [
     "WORKERS_SKIP_MAIN",
     "WORKER_MODULE",
     "ForkServerContext",
     "SpawnContext",
+    "await_server",
     "pickles_main_by_value",
     "resolve_context",
+    "starts_early",
 ]
 
 # What a worker process imports to run its jobs (initializer, serve loop, map and stream jobs).
@@ -195,3 +202,49 @@ def pickles_main_by_value(context: BaseContext) -> bool:
     make second copies of its classes); any other worker has no user ``__main__`` at all, or
     one it ran again, whose classes are not the ones the parent pickled."""
     return context.get_start_method() != "fork"
+
+
+def starts_early(context: BaseContext | None) -> bool:
+    """Whether workers of ``context`` may be launched as the loader is made, from a thread:
+    those forked from a server, the forked one (``_zygote``) or the standard forkserver (its
+    one-time start then overlaps the program's own). Not ``spawn``, whose workers each start a
+    fresh interpreter and import torch (seconds of CPU each, while the program builds its
+    model), nor ``fork`` (from a thread: see the module docstring)."""
+    return context is not None and (
+        is_zygote(context) or context.get_start_method() == "forkserver"
+    )
+
+
+# How long the probe of :func:`await_server` may take to end once forked (it does nothing).
+_PROBE_JOIN_S = 5.0
+
+_SERVER_LOCK = threading.Lock()  # one probe at a time; the others wait for its answer
+_server_up: int | None = None  # the pid of the standard forkserver that answered a probe
+
+
+def await_server(context: BaseContext) -> None:
+    """Under the standard forkserver, return once its server forks processes: started now if
+    it is not running, and waited for once per server (see the module's sharp edges).
+    Blocking: call it from a thread, holding no worker. A no-op for other contexts.
+
+    Raises:
+        EOFError, OSError: the server died, or could not be started (a note says so).
+    """
+    global _server_up
+    if is_zygote(context) or context.get_start_method() != "forkserver":
+        return
+    with _SERVER_LOCK:
+        try:
+            forkserver.ensure_running()  # (re)starts it; returns before its imports are done
+            pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+            if pid is not None and pid == _server_up:
+                return
+            probe = context.Process(name="aioloader-probe", daemon=True)  # type: ignore[attr-defined]
+            probe.start()  # returns once the server forked it: it is up
+        except (EOFError, OSError) as exc:
+            exc.add_note("the forkserver, which forks the worker processes, did not start")
+            raise
+        probe.join(_PROBE_JOIN_S)
+        with contextlib.suppress(ValueError):  # still running: left to multiprocessing
+            probe.close()
+        _server_up = pid

@@ -1,10 +1,22 @@
 """Starting worker processes: one worker's state, and the launch of its process.
 
 A worker's process runs :func:`._worker.run_worker`, started through the pool's
-multiprocessing context. From the forked server (``_zygote``), one thread asks for every
-worker's process before it waits for any (the server forks them back to back, in worker
-order: worker 0, which gets the first batch, comes first); under the other start methods
-each launch waits for its own process, so they run on a thread each (not under ``fork``).
+multiprocessing context. No job launches a process on the event loop's thread: whatever its
+start method, a launch may wait (for a fork, which copies the page tables of a process with
+torch loaded, or for the standard forkserver's own start, about a second: a fresh interpreter
+that imports aioloader, numpy and torch). Each launch runs on a thread of its own
+(:meth:`Launcher.launching`), and the jobs for its worker wait for it off the loop, under the
+launch deadline (:data:`._starting.LAUNCH_TIMEOUT_S`, no shorter than the start deadline):
+past it they fail with :class:`~aioloader.WorkerInitError` saying that the start method did
+not give the worker a process, never a silent wait.
+
+From the forked server (``_zygote``), the loader's start thread asks for every worker's process
+before it waits for any (the server forks them back to back, in worker order: worker 0, which
+gets the first batch, comes first). Under the standard forkserver, the server's one-time start
+is waited for first, holding no worker (:func:`._context.await_server`): a worker's start
+deadline counts from when its process could begin, and closing the pool never waits for the
+server's start. Under ``fork`` the launches fork one at a time: a fork made beside another
+launch's thread could copy a lock that thread holds.
 
 A pool's first worker may instead be forked from the main process itself, as the loader is
 made (:meth:`._pool.WorkerPool.fork_first`): one fork, where the server path costs two in a
@@ -12,14 +24,17 @@ row (the server's own, then the worker's), on the way to the first batch. Such a
 :func:`._worker.run_forked_worker`, which first sheds what the server would have shed. Its
 replacements come from the server.
 
-A job may be sent to a worker whose process another thread is launching: it waits in the
-pipe. If that launch fails, the worker's ends of the pipes are closed: its channel reaches
-end-of-file, the jobs in it fail and are resubmitted to a replacement worker, and the launch
-is tried again by the job itself, so that its error reaches that job's caller.
+A job waits for its worker's launch before it is sent: the launch under way (the loader's
+start thread's), or one begun for it. If a launch the job began fails, its error reaches that
+job's caller. If a launch fails, the worker's ends of its pipes are closed: a job then sent to
+it fails at the channel's end-of-file and goes to a replacement worker, whose launch it makes
+itself, so that the error of that launch reaches a caller.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -32,14 +47,26 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from typing import Any
 
+from .._errors import WorkerInitError
+from .._log import workers_log
 from ._channel import Channel
+from ._context import await_server
 from ._copy import DatasetCopy
 from ._exits import ExitWatch
-from ._starting import Hang, StackPipe, each_at_once
+from ._starting import LAUNCH_TIMEOUT_S, Hang, StackPipe, describe_launch
 from ._worker import run_forked_worker, run_worker
 from ._zygote import SHED_SIGNALS, is_zygote, sockets_and_pipes
 
-__all__ = ["Launcher", "Worker"]
+__all__ = ["Launch", "Launcher", "Worker"]
+
+
+@dataclass(slots=True, eq=False)
+class Launch:
+    """One launch of a worker's process, under way until ``done`` is: what jobs wait for."""
+
+    began: float  # time.monotonic() when it was asked for: its deadline counts from here
+    done: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+    reported: bool = False  # it passed its deadline, and that was logged
 
 
 @dataclass(slots=True)
@@ -61,7 +88,7 @@ class Worker:
     last_load: DatasetCopy | None = None
     drops: list[int] = field(default_factory=list)
     launched: float = 0.0  # time.monotonic() when this generation's process was launched
-    launching: bool = False  # a thread is starting its process now
+    pending: Launch | None = None  # the launch of its process under way (Launcher._lock)
     load_job: int | None = None  # the job id of the copy sent to it, until answered
     stopping: bool = False  # found hung while starting: one job deals with it (see _reply)
     hang: Hang | None = None  # why it was killed while starting (set before the kill)
@@ -80,6 +107,9 @@ class Worker:
         return pid
 
 
+Args = Callable[[Worker], tuple[Any, ...]]
+
+
 class Launcher:
     """Starts the processes of a pool's workers.
 
@@ -87,37 +117,69 @@ class Launcher:
         context: the multiprocessing context.
         exits: where each started process is watched for its end.
         closed: whether the pool is closed (nothing is launched then).
+        start_deadline: the workers' start deadline, and the setting that gave it (for
+            errors): a launch gets as long, and at least :data:`._starting.LAUNCH_TIMEOUT_S`.
     """
 
-    def __init__(self, context: BaseContext, exits: ExitWatch, closed: Callable[[], bool]):
+    def __init__(
+        self,
+        context: BaseContext,
+        exits: ExitWatch,
+        closed: Callable[[], bool],
+        start_deadline: tuple[float, str] = (LAUNCH_TIMEOUT_S, "the default"),
+    ):
         self._context = context
         self._exits = exits
         self._closed = closed
+        seconds, setting = start_deadline
+        self.deadline = (  # seconds from a launch's beginning, and what gave them (for errors)
+            start_deadline
+            if seconds >= LAUNCH_TIMEOUT_S
+            else (LAUNCH_TIMEOUT_S, f"{setting}, but at least {LAUNCH_TIMEOUT_S} s for a launch")
+        )
+        self._lock = threading.Lock()  # each worker's pending launch
+        self._forks = threading.Lock()  # under fork: one at a time (see the module docstring)
 
-    def launch(
-        self,
-        w: Worker,
-        args: Callable[[Worker], tuple[Any, ...]],
-        *,
-        wait: bool = True,
-        via: BaseContext | None = None,
-    ) -> None:
+    def launch(self, w: Worker, args: Args, *, via: BaseContext | None = None) -> None:
         """Start ``w``'s process with ``args(w)`` if it has not started, through ``via`` rather
-        than the pool's context if given. Without ``wait``, a launch that another thread is
-        making is not waited for."""
-        if w.process is not None or (not wait and w.launching):
+        than the pool's context if given (blocking: from a thread of :meth:`launching`, the
+        loader's start thread, or as the loader is made, ``WorkerPool.fork_first``)."""
+        if w.process is not None:
             return
+        if via is None:
+            await_server(self._context)  # holding no worker: see the module docstring
         process = self._begin(w, args, via)
         if process is not None:
             self._end(w, process)
 
-    def launch_all(self, workers: list[Worker], args: Callable[[Worker], tuple[Any, ...]]) -> None:
-        """Start every worker's process that has not started (blocking while they are
-        forked); the first error is raised once every launch begun was finished."""
+    def launching(self, w: Worker, args: Args) -> tuple[Launch, bool] | None:
+        """The launch of ``w``'s process under way, or one begun now on a thread of its own,
+        and whether it was begun now; None if ``w`` has its process."""
+        with self._lock:
+            if w.process is not None:
+                return None
+            if w.pending is not None:
+                return w.pending, False
+            launch = w.pending = Launch(time.monotonic())
+        thread = threading.Thread(
+            target=self._launch_for,
+            args=(w, args, launch),
+            name=f"aioloader-launch-{w.id}",
+            daemon=True,
+        )
+        try:
+            thread.start()
+        except BaseException as exc:  # no thread to be had: the launch fails with it
+            self._settle(w, launch, exc)
+            raise
+        return launch, True
+
+    def launch_all(self, workers: list[Worker], args: Args) -> list[Launch | None]:
+        """Start every worker's process that has not started: from the forked server, here
+        (blocking while they are forked; the first error is raised once every launch begun was
+        finished); else each on a thread of its own. Returns the launches still under way."""
         if not is_zygote(self._context):
-            together = self._context.get_start_method() != "fork"
-            each_at_once(lambda w: self.launch(w, args), workers, together=together)
-            return
+            return [found[0] if (found := self.launching(w, args)) else None for w in workers]
         begun: list[tuple[Worker, Any]] = []
         errors: list[BaseException] = []
         try:
@@ -132,10 +194,82 @@ class Launcher:
                     errors.append(exc)
         if errors:
             raise errors[0]
+        return [None for _ in workers]
 
-    def _begin(
-        self, w: Worker, args: Callable[[Worker], tuple[Any, ...]], via: BaseContext | None = None
-    ) -> Any:
+    async def launched(self, w: Worker, args: Args, batch_id: int) -> None:
+        """Wait, without blocking the loop, until ``w`` has its process (see
+        :meth:`launching`), at most until the launch's :attr:`deadline`; ``batch_id`` is the
+        job's, for the error.
+
+        Raises:
+            WorkerInitError: the launch passed its deadline.
+            Exception: the error of a launch begun here; after one begun elsewhere failed,
+                the job goes on to the worker's channel (see the module docstring).
+        """
+        found = self.launching(w, args)
+        if found is None:
+            return
+        launch, begun = found
+        outcome = asyncio.wrap_future(launch.done)
+        try:
+            left = launch.began + self.deadline[0] - time.monotonic()
+            await asyncio.wait([outcome], timeout=max(0.0, left))
+        finally:
+            if not outcome.done():  # its outcome is retrieved when it comes: nobody awaits it
+                outcome.add_done_callback(_retrieve)
+        if not outcome.done():
+            raise WorkerInitError(self._give_up(w, launch, batch_id))
+        error = outcome.exception()
+        if error is not None and begun:
+            raise error
+
+    def wait(self, w: Worker, launch: Launch) -> None:
+        """:meth:`launched` for a thread, of a launch under way (blocking).
+
+        Raises:
+            WorkerInitError: the launch passed its deadline.
+            Exception: the launch's error.
+        """
+        left = launch.began + self.deadline[0] - time.monotonic()
+        concurrent.futures.wait([launch.done], timeout=max(0.0, left))
+        if not launch.done.done():
+            raise WorkerInitError(self._give_up(w, launch, None))
+        launch.done.result()
+
+    def _give_up(self, w: Worker, launch: Launch, batch_id: int | None) -> str:
+        """The error for a job of ``w`` whose launch passed its deadline. The launch itself
+        goes on (a thread cannot be stopped, and a slow server's start may still end); the
+        next job waits for it again, and fails at once while it is overdue."""
+        method = self._context.get_start_method()
+        message = describe_launch(w.id, self.deadline, method, batch_id)
+        with self._lock:
+            first, launch.reported = not launch.reported, True
+        if first:
+            workers_log.warning("%s", message)
+        return message
+
+    def _launch_for(self, w: Worker, args: Args, launch: Launch) -> None:
+        """:meth:`launching`'s thread: launch ``w``, then settle ``launch`` if nothing did."""
+        error: BaseException | None = None
+        try:
+            self.launch(w, args)
+        except BaseException as exc:  # reaches the job that began it (see launched)
+            error = exc
+        self._settle(w, launch, error)
+
+    def _settle(self, w: Worker, launch: Launch | None, error: BaseException | None) -> None:
+        """``launch`` of ``w`` has ended (with ``error``): no longer pending, its outcome set."""
+        with self._lock:
+            if w.pending is launch or launch is None:
+                launch, w.pending = w.pending, None
+            if launch is None or launch.done.done():
+                return
+            if error is None:
+                launch.done.set_result(None)
+            else:
+                launch.done.set_exception(error)
+
+    def _begin(self, w: Worker, args: Args, via: BaseContext | None = None) -> Any:
         """Take ``w``'s lock and start its process: the process, with the lock held
         (:meth:`_end` releases it), or None (nothing to launch; the lock released)."""
         w.lock.acquire()
@@ -143,13 +277,19 @@ class Launcher:
             if w.process is not None or self._closed() or w.child_pipes is None:
                 w.lock.release()
                 return None
-            w.launched, w.launching = time.monotonic(), True
-            if via is not None:
-                return _fork_here(via, w, args(w))
-            process = self._context.Process(  # type: ignore[attr-defined]
-                target=run_worker, args=args(w), name=_name(w), daemon=True
-            )
-            process.start()  # from the forked server: the request is sent, the pid comes later
+            with self._lock:  # what the jobs for it wait for, if it is not a launching()'s
+                if w.pending is None:
+                    w.pending = Launch(time.monotonic())
+            w.launched = time.monotonic()
+            context = via if via is not None else self._context
+            fork = context.get_start_method() == "fork"
+            with self._forks if fork else contextlib.nullcontext():
+                if via is not None:
+                    return _fork_here(via, w, args(w))
+                process = self._context.Process(  # type: ignore[attr-defined]
+                    target=run_worker, args=args(w), name=_name(w), daemon=True
+                )
+                process.start()  # from the forked server: the request is sent, the pid later
             return process
         except BaseException as exc:
             self._failed(w, exc)
@@ -167,9 +307,9 @@ class Launcher:
         for end in w.child_pipes:  # the worker has its copies now
             end.close()
         w.child_pipes = None
-        w.launching = False
         generation, channel = w.generation, w.channel
         w.lock.release()
+        self._settle(w, None, None)
 
         def exited() -> None:
             # Normally the channel's end-of-file tells first; this covers a worker whose pipe
@@ -187,8 +327,13 @@ class Launcher:
         for end in w.child_pipes or ():
             end.close()
         w.child_pipes = None
-        w.launching = False
         w.lock.release()
+        self._settle(w, None, exc)
+
+
+def _retrieve(outcome: asyncio.Future[None]) -> None:
+    if not outcome.cancelled():
+        outcome.exception()  # retrieved: no "exception was never retrieved"
 
 
 def _name(w: Worker) -> str:

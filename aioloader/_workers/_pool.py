@@ -45,6 +45,9 @@ Sharp edges:
   (``start_timeout``, else the batch ``timeout``, see :mod:`._starting`); every job it held
   fails with ``WorkerInitError`` naming its stack, rather than wait for a start that will
   not come, or go to a replacement that would most likely hang the same way.
+- Processes are launched on threads, never on the event loop's (a launch waits for a fork, or
+  for the standard forkserver's own start): a job waits off the loop for its worker's launch
+  before it is sent, under a deadline of the launch's own (:mod:`._launch`).
 - A forkserver child's exit status (it names the killing signal) is read from a pipe, once: a
   second reader at the same time gets EOF and records 255. So it is read under the process's
   own lock (``_zygote._Popen.poll``), and waited for off the event loop
@@ -159,7 +162,8 @@ class WorkerPool:
         self._retired: dict[int, DatasetCopy] = {}  # the copy before each, maybe being loaded
         self._cells = Cells(num_workers)  # what each worker publishes (see _cells)
         self._exits = _exits.ExitWatch()
-        self._launcher = Launcher(context, self._exits, lambda: self._closed)
+        when = (start_timeout, start_setting)
+        self._launcher = Launcher(context, self._exits, lambda: self._closed, when)
         self._reap_lock = threading.Lock()  # exit statuses are read once (see _exits.reap)
         self._launch_lock = threading.Lock()
         try:
@@ -172,14 +176,10 @@ class WorkerPool:
         self.rebuilds = 0
 
     def _new_worker(self) -> tuple[Channel, tuple[Connection, ...], StackPipe]:
-        """A worker's pipes (its process starts at :meth:`_launch`)."""
+        """A worker's pipes (its process starts at its launch: see :class:`._launch.Launcher`)."""
         channel, child = open_channel()
         stacks = StackPipe()
         return channel, (*child, stacks.child), stacks
-
-    def _launch(self, w: Worker, *, wait: bool = True) -> None:
-        """Start ``w``'s process if it has not started (see :class:`._launch.Launcher`)."""
-        self._launcher.launch(w, self._worker_args, wait=wait)
 
     def _worker_args(self, w: Worker) -> tuple[Any, ...]:
         """What :func:`._worker.run_worker` gets in worker ``w`` (see ``init_worker``)."""
@@ -226,10 +226,10 @@ class WorkerPool:
             raise
 
     def launch(self) -> None:
-        """Start every worker's process now, without waiting until it is ready (blocking while
-        they are forked: call it from a thread). :meth:`start` waits for them; a job waits for
-        its own worker only. From the forked server, in order; else all at once (see
-        :func:`._starting.each_at_once`)."""
+        """Start every worker's process now, without waiting until it is ready (from the
+        forked server, blocking while they are forked, in order: call it from a thread; else
+        each on a thread of its own). :meth:`start` waits for them; a job waits for its own
+        worker only."""
         self._launcher.launch_all(self._workers, self._worker_args)
 
     def start(self) -> None:
@@ -238,10 +238,13 @@ class WorkerPool:
         with their first job (see :meth:`load`).
 
         Raises:
-            WorkerInitError: a worker did not start within the start deadline (it is killed).
+            WorkerInitError: a worker did not start within the start deadline (it is killed),
+                or got no process within the launch deadline.
         """
-        self.launch()
-        for w in self._workers:
+        launches = self._launcher.launch_all(self._workers, self._worker_args)
+        for w, launch in zip(self._workers, launches, strict=True):
+            if launch is not None:
+                self._launcher.wait(w, launch)
             generation, process = w.generation, w.process
             if process is None:  # closed meanwhile (by another thread)
                 raise RuntimeError("the worker pool is closed")
@@ -364,7 +367,11 @@ class WorkerPool:
             job_id: int | None = None
             w.outstanding += 1
             try:
-                self._launch(w, wait=False)  # the job may wait in the pipe meanwhile
+                if w.process is None:  # its launch, waited for off the loop
+                    await self._launcher.launched(w, self._worker_args, batch_id)
+                    if self._closed:
+                        raise RuntimeError("the worker pool is closed")
+                    generation, channel = w.generation, w.channel
                 if w.drops:
                     self._drop_released(w)
                 copy = self._copies.get(copy_id)
@@ -438,12 +445,9 @@ class WorkerPool:
     def _start_left(self, w: Worker, generation: int) -> float | None:
         """Seconds left before worker ``w`` passes its start deadline; ``inf`` while a copy
         it was sent waits behind other jobs (its clock has not begun); None once it started,
-        or if it is another generation now, or its hang is being dealt with."""
-        if w.generation != generation or w.stopping:
-            return None
-        if w.launching:  # read first: a launch sets the process, then clears this
-            return w.launched + self._start_timeout - time.monotonic()
-        if w.process is None:
+        or if it is another generation now, or its hang is being dealt with, or it has no
+        process (a job is sent once its launch ended: one that failed fails the job)."""
+        if w.generation != generation or w.stopping or w.process is None:
             return None
         if not self._is_up(w):
             since = w.launched  # the process itself is starting

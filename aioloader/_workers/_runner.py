@@ -109,7 +109,7 @@ class ProcessRunner:
         self.pool.start()
 
     def launch(self) -> None:
-        """Start every worker's process without waiting for it (blocking while forking)."""
+        """Start every worker's process without waiting for it (see ``WorkerPool.launch``)."""
         self.pool.launch()
 
     def start_make(self, request: BatchRequest) -> asyncio.Future[Made]:

@@ -13,7 +13,10 @@ most likely hang again, and each try would cost a whole deadline).
 
 The clock of a load starts when the worker begins it (it publishes ``time.monotonic()`` in a
 shared array: the clock is system-wide), not when it was sent: a worker finishing a batch of
-an earlier epoch first is not starting yet.
+an earlier epoch first is not starting yet. Nor does the clock of a process start before the
+process could begin: its launch (until the start method gives it a process) has a deadline of
+its own, :data:`LAUNCH_TIMEOUT_S` at least, as the standard forkserver's one-time start comes
+first (``_launch``); past it, the jobs waiting fail (:func:`describe_launch`).
 
 The stack: each worker registers ``faulthandler`` on :data:`~._worker.STACK_SIGNAL` to write
 every thread's Python stack to a pipe of its own (:class:`StackPipe`). The handler runs in C,
@@ -30,29 +33,33 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TypeVar
 
 from ._worker import STACK_SIGNAL
 
 __all__ = [
+    "LAUNCH_TIMEOUT_S",
     "STACK_WAIT_S",
     "START_POLL_S",
     "Hang",
     "StackPipe",
+    "describe_launch",
     "describe_start",
-    "each_at_once",
     "kill",
     "take_stack",
 ]
 
-T = TypeVar("T")
-
 # How often a job waiting on a starting worker looks at the start deadline. Shorter: a hang is
 # reported closer to its deadline; longer: fewer wake-ups while workers start (only then).
 START_POLL_S = 0.25
+
+# How long a worker's launch may take, until its start method gives it a process, when the start
+# deadline is shorter: counted apart from it, as the first launch under the standard forkserver
+# waits for the server's own start, once per program (a fresh interpreter importing aioloader,
+# numpy and torch: about a second here, far more from a slow file system). Longer: more
+# patience with that start; shorter: a server that never forks is reported sooner.
+LAUNCH_TIMEOUT_S = 60.0
 
 # How long a hung worker may take to write its stacks once asked, and how long the pipe must
 # then stay quiet for the dump to count as complete. The handler writes it at once: these only
@@ -189,29 +196,22 @@ def kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def each_at_once(fn: Callable[[T], None], items: Sequence[T], *, together: bool) -> None:
-    """``fn(item)`` for every item, each on a thread of its own (the first on this one) when
-    ``together``, else one after the other; the first error is raised here once all are done.
-    Launches wait on the forked server, so they overlap well; not under ``fork``, where a fork
-    made beside another launch's thread could copy a lock that thread holds."""
-    errors: list[BaseException] = []
-
-    def call(item: T) -> None:
-        try:
-            fn(item)
-        except BaseException as exc:  # raised below, in the caller's thread
-            errors.append(exc)
-
-    if not together:
-        for item in items:
-            call(item)
-    else:
-        threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in items[1:]]
-        for thread in threads:
-            thread.start()
-        if items:
-            call(items[0])
-        for thread in threads:
-            thread.join()
-    if errors:
-        raise errors[0]
+def describe_launch(
+    worker_id: int, deadline: tuple[float, str], method: str, batch_id: int | None
+) -> str:
+    """The :class:`~aioloader.WorkerInitError` message of a launch that passed its deadline
+    ``(seconds, the setting that gave them)``: worker ``worker_id`` got no process from its
+    start method ``method``, so batch ``batch_id`` (if one waited) was not run."""
+    seconds, setting = deadline
+    held = f"; batch {batch_id} was not run" if batch_id is not None else ""
+    server = (
+        " The forkserver starts once per program, a fresh interpreter that imports aioloader, "
+        "numpy and torch: check for a slow or stuck file system, or an import that hangs."
+        if method == "forkserver"
+        else ""
+    )
+    return (
+        f"worker {worker_id} (no pid yet) was not launched within {seconds} s ({setting}): its "
+        f"start method ({method}) did not give it a process{held}.{server} The launch goes on: a "
+        "later batch gets the worker once it ends."
+    )
