@@ -336,9 +336,10 @@ class Resources:
         first epoch does; with ``persistent_workers=False`` every epoch does, unless another
         epoch of the loader still runs on the current copy (``alone`` is False): two
         iterators at once share it, as they share the processes. Pickled from now on, in a
-        thread (see ``_workers._copy``); threads need nothing.
-        """
+        thread (see ``_workers._copy``); threads take the consumer's torch grad mode."""
         runner = self.runner
+        if isinstance(runner, ThreadRunner):
+            runner.follow_grad_mode()  # from the consumer's thread: its epoch begins
         if not isinstance(runner, ProcessRunner):
             return
         if runner.has_copy and (config.persistent_workers or not alone):

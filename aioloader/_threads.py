@@ -33,6 +33,11 @@ Sharp edges:
   the batch, as from a worker process: only the main thread receives the user's Ctrl-C.
 - Threads share the process's global random generators with the user's code, so they are not
   reseeded per batch (as in torch).
+- torch's grad mode is per thread: the threads take the one the consumer had as its epoch
+  began (:meth:`ThreadRunner.follow_grad_mode`), so a dataset that runs a module under the
+  consumer's ``torch.no_grad()`` records no graph, as in torch's ``num_workers=0``. Other
+  per-thread state (a ``sqlite3`` connection, an LMDB transaction, ``threading.local``) is
+  the thread's own: a dataset opens such handles per thread (a ``threading.local``).
 - An iterable dataset is one stream here, pulled by one thread at a time (of which a rank
   keeps its share, in a distributed job).
 - Large leaves of the batches made on the threads are collated into memory reused from batch
@@ -45,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
+import sys
 import threading
 import time
 import warnings
@@ -169,6 +175,7 @@ class ThreadRunner:
     ) -> None:
         self._maker = maker
         self._threads = ThreadPool(threads)
+        self._grad: bool | None = None  # the consumer's torch grad mode (follow_grad_mode)
         self.inline: InlineMaker | None = InlineMaker(maker) if inline and threads == 1 else None
         # One stream for all threads: the rank split only (every thread reads from it).
         start, step = stream_share(maker.shard, 0, 1)
@@ -200,6 +207,18 @@ class ThreadRunner:
     def start(self) -> None:
         """Threads start on demand: nothing to do ahead."""
 
+    def follow_grad_mode(self) -> None:
+        """From the consumer's thread, as an epoch begins: its torch grad mode (if torch is
+        imported) becomes the threads' (see the module docstring)."""
+        torch = sys.modules.get("torch")
+        self._grad = None if torch is None else bool(torch.is_grad_enabled())
+
+    def _take_grad_mode(self) -> None:
+        """On a thread, before it makes a batch: the consumer's grad mode, if it differs."""
+        grad, torch = self._grad, sys.modules.get("torch")
+        if grad is not None and torch is not None and torch.is_grad_enabled() != grad:
+            torch.set_grad_enabled(grad)  # this thread's, kept: the thread is the runner's
+
     def start_make(self, request: BatchRequest) -> asyncio.Future[Made]:
         inline = self.inline
         # Never while the thread makes one: the lock tells, and the loop does not wait for it.
@@ -222,6 +241,7 @@ class ThreadRunner:
     def _make(self, request: BatchRequest) -> Made:
         self._running.add(id(request))  # set.add/discard are atomic: no lock needed
         try:
+            self._take_grad_mode()
             inline = self.inline
             alloc = self.buffers.alloc
             made = (
@@ -244,6 +264,7 @@ class ThreadRunner:
     def _pull(self, request: StreamRequest) -> Made:
         self._running.add(id(request))
         try:
+            self._take_grad_mode()
             with self._stream_lock:
                 samples, position = self._cursor.next_samples(request)
             if samples is END:

@@ -19,6 +19,7 @@ import math
 import os
 import pickle
 import tempfile
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -111,6 +112,44 @@ def load(dataset: Any, **kwargs: Any) -> list[Any]:
     unclosed; aioloader then warns ResourceWarning when it is collected: see the README.)"""
     with DataLoader(dataset, **kwargs) as loader:
         return list(loader)
+
+
+class _Embedded(tud.Dataset[torch.Tensor]):
+    """Runs a module on each sample, slowly enough (over a millisecond) that batches without
+    workers are made on the helper thread, as a feature extractor in a dataset does."""
+
+    def __init__(self) -> None:
+        self.layer = torch.nn.Linear(4, 2)
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        time.sleep(0.002)
+        out: torch.Tensor = self.layer(torch.full((4,), float(index)))
+        return out
+
+
+@pytest.mark.parametrize("thread_pool", [False, True])
+def test_batches_made_on_threads_follow_the_consumers_grad_mode(thread_pool: bool) -> None:
+    # torch's num_workers=0 runs the dataset in the consumer's thread, under its grad mode; the
+    # helper threads must too, or evaluation under no_grad records a graph per batch.
+    dataset = _Embedded()
+    for enabled in (False, True, False):
+        with torch.set_grad_enabled(enabled):
+            theirs = [b.requires_grad for b in tud.DataLoader(dataset, batch_size=3)]
+            with DataLoader(
+                dataset, batch_size=3, num_workers=2 if thread_pool else 0, thread_pool=thread_pool
+            ) as loader:
+                ours = [b.requires_grad for b in loader]
+
+                async def consume() -> list[bool]:
+                    return [b.requires_grad async for b in loader]
+
+                ours_async = asyncio.run(consume())
+        assert theirs == [enabled] * 4
+        assert ours == theirs
+        assert ours_async == theirs
 
 
 # -- batches, order, lengths ------------------------------------------------------------------
