@@ -255,6 +255,10 @@ async def main(mode):
                     await asyncio.sleep(60)
         except TimeoutError:
             out["cancelled_s"] = time.perf_counter() - began
+        if mode == "exit":  # asyncio.run waits for the start's thread, then the program ends
+            ticker.cancel()
+            print(json.dumps({"cancelled_at": time.monotonic()}), flush=True)
+            return
         await asyncio.sleep(SLEEP + 2.0)  # the server is up: a launch after the close shows now
         out["left"] = workers()
     ticker.cancel()
@@ -278,9 +282,18 @@ def _cold(tmp_path: Path, mode: str) -> dict[str, Any]:
     script.write_text(textwrap.dedent(_COLD))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), str(tmp_path)]))
     argv = [sys.executable, str(script), mode, str(START_TIMEOUT_S), str(SERVER_SLEEP_S)]
+    if mode == "exit":  # the process's own end: the server it started may outlive it a while
+        with (tmp_path / "out").open("w+") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+            assert proc.wait(BOUND_S) == 0
+            ended = time.monotonic()
+            out.seek(0)
+            result: dict[str, Any] = json.loads(out.read().strip().splitlines()[-1])
+        result["exited_s"] = ended - result["cancelled_at"]
+        return result
     ran = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=BOUND_S)
     assert ran.returncode == 0, ran.stderr
-    result: dict[str, Any] = json.loads(ran.stdout.strip().splitlines()[-1])
+    result = json.loads(ran.stdout.strip().splitlines()[-1])
     return result
 
 
@@ -310,3 +323,11 @@ def test_a_cancelled_start_does_not_wait_for_the_forkservers_start(tmp_path: Pat
     # ...and no worker was launched once the server was up.
     assert out["left"] == [], out
     assert not any(out["on_loop"]), out
+
+
+def test_a_program_ends_promptly_after_a_cancelled_start(tmp_path: Path) -> None:
+    # The start's thread (asyncio.to_thread) waited for the workers' launch, and the server's
+    # start with it: asyncio.run, and the program, waited for that thread. Closing the pool
+    # tells what waits for a launch at once.
+    out = _cold(tmp_path, "exit")
+    assert out["exited_s"] < SERVER_SLEEP_S / 2, out

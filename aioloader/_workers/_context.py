@@ -222,7 +222,7 @@ _SERVER_LOCK = threading.Lock()  # one probe at a time; the others wait for its 
 _server_up: int | None = None  # the pid of the standard forkserver that answered a probe
 
 
-def await_server(context: BaseContext) -> None:
+def await_server(context: BaseContext, closed: Callable[[], bool] = lambda: False) -> None:
     """Under the standard forkserver, return once its server forks processes: started now if
     it is not running, and waited for once per server (see the module's sharp edges).
     Blocking: call it from a thread, holding no worker. A no-op for other contexts.
@@ -234,12 +234,16 @@ def await_server(context: BaseContext) -> None:
     if is_zygote(context) or context.get_start_method() != "forkserver":
         return
     with _SERVER_LOCK:
+        if closed():  # the pool closed while another launch had the server started
+            return
         try:
             forkserver.ensure_running()  # (re)starts it; returns before its imports are done
             pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
             if pid is not None and pid == _server_up:
                 return
-            probe = context.Process(name="aioloader-probe", daemon=True)  # type: ignore[attr-defined]
+            # Ours, whatever the pool's: the server is the program's, and this process must
+            # not run __main__ again (an unguarded script would run whole in it).
+            probe = _ForkServerProcess(name="aioloader-probe", daemon=True)
             probe.start()  # returns once the server forked it: it is up
         except (EOFError, OSError) as exc:
             exc.add_note("the forkserver, which forks the worker processes, did not start")

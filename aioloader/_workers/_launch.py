@@ -144,10 +144,10 @@ class Launcher:
         """Start ``w``'s process with ``args(w)`` if it has not started, through ``via`` rather
         than the pool's context if given (blocking: from a thread of :meth:`launching`, the
         loader's start thread, or as the loader is made, ``WorkerPool.fork_first``)."""
-        if w.process is not None:
+        if w.process is not None or self._closed():
             return
         if via is None:
-            await_server(self._context)  # holding no worker: see the module docstring
+            await_server(self._context, self._closed)  # holding no worker: see the module doc
         process = self._begin(w, args, via)
         if process is not None:
             self._end(w, process)
@@ -236,6 +236,15 @@ class Launcher:
             raise WorkerInitError(self._give_up(w, launch, None))
         launch.done.result()
 
+    def close(self, workers: list[Worker]) -> None:
+        """The pool closed: what waits for a launch under way is told so now, not when the
+        launch ends (a cold or stuck server's start: exit must not wait for it)."""
+        with self._lock:
+            for w in workers:
+                launch, w.pending = w.pending, None
+                if launch is not None and not launch.done.done():
+                    launch.done.set_exception(RuntimeError("the worker pool is closed"))
+
     def _give_up(self, w: Worker, launch: Launch, batch_id: int | None) -> str:
         """The error for a job of ``w`` whose launch passed its deadline. The launch itself
         goes on (a thread cannot be stopped, and a slow server's start may still end); the
@@ -302,9 +311,15 @@ class Launcher:
         except BaseException as exc:
             self._failed(w, exc)
             raise
+        if self._closed():  # the pool closed while the server forked it (it gave up on us)
+            with contextlib.suppress(OSError, ValueError):
+                process.kill()
+                process.join(5.0)
+            self._failed(w, RuntimeError("the worker pool is closed"))
+            self._settle(w, None, RuntimeError("the worker pool is closed"))
+            return
         w.process = process
-        assert w.child_pipes is not None
-        for end in w.child_pipes:  # the worker has its copies now
+        for end in w.child_pipes or ():  # the worker has its copies now
             end.close()
         w.child_pipes = None
         generation, channel = w.generation, w.channel

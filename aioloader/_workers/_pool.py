@@ -307,7 +307,8 @@ class WorkerPool:
         return [w.process.pid for w in self._workers if w.process is not None]
 
     def _pick(self) -> Worker:
-        return min(self._workers, key=lambda w: w.outstanding)
+        # Not a worker whose launch is overdue while another will do: it fails jobs at once.
+        return min(self._workers, key=lambda w: (_overdue(w), w.outstanding))
 
     async def submit(
         self,
@@ -548,8 +549,10 @@ class WorkerPool:
                 return
             self._closed = True
             copies = [*self._copies.values(), *self._retired.values()]
+        self._launcher.close(self._workers)
+        grace = time.monotonic() + SHUTDOWN_GRACE_S
         for w in self._workers:  # a launch under way (another thread's) finishes first
-            if w.lock.acquire(timeout=SHUTDOWN_GRACE_S):  # bounded: a stalled server
+            if w.lock.acquire(timeout=max(0.0, grace - time.monotonic())):  # a stalled server
                 w.lock.release()
         for copy in copies:
             copy.release()
@@ -578,6 +581,10 @@ class WorkerPool:
         for p in processes:
             with contextlib.suppress(ValueError):  # still running after the kill: leave it
                 p.close()
+
+
+def _overdue(w: Worker) -> bool:
+    return w.pending is not None and w.pending.reported
 
 
 def _close_pipes(pipes: tuple[Connection, ...] | None) -> None:
