@@ -54,6 +54,7 @@ from ._config import LoaderConfig
 from ._distributed import rank_seed
 from ._epoch import Epoch
 from ._errors import out_of_descriptors_note
+from ._errors import unpicklable_error as _unpicklable
 from ._shared_pool import WorkerPool as SharedPool
 from ._shared_pool import close_pools
 from ._signals import release_before_sigterm
@@ -143,7 +144,7 @@ def worker_payload(config: LoaderConfig, dataset: Any, context: BaseContext) -> 
         sent = maker.dataset if maker.dataset is not None else maker.decode
         for name, obj in _parts(config, sent):
             try:
-                dumps_payload(obj, main_by_value=by_value)
+                dumps_payload(obj, main_by_value=by_value, map_files=True)  # no file copied
             except Exception as part_exc:
                 raise _unpicklable(name, obj, part_exc) from part_exc
         raise _unpicklable("dataset", dataset, exc) from exc
@@ -174,13 +175,6 @@ def _parts(config: LoaderConfig, dataset: Any) -> list[tuple[str, Any]]:
         ("transform", config.transform),
         ("worker_init_fn", config.worker_init_fn),
     ]
-
-
-def _unpicklable(name: str, obj: Any, exc: BaseException) -> TypeError:
-    return TypeError(
-        f"{name}={obj!r} cannot be sent to worker processes: {exc}. Define it at "
-        "module level (no lambdas or local functions), or use thread_pool=True"
-    )
 
 
 @dataclass(slots=True, eq=False, weakref_slot=True)  # identity: kept in a WeakSet

@@ -384,7 +384,9 @@ def test_a_loader_iterated_while_its_module_is_imported(tmp_path: Path, start_me
     # module, which waits for this very import (a deadlock), and a worker importing it would
     # run the loader again. They go by value, as __main__'s do.
     (tmp_path / "stats.py").write_text(_STATS_MODULE)
-    (tmp_path / "train.py").write_text("import os, stats\nprint(stats.TOTAL, os.getpid())\n")
+    (tmp_path / "train.py").write_text(
+        "import os, stats\nprint(stats.TOTAL, os.getpid(), *stats.PIDS)\n"
+    )
     env = {**_env(), "START_METHOD": start_method}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
     proc = subprocess.run(
@@ -395,7 +397,8 @@ def test_a_loader_iterated_while_its_module_is_imported(tmp_path: Path, start_me
         timeout=SUBPROCESS_BOUND_S,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    total, pid = proc.stdout.split()
+    total, pid, *workers = proc.stdout.split()
     assert float(total) == sum(i / 2 for i in range(8))
+    assert len(workers) == 2
     _assert_quiet(proc.stderr)
-    _assert_nothing_left(int(pid), [])
+    _assert_nothing_left(int(pid), [int(w) for w in workers])

@@ -125,6 +125,7 @@ class Finder:
         # One region object per mapping and access: the pickler memoizes it, so a worker
         # maps it once for all the arrays that refer to it.
         self._regions: dict[tuple[int, Access], FileRegion] = {}
+        self._stats: dict[int, os.stat_result] = {}  # by mapping: a file stat'ed once
 
     def reduce_memmap(self, array: np.memmap[Any, Any]) -> tuple[Any, ...] | None:
         """The reduction of ``array`` as a reference to its file, or None: pickle it as before
@@ -146,38 +147,50 @@ class Finder:
         None: pickle it as before."""
         import torch
 
+        if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+            return None
+        storage = tensor.untyped_storage()
+        # First whether it lies in a file's mapping at all (a bisection): most tensors do not.
+        if not self._in_a_file(address := storage.data_ptr()):
+            return None
+        nbytes = storage.nbytes()
         if (
-            tensor.device.type != "cpu"
-            or tensor.layout != torch.strided
+            nbytes == 0
+            or nbytes % tensor.element_size()  # the worker views the bytes as the dtype
             or tensor.requires_grad
             or tensor.is_quantized
             or tensor.is_conj()
             or tensor.is_neg()
         ):
             return None
-        storage = tensor.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes == 0:
-            return None
-        found = self._locate(storage.data_ptr(), nbytes, read_only="c")
+        found = self._locate(address, nbytes, read_only="c")
         if found is None:
             return None
         region, within = found
         view = (tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset())
         return _tensor_over, (region, within, nbytes, *view)
 
+    def _vma_at(self, address: int) -> _Vma | None:
+        """The file mapping ``address`` lies in, if any."""
+        if self._vmas is None:
+            self._vmas = _read_maps()
+            self._starts = [vma.start for vma in self._vmas]
+        at = bisect.bisect_right(self._starts, address) - 1
+        if at < 0 or address >= self._vmas[at].end:
+            return None
+        return self._vmas[at]
+
+    def _in_a_file(self, address: int) -> bool:
+        return self._vma_at(address) is not None
+
     def _locate(
         self, address: int, nbytes: int, *, read_only: Access
     ) -> tuple[FileRegion, int] | None:
         """The region holding bytes ``[address, address + nbytes)`` and where they start in it,
         or None. ``read_only``: how a worker maps a shared read-only mapping."""
-        if self._vmas is None:
-            self._vmas = _read_maps()
-            self._starts = [vma.start for vma in self._vmas]
-        at = bisect.bisect_right(self._starts, address) - 1
-        if at < 0:
+        vma = self._vma_at(address)
+        if vma is None:
             return None
-        vma = self._vmas[at]
         if address + nbytes > vma.end:
             return None  # not one mapping (or not a file's at all)
         if vma.shared:
@@ -186,10 +199,12 @@ class Finder:
             access = "c"
         else:
             return None  # this process's private changes: only a copy carries them
-        try:
-            st = os.stat(vma.path)
-        except OSError:
-            return None
+        st = self._stats.get(vma.start)
+        if st is None:
+            try:
+                st = self._stats[vma.start] = os.stat(vma.path)
+            except OSError:
+                return None
         if not stat.S_ISREG(st.st_mode) or st.st_ino != vma.inode:
             return None  # replaced under its path since it was mapped
         length = min(vma.end - vma.start, st.st_size - vma.offset)

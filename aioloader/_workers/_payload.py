@@ -53,6 +53,7 @@ import functools
 import io
 import pickle
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -126,7 +127,8 @@ def dumps(
     files = Finder() if map_files else None  # the second pickling asks it again: cached
     if half := _half_imported():  # by value, or the pickling waits for their import
         with _pickled_by_value(half):
-            return _by_value(obj, callback, out_of_band, files)
+            # A forked worker has this __main__: its names are not replaced by copies there.
+            return _by_value(obj, callback, out_of_band, files, main_table=main_by_value)
     if not main_by_value:
         return _plain(obj, callback, files)
     try:
@@ -242,6 +244,8 @@ def _by_value(
     buffer_callback: _Callback,
     out_of_band: list[pickle.PickleBuffer] | None,
     files: Finder | None,
+    *,
+    main_table: bool = True,
 ) -> bytes:
     if out_of_band is not None:
         out_of_band.clear()  # those of the first pickling: this one finds them again
@@ -249,38 +253,57 @@ def _by_value(
     pickler = _main_by_value_pickler(buffer, buffer_callback, files)
     pickler.dump(obj)
     # The same pickler, so the same memo: the table refers to the very objects pickled above.
-    pickler.dump(pickler.main_table)
+    pickler.dump(pickler.main_table if main_table else {})
     return buffer.getvalue()
 
 
 def _half_imported() -> list[ModuleType]:
-    """The modules being imported now, in any thread (``__main__`` is not imported)."""
+    """The modules being imported now, in any thread (``__main__`` is not imported). Plain
+    modules only: asking a lazy one (``importlib.util.LazyLoader``) anything would load it."""
     return [
         module
         for name, module in list(sys.modules.items())
-        if name != "__main__" and getattr(getattr(module, "__spec__", None), "_initializing", False)
+        if type(module) is ModuleType
+        and name != "__main__"
+        and getattr(module.__dict__.get("__spec__"), "_initializing", False)
     ]
+
+
+_registry_lock = threading.Lock()
+_registered: dict[str, int] = {}  # module name -> our picklings that registered it, still on
 
 
 @contextlib.contextmanager
 def _pickled_by_value(modules: list[ModuleType]) -> Iterator[None]:
-    """While in the block, cloudpickle takes what ``modules`` define by value. Its registry is
-    the process's: what another thread pickles with cloudpickle meanwhile goes by value too,
-    which costs bytes, never correctness."""
+    """While in the block, cloudpickle takes what ``modules`` define by value; picklings of
+    several threads at once share the registration (counted). cloudpickle's registry is the
+    process's: another library pickling with cloudpickle meanwhile also takes those modules
+    by value (bytes more, and copies of their classes where it unpickles)."""
     import cloudpickle
 
-    added = []
-    for module in modules:
-        with contextlib.suppress(ValueError):  # already registered (by the user), or gone
-            if module.__name__ not in cloudpickle.list_registry_pickle_by_value():
-                cloudpickle.register_pickle_by_value(module)
-                added.append(module)
+    names = []
+    with _registry_lock:
+        for module in modules:
+            name = module.__name__
+            if name not in _registered:
+                if name in cloudpickle.list_registry_pickle_by_value():
+                    continue  # the user's registration: theirs to keep
+                try:
+                    cloudpickle.register_pickle_by_value(module)
+                except ValueError:  # gone from sys.modules meanwhile
+                    continue
+            _registered[name] = _registered.get(name, 0) + 1
+            names.append(name)
     try:
         yield
     finally:
-        for module in added:
-            with contextlib.suppress(ValueError):
-                cloudpickle.unregister_pickle_by_value(module)
+        with _registry_lock:
+            for name in names:
+                _registered[name] -= 1
+                if not _registered[name]:
+                    del _registered[name]
+                    with contextlib.suppress(ValueError, KeyError):
+                        cloudpickle.unregister_pickle_by_value(sys.modules[name])
 
 
 def _reduce_memmap(array: np.memmap[Any, Any], files: Finder) -> Any:
@@ -396,4 +419,7 @@ def _keep_file(code_reduce: Callable[[Any], Any], code: types.CodeType) -> Any:
     ``<dynamic-code>`` (for bytes that do not depend on where code was defined), and a worker's
     traceback would then name no file and show no line of it."""
     func, args = code_reduce(code)[:2]
-    return func, tuple(code.co_filename if arg == "<dynamic-code>" else arg for arg in args)
+    dynamic = "<dynamic-code>"
+    return func, tuple(
+        code.co_filename if isinstance(arg, str) and arg == dynamic else arg for arg in args
+    )
