@@ -33,9 +33,10 @@ Sharp edges:
   the batch, as from a worker process: only the main thread receives the user's Ctrl-C.
 - Threads share the process's global random generators with the user's code, so they are not
   reseeded per batch (as in torch).
-- torch's grad mode is per thread: the threads take the one the consumer had as its epoch
-  began (:meth:`ThreadRunner.follow_grad_mode`), so a dataset that runs a module under the
-  consumer's ``torch.no_grad()`` records no graph, as in torch's ``num_workers=0``. Other
+- torch's grad mode is per thread: the threads (and a sync epoch's loop) take the one the
+  consumer had as its epoch began (:meth:`ThreadRunner.follow_grad_mode`), so a dataset that
+  runs a module under the consumer's ``torch.no_grad()`` records no graph, as in torch's
+  ``num_workers=0``. Other
   per-thread state (a ``sqlite3`` connection, an LMDB transaction, ``threading.local``) is
   the thread's own: a dataset opens such handles per thread (a ``threading.local``).
 - An iterable dataset is one stream here, pulled by one thread at a time (of which a rank
@@ -123,6 +124,7 @@ class InlineMaker:
         self.cheap = False  # the last `_needed` batches were cheap, none costly since
         self.costly = False  # the last batch measured took longer than INLINE_ABOVE_S
         self.loop_stalls = 0  # batches made on the event loop that took longer than that
+        self.grad: bool | None = None  # the consumer's torch grad mode (ThreadRunner's)
 
     def make(
         self, request: BatchRequest, *, wait: bool = True, alloc: Alloc | None = None
@@ -135,11 +137,21 @@ class InlineMaker:
         try:
             started = time.perf_counter()
             try:
+                if not wait:  # on the loop: a sync epoch's loop thread is not the consumer's
+                    with self._grad_mode():
+                        return self._maker.make(request, alloc)
                 return self._maker.make(request, alloc)
             finally:
                 self._record(time.perf_counter() - started, on_loop=not wait)
         finally:
             self._lock.release()
+
+    def _grad_mode(self) -> contextlib.AbstractContextManager[Any]:
+        """The consumer's grad mode for a batch made on the loop, restored after."""
+        grad, torch = self.grad, sys.modules.get("torch")
+        if grad is not None and torch is not None and torch.is_grad_enabled() != grad:
+            return torch.set_grad_enabled(grad)  # type: ignore[no-any-return]
+        return contextlib.nullcontext()
 
     def _record(self, seconds: float, *, on_loop: bool = False) -> None:
         if seconds > INLINE_ABOVE_S:
@@ -212,6 +224,8 @@ class ThreadRunner:
         imported) becomes the threads' (see the module docstring)."""
         torch = sys.modules.get("torch")
         self._grad = None if torch is None else bool(torch.is_grad_enabled())
+        if self.inline is not None:  # for batches it makes on the loop (a sync epoch's thread)
+            self.inline.grad = self._grad
 
     def _take_grad_mode(self) -> None:
         """On a thread, before it makes a batch: the consumer's grad mode, if it differs."""

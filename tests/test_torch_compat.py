@@ -115,31 +115,38 @@ def load(dataset: Any, **kwargs: Any) -> list[Any]:
 
 
 class _Embedded(tud.Dataset[torch.Tensor]):
-    """Runs a module on each sample, slowly enough (over a millisecond) that batches without
-    workers are made on the helper thread, as a feature extractor in a dataset does."""
+    """Runs a module on each sample, as a feature extractor in a dataset does; a sample of
+    ``slow`` takes over a millisecond, so that batches without workers move to the helper
+    thread (all slow), or to the helper thread and then back to the loop (only the first)."""
 
-    def __init__(self) -> None:
+    def __init__(self, slow: range) -> None:
         self.layer = torch.nn.Linear(4, 2)
+        self.slow = slow
 
     def __len__(self) -> int:
-        return 12
+        return 24
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        time.sleep(0.002)
+        if index in self.slow:
+            time.sleep(0.002)
         out: torch.Tensor = self.layer(torch.full((4,), float(index)))
         return out
 
 
+@pytest.mark.parametrize("slow", [range(24), range(1)], ids=["all_slow", "first_slow"])
 @pytest.mark.parametrize("thread_pool", [False, True])
-def test_batches_made_on_threads_follow_the_consumers_grad_mode(thread_pool: bool) -> None:
+def test_batches_made_on_threads_follow_the_consumers_grad_mode(
+    thread_pool: bool, slow: range
+) -> None:
     # torch's num_workers=0 runs the dataset in the consumer's thread, under its grad mode; the
-    # helper threads must too, or evaluation under no_grad records a graph per batch.
-    dataset = _Embedded()
+    # helper threads (and a sync epoch's loop thread) must too, or evaluation under no_grad
+    # records a graph per batch.
+    dataset = _Embedded(slow)
     for enabled in (False, True, False):
         with torch.set_grad_enabled(enabled):
-            theirs = [b.requires_grad for b in tud.DataLoader(dataset, batch_size=3)]
+            theirs = [b.requires_grad for b in tud.DataLoader(dataset, batch_size=2)]
             with DataLoader(
-                dataset, batch_size=3, num_workers=2 if thread_pool else 0, thread_pool=thread_pool
+                dataset, batch_size=2, num_workers=2 if thread_pool else 0, thread_pool=thread_pool
             ) as loader:
                 ours = [b.requires_grad for b in loader]
 
@@ -147,7 +154,7 @@ def test_batches_made_on_threads_follow_the_consumers_grad_mode(thread_pool: boo
                     return [b.requires_grad async for b in loader]
 
                 ours_async = asyncio.run(consume())
-        assert theirs == [enabled] * 4
+        assert theirs == [enabled] * 12
         assert ours == theirs
         assert ours_async == theirs
 
