@@ -58,6 +58,7 @@ __all__ = [
     "WorkerInitError",
     "out_of_descriptors_note",
     "timeout_error",
+    "unpicklable_error",
 ]
 
 
@@ -255,3 +256,19 @@ def timeout_error(
         f"batch {batch_id} ({what}) was not ready after {waited:.2f} s "
         f"(timeout={timeout}){killed}. {advice}"
     )
+
+
+def unpicklable_error(name: str, obj: Any, exc: BaseException) -> TypeError:
+    """The error for ``obj`` (the argument ``name``), which cannot be pickled for the workers
+    (``exc``), with the fix its cause needs."""
+    if isinstance(exc, TypeError) and str(exc).startswith("cannot pickle '"):
+        # A handle (an open file, a lock, a connection): torch's workers fork on Linux and
+        # inherit it; ours get a pickled copy of the dataset.
+        fix = (
+            "It holds an object that cannot be copied to another process: open it in each "
+            "worker instead, lazily at the first __getitem__ (or in worker_init_fn), or use "
+            "thread_pool=True"
+        )
+    else:
+        fix = "Define it at module level (no lambdas or local functions), or use thread_pool=True"
+    return TypeError(f"{name}={obj!r} cannot be sent to worker processes: {exc}. {fix}")

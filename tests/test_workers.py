@@ -310,6 +310,36 @@ def test_unpicklable_dataset_is_reported_at_the_first_batch() -> None:
             assert "thread_pool=True" in str(info.value)  # and what to do instead
 
 
+class _HoldsAFile:
+    """A dataset that opens its file in __init__: fine for torch's forked workers, not for a
+    pickled copy."""
+
+    def __init__(self, path: str) -> None:
+        self.file = open(path, "rb")  # noqa: SIM115 - held for the dataset's life
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def test_a_dataset_holding_an_open_file_is_told_to_open_it_in_each_worker(tmp_path: Path) -> None:
+    (tmp_path / "data.bin").write_bytes(b"x")
+    dataset = _HoldsAFile(str(tmp_path / "data.bin"))
+    try:
+        with (
+            fd.make_loader(dataset) as loader,
+            pytest.raises(TypeError, match=r"cannot pickle '_io.BufferedReader'") as info,
+        ):
+            next(iter(loader))
+        message = str(info.value)
+        assert "open it in each worker" in message
+        assert "module level" not in message  # the hint of a lambda's error, wrong here
+    finally:
+        dataset.file.close()
+
+
 # -- a dead worker's job, when its awaiting task is cancelled --------------------------------------
 
 

@@ -5,6 +5,7 @@ One module a job::
     _context   which start method (forkserver by default; fork refused while threads run);
                workers never run the user's __main__ again
     _payload   how the dataset copy travels: pickle, with __main__'s classes by value
+    _mapped    arrays and tensors of memory-mapped files: sent as file regions, mapped again
     _info      what a worker knows (get_worker_info, torch's too) and its seeds
     _worker    everything that runs inside a worker: initializer, loading a dataset copy,
                the map and stream jobs, stream sharding, the watchdog
