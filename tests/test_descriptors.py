@@ -170,17 +170,18 @@ pool.close()
 """
 
 
-@needs_proc
-def test_out_of_descriptors_names_the_slot_and_the_fix() -> None:
+def _child_out_of_descriptors(code: str) -> str:
+    """The output of ``code`` run in a fresh interpreter, which must succeed."""
     proc = subprocess.run(
-        [sys.executable, "-c", _OUT_OF_FDS_CHILD],
-        cwd=REPO_DIR,
-        capture_output=True,
-        text=True,
-        timeout=30,
+        [sys.executable, "-c", code], cwd=REPO_DIR, capture_output=True, text=True, timeout=30
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lease_line, attach_line, stats_line = proc.stdout.splitlines()
+    return proc.stdout
+
+
+@needs_proc
+def test_out_of_descriptors_names_the_slot_and_the_fix() -> None:
+    lease_line, attach_line, stats_line = _child_out_of_descriptors(_OUT_OF_FDS_CHILD).splitlines()
     wanted = _shm.page_round(math.ceil((3 << 20) * _shm.GROWTH))
     for line, size in ((lease_line, wanted), (attach_line, _shm.MIN_SLOT_BYTES)):
         cause, message = line.split("|", 1)
@@ -217,15 +218,7 @@ else:
 def test_no_descriptor_for_the_sync_loop_names_the_fix() -> None:
     # Many loaders left open, each with its loop thread (and workers), can use the limit up:
     # the loop a `for` needs then fails where it is made, saying what holds descriptors.
-    proc = subprocess.run(
-        [sys.executable, "-c", _NO_FD_FOR_THE_LOOP_CHILD],
-        cwd=REPO_DIR,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cause, note = proc.stdout.strip().split("|", 1)
+    cause, note = _child_out_of_descriptors(_NO_FD_FOR_THE_LOOP_CHILD).strip().split("|", 1)
     assert int(cause) == errno.EMFILE
     assert "event loop of a loader iterated with `for`" in note
     assert "limit is 64" in note
