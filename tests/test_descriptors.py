@@ -141,7 +141,18 @@ def test_1500_batches_held_under_ulimit_1024() -> None:
     assert took < 30
 
 
-_OUT_OF_FDS_CHILD = """
+# In a child: open descriptors until none is left (``filler`` holds them).
+_USE_UP_DESCRIPTORS = """
+filler = []
+try:
+    while True:
+        filler.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+"""
+
+_OUT_OF_FDS_CHILD = (
+    """
 import os, resource
 from aioloader import _shm
 from aioloader._errors import SharedMemoryError
@@ -149,13 +160,9 @@ from aioloader._errors import SharedMemoryError
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 pool = _shm.SlotPool(1 << 24)
 slot = pool.lease(1000)
-filler = []
-try:
-    while True:
-        filler.append(os.open(os.devnull, os.O_RDONLY))
-except OSError:
-    pass
-for call in (lambda: pool.lease(3 << 20), lambda: _shm.attach(slot)):
+"""
+    + _USE_UP_DESCRIPTORS
+    + """for call in (lambda: pool.lease(3 << 20), lambda: _shm.attach(slot)):
     try:
         call()
     except SharedMemoryError as exc:
@@ -168,6 +175,7 @@ pool.release(slot)
 print(pool.stats().slots, pool.stats().free)
 pool.close()
 """
+)
 
 
 def _child_out_of_descriptors(code: str) -> str:
@@ -192,19 +200,16 @@ def test_out_of_descriptors_names_the_slot_and_the_fix() -> None:
     assert stats_line == "1 1"  # the failed lease created nothing and left the pool intact
 
 
-_NO_FD_FOR_THE_LOOP_CHILD = """
+_NO_FD_FOR_THE_LOOP_CHILD = (
+    """
 import os, resource
 import numpy  # imported while descriptors are left (the loader's collation imports it)
 from aioloader import DataLoader
 
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-filler = []
-try:
-    while True:
-        filler.append(os.open(os.devnull, os.O_RDONLY))
-except OSError:
-    pass
-try:
+"""
+    + _USE_UP_DESCRIPTORS
+    + """try:
     # A timeout keeps batches off the caller's thread: the epoch runs on the loop.
     next(iter(DataLoader(list(range(8)), batch_size=4, timeout=5, collate_fn=numpy.stack)))
 except OSError as exc:
@@ -212,6 +217,7 @@ except OSError as exc:
 else:
     print("no error")
 """
+)
 
 
 @needs_proc
