@@ -315,8 +315,7 @@ class Launcher:
             with contextlib.suppress(OSError, ValueError):
                 process.kill()
                 process.join(5.0)
-            self._failed(w, RuntimeError("the worker pool is closed"))
-            self._settle(w, None, RuntimeError("the worker pool is closed"))
+            self._failed(w, RuntimeError("the worker pool is closed"))  # settles the launch
             return
         w.process = process
         for end in w.child_pipes or ():  # the worker has its copies now
