@@ -289,7 +289,11 @@ def test_torchs_forked_workers_leave_this_process_loaders_alone(tmp_path: Path) 
         cycle = [dropped]
         cycle.append(cycle)
         del dropped, cycle
+        waited = time.monotonic() + 10  # worker 1's launch may still be under way (a thread's)
+        while len(loader.worker_pids) < 2 and time.monotonic() < waited:
+            time.sleep(0.01)
         pids = loader.worker_pids
+        assert len(pids) == 2, pids
         start = time.monotonic()
         torch_batches = list(
             torch.utils.data.DataLoader(
