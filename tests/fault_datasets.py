@@ -43,8 +43,19 @@ SIGSEGV = "sigsegv"  # the worker sends itself SIGSEGV (a crash in native code)
 EXIT0 = "exit0"  # os._exit(0): the worker vanishes with a clean exit code
 HANG = "hang"  # sleep far longer than any test: only a kill ends it
 UNPICKLABLE = "unpicklable"  # raise an exception that cannot cross a process boundary
+HOLDING = "holding"  # raise an exception holding a lock (not picklable), made from a message
+HOLDING_KEY = "holding_key"  # raise a KeyError whose key is a lock (not picklable)
 
 HANG_S = 1000.0
+
+
+class HoldingError(Exception):
+    """An exception that holds what cannot be pickled (a lock, as a live response or an open
+    file would be), whose type can be made from its message alone."""
+
+    def __init__(self, message: str, held: Any = None) -> None:
+        super().__init__(message)
+        self.held = held
 
 
 class TwoArgError(Exception):
@@ -97,6 +108,10 @@ def fire(action: str, index: int) -> None:
         raise KeyError(f"injected missing key at index {index}")
     if action == UNPICKLABLE:
         raise TwoArgError(index, "injected")
+    if action == HOLDING:
+        raise HoldingError(f"injected failure at index {index}", threading.Lock())
+    if action == HOLDING_KEY:
+        raise KeyError(threading.Lock())
     if action == SIGKILL:
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == SIGSEGV:

@@ -110,6 +110,32 @@ async def test_unpicklable_error_arrives_as_runtime_error_naming_its_type(tmp_pa
         assert loader.statistics().worker_restarts == 0  # the pool survived it
 
 
+async def test_unpicklable_error_is_rebuilt_as_its_own_type_where_its_type_allows(
+    tmp_path: Path,
+) -> None:
+    # As torch's DataLoader does: an exception that holds what cannot be pickled comes back as
+    # its own type, made from its message, so that `except HoldingError` still catches it.
+    faults = {5: fd.HOLDING, 10: fd.HOLDING_KEY}
+    ds = fd.Faulty(16, faults=faults, marker_dir=str(tmp_path))
+    async with fd.make_loader(ds) as loader:
+        run = await fd.run_epoch(aiter(loader))
+        holding, key = run.errors
+        assert type(holding) is fd.HoldingError
+        assert holding.held is None  # the lock stayed in the worker
+        text = str(holding)
+        assert text.startswith("injected failure at index 5 (a fault_datasets.HoldingError")
+        assert "could not be pickled" in text
+        assert "in fire" in text  # the worker's traceback, in the message
+        assert "sample index 5 of batch 1" in "\n".join(holding.__notes__)
+        assert type(key) is KeyError
+        lines = str(key).splitlines()  # shown as written: not one repr'd line of "\\n"s
+        assert "could not be pickled" in lines[0]
+        assert any("in fire" in line for line in lines[1:]), lines
+        assert "sample index 10 of batch 2" in "\n".join(key.__notes__)
+        fd.assert_exact(run, fd.sequential_batches(16, 4))
+        assert loader.statistics().worker_restarts == 0
+
+
 # -- row 3: an exception in collate_fn --------------------------------------------------------
 
 

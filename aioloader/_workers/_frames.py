@@ -20,8 +20,12 @@ kernel. :mod:`._channel` moves the frames; this module only builds and takes the
 
 Sharp edges:
 
-- An exception that does not survive pickling is replaced, in the worker, by a RuntimeError
-  that names its type and carries its traceback text (:func:`picklable`).
+- An exception that does not survive pickling (it holds a lock, an open file, a response) is
+  rebuilt, in the worker, from its type and its message, with its traceback text in the
+  message, so that ``except TheError`` still catches it; a type that cannot be made from one
+  message (an ``__init__`` of two required arguments) or that does not survive pickling
+  either is replaced by a RuntimeError that names it (:func:`picklable`). torch's DataLoader
+  rebuilds a worker's exception the same way.
 - ``StopIteration`` and ``StopAsyncIteration`` cannot be set on a future (they would end the
   awaiting coroutine's iteration silently): :func:`unpack_error` wraps them in a RuntimeError.
 - The arrays :func:`unpack_result` returns are views of the payload: they keep it alive.
@@ -44,6 +48,7 @@ __all__ = [
     "JOB",
     "RESULT",
     "STOP",
+    "KeyErrorMessage",
     "Packed",
     "RemoteTraceback",
     "pack_error",
@@ -77,20 +82,48 @@ class RemoteTraceback(Exception):
         return self.text
 
 
-def picklable(exc: BaseException) -> BaseException:
-    """``exc`` itself if it survives pickling, else a RuntimeError that tells what it was."""
+class KeyErrorMessage(str):
+    """A KeyError's message shown as it is: ``str(KeyError(m))`` is ``repr(m)``, which would
+    print a traceback's line breaks as ``\\n``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _round_trips(exc: BaseException) -> bool:
     try:
         pickle.loads(pickle.dumps(exc))
     except Exception:
-        text = "".join(traceback.format_exception(exc))
+        return False
+    return True
+
+
+def picklable(exc: BaseException) -> BaseException:
+    """``exc`` itself if it survives pickling; else the same type made from a message that
+    holds its text and traceback, where that type can be made so and survives pickling; else a
+    RuntimeError that tells what it was. Notes are kept."""
+    if _round_trips(exc):
+        return exc
+    kind = type(exc)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    text = "".join(traceback.format_exception(exc))
+    message = (
+        f"{exc} (a {name} that could not be pickled, rebuilt from its type and message; "
+        f"its traceback follows)\n{text}"
+    )
+    try:
+        replacement = kind(KeyErrorMessage(message) if issubclass(kind, KeyError) else message)
+    except Exception:  # an __init__ of another shape (two arguments): not rebuildable
+        replacement = None
+    if replacement is None or type(replacement) is not kind or not _round_trips(replacement):
         replacement = RuntimeError(
-            f"{type(exc).__module__}.{type(exc).__qualname__}: {exc} "
-            f"(the exception could not be pickled; its traceback follows)\n{text}"
+            f"{name}: {exc} (the exception could not be pickled; its traceback follows)\n{text}"
         )
-        for note in getattr(exc, "__notes__", ()):
-            replacement.add_note(note)
-        return replacement
-    return exc
+    for note in getattr(exc, "__notes__", ()):
+        replacement.add_note(note)
+    return replacement
 
 
 def pack_error(exc: BaseException) -> bytes:
