@@ -133,6 +133,12 @@ class LoaderConfig:
         return self.num_workers > 0 and not self.thread_pool
 
     @property
+    def stream_readers(self) -> int:
+        """The readers of a stream's epoch: a sync stream's worker processes, else one (the
+        helper thread, or the loop, which reads an async stream whatever ``num_workers`` is)."""
+        return self.num_workers if self.kind == "iterable" and self.uses_processes else 1
+
+    @property
     def makes_inline(self) -> bool:
         """Whether cheap batches may be made without the helper thread (a sync map-style
         dataset, ``num_workers=0``, no deadline: see ``_threads.InlineMaker``). An async

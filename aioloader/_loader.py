@@ -568,7 +568,7 @@ class DataLoader(SettingsView):
             ValueError: the state lacks a key, its seed differs from an explicit ``seed=`` or
                 must change mid-epoch, or it is mid-epoch in a stream that cannot resume.
         """
-        saved = self._book.check(state)["seed"]
+        saved = self._book.check(state, readers=self._config.stream_readers)["seed"]
         if saved != self.seed:
             if self._seed_given:
                 raise ValueError(

@@ -79,6 +79,7 @@ from ._types import (
     StreamPosition,
     StreamRequest,
     StreamResume,
+    check_readers,
     stream_state,
 )
 
@@ -401,12 +402,8 @@ class Producer:
     def _resumed_states(self, streams: int) -> dict[int, Any]:
         """The saved state of each reader of a resumed epoch (checked against ``streams``)."""
         resume = self._resume
-        if resume.streams is not None and resume.streams != streams:
-            raise ValueError(
-                f"the state was saved from {resume.streams} stream readers (worker processes, "
-                f"or 1 for threads) and this loader has {streams}: a stream resumes only with "
-                "as many readers as it was saved with"
-            )
+        if resume.streams is not None:
+            check_readers(resume.streams, streams)
         return dict(resume.states)
 
     async def _schedule_async_stream(self) -> None:

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._config import Sampling
-from ._types import ResumableStream, Stateful, StreamPosition, StreamResume
+from ._types import ResumableStream, Stateful, StreamPosition, StreamResume, check_readers
 from ._validate import check_state_keys, non_negative_int
 
 __all__ = ["EpochBook"]
@@ -320,12 +320,16 @@ class EpochBook:
         """
         self._resume = dict(self.check(state) if check else state)
 
-    def check(self, state: dict[str, Any]) -> dict[str, Any]:
-        """``state``, if :meth:`load` would take it (see there); raises otherwise."""
+    def check(self, state: dict[str, Any], *, readers: int | None = None) -> dict[str, Any]:
+        """``state``, if :meth:`load` would take it (see there), and if its stream positions
+        are of ``readers`` readers (where given: the loader's); raises otherwise."""
         state = check_state_keys("DataLoader", state, ("epoch", "done", "seed"))
         non_negative_int("state 'epoch'", state["epoch"])
         if self._sampling.batches is None and state["done"]:
             self._check_stream(state)
+            saved = state["streams"]
+            if readers is not None and isinstance(saved, dict) and "readers" in saved:
+                check_readers(saved["readers"], readers)
         shape = state.get("shape")
         if state["done"] and isinstance(shape, dict) and shape != self._shape():
             raise ValueError(

@@ -63,6 +63,7 @@ __all__ = [
     "StreamPosition",
     "StreamRequest",
     "StreamResume",
+    "check_readers",
     "dataset_kind",
     "stream_state",
 ]
@@ -305,6 +306,16 @@ class StreamResume:
     streams: int | None = None
     last: int = -1
     states: Mapping[int, Any] = field(default_factory=dict)
+
+
+def check_readers(saved: object, readers: int) -> None:
+    """Refuse stream positions saved from another number of readers than ``readers``."""
+    if saved != readers:
+        raise ValueError(
+            f"the state was saved from {saved} stream readers (worker processes, or 1 for "
+            f"threads and async streams) and this loader has {readers}: a stream resumes only "
+            "with as many readers as it was saved with"
+        )
 
 
 @dataclass(frozen=True, slots=True)

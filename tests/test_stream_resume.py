@@ -131,13 +131,20 @@ def test_resume_across_worker_processes_continues_each_share(self_sharded: bool)
     assert sorted(i for batch in expected for i in batch) == list(range(N))
 
 
-def test_resume_with_another_worker_count_is_an_error() -> None:
+@pytest.mark.parametrize(
+    "kwargs", [{"num_workers": 1}, {"num_workers": 2, "thread_pool": True}], ids=["1", "threads"]
+)
+def test_resume_with_another_reader_count_is_refused_by_load_state_dict(
+    kwargs: dict[str, Any],
+) -> None:
+    # Refused where the state is loaded (a checkpoint restore), not at the first batch of the
+    # resumed epoch; the loader is left as it was: its next epoch is a whole one.
     with DataLoader(Resumable(N), batch_size=SIZE, num_workers=2) as loader:
         _, state = take_sync(loader, 1)
-    with DataLoader(Resumable(N), batch_size=SIZE, num_workers=1) as other:
-        other.load_state_dict(state)
+    with DataLoader(Resumable(N), batch_size=SIZE, **kwargs) as other:
         with pytest.raises(ValueError, match=r"saved from 2 stream readers .* this loader has 1"):
-            rest_sync(other)
+            other.load_state_dict(state)
+        assert sorted(i for batch in rest_sync(other) for i in batch) == list(range(N))
 
 
 async def take_async(loader: DataLoader, k: int) -> list[Any]:
