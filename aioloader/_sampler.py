@@ -201,7 +201,7 @@ class RandomSampler:
     Raises:
         TypeError: if an argument has the wrong type (for ``num_samples`` also a
             ``ValueError``, which torch raises).
-        ValueError: if ``num_samples`` is negative, if both ``generator`` and ``seed`` are
+        ValueError: if ``num_samples`` is not positive, if both ``generator`` and ``seed`` are
             given, or if samples are asked of an empty dataset.
     """
 
@@ -216,8 +216,10 @@ class RandomSampler:
         n = _length_of("data_source", data_source)
         replacement = boolean("replacement", replacement)
         if num_samples is not None:
-            num_samples = as_torch(non_negative_int, "num_samples", num_samples)
-            if num_samples > 0 and n == 0:
+            # Positive, as torch's: an epoch of no samples asked for is a mistake. (An empty
+            # data_source with num_samples left out gives an empty epoch; torch refuses it.)
+            num_samples = as_torch(positive_int, "num_samples", num_samples)
+            if n == 0:
                 raise ValueError(
                     f"num_samples={num_samples} cannot be drawn from an empty data_source"
                 )

@@ -97,7 +97,7 @@ def test_each_iteration_consumes_one_epoch_unless_set_epoch_pins_it() -> None:
 
 
 @relaxed
-@given(n=st.integers(1, 40), num_samples=st.integers(0, 200), seed=st.integers(0, 2**32))
+@given(n=st.integers(1, 40), num_samples=st.integers(1, 200), seed=st.integers(0, 2**32))
 def test_random_num_samples_beyond_length_repeats_whole_permutations(
     n: int, num_samples: int, seed: int
 ) -> None:
@@ -114,7 +114,7 @@ def test_random_num_samples_beyond_length_repeats_whole_permutations(
 
 
 @relaxed
-@given(n=st.integers(1, 50), num_samples=st.integers(0, 300), seed=st.integers(0, 2**32))
+@given(n=st.integers(1, 50), num_samples=st.integers(1, 300), seed=st.integers(0, 2**32))
 def test_random_with_replacement(n: int, num_samples: int, seed: int) -> None:
     sampler = RandomSampler(n, replacement=True, num_samples=num_samples, seed=seed)
     order = list(sampler)
@@ -529,6 +529,7 @@ BAD_ARGUMENTS: list[tuple[Callable[[], object], type[Exception], list[str]]] = [
     (lambda: SequentialSampler(object()), TypeError, ["data_source", "object"]),  # type: ignore[arg-type]
     (lambda: SequentialSampler(-1), ValueError, ["data_source", "-1"]),
     (lambda: RandomSampler(10, num_samples=-1), ValueError, ["num_samples", "-1"]),
+    (lambda: RandomSampler(10, num_samples=0), ValueError, ["num_samples", "0"]),  # as torch
     (lambda: RandomSampler(10, num_samples=2.5), TypeError, ["num_samples", "2.5"]),  # type: ignore[arg-type]
     (lambda: RandomSampler(10, replacement="yes"), TypeError, ["replacement", "'yes'"]),  # type: ignore[arg-type]
     (lambda: RandomSampler(0, num_samples=3), ValueError, ["num_samples=3", "empty"]),
