@@ -463,15 +463,15 @@ def _short(indices: Sequence[int], limit: int = 16) -> str:
 
 def request_for(epoch: int, batch_id: int, indices: Any) -> BatchRequest:
     """The request for ``indices``: a list of indices, or of shards' lists of them."""
-    sharded = bool(indices) and isinstance(indices[0], list | tuple)
+    sharded = bool(indices) and isinstance(indices[0], list)  # keys may be tuples
     return BatchRequest(epoch, batch_id, indices, sharded=sharded)
 
 
 def flat_indices(request: BatchRequest) -> list[int]:
     """A map-style request's indices, its shards' one after another."""
     if request.sharded:
-        return [int(i) for shard in request.indices for i in shard]  # type: ignore[union-attr]
-    return [int(i) for i in request.indices]  # type: ignore[arg-type]
+        return [i for shard in request.indices for i in shard]  # type: ignore[union-attr]
+    return list(request.indices)  # type: ignore[arg-type]
 
 
 def indices_text(request: BatchRequest) -> str:

@@ -248,6 +248,15 @@ def _indices(values: object) -> list[int] | None:
     return out
 
 
+def _keys(batch: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether ``batch`` is a batch of keys that are not indices, which torch passes to
+    ``dataset[key]`` as they are: tuples (the ``(index, size)`` pairs of a multi-scale batch
+    sampler) or strings (a dataset keyed by name), all of one kind."""
+    return bool(batch) and all(isinstance(key, tuple) for key in batch) or all(
+        isinstance(key, str) for key in batch
+    )
+
+
 class IndexCheck:
     """Turns what a batch sampler yields into the ``list[int]`` (or, for sharded batches,
     ``list[list[int]]``) the loader schedules; refuses what is not indices, naming the source.
@@ -275,6 +284,8 @@ class IndexCheck:
         flat = _indices(batch)
         if flat is not None:
             return flat
+        if isinstance(batch, list | tuple) and _keys(batch):
+            return list(batch)  # keys: passed to dataset[key] as they are, as torch does
         if self.sharded and isinstance(batch, Iterable) and not isinstance(batch, str | bytes):
             items = list(batch)
             # A tuple of ints is a key (torch's datasets may take any key: (index, size) pairs
@@ -297,8 +308,7 @@ class IndexCheck:
             )
         shape = "a batch of indices, or a list of such batches (shards)"
         keys = (
-            "; keys other than indices (tuples, strings) are not supported: map them to "
-            "indices in the dataset"
+            "; or, as torch passes them to dataset[key], keys: all tuples or all strings"
             if isinstance(batch, list | tuple) and any(_index(v) is None for v in batch)
             else ""
         )

@@ -513,7 +513,7 @@ def test_a_batch_sampler_yielding_a_non_batch_is_named() -> None:
     cases: list[tuple[list[Any], str]] = [
         ([[0, 1], 2], "yielded 2 as batch 1"),
         ([[0], np.array([0.5, 1.0])], "yielded array([0.5, 1. ]) as batch 1"),
-        ([["a", "b"]], "yielded ['a', 'b'] as batch 0"),
+        ([["a", 1]], "yielded ['a', 1] as batch 0"),  # all strings would be keys
         ([[0], torch.tensor([True])], "yielded tensor([True]) as batch 1"),
         ([{"x": 1}], "yielded {'x': 1} as batch 0"),
     ]
@@ -762,17 +762,26 @@ class _EchoKey:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_tuple_keys_are_refused_never_read_as_shards(workers: int) -> None:
-    # (index, size) pairs of a multi-scale batch sampler: read as two shards of indices, they
-    # would load samples 0, 224, 1 and 224 without a word.
-    plan = [[(0, 224), (1, 224)], [(2, 320), (3, 320)]]
-    with (
-        DataLoader(_EchoKey(), batch_sampler=plan, num_workers=workers) as loader,
-        pytest.raises(TypeError) as info,
-    ):
-        _batches(loader)
-    assert "yielded [(0, 224), (1, 224)] as batch 0" in str(info.value)
-    assert "keys other than indices" in str(info.value)
+def test_tuple_and_string_keys_reach_the_dataset_as_in_torch_never_as_shards(
+    workers: int,
+) -> None:
+    # (index, size) pairs of a multi-scale batch sampler: torch passes each pair to
+    # dataset[key]. Read as two shards of indices, they would load samples 0, 224, 1 and 224
+    # without a word.
+    for plan in ([[(0, 224), (1, 224)], [(2, 320), (3, 320)]], [["cat", "dog"], ["eel"]]):
+        theirs = list(tud.DataLoader(_EchoKey(), batch_sampler=plan))  # type: ignore[arg-type]
+        ours = _batches(DataLoader(_EchoKey(), batch_sampler=plan, num_workers=workers))
+        assert repr(ours) == repr(theirs)  # default collate of the keys: tensors, or strings
+        keys = _batches(
+            DataLoader(_EchoKey(), batch_sampler=plan, collate_fn=list, num_workers=workers)
+        )
+        assert keys == plan  # the keys themselves, tuples still tuples
+
+
+@pytest.mark.parametrize("batch", [[1, "a"], [{"i": 1}], [(0, 1), "a"], [None]])
+def test_a_batch_of_neither_indices_nor_keys_is_refused(batch: list[Any]) -> None:
+    with pytest.raises(TypeError, match=r"batch_sampler=.* yielded .* as batch 0"):
+        _batches(DataLoader(_EchoKey(), batch_sampler=[batch]))
 
 
 @pytest.mark.parametrize("context", ["spawn", mp.get_context("spawn")])

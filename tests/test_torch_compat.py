@@ -298,12 +298,6 @@ class _KeyEcho:
         return key
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="samplers (_batch_sampler index check): keys that are not indices, such as the "
-    "(index, size) pairs of a multi-scale batch sampler, are refused (TypeError: 'keys other "
-    "than indices ... are not supported') instead of being passed to dataset[key] as torch does",
-)
 def test_a_batch_sampler_of_tuple_keys_passes_them_to_the_dataset() -> None:
     plan = [[(0, 224), (1, 224)], [(2, 320), (3, 320)]]
     batches = load(_KeyEcho(), batch_sampler=plan, collate_fn=list, num_workers=2)
