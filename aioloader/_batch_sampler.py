@@ -252,8 +252,8 @@ def _keys(batch: list[Any] | tuple[Any, ...]) -> bool:
     """Whether ``batch`` is a batch of keys that are not indices, which torch passes to
     ``dataset[key]`` as they are: tuples (the ``(index, size)`` pairs of a multi-scale batch
     sampler) or strings (a dataset keyed by name), all of one kind."""
-    return bool(batch) and all(isinstance(key, tuple) for key in batch) or all(
-        isinstance(key, str) for key in batch
+    return bool(batch) and (
+        all(isinstance(key, tuple) for key in batch) or all(isinstance(key, str) for key in batch)
     )
 
 
