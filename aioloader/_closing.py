@@ -13,8 +13,32 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 
-__all__ = ["close_soon"]
+C = TypeVar("C", bound=Callable[[], object])
+
+__all__ = ["close_soon", "closer_if_last", "hold", "release"]
+
+# Open users of objects that the last of them closes, by ``id`` (each user holds the object).
+_users: dict[int, int] = {}
+_users_lock = threading.Lock()
+
+
+def hold(obj: object) -> None:
+    """One more open user of ``obj`` (a dataset with ``aclose()`` that a loader reads)."""
+    with _users_lock:
+        _users[id(obj)] = _users.get(id(obj), 0) + 1
+
+
+def release(obj: object) -> bool:
+    """One user of ``obj`` fewer; whether it was the last, which then closes ``obj``: two
+    loaders over one dataset (training and evaluation) share its connection sessions, and the
+    first to close must not close them under the other's requests."""
+    with _users_lock:
+        left = _users.pop(id(obj), 1) - 1
+        if left > 0:
+            _users[id(obj)] = left
+        return left <= 0
 
 
 def close_soon(close: Callable[[], None], lock: threading.Lock) -> None:
@@ -27,3 +51,11 @@ def close_soon(close: Callable[[], None], lock: threading.Lock) -> None:
         return
     with contextlib.suppress(RuntimeError):  # "can't create new thread at interpreter shutdown"
         threading.Thread(target=close, name="aioloader-close", daemon=True).start()
+
+
+def closer_if_last(aclose: C | None) -> C | None:
+    """``aclose`` (a bound method) if the caller was the last open user of its object (see
+    :func:`release`), else None."""
+    if aclose is None or release(getattr(aclose, "__self__", None)):
+        return aclose
+    return None

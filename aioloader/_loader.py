@@ -51,6 +51,7 @@ from multiprocessing.context import BaseContext
 from typing import Any
 
 from ._batch_sampler import resolve_last_batch
+from ._closing import closer_if_last
 from ._collate import default_collate, default_convert
 from ._config import LoaderConfig, batch_sampler_for, context_argument, resolve_seed
 from ._device import parse_device
@@ -487,7 +488,7 @@ class DataLoader(SettingsView):
                     await epoch.aclose()
                 else:
                     epoch.close_nowait()
-            aclose, self._res.dataset_aclose = self._res.dataset_aclose, None
+            aclose, self._res.dataset_aclose = closer_if_last(self._res.dataset_aclose), None
             if aclose is not None:
                 await aclose()
             device = self._res.device

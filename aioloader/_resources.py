@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _shm
 from ._batch import BatchMaker
-from ._closing import close_soon
+from ._closing import close_soon, closer_if_last, hold
 from ._config import LoaderConfig
 from ._distributed import rank_seed
 from ._epoch import Epoch
@@ -259,8 +259,9 @@ class Resources:
                         inline=config.makes_inline,
                         prefetch=config.prefetch,
                     )
-            if isinstance(dataset, AsyncCloseable):
+            if isinstance(dataset, AsyncCloseable) and self.dataset_aclose is None:
                 self.dataset_aclose = dataset.aclose
+                hold(dataset)  # closed by the last open loader that reads it
             _LIVE.add(self)
             return self.runner
 
@@ -405,7 +406,8 @@ class Resources:
             slots, self.slots = self.slots, None
             device, self.device = self.device, None
             loop_thread, self.loop_thread = self.loop_thread, None
-        aclose, self.dataset_aclose = self.dataset_aclose, None
+        # Another open loader may read the dataset: then this one's loop closes only its own.
+        aclose, self.dataset_aclose = closer_if_last(self.dataset_aclose), None
         if loop_thread is not None:
             if aclose is not None:  # sessions the dataset opened on the private loop
                 with contextlib.suppress(Exception):

@@ -253,9 +253,10 @@ class HTTPDataset(Source):
             RemoteError: a status that is neither success nor retryable.
         """
         url = self._urls[self._check_index(index)]
-        session: aiohttp.ClientSession = self._pool()
+        # The session is taken per attempt: one closed under a request (the dataset's
+        # aclose()) fails that attempt, and the next opens a new one.
         return await retrying(
-            lambda: self._attempt(session, url),
+            lambda: self._attempt(self._pool(), url),
             policy=self._retry,
             describe=url,
             deadline=self._item_deadline,
@@ -290,7 +291,6 @@ class HTTPDataset(Source):
         import aiohttp
 
         url = self._urls[self._check_index(index)]
-        session: aiohttp.ClientSession = self._pool()
         counters = current_counters.get()
         sleep = asyncio.sleep if self._sleep is None else self._sleep
         attempts = Attempts(self._retry, url)
@@ -301,7 +301,7 @@ class HTTPDataset(Source):
             wire = Wire(url, self._stall_warning)
             try:
                 async with asyncio.timeout(self._item_deadline) as scope:
-                    response = await self._open(session, url, received, wire)
+                    response = await self._open(self._pool(), url, received, wire)
             except RetryableError as exc:
                 wire.close()
                 await sleep(attempts.failed(exc, began))
