@@ -309,7 +309,8 @@ def test_ctrl_c_raised_by_the_dataset_on_the_private_loop_is_a_worker_error() ->
 
 
 def test_a_failing_batch_sampler_is_delivered_in_order_inline() -> None:
-    plan: list[Any] = [[0, 1], [2, 3], ["x"], [4, 5]]
+    # [None] is no batch (strings would be keys, passed to dataset[key] as torch does)
+    plan: list[Any] = [[0, 1], [2, 3], [None], [4, 5]]
     with DataLoader(WhereMade(8), batch_sampler=plan) as loader:
         it = iter(loader)
         assert [next(it).tolist() for _ in range(2)] == [[0, 1], [2, 3]]
