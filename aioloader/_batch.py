@@ -34,6 +34,7 @@ from ._tree import iter_leaves
 from ._types import EMPTY_BATCH, END, Alloc, BatchRequest, Made, StreamRequest
 
 __all__ = [
+    "MAX_OPEN_STREAMS",
     "BatchMaker",
     "StreamCursor",
     "annotate",
@@ -142,6 +143,8 @@ class BatchMaker:
             see :func:`aioloader._distributed.stream_share`).
         item_name: where item ``index`` comes from (a URL: :class:`~._types.NamedItems`), for
             the note of an error while decoding or transforming it.
+        stream_seed: the seed an iterable dataset's stream is read under in worker processes
+            (see ``_workers._info.StreamRandom``): the same in every worker that reads it.
     """
 
     def __init__(
@@ -154,8 +157,10 @@ class BatchMaker:
         skip_errors: bool = False,
         shard: Shard | None = None,
         item_name: Callable[[int], str] | None = None,
+        stream_seed: int = 0,
     ) -> None:
         self.dataset = dataset
+        self.stream_seed = stream_seed
         self.item_name = item_name
         self.collate_fn = collate_fn
         self.transform = transform

@@ -31,7 +31,7 @@ from typing import Any
 
 from . import _validate as check
 from ._batch_sampler import BatchSampler, IndexCheck, LastBatch
-from ._distributed import Shard
+from ._distributed import DEFAULT_SHARE_SEED, Shard
 from ._sampler import DistributedSampler, RandomSampler, SequentialSampler
 from ._types import DatasetKind
 
@@ -118,10 +118,19 @@ class LoaderConfig:
     shard: Shard | None = None  # the rank share the loader reads itself (None: all of it)
     worker_seeding: str = "batch"
     start_timeout: float | None = None  # as given; None: the batch timeout, else a default
+    # What every rank orders its share by: ``seed=`` as given, else DEFAULT_SHARE_SEED (see
+    # batch_sampler_for), so that ranks agree without talking to each other.
+    share_seed: int = DEFAULT_SHARE_SEED
 
     @property
     def skip_errors(self) -> bool:
         return self.on_error == "skip"
+
+    @property
+    def stream_seed(self) -> int:
+        """The seed a stream is read under in worker processes (``_info.StreamRandom``): the
+        same in every worker, and on every rank when the stream is split by rank."""
+        return self.seed if self.shard is None else self.share_seed
 
     @property
     def drop_last(self) -> bool:
@@ -187,6 +196,7 @@ class LoaderConfig:
         shard: Shard | None = None,
         worker_seeding: object = "batch",
         start_timeout: object = None,
+        share_seed: int = DEFAULT_SHARE_SEED,
     ) -> LoaderConfig:
         """Check every argument and derive the defaults that depend on others.
 
@@ -255,6 +265,7 @@ class LoaderConfig:
             shard=shard,
             worker_seeding=_worker_seeding(worker_seeding),
             start_timeout=check.seconds("start_timeout", start_timeout, positive=True),
+            share_seed=share_seed,
         )
 
     def shm_cap(self) -> int:

@@ -261,6 +261,7 @@ class DataLoader(SettingsView):
             shard=share,
             worker_seeding=worker_seeding,
             start_timeout=start_timeout,
+            share_seed=int(seed) if seed is not None else DEFAULT_SHARE_SEED,
         )
         self._device_spec = parse_device(device)
         self._sampling_for = functools.partial(
@@ -276,7 +277,7 @@ class DataLoader(SettingsView):
             policy=policy,
             seed=config.seed,
             generator=generator,
-            share_seed=int(seed) if seed is not None else DEFAULT_SHARE_SEED,
+            share_seed=config.share_seed,
         )
         self._sampling = self._sampling_for(shard=share)
         self._user_samplers = (sampler, batch_sampler)
@@ -404,8 +405,7 @@ class DataLoader(SettingsView):
             device=device,
             on_batch=self._book.took,
             # Weakly: the epoch lives in ``_res``, which the finalizer holds; a strong reference
-            # back to the loader would keep an unclosed loader alive forever (no warning, no
-            # release).
+            # back would keep an unclosed loader alive forever (no warning, no release).
             on_finish=weak_call(self._epoch_finished, epoch),
             progress=self._epoch_progress(epoch, len(done)),
             stream_resume=self._book.stream_resume,

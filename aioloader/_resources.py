@@ -112,6 +112,7 @@ def batch_maker(config: LoaderConfig, dataset: Any) -> BatchMaker:
         skip_errors=config.skip_errors,
         shard=config.shard,
         item_name=item_name,
+        stream_seed=config.stream_seed,
     )
 
 

@@ -182,6 +182,33 @@ class AsyncRange:
             self.running -= 1
 
 
+class ShuffledStream:
+    """Yields ``0 .. n-1`` in an order it draws itself from the global generators, as user
+    streams do without knowing about workers: ``"random"`` shuffles a list up front,
+    ``"numpy"`` keeps a shuffle buffer of 8 that draws as it goes, ``"torch"`` reads a
+    ``torch.randperm``."""
+
+    def __init__(self, n: int, how: str) -> None:
+        self.n = n
+        self.how = how
+
+    def __iter__(self) -> Iterator[int]:
+        if self.how == "random":
+            order = list(range(self.n))
+            random.shuffle(order)
+            yield from order
+        elif self.how == "numpy":
+            buffer: list[int] = []
+            for i in range(self.n):
+                buffer.append(i)
+                if len(buffer) == 8:
+                    yield buffer.pop(int(np.random.randint(len(buffer))))
+            while buffer:
+                yield buffer.pop(int(np.random.randint(len(buffer))))
+        else:
+            yield from (int(i) for i in torch.randperm(self.n))
+
+
 class Stream:
     """Yields ``0 .. n-1``; does not know about workers (the loader shards it). With
     ``fail_at``, raises ``error_type`` when it reaches that item instead."""

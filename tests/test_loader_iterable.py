@@ -13,6 +13,7 @@ and failing streams and :class:`SelfSharded` are in ``datasets``.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -20,11 +21,19 @@ from typing import Any
 
 import pytest
 import torch.utils.data as tud
-from datasets import AsyncStream, AsyncStreamCancelledAt, Broken, SelfSharded, Stream
+from datasets import (
+    AsyncStream,
+    AsyncStreamCancelledAt,
+    Broken,
+    SelfSharded,
+    ShuffledStream,
+    Stream,
+)
 from helpers import BOUND_S, as_lists, chunks, drain, drain_sync
 from procs import no_worker_left_behind
 
 from aioloader import DataLoader, get_worker_info
+from aioloader._workers._info import StreamRandom
 
 # The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
 pytestmark = pytest.mark.usefixtures("baseline")
@@ -100,6 +109,33 @@ def test_worker_processes_yield_every_item_exactly_once() -> None:
                 # Each worker's share keeps its order: evens from worker 0, odds from worker 1.
                 assert [i for i in items if i % 2 == 0] == list(range(0, 23, 2))
                 assert [i for i in items if i % 2 == 1] == list(range(1, 23, 2))
+
+
+@no_worker_left_behind()
+@pytest.mark.parametrize("how", ["random", "numpy", "torch"])
+def test_a_stream_that_shuffles_itself_is_split_across_workers_exactly(how: str) -> None:
+    # Each worker reads the whole stream and keeps its share: that is exact only if every
+    # worker's copy draws the same order. They used to draw it from the batch's seed, so each
+    # worker saw another order (100 items yielded, ~80 of them distinct).
+    importlib.import_module("numpy.random")  # lazy in numpy 2: seeded here only once imported
+    orders = {}
+    for workers, seed in ((1, 5), (2, 5), (2, 6)):
+        with DataLoader(
+            ShuffledStream(100, how), batch_size=4, num_workers=workers, seed=seed
+        ) as loader:
+            for epoch in range(2):
+                items = [i for b in as_lists(list(loader)) for i in b]
+                assert Counter(items) == Counter(range(100)), (workers, seed, epoch)
+                # The stream's order depends on (seed, epoch) alone, whatever the worker
+                # count: worker k of W keeps items k, k + W, ... of it, in order.
+                with StreamRandom(seed).reading(epoch, True, keep=1):
+                    order = list(ShuffledStream(100, how))
+                at = {item: position for position, item in enumerate(order)}
+                for k in range(workers):
+                    kept = [i for i in items if at[i] % workers == k]
+                    assert kept == order[k::workers], (workers, seed, epoch, k)
+                orders[seed, epoch] = order
+    assert orders[5, 0] != orders[5, 1] != orders[6, 1]  # another epoch or seed: another order
 
 
 @no_worker_left_behind()

@@ -44,6 +44,7 @@ from aioloader import (
     _workers,
 )
 from aioloader._workers import _context, _exits, _pool, _worker
+from aioloader._workers._info import StreamRandom
 
 # The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
 pytestmark = pytest.mark.usefixtures("baseline")
@@ -145,6 +146,34 @@ def test_seed_everything_is_a_function_of_seed_epoch_and_batch(
     }
     for args in neighbours:
         assert _workers.seed_everything(*args) != derived
+
+
+@pytest.mark.usefixtures("_keep_global_rngs")
+def test_a_stream_is_read_under_its_own_random_state_and_the_batch_keeps_its_own() -> None:
+    streams = StreamRandom(seed=5)
+    _workers.seed_everything(5, 0, 7)
+    batch_draws = _draw()
+    _workers.seed_everything(5, 0, 7)
+    with streams.reading(0, True, keep=2):
+        first = _draw()
+    assert _draw() == batch_draws  # the batch's state is as if the stream never drew
+    _workers.seed_everything(5, 0, 8)  # another batch, as another worker's would be
+    with streams.reading(0, False, keep=2):
+        second = _draw()  # the stream goes on from where it stood
+    again = StreamRandom(seed=5)
+    with again.reading(0, True, keep=2):
+        assert (_draw(), _draw()) == (first, second)  # whatever the batches drew meanwhile
+    with again.reading(0, True, keep=2):
+        assert _draw() == first  # opens: from the start
+    with again.reading(1, False, keep=2):
+        assert _draw() != first  # another epoch, another stream
+    with StreamRandom(seed=6).reading(0, True, keep=2):
+        assert _draw() != first  # another seed
+    for epoch in range(2, 5):
+        with again.reading(epoch, True, keep=2):
+            pass
+    with again.reading(0, False, keep=2):
+        assert _draw() == first  # epoch 0 was forgotten (keep=2): it starts over
 
 
 # -- how batches come back ---------------------------------------------------------------------

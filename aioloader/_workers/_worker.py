@@ -76,7 +76,14 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .._batch import BatchMaker, StreamCursor, annotate, continued_share, not_an_exit
+from .._batch import (
+    MAX_OPEN_STREAMS,
+    BatchMaker,
+    StreamCursor,
+    annotate,
+    continued_share,
+    not_an_exit,
+)
 from .._distributed import every_nth, stream_share
 from .._errors import WorkerInitError
 from .._shm import Slot
@@ -126,6 +133,8 @@ class _Copy:
     init_tb: str = ""
     init_shards: bool = False  # worker_init_fn read which worker this is: it set up the copy
     stream: StreamCursor = field(init=False)
+    # The random state the stream is read under: the same in every worker (see _info).
+    stream_random: _info.StreamRandom = field(init=False)
 
     def __post_init__(self) -> None:
         self.stream = StreamCursor(self._open_stream, self._position)
@@ -296,6 +305,7 @@ def _load(state: _WorkerState, job: LoadJob) -> None:
         copy.init_error, copy.init_tb = exc, traceback.format_exc()
         return
     copy.maker = maker
+    copy.stream_random = _info.StreamRandom(maker.stream_seed)
     # After unpickling: the dataset's modules are imported now, torch among them if it uses it.
     _info.seed_worker(seed, every_device=not copy.per_batch_seeds)
     _info.torch_on_one_thread()  # each copy starts as torch's fresh workers do
@@ -383,7 +393,10 @@ def run_stream_job(job: StreamJob) -> Packed[Made]:
     try:
         started = time.perf_counter()
         try:
-            samples, position = copy.stream.next_samples(request)
+            # Every worker reads the whole stream and keeps its share: only streams ordered
+            # alike in every worker split exactly, hence a random state of the stream's own.
+            with copy.stream_random.reading(request.epoch, request.opens, keep=MAX_OPEN_STREAMS):
+                samples, position = copy.stream.next_samples(request)
         except BaseException as exc:
             raise _worker_side(exc, state, request.batch_id, "the stream of ") from None
         if samples is END:

@@ -33,6 +33,7 @@ from datasets import (
     AsyncStream,
     Range,
     SelfSharded,
+    ShuffledStream,
     Stream,
     TorchDraws,
     keep,
@@ -263,6 +264,7 @@ def main() -> None:
         for name, dataset, workers in (
             ("workers", Stream(37), 2),
             ("self_sharded", SelfSharded(37), 2),
+            ("shuffled", ShuffledStream(37, "random"), 2),  # ordered alike on every rank
             ("thread", Stream(37), 0),
         ):
             with DataLoader(dataset, batch_size=4, num_workers=workers) as loader:
