@@ -209,6 +209,27 @@ class ShuffledStream:
             yield from (int(i) for i in torch.randperm(self.n))
 
 
+class NamesOfASet:
+    """Yields ``n`` file names in the order of a set of strings: an order drawn from the
+    process's string hash secret, which a fresh interpreter draws anew (``PYTHONHASHSEED``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[str]:
+        yield from {f"shard-{i:04d}.tar" for i in range(self.n)}
+
+
+class HashSeeds:
+    """``dataset[i]`` is the ``PYTHONHASHSEED`` the process that reads it was started with."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> str:
+        return os.environ.get("PYTHONHASHSEED", "unset")
+
+
 class Stream:
     """Yields ``0 .. n-1``; does not know about workers (the loader shards it). With
     ``fail_at``, raises ``error_type`` when it reaches that item instead."""

@@ -36,12 +36,20 @@ Sharp edges:
   first ``Process.start()`` blocks until it has. :func:`await_server` waits for that once per
   server, with a process that does nothing (a probe), before any worker's launch: a worker's
   start deadline then counts from when its process could begin.
+- ``spawn`` starts each worker as a fresh interpreter, and each would draw its own string
+  hash secret: a stream that iterates a set of strings (file names) would then be ordered
+  differently in each worker, and the loader's split of it (every worker reads the whole stream
+  and keeps its share) would lose items without a word. Spawned workers are started through
+  ``env`` with one ``PYTHONHASHSEED`` for all of them (:data:`HASH_SEED`), unless the
+  program set one itself; workers forked from a server share the server's secret already.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
+import secrets
 import sys
 import threading
 import types
@@ -54,6 +62,7 @@ from typing import Any
 from ._zygote import is_zygote, preparation_data, zygote_context
 
 __all__ = [
+    "HASH_SEED",
     "WORKERS_SKIP_MAIN",
     "WORKER_MODULE",
     "ForkServerContext",
@@ -68,9 +77,21 @@ __all__ = [
 WORKER_MODULE = "aioloader._workers._worker"
 
 
+# The string hash secret of every spawned worker of this process (see the module's sharp
+# edges); 0 would turn hashing's randomisation off, so it is drawn from 1 .. 2**32 - 1.
+HASH_SEED = secrets.randbelow(2**32 - 1) + 1
+_ENV = "/usr/bin/env"
+
+
+def _one_hash_seed() -> bool:
+    """Whether spawned workers must be told a hash seed: the program did not set one."""
+    return "PYTHONHASHSEED" not in os.environ and os.access(_ENV, os.X_OK)
+
+
 class _PreparationWithoutMain:
     """``multiprocessing.spawn`` as a ``Popen._launch`` sees it, except that the preparation
-    data it returns never names the main module."""
+    data it returns never names the main module, and the command runs the interpreter through
+    ``env`` with :data:`HASH_SEED` where the program set no ``PYTHONHASHSEED``."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(spawn, name)
@@ -78,6 +99,17 @@ class _PreparationWithoutMain:
     @staticmethod
     def get_preparation_data(name: str) -> dict[str, Any]:
         return preparation_data(name)
+
+    @staticmethod
+    def get_executable() -> Any:  # bytes on POSIX, as the launch passes it on
+        return os.fsencode(_ENV) if _one_hash_seed() else spawn.get_executable()
+
+    @staticmethod
+    def get_command_line(**kwds: Any) -> list[Any]:
+        command: list[Any] = spawn.get_command_line(**kwds)
+        if not _one_hash_seed():
+            return command
+        return [_ENV, f"PYTHONHASHSEED={HASH_SEED}", *command]
 
 
 def _launch_without_main(launch: Callable[..., None]) -> Callable[..., None] | None:
