@@ -22,6 +22,7 @@ from ._errors import RemoteTimeoutError as RemoteTimeoutError
 from ._errors import RetriesExhaustedError as RetriesExhaustedError
 from ._errors import ShardError as ShardError
 from ._errors import SharedMemoryError as SharedMemoryError
+from ._errors import StreamOrderWarning as StreamOrderWarning
 from ._errors import TooManyFailuresError as TooManyFailuresError
 from ._errors import TransferError as TransferError
 from ._errors import WorkerCrashedError as WorkerCrashedError
@@ -79,6 +80,7 @@ __all__ = [
     "ShardedBatchSampler",
     "SharedMemoryError",
     "Stateful",
+    "StreamOrderWarning",
     "TooManyFailuresError",
     "TransferError",
     "WorkerCrashedError",

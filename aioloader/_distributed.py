@@ -48,19 +48,27 @@ from __future__ import annotations
 
 import sys
 import warnings
+import zlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from ._errors import StreamOrderWarning
 from ._log import distributed_log
+from ._tree import iter_leaves
 from ._validate import boolean
 
 __all__ = [
     "DEFAULT_SHARE_SEED",
+    "ORDER_CHECK_ITEMS",
     "RankAware",
     "Shard",
+    "StreamOrders",
     "every_nth",
     "every_nth_async",
+    "first_items_noted",
+    "item_digest",
+    "orders_agree",
     "process_group",
     "rank_aware",
     "rank_seed",
@@ -270,3 +278,97 @@ async def _every_nth_async(stream: AsyncIterator[T], start: int, step: int) -> A
         aclose = getattr(stream, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+# Items at the head of a stream each worker notes, when every worker reads the whole stream
+# and keeps its share: the workers' notes are compared (:func:`orders_agree`), since the split
+# is exact only if every copy yields the same items in the same order. Eight digests make a
+# chance agreement of two shuffled orders negligible; the digests cost a few microseconds each.
+ORDER_CHECK_ITEMS = 8
+# Elements of an array or tensor a digest reads (the head: enough to tell samples apart).
+_DIGEST_ELEMENTS = 64
+
+
+def first_items_noted(stream: Iterator[T], notes: list[int]) -> Iterator[T]:
+    """``stream`` as it is, appending the digest of each of its first
+    :data:`ORDER_CHECK_ITEMS` items to ``notes`` as it passes."""
+    for item in stream:
+        if len(notes) < ORDER_CHECK_ITEMS:
+            notes.append(item_digest(item))
+        yield item
+
+
+def orders_agree(one: tuple[int, ...], other: tuple[int, ...]) -> bool:
+    """Whether two readers saw the same items at the head of a stream, as far as both read."""
+    common = min(len(one), len(other))
+    return one[:common] == other[:common]
+
+
+def item_digest(item: Any) -> int:
+    """A digest of ``item`` that is the same in every process for equal data: numbers, strings,
+    bytes and the head of each numeric array or tensor, by value; other objects by type alone
+    (their pickles and reprs may hold addresses)."""
+    digest = 0
+    for leaf in iter_leaves(item):
+        digest = zlib.crc32(_leaf_bytes(leaf), digest)
+    return digest
+
+
+def _leaf_bytes(leaf: Any) -> bytes:
+    if leaf is None or isinstance(leaf, bool | int | float | complex | str | bytes):
+        return repr(leaf).encode()
+    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+    if shape is None or dtype is None:
+        return type(leaf).__qualname__.encode()
+    described = f"{type(leaf).__qualname__}{tuple(shape)}{dtype}".encode()
+    try:
+        head = leaf.reshape(-1)[:_DIGEST_ELEMENTS]
+        if hasattr(head, "detach"):  # a tensor (torch is not imported for this)
+            head = head.detach().cpu().numpy()
+        if head.dtype.kind not in "biufc":  # objects: their bytes are addresses
+            return described
+        return described + bytes(head.tobytes())
+    except Exception:  # sparse, a dtype numpy lacks (bfloat16), ...: shape and dtype alone
+        return described
+
+
+class StreamOrders:
+    """What each worker saw at the head of one epoch's stream (:func:`first_items_noted`),
+    checked as the workers' first batches arrive.
+
+    Workers that saw different items split the stream inexactly: warn, once per epoch, with
+    :class:`~aioloader.StreamOrderWarning` (raised in the batch's turn where warnings are
+    errors). Values that differ in the same order (noise drawn from an unseeded generator)
+    warn too: from outside the two cannot be told apart.
+    """
+
+    __slots__ = ("_seen", "_warned", "_what", "_workers")
+
+    def __init__(self, what: str, workers: int) -> None:
+        self._what = what
+        self._workers = workers
+        self._seen: list[tuple[int, ...]] = []
+        self._warned = False
+
+    def note(self, order: tuple[int, ...]) -> None:
+        """Check ``order`` against the other workers' (a reader's first batch of the epoch).
+
+        Raises:
+            StreamOrderWarning: where the warnings filter turns it into an error.
+        """
+        disagree = any(not orders_agree(order, theirs) for theirs in self._seen)
+        self._seen.append(order)
+        if disagree and not self._warned:
+            self._warned = True
+            warnings.warn(
+                StreamOrderWarning(
+                    f"the workers read different items at the head of the stream of "
+                    f"{self._what}: each of the {self._workers} workers reads the whole stream "
+                    "and keeps its share, so items are lost and repeated unless every worker's "
+                    "copy yields the same items in the same order. Draw its order from random, "
+                    "numpy.random or torch's global generator (seeded alike in every worker "
+                    "while the stream is read) or from a generator with a fixed seed, or shard "
+                    "it yourself with get_worker_info()"
+                ),
+                stacklevel=2,
+            )

@@ -51,6 +51,7 @@ __all__ = [
     "RetriesExhaustedError",
     "ShardError",
     "SharedMemoryError",
+    "StreamOrderWarning",
     "TooManyFailuresError",
     "TransferError",
     "WorkerCrashedError",
@@ -199,6 +200,11 @@ class RemoteTimeoutError(RetriesExhaustedError, TimeoutError):
 
 class DeviceUnavailableWarning(UserWarning):
     """A device copy or pinning was requested but CUDA is not available; batches stay on CPU."""
+
+
+class StreamOrderWarning(UserWarning):
+    """Worker processes read an iterable dataset's stream in different orders. Each worker
+    reads the whole stream and keeps its share, so the epoch loses and repeats items."""
 
 
 # -- running out of file descriptors ---------------------------------------------------------

@@ -63,7 +63,7 @@ from ._batch import (
 )
 from ._config import LoaderConfig
 from ._deadline import DeadlinePolicy, run_attempts
-from ._distributed import every_nth_async, stream_share
+from ._distributed import StreamOrders, every_nth_async, stream_share
 from ._errors import WorkerCrashedError, out_of_descriptors_note
 from ._failures import FailureBudget
 from ._fetch import Fetcher
@@ -156,6 +156,7 @@ class Producer:
         self._counters = counters
         self._plan = plan
         self._dataset = dataset
+        self._orders = StreamOrders(type(dataset).__qualname__, config.num_workers)
         self._reorder = reorder
         self._permits = permits
         self._wake = wake
@@ -536,6 +537,11 @@ class Producer:
             raise
         except BaseException as exc:
             return Outcome(batch_id, error=exc)
+        if made.order is not None:  # a worker's first batch of a stream it splits with others
+            try:
+                self._orders.note(made.order)
+            except Exception as exc:  # the warning, where the warnings filter makes it an error
+                return Outcome(batch_id, error=exc)
         if reader is not None and made.position is not None:  # (stream, seq)
             stream, seq = reader
             streams = self._runner.streams

@@ -341,6 +341,9 @@ class Made:
     collate_s: float = 0.0
     samples: int = 0
     position: Any = None  # a ResumableStream's state after this batch's items
+    # Digests of the first items a worker read from a stream it splits with the others (on its
+    # first batch of an epoch): the main process checks that every worker read the same.
+    order: tuple[int, ...] | None = None
 
 
 class InlineMaking(Protocol):

@@ -209,6 +209,34 @@ class ShuffledStream:
             yield from (int(i) for i in torch.randperm(self.n))
 
 
+class ShuffledShards:
+    """Shards itself the common way: shuffles its ``n`` shards with ``random``, then reads which
+    worker it is in and yields its part, each shard with a ``random.random()`` draw (its
+    augmentation)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[tuple[int, float]]:
+        shards = list(range(self.n))
+        random.shuffle(shards)
+        info = get_worker_info()
+        mine = shards if info is None else shards[info.id :: info.num_workers]
+        for shard in mine:
+            yield shard, random.random()
+
+
+class EntropyShuffled:
+    """Yields ``0 .. n-1`` shuffled by ``np.random.default_rng()`` without a seed: fresh entropy
+    in every process, so no two workers' copies order the stream alike."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        yield from (int(i) for i in np.random.default_rng().permutation(self.n))
+
+
 class NamesOfASet:
     """Yields ``n`` file names in the order of a set of strings: an order drawn from the
     process's string hash secret, which a fresh interpreter draws anew (``PYTHONHASHSEED``)."""

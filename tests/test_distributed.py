@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
+import torch
 import torch.utils.data as tud
 from conftest import SHM_DIR, SHM_PREFIX
 from datasets import AsyncStream, Range
@@ -45,12 +47,17 @@ from aioloader import (
     RandomSampler,
     SequentialSampler,
     ShardedBatchSampler,
+    StreamOrderWarning,
 )
 from aioloader._distributed import (
     DEFAULT_SHARE_SEED,
+    ORDER_CHECK_ITEMS,
     Shard,
+    StreamOrders,
     every_nth,
     every_nth_async,
+    first_items_noted,
+    item_digest,
     rank_aware,
     stream_items,
     stream_share,
@@ -160,6 +167,54 @@ async def test_an_async_share_reads_its_items_and_closes_its_stream() -> None:
     assert stream.closed == 1
     whole = aiter(AsyncStream(3))
     assert every_nth_async(whole, 0, 1) is whole  # one reader: no wrapper at all
+
+
+def test_item_digests_tell_data_apart_and_not_the_process_it_lives_in() -> None:
+    # The same data in another process is another object at another address: the digest reads
+    # values (numbers, strings, the head of arrays and tensors), never addresses.
+    same = [
+        (3, 3),
+        ("a.jpg", "a.jpg"),
+        ({"x": np.arange(6), "y": torch.ones(2)}, {"x": np.arange(6), "y": torch.ones(2)}),
+        ((np.zeros(3, np.float32), 1), (np.zeros(3, np.float32), 1)),
+        (object(), object()),  # another object of the type: by type alone
+        (np.array([object()]), np.array([object()])),  # object arrays: shape and dtype
+        (torch.ones(2, dtype=torch.bfloat16), torch.ones(2, dtype=torch.bfloat16)),
+    ]
+    for one, other in same:
+        assert item_digest(one) == item_digest(other), one
+    differ = [
+        (3, 4),
+        ("a.jpg", "b.jpg"),
+        (np.arange(6), np.arange(1, 7)),
+        (torch.arange(3), torch.arange(1, 4)),
+        (np.zeros(3, np.float32), np.zeros(3, np.float64)),
+        (np.zeros(3), np.zeros(4)),
+        ({"x": 1}, {"x": 2}),
+    ]
+    for one, other in differ:
+        assert item_digest(one) != item_digest(other), one
+
+
+def test_the_head_of_a_stream_is_noted_as_it_passes() -> None:
+    notes: list[int] = []
+    passed = first_items_noted(iter(range(20)), notes)
+    assert list(every_nth(passed, 1, 2)) == list(range(1, 20, 2))  # the stream is unchanged
+    assert notes == [item_digest(i) for i in range(ORDER_CHECK_ITEMS)]
+
+
+def test_stream_orders_warn_once_when_the_workers_saw_different_heads() -> None:
+    heads = [tuple(item_digest(i) for i in order) for order in ([0, 1, 2], [0, 1, 2, 3], [0])]
+    agreeing = StreamOrders("Stream", 3)
+    for head in heads:  # the same head, as far as each read it: nothing to say
+        agreeing.note(head)
+    orders = StreamOrders("Stream", 2)
+    orders.note(heads[0])
+    with pytest.warns(StreamOrderWarning, match="each of the 2 workers reads the whole stream"):
+        orders.note(tuple(item_digest(i) for i in (0, 2, 1)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        orders.note(tuple(item_digest(i) for i in (5, 6)))  # told once: no second warning
 
 
 # -- real process groups: the harness -----------------------------------------------------------

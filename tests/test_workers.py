@@ -157,16 +157,25 @@ def test_seed_everything_is_a_function_of_seed_epoch_and_batch(
 
 
 @pytest.mark.usefixtures("_keep_global_rngs")
-def test_a_stream_is_read_under_its_own_random_state_and_the_batch_keeps_its_own() -> None:
+@pytest.mark.parametrize("reseeded", [False, True])
+def test_a_stream_is_read_under_its_own_random_state_and_the_batch_keeps_its_own(
+    reseeded: bool,
+) -> None:
+    # The batch gets its state back either way: saved and restored (worker_seeding='worker'),
+    # or reseeded from its batch seed (per-batch seeds).
+    def batch_state(batch_id: int) -> Any:
+        _workers.seed_everything(5, 0, batch_id)
+        if not reseeded:
+            return None
+        return lambda: _workers.seed_everything(5, 0, batch_id)
+
     streams = StreamRandom(seed=5)
-    _workers.seed_everything(5, 0, 7)
+    batch_state(7)
     batch_draws = _draw()
-    _workers.seed_everything(5, 0, 7)
-    with streams.reading(0, True, keep=2):
+    with streams.reading(0, True, keep=2, then=batch_state(7)):
         first = _draw()
     assert _draw() == batch_draws  # the batch's state is as if the stream never drew
-    _workers.seed_everything(5, 0, 8)  # another batch, as another worker's would be
-    with streams.reading(0, False, keep=2):
+    with streams.reading(0, False, keep=2, then=batch_state(8)):  # another worker's turn
         second = _draw()  # the stream goes on from where it stood
     again = StreamRandom(seed=5)
     with again.reading(0, True, keep=2):
@@ -177,11 +186,31 @@ def test_a_stream_is_read_under_its_own_random_state_and_the_batch_keeps_its_own
         assert _draw() != first  # another epoch, another stream
     with StreamRandom(seed=6).reading(0, True, keep=2):
         assert _draw() != first  # another seed
-    for epoch in range(2, 5):
+    with StreamRandom(seed=5).reading(1, True, keep=2):
+        one = _draw()  # epoch 1's stream starts with these
+    # The epochs read last are kept (keep=2): epoch 0, reopened after epoch 1, outlives it.
+    for epoch in (0, 1, 0, 2):
         with again.reading(epoch, True, keep=2):
-            pass
+            _draw()
     with again.reading(0, False, keep=2):
-        assert _draw() == first  # epoch 0 was forgotten (keep=2): it starts over
+        assert _draw() == second  # where it stood
+    with again.reading(1, False, keep=2):
+        assert _draw() == one  # forgotten: it starts over
+
+
+@pytest.mark.usefixtures("_keep_global_rngs")
+def test_a_stream_that_shards_itself_draws_as_the_batch_does_once_it_says_so() -> None:
+    streams = StreamRandom(seed=5)
+    _workers.seed_everything(5, 0, 1)
+    batch_draws = (_draw(), _draw())
+    _workers.seed_everything(5, 0, 1)
+    with streams.reading(0, True, keep=2):
+        streams.leave()  # it read which worker it is in
+        assert _draw() == batch_draws[0]
+    with streams.reading(0, False, keep=2):
+        assert _draw() == batch_draws[1]  # for the rest of the epoch
+    with streams.reading(0, True, keep=2):
+        assert _draw() != batch_draws[0]  # reopened: its own state until it says so again
 
 
 # -- how batches come back ---------------------------------------------------------------------

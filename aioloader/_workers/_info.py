@@ -41,9 +41,9 @@ import importlib.abc
 import random
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from .._log import workers_log
 
@@ -68,26 +68,31 @@ _SHARDING_ATTRS = frozenset({"id", "num_workers", "dataset"})
 
 _watching = False
 _seen = False
+_on_seen: Callable[[], None] | None = None
 
 
-def watch() -> None:
+def watch(on_seen: Callable[[], None] | None = None) -> None:
     """Start noting reads of the sharding attributes of the worker info (see the module
-    docstring); :func:`unwatch` tells whether there were any."""
-    global _watching, _seen
-    _watching, _seen = True, False
+    docstring); :func:`unwatch` tells whether there were any. ``on_seen`` is called at the
+    first such read."""
+    global _watching, _seen, _on_seen
+    _watching, _seen, _on_seen = True, False, on_seen
 
 
 def unwatch() -> bool:
     """Stop noting; whether a sharding attribute was read since :func:`watch`."""
-    global _watching
-    _watching = False
+    global _watching, _on_seen
+    _watching, _on_seen = False, None
     return _seen
 
 
 def _noted(name: str) -> None:
-    global _seen
+    global _seen, _on_seen
     if name in _SHARDING_ATTRS:
         _seen = True
+        on_seen, _on_seen = _on_seen, None
+        if on_seen is not None:
+            on_seen()
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,44 +252,75 @@ def seed_everything(seed: int, epoch: int, batch_id: int) -> int:
 
 
 class StreamRandom:
-    """The random state of one dataset copy's stream, one per epoch being read.
+    """The random state of one dataset copy's stream, one per epoch being read, where the
+    loader splits the stream among readers (worker processes, ranks).
 
     :meth:`reading` swaps it in while the stream is pulled (opened, then each batch's items) and
-    swaps the batch's own state back after, so a stream's draws depend on (seed, epoch) and on
+    gives the batch its own state back after, so a stream's draws depend on (seed, epoch) and on
     how far it has been read, never on which worker reads it, which batch is next, or how many
     workers there are. Every worker reading a stream must start from the same state: ``seed``
     is the loader's (the same on every rank where the stream is split by rank).
 
-    Costs ~30 us a batch (three states saved and restored twice); the generators not imported
-    yet are left alone, as :func:`seed_everything` leaves them.
+    A stream that shards itself draws from the batch's state, as before, from the moment it
+    reads which worker it is in (:meth:`leave`; draws made before that, such as a shuffle of
+    its shards before it takes its part, stay common to every worker, as they must).
+
+    Cost: ~20 us a batch with ``random`` and torch; numpy's legacy global generator adds
+    ~80 us (saving and restoring its state is slow: paid only where numpy.random is imported). Generators not imported yet are left alone, as :func:`seed_everything` does.
     """
 
-    __slots__ = ("_seed", "_states")
+    __slots__ = ("_back", "_seed", "_states")
 
     def __init__(self, seed: int) -> None:
         self._seed = seed
-        self._states: dict[int, _RandomState] = {}  # epoch -> its stream's state; oldest first
+        # epoch -> its stream's state, or None once the stream showed it shards itself
+        self._states: dict[int, _RandomState | None] = {}
+        # While a stream's state is swapped in: how the batch gets its own back.
+        self._back: Callable[[], None] | None = None
 
     @contextlib.contextmanager
-    def reading(self, epoch: int, opens: bool, *, keep: int) -> Iterator[None]:
+    def reading(
+        self, epoch: int, opens: bool, *, keep: int, then: Callable[[], None] | None = None
+    ) -> Iterator[None]:
         """Pull the stream of ``epoch`` inside this block; ``opens``: it starts afresh.
 
-        ``keep`` bounds the epochs remembered (the streams a reader keeps open at once)."""
-        outside = _RandomState.capture()
-        state = None if opens else self._states.pop(epoch, None)
-        if state is None:
-            derived = _mix(_mix(_mix(self._seed) ^ epoch) ^ _STREAM_TAG)
-            random.seed(derived)
-            _in_force(derived & _MASK32, derived & _MASK63, every_device=False)
-        else:
-            state.restore()
+        Args:
+            keep: the epochs remembered at most (the streams a reader keeps open at once).
+            then: re-establishes the batch's state afterwards (reseeding it, with per-batch
+                seeds); None: the state before the block is saved and restored.
+        """
+        # Popped either way: the epoch read last is remembered last (evicted last).
+        saved = self._states.pop(epoch, _FRESH)
+        if opens:
+            saved = _FRESH
+        if saved is not None:  # None: the stream shards itself and draws as the batch does
+            self._back = then if then is not None else _RandomState.capture().restore
+            if isinstance(saved, _RandomState):
+                saved.restore()
+            else:
+                derived = _mix(_mix(_mix(self._seed) ^ epoch) ^ _STREAM_TAG)
+                random.seed(derived)
+                _in_force(derived & _MASK32, derived & _MASK63, every_device=False)
         try:
             yield
         finally:
-            self._states[epoch] = _RandomState.capture()
+            if self._back is not None:
+                self._states[epoch] = _RandomState.capture()
+                self.leave()
+            else:
+                self._states[epoch] = None
             while len(self._states) > keep:
                 del self._states[next(iter(self._states))]
-            outside.restore()
+
+    def leave(self) -> None:
+        """Give the batch its state back now: the stream being read shards itself (it read
+        which worker it is in), so its draws from here on are the batch's, for good."""
+        back, self._back = self._back, None
+        if back is not None:
+            back()
+
+
+_FRESH: Final = "fresh"  # an epoch whose stream starts from its seed
 
 
 _STREAM_TAG = 0x57EA4  # keeps a stream's seed apart from any batch's

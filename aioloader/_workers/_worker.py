@@ -63,6 +63,7 @@ Sharp edges:
 from __future__ import annotations
 
 import _thread
+import contextlib
 import ctypes
 import faulthandler
 import gc
@@ -84,7 +85,7 @@ from .._batch import (
     continued_share,
     not_an_exit,
 )
-from .._distributed import every_nth, stream_share
+from .._distributed import every_nth, first_items_noted, stream_share
 from .._errors import WorkerInitError
 from .._shm import Slot
 from .._types import END, BatchRequest, Made, StreamRequest, stream_state
@@ -133,8 +134,11 @@ class _Copy:
     init_tb: str = ""
     init_shards: bool = False  # worker_init_fn read which worker this is: it set up the copy
     stream: StreamCursor = field(init=False)
-    # The random state the stream is read under: the same in every worker (see _info).
-    stream_random: _info.StreamRandom = field(init=False)
+    # The random state the stream is read under where the loader splits it among readers:
+    # the same in every worker (see _info). None: one reader, nothing to align.
+    stream_random: _info.StreamRandom | None = None
+    # Digests of the stream's first items, while they are to be sent (see run_stream_job).
+    order: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.stream = StreamCursor(self._open_stream, self._position)
@@ -146,6 +150,11 @@ class _Copy:
         self.info = None
         self.stream = StreamCursor(self._open_stream, self._position)
 
+    def take_order(self) -> tuple[int, ...] | None:
+        """The digests of the stream's first items noted since it opened (once)."""
+        order, self.order = self.order, None
+        return tuple(order) if order is not None else None
+
     def _position(self) -> Any:
         assert self.maker is not None
         return stream_state(self.maker.dataset)
@@ -155,7 +164,12 @@ class _Copy:
         :class:`~aioloader._types.ResumableStream` state, when one is given)."""
         assert self.maker is not None
         dataset = self.maker.dataset
-        _info.watch()
+        # A stream that shards itself draws as the batch does from the moment it reads which
+        # worker it is in (or from the start, where worker_init_fn did): see StreamRandom.
+        leave = self.stream_random.leave if self.stream_random is not None else None
+        if leave is not None and self.init_shards:
+            leave()
+        _info.watch(on_seen=leave)
         try:
             if resume is not None:
                 dataset.load_state_dict(resume)
@@ -171,6 +185,9 @@ class _Copy:
             share = stream_share(shard, 0, 1)
         else:
             share = stream_share(shard, self.worker_id, self.num_workers)
+            if self.num_workers > 1 and resume is None:  # resumed readers stand apart
+                self.order = []
+                rest = first_items_noted(rest, self.order)
         return every_nth(rest, *continued_share(*share, resume is not None))
 
 
@@ -305,7 +322,8 @@ def _load(state: _WorkerState, job: LoadJob) -> None:
         copy.init_error, copy.init_tb = exc, traceback.format_exc()
         return
     copy.maker = maker
-    copy.stream_random = _info.StreamRandom(maker.stream_seed)
+    if stream_share(maker.shard, 0, state.num_workers)[1] > 1:  # readers split the stream
+        copy.stream_random = _info.StreamRandom(maker.stream_seed)
     # After unpickling: the dataset's modules are imported now, torch among them if it uses it.
     _info.seed_worker(seed, every_device=not copy.per_batch_seeds)
     _info.torch_on_one_thread()  # each copy starts as torch's fresh workers do
@@ -393,14 +411,13 @@ def run_stream_job(job: StreamJob) -> Packed[Made]:
     try:
         started = time.perf_counter()
         try:
-            # Every worker reads the whole stream and keeps its share: only streams ordered
-            # alike in every worker split exactly, hence a random state of the stream's own.
-            with copy.stream_random.reading(request.epoch, request.opens, keep=MAX_OPEN_STREAMS):
+            with _stream_random(copy, request):
                 samples, position = copy.stream.next_samples(request)
         except BaseException as exc:
             raise _worker_side(exc, state, request.batch_id, "the stream of ") from None
+        order = copy.take_order() if request.opens else None
         if samples is END:
-            return Packed(pack_result(Made(batch=inline(END))))
+            return Packed(pack_result(Made(batch=inline(END), order=order)))
         pulled_s = time.perf_counter() - started
         of_samples = BatchRequest(
             request.epoch, request.batch_id, list(range(len(samples))), raw=samples
@@ -408,9 +425,25 @@ def run_stream_job(job: StreamJob) -> Packed[Made]:
         made = _make(state, copy, of_samples, job.slot)
         made.read_s += pulled_s
         made.position = position
+        made.order = order
         return _packed(made, state, of_samples)
     finally:
         state.current[state.worker_id] = 0
+
+
+def _stream_random(copy: _Copy, request: StreamRequest) -> contextlib.AbstractContextManager[None]:
+    """Where readers split the stream: pull it under its own random state, the same in every
+    worker (each reads the whole stream and keeps its share: exact only if every copy orders
+    it alike), and give the batch its state back after (reseeded, with per-batch seeds)."""
+    if copy.stream_random is None:
+        return contextlib.nullcontext()
+
+    def reseed() -> None:
+        _info.seed_everything(copy.seed, request.epoch, request.batch_id)
+
+    then = reseed if copy.per_batch_seeds else None
+    epoch, opens = request.epoch, request.opens
+    return copy.stream_random.reading(epoch, opens, keep=MAX_OPEN_STREAMS, then=then)
 
 
 def _state(copy_id: int) -> tuple[_WorkerState, _Copy]:
