@@ -444,13 +444,16 @@ def stream_batch(
 
 
 def take(it: Iterator[Any], n: int) -> tuple[list[Any], BaseException | None]:
-    """Up to ``n`` items of ``it``, and the error that stopped it early, if any."""
+    """Up to ``n`` items of ``it``, and the error that stopped it early, if any.
+
+    By ``next()`` alone: ``for item in it`` would call ``iter(it)`` for every batch, and a
+    dataset that is its own iterator restarts there (its ``__iter__`` reopens a file)."""
     out: list[Any] = []
     try:
-        for item in it:
-            out.append(item)
-            if len(out) == n:
-                break
+        while len(out) < n:
+            out.append(next(it))
+    except StopIteration:
+        pass
     except Exception as exc:
         return out, exc
     return out, None

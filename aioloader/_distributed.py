@@ -68,6 +68,7 @@ __all__ = [
     "every_nth_async",
     "first_items_noted",
     "item_digest",
+    "one_by_one",
     "orders_agree",
     "process_group",
     "rank_aware",
@@ -254,8 +255,20 @@ def every_nth(stream: Iterator[T], start: int, step: int) -> Iterator[T]:
     return _every_nth(stream, start, step)
 
 
+def one_by_one(stream: Iterator[T]) -> Iterator[T]:
+    """The items of ``stream`` by ``next()`` alone, as torch reads a stream. ``for item in
+    stream`` calls ``iter(stream)`` first, and a dataset that is its own iterator restarts
+    there where its ``__iter__`` reopens what it reads (a file) and returns ``self``."""
+    while True:
+        try:
+            item = next(stream)
+        except StopIteration:
+            return
+        yield item
+
+
 def _every_nth(stream: Iterator[T], start: int, step: int) -> Iterator[T]:
-    for position, item in enumerate(stream):
+    for position, item in enumerate(one_by_one(stream)):
         if position % step == start:
             yield item
 
@@ -292,7 +305,7 @@ _DIGEST_ELEMENTS = 64
 def first_items_noted(stream: Iterator[T], notes: list[int]) -> Iterator[T]:
     """``stream`` as it is, appending the digest of each of its first
     :data:`ORDER_CHECK_ITEMS` items to ``notes`` as it passes."""
-    for item in stream:
+    for item in one_by_one(stream):
         if len(notes) < ORDER_CHECK_ITEMS:
             notes.append(item_digest(item))
         yield item

@@ -209,6 +209,25 @@ class ShuffledStream:
             yield from (int(i) for i in torch.randperm(self.n))
 
 
+class OwnIterator:
+    """A stream that is its own iterator, as a file reader often is: ``__iter__`` starts over
+    (it would reopen its file) and returns ``self``; ``__next__`` gives the next item."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.at = 0
+
+    def __iter__(self) -> OwnIterator:
+        self.at = 0
+        return self
+
+    def __next__(self) -> int:
+        if self.at >= self.n:
+            raise StopIteration
+        self.at += 1
+        return self.at - 1
+
+
 class ShuffledShards:
     """Shards itself the common way: shuffles its ``n`` shards with ``random``, then reads which
     worker it is in and yields its part, each shard with a ``random.random()`` draw (its

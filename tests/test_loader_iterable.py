@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import itertools
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from datasets import (
     AsyncStreamCancelledAt,
     Broken,
     EntropyShuffled,
+    OwnIterator,
     SelfSharded,
     ShuffledShards,
     ShuffledStream,
@@ -138,6 +140,22 @@ def test_a_stream_that_shuffles_itself_is_split_across_workers_exactly(how: str)
                     assert kept == order[k::workers], (workers, seed, epoch, k)
                 orders[seed, epoch] = order
     assert orders[5, 0] != orders[5, 1] != orders[6, 1]  # another epoch or seed: another order
+
+
+@pytest.mark.parametrize(("workers", "threads"), [(0, False), (2, True), (2, False)])
+def test_a_stream_that_is_its_own_iterator_is_read_once_and_ends(
+    workers: int, threads: bool
+) -> None:
+    # Its __iter__ starts over, as a file reader's reopens the file: read with `for` on every
+    # batch, the stream restarted there (the first batch forever at num_workers=0; repeats
+    # with workers). torch calls iter() once an epoch.
+    with DataLoader(
+        OwnIterator(11), batch_size=4, num_workers=workers, thread_pool=threads
+    ) as loader:
+        epochs = [as_lists(list(itertools.islice(loader, 9))) for _ in range(2)]  # 3-4 due
+    for batches in epochs:
+        assert sorted(i for b in batches for i in b) == list(range(11))
+    assert epochs[0] == epochs[1]
 
 
 @no_worker_left_behind()

@@ -266,7 +266,8 @@ class StreamRandom:
     its shards before it takes its part, stay common to every worker, as they must).
 
     Cost: ~20 us a batch with ``random`` and torch; numpy's legacy global generator adds
-    ~80 us (saving and restoring its state is slow: paid only where numpy.random is imported). Generators not imported yet are left alone, as :func:`seed_everything` does.
+    ~80 us (saving and restoring its state is slow: paid only where numpy.random is imported).
+    Generators not imported yet are left alone, as :func:`seed_everything` does.
     """
 
     __slots__ = ("_back", "_seed", "_states")

@@ -85,7 +85,7 @@ from .._batch import (
     continued_share,
     not_an_exit,
 )
-from .._distributed import every_nth, first_items_noted, stream_share
+from .._distributed import every_nth, first_items_noted, one_by_one, stream_share
 from .._errors import WorkerInitError
 from .._shm import Slot
 from .._types import END, BatchRequest, Made, StreamRequest, stream_state
@@ -523,4 +523,4 @@ def _worker_side(
 
 def _chain_first(first: Any, it: Iterator[Any]) -> Iterator[Any]:
     yield first
-    yield from it
+    yield from one_by_one(it)  # never iter(it) again: a stream that is its own iterator restarts
