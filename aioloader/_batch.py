@@ -145,6 +145,9 @@ class BatchMaker:
             the note of an error while decoding or transforming it.
         stream_seed: the seed an iterable dataset's stream is read under in worker processes
             (see ``_workers._info.StreamRandom``): the same in every worker that reads it.
+        batched: whether samples are collated into batches (torch's automatic batching); without
+            it each sample is read alone, by ``dataset[i]`` even where ``__getitems__`` exists,
+            as torch reads it.
     """
 
     def __init__(
@@ -158,6 +161,7 @@ class BatchMaker:
         shard: Shard | None = None,
         item_name: Callable[[int], str] | None = None,
         stream_seed: int = 0,
+        batched: bool = True,
     ) -> None:
         self.dataset = dataset
         self.stream_seed = stream_seed
@@ -167,7 +171,9 @@ class BatchMaker:
         self.decode = decode
         self.skip_errors = skip_errors
         self.shard = shard
-        self._getitems = getattr(dataset, "__getitems__", None) if dataset is not None else None
+        self._getitems = (
+            getattr(dataset, "__getitems__", None) if dataset is not None and batched else None
+        )
         # The default collate functions take arrays stacked as the samples are read (_prestack),
         # until a batch's samples differ at a leaf begun (each such batch wastes its array).
         self._to_torch = {id(default_collate): True, id(numpy_collate): False}.get(id(collate_fn))

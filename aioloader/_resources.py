@@ -113,6 +113,7 @@ def batch_maker(config: LoaderConfig, dataset: Any) -> BatchMaker:
         shard=config.shard,
         item_name=item_name,
         stream_seed=config.stream_seed,
+        batched=config.batched,
     )
 
 

@@ -88,6 +88,11 @@ def test_getitems_reads_a_batch_at_once_and_a_wrong_count_is_an_error() -> None:
     loader = DataLoader(ShortGetItems(6), batch_size=4)
     with loader, pytest.raises(ValueError, match="__getitems__ returned 1 samples for 4 indices"):
         list(loader)
+    # Without automatic batching each sample is read alone, by dataset[i], as torch reads it
+    # (a bulk path may decode or augment otherwise).
+    for workers in (0, 2):
+        with DataLoader(GetItems(3), batch_size=None, num_workers=workers) as loader:
+            assert [int(sample) for sample in loader] == [0, 1, 2]
 
 
 # -- errors keep their type and name the batch ------------------------------------------------
