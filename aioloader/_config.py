@@ -301,9 +301,13 @@ def _worker_seeding(value: object) -> str:
 
 
 def _pin_memory_device(device: object) -> str:
-    """torch's ``pin_memory_device``: ``""`` (the current accelerator) or a CUDA device."""
+    """torch's ``pin_memory_device``: ``""`` (the current accelerator) or a CUDA device.
+    ``"cpu"`` means ``""``: torch, which deprecated the argument, accepts it and pins for the
+    current accelerator."""
     if not isinstance(device, str):
         raise TypeError(f"pin_memory_device must be a str, got {device!r}")
+    if device == "cpu":
+        return ""
     if device and not _CUDA_DEVICE.fullmatch(device):
         raise ValueError(
             f"pin_memory_device={device!r} is not supported: memory is pinned for CUDA "

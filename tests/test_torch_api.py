@@ -281,6 +281,8 @@ def test_persistent_workers_is_checked_as_torch_does_and_kept() -> None:
 def test_pin_memory_device_is_a_string_naming_a_cuda_device() -> None:
     assert DataLoader(Range(4), pin_memory_device="cuda:1").pin_memory_device == "cuda:1"
     assert DataLoader(Range(4)).pin_memory_device == ""
+    # torch (which deprecated the argument) accepts "cpu" and pins for the current accelerator
+    assert DataLoader(Range(4), pin_memory_device="cpu").pin_memory_device == ""
     with pytest.raises(ValueError, match="pin_memory_device='xpu'"):
         DataLoader(Range(4), pin_memory_device="xpu")
     with pytest.raises(TypeError, match="pin_memory_device must be a str, got 0"):
