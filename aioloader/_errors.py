@@ -275,6 +275,16 @@ def unpicklable_error(name: str, obj: Any, exc: BaseException) -> TypeError:
             "worker instead, lazily at the first __getitem__ (or in worker_init_fn), or use "
             "thread_pool=True"
         )
+    elif "shared between processes through inheritance" in str(exc):
+        # A multiprocessing Value, Array, Lock or Queue: it reaches only the processes started
+        # with it, and the dataset copy is sent to running workers.
+        fix = (
+            "It holds a multiprocessing object (a Value, Array, Lock or Queue), which reaches "
+            "only processes started with it: torch's forked workers inherit it, ours get a "
+            "copy of the dataset. Share state through a file instead (an np.memmap opened "
+            "'r+' reaches the workers as a reference: writes are seen both ways), or use "
+            "thread_pool=True"
+        )
     else:
         fix = "Define it at module level (no lambdas or local functions), or use thread_pool=True"
     return TypeError(f"{name}={obj!r} cannot be sent to worker processes: {exc}. {fix}")

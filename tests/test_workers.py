@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import multiprocessing
 import os
 import random
 import resource
@@ -418,6 +419,26 @@ def test_a_dataset_holding_an_open_file_is_told_to_open_it_in_each_worker(tmp_pa
         assert "module level" not in message  # the hint of a lambda's error, wrong here
     finally:
         dataset.file.close()
+
+
+class _HoldsALock(Range):
+    """Guards a cache with a ``multiprocessing.Lock`` (a ``Value`` holds one too): torch's
+    forked workers inherit it; a pickled copy cannot hold it."""
+
+    def __init__(self) -> None:
+        super().__init__(4)
+        self.lock = multiprocessing.Lock()
+
+
+def test_a_dataset_holding_a_multiprocessing_lock_is_told_to_share_a_file() -> None:
+    with (
+        fd.make_loader(_HoldsALock()) as loader,
+        pytest.raises(TypeError, match="through inheritance") as info,
+    ):
+        next(iter(loader))
+    message = str(info.value)
+    assert "np.memmap opened 'r+'" in message
+    assert "module level" not in message  # the hint of a lambda's error, wrong here
 
 
 # -- a dead worker's job, when its awaiting task is cancelled --------------------------------------
