@@ -281,9 +281,9 @@ def unpicklable_error(name: str, obj: Any, exc: BaseException) -> TypeError:
         fix = (
             "It holds a multiprocessing object (a Value, Array, Lock or Queue), which reaches "
             "only processes started with it: torch's forked workers inherit it, ours get a "
-            "copy of the dataset. Share state through a file instead (an np.memmap opened "
-            "'r+' reaches the workers as a reference: writes are seen both ways), or use "
-            "thread_pool=True"
+            "copy of the dataset. Share state through a tensor in torch's shared memory "
+            "(share_memory_()) or an np.memmap opened 'r+': they reach the workers as "
+            "references, and writes are seen both ways. Or use thread_pool=True"
         )
     else:
         fix = "Define it at module level (no lambdas or local functions), or use thread_pool=True"

@@ -230,3 +230,57 @@ def test_tensors_over_mapped_files_go_by_reference(token_file: str, tmp_path: Pa
             for row in range(2):
                 want = dataset[number * 2 + row]
                 assert all(torch.equal(b[row], w) for b, w in zip(batch, want, strict=True))
+
+
+# -- tensors in torch's shared memory (share_memory_()) --------------------------------------
+
+
+def shared(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` moved into torch's shared memory (``share_memory_`` is untyped)."""
+    tensor.share_memory_()  # type: ignore[no-untyped-call]
+    return tensor
+
+
+class SharedLabels:
+    """Labels the training loop refines in place between epochs, and a cache the workers fill:
+    tensors in torch's shared memory, shared with torch's workers (fork or spawn)."""
+
+    def __init__(self) -> None:
+        self.labels = shared(torch.zeros(8))
+        self.cache = shared(torch.zeros(16, dtype=torch.int64))
+        self.odd = self.cache[1::2]  # a view of the same storage
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> float:
+        self.odd[index] = 100 + index  # written by the worker, seen by the main process
+        return float(self.labels[index])
+
+
+@pytest.mark.parametrize("method", [None, "spawn"])
+def test_tensors_in_torchs_shared_memory_stay_shared_with_the_workers(method: str | None) -> None:
+    dataset = SharedLabels()
+    with DataLoader(
+        dataset, batch_size=4, num_workers=2, persistent_workers=True, mp_context=method
+    ) as loader:
+        assert [x for b in loader for x in b.tolist()] == [0.0] * 8
+        assert dataset.cache[1::2].tolist() == [100 + i for i in range(8)]
+        assert dataset.cache[0::2].tolist() == [0] * 8  # the view wrote where it lies
+        dataset.labels += 7  # the same workers, the same copy: they see it
+        assert [x for b in loader for x in b.tolist()] == [7.0] * 8
+
+
+def test_a_shared_tensor_travels_as_a_reference_not_its_bytes() -> None:
+    big = shared(torch.arange(1 << 20, dtype=torch.float32))  # 4 MiB
+    payload = dumps_copy({"big": big, "half": big[::2]}, main_by_value=False)
+    try:
+        assert len(payload.data) < SMALL_PAYLOAD
+        assert payload.segment is None
+        loaded = loads(payload)
+        assert torch.equal(loaded["big"], big)
+        assert torch.equal(loaded["half"], big[::2])
+        loaded["half"][1] = -1.0  # mapped shared: the write is big's too
+        assert big[2] == -1.0
+    finally:
+        payload.release()

@@ -29,8 +29,20 @@ What a worker then sees is what it would see had it been forked, by the kind of 
   still holds exactly what the mapping shows; mapped copy-on-write. A mapping with private
   changes is pickled as before: its bytes, changes included.
 
+A tensor torch put in shared memory (``share_memory_()``, with torch's default
+``file_descriptor`` sharing strategy) lives in a file already removed, which this process keeps
+open: it travels as a reference to that descriptor (``/proc/PID/fd/N``), and the worker maps the
+same memory shared (:meth:`Finder.reduce_shared_tensor`), so writes on either side are seen on
+the other, as after ``fork``: an epoch counter or a label table the main process updates
+between epochs of persistent workers, a cache the workers fill.
+
 Sharp edges:
 - Linux only (``/proc/self/maps``); where it cannot be read, everything is pickled as before.
+- A shared tensor is reached through this process's descriptor: it must stay alive here until
+  the workers loaded the copy (the dataset holds it), and ``/proc/PID/fd`` must be open to the
+  workers (the same user; it is, unless a security module says otherwise: then the worker's
+  start fails naming the path). A descriptor number reused by another file is caught (the
+  inode is compared), as a replaced file is.
 - A file already removed, or replaced by another under its path (``(deleted)`` in the maps, or
   another inode), is pickled as before: this process still holds the bytes. A file removed,
   replaced or shortened *after* the pickling, before a worker maps it, fails that worker's
@@ -126,6 +138,7 @@ class Finder:
         # maps it once for all the arrays that refer to it.
         self._regions: dict[tuple[int, Access], FileRegion] = {}
         self._stats: dict[int, os.stat_result] = {}  # by mapping: a file stat'ed once
+        self._shared: dict[int, FileRegion] = {}  # torch's shared memory, by descriptor
 
     def reduce_memmap(self, array: np.memmap[Any, Any]) -> tuple[Any, ...] | None:
         """The reduction of ``array`` as a reference to its file, or None: pickle it as before
@@ -169,6 +182,38 @@ class Finder:
         region, within = found
         view = (tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset())
         return _tensor_over, (region, within, nbytes, *view)
+
+    def reduce_shared_tensor(self, tensor: Any) -> tuple[Any, ...] | None:
+        """The reduction of a CPU tensor in torch's shared memory as a reference to the
+        descriptor this process keeps for it, or None: pickle it as before (not shared, or
+        shared by file name or by CUDA, or a view a worker cannot rebuild)."""
+        import torch
+
+        if (
+            tensor.device.type != "cpu"
+            or tensor.layout != torch.strided
+            or tensor.requires_grad
+            or tensor.is_quantized
+            or tensor.is_conj()
+            or tensor.is_neg()
+            or not tensor.is_shared()
+        ):
+            return None
+        storage = tensor.untyped_storage()
+        try:
+            fd = storage._get_shared_fd()  # -1: not kept by descriptor (never moves the data)
+        except Exception:
+            return None
+        nbytes = storage.nbytes()
+        if fd < 0 or nbytes == 0 or nbytes % tensor.element_size():
+            return None
+        region = self._shared.get(fd)  # one per storage: a worker maps it once
+        if region is None:
+            st = os.fstat(fd)
+            path = f"/proc/{os.getpid()}/fd/{fd}"
+            region = self._shared[fd] = FileRegion(path, st.st_dev, st.st_ino, 0, nbytes, "r+")
+        view = (tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset())
+        return _tensor_over, (region, 0, nbytes, *view)
 
     def _vma_at(self, address: int) -> _Vma | None:
         """The file mapping ``address`` lies in, if any."""

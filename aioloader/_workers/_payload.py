@@ -329,7 +329,9 @@ def _reduce_tensor(tensor: Any, *, out_of_band: bool = True, files: Finder | Non
     import torch
 
     if files is not None:
-        reduced = files.reduce_tensor(tensor)
+        reduced = files.reduce_shared_tensor(tensor)
+        if reduced is None:
+            reduced = files.reduce_tensor(tensor)
         if reduced is not None:
             return reduced
     if (
