@@ -42,6 +42,13 @@ Sharp edges, each deliberate:
 - **A stream that shards itself by rank is the user's to declare** (``shard=False``): nothing
   shows from outside that a dataset reads ``torch.distributed.get_rank()``. One that shards
   itself by worker (it asks ``get_worker_info()``) is still split by rank here.
+- **A split stream must be ordered alike by every reader.** Each reader reads the whole
+  stream and keeps its items (:func:`every_nth`), so the copies must yield the same items in
+  the same order: workers read it under a random state of the stream's own
+  (``_workers._info.StreamRandom``, seeded from the seed the ranks share), and each notes the
+  first items it saw (:func:`first_items_noted`); :class:`StreamOrders` compares the workers'
+  notes and warns where they differ. Readers take items by ``next()`` alone
+  (:func:`one_by_one`): a stream that is its own iterator restarts at every ``iter()``.
 """
 
 from __future__ import annotations
