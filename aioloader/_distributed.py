@@ -53,12 +53,15 @@ Sharp edges, each deliberate:
 
 from __future__ import annotations
 
+import itertools
 import sys
 import warnings
 import zlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import numpy as np
 
 from ._errors import StreamOrderWarning
 from ._log import distributed_log
@@ -305,8 +308,10 @@ async def _every_nth_async(stream: AsyncIterator[T], start: int, step: int) -> A
 # is exact only if every copy yields the same items in the same order. Eight digests make a
 # chance agreement of two shuffled orders negligible; the digests cost a few microseconds each.
 ORDER_CHECK_ITEMS = 8
-# Elements of an array or tensor a digest reads (the head: enough to tell samples apart).
+# Elements of an array or tensor (bytes of a bytes, characters of a string) a digest reads, and
+# the leaves of an item it reads at most: the head is enough to tell samples apart.
 _DIGEST_ELEMENTS = 64
+_DIGEST_LEAVES = 64
 
 
 def first_items_noted(stream: Iterator[T], notes: list[int]) -> Iterator[T]:
@@ -325,26 +330,41 @@ def orders_agree(one: tuple[int, ...], other: tuple[int, ...]) -> bool:
 
 
 def item_digest(item: Any) -> int:
-    """A digest of ``item`` that is the same in every process for equal data: numbers, strings,
-    bytes and the head of each numeric array or tensor, by value; other objects by type alone
-    (their pickles and reprs may hold addresses)."""
+    """A digest of ``item`` that is the same in every process for equal data: numbers, and the
+    head of strings, bytes and numeric arrays or tensors, by value; other objects by type alone
+    (their pickles and reprs may hold addresses).
+
+    Bounded whatever the item: at most :data:`_DIGEST_LEAVES` leaves, the first
+    :data:`_DIGEST_ELEMENTS` bytes, characters or elements of each (an array's first row,
+    never a copy of the whole), and never an error: a leaf that cannot be read counts by type.
+    """
     digest = 0
-    for leaf in iter_leaves(item):
-        digest = zlib.crc32(_leaf_bytes(leaf), digest)
+    for leaf in itertools.islice(iter_leaves(item), _DIGEST_LEAVES):
+        try:
+            data = _leaf_bytes(leaf)
+        except Exception:  # a shape that is no shape, a property that raises, ...
+            data = type(leaf).__qualname__.encode()
+        digest = zlib.crc32(data, digest)
     return digest
 
 
 def _leaf_bytes(leaf: Any) -> bytes:
-    if leaf is None or isinstance(leaf, bool | int | float | complex | str | bytes):
+    if leaf is None or isinstance(leaf, bool | int | float | complex):
         return repr(leaf).encode()
+    if isinstance(leaf, str):
+        return b"%d:" % len(leaf) + leaf[:_DIGEST_ELEMENTS].encode()
+    if isinstance(leaf, bytes | bytearray):
+        return b"%d:" % len(leaf) + bytes(leaf[:_DIGEST_ELEMENTS])
     shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
     if shape is None or dtype is None:
         return type(leaf).__qualname__.encode()
     described = f"{type(leaf).__qualname__}{tuple(shape)}{dtype}".encode()
     try:
-        head = leaf.reshape(-1)[:_DIGEST_ELEMENTS]
+        # The first row: a view, then a copy of at most _DIGEST_ELEMENTS elements.
+        head = leaf[(0,) * (len(shape) - 1)][:_DIGEST_ELEMENTS] if len(shape) else leaf
         if hasattr(head, "detach"):  # a tensor (torch is not imported for this)
-            head = head.detach().cpu().numpy()
+            head = head.detach().cpu().contiguous().numpy()
+        head = np.ascontiguousarray(head)
         if head.dtype.kind not in "biufc":  # objects: their bytes are addresses
             return described
         return described + bytes(head.tobytes())
@@ -356,10 +376,11 @@ class StreamOrders:
     """What each worker saw at the head of one epoch's stream (:func:`first_items_noted`),
     checked as the workers' first batches arrive.
 
-    Workers that saw different items split the stream inexactly: warn, once per epoch, with
+    Workers that saw different items split the stream inexactly: warn, at most once an epoch
+    (Python's default filter shows it once a process), with
     :class:`~aioloader.StreamOrderWarning` (raised in the batch's turn where warnings are
-    errors). Values that differ in the same order (noise drawn from an unseeded generator)
-    warn too: from outside the two cannot be told apart.
+    errors). Values that differ in the same order (a timestamp, noise drawn from an unseeded
+    generator) warn too: from outside the two cannot be told apart, and the message says so.
     """
 
     __slots__ = ("_seen", "_warned", "_what", "_workers")
@@ -388,7 +409,9 @@ class StreamOrders:
                     "copy yields the same items in the same order. Draw its order from random, "
                     "numpy.random or torch's global generator (seeded alike in every worker "
                     "while the stream is read) or from a generator with a fixed seed, or shard "
-                    "it yourself with get_worker_info()"
+                    "it yourself with get_worker_info(). (Items that differ between workers "
+                    "in the same order, such as a timestamp, warn too and lose nothing: "
+                    "ignore StreamOrderWarning then.)"
                 ),
                 stacklevel=2,
             )

@@ -196,6 +196,27 @@ def test_item_digests_tell_data_apart_and_not_the_process_it_lives_in() -> None:
         assert item_digest(one) != item_digest(other), one
 
 
+@dataclass
+class _Part:
+    """Has a ``shape`` and a ``dtype`` that are not an array's."""
+
+    shape: int
+    dtype: str
+
+
+def test_item_digests_read_a_bounded_head_and_never_fail() -> None:
+    # The head only: the first 64 leaves, and the first 64 bytes, characters or elements of
+    # each (with the length or shape), so a 50 MB blob or a million-leaf list costs the same.
+    assert item_digest([*range(64), 1]) == item_digest([*range(64), 2])
+    assert item_digest(b"x" * 100 + b"a") == item_digest(b"x" * 100 + b"b")
+    assert item_digest(b"x" * 100) != item_digest(b"x" * 101)
+    wide = np.zeros((100, 100), np.float32)
+    wide[0, 1] = 1.0
+    assert item_digest(wide) != item_digest(np.zeros((100, 100), np.float32))  # its first row
+    assert item_digest(wide.T) == item_digest(np.ascontiguousarray(wide.T))  # no copy needed
+    assert item_digest(_Part(3, "poly")) == item_digest(_Part(3, "poly"))  # by type, no error
+
+
 def test_the_head_of_a_stream_is_noted_as_it_passes() -> None:
     notes: list[int] = []
     passed = first_items_noted(iter(range(20)), notes)
