@@ -8,8 +8,10 @@ changed before the pickling is pickled as before (this process still holds the b
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -284,3 +286,19 @@ def test_a_shared_tensor_travels_as_a_reference_not_its_bytes() -> None:
         assert big[2] == -1.0
     finally:
         payload.release()
+
+
+def test_a_copy_keeps_its_shared_tensors_alive_until_it_is_loaded(tmp_path: Path) -> None:
+    # A replacement worker loads a persistent copy long after the pickling: the training loop
+    # may have swapped the tensor for another meanwhile, freeing the old one and its
+    # descriptor, whose number the next file opened takes. The copy keeps what it refers to.
+    payload = dumps_copy({"labels": shared(torch.arange(8.0))}, main_by_value=False)
+    gc.collect()
+    opened = [(tmp_path / f"f{i}").open("w") for i in range(4)]  # reuse freed numbers
+    try:
+        assert torch.equal(loads(payload)["labels"], torch.arange(8.0))
+    finally:
+        for file in opened:
+            file.close()
+        payload.release()
+    assert pickle.loads(pickle.dumps(payload)).keep == ()  # what it keeps is never sent

@@ -139,6 +139,7 @@ class Finder:
         self._regions: dict[tuple[int, Access], FileRegion] = {}
         self._stats: dict[int, os.stat_result] = {}  # by mapping: a file stat'ed once
         self._shared: dict[int, FileRegion] = {}  # torch's shared memory, by descriptor
+        self._kept: list[Any] = []  # the storages of those descriptors
 
     def reduce_memmap(self, array: np.memmap[Any, Any]) -> tuple[Any, ...] | None:
         """The reduction of ``array`` as a reference to its file, or None: pickle it as before
@@ -183,6 +184,12 @@ class Finder:
         view = (tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset())
         return _tensor_over, (region, within, nbytes, *view)
 
+    @property
+    def kept(self) -> tuple[Any, ...]:
+        """The storages whose descriptors the picklings referred to (see
+        :meth:`reduce_shared_tensor`): the descriptors stay valid while they live."""
+        return tuple(self._kept)
+
     def reduce_shared_tensor(self, tensor: Any) -> tuple[Any, ...] | None:
         """The reduction of a CPU tensor in torch's shared memory as a reference to the
         descriptor this process keeps for it, or None: pickle it as before (not shared, or
@@ -212,6 +219,7 @@ class Finder:
             st = os.fstat(fd)
             path = f"/proc/{os.getpid()}/fd/{fd}"
             region = self._shared[fd] = FileRegion(path, st.st_dev, st.st_ino, 0, nbytes, "r+")
+            self._kept.append(storage)
         view = (tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset())
         return _tensor_over, (region, 0, nbytes, *view)
 

@@ -57,7 +57,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -88,12 +88,20 @@ class Payload:
         segment: the shared-memory segment of the out-of-band buffers, or None.
         size: the segment's size.
         spans: ``(offset, length)`` of each out-of-band buffer in it, in pickling order.
+        keep: what must stay alive here while a worker may load the copy: the storages of
+            tensors in torch's shared memory, which travel as this process's descriptors of
+            them (a swapped tensor's descriptor would close, and its number be reused, before
+            a replacement worker loads the copy). Never sent.
     """
 
     data: bytes
     segment: str | None = None
     size: int = 0
     spans: tuple[tuple[int, int], ...] = ()
+    keep: tuple[Any, ...] = field(default=(), compare=False, repr=False)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Payload, (self.data, self.segment, self.size, self.spans)  # without ``keep``
 
     def release(self) -> None:
         """Unlink the segment (the owner's side, once no worker will load this copy again)."""
@@ -107,6 +115,7 @@ def dumps(
     main_by_value: bool,
     out_of_band: list[pickle.PickleBuffer] | None = None,
     map_files: bool = False,
+    files: Finder | None = None,
 ) -> bytes:
     """``obj`` pickled for a worker (see the module docstring).
 
@@ -119,13 +128,16 @@ def dumps(
             buffers in the stream.
         map_files: an ``np.memmap`` or a tensor in a mapped file goes as a reference to the
             file (:mod:`._mapped`): for a process that unpickles it on this machine.
+        files: the :class:`Finder` to map files with (it tells what it referred to), rather
+            than a new one.
 
     Raises:
         Exception: whatever pickling raised (``pickle.PicklingError``, ``TypeError``,
             ``AttributeError`` ...).
     """
     callback = None if out_of_band is None else _collector(out_of_band)
-    files = Finder() if map_files else None  # the second pickling asks it again: cached
+    if files is None and map_files:
+        files = Finder()  # the second pickling asks it again: cached
     if half := _half_imported():  # by value, or the pickling waits for their import
         with _pickled_by_value(half):
             # A forked worker has this __main__: its names are not replaced by copies there.
@@ -162,9 +174,11 @@ def dumps_copy(obj: Any, *, main_by_value: bool) -> Payload:
         Exception: whatever pickling raised.
     """
     buffers: list[pickle.PickleBuffer] = []
-    data = dumps(obj, main_by_value=main_by_value, out_of_band=buffers, map_files=True)
+    files = Finder()
+    data = dumps(obj, main_by_value=main_by_value, out_of_band=buffers, files=files)
+    keep = files.kept
     if not buffers:
-        return Payload(data)
+        return Payload(data, keep=keep)
     spans, offset = [], 0
     for buffer in buffers:
         length = memoryview(buffer).nbytes
@@ -172,15 +186,15 @@ def dumps_copy(obj: Any, *, main_by_value: bool) -> Payload:
         offset = -(-(offset + length) // _shm.ALIGN) * _shm.ALIGN
     size = _shm.page_round(max(offset, 1))
     if not _shm.shm_available() or size > OUT_OF_BAND_SHARE * _shm.free_bytes():
-        return Payload(dumps(obj, main_by_value=main_by_value, map_files=True))
+        return Payload(dumps(obj, main_by_value=main_by_value, files=files), keep=keep)
     try:
         name, mapping = _shm.create_segment(size, _shm.SHM_DIR)
     except (OSError, SharedMemoryError):
-        return Payload(dumps(obj, main_by_value=main_by_value, map_files=True))
+        return Payload(dumps(obj, main_by_value=main_by_value, files=files), keep=keep)
     view = _shm.as_bytes(mapping, size)
     for buffer, (start, length) in zip(buffers, spans, strict=True):
         view[start : start + length] = np.frombuffer(buffer.raw(), dtype=np.uint8)
-    return Payload(data, name, size, tuple(spans))
+    return Payload(data, name, size, tuple(spans), keep)
 
 
 def loads(payload: Payload | bytes) -> Any:
