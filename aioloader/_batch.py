@@ -394,18 +394,19 @@ class StreamCursor:
     ) -> None:
         self._open = open_stream
         self._position = position
-        # epoch -> [iterator, error still to raise]; oldest first
-        self._streams: dict[int, list[Any]] = {}
+        # StreamRequest.key -> [iterator, error still to raise]; oldest first
+        self._streams: dict[tuple[int, int], list[Any]] = {}
 
     def next_samples(self, request: StreamRequest) -> tuple[list[Any] | Any, Any]:
         """The samples of the next batch (or :data:`END`), and the stream's position after
         them; raises the stream's error in turn."""
-        stream = self._streams.get(request.epoch)
+        key = request.key
+        stream = self._streams.get(key)
         if stream is None or request.opens:
-            self._streams.pop(request.epoch, None)  # the same epoch read again: afresh
+            self._streams.pop(key, None)  # the same reading opened again: afresh
             while len(self._streams) >= MAX_OPEN_STREAMS:
                 del self._streams[next(iter(self._streams))]
-            stream = self._streams[request.epoch] = [self._open(request.resume), None]
+            stream = self._streams[key] = [self._open(request.resume), None]
         if stream[1] is not None:
             pending, stream[1] = stream[1], None
             raise pending

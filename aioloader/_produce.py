@@ -115,6 +115,9 @@ BYTES_WALK_BUDGET_S = 5e-6
 _MAX_UNWALKED = 256  # walk at least every this many batches, to follow a change of shape
 
 
+_READINGS = itertools.count()  # one number per epoch iterated: see StreamRequest.reading
+
+
 class Producer:
     """Schedules and produces the batches of one epoch into ``reorder``.
 
@@ -157,6 +160,7 @@ class Producer:
         self._plan = plan
         self._dataset = dataset
         self._orders = StreamOrders(type(dataset).__qualname__, config.num_workers)
+        self._reading = next(_READINGS)  # this epoch's reading of a stream, apart from others
         self._reorder = reorder
         self._permits = permits
         self._wake = wake
@@ -394,6 +398,7 @@ class Producer:
                 self._config.drop_last,
                 opens=turn not in opened,
                 resume=states.pop(turn, None),  # a reader's first request only
+                reading=self._reading,
             )
             opened.add(turn)
             reader = (turn, pulled[turn])

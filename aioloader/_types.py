@@ -285,7 +285,9 @@ class StreamRequest:
     """The next batch of a stream (iterable datasets) for ``epoch``. ``opens`` marks an
     epoch's first request to a reader: it opens the stream afresh (an epoch number may be read
     again: ``set_epoch``, a loaded state), at ``resume``, a :class:`ResumableStream` state,
-    when one is given."""
+    when one is given. ``reading`` tells apart the epochs iterated in this process: two
+    iterators of one epoch number (``set_epoch`` before each) read the stream apart, each
+    whole, where the epoch number alone would have them share one reading."""
 
     epoch: int
     batch_id: int
@@ -293,6 +295,12 @@ class StreamRequest:
     drop_last: bool
     opens: bool = False
     resume: Any = None
+    reading: int = 0
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Which reading of which epoch: a reader keeps one stream per key."""
+        return self.reading, self.epoch
 
 
 @dataclass(frozen=True, slots=True)

@@ -132,7 +132,7 @@ def test_a_stream_that_shuffles_itself_is_split_across_workers_exactly(how: str)
                 assert Counter(items) == Counter(range(100)), (workers, seed, epoch)
                 # The stream's order depends on (seed, epoch) alone: worker k of W keeps
                 # items k, k + W, ... of it, in order.
-                with StreamRandom(seed).reading(epoch, True, keep=1):
+                with StreamRandom(seed).reading(epoch, epoch, True, keep=1):
                     order = list(ShuffledStream(100, how))
                 at = {item: position for position, item in enumerate(order)}
                 for k in range(workers):
@@ -167,6 +167,30 @@ def test_a_stream_that_shards_itself_shuffles_alike_then_draws_its_own() -> None
             items = [item for batch in loader for item in batch]
             assert sorted(shard for shard, _ in items) == list(range(60))
             assert len({draw for _, draw in items}) == 60  # no two workers drew alike
+
+
+@no_worker_left_behind()
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_iterators_of_one_epoch_number_each_read_the_stream_whole(workers: int) -> None:
+    # set_epoch(3) before each: the same epoch number, two readings. Keyed by the number, the
+    # workers' streams were shared between them: 26 and 24 of 40 items.
+    with DataLoader(
+        ShuffledStream(40, "random"), batch_size=2, num_workers=workers, collate_fn=list
+    ) as loader:
+        loader.set_epoch(3)
+        one = iter(loader)
+        got_one = list(next(one))
+        loader.set_epoch(3)
+        other = iter(loader)
+        got_other: list[int] = []
+        for a, b in zip(one, other, strict=False):
+            got_one += a
+            got_other += b
+        got_one += [i for batch in one for i in batch]
+        got_other += [i for batch in other for i in batch]
+    assert sorted(got_one) == sorted(got_other) == list(range(40))
+    if workers:
+        assert got_one == got_other  # one epoch number, one order
 
 
 @no_worker_left_behind()

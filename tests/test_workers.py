@@ -173,30 +173,38 @@ def test_a_stream_is_read_under_its_own_random_state_and_the_batch_keeps_its_own
     streams = StreamRandom(seed=5)
     batch_state(7)
     batch_draws = _draw()
-    with streams.reading(0, True, keep=2, then=batch_state(7)):
+    with streams.reading(0, 0, True, keep=2, then=batch_state(7)):
         first = _draw()
     assert _draw() == batch_draws  # the batch's state is as if the stream never drew
-    with streams.reading(0, False, keep=2, then=batch_state(8)):  # another worker's turn
+    with streams.reading(0, 0, False, keep=2, then=batch_state(8)):  # another worker's turn
         second = _draw()  # the stream goes on from where it stood
     again = StreamRandom(seed=5)
-    with again.reading(0, True, keep=2):
+    with again.reading(0, 0, True, keep=2):
         assert (_draw(), _draw()) == (first, second)  # whatever the batches drew meanwhile
-    with again.reading(0, True, keep=2):
+    with again.reading(0, 0, True, keep=2):
         assert _draw() == first  # opens: from the start
-    with again.reading(1, False, keep=2):
+    with again.reading(1, 1, False, keep=2):
         assert _draw() != first  # another epoch, another stream
-    with StreamRandom(seed=6).reading(0, True, keep=2):
+    with StreamRandom(seed=6).reading(0, 0, True, keep=2):
         assert _draw() != first  # another seed
-    with StreamRandom(seed=5).reading(1, True, keep=2):
+    with StreamRandom(seed=5).reading(1, 1, True, keep=2):
         one = _draw()  # epoch 1's stream starts with these
     # The epochs read last are kept (keep=2): epoch 0, reopened after epoch 1, outlives it.
     for epoch in (0, 1, 0, 2):
-        with again.reading(epoch, True, keep=2):
+        with again.reading(epoch, epoch, True, keep=2):
             _draw()
-    with again.reading(0, False, keep=2):
+    with again.reading(0, 0, False, keep=2):
         assert _draw() == second  # where it stood
-    with again.reading(1, False, keep=2):
+    with again.reading(1, 1, False, keep=2):
         assert _draw() == one  # forgotten: it starts over
+    # Two readings of one epoch (two iterators, set_epoch before each) go apart, each from
+    # the epoch's start.
+    with again.reading(10, 0, True, keep=4):
+        assert _draw() == first
+    with again.reading(11, 0, True, keep=4):
+        assert _draw() == first
+    with again.reading(10, 0, False, keep=4):
+        assert _draw() == second
 
 
 @pytest.mark.usefixtures("_keep_global_rngs")
@@ -205,12 +213,12 @@ def test_a_stream_that_shards_itself_draws_as_the_batch_does_once_it_says_so() -
     _workers.seed_everything(5, 0, 1)
     batch_draws = (_draw(), _draw())
     _workers.seed_everything(5, 0, 1)
-    with streams.reading(0, True, keep=2):
+    with streams.reading(0, 0, True, keep=2):
         streams.leave()  # it read which worker it is in
         assert _draw() == batch_draws[0]
-    with streams.reading(0, False, keep=2):
+    with streams.reading(0, 0, False, keep=2):
         assert _draw() == batch_draws[1]  # for the rest of the epoch
-    with streams.reading(0, True, keep=2):
+    with streams.reading(0, 0, True, keep=2):
         assert _draw() != batch_draws[0]  # reopened: its own state until it says so again
 
 

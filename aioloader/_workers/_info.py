@@ -41,7 +41,7 @@ import importlib.abc
 import random
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -274,24 +274,31 @@ class StreamRandom:
 
     def __init__(self, seed: int) -> None:
         self._seed = seed
-        # epoch -> its stream's state, or None once the stream showed it shards itself
-        self._states: dict[int, _RandomState | None] = {}
+        # reading -> its stream's state, or None once the stream showed it shards itself
+        self._states: dict[Hashable, _RandomState | None] = {}
         # While a stream's state is swapped in: how the batch gets its own back.
         self._back: Callable[[], None] | None = None
 
     @contextlib.contextmanager
     def reading(
-        self, epoch: int, opens: bool, *, keep: int, then: Callable[[], None] | None = None
+        self,
+        key: Hashable,
+        epoch: int,
+        opens: bool,
+        *,
+        keep: int,
+        then: Callable[[], None] | None = None,
     ) -> Iterator[None]:
-        """Pull the stream of ``epoch`` inside this block; ``opens``: it starts afresh.
+        """Pull the stream of reading ``key`` (``StreamRequest.reading``) of ``epoch`` inside
+        this block; ``opens``: it starts afresh, from (seed, epoch).
 
         Args:
-            keep: the epochs remembered at most (the streams a reader keeps open at once).
+            keep: the readings remembered at most (the streams a reader keeps open at once).
             then: re-establishes the batch's state afterwards (reseeding it, with per-batch
                 seeds); None: the state before the block is saved and restored.
         """
-        # Popped either way: the epoch read last is remembered last (evicted last).
-        saved = self._states.pop(epoch, _FRESH)
+        # Popped either way: the reading pulled last is remembered last (evicted last).
+        saved = self._states.pop(key, _FRESH)
         if opens:
             saved = _FRESH
         if saved is not None:  # None: the stream shards itself and draws as the batch does
@@ -306,10 +313,10 @@ class StreamRandom:
             yield
         finally:
             if self._back is not None:
-                self._states[epoch] = _RandomState.capture()
+                self._states[key] = _RandomState.capture()
                 self.leave()
             else:
-                self._states[epoch] = None
+                self._states[key] = None
             while len(self._states) > keep:
                 del self._states[next(iter(self._states))]
 

@@ -442,8 +442,9 @@ def _stream_random(copy: _Copy, request: StreamRequest) -> contextlib.AbstractCo
         _info.seed_everything(copy.seed, request.epoch, request.batch_id)
 
     then = reseed if copy.per_batch_seeds else None
-    epoch, opens = request.epoch, request.opens
-    return copy.stream_random.reading(epoch, opens, keep=MAX_OPEN_STREAMS, then=then)
+    return copy.stream_random.reading(
+        request.key, request.epoch, request.opens, keep=MAX_OPEN_STREAMS, then=then
+    )
 
 
 def _state(copy_id: int) -> tuple[_WorkerState, _Copy]:
