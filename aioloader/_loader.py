@@ -62,7 +62,8 @@ from ._distributed import (
     stream_items,
     warn_if_group_appeared,
 )
-from ._epoch import Epoch, EpochIterator, plan_for
+from ._epoch import Epoch, EpochIterator
+from ._plan import plan_for
 from ._progress import EpochProgress, progress_display
 from ._resources import Resources, check_callables, finalize, weak_call
 from ._resume import EpochBook
@@ -421,8 +422,7 @@ class DataLoader(SettingsView):
         return self._progress.epoch(epoch, batches, self._counters)
 
     def _epoch_finished(self, epoch: int) -> None:
-        # Only the newest epoch's end counts for resume: an older one running beside it (two
-        # iterators at once) finishes without touching the newest's bookkeeping.
+        # Only the newest epoch's end counts for resume: an older one beside it leaves it be.
         current = self._res.epoch
         if current is not None and current.epoch != epoch:
             return

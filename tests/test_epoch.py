@@ -19,7 +19,8 @@ from helpers import BOUND_S, build_config, collect, flat, quiet, take
 
 from aioloader import BatchSampler, DataLoader, SequentialSampler, TransferError
 from aioloader._batch import BatchMaker
-from aioloader._epoch import DeviceStage, Epoch, Plan
+from aioloader._epoch import DeviceStage, Epoch
+from aioloader._plan import Plan
 from aioloader._stats import Counters
 from aioloader._threads import ThreadRunner
 

@@ -68,8 +68,9 @@ LEVELS: dict[str, int] = {
     "_workers": 3,
     "_fetch": 3,
     "_deadline": 3,
-    # 4 - the producer side of an epoch
+    # 4 - the producer side of an epoch, and the plan of its map-style batches
     "_produce": 4,
+    "_plan": 4,
     # 4 - the loader's settings as attributes, and its epochs' bookkeeping for resume
     "_settings": 4,
     "_resume": 4,
