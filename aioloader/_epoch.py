@@ -20,7 +20,9 @@ Cancellation edges:
   running release their shared-memory slots when they finish;
 - an iterator dropped without ``aclose()`` (also by a cancelled task a caller keeps) is closed
   by its handle's ``__del__`` (:class:`EpochIterator`: the tasks do not reference the handle);
-- closing an epoch wakes a consumer that waits on it: it gets ``StopAsyncIteration``.
+- closing an epoch wakes a consumer that waits on it: it gets ``StopAsyncIteration``, or a
+  ``RuntimeError`` where the loader was closed under an epoch not over (:meth:`Epoch.interrupt`):
+  a training loop must not take an epoch cut short for a whole one.
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ class Epoch:
         )
         self._handing: list[tuple[int, Transfer]] = []  # popped, not yet handed over (copies)
         self._closed = False
+        self._interrupted = False  # closed with the loader before it was over (interrupt)
         # The consumer's last step raised a batch's error: if a new epoch starts before the next
         # step, the consumer stopped there (a loop unwound by the error); see _new_epoch.
         self.raised_last = False
@@ -166,7 +169,7 @@ class Epoch:
 
     async def __anext__(self) -> Any:
         if self._closed:
-            raise StopAsyncIteration
+            raise self._over()
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self._begin()
@@ -176,7 +179,7 @@ class Epoch:
             self._producer.start()
         while True:
             if self._closed:  # closed while we waited (a new epoch, the loader's close)
-                raise StopAsyncIteration
+                raise self._over()
             if self._handing:
                 return await self._hand_over()
             outcome = self.reorder.pop_ready()
@@ -229,6 +232,8 @@ class Epoch:
         self._begin()
         while True:
             if self._closed:
+                if self._interrupted:
+                    raise self._over()
                 raise StopIteration
             started = time.perf_counter()
             try:
@@ -264,7 +269,7 @@ class Epoch:
         assert self.plan is not None
         while True:
             if self._closed:
-                raise StopAsyncIteration
+                raise self._over()
             if not producer.parked:  # another __anext__ of this epoch handed it back meanwhile
                 return NOT_INLINE
             if (inline.costly or not inline.cheap) and producer.can_leave_inline:
@@ -395,6 +400,21 @@ class Epoch:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._release_all()
+
+    def interrupt(self) -> None:
+        """The loader is being closed under this epoch: if it is not over, its consumer gets a
+        ``RuntimeError`` from then on, not the end of an epoch that was cut short."""
+        if not self.finished:
+            self._interrupted = True
+
+    def _over(self) -> Exception:
+        """What a closed epoch's consumer gets: the end, or the news of its loader's close."""
+        if not self._interrupted:
+            return StopAsyncIteration()
+        return RuntimeError(
+            f"the DataLoader was closed during epoch {self.epoch}, before it was over (from "
+            "another task or thread, or at the program's end): the rest of it will not come"
+        )
 
     def close_nowait(self) -> None:
         """Cancel the tasks and release what was produced, without waiting (from ``__del__``, a

@@ -361,8 +361,10 @@ class Resources:
             self.pid = os.getpid()
 
     def take_epochs(self) -> list[Epoch]:
-        """Every epoch still held, newest first, forgotten here (the caller closes them)."""
+        """Every epoch still held, newest first, forgotten here: the loader closes them."""
         epochs = [e for e in (self.epoch, *self.others) if e is not None]
+        for epoch in epochs:
+            epoch.interrupt()  # one not over tells its consumer so
         self.epoch = None
         self.others = weakref.WeakSet()
         return epochs

@@ -106,11 +106,60 @@ async def test_aclose_is_idempotent_and_a_closed_loader_refuses_to_iterate() -> 
     assert (await anext(it)).tolist() == [0, 1]
     await loader.aclose()
     await loader.aclose()
-    with pytest.raises(StopAsyncIteration):
-        await anext(it)  # the open epoch was closed with the loader
+    with pytest.raises(RuntimeError, match="closed during epoch 0, before it was over"):
+        await anext(it)  # the open epoch was closed with the loader: not a whole epoch
     with pytest.raises(RuntimeError, match="closed"):
         aiter(loader)
     assert "closed" in repr(loader)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+async def test_a_loader_closed_from_another_task_mid_epoch_tells_its_consumer(
+    workers: int,
+) -> None:
+    # An orchestrator's shutdown closes the loader while the training task iterates: the task
+    # must not see an epoch that ended (it would checkpoint it as done, the rest never read).
+    loader = DataLoader(Slow(64, 0.01), batch_size=1, num_workers=workers, thread_pool=True)
+    got: list[int] = []
+
+    async def train() -> None:
+        async for batch in loader:
+            got.extend(batch.tolist())
+
+    async with asyncio.timeout(BOUND_S):
+        task = asyncio.ensure_future(train())
+        await until(lambda: len(got) >= 3)
+        await loader.aclose()
+        with pytest.raises(RuntimeError, match="closed during epoch 0, before it was over"):
+            await task
+    assert 3 <= len(got) < 64
+
+
+def test_a_loader_closed_from_another_thread_mid_epoch_tells_its_for_loop() -> None:
+    loader = DataLoader(Slow(64, 0.01), batch_size=1)
+    got: list[int] = []
+    closer = threading.Timer(0.1, loader.close)
+    closer.start()
+
+    def train() -> None:
+        for batch in loader:
+            got.extend(batch.tolist())
+
+    try:
+        with pytest.raises(RuntimeError, match="closed during epoch 0, before it was over"):
+            train()
+    finally:
+        closer.join()
+    assert len(got) < 64
+
+
+async def test_an_epoch_over_before_the_close_just_ends() -> None:
+    loader = DataLoader(Range(4), batch_size=2)
+    it = aiter(loader)
+    assert as_lists(await take(it, 2)) == [[0, 1], [2, 3]]  # every batch taken
+    await loader.aclose()
+    with pytest.raises(StopAsyncIteration):
+        await anext(it)
 
 
 class ClosesBadly(Range):
