@@ -555,6 +555,34 @@ def test_a_corrupt_local_shard_names_the_member_or_is_skipped(
     assert sorted(keys) == [k for k in tar_keys(3, counts) if not k.startswith("001/")]
 
 
+def test_a_shard_cut_in_a_new_samples_member_delivers_the_whole_sample_before(
+    tmp_path: Path,
+) -> None:
+    # Cut inside the data of 000/0002.bin: 000/0001 ended before it (the members of a sample
+    # are consecutive), so it is whole and arrives; the skip names the member that broke.
+    data = tar_shard(0, 4, size=600)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        broken = tar.getmember("000/0002.bin")
+    path = tmp_path / "cut.tar"
+    path.write_bytes(data[: broken.offset_data + 100])
+    ds = TarDataset([str(path)], decode=tar_sample)
+    options: dict[str, Any] = {"on_error": "skip", "max_failures": 1}
+    with DataLoader(ds, batch_size=2, collate_fn=keep, **options) as loader:
+        keys = keys_of(list(loader))
+        assert loader.statistics().skipped_count == 1
+    assert keys == ["000/0000", "000/0001"]
+
+
+def test_a_member_whose_padding_is_cut_says_so() -> None:
+    data = tar_shard(0, 1, size=1)  # 000/0000.bin: one byte of data, then 511 of padding
+    cut = 512 + 1 + 100
+    parser = TarParser()
+    parser.feed(data[:cut])
+    with pytest.raises(TarFormatError, match=r"padding after member '000/0000\.bin'") as info:
+        parser.close()
+    assert "stops after 100 of 511 bytes" in str(info.value)
+
+
 def test_s3_shards_through_moto(moto_tar: tuple[str, list[str]]) -> None:
     endpoint, urls = moto_tar
     ds = TarDataset(

@@ -203,11 +203,19 @@ class TarParser:
         if self.ended:
             return
         left = self._have
-        if self._header is not None:
+        header = self._header
+        if header is not None:
+            if left >= header.size:  # the bytes are there; the padding to the block is not
+                what = f"the padding after member {header.name!r}'s {header.size} bytes stops"
+                raise TarFormatError(
+                    f"truncated: {what} after {left - header.size} of "
+                    f"{self._needed() - header.size} bytes",
+                    header.name,
+                )
             raise TarFormatError(
-                f"truncated: the data of member {self._header.name!r} stops after {left} of "
-                f"{self._header.size} bytes",
-                self._header.name,
+                f"truncated: the data of member {header.name!r} stops after {left} of "
+                f"{header.size} bytes",
+                header.name,
             )
         if left:
             raise TarFormatError(f"truncated: {left} bytes of a header {self._after()}", self._last)
@@ -303,3 +311,10 @@ class Grouper:
         """The last sample, at the end of the shard."""
         sample, self._sample = self._sample, None
         return sample
+
+    @staticmethod
+    def holds(sample: dict[str, Any], name: str) -> bool:
+        """Whether member ``name`` belongs to ``sample`` (its key): members of a sample are
+        consecutive, so a sample before a member of another key is whole."""
+        parts = split_name(name)
+        return parts is not None and parts[0] == sample["__key__"]
