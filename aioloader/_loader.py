@@ -28,14 +28,13 @@ worker jobs and reorder entries together. Shared memory has a cap of its own
 (``shm_max_bytes``): batches the consumer keeps (``list(loader)``) keep their slots after their
 permits went back; past the cap, batches travel pickled.
 
-This module holds the arguments (checked once into a :class:`LoaderConfig`, ``_config``), the
-epochs' bookkeeping for resume, and the public lifecycle; what it holds between epochs lives in
-:class:`Resources` (``_resources``).
+This module holds the arguments (checked once into ``_config``'s :class:`LoaderConfig`), the
+public lifecycle and the bookkeeping for resume; what lives between epochs is in ``_resources``.
 
 Lifetimes: worker processes, the thread pool, the slot pool and the device stage are created on
 first use and live until :meth:`DataLoader.aclose` / :meth:`DataLoader.close` (or ``async with``
-/ ``with``). One epoch runs at a time: starting a new iteration closes an unfinished one. A
-loader that is garbage collected unclosed warns ``ResourceWarning`` and releases everything.
+/ ``with``), which tells the consumer of an epoch not over so. Two iterators at once each run a
+whole epoch. A loader garbage collected unclosed warns ``ResourceWarning``, releases everything.
 """
 
 from __future__ import annotations
@@ -63,6 +62,7 @@ from ._distributed import (
     warn_if_group_appeared,
 )
 from ._epoch import Epoch, EpochIterator
+from ._offloop import off_loop
 from ._plan import plan_for
 from ._progress import EpochProgress, progress_display
 from ._resources import Resources, check_callables, finalize, weak_call
@@ -474,7 +474,7 @@ class DataLoader(SettingsView):
         Raises:
             WorkerInitError: a worker did not start within ``start_timeout`` (it was killed).
         """
-        await asyncio.to_thread(self._ensure_resources().start)
+        await off_loop(self._ensure_resources().start)
 
     async def aclose(self) -> None:
         """Stop everything and release every process, thread, task and segment. Idempotent.

@@ -55,6 +55,7 @@ from ._distributed import rank_seed
 from ._epoch import Epoch
 from ._errors import out_of_descriptors_note
 from ._errors import unpicklable_error as _unpicklable
+from ._offloop import off_loop
 from ._shared_pool import WorkerPool as SharedPool
 from ._shared_pool import close_pools
 from ._signals import release_before_sigterm
@@ -374,9 +375,8 @@ class Resources:
 
         In place where nothing it would wait for exists, as with an idle ``num_workers=0``
         loader: no worker process or shared pool, loop thread, device stage, shared memory or
-        start-up thread, and no batch queued or made on a helper thread. Else in a thread.
-        ``may_block``: the caller's own part may block. In place saves the hand-off to a
-        thread (about 0.5 ms), and the loop does not start its default executor for it."""
+        start-up thread, and no batch queued or made on a helper thread (that saves a thread's
+        hand-off, ~0.5 ms). Else on a thread of its own. ``may_block``: the caller may block."""
         with self.lock:
             runner, starter = self.runner, self.starter
             at_once = (
@@ -392,7 +392,7 @@ class Resources:
         if at_once:
             close()
         else:
-            await asyncio.to_thread(close)
+            await off_loop(close)
 
     def close(self) -> None:
         """Release everything (blocking). Idempotent. In a forked child (torch's workers

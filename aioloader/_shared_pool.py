@@ -73,6 +73,7 @@ from . import _validate as check
 from ._closing import close_soon
 from ._config import SHM_FRACTION, SHM_MAX_DEFAULT, LoaderConfig, context_argument
 from ._distributed import rank_seed
+from ._offloop import off_loop
 from ._sync import LoopThread
 from ._types import Runner
 from ._workers import (
@@ -360,7 +361,7 @@ class WorkerPool:
 
     async def astart(self) -> None:
         """:meth:`start`, off the event loop."""
-        await asyncio.to_thread(self.start)
+        await off_loop(self.start)
 
     def close(self) -> None:
         """Stop the workers and release the shared memory (blocking). Loaders that use the
@@ -371,7 +372,7 @@ class WorkerPool:
     async def aclose(self) -> None:
         """:meth:`close`, off the event loop."""
         try:
-            await asyncio.to_thread(self.close)
+            await off_loop(self.close)
         except asyncio.CancelledError:
             self.close()  # cancelled while waiting: finish the job here, then go
             raise

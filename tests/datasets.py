@@ -383,6 +383,14 @@ class NumpySamples(Range):
         }
 
 
+class Blocks(Range):
+    """``dataset[i]`` is a 1 MiB float32 array full of ``i``: batches large enough for shared
+    memory."""
+
+    def __getitem__(self, index: int) -> Any:  # an array, not Range's int
+        return np.full(1 << 18, super().__getitem__(index), dtype=np.float32)
+
+
 class TorchDraws(Range):
     """``(index, a draw from torch's global generator)``: shows how a worker was seeded."""
 

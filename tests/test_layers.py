@@ -42,6 +42,7 @@ LEVELS: dict[str, int] = {
     "_log": 0,
     "_reorder": 0,
     "_stacking": 0,
+    "_offloop": 0,
     # 1 - pure building blocks, and what this process's rank reads (_distributed)
     "_batch_sampler": 1,
     "_collate": 1,

@@ -75,6 +75,7 @@ from typing import Any, TypeVar
 
 from .._errors import WorkerInitError
 from .._log import workers_log
+from .._offloop import off_loop
 from . import _exits
 from ._abandoned import watch_abandoned
 from ._cells import Cells
@@ -395,7 +396,7 @@ class WorkerPool:
                 # the loop, then the bookkeeping on it (no race with other jobs' submits).
                 if w.generation == generation:
                     try:
-                        await asyncio.to_thread(_exits.reap, w.process, self._reap_lock)
+                        await off_loop(_exits.reap, w.process, self._reap_lock)
                     except asyncio.CancelledError:
                         if on_abandon is not None:  # the worker is dead: done with the job
                             on_abandon()
@@ -434,7 +435,7 @@ class WorkerPool:
                     break  # started: the batch's own deadline (if any) watches the rest
                 if left <= 0:
                     # Off the loop: taking the stack waits for the worker to write it.
-                    await asyncio.to_thread(self._stop_hung_start, w, generation)
+                    await off_loop(self._stop_hung_start, w, generation)
                     break  # the job now fails with BrokenProcessPool (see submit)
                 await asyncio.wait([future], timeout=min(left, START_POLL_S))
         except asyncio.CancelledError:

@@ -75,6 +75,7 @@ import numpy as np
 
 from .. import _shm
 from .._errors import SharedMemoryError
+from .._offloop import off_loop
 from .._tree import iter_leaves, map_tree
 from .._types import Alloc, BatchRequest, Made, StreamRequest
 from ._payload import Payload
@@ -359,7 +360,7 @@ class Receiver:
         if size > self._checked_bytes:  # warn up front if prefetch x batch will not fit
             self._checked_bytes = size
             self._slots.preflight(size, self._prefetch + 1)
-        leasing = asyncio.ensure_future(asyncio.to_thread(self._slots.lease, size))
+        leasing = asyncio.ensure_future(off_loop(self._slots.lease, size))
         try:
             slot = await asyncio.shield(leasing)
         except asyncio.CancelledError:
