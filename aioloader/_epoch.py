@@ -169,7 +169,7 @@ class Epoch:
 
     async def __anext__(self) -> Any:
         if self._closed:
-            raise self._over()
+            raise self.end_error()
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self._begin()
@@ -179,7 +179,7 @@ class Epoch:
             self._producer.start()
         while True:
             if self._closed:  # closed while we waited (a new epoch, the loader's close)
-                raise self._over()
+                raise self.end_error()
             if self._handing:
                 return await self._hand_over()
             outcome = self.reorder.pop_ready()
@@ -233,7 +233,7 @@ class Epoch:
         while True:
             if self._closed:
                 if self._interrupted:
-                    raise self._over()
+                    raise self.end_error()
                 raise StopIteration
             started = time.perf_counter()
             try:
@@ -269,7 +269,7 @@ class Epoch:
         assert self.plan is not None
         while True:
             if self._closed:
-                raise self._over()
+                raise self.end_error()
             if not producer.parked:  # another __anext__ of this epoch handed it back meanwhile
                 return NOT_INLINE
             if (inline.costly or not inline.cheap) and producer.can_leave_inline:
@@ -341,12 +341,16 @@ class Epoch:
         except asyncio.CancelledError:
             raise  # the transfer stays first in line; the next __anext__ returns it
         except BaseException:
+            if self._closed:  # closed meanwhile: what was handing over is released already
+                raise self.end_error() from None
             self._handing.pop(0)
             self._release_permit()
             self._taken(batch_id)
             raise
         finally:
             self._counters.transfer_s += time.perf_counter() - started
+        if self._closed:
+            raise self.end_error()
         self._handing.pop(0)
         self._release_permit()
         self._yielded(batch_id)
@@ -404,16 +408,25 @@ class Epoch:
     def interrupt(self) -> None:
         """The loader is being closed under this epoch: if it is not over, its consumer gets a
         ``RuntimeError`` from then on, not the end of an epoch that was cut short."""
-        if not self.finished:
+        if not self._over():
             self._interrupted = True
 
-    def _over(self) -> Exception:
-        """What a closed epoch's consumer gets: the end, or the news of its loader's close."""
-        if not self._interrupted:
+    def _over(self) -> bool:
+        """Whether nothing more was to come: a stream's epoch whose readers all ended is over,
+        though their ends wait for the consumer."""
+        return self.finished or (
+            self._producer.readers_ended and self.reorder.holds_only(END) and not self._handing
+        )
+
+    def end_error(self) -> Exception:
+        """What the consumer gets once the epoch is closed, or its loop closed under it (a
+        shared pool's close): the end if it was over, else a ``RuntimeError`` saying so."""
+        if not self._interrupted and (self._closed or self._over()):
             return StopAsyncIteration()
         return RuntimeError(
-            f"the DataLoader was closed during epoch {self.epoch}, before it was over (from "
-            "another task or thread, or at the program's end): the rest of it will not come"
+            f"the DataLoader (or its worker pool) was closed during epoch {self.epoch}, before "
+            "it was over (from another task or thread, or at the program's end): the rest of "
+            "it will not come"
         )
 
     def close_nowait(self) -> None:

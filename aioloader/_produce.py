@@ -161,6 +161,7 @@ class Producer:
         self._dataset = dataset
         self._orders = StreamOrders(type(dataset).__qualname__, config.num_workers)
         self._reading = next(_READINGS)  # this epoch's reading of a stream, apart from others
+        self._ended: set[int] = set()  # the readers whose stream ended (stream epochs)
         self._reorder = reorder
         self._permits = permits
         self._wake = wake
@@ -373,7 +374,7 @@ class Producer:
 
     async def _schedule_streams(self) -> None:
         """Round-robin over the runner's streams (one per worker); ids stay in that order."""
-        ended: set[int] = set()
+        ended = self._ended
         streams = self._runner.streams
         states = dict(self._resumed_states(streams))
         opened: set[int] = set()
@@ -404,6 +405,12 @@ class Producer:
             reader = (turn, pulled[turn])
             pulled[turn] += 1
             self._spawn(self._produce_stream(request, reader, ended), batch_id)
+
+    @property
+    def readers_ended(self) -> bool:
+        """A stream epoch whose every reader's stream ended (their ends may wait in the
+        reorder buffer for the consumer)."""
+        return bool(self._ended) and len(self._ended) >= self._runner.streams
 
     def _resumed_states(self, streams: int) -> dict[int, Any]:
         """The saved state of each reader of a resumed epoch (checked against ``streams``)."""

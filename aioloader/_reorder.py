@@ -111,6 +111,10 @@ class ReorderBuffer:
         self._order.clear()
         return done
 
+    def holds_only(self, value: Any) -> bool:
+        """Whether every expected outcome has arrived and each is ``value`` (or none is left)."""
+        return not self._pending and all(o.value is value for o in self._done.values())
+
     @property
     def pending(self) -> int:
         """Batches scheduled whose outcome has not arrived."""

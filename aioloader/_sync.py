@@ -20,6 +20,7 @@ iterate asynchronously, where the consumer's stream is the current one.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import threading
 from collections.abc import Callable, Coroutine
@@ -170,11 +171,12 @@ class SyncIterator:
             future = asyncio.run_coroutine_threadsafe(step, self._loop_thread.loop)
         except RuntimeError:  # the loop is closed: the loader was closed under this iterator
             step.close()
-            self._done = True
-            raise RuntimeError("the DataLoader was closed while this iterator was in use") from None
+            raise self._closed_under() from None
         try:
             more, batch = future.result()
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, concurrent.futures.CancelledError) and future.cancelled():
+                raise self._closed_under() from None  # its loop closed and cancelled the step
             if not future.done() or future.cancelled():  # the wait was interrupted, not a batch
                 future.cancel()
                 self.close()
@@ -188,6 +190,16 @@ class SyncIterator:
             self._epoch = None
             raise StopIteration
         return batch
+
+    def _closed_under(self) -> BaseException:
+        """What ``next()`` raises once the loop closed under it (the loader's or its worker
+        pool's close): the end of an epoch that was over, else the epoch's ``RuntimeError``."""
+        self._done = True
+        epoch, self._epoch = self._epoch, None
+        if epoch is None:
+            return RuntimeError("the DataLoader was closed while this iterator was in use")
+        error = epoch.end_error()
+        return StopIteration() if isinstance(error, StopAsyncIteration) else error
 
     def close(self) -> None:
         """End the epoch now (batches in flight are cancelled). Idempotent."""

@@ -153,13 +153,42 @@ def test_a_loader_closed_from_another_thread_mid_epoch_tells_its_for_loop() -> N
     assert len(got) < 64
 
 
-async def test_an_epoch_over_before_the_close_just_ends() -> None:
-    loader = DataLoader(Range(4), batch_size=2)
-    it = aiter(loader)
-    assert as_lists(await take(it, 2)) == [[0, 1], [2, 3]]  # every batch taken
-    await loader.aclose()
-    with pytest.raises(StopAsyncIteration):
-        await anext(it)
+@pytest.mark.parametrize("workers", [0, 2])
+async def test_an_epoch_over_before_the_close_just_ends(workers: int) -> None:
+    for dataset in (Range(4), Stream(4)):
+        loader = DataLoader(dataset, batch_size=2, num_workers=workers)
+        it = aiter(loader)
+        assert sorted(flat(await take(it, 2))) == [0, 1, 2, 3]  # every batch taken
+        await asyncio.sleep(0.2)  # a stream's readers' ends arrive (they wait for no one)
+        await loader.aclose()
+        with pytest.raises(StopAsyncIteration):
+            await anext(it)
+
+
+def test_a_sync_epoch_over_before_another_threads_close_just_ends() -> None:
+    loader = DataLoader(Range(4), batch_size=2, num_workers=2)
+    it = iter(loader)
+    assert as_lists([next(it), next(it)]) == [[0, 1], [2, 3]]
+    closer = threading.Thread(target=loader.close)
+    closer.start()
+    closer.join()
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_a_worker_pool_closed_under_a_for_loop_tells_it() -> None:
+    with aioloader.WorkerPool(2) as pool:
+        loader = DataLoader(Slow(64, 0.01), batch_size=1, workers=pool)
+        it = iter(loader)
+        next(it)
+        closer = threading.Timer(0.05, pool.close)
+        closer.start()
+        try:
+            with pytest.raises(RuntimeError, match="closed"):
+                list(it)
+        finally:
+            closer.join()
+        loader.close()
 
 
 class ClosesBadly(Range):

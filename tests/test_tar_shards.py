@@ -573,6 +573,27 @@ def test_a_shard_cut_in_a_new_samples_member_delivers_the_whole_sample_before(
     assert keys == ["000/0000", "000/0001"]
 
 
+def test_a_shard_cut_in_a_long_name_record_keeps_the_sample_before_for_the_error(
+    tmp_path: Path,
+) -> None:
+    # The cut record (a GNU long name) may name one more member of the sample before it: that
+    # sample is not known whole, so it goes with the shard's error.
+    out = io.BytesIO()
+    stem = "d" * 120  # past 100 characters: a long-name record before each header
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for name, data in ((f"{stem}/s0.bin", b"a"), (f"{stem}/s0.cls", b"0")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    path = tmp_path / "long.tar"
+    path.write_bytes(out.getvalue()[: 2 * 1024 + 600])  # inside s0.cls's long-name record
+    ds = TarDataset([str(path)], decode=tar_sample)
+    options: dict[str, Any] = {"on_error": "skip", "max_failures": 1}
+    with DataLoader(ds, batch_size=2, collate_fn=keep, **options) as loader:
+        assert keys_of(list(loader)) == []
+        assert loader.statistics().skipped_count == 1
+
+
 def test_a_member_whose_padding_is_cut_says_so() -> None:
     data = tar_shard(0, 1, size=1)  # 000/0000.bin: one byte of data, then 511 of padding
     cut = 512 + 1 + 100

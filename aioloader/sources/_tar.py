@@ -302,9 +302,9 @@ class _Shards:
                 yield sample
         except Exception as exc:
             member = exc.member if isinstance(exc, TarFormatError) else parser.last_member
-            pending = grouper.flush()
-            if pending is not None and member is not None and not grouper.holds(pending, member):
-                yield pending  # whole: the member that broke began another sample
+            pending, cut = grouper.flush(), parser.reading_file
+            if pending is not None and cut is not None and grouper.ends(pending, cut):
+                yield pending  # whole: the file member that was cut began another sample
             yield BrokenShard(url, member, f"{type(exc).__name__}: {exc}")
 
 

@@ -113,6 +113,13 @@ class TarParser:
         """The name of the last header parsed (where an error is reported), None before."""
         return self._last
 
+    @property
+    def reading_file(self) -> str | None:
+        """The name of the regular file member whose data is being read (its header parsed,
+        its data not all here), None between members, in a header or in another member."""
+        header = self._header
+        return header.name if header is not None and header.kind in _REGULAR else None
+
     def _after(self) -> str:
         return "at the start" if self._last is None else f"after member {self._last!r}"
 
@@ -313,8 +320,9 @@ class Grouper:
         return sample
 
     @staticmethod
-    def holds(sample: dict[str, Any], name: str) -> bool:
-        """Whether member ``name`` belongs to ``sample`` (its key): members of a sample are
-        consecutive, so a sample before a member of another key is whole."""
+    def ends(sample: dict[str, Any], name: str) -> bool:
+        """Whether a file member ``name`` begins another sample than ``sample``: members of a
+        sample are consecutive, so ``sample`` is whole then. False where ``name`` has no key
+        (it may still be followed by one of ``sample``'s)."""
         parts = split_name(name)
-        return parts is not None and parts[0] == sample["__key__"]
+        return parts is not None and parts[0] != sample["__key__"]
