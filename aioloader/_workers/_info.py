@@ -23,12 +23,12 @@ runs (the last two when imported, or the moment they are: see :func:`seed_on_imp
 batch id) (:func:`seed_everything`), so a sample's randomness does not depend on which worker
 made it or how many there are.
 
-A stream (an iterable dataset) is read under a random state of its own (:class:`StreamRandom`),
-the same in every worker: each worker reads the whole stream and keeps its share of the items,
-which is exact only if every worker's copy orders the stream alike. A stream that shuffles with
-``random``, ``numpy.random`` or torch (a shuffled file list, a shuffle buffer) drew from the
-batch's or the worker's seed before, so each worker saw another order and kept items that
-another worker also kept, losing as many: silently.
+A stream (an iterable dataset) that readers split is read under a random state of its own
+(:class:`StreamRandom`), the same in every worker: each worker reads the whole stream and
+keeps its share of the items, which is exact only if every worker's copy orders the stream
+alike. A stream that shuffles with ``random``, ``numpy.random`` or torch (a shuffled file
+list, a shuffle buffer) drew from the batch's or the worker's seed before, so each worker saw
+another order and kept items that another worker also kept, losing as many: silently.
 
 torch in a worker runs its ops on one thread, as in torch's workers: set as each dataset copy
 loads, before its ``worker_init_fn`` (which may set more), and the moment torch is imported.
@@ -274,7 +274,7 @@ class StreamRandom:
 
     def __init__(self, seed: int) -> None:
         self._seed = seed
-        # reading -> its stream's state, or None once the stream showed it shards itself
+        # StreamRequest.key -> its stream's state, or None once it showed it shards itself
         self._states: dict[Hashable, _RandomState | None] = {}
         # While a stream's state is swapped in: how the batch gets its own back.
         self._back: Callable[[], None] | None = None
@@ -289,8 +289,8 @@ class StreamRandom:
         keep: int,
         then: Callable[[], None] | None = None,
     ) -> Iterator[None]:
-        """Pull the stream of reading ``key`` (``StreamRequest.reading``) of ``epoch`` inside
-        this block; ``opens``: it starts afresh, from (seed, epoch).
+        """Pull the stream of reading ``key`` (``StreamRequest.key``) of ``epoch`` inside this
+        block; ``opens``: it starts afresh, from (seed, epoch).
 
         Args:
             keep: the readings remembered at most (the streams a reader keeps open at once).
@@ -328,7 +328,7 @@ class StreamRandom:
             back()
 
 
-_FRESH: Final = "fresh"  # an epoch whose stream starts from its seed
+_FRESH: Final = "fresh"  # a reading whose stream starts from (seed, epoch)
 
 
 _STREAM_TAG = 0x57EA4  # keeps a stream's seed apart from any batch's
