@@ -6,9 +6,9 @@ tree). ``__all__`` is sorted and every export reports ``aioloader`` as its ``__m
 
 from __future__ import annotations
 
-from ._collate import default_collate as default_collate
-from ._collate import default_convert as default_convert
-from ._collate import numpy_collate as numpy_collate
+from ._batch import default_collate as default_collate
+from ._batch import default_convert as default_convert
+from ._batch import numpy_collate as numpy_collate
 from ._device import DeviceUnavailableWarning as DeviceUnavailableWarning
 from ._errors import AioloaderError as AioloaderError
 from ._errors import CollateError as CollateError
@@ -29,15 +29,15 @@ from ._errors import WorkerCrashedError as WorkerCrashedError
 from ._errors import WorkerError as WorkerError
 from ._errors import WorkerInitError as WorkerInitError
 from ._loader import DataLoader as DataLoader
-from ._run import run as run
-from ._sampler import BatchSampler as BatchSampler
-from ._sampler import DistributedSampler as DistributedSampler
-from ._sampler import RandomSampler as RandomSampler
-from ._sampler import SequentialSampler as SequentialSampler
-from ._sampler import ShardedBatchSampler as ShardedBatchSampler
-from ._shared_pool import WorkerPool as WorkerPool
-from ._shared_pool import WorkerPoolStatistics as WorkerPoolStatistics
+from ._loader import WorkerPool as WorkerPool
+from ._loader import WorkerPoolStatistics as WorkerPoolStatistics
+from ._sampling import BatchSampler as BatchSampler
+from ._sampling import DistributedSampler as DistributedSampler
+from ._sampling import RandomSampler as RandomSampler
+from ._sampling import SequentialSampler as SequentialSampler
+from ._sampling import ShardedBatchSampler as ShardedBatchSampler
 from ._stats import LoaderStatistics as LoaderStatistics
+from ._threads import run as run
 from ._types import AsyncDataset as AsyncDataset
 from ._types import AsyncIterableDataset as AsyncIterableDataset
 from ._types import CollateFn as CollateFn

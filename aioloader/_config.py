@@ -14,7 +14,7 @@ Without automatic batching (``batch_size=None``, as in torch) every sample is it
 the loader iterates a batch sampler of size 1 and :class:`PerSample` hands the one sample to
 the user's ``collate_fn`` (or :func:`~aioloader.default_convert`), so threads, worker
 processes and async datasets need no second code path. Under a rank share
-(:mod:`aioloader._distributed`) the default sampler is a :class:`DistributedSampler`.
+(:mod:`aioloader._sampling._distributed`) the default sampler is a :class:`DistributedSampler`.
 """
 
 from __future__ import annotations
@@ -30,9 +30,16 @@ from multiprocessing.context import BaseContext
 from typing import Any
 
 from . import _validate as check
-from ._batch_sampler import BatchSampler, IndexCheck, LastBatch
-from ._distributed import DEFAULT_SHARE_SEED, Shard
-from ._sampler import DistributedSampler, RandomSampler, SequentialSampler
+from ._sampling import (
+    DEFAULT_SHARE_SEED,
+    BatchSampler,
+    DistributedSampler,
+    IndexCheck,
+    LastBatch,
+    RandomSampler,
+    SequentialSampler,
+    Shard,
+)
 from ._types import DatasetKind
 
 __all__ = [
@@ -418,7 +425,7 @@ def batch_sampler_for(
     :class:`DistributedSampler` that pads by wrapping around (trims with
     ``last_batch='discard'``, as torch's ``drop_last=True``), so every rank gets as many
     batches. Shuffled, it is seeded by ``share_seed``: the loader passes an explicit ``seed=``,
-    else :data:`aioloader._distributed.DEFAULT_SHARE_SEED`, so that every rank agrees on the
+    else :data:`aioloader._sampling.DEFAULT_SHARE_SEED`, so that every rank agrees on the
     order without talking to the others.
 
     Raises:

@@ -25,7 +25,7 @@ import psutil
 import pytest
 from helpers import Baseline
 
-from aioloader import _sync
+from aioloader._threads import _loop as _sync
 
 try:
     import uvloop

@@ -22,7 +22,7 @@ import pytest
 import torch
 from datasets import Recorder
 
-from aioloader._collate import default_collate
+from aioloader._batch._collate import default_collate
 from aioloader._config import LoaderConfig
 
 BOUND_S = 10.0

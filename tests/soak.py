@@ -35,7 +35,7 @@ import fault_datasets as fd
 import psutil
 
 import aioloader
-from aioloader._sampler import BatchSampler, RandomSampler
+from aioloader._sampling._sampler import BatchSampler, RandomSampler
 
 N, BATCH, SHAPE, SEED = 200, 8, (16, 32, 32), 7  # 25 batches of 128 KiB an epoch
 HANG_AT, KILL_AT, SEGV_AT, COLLATE_AT, BREAK_AT = 0, 1, 3, 5, 15

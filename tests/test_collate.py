@@ -1,4 +1,4 @@
-"""Tests of aioloader._collate: torch parity, numpy output, the alloc path, error messages."""
+"""Tests of aioloader._batch._collate: torch parity, numpy output, the alloc path, errors."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from torch.utils.data import default_collate as torch_collate
 
-from aioloader._collate import default_collate, numpy_collate
+from aioloader._batch._collate import default_collate, numpy_collate
 from aioloader._errors import (
     AioloaderError,
     CollateError,
@@ -473,7 +473,7 @@ def test_large_batches_are_not_advised_onto_huge_pages() -> None:
     script = textwrap.dedent(
         """
         import numpy as np
-        from aioloader._collate import default_collate
+        from aioloader._batch._collate import default_collate
 
         def flags(address):
             with open("/proc/self/smaps") as smaps:

@@ -13,7 +13,7 @@ from datasets import Range, Stream
 from helpers import build_config
 
 from aioloader import BatchSampler, DataLoader, SequentialSampler
-from aioloader._collate import default_collate
+from aioloader._batch._collate import default_collate
 from aioloader._validate import WrongTypeError
 
 

@@ -19,8 +19,8 @@ from helpers import BOUND_S, as_lists, expected_batches, take
 
 import aioloader
 from aioloader import DataLoader, LoaderTimeoutError, WorkerCrashedError
-from aioloader._deadline import DeadlinePolicy, run_attempts, timeout_error
-from aioloader._stats import Counters
+from aioloader._epoch._deadline import DeadlinePolicy, run_attempts, timeout_error
+from aioloader._stats._counters import Counters
 from aioloader._types import BatchRequest, Made, StreamRequest
 
 # The full leak check of RELIABILITY.md (conftest.baseline) after every test here.

@@ -49,7 +49,7 @@ from aioloader import (
     ShardedBatchSampler,
     StreamOrderWarning,
 )
-from aioloader._distributed import (
+from aioloader._sampling._distributed import (
     DEFAULT_SHARE_SEED,
     ORDER_CHECK_ITEMS,
     Shard,

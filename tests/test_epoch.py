@@ -18,11 +18,11 @@ from datasets import Range, Recorder, Slow
 from helpers import BOUND_S, build_config, collect, flat, quiet, take
 
 from aioloader import BatchSampler, DataLoader, SequentialSampler, TransferError
-from aioloader._batch import BatchMaker
-from aioloader._epoch import DeviceStage, Epoch
-from aioloader._plan import Plan
-from aioloader._stats import Counters
-from aioloader._threads import ThreadRunner
+from aioloader._batch._make import BatchMaker
+from aioloader._epoch._consume import DeviceStage, Epoch
+from aioloader._epoch._plan import Plan
+from aioloader._stats._counters import Counters
+from aioloader._threads._runner import ThreadRunner
 
 # The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
 pytestmark = pytest.mark.usefixtures("baseline")

@@ -17,8 +17,8 @@ from aioloader import (
     ShardedBatchSampler,
     TooManyFailuresError,
 )
-from aioloader._failures import MESSAGE_INDICES, FailureBudget
-from aioloader._stats import Counters
+from aioloader._epoch._failures import MESSAGE_INDICES, FailureBudget
+from aioloader._stats._counters import Counters
 
 
 def test_a_count_allows_exactly_that_many_failures() -> None:

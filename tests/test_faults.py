@@ -35,7 +35,7 @@ from helpers import until
 
 import aioloader
 from aioloader import _shm
-from aioloader._sampler import BatchSampler, RandomSampler
+from aioloader._sampling._sampler import BatchSampler, RandomSampler
 from aioloader._workers import _pool
 
 # Every scenario here gets the full leak check of RELIABILITY.md (common assertion iii): no

@@ -19,9 +19,10 @@ import torch
 from datasets import Range
 from helpers import BOUND_S, as_lists, expected_batches, flat, notes_of
 
-from aioloader import DataLoader, WorkerError, _threads
-from aioloader._batch import BatchMaker
-from aioloader._threads import INLINE_AFTER, InlineMaker, ThreadRunner
+from aioloader import DataLoader, WorkerError
+from aioloader._batch._make import BatchMaker
+from aioloader._threads import _runner as _threads
+from aioloader._threads._runner import INLINE_AFTER, InlineMaker, ThreadRunner
 from aioloader._types import BatchRequest
 
 pytestmark = pytest.mark.usefixtures("baseline")

@@ -227,7 +227,8 @@ def test_a_loader_collected_on_a_thread_that_holds_its_lock_is_closed_without_de
 
     from datasets import Range
 
-    from aioloader import DataLoader, _resources
+    from aioloader import DataLoader
+    from aioloader._loader import _resources
 
     loader = DataLoader(Range(8), batch_size=4, num_workers=1)
     res = loader._res

@@ -15,7 +15,7 @@ from datasets import Blocks
 from helpers import BOUND_S
 
 from aioloader import DataLoader
-from aioloader._offloop import off_loop
+from aioloader._threads._offloop import off_loop
 
 pytestmark = pytest.mark.usefixtures("baseline")
 

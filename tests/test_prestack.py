@@ -1,4 +1,4 @@
-"""Tests of aioloader._prestack: large arrays stacked as the samples are read.
+"""Tests of aioloader._batch._prestack: large arrays stacked as the samples are read.
 
 The contract: the batch is exactly what the default collate functions make from the samples
 (values, dtypes, container types, errors), its large leaves lie in the memory ``alloc`` gave,
@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from aioloader import DataLoader, _batch
-from aioloader._batch import BatchMaker
-from aioloader._collate import collate_prestacked, default_collate, numpy_collate
+from aioloader import DataLoader
+from aioloader._batch import _make as _batch
+from aioloader._batch._collate import collate_prestacked, default_collate, numpy_collate
+from aioloader._batch._make import BatchMaker
+from aioloader._batch._prestack import MIN_BATCH_BYTES, Prestack, paths
 from aioloader._errors import CollateShapeError
-from aioloader._prestack import MIN_BATCH_BYTES, Prestack, paths
-from aioloader._shm_tree import SlotWriter
+from aioloader._shm._descriptors import SlotWriter
 from aioloader._types import BatchRequest
 
 BIG = (4, 64, 64)  # 16 KiB of uint8 a sample: a batch of 64 holds MIN_BATCH_BYTES

@@ -1,4 +1,4 @@
-"""Tests of aioloader._reorder: the pure reorder state machine, without an event loop."""
+"""Tests of aioloader._epoch._reorder: the pure reorder state machine, without an event loop."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aioloader._reorder import Outcome, ReorderBuffer
+from aioloader._epoch._reorder import Outcome, ReorderBuffer
 
 relaxed = settings(deadline=None, max_examples=60)
 

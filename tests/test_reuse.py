@@ -1,4 +1,4 @@
-"""Reused memory for large batches made on the loader's threads (``aioloader._reuse``).
+"""Reused memory for large batches made on the loader's threads (``aioloader._threads._reuse``).
 
 The promise: a batch's memory is written again only once every array and tensor of that batch
 (views and slices included) is gone; a batch the consumer keeps keeps its values. And the
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from aioloader import DataLoader, numpy_collate
-from aioloader._reuse import REUSE_MIN_BYTES, ReusedBuffers
-from aioloader._threads import INLINE_ABOVE_S, ThreadRunner
+from aioloader._threads._reuse import REUSE_MIN_BYTES, ReusedBuffers
+from aioloader._threads._runner import INLINE_ABOVE_S, ThreadRunner
 
 MIB = 1 << 20
 U8 = np.dtype(np.uint8)

@@ -1,4 +1,4 @@
-"""Tests of aioloader._sampler: coverage invariants, determinism, state, torch compatibility."""
+"""Tests of aioloader._sampling._sampler: coverage, determinism, state, torch compatibility."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from helpers import assert_raises_naming
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aioloader._sampler import (
+from aioloader._sampling._sampler import (
     BatchSampler,
     DistributedSampler,
     RandomSampler,

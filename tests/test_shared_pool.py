@@ -1,4 +1,4 @@
-"""One WorkerPool shared by several loaders (``aioloader._shared_pool``): a training and an
+"""One WorkerPool shared by several loaders (``aioloader._loader._shared_pool``): a training and an
 evaluation loader interleaved on one loop, over one set of worker processes started once and
 one shared-memory budget, each with its own dataset copy, worker_init_fn, seeds and worker
 info, each told of its own failures only.
@@ -328,7 +328,7 @@ def test_a_pool_collected_on_a_thread_that_holds_its_lock_is_closed_without_dead
     lock is free."""
     import threading
 
-    from aioloader import _shared_pool
+    from aioloader._loader import _shared_pool
 
     pool = WorkerPool(1)
     pool.start()

@@ -41,7 +41,7 @@ from aioloader._errors import (
     RemoteTimeoutError,
     RetriesExhaustedError,
 )
-from aioloader._stats import Counters, current_counters
+from aioloader._stats._counters import Counters, current_counters
 from aioloader.sources import HTTPDataset, RetryableError, RetryPolicy, parse_retry_after, retrying
 
 FAST = RetryPolicy(max_attempts=3, backoff_initial=0.01, backoff_max=1.0, jitter=False)

@@ -24,7 +24,7 @@ from http_server import FaultServer, payload
 
 import aioloader
 from aioloader import DataLoader, LoaderStatistics
-from aioloader._stats import (
+from aioloader._stats._counters import (
     SKIP_RECORDS,
     WAIT_SHARE_THRESHOLD,
     Capacity,

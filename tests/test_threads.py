@@ -9,10 +9,10 @@ import threading
 import pytest
 from datasets import Stream
 
-from aioloader import _threads
-from aioloader._batch import BatchMaker
-from aioloader._collate import default_collate
-from aioloader._threads import ThreadPool, ThreadRunner
+from aioloader._batch._collate import default_collate
+from aioloader._batch._make import BatchMaker
+from aioloader._threads import _runner as _threads
+from aioloader._threads._runner import ThreadPool, ThreadRunner
 from aioloader._types import END, BatchRequest, StreamRequest
 
 # The full leak check of RELIABILITY.md (conftest.baseline) after every test here.

@@ -38,9 +38,9 @@ from aioloader import (
     default_convert,
 )
 from aioloader._config import resolve_seed
-from aioloader._produce import Producer
-from aioloader._reorder import Outcome, ReorderBuffer
-from aioloader._stats import Counters
+from aioloader._epoch._produce import Producer
+from aioloader._epoch._reorder import Outcome, ReorderBuffer
+from aioloader._stats._counters import Counters
 from aioloader._types import BatchRequest, Made
 
 # aioloader's own and MXNet Gluon's parameters: keyword-only, after torch's.

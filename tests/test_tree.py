@@ -342,7 +342,7 @@ def test_visiting_order_is_stable_across_walks(tree: Any) -> None:
 
 
 def test_shared_memory_walks_with_tree() -> None:
-    from aioloader import _shm_tree
+    from aioloader._shm import _descriptors as _shm_tree
 
     assert vars(_shm_tree)["map_tree"] is map_tree
     assert vars(_shm_tree)["iter_leaves"] is iter_leaves

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from aioloader import _validate
 from aioloader._device import parse_device
-from aioloader._sampler import (
+from aioloader._sampling._sampler import (
     BatchSampler,
     DistributedSampler,
     RandomSampler,
@@ -307,9 +307,12 @@ def test_the_sources_still_raise_value_errors_for_wrong_types() -> None:
 
 
 DUPLICATES_REMOVED = [
-    ("aioloader._batch_sampler", ["_checked_int", "_is_int", "_check_state_keys"]),
-    ("aioloader._batch_sampler", ["validate_positive_int", "validate_non_negative_int"]),
-    ("aioloader._sampler", ["_validate_int", "_checked_int", "_is_int", "_check_state_keys"]),
+    ("aioloader._sampling._batch_sampler", ["_checked_int", "_is_int", "_check_state_keys"]),
+    ("aioloader._sampling._batch_sampler", ["validate_positive_int", "validate_non_negative_int"]),
+    (
+        "aioloader._sampling._sampler",
+        ["_validate_int", "_checked_int", "_is_int", "_check_state_keys"],
+    ),
     ("aioloader.sources._retry", ["_require_number"]),
     ("aioloader.sources._http", ["check_timeout"]),
     ("aioloader.sources._base", ["_check_decode"]),

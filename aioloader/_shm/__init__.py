@@ -27,7 +27,7 @@ One job per module:
 Imports go one way (``_pool`` and ``_attach`` use ``_segment``; neither uses the other) and no
 module reads another's ``_private`` names. How a batch is laid out in a slot and read back
 (:class:`SlotWriter`, :class:`Encoded`, :class:`ArrayRef`, the tree walks) lives in
-:mod:`aioloader._shm_tree`, which only works on buffers mapped here. This module only
+:mod:`aioloader._shm._descriptors`, which only works on buffers mapped here. This module only
 re-exports, those names included, so callers import everything from ``_shm``.
 
 Sharp edges, and what this module does about them:
@@ -84,15 +84,15 @@ Sharp edges, and what this module does about them:
 
 from __future__ import annotations
 
-from .._shm_tree import ALIGN as ALIGN
-from .._shm_tree import INLINE_MAX_BYTES as INLINE_MAX_BYTES
-from .._shm_tree import ArrayRef as ArrayRef
-from .._shm_tree import Encoded as Encoded
-from .._shm_tree import SlotWriter as SlotWriter
 from ._attach import ATTACH_CACHE_MAX as ATTACH_CACHE_MAX
 from ._attach import attach as attach
 from ._attach import attached as attached
 from ._attach import detach_all as detach_all
+from ._descriptors import ALIGN as ALIGN
+from ._descriptors import INLINE_MAX_BYTES as INLINE_MAX_BYTES
+from ._descriptors import ArrayRef as ArrayRef
+from ._descriptors import Encoded as Encoded
+from ._descriptors import SlotWriter as SlotWriter
 from ._pool import GROWTH as GROWTH
 from ._pool import MIN_SLOT_BYTES as MIN_SLOT_BYTES
 from ._pool import ShmStats as ShmStats

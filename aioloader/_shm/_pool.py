@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from .._shm_tree import ArrayRef, Encoded, import_torch, ref_end, view_leaf
 from .._tree import iter_leaves, map_tree
+from ._descriptors import ArrayRef, Encoded, import_torch, ref_end, view_leaf
 from ._segment import (
     SHM_DIR,
     SegmentMapping,

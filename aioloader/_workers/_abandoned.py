@@ -1,7 +1,7 @@
 """Jobs given up while a worker runs them: watched until the worker is done with them, and
 its process killed if one runs past the batch deadline.
 
-A batch's deadline (``aioloader._deadline``) is watched by the task that awaits the batch.
+A batch's deadline (``aioloader._epoch._deadline``) is watched by the task that awaits the batch.
 When its epoch is left (a ``break``, the iterator dropped), those tasks are cancelled: the
 jobs still queued are withdrawn (``Channel.abandon``), but a job a worker already runs goes on,
 since only killing the process could stop it. If such a job hangs, no deadline watches it any

@@ -30,7 +30,7 @@ it each epoch (``persistent_workers=False``) therefore costs one pickling and on
 per worker, as in torch, but no process start: the processes, their imports and their
 shared-memory mappings are kept warm.
 
-Loaders sharing the pool (``aioloader._shared_pool``) keep a copy each, by copy id, dropped
+Loaders sharing the pool (``aioloader._loader._shared_pool``) keep a copy each, by copy id, dropped
 when the loader closes (:meth:`WorkerPool.release`); a worker publishes copy and batch of the
 job it runs as one tag (``_wire.running_tag``): a crash blames that job only, of one loader.
 
@@ -75,7 +75,7 @@ from typing import Any, TypeVar
 
 from .._errors import WorkerInitError
 from .._log import workers_log
-from .._offloop import off_loop
+from .._threads import off_loop
 from . import _exits
 from ._abandoned import watch_abandoned
 from ._cells import Cells

@@ -41,7 +41,7 @@ class ProcessRunner:
         slots: the shared-memory slot pool, or None to send every batch inline.
         prefetch: batches in flight at once (to check /dev/shm for that many slots).
         copy_id: the workers' dataset copy this runner's jobs use: 0 for a loader's own
-            workers, one per loader on a shared pool (see ``aioloader._shared_pool``).
+            workers, one per loader on a shared pool (see ``aioloader._loader._shared_pool``).
         abandoned_own: where to note the segment names of jobs given up while a worker may
             still make them (see ``__init__``); the runner's own set when None. A shared
             pool passes its set, which it sweeps when it stops the workers.

@@ -75,7 +75,7 @@ import numpy as np
 
 from .. import _shm
 from .._errors import SharedMemoryError
-from .._offloop import off_loop
+from .._threads import off_loop
 from .._tree import iter_leaves, map_tree
 from .._types import Alloc, BatchRequest, Made, StreamRequest
 from ._payload import Payload

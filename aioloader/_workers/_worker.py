@@ -15,7 +15,7 @@ epoch that renews it (``persistent_workers=False``, torch's default). Loading a 
 previous one, seeds the worker (see :mod:`._info`), publishes its :class:`WorkerInfo` (to
 torch's API too), and runs ``worker_init_fn``; the process itself, its imports and its
 shared-memory mappings stay. The workers of a pool that several loaders share
-(:mod:`aioloader._shared_pool`) hold one copy per loader, keyed by a copy id that each job
+(:mod:`aioloader._loader._shared_pool`) hold one copy per loader, keyed by a copy id that each job
 names: a job of another copy than the last one publishes that copy's worker info first, and
 :func:`drop_copy` forgets a closed loader's copy.
 
@@ -46,7 +46,7 @@ Sharp edges:
   process reads before it kills the worker.
 - ``SystemExit``, ``KeyboardInterrupt`` and the other exceptions that are not ``Exception``
   subclasses, raised while making a batch, travel as :class:`~aioloader.WorkerError` naming
-  the batch (:func:`aioloader._batch.not_an_exit`): set on the main side's future, they would
+  the batch (:func:`aioloader._batch._make.not_an_exit`): set on the main side's future, they would
   end the training program, and a ``KeyboardInterrupt`` from here is never the user's Ctrl-C.
 - A batch that cannot be pickled for the reply (a lock in a sample) is reported by the job
   itself, naming the batch, with the pickling error's own type (:func:`_packed`).
@@ -56,7 +56,7 @@ Sharp edges:
   while its stream starts, see :mod:`._info`) is sharded here (worker ``k`` keeps items
   ``k, k + n, k + 2n, ...``), so no item is produced twice. A generator runs its body only at
   the first ``next``, so the first item is read before deciding. In a distributed job each
-  rank keeps its share too (:func:`aioloader._distributed.stream_share`), also of a stream
+  rank keeps its share too (:func:`aioloader._sampling._distributed.stream_share`), also of a stream
   that shards itself by worker.
 """
 
@@ -85,8 +85,8 @@ from .._batch import (
     continued_share,
     not_an_exit,
 )
-from .._distributed import every_nth, first_items_noted, one_by_one, stream_share
 from .._errors import WorkerInitError
+from .._sampling import every_nth, first_items_noted, one_by_one, stream_share
 from .._shm import Slot
 from .._types import END, BatchRequest, Made, StreamRequest, stream_state
 from . import _info, _payload
@@ -122,7 +122,7 @@ STACK_SIGNAL = signal.SIGUSR1
 @dataclass(slots=True)
 class _Copy:
     """One dataset copy a worker makes batches with: its loader's (a shared pool's workers hold
-    one per loader, see :mod:`aioloader._shared_pool`). Set by :func:`load_copy`."""
+    one per loader, see :mod:`aioloader._loader._shared_pool`). Set by :func:`load_copy`."""
 
     worker_id: int
     num_workers: int

@@ -29,7 +29,7 @@ Sharp edges:
   data loader is longer than the user allowed, whatever the server says.
 - Each attempt is counted in the statistics of the loader whose fetch awaits it (requests, in
   flight unless the attempt counts itself, retries, bytes returned; see
-  :data:`aioloader._stats.current_counters`), and each retry is logged at INFO on
+  :data:`aioloader._stats._counters.current_counters`), and each retry is logged at INFO on
   ``aioloader.remote`` with its cause and delay.
 - Cancellation is never caught here: an attempt that is cancelled (the consumer gave up, the
   loader closes) stops the whole read at once, without recording an attempt.

@@ -7,7 +7,7 @@
          └─ the permit goes back when the consumer takes the batch (after its device copy)
 
 Who owns what:
-- the producer (:class:`aioloader._produce.Producer`) owns the scheduler and produce tasks;
+- the producer (:class:`aioloader._epoch._produce.Producer`) owns the scheduler and produce tasks;
   they fill the reorder buffer;
 - the consumer owns batches once popped; a permit is returned when the consumer takes a
   batch, so ``prefetch`` bounds tasks, worker jobs and reorder entries together (shared
@@ -34,14 +34,14 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ._config import LoaderConfig
-from ._log import epoch_log
+from .._config import LoaderConfig
+from .._log import epoch_log
+from .._stats import WAIT_SHARE_THRESHOLD, Capacity, Counters, EpochStatistics
+from .._threads import NOT_INLINE
+from .._types import EMPTY_BATCH, END, Runner, StreamPosition, StreamResume
 from ._plan import Plan
 from ._produce import BUSY, Producer
 from ._reorder import Outcome, ReorderBuffer
-from ._stats import WAIT_SHARE_THRESHOLD, Capacity, Counters, EpochStatistics
-from ._sync import NOT_INLINE
-from ._types import EMPTY_BATCH, END, Runner, StreamPosition, StreamResume
 
 __all__ = ["LOOP_TURN_S", "DeviceStage", "Epoch", "EpochIterator"]
 
@@ -58,7 +58,7 @@ class Transfer(Protocol):
 
 
 class Progress(Protocol):
-    """What an epoch tells a progress display (:mod:`aioloader._progress`)."""
+    """What an epoch tells a progress display (:mod:`aioloader._stats._progress`)."""
 
     def advance(self, samples: int, nbytes: int) -> None: ...
 

@@ -17,7 +17,7 @@ a batch. The hook is registered with ``threading._register_atexit``, the CPython
 ``concurrent.futures`` itself uses (called in reverse order of registration, so ours runs
 before that of an executor made earlier); ``atexit`` would run too late, after the threads are
 joined. A SIGTERM,
-which skips both, releases them too (:mod:`._signals`) before it ends the process.
+which skips both, releases them too (:mod:`.._signals`) before it ends the process.
 
 What goes to worker processes is decided here too. :func:`worker_payload` pickles the batch
 maker (dataset, collate_fn, transform) and ``worker_init_fn`` when an epoch needs a dataset copy
@@ -47,22 +47,17 @@ from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
 from typing import TYPE_CHECKING, Any
 
-from . import _shm
-from ._batch import BatchMaker
-from ._closing import close_soon, closer_if_last, hold
-from ._config import LoaderConfig
-from ._distributed import rank_seed
-from ._epoch import Epoch
-from ._errors import out_of_descriptors_note
-from ._errors import unpicklable_error as _unpicklable
-from ._offloop import off_loop
-from ._shared_pool import WorkerPool as SharedPool
-from ._shared_pool import close_pools
-from ._signals import release_before_sigterm
-from ._sync import LoopThread
-from ._threads import ThreadRunner
-from ._types import AsyncCloseable, DecodingStream, NamedItems, Runner, SourceDataset
-from ._workers import (
+from .. import _shm
+from .._batch import BatchMaker
+from .._config import LoaderConfig
+from .._epoch import Epoch
+from .._errors import out_of_descriptors_note
+from .._errors import unpicklable_error as _unpicklable
+from .._sampling import rank_seed
+from .._signals import release_before_sigterm
+from .._threads import LoopThread, ThreadRunner, off_loop
+from .._types import AsyncCloseable, DecodingStream, NamedItems, Runner, SourceDataset
+from .._workers import (
     DEFAULT_START_TIMEOUT_S,
     Payload,
     ProcessRunner,
@@ -72,9 +67,12 @@ from ._workers import (
     pickles_main_by_value,
     starts_early,
 )
+from ._closing import close_soon, closer_if_last, hold
+from ._shared_pool import WorkerPool as SharedPool
+from ._shared_pool import close_pools
 
 if TYPE_CHECKING:
-    from ._device import DeviceStage
+    from .._device import DeviceStage
 
 __all__ = [
     "Resources",
@@ -221,7 +219,7 @@ class Resources:
             if not early and threading.current_thread() is not self.starter:
                 self.used = True
             if self.device is None and (device_spec is not None or config.pin_memory):
-                from ._device import DeviceStage  # imports torch: only for a device stage
+                from .._device import DeviceStage  # imports torch: only for a device stage
 
                 self.device = DeviceStage(device_spec, pin_memory=config.pin_memory)
             if self.shared is not None:  # the pool's runner for this loader; raises if closed

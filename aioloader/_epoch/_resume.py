@@ -42,9 +42,9 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ._config import Sampling
-from ._types import ResumableStream, Stateful, StreamPosition, StreamResume, check_readers
-from ._validate import check_state_keys, non_negative_int
+from .._config import Sampling
+from .._types import ResumableStream, Stateful, StreamPosition, StreamResume, check_readers
+from .._validate import check_state_keys, non_negative_int
 
 __all__ = ["EpochBook"]
 

@@ -55,11 +55,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._errors import CollateError, CollateShapeError, CollateTypeError
-from ._lazy import lazy_module
+from .._errors import CollateError, CollateShapeError, CollateTypeError
+from .._lazy import lazy_module
+from .._types import Alloc
 from ._mismatch import grouped, key_mismatch, layout_mismatch, positions, type_name
 from ._stacking import stack_into, stack_large
-from ._types import Alloc
 
 if TYPE_CHECKING:
     import torch

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from ._sync import new_event_loop
+from ._loop import new_event_loop
 
 __all__ = ["run"]
 

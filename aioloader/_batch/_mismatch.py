@@ -3,7 +3,7 @@
 Collation refuses samples that disagree (shapes, devices, keys, types) with a message that
 names what differs and where, position by position, so that the one bad sample in a batch of
 thousands can be found: ``'(3, 32, 32) at positions [0, 1, 3]; (3, 28, 28) at position 2'``.
-These functions build those phrases; :mod:`aioloader._collate` decides when to raise them.
+These functions build those phrases; :mod:`aioloader._batch._collate` decides when to raise them.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from collections.abc import Callable, Coroutine
 from types import ModuleType
 from typing import Any, Final, TypeVar
 
-from ._errors import out_of_descriptors_note
+from .._errors import out_of_descriptors_note
 
 __all__ = ["NOT_INLINE", "LoopThread", "SyncIterator", "new_event_loop"]
 

@@ -63,10 +63,10 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
-from ._errors import StreamOrderWarning
-from ._log import distributed_log
-from ._tree import iter_leaves
-from ._validate import boolean
+from .._errors import StreamOrderWarning
+from .._log import distributed_log
+from .._tree import iter_leaves
+from .._validate import boolean
 
 __all__ = [
     "DEFAULT_SHARE_SEED",

@@ -22,9 +22,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from ._errors import TooManyFailuresError
-from ._log import epoch_log
-from ._stats import Counters
+from .._errors import TooManyFailuresError
+from .._log import epoch_log
+from .._stats import Counters
 
 __all__ = ["MESSAGE_INDICES", "FailureBudget"]
 

@@ -3,7 +3,7 @@
 :class:`BatchSampler` turns any iterable of ints into ``list[int]`` batches under a last-batch
 policy (MXNet Gluon's ``last_batch``, or torch's ``drop_last``); :class:`ShardedBatchSampler`
 splits each batch into ``list[list[int]]``, one part per device. Both are pure and
-deterministic, like the index samplers of :mod:`aioloader._sampler`, which re-exports them.
+deterministic, like the index samplers of :mod:`._sampler`, which re-exports them.
 
 Arguments and loaded states are checked by :mod:`aioloader._validate`, as everywhere.
 
@@ -35,8 +35,8 @@ import itertools
 from collections.abc import Iterable, Iterator, Sized
 from typing import Any, Literal, cast, get_args
 
-from ._types import Stateful
-from ._validate import as_torch, boolean, check_state_keys, is_int, one_of, positive_int
+from .._types import Stateful
+from .._validate import as_torch, boolean, check_state_keys, is_int, one_of, positive_int
 
 __all__ = [
     "BatchSampler",

@@ -42,7 +42,7 @@ Sharp edges:
 - An iterable dataset is one stream here, pulled by one thread at a time (of which a rank
   keeps its share, in a distributed job).
 - Large leaves of the batches made on the threads are collated into memory reused from batch
-  to batch (:mod:`aioloader._reuse`): such a batch is a view of a mapping the runner keeps,
+  to batch (:mod:`aioloader._threads._reuse`): such a batch is a view of a mapping the runner keeps,
   written again only once the consumer has let go of all of it.
 """
 
@@ -58,7 +58,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from ._batch import (
+from .._batch import (
     BatchMaker,
     StreamCursor,
     continued_share,
@@ -66,10 +66,10 @@ from ._batch import (
     stop_as_error,
     users_interrupt,
 )
-from ._distributed import every_nth, stream_share
-from ._errors import WorkerError
+from .._errors import WorkerError
+from .._sampling import every_nth, stream_share
+from .._types import END, Alloc, BatchRequest, Made, StreamRequest, stream_state
 from ._reuse import ReusedBuffers
-from ._types import END, Alloc, BatchRequest, Made, StreamRequest, stream_state
 
 __all__ = [
     "INLINE_ABOVE_S",
@@ -396,7 +396,7 @@ class ThreadPool:
 
 def _not_an_exit(exc: BaseException, batch_id: int) -> WorkerError:
     """A :class:`~aioloader.WorkerError` for ``exc``, which would end the program (a
-    ``SystemExit`` from the dataset, see :func:`aioloader._batch.not_an_exit`)."""
+    ``SystemExit`` from the dataset, see :func:`aioloader._batch._make.not_an_exit`)."""
     return not_an_exit(exc, f"loader thread {threading.current_thread().name}", batch_id)
 
 

@@ -42,11 +42,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from ._batch import annotate, indices_text, stray_cancel
-from ._errors import LoaderTimeoutError, timeout_error
+from .._batch import annotate, indices_text, stray_cancel
+from .._errors import LoaderTimeoutError, timeout_error
+from .._stats import Counters
+from .._types import BatchRequest, NamedItems, SourceDataset
 from ._failures import FailureBudget
-from ._stats import Counters
-from ._types import BatchRequest, NamedItems, SourceDataset
 
 __all__ = ["Fetcher"]
 

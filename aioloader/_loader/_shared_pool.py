@@ -68,22 +68,21 @@ from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from . import _shm
-from . import _validate as check
-from ._closing import close_soon
-from ._config import SHM_FRACTION, SHM_MAX_DEFAULT, LoaderConfig, context_argument
-from ._distributed import rank_seed
-from ._offloop import off_loop
-from ._sync import LoopThread
-from ._types import Runner
-from ._workers import (
+from .. import _shm
+from .. import _validate as check
+from .._config import SHM_FRACTION, SHM_MAX_DEFAULT, LoaderConfig, context_argument
+from .._sampling import rank_seed
+from .._threads import LoopThread, off_loop
+from .._types import Runner
+from .._workers import (
     DEFAULT_START_TIMEOUT_S,
     Payload,
     ProcessRunner,
     preload_pickler,
     resolve_context,
 )
-from ._workers import WorkerPool as Processes
+from .._workers import WorkerPool as Processes
+from ._closing import close_soon
 
 __all__ = [
     "SharedRunner",

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from ._tree import iter_leaves, map_tree
+from .._tree import iter_leaves, map_tree
 
 if TYPE_CHECKING:
     import torch

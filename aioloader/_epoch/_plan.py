@@ -1,7 +1,7 @@
 """The plan of a map-style epoch: its ``(batch_id, indices)`` pairs, read lazily from the
 batch sampler as the producer schedules them (:mod:`._produce`), without the batches a resumed
-epoch already took. Its own module: the consumer side (:mod:`._epoch`) holds it, the loader
-makes it (:mod:`._loader`)."""
+epoch already took. Its own module: the consumer side (:mod:`._consume`) holds it, the loader
+makes it (:mod:`.._loader._dataloader`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Collection, Iterator
 from typing import Any
 
-from ._config import Sampling
+from .._config import Sampling
 
 __all__ = ["Plan", "plan_for"]
 

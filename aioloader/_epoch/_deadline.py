@@ -27,11 +27,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._batch import annotate
-from ._errors import WorkerCrashedError, timeout_error
-from ._log import workers_log
-from ._stats import Counters
-from ._types import BatchRequest, Made, Runner, StreamRequest
+from .._batch import annotate
+from .._errors import WorkerCrashedError, timeout_error
+from .._log import workers_log
+from .._stats import Counters
+from .._types import BatchRequest, Made, Runner, StreamRequest
 
 __all__ = ["LOOKS", "DeadlinePolicy", "run_attempts", "timeout_error"]
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from ._stats import Counters, EpochStatistics
+from ._counters import Counters, EpochStatistics
 
 __all__ = ["POSTFIX_INTERVAL_S", "EpochProgress", "ProgressDisplay", "progress_display"]
 

@@ -17,7 +17,7 @@ torch's samplers follow the same conventions and may be used wherever these are:
     the loader
 
 This module holds the index samplers. The batch samplers and their last-batch policy live in
-:mod:`aioloader._batch_sampler`; this module re-exports them, so callers import every sampler
+:mod:`._batch_sampler`; this module re-exports them, so callers import every sampler
 from ``_sampler``. Arguments and loaded states are checked by :mod:`aioloader._validate`.
 
 Sharp edges, each deliberate:
@@ -52,9 +52,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-from ._batch_sampler import BatchSampler, LastBatch, ShardedBatchSampler
-from ._distributed import process_group
-from ._validate import (
+from .._validate import (
     as_torch,
     boolean,
     check_state_keys,
@@ -63,6 +61,8 @@ from ._validate import (
     positive_int,
     to_int,
 )
+from ._batch_sampler import BatchSampler, LastBatch, ShardedBatchSampler
+from ._distributed import process_group
 
 # The checks under the names this module has always exported.
 validate_positive_int = positive_int

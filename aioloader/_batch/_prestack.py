@@ -7,7 +7,7 @@ read again when the batch is stacked, by when the ones after it have pushed it o
 CPU's caches. :class:`Prestack` copies each sample's large arrays into the batch's output the
 moment the sample is read, and keeps in its place a view of the copy: the sample's own memory
 goes back to the allocator at once, and the next sample is made in it, still cached.
-:func:`aioloader._collate.collate_prestacked` then takes the stacked arrays as the leaves.
+:func:`aioloader._batch._collate.collate_prestacked` then takes the stacked arrays as the leaves.
 
 Measured on 2 cores, 64 samples of 3x224x224 uint8 flipped by ``__getitem__`` (9.6 MB a batch),
 into memory already faulted in, two processes side by side as two workers run: 2.65 ms a batch
@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from ._types import Alloc
+from .._types import Alloc
 
 __all__ = ["MIN_BATCH_BYTES", "Prestack", "paths"]
 

@@ -1,6 +1,6 @@
 """The copy at the heart of collation: samples stacked into one array, by whom and into what.
 
-:mod:`aioloader._collate` decides what a batch is; this module makes the copy of a leaf's
+:mod:`aioloader._batch._collate` decides what a batch is; this module makes the copy of a leaf's
 samples, whose cost depends on the memory it lands in and the thread that makes it:
 
 - :func:`stack_large`: a large batch bound for torch, made in torch's own memory (no ``alloc``:

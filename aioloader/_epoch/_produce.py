@@ -44,32 +44,29 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import sys
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from typing import Any, Final
 
-from ._batch import (
+import numpy as np
+
+from .._batch import (
     annotate,
     continued_share,
-    flat_indices,
     indices_text,
-    nbytes_of,
     not_an_exit,
-    request_for,
+    stray_cancel,
     stream_batch,
-    take_async,
     users_interrupt,
 )
-from ._config import LoaderConfig
-from ._deadline import DeadlinePolicy, run_attempts
-from ._distributed import StreamOrders, every_nth_async, stream_share
-from ._errors import WorkerCrashedError, out_of_descriptors_note
-from ._failures import FailureBudget
-from ._fetch import Fetcher
-from ._reorder import Outcome, ReorderBuffer
-from ._stats import Counters, current_counters
-from ._types import (
+from .._config import LoaderConfig
+from .._errors import WorkerCrashedError, out_of_descriptors_note
+from .._sampling import StreamOrders, every_nth_async, stream_share
+from .._stats import Counters, current_counters
+from .._tree import iter_leaves
+from .._types import (
     END,
     BatchRequest,
     InlineMaking,
@@ -82,6 +79,10 @@ from ._types import (
     check_readers,
     stream_state,
 )
+from ._deadline import DeadlinePolicy, run_attempts
+from ._failures import FailureBudget
+from ._fetch import Fetcher
+from ._reorder import Outcome, ReorderBuffer
 
 __all__ = ["BUSY", "BYTES_WALK_BUDGET_S", "Producer"]
 
@@ -593,3 +594,50 @@ class Producer:
             if error is not None:
                 return Outcome(batch_id, error=error)  # named in the error, not delivered
         return Outcome(batch_id, value=made.batch)
+
+
+# -- helpers of the producer alone ------------------------------------------------------------
+
+
+def request_for(epoch: int, batch_id: int, indices: Any) -> BatchRequest:
+    """The request for ``indices``: a list of indices, or of shards' lists of them."""
+    sharded = bool(indices) and isinstance(indices[0], list)  # keys may be tuples
+    return BatchRequest(epoch, batch_id, indices, sharded=sharded)
+
+
+def flat_indices(request: BatchRequest) -> list[int]:
+    """A map-style request's indices, its shards' one after another."""
+    if request.sharded:
+        return [i for shard in request.indices for i in shard]  # type: ignore[union-attr]
+    return list(request.indices)  # type: ignore[arg-type]
+
+
+def nbytes_of(batch: Any) -> int:
+    """Bytes of the arrays and tensors in ``batch`` (for the bytes/s of the statistics)."""
+    torch = sys.modules.get("torch")  # a batch can hold tensors only once torch is imported
+    total = 0
+    for leaf in iter_leaves(batch):
+        if isinstance(leaf, np.ndarray):
+            total += leaf.nbytes
+        elif torch is not None and isinstance(leaf, torch.Tensor):
+            total += leaf.element_size() * leaf.nelement()
+    return total
+
+
+async def take_async(
+    iterator: AsyncIterator[Any], n: int
+) -> tuple[list[Any], BaseException | None]:
+    """Up to ``n`` items, and the error that stopped the stream early, if any."""
+    out: list[Any] = []
+    while len(out) < n:
+        try:
+            out.append(await anext(iterator))
+        except StopAsyncIteration:
+            break
+        except Exception as exc:
+            return out, exc
+        except asyncio.CancelledError as exc:
+            if (error := stray_cancel(exc, "the async stream")) is None:
+                raise
+            return out, error
+    return out, None

@@ -25,8 +25,8 @@ from dataclasses import replace
 from multiprocessing.context import BaseContext
 from typing import Any, Generic, TypeVar, overload
 
-from ._config import LoaderConfig, PerSample, Sampling
-from ._validate import callable_or_none
+from .._config import LoaderConfig, PerSample, Sampling
+from .._validate import callable_or_none
 
 __all__ = ["Setting", "SettingsView"]
 

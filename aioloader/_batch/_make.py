@@ -1,4 +1,4 @@
-"""Making one batch: read the samples, transform them, collate them.
+"""BatchMaker and StreamCursor: one batch of a map-style dataset or a stream, in any thread.
 
 The same code runs wherever the CPU work of a batch runs: the loader's helper thread
 (``num_workers=0``), a thread of a pool (``thread_pool=True``), or a worker process (then with an
@@ -17,21 +17,17 @@ Errors from user code keep their type; a note names the batch and the sample ind
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
-
+from .._errors import WorkerError
+from .._sampling import Shard
+from .._types import EMPTY_BATCH, END, Alloc, BatchRequest, Made, StreamRequest
 from ._collate import collate_prestacked, default_collate, numpy_collate
-from ._distributed import Shard
-from ._errors import WorkerError
 from ._prestack import Prestack
-from ._tree import iter_leaves
-from ._types import EMPTY_BATCH, END, Alloc, BatchRequest, Made, StreamRequest
 
 __all__ = [
     "MAX_OPEN_STREAMS",
@@ -39,16 +35,12 @@ __all__ = [
     "StreamCursor",
     "annotate",
     "continued_share",
-    "flat_indices",
     "indices_text",
-    "nbytes_of",
     "not_an_exit",
-    "request_for",
     "stop_as_error",
     "stray_cancel",
     "stream_batch",
     "take",
-    "take_async",
 ]
 
 
@@ -140,8 +132,8 @@ class BatchMaker:
         skip_errors: with True, a sample whose read or transform raises is dropped and reported
             in :attr:`Made.skipped` instead of failing the batch.
         shard: the rank share of an iterable dataset's stream that is read (None: all of it;
-            see :func:`aioloader._distributed.stream_share`).
-        item_name: where item ``index`` comes from (a URL: :class:`~._types.NamedItems`), for
+            see :func:`aioloader._sampling._distributed.stream_share`).
+        item_name: where item ``index`` comes from (a URL: :class:`~.._types.NamedItems`), for
             the note of an error while decoding or transforming it.
         stream_seed: the seed an iterable dataset's stream is read under in worker processes
             (see ``_workers._info.StreamRandom``): the same in every worker that reads it.
@@ -476,19 +468,6 @@ def _short(indices: Sequence[int], limit: int = 16) -> str:
     return f"[{', '.join(map(str, indices[:limit]))}, ... ({len(indices)} in all)]"
 
 
-def request_for(epoch: int, batch_id: int, indices: Any) -> BatchRequest:
-    """The request for ``indices``: a list of indices, or of shards' lists of them."""
-    sharded = bool(indices) and isinstance(indices[0], list)  # keys may be tuples
-    return BatchRequest(epoch, batch_id, indices, sharded=sharded)
-
-
-def flat_indices(request: BatchRequest) -> list[int]:
-    """A map-style request's indices, its shards' one after another."""
-    if request.sharded:
-        return [i for shard in request.indices for i in shard]  # type: ignore[union-attr]
-    return list(request.indices)  # type: ignore[arg-type]
-
-
 def indices_text(request: BatchRequest) -> str:
     """The indices of ``request`` for a message: the first eight, and the count."""
     indices = list(request.indices)
@@ -497,32 +476,3 @@ def indices_text(request: BatchRequest) -> str:
     return f"indices {indices}"
 
 
-def nbytes_of(batch: Any) -> int:
-    """Bytes of the arrays and tensors in ``batch`` (for the bytes/s of the statistics)."""
-    torch = sys.modules.get("torch")  # a batch can hold tensors only once torch is imported
-    total = 0
-    for leaf in iter_leaves(batch):
-        if isinstance(leaf, np.ndarray):
-            total += leaf.nbytes
-        elif torch is not None and isinstance(leaf, torch.Tensor):
-            total += leaf.element_size() * leaf.nelement()
-    return total
-
-
-async def take_async(
-    iterator: AsyncIterator[Any], n: int
-) -> tuple[list[Any], BaseException | None]:
-    """Up to ``n`` items, and the error that stopped the stream early, if any."""
-    out: list[Any] = []
-    while len(out) < n:
-        try:
-            out.append(await anext(iterator))
-        except StopAsyncIteration:
-            break
-        except Exception as exc:
-            return out, exc
-        except asyncio.CancelledError as exc:
-            if (error := stray_cancel(exc, "the async stream")) is None:
-                raise
-            return out, error
-    return out, None

@@ -49,30 +49,26 @@ from collections.abc import Callable
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from ._batch_sampler import resolve_last_batch
-from ._closing import closer_if_last
-from ._collate import default_collate, default_convert
-from ._config import LoaderConfig, batch_sampler_for, context_argument, resolve_seed
-from ._device import parse_device
-from ._distributed import (
+from .._batch import default_collate, default_convert
+from .._config import LoaderConfig, batch_sampler_for, context_argument, resolve_seed
+from .._device import parse_device
+from .._epoch import Epoch, EpochBook, EpochIterator, plan_for
+from .._sampling import (
     DEFAULT_SHARE_SEED,
     process_group,
+    resolve_last_batch,
     resolve_shard,
     stream_items,
     warn_if_group_appeared,
 )
-from ._epoch import Epoch, EpochIterator
-from ._offloop import off_loop
-from ._plan import plan_for
-from ._progress import EpochProgress, progress_display
+from .._stats import Counters, EpochProgress, LoaderStatistics, progress_display
+from .._threads import LoopThread, SyncIterator, off_loop
+from .._types import Runner, dataset_kind
+from .._validate import as_torch, boolean, to_int
+from ._closing import closer_if_last
 from ._resources import Resources, check_callables, finalize, weak_call
-from ._resume import EpochBook
 from ._settings import SettingsView
 from ._shared_pool import WorkerPool, shared_pool, worker_context
-from ._stats import Counters, LoaderStatistics
-from ._sync import LoopThread, SyncIterator
-from ._types import Runner, dataset_kind
-from ._validate import as_torch, boolean, to_int
 
 __all__ = ["DataLoader"]
 
@@ -102,7 +98,7 @@ class DataLoader(SettingsView):
             excludes batch_size/shuffle/sampler/drop_last.
         num_workers: worker processes (or threads with ``thread_pool=True``); 0 runs the CPU
             work on one helper thread, or where it is asked for while batches are cheaper than
-            the hand-over (see ``aioloader._threads``).
+            the hand-over (see ``aioloader._threads._runner``).
         collate_fn: turns samples into a batch (default :func:`default_collate`).
         pin_memory: return batches in pinned (page-locked) host memory, for fast copies to
             CUDA. Without CUDA it warns :class:`DeviceUnavailableWarning` once at the first

@@ -1,0 +1,29 @@
+"""Statistics: what the loader counts while it runs, and how it is shown.
+
+::
+
+    pipeline (event-loop thread) ── bumps ──▶ Counters (_counters)
+                                                  │ DataLoader.statistics()
+                                                  ▼
+                                      LoaderStatistics (a frozen snapshot, the verdict)
+                                                  │ progress=
+                                                  ▼
+                                      EpochProgress: one tqdm bar per epoch (_progress)
+
+- ``_counters``: :class:`Counters` (mutable, bumped on the loop thread only), the frozen
+  :class:`LoaderStatistics` and :class:`EpochStatistics` snapshots, and the bottleneck verdict.
+- ``_progress``: ``progress=``, a bar per epoch fed from snapshots (the ``progress`` extra).
+
+This module only re-exports; ``_progress`` reads ``_counters``, never the other way.
+"""
+
+from __future__ import annotations
+
+from ._counters import WAIT_SHARE_THRESHOLD as WAIT_SHARE_THRESHOLD
+from ._counters import Capacity as Capacity
+from ._counters import Counters as Counters
+from ._counters import EpochStatistics as EpochStatistics
+from ._counters import LoaderStatistics as LoaderStatistics
+from ._counters import current_counters as current_counters
+from ._progress import EpochProgress as EpochProgress
+from ._progress import progress_display as progress_display
