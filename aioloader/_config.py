@@ -230,7 +230,7 @@ class LoaderConfig:
                 depth = max(depth, -(-io // (size or 1)) + 2)
         else:
             depth = check.positive_int("prefetch", prefetch)
-        persistent = check.boolean("persistent_workers", persistent_workers)
+        persistent = check.flag("persistent_workers", persistent_workers)
         if persistent and workers == 0:
             raise ValueError(
                 "persistent_workers=True needs num_workers > 0 (workers to keep alive between "
@@ -245,8 +245,8 @@ class LoaderConfig:
             kind=kind,
             batch_size=size,
             num_workers=workers,
-            thread_pool=check.boolean("thread_pool", thread_pool),
-            in_order=check.boolean("in_order", in_order),
+            thread_pool=check.flag("thread_pool", thread_pool),
+            in_order=check.flag("in_order", in_order),
             prefetch=depth,
             timeout=check.seconds("timeout", timeout, zero_is_none=True),
             io_concurrency=io,
@@ -258,7 +258,7 @@ class LoaderConfig:
             worker_init_fn=check.callable_or_none("worker_init_fn", worker_init_fn),
             transform=check.callable_or_none("transform", transform),
             seed=seed,
-            pin_memory=check.boolean("pin_memory", pin_memory),
+            pin_memory=check.flag("pin_memory", pin_memory),
             shm_max_bytes=(
                 None
                 if shm_max_bytes is None
@@ -434,7 +434,7 @@ def batch_sampler_for(
             sampler or shuffle with an iterable dataset, ``batch_size=None`` with
             ``drop_last``, ...), each named with its value.
     """
-    shuffle = False if shuffle is None else check.boolean("shuffle", shuffle)
+    shuffle = False if shuffle is None else check.flag("shuffle", shuffle)
     if batch_size is None and batch_sampler is None and (drop_last or last_batch is not None):
         # Without batching every batch is one sample: no batch is ever incomplete.
         raise ValueError(

@@ -7,6 +7,9 @@ and to ``BatchSampler`` alike) and every error names the argument and the value 
 Rules:
 - integers are ``numbers.Integral`` (numpy integers included) and never ``bool``: ``batch_size=
   True`` is a bug, not an intent; the value comes back as a plain ``int``;
+- a loader's on/off flags are bools, numpy bools, or the integers 0 and 1 (a YAML or argparse
+  config's ``shuffle: 1``), as torch takes them (:func:`flag`); elsewhere a bool is a bool
+  (:func:`boolean`), as torch's samplers require (``drop_last``, ``replacement``);
 - numbers (and numbers of seconds) are finite real numbers (numpy floats included), never
   ``bool``; they come back as a plain ``float``;
 - a wrong type raises ``TypeError``, a value of the right type out of range ``ValueError``.
@@ -31,6 +34,7 @@ __all__ = [
     "check_state_keys",
     "decided_by",
     "finite_number",
+    "flag",
     "fraction_or_count",
     "instance_or_none",
     "is_int",
@@ -92,6 +96,21 @@ def boolean(name: str, value: object) -> bool:
     if type(value).__name__ in ("bool", "bool_") and type(value).__module__ == "numpy":
         return bool(value)
     raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def flag(name: str, value: object) -> bool:
+    """A loader's on/off setting (``shuffle``, ``pin_memory``, ...): a ``bool`` (numpy bools
+    too), or the integer 0 or 1, as YAML and argparse configs give them and torch takes them.
+
+    Any other value is refused as :func:`boolean` refuses it: ``"no"`` or ``2`` is a bug in a
+    config, where torch would read it by its truth (``shuffle="no"`` shuffles).
+
+    Raises:
+        TypeError: not a bool, nor an integer equal to 0 or 1.
+    """
+    if is_int(value) and value in (0, 1):
+        return bool(value)
+    return boolean(name, value)
 
 
 def _real(name: str, value: object, what: str) -> float:

@@ -93,7 +93,8 @@ def test_derived_views() -> None:
         ("collate_fn", 3, TypeError),
         ("worker_init_fn", "f", TypeError),
         ("transform", 1, TypeError),
-        ("thread_pool", 1, TypeError),
+        ("thread_pool", 2, TypeError),
+        ("thread_pool", "1", TypeError),
         ("in_order", "yes", TypeError),
         ("pin_memory", None, TypeError),
         ("shm_max_bytes", -1, ValueError),
@@ -105,6 +106,32 @@ def test_a_bad_argument_is_named_with_its_value(argument: str, value: Any, error
     assert repr(value) in str(info.value)
     with pytest.raises(error, match=argument):  # and the loader says the same
         DataLoader(Squares(), **{"batch_size": 2, argument: value})
+
+
+FLAGS = ("shuffle", "pin_memory", "persistent_workers", "in_order", "thread_pool")
+
+
+@pytest.mark.parametrize("name", FLAGS)
+@pytest.mark.parametrize("value", [0, 1, np.int64(1), np.True_])
+def test_flags_take_the_ints_0_and_1_as_configs_give_them(name: str, value: Any) -> None:
+    # YAML (`shuffle: 1`) and argparse (type=int) configs give ints; torch takes them.
+    kwargs: dict[str, Any] = {name: value}
+    if name == "persistent_workers":  # needs workers: threads, as cheap to start
+        kwargs.update(num_workers=1, thread_pool=True)
+    loader = DataLoader(Squares(), **kwargs)
+    try:
+        shown = {
+            "shuffle": lambda: type(loader.sampler).__name__ == "RandomSampler",
+            "pin_memory": lambda: loader.pin_memory,
+            "persistent_workers": lambda: loader.persistent_workers,
+            "in_order": lambda: loader.in_order,
+            "thread_pool": lambda: loader.thread_pool,
+        }[name]()
+        assert shown is bool(value)
+    finally:
+        loader.close()
+    if name != "shuffle":  # the loader's settings, checked once
+        assert getattr(build_config(**kwargs), name) is bool(value)
 
 
 # -- through the loader: every argument checked, named in the error ---------------------------
@@ -139,7 +166,11 @@ BAD_ARGUMENTS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"last_batch": 3}, ValueError, "last_batch"),
     ({"drop_last": True, "last_batch": "keep"}, ValueError, "drop_last"),
     ({"drop_last": 1}, WrongTypeError, "drop_last"),
-    ({"shuffle": 1}, TypeError, "shuffle"),
+    ({"shuffle": 2}, TypeError, "shuffle"),
+    ({"shuffle": "yes"}, TypeError, "shuffle"),
+    ({"pin_memory": -1}, TypeError, "pin_memory"),
+    ({"in_order": 1.0}, TypeError, "in_order"),
+    ({"persistent_workers": "1", "num_workers": 1}, TypeError, "persistent_workers"),
     ({"mp_context": "telepathy"}, ValueError, "mp_context"),
     ({"mp_context": "telepathy", "num_workers": 2}, ValueError, "mp_context"),
     ({"mp_context": 3}, TypeError, "mp_context"),

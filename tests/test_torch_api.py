@@ -270,8 +270,8 @@ def test_persistent_workers_is_checked_as_torch_does_and_kept() -> None:
         DataLoader(Range(4), persistent_workers=True)
     with pytest.raises(ValueError, match="persistent_workers"):
         _torch_loader(Range(4), persistent_workers=True)
-    with pytest.raises(TypeError, match="persistent_workers must be a bool, got 1"):
-        DataLoader(Range(4), num_workers=1, persistent_workers=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="persistent_workers must be a bool, got 2"):
+        DataLoader(Range(4), num_workers=1, persistent_workers=2)  # type: ignore[arg-type]
     loader = DataLoader(Range(4), num_workers=1, persistent_workers=True)
     assert loader.persistent_workers is True
     assert loader._config.persistent_workers is True  # the field the workers read

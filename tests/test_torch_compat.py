@@ -518,6 +518,7 @@ REFUSED_AS_TORCH_REFUSES: dict[str, tuple[Callable[[Any], object], bool]] = {
     "DataLoader batch_size=0": (lambda m: m.DataLoader(range(8), batch_size=0), False),
     "DataLoader drop_last='x'": (lambda m: m.DataLoader(range(8), drop_last="x"), True),
     "DataLoader drop_last=1": (lambda m: m.DataLoader(range(8), drop_last=1), True),
+    "DataLoader drop_last=0": (lambda m: m.DataLoader(range(8), drop_last=0), True),
     "BatchSampler batch_size='2'": (lambda m: m.BatchSampler(range(8), "2", False), True),
     "BatchSampler drop_last=1": (lambda m: m.BatchSampler(range(8), 2, drop_last=1), True),
     "RandomSampler num_samples='3'": (
@@ -721,6 +722,52 @@ TORCH_ARGUMENTS: dict[str, dict[str, Any]] = {
 @pytest.mark.parametrize("kwargs", TORCH_ARGUMENTS.values(), ids=TORCH_ARGUMENTS.keys())
 def test_torchs_argument_is_accepted(kwargs: dict[str, Any]) -> None:
     assert as_lists(load(Indexed(6), batch_size=2, **kwargs)) == [[0, 1], [2, 3], [4, 5]]
+
+
+# Flags as YAML (`shuffle: 1`) and argparse (type=int) configs give them: torch reads them by
+# their truth, aioloader takes 0 and 1 (drop_last excepted: torch's BatchSampler refuses an int,
+# REFUSED_AS_TORCH_REFUSES).
+INT_FLAGS: dict[str, Any] = {
+    "shuffle=1": {"shuffle": 1},
+    "shuffle=0": {"shuffle": 0},
+    "in_order=0": {"in_order": 0, "num_workers": 2},
+    "persistent_workers=1": {"persistent_workers": 1, "num_workers": 2},
+    "pin_memory=1": pytest.param(
+        {"pin_memory": 1}, marks=pytest.mark.filterwarnings("ignore::UserWarning")
+    ),  # without CUDA both warn and pass batches through
+}
+
+
+@pytest.mark.parametrize("kwargs", INT_FLAGS.values(), ids=INT_FLAGS.keys())
+def test_flags_given_as_0_or_1_are_taken_as_torch_takes_them(kwargs: dict[str, Any]) -> None:
+    def generator() -> torch.Generator:
+        return torch.Generator().manual_seed(7)
+
+    data = Indexed(20)
+    theirs: tud.DataLoader[Any] = tud.DataLoader(
+        data, batch_size=4, generator=generator(), **kwargs
+    )
+    with DataLoader(data, batch_size=4, generator=generator(), **kwargs) as ours:
+        got = _orders(ours, 2)
+        for name, value in kwargs.items():
+            if name not in ("shuffle", "num_workers"):
+                assert getattr(ours, name) is bool(value), name
+    expected = _orders(theirs, 2)
+    if kwargs.get("in_order") == 0:  # as completed: the same batches
+        got, expected = [sorted(e) for e in got], [sorted(e) for e in expected]
+    assert got == expected
+    assert (got[0] != sorted(got[0])) is bool(kwargs.get("shuffle"))
+
+
+def test_flags_of_other_values_are_refused_where_torch_reads_their_truth() -> None:
+    # torch shuffles with shuffle="no" and pins with pin_memory="false": a config's typo, not
+    # an intent (README, the boolean flags row).
+    assert len(list(tud.DataLoader(Indexed(4), shuffle="no"))) == 4  # type: ignore[arg-type]
+    refused: list[dict[str, Any]] = [{"shuffle": "no"}, {"pin_memory": "false"}, {"in_order": 2}]
+    for kwargs in refused:
+        [(name, value)] = kwargs.items()
+        with pytest.raises(TypeError, match=f"{name} must be a bool, got {value!r}"):
+            DataLoader(Indexed(4), **kwargs)
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ from aioloader._validate import (
     callable_or_none,
     check_state_keys,
     finite_number,
+    flag,
     fraction_or_count,
     is_int,
     non_negative_int,
@@ -84,6 +85,26 @@ def test_numpy_bools_are_bools_and_ints_are_not() -> None:
     assert boolean("flag", False) is False
     with pytest.raises(TypeError, match="flag must be a bool, got 1"):
         boolean("flag", 1)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(True, True), (False, False), (np.True_, True), (np.False_, False), (1, True), (0, False)]
+    + [(dtype(1), True) for dtype in NUMPY_INTS]
+    + [(dtype(0), False) for dtype in NUMPY_INTS],
+)
+def test_a_flag_is_a_bool_or_the_int_0_or_1(value: Any, expected: bool) -> None:
+    # A YAML or argparse config gives `shuffle: 1`; torch takes it.
+    result = flag("shuffle", value)
+    assert result is expected
+
+
+@pytest.mark.parametrize("value", [2, -1, np.int64(2), 1.0, 0.0, "1", "yes", "", None, [1]])
+def test_a_flag_refuses_other_values_as_a_bool_check_does(value: Any) -> None:
+    with pytest.raises(TypeError, match=re.escape(f"shuffle must be a bool, got {value!r}")):
+        flag("shuffle", value)
+    with pytest.raises(TypeError, match=re.escape(f"shuffle must be a bool, got {value!r}")):
+        boolean("shuffle", value)  # the same message as the strict check
 
 
 # -- numbers and seconds ------------------------------------------------------------------------
