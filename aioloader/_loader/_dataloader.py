@@ -42,8 +42,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import os
-import warnings
 import weakref
 from collections.abc import Callable
 from multiprocessing.context import BaseContext
@@ -65,8 +63,9 @@ from .._stats import Counters, EpochProgress, LoaderStatistics, progress_display
 from .._threads import LoopThread, SyncIterator, off_loop
 from .._types import Runner, dataset_kind
 from .._validate import as_torch, boolean, to_int
+from .._workers import warn_more_workers_than_cpus
 from ._closing import closer_if_last
-from ._resources import Resources, check_callables, finalize, weak_call
+from ._resources import Resources, check_callables, finalize
 from ._settings import SettingsView
 from ._shared_pool import WorkerPool, shared_pool, worker_context
 
@@ -290,17 +289,14 @@ class DataLoader(SettingsView):
         if config.uses_processes:
             self._context = worker_context(pool, config, context, allow_fork, dataset)
             check_callables(config)  # the dataset is pickled when an epoch needs it
-        # Only processes compete for CPUs: threads (thread_pool=True) mostly wait on IO with the
-        # GIL released, where more threads than CPUs is the point.
-        if config.uses_processes and config.num_workers > (cpus := os.cpu_count() or 1):
-            message = f"num_workers={config.num_workers} is more than the {cpus} CPUs here"
-            warnings.warn(f"{message}; extra workers only compete for them", stacklevel=2)
+        if config.uses_processes and pool is None:  # a pool it is given decided, and warned
+            warn_more_workers_than_cpus(config.num_workers)
         self._counters = Counters()
         drawn = seed is None and generator is not None and not config.persistent_workers
         redraw = functools.partial(resolve_seed, None, generator) if drawn else None
         self._book = EpochBook(self._sampling, dataset, draw_seed=redraw)
         self._progress = progress_display(progress)
-        self._res = Resources(shared=pool)
+        self._res = Resources(pool=pool)
         self._closed = False
         self._finalizer = weakref.finalize(self, finalize, self._res, type(self).__name__)
         self._initialized = True
@@ -594,3 +590,16 @@ class DataLoader(SettingsView):
             return str(len(self))
         except TypeError:
             return "?"
+
+
+def weak_call(method: Callable[[int], None], arg: int) -> Callable[[], None]:
+    """A callable that calls the bound ``method(arg)`` while its object is alive, else
+    nothing (an epoch's ``on_finish`` must not keep its loader alive)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound(arg)
+
+    return call

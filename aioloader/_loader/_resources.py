@@ -5,9 +5,13 @@ worker processes with the shared-memory slot pool they write into), the device s
 private event-loop thread behind ``for batch in loader``, the epoch being iterated, and the
 dataset's own ``aclose``. :class:`Resources` keeps them apart from the loader object, so that
 a ``weakref.finalize`` on the loader can release them without keeping the loader alive
-(:func:`finalize` warns ``ResourceWarning`` first, as an unclosed file does). A loader on a
-shared :class:`~aioloader.WorkerPool` (``_shared_pool``) holds only its runner over the pool's
-workers: the processes, the slot pool and the loop thread are the pool's to close.
+(:func:`finalize` warns ``ResourceWarning`` first, as an unclosed file does).
+
+Worker processes and their shared-memory slots always live in a :class:`~aioloader.WorkerPool`
+(``_shared_pool``), the one holder of processes, slots and budget: a loader attaches to the pool
+it was given (``workers=``) or to one it made for itself (:func:`private_pool`) in the same way,
+and holds only its runner over the pool's workers. A pool it was given is the user's to close,
+its loop thread included; a pool of its own closes with the loader.
 
 At interpreter exit, loaders that were never closed (a module-level ``loader = DataLoader(...)``,
 an exception from the training step that was not caught, Ctrl-C without ``with``) are closed
@@ -33,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import functools
 import inspect
 import os
@@ -47,29 +50,24 @@ from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
 from typing import TYPE_CHECKING, Any
 
-from .. import _shm
 from .._batch import BatchMaker
 from .._config import LoaderConfig
 from .._epoch import Epoch
-from .._errors import out_of_descriptors_note
 from .._errors import unpicklable_error as _unpicklable
 from .._sampling import rank_seed
 from .._signals import release_before_sigterm
 from .._threads import LoopThread, ThreadRunner, off_loop
 from .._types import AsyncCloseable, DecodingStream, NamedItems, Runner, SourceDataset
 from .._workers import (
-    DEFAULT_START_TIMEOUT_S,
     Payload,
     ProcessRunner,
-    WorkerPool,
     dumps_copy,
     dumps_payload,
     pickles_main_by_value,
     starts_early,
 )
 from ._closing import close_soon, closer_if_last, hold
-from ._shared_pool import WorkerPool as SharedPool
-from ._shared_pool import close_pools
+from ._shared_pool import WorkerPool, close_pools, private_pool
 
 if TYPE_CHECKING:
     from .._device import DeviceStage
@@ -80,8 +78,6 @@ __all__ = [
     "check_callables",
     "close_all_at_exit",
     "finalize",
-    "start_deadline",
-    "weak_call",
     "worker_payload",
 ]
 
@@ -114,18 +110,6 @@ def batch_maker(config: LoaderConfig, dataset: Any) -> BatchMaker:
         stream_seed=config.stream_seed,
         batched=config.batched,
     )
-
-
-def start_deadline(config: LoaderConfig) -> tuple[float, str]:
-    """Seconds a worker process may take to start, and to load each dataset copy, with the
-    setting that says so (for errors): ``start_timeout`` if given, else the batch ``timeout``
-    (as in torch, where the first batch's timeout covers the workers' start), else
-    :data:`DEFAULT_START_TIMEOUT_S`."""
-    if config.start_timeout is not None:
-        return config.start_timeout, f"start_timeout={config.start_timeout}"
-    if config.timeout is not None:
-        return config.timeout, f"timeout={config.timeout}"
-    return DEFAULT_START_TIMEOUT_S, "start_timeout not set: the default"
 
 
 def worker_payload(config: LoaderConfig, dataset: Any, context: BaseContext) -> Payload:
@@ -182,8 +166,11 @@ def _parts(config: LoaderConfig, dataset: Any) -> list[tuple[str, Any]]:
 class Resources:
     """Everything a loader must release (see the module docstring)."""
 
+    # The workers' pool: the one given (``workers=``), else the loader's own once it needs
+    # workers (``own_pool``). Given: the user's to close, its loop thread too.
+    pool: WorkerPool | None = None
+    own_pool: bool = False
     runner: Runner | None = None
-    slots: _shm.SlotPool | None = None
     device: DeviceStage | None = None
     loop_thread: LoopThread | None = None
     epoch: Epoch | None = None  # the newest epoch: its progress is the resume state
@@ -193,7 +180,6 @@ class Resources:
     starter: threading.Thread | None = None  # starts the workers at construction (start_early)
     used: bool = False  # made or started for the user (not only by start_early)
     closed: bool = False
-    shared: SharedPool | None = None  # workers shared with other loaders (_shared_pool)
     pid: int = field(default_factory=os.getpid)  # the process they belong to (see close)
 
     def ensure(
@@ -205,8 +191,8 @@ class Resources:
         context: BaseContext | None,
         early: bool = False,
     ) -> Runner:
-        """Make what is missing (device stage, slot pool, runner); returns the runner. Worker
-        processes get their dataset copy from :meth:`renew`. ``early``: for
+        """Make what is missing (device stage, the loader's own pool, runner); returns the
+        runner. Worker processes get their dataset copy from :meth:`renew`. ``early``: for
         :meth:`start_early`, not for the user (the loader does not count as used).
 
         Raises:
@@ -222,44 +208,20 @@ class Resources:
                 from .._device import DeviceStage  # imports torch: only for a device stage
 
                 self.device = DeviceStage(device_spec, pin_memory=config.pin_memory)
-            if self.shared is not None:  # the pool's runner for this loader; raises if closed
-                self.runner = self.shared.attach(config, self.runner)
+            if config.uses_processes:
+                if self.pool is None:
+                    assert context is not None
+                    self.pool, self.own_pool = private_pool(config, context), True
+                # The pool's runner for this loader, made once; raises if the pool is closed.
+                self.runner = self.pool.attach(config, self.runner, self.device)
                 release_before_sigterm(close_all_at_exit)
             elif self.runner is None:
-                if config.uses_processes:
-                    assert context is not None
-                    if self.slots is None and _shm.shm_available():
-                        self.slots = _slot_pool(config, self.device)
-                    start_timeout, start_setting = start_deadline(config)
-                    try:
-                        pool = WorkerPool(
-                            config.num_workers,
-                            context,
-                            config.seed,
-                            per_batch_seeds=config.worker_seeding == "batch",
-                            start_timeout=start_timeout,
-                            start_setting=start_setting,
-                        )
-                    except OSError as exc:
-                        if (note := _start_up_note(exc, config.num_workers)) is not None:
-                            exc.add_note(note)
-                        raise
-                    release_before_sigterm(close_all_at_exit)
-                    # No pool for want of room (not the user's shm_max_bytes=0): every large
-                    # batch is then a fallback, said and counted.
-                    no_room = (
-                        self.slots is None and _shm.shm_available() and config.shm_max_bytes is None
-                    )
-                    self.runner = ProcessRunner(
-                        pool, self.slots, config.prefetch, no_room=no_room, timeout=config.timeout
-                    )
-                else:
-                    self.runner = ThreadRunner(
-                        batch_maker(config, dataset),
-                        config.threads,
-                        inline=config.makes_inline,
-                        prefetch=config.prefetch,
-                    )
+                self.runner = ThreadRunner(
+                    batch_maker(config, dataset),
+                    config.threads,
+                    inline=config.makes_inline,
+                    prefetch=config.prefetch,
+                )
             if isinstance(dataset, AsyncCloseable) and self.dataset_aclose is None:
                 self.dataset_aclose = dataset.aclose
                 hold(dataset)  # closed by the last open loader that reads it
@@ -281,11 +243,11 @@ class Resources:
         forked one, the default, or the standard forkserver, whose one-time start then overlaps
         the program's own; not ``spawn``, whose workers each import the program, nor ``fork``
         from a thread: ``_workers.starts_early``), and no device stage (made on first use). A
-        shared pool's workers are the pool's to start.
+        pool the loader was given is the user's to start.
         """
         if (
             not config.uses_processes
-            or self.shared is not None
+            or (self.pool is not None and not self.own_pool)
             or not starts_early(context)
             or device_spec is not None
             or config.pin_memory
@@ -309,8 +271,9 @@ class Resources:
         self.starter.start()
 
     def drop_workers_for_seed(self, config: LoaderConfig, seed: int) -> None:
-        """Worker processes were given the seed when they started: let started ones go (the
-        next epoch starts new ones with ``seed``); threads never had it.
+        """The workers' dataset copy carries the seed: let this loader's copy go, so the next
+        epoch attaches anew and loads a copy with ``seed`` (the processes stay); threads never
+        had it.
 
         Raises:
             ValueError: an epoch is being iterated on worker processes (they use the seed).
@@ -347,8 +310,9 @@ class Resources:
         """The private event-loop thread for sync iteration, started on first use."""
         with self.lock:
             self._claim()
-            if self.loop_thread is None:  # a shared pool's loaders share the pool's
-                self.loop_thread = LoopThread() if self.shared is None else self.shared.loop()
+            if self.loop_thread is None:  # the loaders of a pool they were given share its own
+                given = self.pool if self.pool is not None and not self.own_pool else None
+                self.loop_thread = LoopThread() if given is None else given.loop()
             _LIVE.add(self)
             return self.loop_thread
 
@@ -372,17 +336,16 @@ class Resources:
         """Run ``close`` (which calls :meth:`close`) without the loop waiting on anything.
 
         In place where nothing it would wait for exists, as with an idle ``num_workers=0``
-        loader: no worker process or shared pool, loop thread, device stage, shared memory or
-        start-up thread, and no batch queued or made on a helper thread (that saves a thread's
-        hand-off, ~0.5 ms). Else on a thread of its own. ``may_block``: the caller may block."""
+        loader: no pool of worker processes, loop thread, device stage or start-up thread, and
+        no batch queued or made on a helper thread (that saves a thread's hand-off, ~0.5 ms).
+        Else on a thread of its own. ``may_block``: the caller may block."""
         with self.lock:
             runner, starter = self.runner, self.starter
             at_once = (
                 not may_block
-                and self.shared is None
+                and self.pool is None
                 and self.loop_thread is None
                 and self.device is None
-                and self.slots is None
                 and (starter is None or not starter.is_alive())
                 # Last: once it says yes, the threads take no more batches.
                 and (runner is None or (isinstance(runner, ThreadRunner) and runner.stop_if_idle()))
@@ -405,7 +368,10 @@ class Resources:
         with self.lock:
             self.closed = True
             runner, self.runner = self.runner, None
-            slots, self.slots = self.slots, None
+            own = self.pool if self.own_pool else None
+            given = self.pool if not self.own_pool else None
+            if own is not None:
+                self.pool = None
             device, self.device = self.device, None
             loop_thread, self.loop_thread = self.loop_thread, None
         # Another open loader may read the dataset: then this one's loop closes only its own.
@@ -414,19 +380,19 @@ class Resources:
             if aclose is not None:  # sessions the dataset opened on the private loop
                 with contextlib.suppress(Exception):
                     loop_thread.run(aclose(), timeout=DATASET_CLOSE_TIMEOUT_S)
-            if self.shared is None:  # a shared pool's loop is the pool's to close
+            if given is None:  # the loop of a pool it was given is that pool's to close
                 loop_thread.close()
         elif aclose is not None:
             _close_dataset_without_loop(aclose, epochs[0].loop if epochs else None)
-        if runner is not None:
-            runner.close()
+        if own is not None:
+            own.close()  # its processes and slots: nothing to release one copy from first
+        elif runner is not None:
+            runner.close()  # threads; or this loader's copy in a pool it was given
         starter = self.starter
         if starter is not None and starter is not threading.current_thread():
             starter.join(STARTER_JOIN_S)  # it launches nothing more once the pool is closed
         if device is not None:
             device.close()
-        if slots is not None:
-            slots.close()
 
     def worker_pids(self) -> tuple[int, ...]:
         """Pids of the worker processes started so far (none with threads)."""
@@ -438,8 +404,8 @@ class Resources:
         memory, restarts and fallbacks (see :class:`aioloader.LoaderStatistics`)."""
         epoch = self.epoch
         runner = self.runner
-        pool = runner.slots if isinstance(runner, ProcessRunner) else self.slots
-        slots = pool.stats() if pool is not None else None
+        slot_pool = runner.slots if isinstance(runner, ProcessRunner) else None
+        slots = slot_pool.stats() if slot_pool is not None else None
         return {
             "in_flight": epoch.reorder.pending if epoch is not None else 0,
             "waiting": epoch.reorder.waiting if epoch is not None else 0,
@@ -455,10 +421,10 @@ class Resources:
     @property
     def held(self) -> bool:
         """Whether anything is still held (a process, a thread, a segment); a loader on a
-        closed shared pool holds nothing."""
-        if self.shared is not None and self.shared.closed:
+        closed pool it was given holds nothing."""
+        if self.pool is not None and not self.own_pool and self.pool.closed:
             return False
-        return self.runner is not None or self.loop_thread is not None or self.slots is not None
+        return self.runner is not None or self.loop_thread is not None or self.pool is not None
 
 
 # How long closing waits for the thread that starts the workers early (it is at most amid one
@@ -551,48 +517,3 @@ def finalize(resources: Resources, name: str) -> None:
             stacklevel=2,
         )
     close_soon(resources.close, resources.lock)  # the collector may run this inside ensure()
-
-
-def _start_up_note(exc: OSError, workers: int) -> str | None:
-    """What to add to an error from starting the workers when the machine ran out of
-    something: descriptors, or room in /dev/shm (where multiprocessing keeps its locks)."""
-    where = f"starting {workers} worker processes"
-    note = out_of_descriptors_note(exc, where)
-    if note is None and exc.errno == errno.ENOSPC and _shm.shm_available():
-        note = (
-            f"{where}: {_shm.SHM_DIR} is full ({_shm.free_bytes()} bytes free), and "
-            "multiprocessing keeps every worker's locks and semaphores there, so no worker can "
-            f"start. Free space in {_shm.SHM_DIR}, give it more (docker run --shm-size=...), or "
-            "read in this process (num_workers=0, or thread_pool=True)"
-        )
-    return note
-
-
-def _slot_pool(config: LoaderConfig, device: DeviceStage | None) -> _shm.SlotPool | None:
-    cap = config.shm_cap()
-    if cap <= 0:  # the batches that then travel inline are said and counted as they come
-        return None
-    # A nearly full /dev/shm gives a cap under the smallest slot: slots as small as the cap.
-    smallest = min(cap, _shm.MIN_SLOT_BYTES)
-    if device is not None and device.enabled:
-        # Each slot is page-locked once when created, so device copies read it directly.
-        return _shm.SlotPool(
-            cap,
-            min_slot_bytes=smallest,
-            on_map=device.register_host_memory,
-            on_unmap=device.unregister_host_memory,
-        )
-    return _shm.SlotPool(cap, min_slot_bytes=smallest)
-
-
-def weak_call(method: Callable[[int], None], arg: int) -> Callable[[], None]:
-    """A callable that calls the bound ``method(arg)`` while its object is alive, else
-    nothing."""
-    ref = weakref.WeakMethod(method)
-
-    def call() -> None:
-        bound = ref()
-        if bound is not None:
-            bound(arg)
-
-    return call

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import itertools
 import os
@@ -66,20 +67,25 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _shm
 from .. import _validate as check
-from .._config import SHM_FRACTION, SHM_MAX_DEFAULT, LoaderConfig, context_argument
+from .._config import LoaderConfig, context_argument
+from .._errors import out_of_descriptors_note
 from .._sampling import rank_seed
 from .._threads import LoopThread, off_loop
 from .._types import Runner
+
+if TYPE_CHECKING:
+    from .._device import DeviceStage
 from .._workers import (
     DEFAULT_START_TIMEOUT_S,
     Payload,
     ProcessRunner,
     preload_pickler,
     resolve_context,
+    warn_more_workers_than_cpus,
 )
 from .._workers import WorkerPool as Processes
 from ._closing import close_soon
@@ -89,7 +95,9 @@ __all__ = [
     "WorkerPool",
     "WorkerPoolStatistics",
     "close_pools",
+    "private_pool",
     "shared_pool",
+    "start_deadline",
     "worker_context",
 ]
 
@@ -185,6 +193,7 @@ class _Held:
 
     processes: Processes
     shm_max_bytes: int | None
+    private: bool = False  # a loader's own pool (no ``workers=``): closed with its loader
     slots: _shm.SlotPool | None = None
     slots_made: bool = False
     no_room: bool = False  # no slot pool for want of room in /dev/shm (not shm_max_bytes=0)
@@ -204,16 +213,28 @@ class _Held:
         if not self.processes.pids() and self.slots is None and self.loop_thread is None:
             self.pid = os.getpid()
 
-    def slot_pool(self) -> _shm.SlotPool | None:
-        """The one slot pool, made at the first loader's first epoch (under the lock)."""
+    def slot_pool(self, device: DeviceStage | None = None) -> _shm.SlotPool | None:
+        """The one slot pool, made at the first loader's first epoch (under the lock). A
+        loader's own pool registers each slot as page-locked memory with the loader's
+        ``device`` stage, so device copies read the slots directly; a shared pool does not
+        (its loaders may use different devices, or none)."""
         if not self.slots_made:
             self.claim()
             self.slots_made = True
-            cap = _shm_cap(self.shm_max_bytes) if _shm.shm_available() else 0
+            cap = _shm.budget(self.shm_max_bytes) if _shm.shm_available() else 0
             self.no_room = cap <= 0 and _shm.shm_available() and self.shm_max_bytes is None
             if cap > 0:
                 # A nearly full /dev/shm gives a cap under the smallest slot: slots that small.
-                self.slots = _shm.SlotPool(cap, min_slot_bytes=min(cap, _shm.MIN_SLOT_BYTES))
+                smallest = min(cap, _shm.MIN_SLOT_BYTES)
+                if self.private and device is not None and device.enabled:
+                    self.slots = _shm.SlotPool(
+                        cap,
+                        min_slot_bytes=smallest,
+                        on_map=device.register_host_memory,
+                        on_unmap=device.unregister_host_memory,
+                    )
+                else:
+                    self.slots = _shm.SlotPool(cap, min_slot_bytes=smallest)
         return self.slots
 
     def detach(self, copy_id: int) -> None:
@@ -225,7 +246,7 @@ class _Held:
         self.processes.release(copy_id)
 
     def close(self) -> None:
-        """Stop the workers, the private loop and the slot pool (blocking). Idempotent. In a
+        """Stop the workers, the loop thread and the slot pool (blocking). Idempotent. In a
         forked child, nothing: they are the parent's (see ``_resources.Resources.close``);
         nor is its lock, which a parent's thread may have held as the child forked."""
         if os.getpid() != self.pid:
@@ -249,13 +270,31 @@ class _Held:
             slots.close()
 
 
-def _shm_cap(shm_max_bytes: int | None) -> int:
-    """The budget: as given, else a quarter of free /dev/shm, at most 4 GiB (the loader's
-    default, see ``_config``)."""
-    if shm_max_bytes is not None:
-        return shm_max_bytes
-    stat = os.statvfs(_shm.SHM_DIR)
-    return int(min(SHM_MAX_DEFAULT, stat.f_bavail * stat.f_frsize * SHM_FRACTION))
+def start_deadline(config: LoaderConfig) -> tuple[float, str]:
+    """Seconds a loader's own worker processes may take to start, and to load each dataset
+    copy, with the setting that says so (for errors): ``start_timeout`` if given, else the
+    batch ``timeout`` (as in torch, where the first batch's timeout covers the workers'
+    start), else :data:`DEFAULT_START_TIMEOUT_S`."""
+    if config.start_timeout is not None:
+        return config.start_timeout, f"start_timeout={config.start_timeout}"
+    if config.timeout is not None:
+        return config.timeout, f"timeout={config.timeout}"
+    return DEFAULT_START_TIMEOUT_S, "start_timeout not set: the default"
+
+
+def _start_up_note(exc: OSError, workers: int) -> str | None:
+    """What to add to an error from starting the workers when the machine ran out of
+    something: descriptors, or room in /dev/shm (where multiprocessing keeps its locks)."""
+    where = f"starting {workers} worker processes"
+    note = out_of_descriptors_note(exc, where)
+    if note is None and exc.errno == errno.ENOSPC and _shm.shm_available():
+        note = (
+            f"{where}: {_shm.SHM_DIR} is full ({_shm.free_bytes()} bytes free), and "
+            "multiprocessing keeps every worker's locks and semaphores there, so no worker can "
+            f"start. Free space in {_shm.SHM_DIR}, give it more (docker run --shm-size=...), or "
+            "read in this process (num_workers=0, or thread_pool=True)"
+        )
+    return note
 
 
 class WorkerPool:
@@ -306,27 +345,34 @@ class WorkerPool:
         )
         self.start_timeout = check.seconds("start_timeout", start_timeout, positive=True)
         self._context = resolve_context(context, allow_fork=self.allow_fork)
-        cpus = os.cpu_count() or 1
-        if self.num_workers > cpus:
-            warnings.warn(
-                f"num_workers={self.num_workers} is more than the {cpus} CPUs here; "
-                "extra workers only compete for them",
-                UserWarning,
-                stacklevel=2,
-            )
+        warn_more_workers_than_cpus(self.num_workers)
         timeout = self.start_timeout
-        processes = Processes(
-            self.num_workers,
-            self._context,
-            0,  # each loader's copy brings its own seed
-            start_timeout=DEFAULT_START_TIMEOUT_S if timeout is None else timeout,
-            start_setting=(
+        self._setup(
+            DEFAULT_START_TIMEOUT_S if timeout is None else timeout,
+            (
                 "start_timeout not set: the default"
                 if timeout is None
                 else f"WorkerPool(start_timeout={timeout})"
             ),
+            private=False,
         )
-        self._held = _Held(processes, self.shm_max_bytes)
+
+    def _setup(self, start_timeout: float, start_setting: str, *, private: bool) -> None:
+        """What every pool holds, a loader's own or one it shares: the processes (not started
+        yet), and the record a finalizer and the exit hook release."""
+        try:
+            processes = Processes(
+                self.num_workers,
+                self._context,
+                0,  # each loader's copy brings its own seed
+                start_timeout=start_timeout,
+                start_setting=start_setting,
+            )
+        except OSError as exc:
+            if (note := _start_up_note(exc, self.num_workers)) is not None:
+                exc.add_note(note)
+            raise
+        self._held = _Held(processes, self.shm_max_bytes, private=private)
         _OPEN.add(self._held)
         self._finalizer = weakref.finalize(self, _finalize, self._held)
 
@@ -431,9 +477,12 @@ class WorkerPool:
                 "processes are gone. Make a new pool and new loaders, or close the pool last"
             )
 
-    def attach(self, config: LoaderConfig, current: Runner | None) -> Runner:
+    def attach(
+        self, config: LoaderConfig, current: Runner | None, device: DeviceStage | None = None
+    ) -> Runner:
         """The runner of a loader with ``config``: ``current`` if it has one, else a new one
-        with a copy id of its own.
+        with a copy id of its own. ``device``: the loader's device stage, whose page-locked
+        memory a loader's own pool makes its slots (see :meth:`_Held.slot_pool`).
 
         Raises:
             RuntimeError: the pool is closed (the message says so, naming it).
@@ -447,7 +496,7 @@ class WorkerPool:
             held.attached.add(copy_id)
             return SharedRunner(
                 held.processes,
-                held.slot_pool(),
+                held.slot_pool(device),
                 config,
                 copy_id,
                 functools.partial(held.detach, copy_id),
@@ -468,6 +517,23 @@ class WorkerPool:
                 held.claim()
                 held.loop_thread = LoopThread()
             return held.loop_thread
+
+
+def private_pool(config: LoaderConfig, context: BaseContext) -> WorkerPool:
+    """The pool a loader without ``workers=`` makes for itself at its first epoch (or as it is
+    made, to start its workers early), and attaches to exactly as to a pool it is given: one
+    holder of processes, slots and budget, one finalizer, one exit hook, whoever made it. It
+    is the loader's alone: closed with the loader (``_resources``), started and sized by the
+    loader's own settings, its slots page-locked for the loader's device; the loader warned
+    about more workers than CPUs already."""
+    pool = WorkerPool.__new__(WorkerPool)
+    pool.num_workers = config.num_workers
+    pool.allow_fork = False  # decided by resolving ``context`` already
+    pool.shm_max_bytes = config.shm_max_bytes
+    pool.start_timeout = config.start_timeout
+    pool._context = context
+    pool._setup(*start_deadline(config), private=True)
+    return pool
 
 
 def shared_pool(workers: object, *, num_workers: object, thread_pool: object) -> WorkerPool | None:
@@ -543,6 +609,9 @@ def _finalize(held: _Held) -> None:
     their own where the collecting thread holds the pool's lock or is its loop thread: see
     ``_closing``)."""
     if held.closed or os.getpid() != held.pid:  # a forked child's copy: the parent's pool
+        return
+    if held.private:  # its loader was collected too, and warned (``_resources.finalize``)
+        close_soon(held.close, held.lock)
         return
     warnings.warn(
         "WorkerPool was not closed; use `with` / `async with`, or call close() / aclose()",

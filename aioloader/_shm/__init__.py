@@ -93,10 +93,13 @@ from ._descriptors import INLINE_MAX_BYTES as INLINE_MAX_BYTES
 from ._descriptors import ArrayRef as ArrayRef
 from ._descriptors import Encoded as Encoded
 from ._descriptors import SlotWriter as SlotWriter
+from ._pool import BUDGET_FRACTION as BUDGET_FRACTION
+from ._pool import BUDGET_MAX as BUDGET_MAX
 from ._pool import GROWTH as GROWTH
 from ._pool import MIN_SLOT_BYTES as MIN_SLOT_BYTES
 from ._pool import ShmStats as ShmStats
 from ._pool import SlotPool as SlotPool
+from ._pool import budget as budget
 from ._segment import SHM_DIR as SHM_DIR
 from ._segment import SHM_PREFIX as SHM_PREFIX
 from ._segment import Slot as Slot
@@ -114,6 +117,8 @@ from ._segment import unlink as unlink
 __all__ = [
     "ALIGN",
     "ATTACH_CACHE_MAX",
+    "BUDGET_FRACTION",
+    "BUDGET_MAX",
     "GROWTH",
     "INLINE_MAX_BYTES",
     "MIN_SLOT_BYTES",
@@ -128,6 +133,7 @@ __all__ = [
     "as_bytes",
     "attach",
     "attached",
+    "budget",
     "create_segment",
     "detach_all",
     "discard",

@@ -40,7 +40,15 @@ from ._segment import (
     unlink,
 )
 
-__all__ = ["GROWTH", "MIN_SLOT_BYTES", "ShmStats", "SlotPool"]
+__all__ = [
+    "BUDGET_FRACTION",
+    "BUDGET_MAX",
+    "GROWTH",
+    "MIN_SLOT_BYTES",
+    "ShmStats",
+    "SlotPool",
+    "budget",
+]
 
 # A new segment gets this much headroom over the batch that asked for it, so batches that vary
 # a little in size (variable-length samples) reuse the slot instead of re-creating it. Higher
@@ -50,6 +58,23 @@ GROWTH = 1.25
 # The smallest segment created. Larger wastes memory on small batches; smaller creates more
 # segments while batch sizes are still being learned.
 MIN_SLOT_BYTES = 1 << 20
+
+# The default budget of a pool (``shm_max_bytes`` not given): a quarter of /dev/shm's free
+# space, at most 4 GiB. Larger: more batches the consumer keeps (a ``list(loader)``) stay
+# zero-copy; smaller: more room left for other loaders and ranks on the node. Above the budget,
+# batches travel pickled rather than failing.
+BUDGET_FRACTION = 0.25
+BUDGET_MAX = 4 << 30
+
+
+def budget(max_bytes: int | None) -> int:
+    """The bytes a slot pool may hold: ``max_bytes`` as given (``shm_max_bytes``), else the
+    default (:data:`BUDGET_FRACTION` of what /dev/shm has free now, at most
+    :data:`BUDGET_MAX`). The one rule, for a loader's own pool and a shared one alike."""
+    if max_bytes is not None:
+        return max_bytes
+    stat = os.statvfs(SHM_DIR)
+    return int(min(BUDGET_MAX, stat.f_bavail * stat.f_frsize * BUDGET_FRACTION))
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,6 +83,7 @@ from ._payload import dumps_copy as dumps_copy
 from ._payload import preload_pickler as preload_pickler
 from ._pool import DEFAULT_START_TIMEOUT_S as DEFAULT_START_TIMEOUT_S
 from ._pool import WorkerPool as WorkerPool
+from ._pool import warn_more_workers_than_cpus as warn_more_workers_than_cpus
 from ._runner import ProcessRunner as ProcessRunner
 from ._zygote import is_zygote as is_zygote
 

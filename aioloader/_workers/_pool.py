@@ -66,6 +66,7 @@ import multiprocessing
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import connection
@@ -97,6 +98,7 @@ __all__ = [
     "MAX_START_FAILURES",
     "SHUTDOWN_GRACE_S",
     "WorkerPool",
+    "warn_more_workers_than_cpus",
 ]
 
 J = TypeVar("J")
@@ -128,6 +130,21 @@ _FORK: BaseContext | None = (
     if "fork" in multiprocessing.get_all_start_methods()
     else None
 )
+
+
+def warn_more_workers_than_cpus(num_workers: int, stacklevel: int = 3) -> None:
+    """Warn where ``num_workers`` processes are more than this machine's CPUs: the extra ones
+    only compete for them. Said by whoever decides the count (a loader with workers of its
+    own, or a :class:`~aioloader.WorkerPool`), never by a loader on a pool as well. Threads
+    (``thread_pool=True``) are not counted: they mostly wait on IO with the GIL released."""
+    cpus = os.cpu_count() or 1
+    if num_workers > cpus:
+        warnings.warn(
+            f"num_workers={num_workers} is more than the {cpus} CPUs here; "
+            "extra workers only compete for them",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
 
 
 class WorkerPool:
