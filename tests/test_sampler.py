@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import sys
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -155,7 +156,12 @@ def test_random_seed_is_chosen_once_and_kept() -> None:
     assert list(clone) == order
 
 
-def test_random_seed_follows_python_random_seeding() -> None:
+def test_random_seed_follows_python_random_seeding_without_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With torch imported the seed is torch's (see the test below); a program without torch
+    # repeats from random.seed.
+    monkeypatch.setitem(sys.modules, "torch", None)  # as if nobody imported torch
     saved = random.getstate()
     try:
         random.seed(1234)
@@ -166,6 +172,31 @@ def test_random_seed_follows_python_random_seeding() -> None:
         random.setstate(saved)
     assert a.seed == b.seed
     assert list(a) == list(b)
+
+
+def test_random_seed_follows_torch_manual_seed_and_is_then_kept() -> None:
+    # torch's RandomSampler draws its seed from torch's global generator; so does ours, once.
+    torch.manual_seed(0)
+    a = RandomSampler(100)
+    torch.manual_seed(0)
+    b = RandomSampler(100)
+    assert a.seed == b.seed
+    assert a.seed is not None and 0 <= a.seed < 2**63
+    epochs = [list(a) for _ in range(3)]
+    assert epochs == [list(b) for _ in range(3)]
+    assert epochs[0] != epochs[1]  # a new order each epoch, from (seed, epoch)
+    assert sorted(epochs[2]) == list(range(100))
+    c = RandomSampler(100)  # the global generator moved on: another seed
+    assert c.seed != a.seed
+    state = a.state_dict()  # the seed drawn is the state: no global generator to restore
+    torch.manual_seed(1)
+    resumed = RandomSampler(100)
+    resumed.load_state_dict(state)
+    assert list(resumed) == list(a)
+    given = torch.get_rng_state()
+    RandomSampler(100, seed=3)  # a seed given, or a generator, leaves the global one alone
+    RandomSampler(100, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(torch.get_rng_state(), given)
 
 
 def test_random_state_round_trip_resumes_the_next_epoch() -> None:

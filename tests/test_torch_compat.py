@@ -1134,6 +1134,48 @@ def test_random_sampler_num_samples_and_replacement_as_in_torch() -> None:
         RandomSampler(range(n), replacement=0)  # type: ignore[arg-type]
 
 
+SAMPLERS_OF_THE_GLOBAL_GENERATOR: dict[str, Callable[[Any], Any]] = {
+    "with replacement": lambda m: m.RandomSampler(range(10), num_samples=5, replacement=True),
+    "without replacement": lambda m: m.RandomSampler(range(10), replacement=False),
+    "more samples than data": lambda m: m.RandomSampler(range(10), num_samples=25),
+}
+
+
+@pytest.mark.parametrize(
+    "make", SAMPLERS_OF_THE_GLOBAL_GENERATOR.values(), ids=SAMPLERS_OF_THE_GLOBAL_GENERATOR.keys()
+)
+@pytest.mark.parametrize("module", [tud, aioloader], ids=["torch", "aioloader"])
+def test_an_unseeded_random_sampler_repeats_after_torch_manual_seed(
+    module: Any, make: Callable[[Any], Any]
+) -> None:
+    # torch's test_sampler_reproducibility: samplers given no generator draw from torch's
+    # global one, so the same torch.manual_seed gives the same orders.
+    torch.manual_seed(0)
+    first = list(make(module)) + list(make(module))
+    torch.manual_seed(0)
+    assert list(make(module)) + list(make(module)) == first
+    torch.manual_seed(0)
+    interleaved = [iter(make(module)), iter(make(module))]
+    assert [i for it in interleaved for i in it] == first
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_shuffle_without_a_seed_repeats_after_torch_manual_seed(num_workers: int) -> None:
+    def orders(make: Callable[..., Any]) -> list[Any]:
+        torch.manual_seed(3)
+        loader = make(Indexed(12), batch_size=4, shuffle=True, num_workers=num_workers)
+        try:
+            return [[b.tolist() for b in loader] for _ in range(2)]
+        finally:
+            if isinstance(loader, DataLoader):
+                loader.close()
+
+    for make in (tud.DataLoader, DataLoader):
+        first = orders(make)
+        assert orders(make) == first
+        assert first[0] != first[1]  # each epoch its own order
+
+
 def test_random_sampler_with_a_seeded_generator_is_reproducible() -> None:
     def draw() -> list[int]:
         return list(RandomSampler(range(10), generator=torch.Generator().manual_seed(42)))

@@ -30,6 +30,10 @@ Sharp edges, each deliberate:
   ``iter()`` does its work at once (it draws the whole order), so ``state_dict()`` taken right
   before ``iter()`` describes that iteration completely: restoring it and skipping the batches
   already delivered resumes an epoch exactly.
+- **An unseeded RandomSampler takes its seed once, as it is made**, from torch's global
+  generator when torch is imported (else Python's ``random``): ``torch.manual_seed(s)`` before
+  it repeats its orders, as it repeats torch's, and the seed is then fixed, so epochs replay and
+  resume. torch's draws from the global generator at every ``iter()``.
 - **The order survives library upgrades.** numpy documents that ``Generator.permutation`` may
   change between versions (NEP 19), while the raw output of ``PCG64`` seeded through
   ``SeedSequence`` is fixed. The permutation is therefore built by sorting raw 64-bit keys, so a
@@ -144,8 +148,17 @@ def _draw(
 
 
 def _fresh_seed() -> int:
-    # Python's ``random`` so that ``random.seed(...)`` at the top of a script makes the run
-    # reproducible; unseeded, it is seeded from os.urandom at interpreter start.
+    """The seed of a :class:`RandomSampler` given neither ``seed`` nor ``generator``.
+
+    Drawn as torch's RandomSampler draws its own: from torch's global generator, so that
+    ``torch.manual_seed(s)`` before the sampler is made repeats its order (torch's
+    ``test_sampler_reproducibility``). If torch was never imported nobody can have seeded it:
+    then from Python's ``random``, so that ``random.seed(s)`` repeats a torch-free program, and
+    without importing torch (seconds) for it. Unseeded, both start from fresh entropy.
+    """
+    torch: Any = sys.modules.get("torch")
+    if torch is not None:
+        return int(torch.empty((), dtype=torch.int64).random_().item())  # below 2**63
     return random.getrandbits(_SEED_BITS)
 
 
@@ -194,9 +207,12 @@ class RandomSampler:
             replacement it may exceed the length: whole permutations are repeated, then a part
             of one, as torch does.
         generator: a ``torch.Generator`` to draw from instead of ``(seed, epoch)``.
-        seed: the seed of the ``(seed, epoch)`` order. ``None`` picks one at construction from
-            Python's ``random`` module (so ``random.seed`` makes it reproducible); it is kept
-            as :attr:`seed` and saved by :meth:`state_dict`.
+        seed: the seed of the ``(seed, epoch)`` order. ``None`` draws one at construction
+            from torch's global generator (so ``torch.manual_seed`` makes it reproducible, as
+            it makes torch's RandomSampler), or from Python's ``random`` module when torch was
+            never imported (``random.seed`` then does); it is kept as :attr:`seed` and saved
+            by :meth:`state_dict`. torch's sampler draws a new seed at every ``iter()``
+            instead, so an epoch of it cannot be replayed or resumed.
 
     Raises:
         TypeError: if an argument has the wrong type (for ``num_samples`` also a
