@@ -181,7 +181,8 @@ def test_random_seed_follows_torch_manual_seed_and_is_then_kept() -> None:
     torch.manual_seed(0)
     b = RandomSampler(100)
     assert a.seed == b.seed
-    assert a.seed is not None and 0 <= a.seed < 2**63
+    assert a.seed is not None
+    assert 0 <= a.seed < 2**63
     epochs = [list(a) for _ in range(3)]
     assert epochs == [list(b) for _ in range(3)]
     assert epochs[0] != epochs[1]  # a new order each epoch, from (seed, epoch)
