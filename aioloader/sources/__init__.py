@@ -17,6 +17,11 @@ runs ``decode`` in a thread or worker process.
   extra: pyarrow).
 - :class:`RetryPolicy` and :func:`retrying`: the retry loop both remote sources share, for
   writing another one.
+- :func:`add_credential_parameters`: more query parameters whose values are masked wherever a
+  URL is shown (presigned signatures, SAS ``sig``, tokens and userinfo passwords already are).
+  Every source masks the URLs it shows in errors, logs and ``repr``, and bounds what it holds
+  of one object (``max_object_bytes``; a tar member's ``max_member_bytes``, a Parquet row
+  group's ``max_row_group_bytes``).
 - :func:`list_objects` / :func:`alist_objects`: the objects behind a prefix, a glob or an
   index file (``s3://b/train/*.tar``, ``data/train/``, ``https://host/index.txt``), sorted,
   for any source that takes a list; each dataset's ``from_prefix`` (``from_index`` for HTTP)
@@ -38,6 +43,7 @@ from ._listing import alist_objects as alist_objects
 from ._listing import list_objects as list_objects
 from ._parquet import BrokenRowGroup as BrokenRowGroup
 from ._parquet import ParquetDataset as ParquetDataset
+from ._redact import add_credential_parameters as add_credential_parameters
 from ._retry import RetryableError as RetryableError
 from ._retry import RetryPolicy as RetryPolicy
 from ._retry import parse_retry_after as parse_retry_after
@@ -55,6 +61,7 @@ __all__ = [
     "RetryPolicy",
     "RetryableError",
     "TarDataset",
+    "add_credential_parameters",
     "alist_objects",
     "list_objects",
     "parse_retry_after",

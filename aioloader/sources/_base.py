@@ -43,20 +43,25 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Itera
 from types import ModuleType, TracebackType
 from typing import Any, Generic, Self, TypeVar, cast
 
-from .._validate import callable_or_none
+from .._validate import callable_or_none, positive_int, value_errors
+from ._redact import add_credential_parameters, parameters_state, redact
 
 __all__ = [
     "CLOSE_TIMEOUT_S",
+    "MAX_OBJECT_BYTES",
     "WILDCARDS",
     "ListedName",
     "PerLoop",
     "Source",
     "as_names",
+    "byte_limit",
     "has_glob",
     "is_pattern",
+    "read_bounded",
     "refuse_patterns",
     "require",
     "run_sync",
+    "too_large",
 ]
 
 R = TypeVar("R")
@@ -66,6 +71,68 @@ R = TypeVar("R")
 CLOSE_TIMEOUT_S = 5.0
 
 REMOTE_EXTRA_HINT = "pip install 'aioloader[remote]'"
+
+#: The default bound on one object a source holds whole (``max_object_bytes``; a tar member's
+#: ``max_member_bytes``): 1 GiB. Larger than any image, audio clip, tensor file or video clip
+#: that is one sample, so real data never meets it; small enough that a URL pointing at a far
+#: larger object, or a body without end, is refused before it takes the host's memory (the
+#: loader holds up to ``io_concurrency`` objects at once). A bound at the real largest object
+#: protects more; ``None`` removes it.
+MAX_OBJECT_BYTES = 1 << 30
+
+#: Bytes asked per read while a body is held against a bound.
+BOUNDED_CHUNK = 1 << 20
+
+
+def byte_limit(name: str, value: object) -> int | None:
+    """``value`` as a bound in bytes: a positive int, or ``None`` for no bound.
+
+    Raises:
+        ValueError: naming ``name`` and the value (of the wrong type, also a ``TypeError``).
+    """
+    if value is None:
+        return None
+    with value_errors():
+        return positive_int(name, value)
+
+
+def _size_text(size: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if size >= 1 << shift:
+            return f"{size / (1 << shift):.1f} {unit}"
+    return f"{size} bytes"
+
+
+def too_large(what: str, size: int | None, setting: str, limit: int) -> str:
+    """The message of an object refused for its size: ``what`` (its masked name) ``size``
+    bytes (``None``: a body without a length that passed the bound), ``setting`` and its
+    ``limit``, and what to do."""
+    if size is None:
+        amount = f"a body without a length that passed {limit} bytes while read"
+    else:
+        amount = f"{size} bytes ({_size_text(size)})"
+    return (
+        f"{what} is {amount}, over {setting}={limit} ({_size_text(limit)}); refused to "
+        f"protect this process's memory. If objects this large are meant, raise {setting} "
+        "(None: no bound); otherwise the URL names another object than meant"
+    )
+
+
+async def read_bounded(
+    read: Callable[[int], Awaitable[bytes]], limit: int | None, refuse: Callable[[], Exception]
+) -> bytes:
+    """Everything ``read(n)`` returns until it returns ``b""``, refused with ``refuse()`` as
+    soon as more than ``limit`` bytes arrived (never holding more than ``limit`` plus one
+    read); ``limit=None`` reads to the end."""
+    pieces: list[bytes] = []
+    held = 0
+    while chunk := await read(BOUNDED_CHUNK):
+        held += len(chunk)
+        if limit is not None and held > limit:
+            pieces.clear()
+            raise refuse()
+        pieces.append(chunk)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def require(module: str, feature: str) -> ModuleType:
@@ -285,9 +352,12 @@ class Source(ABC):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         del state["_pools"]  # bound to this process's loops; reopened lazily after unpickling
+        # A worker masks what it shows (decode errors' notes) as this process does.
+        state["_credential_parameters"] = parameters_state()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        add_credential_parameters(*state.pop("_credential_parameters", ()))
         self.__dict__.update(state)
         self._pools = PerLoop(self._close_pool)
 
@@ -372,7 +442,7 @@ def refuse_patterns(
     for position, name in enumerate(names):
         if is_pattern(name, query=query) and not isinstance(name, ListedName):
             raise ValueError(
-                f"{argument}[{position}]={name!r} is a prefix or a glob, not one object; "
+                f"{argument}[{position}]={redact(name)!r} is a prefix or a glob, not one object; "
                 f"list the objects first (the names a listing returns are read as they are, "
                 f"whatever characters they hold): {listing}"
             )

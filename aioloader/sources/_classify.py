@@ -23,6 +23,7 @@ import errno
 from collections.abc import Iterable, Mapping
 
 from .._errors import RemoteNotFoundError, RemotePermissionError
+from ._redact import redact
 from ._retry import RetryableError, RetryPolicy
 
 __all__ = ["classify"]
@@ -106,7 +107,7 @@ def classify(exc: Exception, url: str, policy: RetryPolicy) -> Exception | None:
     HTTP ``_info`` raises ``FileNotFoundError`` for *any* failure, a 503 or a reset included.
     """
     status, code = _status_and_code(exc)
-    detail = f"{url}: {_name(exc)}"
+    detail = redact(f"{url}: {_name(exc)}")  # a backend's text may hold the URL too
     if status == 404 or code in NOT_FOUND_CODES:
         return RemoteNotFoundError(detail, url=url)
     if status in (401, 403) or code in PERMISSION_CODES:
@@ -115,7 +116,7 @@ def classify(exc: Exception, url: str, policy: RetryPolicy) -> Exception | None:
         "Timeout" in type(link).__name__ for link in _chain(exc)
     )
     what = f"{code} (HTTP {status})" if code else f"HTTP {status}" if status else None
-    reason = f"{what}: {_name(exc)}" if what else _name(exc)
+    reason = redact(f"{what}: {_name(exc)}" if what else _name(exc))
     if (
         code in RETRYABLE_CODES
         or (status is not None and status in policy.retry_statuses)

@@ -11,6 +11,9 @@ Sharp edges:
 - The length check compares the bytes read with the size ``fstat`` reported when the file was
   opened: a file cut short while being read is an error, a file that grew is read as far as
   it had grown. Files without a meaningful size (pipes, ``/proc``) are not checked.
+- ``max_object_bytes`` bounds what one :meth:`FileDataset.fetch` holds: a regular file over
+  it is refused by its size before a byte is read; a pipe or device, as soon as what it gave
+  passes the bound. Paths are shown masked (:mod:`._redact`), as URLs are.
 - No retries: a local read that fails does so for a reason another try will not fix.
 - A glob or a directory given as one path is refused at construction (it would read as one
   item and fail only then): :meth:`FileDataset.from_prefix` lists it. A name with ``*`` or
@@ -20,6 +23,7 @@ Sharp edges:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import glob
 import os
@@ -27,7 +31,17 @@ import stat
 from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import Any, Self
 
-from ._base import Source, as_names, has_glob, is_pattern
+from ._base import (
+    MAX_OBJECT_BYTES,
+    Source,
+    as_names,
+    byte_limit,
+    has_glob,
+    is_pattern,
+    read_bounded,
+    too_large,
+)
+from ._redact import masked, redact
 
 __all__ = ["FileDataset", "list_local"]
 
@@ -50,6 +64,9 @@ class FileDataset(Source):
         paths: the files, as strings or path-like objects (one string counts as one file).
         decode: turns a file's bytes into a sample, off the event loop; ``None`` keeps bytes.
             Must be picklable to be used with worker processes.
+        max_object_bytes: the most bytes one :meth:`fetch` holds: a larger file is an
+            ``OSError`` (``errno.EFBIG``) naming the path, the size and this setting, skipped
+            under ``on_error="skip"``. ``None``: no bound. :meth:`stream` is not bounded by it.
 
     Raises:
         TypeError: ``paths`` is not a sequence of paths, or ``decode`` is not callable.
@@ -60,15 +77,18 @@ class FileDataset(Source):
         self,
         paths: Iterable[str | os.PathLike[str]] | str | os.PathLike[str],
         decode: Callable[[bytes], Any] | None = None,
+        *,
+        max_object_bytes: int | None = MAX_OBJECT_BYTES,
     ) -> None:
         super().__init__(decode)
         self._paths = as_names(paths, "paths", paths=True)
+        self._max_object_bytes = byte_limit("max_object_bytes", max_object_bytes)
         for position, path in enumerate(self._paths):
             # Only names that look like patterns are looked at on disk, so a million plain
             # paths cost no stat.
             if is_pattern(path) and not os.path.isfile(path):
                 raise ValueError(
-                    f"paths[{position}]={path!r} is a directory or a glob, not one file; "
+                    f"paths[{position}]={redact(path)!r} is a directory or a glob, not one file; "
                     f"list the files first: {LISTING_HINT}"
                 )
 
@@ -94,14 +114,14 @@ class FileDataset(Source):
         return self._paths
 
     def item_name(self, index: int) -> str:
-        """Where item ``index`` comes from, for the notes of its errors."""
-        return self._paths[index]
+        """Where item ``index`` comes from, for the notes of its errors (masked)."""
+        return redact(self._paths[index])
 
     def __len__(self) -> int:
         return len(self._paths)
 
     def __repr__(self) -> str:
-        first = f", first={self._paths[0]!r}" if self._paths else ""
+        first = f", first={redact(self._paths[0])!r}" if self._paths else ""
         return f"FileDataset({len(self._paths)} files{first})"
 
     async def fetch(self, index: int) -> bytes:
@@ -110,22 +130,42 @@ class FileDataset(Source):
         Raises:
             FileNotFoundError: the file does not exist (the message names the path).
             PermissionError: the file cannot be read.
-            OSError: the file shrank while it was read, or another read error.
+            OSError: the file shrank while it was read, is over ``max_object_bytes``
+                (``errno.EFBIG``), or another read error.
         """
+        path = self._paths[self._check_index(index)]
+        try:
+            return await self._read(path)
+        except OSError as exc:
+            masked(exc)  # an OSError's text is its fields: masked in place
+            raise
+
+    async def _read(self, path: str) -> bytes:
         import aiofiles  # a core dependency; imported here to keep package import light
 
-        path = self._paths[self._check_index(index)]
+        limit = self._max_object_bytes
         async with aiofiles.open(path, "rb") as file:
             # fstat on an open descriptor reads cached metadata: cheap enough for the loop.
             info = os.fstat(file.fileno())
-            data: bytes = await file.read()
-        if stat.S_ISREG(info.st_mode) and len(data) < info.st_size:
+            regular = stat.S_ISREG(info.st_mode)
+            if limit is not None and regular and info.st_size > limit:
+                raise self._too_large(path, info.st_size)
+            if regular or limit is None:
+                data: bytes = await file.read()
+            else:  # a pipe or a device: no size to go by
+                data = await read_bounded(file.read, limit, lambda: self._too_large(path, None))
+        if regular and len(data) < info.st_size:
             raise OSError(
                 errno.EIO,
                 f"short read: got {len(data)} of {info.st_size} bytes (file changed while read)",
                 path,
             )
         return data
+
+    def _too_large(self, path: str, size: int | None) -> OSError:
+        assert self._max_object_bytes is not None
+        message = too_large(redact(path), size, "max_object_bytes", self._max_object_bytes)
+        return OSError(errno.EFBIG, message)
 
     async def stream(
         self, index: int, chunk_size: int = STREAM_CHUNK
@@ -138,6 +178,15 @@ class FileDataset(Source):
             OSError: the file shrank while it was read, or another read error.
         """
         path = self._paths[self._check_index(index)]
+        async with contextlib.aclosing(self._chunks(path, chunk_size)) as chunks:
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except OSError as exc:
+                masked(exc)
+                raise
+
+    async def _chunks(self, path: str, chunk_size: int) -> AsyncGenerator[bytes, None]:
         loop = asyncio.get_running_loop()
         opening = loop.run_in_executor(None, open, path, "rb")
         try:
@@ -195,6 +244,8 @@ def list_local(path_or_glob: str | os.PathLike[str]) -> list[str]:
         found = [pattern] if os.path.isfile(pattern) else []
     if not found:
         raise FileNotFoundError(
-            errno.ENOENT, "no files match (a missing directory, or an empty listing)", pattern
+            errno.ENOENT,
+            "no files match (a missing directory, or an empty listing)",
+            redact(pattern),
         )
     return sorted(found)

@@ -22,6 +22,15 @@ Sharp edges:
 - A filesystem is made per event loop with ``skip_instance_cache=True``: fsspec caches
   instances per thread, and a cached async instance holds a session bound to the loop that
   first used it. ``aclose()`` closes the sessions (s3fs's client, an aiohttp session).
+- ``max_object_bytes`` bounds what one :meth:`FsspecDataset.fetch` holds. On S3 the object's
+  size comes with its one GET (``ContentLength``), and on fsspec's HTTP filesystem with the
+  response (``Content-Length``): an object over the bound is refused before its body is read,
+  and a body without a length as soon as it passes the bound. Those two reads call the
+  backends below fsspec's ``_cat_file`` (s3fs's ``_call_s3``, the HTTP filesystem's session),
+  which hold the whole body before returning. Other filesystems are read through
+  ``_cat_file`` and checked after: the bound still refuses the object, but only once it was
+  held.
+- URLs are shown masked (:mod:`._redact`) in errors, warnings and ``repr``.
 - The length of the bytes is checked by the backend (botocore and aiohttp both fail a body
   shorter than its Content-Length); such failures are retried here. A ranged read's length is
   checked here: a server that ignores ``Range`` sends the whole object, and the range is cut
@@ -48,15 +57,20 @@ from .._log import remote_log
 from .._stats import current_counters
 from .._validate import seconds, value_errors
 from ._base import (
+    MAX_OBJECT_BYTES,
     ListedName,
     Source,
     as_names,
+    byte_limit,
     has_glob,
+    read_bounded,
     refuse_patterns,
     require,
     run_sync,
+    too_large,
 )
 from ._classify import classify
+from ._redact import masked, redact
 from ._retry import RetryPolicy, retrying
 
 __all__ = ["FsspecDataset", "list_fsspec"]
@@ -83,6 +97,9 @@ PROTOCOL_ATTRIBUTES: Mapping[str, Mapping[str, Any]] = {"s3": {"retries": 1}}
 
 #: Protocols whose URLs may carry a query (``?`` is no wildcard there).
 HTTP = frozenset({"http", "https"})
+
+#: s3fs's protocols: their objects are read with the size bound checked up front.
+S3 = frozenset({"s3", "s3a"})
 
 
 def _merge(defaults: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
@@ -118,6 +135,11 @@ class FsspecDataset(Source):
         item_deadline: seconds for all attempts of one item, waits included (``None``: no
             limit).
         sleep: awaited between attempts with the delay in seconds (for tests).
+        max_object_bytes: the most bytes one :meth:`fetch` holds (see the module's sharp
+            edges): an object over it is a ``RemoteError`` naming the masked URL, the size and
+            this setting; not retried; skipped under ``on_error="skip"``. ``None``: no bound.
+            Ranged reads and :meth:`stream` hand on what they were asked for and are not
+            bounded by it.
 
     Raises:
         ValueError: a URL without a protocol, with a protocol fsspec does not know or has no
@@ -138,6 +160,7 @@ class FsspecDataset(Source):
         storage_options: Mapping[str, Any] | None = None,
         item_deadline: float | None = None,
         sleep: Callable[[float], Awaitable[object]] | None = None,
+        max_object_bytes: int | None = MAX_OBJECT_BYTES,
     ) -> None:
         super().__init__(decode)
         require("fsspec", "FsspecDataset")
@@ -154,11 +177,12 @@ class FsspecDataset(Source):
         self._options: dict[str, Any] = dict(storage_options or {})
         self._attributes: dict[str, Any] = {}
         if self._protocol is not None:
-            cls = filesystem_class(self._protocol, f"urls[0]={self._urls[0]!r}")
+            cls = filesystem_class(self._protocol, f"urls[0]={redact(self._urls[0])!r}")
             self._options, self._attributes = filesystem_settings(cls, self._options)
         with value_errors():  # ValueError for any bad deadline, as always (also a TypeError)
             self._item_deadline = seconds("item_deadline", item_deadline, positive=True)
         self._sleep = sleep
+        self._max_object_bytes = byte_limit("max_object_bytes", max_object_bytes)
         self._range_ignored = False  # a server ignored Range (warned once)
 
     @classmethod
@@ -209,14 +233,14 @@ class FsspecDataset(Source):
         return self._protocol
 
     def item_name(self, index: int) -> str:
-        """Where item ``index`` comes from, for the notes of its errors."""
-        return self._urls[index]
+        """Where item ``index`` comes from, for the notes of its errors (masked)."""
+        return redact(self._urls[index])
 
     def __len__(self) -> int:
         return len(self._urls)
 
     def __repr__(self) -> str:
-        first = f", first={self._urls[0]!r}" if self._urls else ""
+        first = f", first={redact(self._urls[0])!r}" if self._urls else ""
         return f"FsspecDataset({len(self._urls)} urls{first}, open_filesystems={len(self._pools)})"
 
     async def fetch(self, index: int) -> bytes:
@@ -227,10 +251,56 @@ class FsspecDataset(Source):
             RemotePermissionError: access refused; not retried.
             RemoteTimeoutError: every attempt failed and the last one timed out.
             RetriesExhaustedError: every attempt failed; the message lists them.
+            RemoteError: the object is over ``max_object_bytes``; not retried.
         """
         url = self._urls[self._check_index(index)]
-        data = await self._retried(url, lambda fs: fs._cat_file(url))
+        return await self._retried(url, lambda fs: self._read_whole(fs, url))
+
+    async def _read_whole(self, fs: Any, url: str) -> bytes:
+        """One attempt of :meth:`fetch`: the object, held against ``max_object_bytes``."""
+        limit = self._max_object_bytes
+        if limit is not None and self._protocol in S3:
+            data = await self._s3_get(fs, url, limit)
+        elif limit is not None and self._protocol in HTTP:
+            data = await self._http_get(fs, url, limit)
+        else:
+            data = await fs._cat_file(url)
+            if limit is not None and len(data) > limit:
+                raise self._too_large(url, len(data))
         return bytes(data) if not isinstance(data, bytes) else data
+
+    async def _s3_get(self, fs: Any, url: str, limit: int) -> bytes:
+        """s3fs's ``_cat_file`` for one whole object (one GetObject, the version of the URL if
+        it names one), refused by its ``ContentLength`` before its body is read."""
+        bucket, key, version = fs.split_path(url)
+        versioned = {"VersionId": version} if version else {}
+        response = await fs._call_s3("get_object", Bucket=bucket, Key=key, **versioned)
+        body = response["Body"]
+        try:
+            size = response.get("ContentLength")
+            if isinstance(size, int) and size > limit:
+                raise self._too_large(url, size)
+            return await read_bounded(body.read, limit, lambda: self._too_large(url, None))
+        finally:
+            body.close()
+
+    async def _http_get(self, fs: Any, url: str, limit: int) -> bytes:
+        """fsspec's HTTP ``_cat_file``, refused by its ``Content-Length`` (compressed or not:
+        a body never shrinks when decompressed) before its body is read, or while read."""
+        session = await fs.set_session()
+        async with session.get(fs.encode_url(url), **fs.kwargs) as response:
+            fs._raise_not_found_for_status(response, url)
+            size = response.content_length
+            if size is not None and size > limit:
+                raise self._too_large(url, size)
+            return await read_bounded(
+                response.content.read, limit, lambda: self._too_large(url, None)
+            )
+
+    def _too_large(self, url: str, size: int | None) -> RemoteError:
+        assert self._max_object_bytes is not None
+        message = too_large(redact(url), size, "max_object_bytes", self._max_object_bytes)
+        return RemoteError(message, url=url)
 
     async def fetch_range(self, index: int, start: int, end: int) -> bytes:
         """Bytes ``start`` to ``end`` (exclusive) of ``urls[index]``, retried as :meth:`fetch`
@@ -267,12 +337,12 @@ class FsspecDataset(Source):
                     remote_log.warning(
                         "%s: the server ignores Range and sends the whole object (%d bytes) "
                         "for each range asked; reading on, at the cost of those bytes",
-                        url,
+                        redact(url),
                         len(data),
                     )
                 return data[start:end]
         raise RemoteError(
-            f"{url}: asked for bytes {start}-{end} ({end - start} bytes) and received "
+            f"{redact(url)}: asked for bytes {start}-{end} ({end - start} bytes) and received "
             f"{len(data)} bytes, neither the range nor the whole object",
             url=url,
         )
@@ -317,9 +387,12 @@ class FsspecDataset(Source):
                     chunk = await file.read(chunk_size)
                 except Exception as exc:
                     ours = classify(exc, url, self._retry)
-                    if ours is None:
+                    shown = masked(exc)
+                    if ours is None and shown is exc:
                         raise
-                    raise RemoteError(f"{url}: the read broke off: {ours}", url=url) from exc
+                    raise RemoteError(
+                        f"{redact(url)}: the read broke off: {ours or shown}", url=url
+                    ) from shown
                 if not chunk:
                     return
                 if counters is not None:
@@ -451,12 +524,12 @@ async def list_fsspec(
     protocol, _ = split_protocol(url_or_glob)
     if protocol is None:
         raise ValueError(
-            f"url={url_or_glob!r} has no protocol (like s3://); list local files with "
+            f"url={redact(url_or_glob)!r} has no protocol (like s3://); list local files with "
             "FileDataset.from_prefix or aioloader.sources.list_objects"
         )
     if retry is None:
         retry = RetryPolicy()
-    cls = filesystem_class(protocol, f"url={url_or_glob!r}", need_async=False)
+    cls = filesystem_class(protocol, f"url={redact(url_or_glob)!r}", need_async=False)
     options, attributes = filesystem_settings(cls, storage_options or {})
     asynchronous = bool(getattr(cls, "async_impl", False))
     fs = open_filesystem(protocol, options, attributes, asynchronous=asynchronous)
@@ -484,7 +557,7 @@ async def list_fsspec(
             await close_filesystem(fs)
     if not names:
         raise RemoteNotFoundError(
-            f"{url_or_glob}: no objects match (a missing prefix, or an empty listing)",
+            f"{redact(url_or_glob)}: no objects match (a missing prefix, or an empty listing)",
             url=url_or_glob,
         )
     # Listed names are objects, even where a key looks like a glob (ListedName).
@@ -515,14 +588,14 @@ def _one_protocol(urls: tuple[str, ...]) -> str | None:
         found, _ = split_protocol(url)
         if found is None:
             raise ValueError(
-                f"urls[{position}]={url!r} has no protocol (like s3://); use FileDataset for "
-                "local files"
+                f"urls[{position}]={redact(url)!r} has no protocol (like s3://); use FileDataset "
+                "for local files"
             )
         if protocol is None:
             protocol = found
         elif found != protocol:
             raise ValueError(
-                f"urls[{position}]={url!r} is a {found!r} URL but urls[0] is {protocol!r}; "
+                f"urls[{position}]={redact(url)!r} is a {found!r} URL but urls[0] is {protocol!r}; "
                 "one FsspecDataset reads one protocol (make one dataset per store)"
             )
     return protocol

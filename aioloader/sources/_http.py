@@ -5,6 +5,7 @@
     fetch(i) ──▶ retrying(policy, deadline) ──▶ one attempt on the loop's pooled session
                                                   │
       2xx, length == Content-Length ──────────────┼──▶ bytes
+      Content-Length, or the body, over the bound ┼──▶ RemoteError, no retry
       timeout (connect, or read silence) ─────────┼──▶ RetryableError(timed_out)
       reset, short body, payload error ───────────┼──▶ RetryableError
       long body, bytes that are not HTTP ─────────┼──▶ RetryableError
@@ -17,6 +18,10 @@ Timeouts are per attempt: ``connect_timeout`` bounds opening a socket (waiting f
 connection of the pool is not a failure and is not bounded), ``read_timeout`` bounds the silence
 between two reads, so a server that sends headers and then stalls is caught without limiting
 how long a large but flowing body may take. ``item_deadline`` bounds all attempts of one item.
+``max_object_bytes`` bounds what one fetch holds: a ``Content-Length`` over it is refused
+before the body is read, and a body without one is refused as soon as it passes it (a server
+that streams without end, a URL that names a far larger object than meant). URLs are shown
+masked (:mod:`._redact`): the request carries them as given.
 Before a timeout, ``stall_warning`` seconds without a byte (headers or body, counted from the
 moment the request has a connection) log a WARNING on ``aioloader.remote``, once per attempt,
 and count in the loader's ``statistics().remote_stalls``: a read that hangs is visible while it
@@ -61,8 +66,18 @@ from typing import TYPE_CHECKING, Any, Self
 from .._errors import RemoteError, RemoteNotFoundError, RemotePermissionError
 from .._stats import current_counters
 from .._validate import positive_int, seconds, value_errors
-from ._base import Source, as_names, require, run_sync
+from ._base import (
+    MAX_OBJECT_BYTES,
+    Source,
+    as_names,
+    byte_limit,
+    read_bounded,
+    require,
+    run_sync,
+    too_large,
+)
 from ._inflight import Wire, wire_trace
+from ._redact import redact
 from ._retry import Attempts, RetryableError, RetryPolicy, parse_retry_after, retrying
 
 if TYPE_CHECKING:
@@ -99,8 +114,8 @@ def _check_url(url: str, position: int) -> str:
     parts = urllib.parse.urlsplit(url)
     if parts.scheme.lower() not in SCHEMES or not parts.netloc:
         raise ValueError(
-            f"urls[{position}]={url!r} is not an http:// or https:// URL; HTTPDataset reads "
-            "only those (FsspecDataset reads s3://, gs:// and others)"
+            f"urls[{position}]={redact(url)!r} is not an http:// or https:// URL; HTTPDataset "
+            "reads only those (FsspecDataset reads s3://, gs:// and others)"
         )
     return url
 
@@ -151,6 +166,12 @@ class HTTPDataset(Source):
             connection before a WARNING is logged (once per attempt), or ``None`` for never.
             Below ``read_timeout``, so a hang is said before it is retried.
         headers: extra request headers (authorisation, user agent).
+        max_object_bytes: the most bytes one :meth:`fetch` holds: an object whose
+            ``Content-Length`` is larger is refused before its body is read, one without a
+            length as soon as its body passes it (a ``RemoteError`` naming the masked URL, the
+            size and this setting; not retried; skipped under ``on_error="skip"``). ``None``:
+            no bound. :meth:`stream` hands chunks on and is not bounded by it (a tar shard's
+            members are: ``TarDataset``'s ``max_member_bytes``).
         sleep: awaited between attempts with the delay in seconds; for tests to record the
             delays instead of waiting them. ``None`` means :func:`asyncio.sleep`.
 
@@ -175,6 +196,7 @@ class HTTPDataset(Source):
         headers: Mapping[str, str] | None = None,
         sleep: Callable[[float], Awaitable[object]] | None = None,
         stall_warning: float | None = STALL_WARNING_S,
+        max_object_bytes: int | None = MAX_OBJECT_BYTES,
     ) -> None:
         super().__init__(decode)
         require("aiohttp", "HTTPDataset")
@@ -195,6 +217,7 @@ class HTTPDataset(Source):
                 else positive_int("max_connections", max_connections)
             )
             self._stall_warning = seconds("stall_warning", stall_warning, positive=True)
+        self._max_object_bytes = byte_limit("max_object_bytes", max_object_bytes)
         if headers is not None and not isinstance(headers, Mapping):
             raise TypeError(f"headers must be a mapping of str to str, got {headers!r}")
         self._headers = {**BASE_HEADERS, **(headers or {})}
@@ -231,14 +254,14 @@ class HTTPDataset(Source):
         return self._retry
 
     def item_name(self, index: int) -> str:
-        """Where item ``index`` comes from, for the notes of its errors."""
-        return self._urls[index]
+        """Where item ``index`` comes from, for the notes of its errors (masked)."""
+        return redact(self._urls[index])
 
     def __len__(self) -> int:
         return len(self._urls)
 
     def __repr__(self) -> str:
-        first = f", first={self._urls[0]!r}" if self._urls else ""
+        first = f", first={redact(self._urls[0])!r}" if self._urls else ""
         return f"HTTPDataset({len(self._urls)} urls{first}, open_sessions={len(self._pools)})"
 
     async def fetch(self, index: int) -> bytes:
@@ -250,7 +273,8 @@ class HTTPDataset(Source):
             RemoteTimeoutError: every attempt failed and the last one timed out, or the item
                 deadline passed (also a ``TimeoutError``).
             RetriesExhaustedError: every attempt failed; the message lists them.
-            RemoteError: a status that is neither success nor retryable.
+            RemoteError: a status that is neither success nor retryable, or an object over
+                ``max_object_bytes``.
         """
         url = self._urls[self._check_index(index)]
         # The session is taken per attempt: one closed under a request (the dataset's
@@ -308,10 +332,11 @@ class HTTPDataset(Source):
                 continue
             except Exception as exc:
                 wire.close()
-                if scope.expired():
-                    raise attempts.expired(began) from exc
-                attempts.final(exc, began)
-                raise
+                expired = scope.expired()
+                error = attempts.expired(began, exc) if expired else attempts.final(exc, began)
+                if error is exc:
+                    raise
+                raise error from error.__cause__
             except BaseException:  # cancelled while opening: off the wire, never a stall
                 wire.close()
                 raise
@@ -321,7 +346,8 @@ class HTTPDataset(Source):
                 answered = response.headers.get("Content-Range", f"bytes {received}-")
                 if response.status == 206 and not answered.startswith(f"bytes {received}-"):
                     raise RemoteError(
-                        f"{url}: asked for bytes {received}- and got {answered!r}", url=url
+                        f"{redact(url)}: asked for bytes {received}- and got {answered!r}",
+                        url=url,
                     )
                 if total is None:
                     total = _expected_length(response)
@@ -392,8 +418,13 @@ class HTTPDataset(Source):
                     raise self._status_error(url, response)
                 connection = response.connection  # released when the body is read
                 protocol = connection.protocol if connection is not None else None
-                body = await response.read()
                 expected = _expected_length(response)
+                limit = self._max_object_bytes
+                if limit is not None and expected is not None and expected > limit:
+                    raise self._too_large(url, expected)  # before a byte of the body
+                body = await read_bounded(
+                    response.content.read, limit, lambda: self._too_large(url, None)
+                )
                 # Invariant: a body of the wrong length is never returned, so a truncated
                 # buffer (or one cut at a Content-Length that promised too little) cannot
                 # reach decode.
@@ -432,19 +463,25 @@ class HTTPDataset(Source):
         finally:
             wire.close()
 
+    def _too_large(self, url: str, size: int | None) -> RemoteError:
+        assert self._max_object_bytes is not None
+        message = too_large(redact(url), size, "max_object_bytes", self._max_object_bytes)
+        return RemoteError(message, url=url)
+
     def _status_error(self, url: str, response: aiohttp.ClientResponse) -> Exception:
         status = response.status
         reason = f"HTTP {status} {response.reason or ''}".rstrip()
+        shown = redact(url)
         if status == 404:
-            return RemoteNotFoundError(f"{url}: {reason}", url=url)
+            return RemoteNotFoundError(f"{shown}: {reason}", url=url)
         if status in (401, 403):
-            return RemotePermissionError(f"{url}: {reason}", url=url)
+            return RemotePermissionError(f"{shown}: {reason}", url=url)
         if status in self._retry.retry_statuses:
             header = response.headers.get("Retry-After")
             if header is not None:
                 reason = f"{reason} (Retry-After: {header})"
             return RetryableError(reason, retry_after=parse_retry_after(header))
-        return RemoteError(f"{url}: {reason} (not a retryable status)", url=url)
+        return RemoteError(f"{shown}: {reason} (not a retryable status)", url=url)
 
     # -- the per-loop session ------------------------------------------------------------
 
@@ -526,11 +563,11 @@ async def read_index(index_url: str, **options: Any) -> list[str]:
             text = line.decode("utf-8-sig" if number == 1 else "utf-8").strip()
         except UnicodeDecodeError as exc:
             raise ValueError(
-                f"index {index_url}: line {number} is not UTF-8 text ({exc}); an index lists "
-                "one URL per line"
+                f"index {redact(index_url)}: line {number} is not UTF-8 text ({exc}); an index "
+                "lists one URL per line"
             ) from None
         if text and not text.startswith("#"):
             urls.append(urllib.parse.urljoin(index_url, text))
     if not urls:
-        raise RemoteNotFoundError(f"{index_url}: the index lists no URL", url=index_url)
+        raise RemoteNotFoundError(f"{redact(index_url)}: the index lists no URL", url=index_url)
     return urls

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._log import remote_log
 from .._stats import current_counters
+from ._redact import redact
 
 if TYPE_CHECKING:
     import aiohttp
@@ -125,7 +126,7 @@ class Wire:
             what = "no response" if seen < 0 else f"no byte after {seen} bytes of the body"
             remote_log.warning(
                 "%s stalls: %s for %.1f s (stall_warning=%s s); the read timeout ends it",
-                self._url,
+                redact(self._url),
                 what,
                 now - self._since,
                 self._after,

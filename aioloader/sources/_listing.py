@@ -38,6 +38,7 @@ from ._base import as_names, run_sync
 from ._file import list_local
 from ._fsspec import list_fsspec
 from ._http import read_index
+from ._redact import redact
 from ._retry import RetryPolicy
 
 __all__ = ["alist_objects", "list_objects"]
@@ -139,8 +140,8 @@ def _lister(
     if scheme in ("http", "https"):
         if "*" in name:
             raise ValueError(
-                f"pattern {name!r}: an http(s) URL cannot be globbed (HTTP has no listing); "
-                "give the URL of an index file that lists one URL per line"
+                f"pattern {redact(name)!r}: an http(s) URL cannot be globbed (HTTP has no "
+                "listing); give the URL of an index file that lists one URL per line"
             )
         options: dict[str, Any] = {"headers": headers}
         if retry is not None:

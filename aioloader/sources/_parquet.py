@@ -45,6 +45,11 @@ skips it as one failure, and the other row groups go on.
 
 Sharp edges:
 
+- Memory: a row group whose columns read take more than ``max_row_group_bytes`` (the
+  uncompressed sizes its footer gives) is refused before it is read: a failure record naming
+  the file, the row group, its size and the setting. Files of any size are read; only one
+  row group is held whole.
+- URLs are shown masked (:mod:`._redact`) in errors and ``repr``.
 - Memory: each row group in flight is held whole as Arrow data (compressed size times the
   codec's ratio), ``2 x row_groups_in_flight`` of them with those opened ahead; its rows are
   made Python objects ``ROWS_PER_SLICE`` at a time. Write files with row groups of tens of MB.
@@ -68,12 +73,13 @@ from typing import Any
 
 from .._errors import ShardError
 from .._validate import boolean, callable_or_none, check_state_keys, non_negative_int, positive_int
-from ._base import as_names
+from ._base import as_names, byte_limit, too_large
 from ._listing import alist_objects
 from ._mixing import Mixer, buffer_rng, shard_order
-from ._parquetio import Storage, pyarrow_parquet
+from ._parquetio import Storage, pyarrow_parquet, row_group_bytes
 from ._parquetio import rows as as_rows
 from ._readers import UnitStream, check_fits
+from ._redact import add_credential_parameters, parameters_state, redact
 from ._retry import RetryPolicy
 
 __all__ = ["BrokenRowGroup", "ParquetDataset"]
@@ -87,6 +93,13 @@ SHUFFLE_BUFFER = 1000
 
 #: Rows made Python objects per thread hop: fewer hops for more, less memory for fewer.
 ROWS_PER_SLICE = 256
+
+#: The default bound on one row group's columns, uncompressed (``max_row_group_bytes``): 4 GiB.
+#: Above the 1 GiB of other sources because row groups are large by design: pyarrow's default
+#: of 1,048,576 rows of a 768-float embedding is 3 GiB, and those files must keep working;
+#: below what a row group from a mistaken file (one row group of a whole table) would take.
+#: Each of ``2 x row_groups_in_flight`` row groups may hold this much.
+MAX_ROW_GROUP_BYTES = 4 << 30
 
 #: Footers read at once on the first iteration (each a thread and a request or two).
 FOOTERS_AT_ONCE = 16
@@ -109,7 +122,7 @@ class BrokenRowGroup:
     def error(self) -> ShardError:
         where = "its footer" if self.row_group is None else f"row group {self.row_group}"
         return ShardError(
-            f"Parquet file {self.url} failed at {where}: {self.reason}",
+            f"Parquet file {redact(self.url)} failed at {where}: {redact(self.reason)}",
             url=self.url,
             row_group=self.row_group,
         )
@@ -149,6 +162,10 @@ class ParquetDataset(UnitStream):
         row_groups_in_flight: row groups read at once (per rank).
         storage_options: options of the fsspec filesystem (credentials, endpoint).
         retry: attempts and backoff of each remote listing and read.
+        max_row_group_bytes: the most bytes of one row group's columns read, uncompressed
+            (from its footer): a larger one fails before it is read (``ShardError`` naming the
+            file, the row group, its size and this setting when decoded; skipped under
+            ``on_error="skip"``). ``None``: no bound.
 
     Raises:
         ImportError: pyarrow is not installed (the ``parquet`` extra).
@@ -168,6 +185,7 @@ class ParquetDataset(UnitStream):
         row_groups_in_flight: int = ROW_GROUPS_IN_FLIGHT,
         storage_options: Mapping[str, Any] | None = None,
         retry: RetryPolicy | None = None,
+        max_row_group_bytes: int | None = MAX_ROW_GROUP_BYTES,
     ) -> None:
         pyarrow_parquet()
         self._paths = as_names(paths, "paths", paths=True)
@@ -185,6 +203,7 @@ class ParquetDataset(UnitStream):
         if retry is not None and not isinstance(retry, RetryPolicy):
             raise TypeError(f"retry must be a RetryPolicy, got {retry!r}")
         self._retry = retry if retry is not None else RetryPolicy()
+        self.max_row_group_bytes = byte_limit("max_row_group_bytes", max_row_group_bytes)
         self._epoch = 0
         self._rank = (0, 1)
         self._resume: dict[str, Any] | None = None
@@ -204,7 +223,7 @@ class ParquetDataset(UnitStream):
 
     def __repr__(self) -> str:
         return (
-            f"ParquetDataset({len(self._paths)} paths, first={self._paths[0]!r}, "
+            f"ParquetDataset({len(self._paths)} paths, first={redact(self._paths[0])!r}, "
             f"columns={self.columns!r}, shuffle={self.shuffle}, "
             f"row_groups_in_flight={self.row_groups_in_flight})"
         )
@@ -274,7 +293,13 @@ class ParquetDataset(UnitStream):
         state["_current"] = None
         state["_catalog"] = None
         state["_storage"] = None
+        # A worker masks what it shows (failed row groups) as this process does.
+        state["_credential_parameters"] = parameters_state()
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        add_credential_parameters(*state.pop("_credential_parameters", ()))
+        self.__dict__.update(state)
 
     # -- IO, for _RowGroups --------------------------------------------------------------
 
@@ -282,7 +307,7 @@ class ParquetDataset(UnitStream):
         """The files and their row groups: listed and read at the first iteration, kept."""
         if self._catalog is None:
             files = await self._list()
-            storage = self._storage = Storage(files, self._storage_options, self._retry)
+            storage = self._storage = self._open_storage(files)
             gate = asyncio.Semaphore(FOOTERS_AT_ONCE)
 
             async def footer(url: str) -> Any:
@@ -290,13 +315,17 @@ class ParquetDataset(UnitStream):
                     try:
                         return await storage.metadata(url)
                     except Exception as exc:
-                        return _Failed(f"{type(exc).__name__}: {exc}")
+                        return _Failed(redact(f"{type(exc).__name__}: {exc}"))
 
             metadata = await asyncio.gather(*(footer(url) for url in files))
             self._catalog = _catalog(tuple(files), metadata, self.columns)
         if self._storage is None:  # closed since (aclose): it reopens
-            self._storage = Storage(self._catalog.files, self._storage_options, self._retry)
+            self._storage = self._open_storage(self._catalog.files)
         return self._catalog, self._storage
+
+    def _open_storage(self, files: Iterable[str]) -> Storage:
+        options, retry = self._storage_options, self._retry
+        return Storage(list(files), options, retry, self.max_row_group_bytes)
 
     async def _list(self) -> list[str]:
         """The files: the http(s) ones as given (HTTP cannot list), then every other pattern's,
@@ -312,7 +341,9 @@ class ParquetDataset(UnitStream):
             files += [name for name in found if name in self._paths or not _ignored(name)]
         if not files:
             raise FileNotFoundError(
-                errno.ENOENT, "no Parquet files (every file listed starts with _ or .)", patterns
+                errno.ENOENT,
+                "no Parquet files (every file listed starts with _ or .)",
+                [redact(pattern) for pattern in patterns],
             )
         return list(dict.fromkeys(files))
 
@@ -340,7 +371,7 @@ def _catalog(
             missing = [c for c in columns if c not in names]
             if missing:
                 raise ValueError(
-                    f"columns={list(columns)!r}: {url} has no column {missing[0]!r} "
+                    f"columns={list(columns)!r}: {redact(url)} has no column {missing[0]!r} "
                     f"(its columns: {names})"
                 )
         units += [(index, group) for group in range(meta.num_row_groups)]
@@ -389,7 +420,7 @@ class _RowGroups:
         file, group = self.catalog.units[unit]
         url = self.catalog.files[file]
         what = "footer" if group is None else f"row group {group}"
-        return f"Parquet {what} of {url}", url
+        return f"Parquet {what} of {redact(url)}", url
 
     async def records(self, unit: int) -> AsyncGenerator[Any, None]:
         """The rows of row group ``unit``; a failure ends it with a :class:`BrokenRowGroup`."""
@@ -401,6 +432,13 @@ class _RowGroups:
             yield BrokenRowGroup(url, None, catalog.failures[file])
             return
         assert self.storage is not None
+        limit = self.dataset.max_row_group_bytes
+        metadata = catalog.metadata[file]
+        size = row_group_bytes(metadata.row_group(group), self.dataset.columns)
+        if limit is not None and size > limit:
+            what = f"row group {group} (its columns read, uncompressed)"
+            yield BrokenRowGroup(url, group, too_large(what, size, "max_row_group_bytes", limit))
+            return
         try:
             table = await self.storage.row_group(
                 url, catalog.metadata[file], group, self.dataset.columns
@@ -409,7 +447,7 @@ class _RowGroups:
                 for row in await asyncio.to_thread(as_rows, table.slice(start, ROWS_PER_SLICE)):
                     yield row
         except Exception as exc:
-            yield BrokenRowGroup(url, group, f"{type(exc).__name__}: {exc}")
+            yield BrokenRowGroup(url, group, redact(f"{type(exc).__name__}: {exc}"))
 
 
 def _columns(columns: Iterable[str] | None) -> tuple[str, ...] | None:

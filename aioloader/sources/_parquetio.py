@@ -16,6 +16,8 @@ Sharp edges:
 
 - Remote files are of one protocol (one filesystem's ``storage_options``), as for
   :class:`~aioloader.sources.FsspecDataset`.
+- Bounds: a footer longer than ``max_bytes`` is refused before it is read (row groups are
+  bounded by :mod:`._parquet`, from the footer's sizes). URLs are shown masked.
 - The sparse file serves only the bytes fetched; pyarrow is asked to read page by page
   (``pre_buffer=False``), inside one column chunk at a time, so it never reads between them.
 """
@@ -28,10 +30,19 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._base import too_large
 from ._fsspec import FsspecDataset
+from ._redact import redact
 from ._retry import RetryPolicy
 
-__all__ = ["PARQUET_EXTRA_HINT", "Storage", "is_remote", "pyarrow_parquet", "rows"]
+__all__ = [
+    "PARQUET_EXTRA_HINT",
+    "Storage",
+    "is_remote",
+    "pyarrow_parquet",
+    "row_group_bytes",
+    "rows",
+]
 
 PARQUET_EXTRA_HINT = "pip install 'aioloader[parquet]'"
 
@@ -64,11 +75,17 @@ def is_remote(path: str) -> bool:
 
 
 class Storage:
-    """Footers and row groups of ``files`` (local paths and URLs of one protocol)."""
+    """Footers and row groups of ``files`` (local paths and URLs of one protocol); a remote
+    footer over ``max_bytes`` (``None``: no bound) is refused."""
 
     def __init__(
-        self, files: Sequence[str], storage_options: Mapping[str, Any], retry: RetryPolicy
+        self,
+        files: Sequence[str],
+        storage_options: Mapping[str, Any],
+        retry: RetryPolicy,
+        max_bytes: int | None = None,
     ) -> None:
+        self._max_bytes = max_bytes
         remote = [url for url in files if is_remote(url)]
         self._index = {url: i for i, url in enumerate(remote)}
         self._sizes: dict[str, int] = {}  # learnt with each footer
@@ -89,11 +106,15 @@ class Storage:
         objects, index = self._objects, self._index[url]
         size = self._sizes[url] = await objects.size(index)
         tail = await objects.fetch_range(index, max(0, size - FOOTER_GUESS), size)
+        shown = redact(url)
         if len(tail) < 12 or tail[-4:] != _MAGIC:
-            raise ValueError(f"{url}: not a Parquet file (it does not end with {_MAGIC!r})")
+            raise ValueError(f"{shown}: not a Parquet file (it does not end with {_MAGIC!r})")
         needed = int.from_bytes(tail[-8:-4], "little") + 8
         if needed + 4 > size:
-            raise ValueError(f"{url}: its footer claims {needed} bytes of a {size}-byte file")
+            raise ValueError(f"{shown}: its footer claims {needed} bytes of a {size}-byte file")
+        if self._max_bytes is not None and needed > self._max_bytes:
+            what = f"the footer of {shown}"
+            raise ValueError(too_large(what, needed, "max_row_group_bytes", self._max_bytes))
         if needed > len(tail):
             tail = await objects.fetch_range(index, size - needed, size)
         return await asyncio.to_thread(_parse_footer, tail)
@@ -138,15 +159,24 @@ def _read_sparse(sparse: _Sparse, metadata: Any, group: int, columns: list[str] 
     return parquet.read_row_group(group, columns=columns)
 
 
+def _chunks(group: Any, columns: Sequence[str] | None) -> list[Any]:
+    """The column chunks of a row group that ``columns`` (by their top-level name) read."""
+    wanted = None if columns is None else set(columns)
+    chunks = (group.column(j) for j in range(group.num_columns))
+    return [c for c in chunks if wanted is None or c.path_in_schema.split(".")[0] in wanted]
+
+
+def row_group_bytes(group: Any, columns: Sequence[str] | None) -> int:
+    """The bytes a row group's ``columns`` take once read (uncompressed, as its footer says):
+    about what the row group holds in memory as Arrow data."""
+    return sum(chunk.total_uncompressed_size for chunk in _chunks(group, columns))
+
+
 def _ranges(group: Any, columns: Sequence[str] | None) -> list[tuple[int, int]]:
     """The byte ranges ``[start, end)`` of a row group's column chunks of ``columns`` (by
     their top-level name), sorted, near ones merged (see :data:`RANGE_GAP`)."""
-    wanted = None if columns is None else set(columns)
     spans = []
-    for j in range(group.num_columns):
-        chunk = group.column(j)
-        if wanted is not None and chunk.path_in_schema.split(".")[0] not in wanted:
-            continue
+    for chunk in _chunks(group, columns):
         # Some writers leave dictionary_page_offset 0 without a dictionary: the smallest
         # offset set is where the chunk starts.
         starts = [chunk.data_page_offset]
@@ -199,7 +229,9 @@ class _Sparse(io.RawIOBase):
                     out[:n] = data[position - start : position - start + n]
                 self._position += n
                 return n
-        raise OSError(f"{self._url}: a read at byte {position} lies outside the ranges fetched")
+        raise OSError(
+            f"{redact(self._url)}: a read at byte {position} lies outside the ranges fetched"
+        )
 
 
 def rows(table: Any) -> list[dict[str, Any]]:

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 from .._errors import ShardError
 from .._validate import non_negative_int, positive_int
 from ._mixing import Mixer, SampleId, replay
+from ._redact import redact
 
 __all__ = ["READAHEAD", "Epoch", "UnitStream", "Units", "check_fits"]
 
@@ -60,7 +61,8 @@ class Units(Protocol):
         ...
 
     def where(self, unit: int) -> tuple[str, str]:
-        """``(description, url)`` of ``unit``, for errors (``"tar shard URL"``, ``URL``)."""
+        """``(description, url)`` of ``unit``, for errors (``"tar shard URL"``, ``URL``); the
+        description shows the URL masked."""
         ...
 
 
@@ -159,7 +161,7 @@ class Epoch:
 
     def _start(self, unit: int, live_from: int | None, wanted: set[int]) -> _Reader:
         description, url = self.units.where(unit)
-        name = f"aioloader-{self.units.kind}-{url}"
+        name = f"aioloader-{self.units.kind}-{redact(url)}"  # tasks' reprs show it
         reader = _Reader(self.units.records(unit), description, url, name, live_from, wanted)
         if live_from is not None:
             self._readers[unit] = reader

@@ -31,6 +31,9 @@ Sharp edges:
   flight unless the attempt counts itself, retries, bytes returned; see
   :data:`aioloader._stats._counters.current_counters`), and each retry is logged at INFO on
   ``aioloader.remote`` with its cause and delay.
+- What it shows is masked (:mod:`._redact`): ``describe`` and each attempt's outcome in the
+  errors, their notes and the log records, and the chain of causes a traceback prints. The
+  errors' ``url`` attribute is ``describe`` as given, for the program's own use.
 - Cancellation is never caught here: an attempt that is cancelled (the consumer gave up, the
   loader closes) stops the whole read at once, without recording an attempt.
 """
@@ -59,6 +62,7 @@ from .._validate import (
     seconds,
     value_errors,
 )
+from ._redact import masked, redact
 
 __all__ = [
     "DEFAULT_RETRY_STATUSES",
@@ -262,7 +266,7 @@ def _give_up(
 ) -> RemoteError:
     """The final error: a timeout if the deadline ended it or the last attempt timed out."""
     lines = "\n".join(f"  {a}" for a in attempts)
-    message = f"{describe}: {why}; attempts:\n{lines}"
+    message = f"{redact(describe)}: {why}; attempts:\n{lines}"
     timed_out = deadline or (bool(attempts) and attempts[-1].timed_out)
     cls = RemoteTimeoutError if timed_out else RetriesExhaustedError
     return cls(message, url=describe, attempts=tuple(str(a) for a in attempts))
@@ -299,6 +303,7 @@ class Attempts:
     ) -> None:
         self.policy = policy
         self.describe = describe
+        self.shown = redact(describe)  # what messages and logs say
         self.deadline = deadline
         self.failures: list[Attempt] = []
         self._clock = clock
@@ -332,42 +337,55 @@ class Attempts:
             RemoteTimeoutError: the wait would pass the deadline.
         """
         number = self.number
-        self.failures.append(
-            Attempt(number, failure.reason, self._clock() - began, failure.timed_out)
-        )
-        cause: BaseException = failure.__cause__ or failure
+        reason = redact(failure.reason)
+        self.failures.append(Attempt(number, reason, self._clock() - began, failure.timed_out))
         policy = self.policy
         if number >= policy.max_attempts:
             why = f"gave up after {number} attempts (max_attempts={policy.max_attempts})"
-            raise _give_up(self.describe, self.failures, why) from cause
+            raise _give_up(self.describe, self.failures, why) from masked(
+                failure.__cause__ or failure
+            )
         wait = policy.delay(number, failure.retry_after, rand=self._rand)
         deadline = self.deadline
         if deadline is not None and self._clock() + wait - self._start >= deadline:
             why = f"gave up: waiting {wait:.3f} s more would pass the {deadline} s deadline"
-            raise _give_up(self.describe, self.failures, why, deadline=True) from cause
+            raise _give_up(self.describe, self.failures, why, deadline=True) from masked(
+                failure.__cause__ or failure
+            )
         if self._counters is not None:
             self._counters.remote_retries += 1
         remote_log.info(
             "retrying %s in %.3f s (attempt %d of %d failed): %s",
-            self.describe,
+            self.shown,
             wait,
             number,
             policy.max_attempts,
-            failure.reason,
+            reason,
         )
         return wait
 
-    def expired(self, began: float) -> RemoteError:
+    def expired(self, began: float, exc: BaseException) -> RemoteError:
         """The final error for the attempt that began at ``began`` and was ended by the
-        deadline (raise it from what the attempt raised)."""
+        deadline; its ``__cause__`` is ``exc`` (what the attempt raised), masked."""
         outcome = f"item deadline of {self.deadline} s passed"
         self.failures.append(Attempt(self.number, outcome, self._clock() - began, timed_out=True))
-        return _give_up(self.describe, self.failures, "deadline passed", deadline=True)
+        error = _give_up(self.describe, self.failures, "deadline passed", deadline=True)
+        error.__cause__ = masked(exc)
+        return error
 
-    def final(self, exc: Exception, began: float) -> None:
-        """Give ``exc``, a failure that is not retried, the history of the attempts before it."""
-        last = Attempt(self.number, str(exc), self._clock() - began)
-        _annotate(exc, self.describe, self.failures, last)
+    def final(self, exc: Exception, began: float) -> BaseException:
+        """Give ``exc``, a failure that is not retried, the history of the attempts before it,
+        and mask what it shows; returns what to raise: ``exc``, or where its type prints a
+        secret that cannot be masked in place, a :class:`~aioloader.RemoteError` saying it."""
+        last = Attempt(self.number, redact(str(exc)), self._clock() - began)
+        _annotate(exc, self.shown, self.failures, last)
+        shown = masked(exc)
+        if shown is exc:
+            return exc
+        attempts = tuple(str(a) for a in [*self.failures, last])
+        error = RemoteError(f"{self.shown}: {shown}", url=self.describe, attempts=attempts)
+        error.__cause__ = shown
+        return error
 
 
 async def retrying(
@@ -431,9 +449,12 @@ async def retrying(
             failure = exc
         except Exception as exc:
             if scope is not None and scope.expired():
-                raise attempts.expired(began) from exc
-            attempts.final(exc, began)
-            raise
+                expired = attempts.expired(began, exc)
+                raise expired from expired.__cause__
+            error = attempts.final(exc, began)
+            if error is exc:
+                raise
+            raise error from error.__cause__
         finally:
             if counters is not None:
                 counters.remote_in_flight -= 1

@@ -48,6 +48,11 @@ Sharp edges:
 - Over HTTP a body that breaks off is continued from the byte it stopped at (a ``Range``
   request, within the retry policy's attempts); fsspec and local reads are not: a read that
   fails mid-shard ends the shard with a failure record.
+- A member is held whole until its last byte arrives: one over ``max_member_bytes`` (its
+  header says its size) ends the shard with a failure record naming the member, its size and
+  the setting, before any of its data is held. Shards themselves have no bound: they stream.
+- Shard URLs are shown masked (:mod:`._redact`) in errors, notes and ``repr``; a sample's
+  ``__url__`` is the URL as given (it is data).
 - Exact resume needs the loader's ``in_order=True`` (the default); out of order, batches taken
   past one still in flight are yielded again after a resume, never lost.
 """
@@ -68,12 +73,14 @@ from .._validate import (
     non_negative_int,
     positive_int,
 )
+from ._base import MAX_OBJECT_BYTES, byte_limit, too_large
 from ._file import FileDataset
 from ._fsspec import FsspecDataset
 from ._http import HTTPDataset
 from ._mixing import Mixer, buffer_rng, shard_order
 from ._readers import UnitStream, check_fits
-from ._tarfmt import Grouper, TarFormatError, TarParser
+from ._redact import add_credential_parameters, parameters_state, redact
+from ._tarfmt import Grouper, MemberTooLargeError, TarFormatError, TarParser
 
 __all__ = ["BrokenShard", "TarDataset"]
 
@@ -102,7 +109,9 @@ class BrokenShard:
     def error(self) -> ShardError:
         where = "before its first member" if self.member is None else f"at member {self.member!r}"
         return ShardError(
-            f"tar shard {self.url} failed {where}: {self.reason}", url=self.url, member=self.member
+            f"tar shard {redact(self.url)} failed {where}: {redact(self.reason)}",
+            url=self.url,
+            member=self.member,
         )
 
 
@@ -140,6 +149,10 @@ class TarDataset(UnitStream):
         storage_options: options of the fsspec filesystem (credentials, endpoint).
         source: a ready :class:`HTTPDataset`, :class:`FsspecDataset` or :class:`FileDataset`
             over the shards, for its retry and timeout settings; then ``urls`` is ``None``.
+        max_member_bytes: the most bytes of one member (held whole until complete): a larger
+            one ends its shard with a failure naming the member, its size and this setting
+            (``ShardError`` when decoded; skipped under ``on_error="skip"``). ``None``: no
+            bound. Whole shards are streamed and never bounded.
 
     Raises:
         TypeError: an argument of the wrong type, naming it.
@@ -157,6 +170,7 @@ class TarDataset(UnitStream):
         shards_in_flight: int = SHARDS_IN_FLIGHT,
         storage_options: Mapping[str, Any] | None = None,
         source: Source | None = None,
+        max_member_bytes: int | None = MAX_OBJECT_BYTES,
     ) -> None:
         if source is None:
             if urls is None:
@@ -178,6 +192,7 @@ class TarDataset(UnitStream):
         self.shuffle_buffer = positive_int("shuffle_buffer", shuffle_buffer)
         self.seed = non_negative_int("seed", seed)
         self.shards_in_flight = positive_int("shards_in_flight", shards_in_flight)
+        self.max_member_bytes = byte_limit("max_member_bytes", max_member_bytes)
         self._epoch = 0
         self._rank = (0, 1)
         self._resume: dict[str, Any] | None = None
@@ -190,7 +205,7 @@ class TarDataset(UnitStream):
 
     def __repr__(self) -> str:
         return (
-            f"TarDataset({len(self._urls)} shards, first={self._urls[0]!r}, "
+            f"TarDataset({len(self._urls)} shards, first={redact(self._urls[0])!r}, "
             f"shuffle={self.shuffle}, shards_in_flight={self.shards_in_flight})"
         )
 
@@ -210,7 +225,9 @@ class TarDataset(UnitStream):
         try:
             return self._decode_fn(raw)
         except Exception as exc:
-            exc.add_note(f"decoding sample {raw.get('__key__')!r} of {raw.get('__url__')}")
+            exc.add_note(
+                f"decoding sample {raw.get('__key__')!r} of {redact(str(raw.get('__url__')))}"
+            )
             raise
 
     def state_dict(self) -> dict[str, Any]:
@@ -256,7 +273,13 @@ class TarDataset(UnitStream):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_current"] = None  # the live iteration belongs to this process's loop
+        # A worker masks what it shows (failed shards, decode notes) as this process does.
+        state["_credential_parameters"] = parameters_state()
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        add_credential_parameters(*state.pop("_credential_parameters", ()))
+        self.__dict__.update(state)
 
 
 class _Shards:
@@ -279,13 +302,13 @@ class _Shards:
 
     def where(self, unit: int) -> tuple[str, str]:
         url = self.dataset.urls[unit]
-        return f"tar shard {url}", url
+        return f"tar shard {redact(url)}", url
 
     async def records(self, unit: int) -> AsyncGenerator[Any, None]:
         """The samples of shard ``unit``, parsed as its bytes arrive; a failure ends it with
         a :class:`BrokenShard`."""
         url = self.dataset.urls[unit]
-        parser = TarParser()
+        parser = TarParser(self.dataset.max_member_bytes)
         grouper = Grouper(url)
         try:
             async with contextlib.aclosing(self.dataset._source.stream(unit)) as chunks:
@@ -305,7 +328,12 @@ class _Shards:
             pending, cut = grouper.flush(), parser.reading_file
             if pending is not None and cut is not None and grouper.ends(pending, cut):
                 yield pending  # whole: the file member that was cut began another sample
-            yield BrokenShard(url, member, f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, MemberTooLargeError):
+                what = f"member {exc.member!r}"
+                reason = too_large(what, exc.size, "max_member_bytes", exc.limit)
+            else:
+                reason = redact(f"{type(exc).__name__}: {exc}")
+            yield BrokenShard(url, member, reason)
 
 
 def _names(items: Any) -> tuple[str, ...]:

@@ -23,6 +23,10 @@ bytes once out of the receive buffer, and never blocks. It handles what shard wr
 ustar (with its 155-byte prefix), GNU long names, pax ``path`` and ``size`` records, and
 base-256 sizes. Sparse files and multi-volume archives are refused as format errors.
 
+A member is held whole until its last byte arrives, so the parser takes a bound: a header
+announcing more than ``max_member`` bytes is refused (:class:`MemberTooLargeError`) before
+any of its data is held. A shard of any size parses in memory of about its largest member.
+
 Invariant: ``_pieces`` hold exactly the bytes received and not yet parsed (``_have`` of them),
 which are less than the next header or member needs.
 """
@@ -32,7 +36,14 @@ from __future__ import annotations
 import re
 from typing import Any, NamedTuple
 
-__all__ = ["BLOCK", "Grouper", "TarFormatError", "TarParser", "split_name"]
+__all__ = [
+    "BLOCK",
+    "Grouper",
+    "MemberTooLargeError",
+    "TarFormatError",
+    "TarParser",
+    "split_name",
+]
 
 BLOCK = 512
 _ZERO = bytes(BLOCK)
@@ -50,6 +61,15 @@ class TarFormatError(ValueError):
     def __init__(self, message: str, member: str | None) -> None:
         super().__init__(message)
         self.member = member
+
+
+class MemberTooLargeError(TarFormatError):
+    """A member's header announces ``size`` bytes, over the parser's bound ``limit``."""
+
+    def __init__(self, member: str, size: int, limit: int) -> None:
+        super().__init__(f"member {member!r} is {size} bytes, over the bound of {limit}", member)
+        self.size = size
+        self.limit = limit
 
 
 class _Header(NamedTuple):  # a tuple: made twice per sample, it must be cheap
@@ -95,9 +115,15 @@ def _parse_pax(data: bytes, name: str) -> dict[str, str]:
 
 
 class TarParser:
-    """Tar members from bytes fed in pieces; see the module docstring."""
+    """Tar members from bytes fed in pieces; see the module docstring.
 
-    def __init__(self) -> None:
+    Args:
+        max_member: the most bytes of one member (its data, held whole until complete);
+            ``None``: no bound.
+    """
+
+    def __init__(self, max_member: int | None = None) -> None:
+        self._max_member = max_member
         # An incomplete header or member, from the last chunks: pieces of them (views of
         # ``bytes`` chunks, which cannot change; copies of other buffers), ``_have`` bytes.
         self._pieces: list[Any] = []
@@ -128,6 +154,7 @@ class TarParser:
 
         Raises:
             TarFormatError: a header whose checksum or fields are wrong, naming the member.
+            MemberTooLargeError: a header announces a member over ``max_member`` bytes.
         """
         out: list[tuple[str, bytes]] = []
         keep = type(data) is bytes  # its views may be held until a later chunk
@@ -259,6 +286,8 @@ class TarParser:
         if size < 0:
             raise TarFormatError(f"negative size {size} in the header", name)
         self._last = name
+        if self._max_member is not None and size > self._max_member:
+            raise MemberTooLargeError(name, size, self._max_member)
         return _Header(name, size, kind)
 
     def _member(self, header: _Header, body: bytes, out: list[tuple[str, bytes]]) -> None:

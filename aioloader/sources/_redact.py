@@ -1,0 +1,234 @@
+"""Secrets in URLs: the one rule that masks them wherever a URL or a path is shown.
+
+The URLs people reach training data with carry credentials: presigned object-store URLs
+(``X-Amz-Signature=...``, ``X-Goog-Signature=...``), Azure SAS URLs (``sig=...``), tokens in
+query strings, ``https://user:password@host/...``. What the sources show goes where secrets
+must not: experiment trackers, CI logs, shared notebooks, issue threads. So everything they
+show passes :func:`redact`, and every exception that leaves them passes :func:`masked`::
+
+    "https://u:pw@host/a.bin?X-Amz-Signature=abc&size=3"
+        │ userinfo password                  ─▶ "u:REDACTED@"
+        │ query values of credential names   ─▶ "X-Amz-Signature=REDACTED"
+        ▼ everything else kept (which object failed stays said)
+    "https://u:REDACTED@host/a.bin?X-Amz-Signature=REDACTED&size=3"
+
+Where it applies: error messages and notes, the attempts list, log records, ``repr`` of
+datasets, skip records and statistics (they hold the errors' text). Where it does not: the
+request itself, and the values a program reads back (``dataset.urls``, a ``RemoteError``'s
+``url`` attribute, a tar sample's ``__url__``), which are the data as given.
+
+Sharp edges:
+
+- The rule works on text, not on parsed URLs: a message holds a URL among words, quoted, or in
+  a library's ``repr`` (``URL('...')``). A query value ends at ``&``, ``#``, ``;``, white space
+  or a quote; a password at ``@``.
+- Exceptions of other libraries name the URL in their own words (aiohttp's
+  ``ClientResponseError`` prints ``url='...'``, fsspec raises ``FileNotFoundError(url)``), and a
+  traceback prints the whole chain of causes and contexts. :func:`masked` masks their
+  arguments in place; one whose text still carries a secret (it formats attributes) is
+  replaced in the chain by a :class:`MaskedError` naming its type, with its traceback.
+- Names added by :func:`add_credential_parameters` are this process's; the sources carry them
+  in their pickles (:func:`parameters_state`), so worker processes mask what they show alike.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "CREDENTIAL_PARAMETERS",
+    "CREDENTIAL_SUFFIXES",
+    "MARKER",
+    "MaskedError",
+    "add_credential_parameters",
+    "masked",
+    "parameters_state",
+    "redact",
+]
+
+#: What a masked secret reads as.
+MARKER = "REDACTED"
+
+#: Query parameters whose values are credentials, compared without case: the object stores'
+#: signatures, credentials and security tokens (S3 v2 and v4, GCS v2 and v4), Azure SAS's
+#: ``sig``, and common token and key names. A name wrongly here costs one value not shown;
+#: one missing leaks a secret, so the list errs on masking.
+CREDENTIAL_PARAMETERS: frozenset[str] = frozenset(
+    {
+        "x-amz-signature",
+        "x-amz-credential",
+        "x-amz-security-token",
+        "x-goog-signature",
+        "x-goog-credential",
+        "signature",
+        "awsaccesskeyid",
+        "googleaccessid",
+        "sig",
+        "token",
+        "access_token",
+        "id_token",
+        "refresh_token",
+        "auth",
+        "key",
+        "apikey",
+        "api_key",
+        "api-key",
+        "password",
+        "passwd",
+        "pwd",
+        "secret",
+        "client_secret",
+    }
+)
+
+#: Any parameter whose name ends with one of these (``sessiontoken``, ``X-Auth-Token``,
+#: ``upload_signature``) is masked too.
+CREDENTIAL_SUFFIXES = ("token", "signature", "secret", "password", "credential")
+
+_added: set[str] = set()
+
+# scheme://user:password@ (the password ends at "@"; "/", "?", "#" or a space end the
+# authority first, so "host:port/path" never matches).
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^\s/?#@'\"<>:]*):([^\s/?#@'\"<>]*)@")
+# ?name=value or &name=value (";" too): the value ends at "&", "#", ";", a space or a quote.
+_PARAMETER = re.compile(r"([?&;])([^=&#;\s'\"<>?]+)=([^&#;\s'\"<>]*)")
+
+
+def add_credential_parameters(*names: str) -> None:
+    """Mask the values of these query parameters too, wherever a URL is shown.
+
+    For credentials under names of your own (``?my_auth=...``); compared without case. The
+    default list covers the object stores' presigned URLs, Azure SAS and common token names
+    (see the README's remote-data guide). Applies to this process, and to worker processes
+    through the datasets made or pickled after the call.
+
+    Example::
+
+        aioloader.sources.add_credential_parameters("my_auth", "X-Custom-Key")
+
+    Raises:
+        TypeError: a name that is not a non-empty string, naming it.
+    """
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"a parameter name must be a non-empty string, got {name!r}")
+    _added.update(name.lower() for name in names)
+
+
+def parameters_state() -> tuple[str, ...]:
+    """The names :func:`add_credential_parameters` added, for a source's pickle."""
+    return tuple(sorted(_added))
+
+
+def _is_credential(name: str) -> bool:
+    lowered = name.lower()
+    return (
+        lowered in CREDENTIAL_PARAMETERS
+        or lowered in _added
+        or lowered.endswith(CREDENTIAL_SUFFIXES)
+    )
+
+
+def _parameter(match: re.Match[str]) -> str:
+    if not match.group(3) or not _is_credential(match.group(2)):
+        return match.group(0)
+    return f"{match.group(1)}{match.group(2)}={MARKER}"
+
+
+def redact(text: str) -> str:
+    """``text`` with every secret of the URLs in it masked (see the module docstring).
+
+    Cheap where there is nothing to mask (two scans for ``@`` and ``=``), so it may be applied
+    to every message.
+    """
+    if "@" in text:
+        text = _USERINFO.sub(rf"\1:{MARKER}@", text)
+    if "=" in text:
+        text = _PARAMETER.sub(_parameter, text)
+    return text
+
+
+# -- exceptions ----------------------------------------------------------------------------
+
+#: Links of a chain looked at: a chain is short; a cycle must not hang.
+CHAIN_LIMIT = 32
+
+
+class MaskedError(Exception):
+    """Stands in an exception chain for another library's exception whose text named a
+    secret: its type's name and its text, masked; its traceback, notes, cause and context
+    kept (masked alike)."""
+
+
+def _text(exc: BaseException) -> str:
+    try:
+        text = str(exc)
+    except Exception:  # a broken __str__ prints as such in a traceback too
+        return ""
+    notes = getattr(exc, "__notes__", None)
+    if isinstance(notes, list):
+        text = "\n".join([text, *(note for note in notes if isinstance(note, str))])
+    return text
+
+
+def _mask_in_place(exc: BaseException) -> None:
+    """Mask the strings an exception keeps its text in: ``args``, an ``OSError``'s file names
+    and message, the notes."""
+    if any(isinstance(arg, str) for arg in exc.args):
+        exc.args = tuple(redact(arg) if isinstance(arg, str) else arg for arg in exc.args)
+    if isinstance(exc, OSError):
+        for field in ("filename", "filename2", "strerror"):
+            value = getattr(exc, field, None)
+            if isinstance(value, str):
+                setattr(exc, field, redact(value))
+    notes = getattr(exc, "__notes__", None)
+    if isinstance(notes, list):
+        notes[:] = [redact(note) if isinstance(note, str) else note for note in notes]
+
+
+def _leaks(exc: BaseException) -> bool:
+    text = _text(exc)
+    return redact(text) != text
+
+
+def _stand_in(exc: BaseException) -> MaskedError:
+    kind = type(exc)
+    notes = getattr(exc, "__notes__", None)
+    stand = MaskedError(f"{kind.__module__}.{kind.__qualname__}: {redact(str(exc))}")
+    stand.__traceback__ = exc.__traceback__
+    stand.__cause__ = exc.__cause__
+    stand.__context__ = exc.__context__
+    stand.__suppress_context__ = exc.__suppress_context__
+    for note in notes if isinstance(notes, list) else ():
+        if isinstance(note, str):
+            stand.add_note(redact(note))
+    return stand
+
+
+def masked(exc: BaseException) -> BaseException:
+    """``exc`` with the secrets masked in everything a traceback prints of it: its text, its
+    notes, and the whole chain of its causes and contexts.
+
+    Arguments are masked in place; a link of the chain whose text still names a secret (a
+    type that formats its attributes) is replaced by a :class:`MaskedError`. Returns ``exc``,
+    or, where ``exc`` itself is such a type, its stand-in (raise what this returns).
+    """
+    seen = {id(exc)}
+    _mask_in_place(exc)
+    top = _stand_in(exc) if _leaks(exc) else exc
+    links = [top]
+    while links and len(seen) < CHAIN_LIMIT:
+        link = links.pop()
+        for field in ("__cause__", "__context__"):
+            other = getattr(link, field)
+            if other is None or id(other) in seen:
+                continue
+            seen.add(id(other))
+            _mask_in_place(other)
+            if _leaks(other):
+                other = _stand_in(other)
+                suppress = link.__suppress_context__  # setting __cause__ sets it
+                setattr(link, field, other)
+                link.__suppress_context__ = suppress
+            links.append(other)
+    return top
