@@ -34,6 +34,19 @@ repeats them rather than losing the one in flight. A stream without that protoco
 continue: :meth:`EpochBook.load` refuses a state that says batches of it were taken, rather
 than replay the epoch from its start (those batches would be trained on twice, silently). A
 state saved between epochs needs nothing of the stream and is always accepted.
+
+The format is versioned (``"version"``, :data:`STATE_VERSION`) and checked whole where it is
+loaded, never later at the first batch. A mid-epoch state counts the batches taken by id, and an
+id means the same samples only under the same settings: every state records them
+(``"layout"``: shuffle, the samplers, batch size, last batch, lengths, world size) and a
+mid-epoch one is refused by a loader whose settings differ, naming each setting and both
+values (a state between epochs goes into any loader whose samplers read its sampler state:
+nothing of it was taken). Every field is
+checked for its type and range (``done`` holds distinct batch ids of the epoch; the seed of
+the shuffle the loader made is the state's ``seed``). States without a version (format 0,
+before the layout was recorded) migrate explicitly (:func:`_migrated`) when saved between
+epochs; one saved mid-epoch is refused, with the two ways on: replay the epoch, or vouch for
+the loader by adding its layout.
 """
 
 from __future__ import annotations
@@ -43,10 +56,40 @@ from collections.abc import Callable
 from typing import Any
 
 from .._config import Sampling
+from .._sampling import RandomSampler
 from .._types import ResumableStream, Stateful, StreamPosition, StreamResume, check_readers
-from .._validate import check_state_keys, non_negative_int
+from .._validate import (
+    boolean,
+    check_state_keys,
+    is_int,
+    non_negative_int,
+    positive_int,
+    to_int,
+    value_errors,
+)
 
-__all__ = ["EpochBook"]
+__all__ = ["STATE_VERSION", "EpochBook"]
+
+#: The format :meth:`EpochBook.state_dict` writes. 0: no ``"version"`` key (a mid-epoch state
+#: recorded at most the batch size and dataset length, as ``"shape"``); 1: ``"version"`` and
+#: the ``"layout"`` of every setting that decides which samples a batch id is.
+STATE_VERSION = 1
+
+# The settings a state's "layout" records, and how a message names each. They decide which
+# samples batch id i of an epoch is, and in which order the ids come (the rank does not: under
+# DDP rank 0's state resumes every rank; neither do num_workers and in_order: the ids stay).
+_LAYOUT: dict[str, str] = {
+    "shuffle": "shuffle",
+    "sampler": "sampler",
+    "generator": "sampler generator",
+    "batch_sampler": "batch_sampler",
+    "batch_size": "batch_size",
+    "last_batch": "last_batch",
+    "samples": "len(dataset)",
+    "indices": "len(sampler)",
+    "replicas": "num_replicas",
+    "batches": "len(loader)",
+}
 
 
 class EpochBook:
@@ -89,6 +132,7 @@ class EpochBook:
         self._resume: dict[str, Any] | None = None
         self._done: list[int] = []  # batch ids of the current epoch taken by the consumer
         self._sampler_state: dict[str, Any] | None = None  # before the current epoch's iter()
+        self._layout: dict[str, Any] | None = None  # the current epoch's, likewise
         self._generators: list[Any] | None = None  # of samplers without a state, likewise
         self._warned_unresumable = False
         self._epoch = 0
@@ -175,6 +219,8 @@ class EpochBook:
                 self._took_sampler_epoch()  # the book's own, forgotten
             self._sampler_state = _state_of(batches)
             self._generators = _generator_states(batches)
+        # Before iter(): a rollover carry read ahead at the epoch's end changes len(batches).
+        self._layout = self.layout()
         self.open = True
         return epoch, done
 
@@ -250,6 +296,7 @@ class EpochBook:
             if self._done:
                 self._warn_unresumable()
             return {
+                "version": STATE_VERSION,
                 "epoch": self._epoch,
                 "done": list(self._done),
                 "sampler": self._sampler_state,
@@ -257,30 +304,40 @@ class EpochBook:
                 "set_epoch": self._drives,
                 "seed": seed,
                 "streams": streams,
-                "shape": self._shape(),  # what "done" counts in (see check)
+                "layout": self._layout,  # what "done" counts in (see check)
             }
         told = getattr(self._sampling.sampler, "set_epoch_asked", None)  # not taken yet
         built = self._sampling.built and self._asked is None and isinstance(told, int)
         return {
+            "version": STATE_VERSION,
             "epoch": told if built else self.next_epoch,
             "done": [],
             "sampler": _state_of(self._sampling.batches),
             "generators": _generator_states(self._sampling.batches),
             "set_epoch": self._asked is not None and not self._sampling.built,
             "seed": seed,
+            "layout": self.layout(),
         }
 
-    def _shape(self) -> dict[str, int | None]:
-        """What a mid-epoch state's batch ids count in: the batch size and the dataset's length
-        (None where unknown: a batch sampler without one, a dataset without ``__len__``)."""
-        sizes = [getattr(s, "batch_size", None) for s in _samplers(self._sampling.batches)]
-        try:
-            samples: int | None = len(self._dataset)
-        except TypeError:
-            samples = None
+    def layout(self) -> dict[str, Any]:
+        """The settings that decide which samples each batch id of an epoch is, as a state
+        records them (see :data:`_LAYOUT`); None where unknown or not applicable (a stream has
+        no sampler, a dataset or sampler may have no length)."""
+        batches, index = self._sampling.batches, self._sampling.sampler
+        if batches is None:  # a stream: only its length, where it has one
+            return {**dict.fromkeys(_LAYOUT), "samples": _length(self._dataset)}
+        chain = _samplers(batches)
         return {
-            "batch_size": next((b for b in sizes if isinstance(b, int)), None),
-            "samples": samples,
+            "shuffle": _shuffled(index),
+            "sampler": type(index).__name__,
+            "generator": any(getattr(s, "generator", None) is not None for s in chain),
+            "batch_sampler": type(batches).__name__,
+            "batch_size": _first_int(chain, "batch_size"),
+            "last_batch": _last_batch(chain),
+            "samples": _length(self._dataset),
+            "indices": _length(index),
+            "replicas": _first_int(chain, "num_replicas"),
+            "batches": _length(batches),
         }
 
     def _warn_unresumable(self) -> None:
@@ -314,34 +371,118 @@ class EpochBook:
                 as before).
 
         Raises:
-            ValueError: a key is missing, or the state says batches of a stream were taken
-                and the dataset is not a :class:`~aioloader._types.ResumableStream` (or the
-                state holds no reader positions).
+            ValueError: a key is missing, a field has the wrong type or is out of range (each
+                named with its value), the format is newer or (mid-epoch) older than this
+                one's, a mid-epoch state was saved under other settings (each named with both
+                values), the sampler state is not for these samplers, or the state says
+                batches of a stream were taken and the dataset is not a
+                :class:`~aioloader._types.ResumableStream` (or the state holds no reader
+                positions).
         """
         self._resume = dict(self.check(state) if check else state)
 
     def check(self, state: dict[str, Any], *, readers: int | None = None) -> dict[str, Any]:
         """``state``, if :meth:`load` would take it (see there), and if its stream positions
-        are of ``readers`` readers (where given: the loader's); raises otherwise."""
+        are of ``readers`` readers (where given: the loader's); raises otherwise. A state of
+        an older format comes back migrated (see the module docstring)."""
         state = check_state_keys("DataLoader", state, ("epoch", "done", "seed"))
-        non_negative_int("state 'epoch'", state["epoch"])
-        if self._sampling.batches is None and state["done"]:
+        with value_errors():  # a field of the wrong type is a ValueError too, as documented
+            _check_done(state)
+            state = self._current_format(state)
+            _check_fields(state)
+        done = state["done"]
+        if self._sampling.batches is None and done:
             self._check_stream(state)
             saved = state["streams"]
             if readers is not None and isinstance(saved, dict) and "readers" in saved:
                 check_readers(saved["readers"], readers)
-        shape = state.get("shape")
-        if state["done"] and isinstance(shape, dict) and shape != self._shape():
-            raise ValueError(
-                f"the state was saved mid-epoch (epoch {state['epoch']}, {len(state['done'])} "
-                f"batches taken) by a loader with {_shape_text(shape)}; this one has "
-                f"{_shape_text(self._shape())}. Its batches are other samples, so resuming "
-                "would repeat some and skip others: load it into a loader built the same way, "
-                "or save the state between epochs"
-            )
+        if done:  # counted in batch ids: the loader must cut and order them as the saver did
+            self._check_layout(state)
+        self._check_sampler_state(state, exact=bool(done))
+        self._check_shuffle_seed(state)
         if state.get("generators") is not None:
             _matching_generators(self._sampling.batches, state["generators"])
         return state
+
+    def _current_format(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` in the format of :data:`STATE_VERSION`: migrated from an older one where
+        that is sound, refused where it is not (see :func:`_migrated`); one from a newer
+        aioloader is refused."""
+        version = state.get("version", 0)
+        if not is_int(version) or not 0 <= int(version) <= STATE_VERSION:
+            raise ValueError(
+                f"the state's format version is {version!r}; this aioloader reads versions 0 "
+                f"to {STATE_VERSION}: load it with the aioloader that saved it (or a newer one)"
+            )
+        return state if version == STATE_VERSION else _migrated(state)
+
+    def _check_layout(self, state: dict[str, Any]) -> None:
+        """Refuse a mid-epoch state whose batch ids are other samples in this loader."""
+        saved, mine = state["layout"], self.layout()
+        rollover = "rollover" in (saved.get("last_batch"), mine["last_batch"])
+        differ = [
+            key
+            for key in _LAYOUT
+            if saved.get(key) != mine[key] and not (key == "batches" and rollover)
+        ]
+        if differ:  # (a carry rolled over changes len(loader) from epoch to epoch)
+            raise ValueError(
+                f"the state was saved mid-epoch ({_taken_text(state)}) by a loader with "
+                f"{_layout_text(saved, differ)}; this one has {_layout_text(mine, differ)}. "
+                "Its batches are other samples here, so resuming would repeat some and skip "
+                "others: load it into a loader built the same way, or save the state between "
+                "epochs"
+            )
+        batches = saved.get("batches")
+        beyond = [i for i in state["done"] if is_int(batches) and i >= batches]
+        if beyond:
+            raise ValueError(
+                f"the state's 'done' holds batch ids {beyond[:8]} that its epoch does not have: "
+                f"it had {batches} batches (ids 0 to {batches - 1}). The state was edited, or "
+                "put together from two states"
+            )
+
+    def _check_sampler_state(self, state: dict[str, Any], *, exact: bool) -> None:
+        """Refuse a sampler state saved by other samplers (shuffled or not, a generator or a
+        seed), here rather than at the epoch's ``iter()``. Mid-epoch (``exact``) its keys must
+        be those this loader's samplers save, or its order is not the one the batches were
+        taken in; between epochs they must be keys these samplers read."""
+        saved, mine = _keys(state.get("sampler")), _keys(_state_of(self._sampling.batches))
+        if saved == mine or (not exact and _within(saved, mine)):
+            return
+        chain = _chain_text(self._sampling.batches)
+        if exact:
+            raise ValueError(
+                f"the state's 'sampler' holds the keys {saved} but the samplers of this loader "
+                f"({chain}) save {mine}: it was saved by other samplers ({_taken_text(state)}), "
+                "so this loader's order would not be the one its batches were taken in: load "
+                "it into a loader built the same way"
+            )
+        raise ValueError(
+            f"the state's 'sampler' holds the keys {saved}, which the samplers of this loader "
+            f"({chain}, saving {mine}) cannot read: it was saved by other samplers. Saved "
+            "between epochs, it may start this loader's own order instead: load "
+            "{**state, 'sampler': None} (a sample a rollover carried is then not carried)"
+        )
+
+    def _check_shuffle_seed(self, state: dict[str, Any]) -> None:
+        """The shuffle the loader made is seeded with the loader's seed: a state whose sampler
+        seed is another was edited, or put together from two states (its order would be the
+        sampler seed's, its workers' randomness the other's)."""
+        sampler, layout = self._sampling.sampler, state.get("layout")
+        if not self._sampling.built or not isinstance(sampler, RandomSampler):
+            return
+        if sampler.generator is not None or not isinstance(layout, dict):
+            return  # its order is the generator's state, which the state carries instead
+        if layout.get("sampler") != "RandomSampler" or layout.get("generator") is not False:
+            return  # saved by another sampler: its seed is not the loader's (between epochs)
+        seed = _nested(state.get("sampler"), "seed")
+        if seed is not None and seed != state["seed"]:
+            raise ValueError(
+                f"the state's sampler seed is {seed!r} and its 'seed' is {state['seed']!r}: "
+                "the shuffle a loader makes draws from the loader's seed, so the two are one "
+                "in any state it saved. The state was edited, or put together from two states"
+            )
 
     def _check_stream(self, state: dict[str, Any]) -> None:
         taken = len(state["done"])
@@ -365,8 +506,175 @@ class EpochBook:
             )
 
 
-def _shape_text(shape: dict[str, Any]) -> str:
-    return f"batch_size={shape.get('batch_size')} over {shape.get('samples')} samples"
+# -- the state's format ---------------------------------------------------------------------
+
+
+def _migrated(state: dict[str, Any]) -> dict[str, Any]:
+    """A state of format 0 (no ``"version"``) as format 1, where that is sound.
+
+    Saved between epochs it holds no batch id: nothing of it depends on the settings, and its
+    layout stays unknown (None: a layout is compared only mid-epoch). Saved mid-epoch it is
+    refused: its batch ids count in settings it did not record (at most batch size and length,
+    as ``"shape"``), so nothing can tell whether they are the same samples here; the message
+    gives the two explicit ways on.
+    """
+    if not state["done"]:
+        migrated = {key: value for key, value in state.items() if key != "shape"}
+        return {**migrated, "version": STATE_VERSION, "layout": None}
+    raise ValueError(
+        f"the state has no 'version': it was saved mid-epoch ({_taken_text(state)}) by an "
+        "older aioloader, whose states do not record the settings their batch ids count in "
+        "(shuffle, the samplers, batch_size, last_batch, the lengths), so nothing tells "
+        "whether resuming it here would repeat or skip samples. If this loader is built "
+        "exactly as the saving one was, migrate it explicitly: load {**state, 'version': "
+        f"{STATE_VERSION}, 'layout': loader.state_dict()['layout']}}; or replay the epoch from "
+        "its start: load {**state, 'done': [], 'streams': None}"
+    )
+
+
+def _check_done(state: dict[str, Any]) -> None:
+    """Refuse an ``epoch`` or ``done`` that is not what the book writes: a batch id is an int
+    of the epoch's, each taken once."""
+    epoch = non_negative_int("the state's 'epoch'", state["epoch"])
+    done = state["done"]
+    if not isinstance(done, list | tuple):
+        raise TypeError(f"the state's 'done' must be a list of batch ids, got {done!r}")
+    for batch_id in done:
+        non_negative_int(f"each batch id in the state's 'done' (epoch {epoch})", batch_id)
+    if len(set(done)) != len(done):
+        twice = sorted({i for i in done if done.count(i) > 1})
+        raise ValueError(f"the state's 'done' holds batch ids {twice[:8]} more than once")
+
+
+def _check_fields(state: dict[str, Any]) -> None:
+    """Refuse a field of the wrong type or out of its range, naming it and its value (before
+    anything reads it: ``int('a')`` at the epoch's start said nothing of the state)."""
+    to_int("the state's 'seed'", state["seed"])
+    if "set_epoch" in state:
+        boolean("the state's 'set_epoch'", state["set_epoch"])
+    for key, kind in (("sampler", dict), ("generators", list), ("streams", dict)):
+        value = state.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"the state's {key!r} must be a {kind.__name__} or None, got {value!r}")
+    if state.get("streams") is not None:
+        _check_streams(state["streams"])
+    layout = state.get("layout")
+    if not isinstance(layout, dict) and (layout is not None or state["done"]):
+        raise TypeError(  # (None: a state of format 0 saved between epochs, migrated)
+            f"the state's 'layout' must be a dict{'' if state['done'] else ' or None'}, "
+            f"got {layout!r}"
+        )
+
+
+def _check_streams(streams: dict[str, Any]) -> None:
+    """Refuse reader positions that name readers the state says there are not."""
+    check_state_keys("DataLoader (the state's 'streams')", streams, ("readers", "last", "states"))
+    readers = positive_int("the state's streams 'readers'", streams["readers"])
+    last = to_int("the state's streams 'last'", streams["last"])
+    if not -1 <= last < readers:
+        raise ValueError(
+            f"the state's streams 'last' is reader {last}, not one of its {readers} readers"
+        )
+    states = streams["states"]
+    if not isinstance(states, dict):
+        raise TypeError(f"the state's streams 'states' must be a dict, got {states!r}")
+    for reader in states:
+        try:
+            number = int(reader)
+        except (TypeError, ValueError):
+            number = -1
+        if not 0 <= number < readers:
+            raise ValueError(
+                f"the state's streams 'states' holds a position of reader {reader!r}, not one "
+                f"of its {readers} readers"
+            )
+
+
+def _taken_text(state: dict[str, Any]) -> str:
+    taken = len(state["done"])
+    return f"epoch {state['epoch']}, {taken} batch{'es' if taken != 1 else ''} taken"
+
+
+def _layout_text(layout: dict[str, Any], differ: list[str]) -> str:
+    """The batch size and length (always, the shape of the batch ids), then each setting in
+    ``differ``, by the names the loader's arguments have."""
+    parts = [f"batch_size={layout.get('batch_size')} over {layout.get('samples')} samples"]
+    for key in differ:
+        if key not in ("batch_size", "samples"):
+            value = layout.get(key)
+            shown = repr(value) if key == "last_batch" else str(value)
+            parts.append(f"{_LAYOUT[key]}={shown}")
+    return ", ".join(parts)
+
+
+def _chain_text(batches: object) -> str:
+    return " of ".join(type(s).__name__ for s in _samplers(batches)) or "none"
+
+
+def _keys(state: object) -> object:
+    """The shape of a sampler state: its keys, nested; None for anything else."""
+    if isinstance(state, dict):
+        return {key: _keys(value) for key, value in state.items()}
+    return None
+
+
+def _within(saved: object, mine: object) -> bool:
+    """Whether sampler state keys ``saved`` are all read by samplers that save ``mine``."""
+    if saved is None:
+        return True
+    if not isinstance(saved, dict) or not isinstance(mine, dict):
+        return saved == mine
+    return all(key in mine and _within(value, mine[key]) for key, value in saved.items())
+
+
+def _nested(state: object, key: str) -> Any:
+    """``key`` of the first level of a (batch) sampler state that has it, looking through the
+    states of the samplers it wraps (``"sampler"`` / ``"batch_sampler"``)."""
+    for _ in range(_DEPTH):
+        if not isinstance(state, dict):
+            return None
+        if key in state:
+            return state[key]
+        state = state.get("sampler", state.get("batch_sampler"))
+    return None
+
+
+# -- the samplers ----------------------------------------------------------------------------
+
+
+def _length(sized: object) -> int | None:
+    try:
+        return len(sized)  # type: ignore[arg-type]
+    except Exception:  # no __len__, or one that refuses (a sampler of unknown length)
+        return None
+
+
+def _first_int(chain: list[Any], name: str) -> int | None:
+    return next((int(v) for s in chain if is_int(v := getattr(s, name, None))), None)
+
+
+def _last_batch(chain: list[Any]) -> str | None:
+    """The policy for the short last batch: aioloader's ``last_batch``, torch's ``drop_last``."""
+    for sampler in chain:
+        policy = getattr(sampler, "last_batch", None)
+        if isinstance(policy, str):
+            return policy
+        drop = getattr(sampler, "drop_last", None)
+        if isinstance(drop, bool):
+            return "discard" if drop else "keep"
+    return None
+
+
+def _shuffled(sampler: object) -> bool | None:
+    """Whether ``sampler`` shuffles: by its kind, or its ``shuffle`` (a distributed one's);
+    None where it does not say (a sampler of your own)."""
+    name = type(sampler).__name__
+    if name in _GLOBAL_RANDOM:
+        return True
+    if name == "SequentialSampler":
+        return False
+    flag = getattr(sampler, "shuffle", None)
+    return flag if isinstance(flag, bool) else None
 
 
 def _state_of(batches: object) -> dict[str, Any] | None:
