@@ -13,8 +13,10 @@ loader's base seed as torch does, and :func:`context_argument` reconciles torch'
 Without automatic batching (``batch_size=None``, as in torch) every sample is its own batch:
 the loader iterates a batch sampler of size 1 and :class:`PerSample` hands the one sample to
 the user's ``collate_fn`` (or :func:`~aioloader.default_convert`), so threads, worker
-processes and async datasets need no second code path. Under a rank share
-(:mod:`aioloader._sampling._distributed`) the default sampler is a :class:`DistributedSampler`.
+processes and async datasets need no second code path. A sampler of the user's may then yield
+a list of indices as one key (torch's bulk read): it travels as a ``BulkKey`` and is read by
+one ``dataset[key]`` call. Under a rank share (:mod:`aioloader._sampling._distributed`) the
+default sampler is a :class:`DistributedSampler`.
 """
 
 from __future__ import annotations
@@ -419,7 +421,8 @@ def batch_sampler_for(
     """The samplers of a loader (see :class:`Sampling`), from torch's and MXNet's arguments.
 
     ``batch_size=None`` without a batch sampler turns automatic batching off: the loader then
-    iterates batches of one index.
+    iterates batches of one key (an index, or what a sampler of the user's yields: a list of
+    indices is read by one ``dataset[key]`` call, as torch reads it).
 
     With a ``shard`` and no sampler given, the default sampler reads that rank's share: a
     :class:`DistributedSampler` that pads by wrapping around (trims with
@@ -490,11 +493,15 @@ def batch_sampler_for(
             else SequentialSampler(dataset)
         )
     batches = BatchSampler(sampler, batch_size or 1, policy)
+    # Without batching, each thing the sampler yields is one key, a list of indices too: read
+    # by one dataset[key] call (torch's bulk read). An async dataset's items are awaited one
+    # index at a time, so its sampler yields indices.
+    bulk_keys = batch_size is None and kind == "map"
     return Sampling(
         batches,
         sampler,
         batches if batch_size is not None else None,
         built=built,
         # The loader's own samplers yield plain ints: their batches need no check.
-        check=None if built else IndexCheck("sampler", sampler, sharded=False),
+        check=None if built else IndexCheck("sampler", sampler, sharded=False, bulk=bulk_keys),
     )

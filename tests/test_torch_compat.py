@@ -275,17 +275,79 @@ def test_batch_size_none_yields_samples_without_collating_them() -> None:
     assert named[1].data.positive == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="samplers (_config/_batch_sampler index check): with batch_size=None, a sampler "
-    "that yields lists of indices is refused (TypeError: 'one that yields batches of indices "
-    "is a batch_sampler') instead of passing each list to dataset[...] in one call, torch's "
-    "bulk loading",
-)
 def test_a_sampler_of_index_lists_with_batch_size_none_reads_them_in_bulk() -> None:
     sampler = [list(range(i, min(i + 4, 35))) for i in range(0, 35, 4)]
     batches = load(BulkIndexed(35), batch_size=None, sampler=sampler, num_workers=2)
     assert sorted(torch.cat(batches).tolist()) == list(range(35))
+
+
+class _BulkRead(tud.Dataset[Any]):
+    """``dataset[key]`` for a list, array or tensor key: its rows of a table, as numpy arrays
+    (converted by default_convert, never collated), and the key it was given, as it was given."""
+
+    def __init__(self) -> None:
+        self.table = np.arange(40).reshape(20, 2)
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, key: Any) -> Any:
+        return {"rows": self.table[key], "key": type(key).__name__, "size": len(key)}
+
+
+BULK_SAMPLERS: dict[str, list[Any]] = {
+    "lists": [[3, 1, 4], [1, 5], [9, 2, 6, 5], []],
+    "arrays": [np.array([3, 1, 4]), np.array([0, 19])],
+    "tensors": [torch.tensor([3, 1, 4]), torch.tensor([7, 0])],
+    "numpy integers": [[np.int64(3), np.int32(1)]],
+}
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+@pytest.mark.parametrize("sampler", BULK_SAMPLERS.values(), ids=BULK_SAMPLERS.keys())
+def test_batch_size_none_passes_each_key_of_the_sampler_to_the_dataset_as_torch_does(
+    sampler: list[Any], num_workers: int
+) -> None:
+    # torch's bulk loading: without automatic batching, each element the sampler yields is
+    # the key of one dataset[key] call, and the result goes through default_convert.
+    theirs = list(tud.DataLoader(_BulkRead(), batch_size=None, sampler=sampler))
+    with DataLoader(_BulkRead(), batch_size=None, sampler=sampler, num_workers=num_workers) as dl:
+        assert len(dl) == len(sampler)
+        assert dl.batch_sampler is None
+        ours = epoch(dl)
+    assert len(ours) == len(theirs) == len(sampler)
+    for a, b, key in zip(ours, theirs, sampler, strict=True):
+        assert isinstance(a["rows"], torch.Tensor)  # default_convert: the array as a tensor
+        assert torch.equal(a["rows"], b["rows"])
+        assert a["rows"].tolist() == np.arange(40).reshape(20, 2)[list(map(int, key))].tolist()
+        assert (a["key"], a["size"]) == (b["key"], b["size"]) == (type(key).__name__, len(key))
+
+
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_a_failed_bulk_read_names_its_key_and_can_be_skipped(num_workers: int) -> None:
+    sampler = [[0, 1], [2, 99], [4, 5]]  # 99 is past the table's end
+    with pytest.raises(IndexError) as info:
+        load(_BulkRead(), batch_size=None, sampler=sampler, num_workers=num_workers)
+    assert "[2, 99]" in notes_of(info.value)
+    with DataLoader(
+        _BulkRead(),
+        batch_size=None,
+        sampler=sampler,
+        num_workers=num_workers,
+        on_error="skip",
+        max_failures=1,
+    ) as loader:
+        got = [b["rows"][:, 0].tolist() for b in loader]
+        skipped = loader.statistics().skipped
+    assert got == [[0, 2], [8, 10]]
+    assert [repr(key) for key, _ in skipped] == ["[2, 99]"]
+
+
+def test_keys_that_are_not_indices_are_still_refused_without_batching() -> None:
+    # A dict or None as a key is refused (README: keys), in a message for this mode.
+    for bad in ({"i": 1}, None, [[0, 1], [2]], ["a", 1]):
+        with pytest.raises(TypeError, match="with batch_size=None a sampler yields"):
+            load(_BulkRead(), batch_size=None, sampler=[bad])
 
 
 class _KeyEcho:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .._errors import WorkerError
-from .._sampling import Shard
+from .._sampling import BulkKey, Shard
 from .._types import EMPTY_BATCH, END, Alloc, BatchRequest, Made, StreamRequest
 from ._collate import collate_prestacked, default_collate, numpy_collate
 from ._prestack import Prestack
@@ -138,8 +138,9 @@ class BatchMaker:
         stream_seed: the seed an iterable dataset's stream is read under in worker processes
             (see ``_workers._info.StreamRandom``): the same in every worker that reads it.
         batched: whether samples are collated into batches (torch's automatic batching); without
-            it each sample is read alone, by ``dataset[i]`` even where ``__getitems__`` exists,
-            as torch reads it.
+            it each sample is read alone, by ``dataset[key]`` even where ``__getitems__``
+            exists, as torch reads it, and a :class:`~.._sampling.BulkKey` (a sampler's list of
+            indices) is given to the dataset as the sampler yielded it.
     """
 
     def __init__(
@@ -166,6 +167,7 @@ class BatchMaker:
         self._getitems = (
             getattr(dataset, "__getitems__", None) if dataset is not None and batched else None
         )
+        self._bulk_keys = not batched  # keys may be BulkKeys, unwrapped as they are read
         # The default collate functions take arrays stacked as the samples are read (_prestack),
         # until a batch's samples differ at a leaf begun (each such batch wastes its array).
         self._to_torch = {id(default_collate): True, id(numpy_collate): False}.get(id(collate_fn))
@@ -278,7 +280,10 @@ class BatchMaker:
         samples = []
         for pos, index in enumerate(indices):
             try:
-                item = self.dataset[index] if raw is None else raw[pos]
+                if raw is not None:
+                    item = raw[pos]
+                else:
+                    item = self.dataset[_key(index) if self._bulk_keys else index]
             except Exception as exc:
                 if self.skip_errors:
                     made.skipped.append((index, _describe(exc)))
@@ -299,6 +304,8 @@ class BatchMaker:
         the reads themselves (measured: 256 ints, 24 us instead of 50)."""
         dataset = self.dataset
         get = type(dataset).__getitem__  # what dataset[i] calls
+        if self._bulk_keys:
+            get = _unwrapping(get)
         items: list[Any] = []
         append = items.append
         index = None
@@ -346,6 +353,20 @@ class BatchMaker:
             annotate(exc, f"transforming sample index {index}{where} of batch {request.batch_id}")
             raise
         samples.append(_through(stack, samples, item))
+
+
+def _key(index: Any) -> Any:
+    """What ``dataset[...]`` is given for ``index``: a bulk key's own object."""
+    return index.key if isinstance(index, BulkKey) else index
+
+
+def _unwrapping(get: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """``get(dataset, key)`` for keys that may be bulk keys (one per batch: no hot loop)."""
+
+    def read(dataset: Any, index: Any) -> Any:
+        return get(dataset, _key(index))
+
+    return read
 
 
 def _through(stack: Prestack | None, samples: list[Any], item: Any) -> Any:
@@ -474,5 +495,3 @@ def indices_text(request: BatchRequest) -> str:
     if len(indices) > 8:
         return f"indices {indices[:8]}... ({len(indices)} in all)"
     return f"indices {indices}"
-
-

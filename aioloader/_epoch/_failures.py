@@ -65,7 +65,7 @@ class FailureBudget:
             self._counters.skip(skipped)
             if epoch_log.isEnabledFor(logging.WARNING):
                 for index, reason in skipped:
-                    epoch_log.warning("skipped sample index %d: %s", index, reason)
+                    epoch_log.warning("skipped sample index %s: %s", index, reason)  # a key too
 
     @property
     def allowed(self) -> float:

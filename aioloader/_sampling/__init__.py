@@ -28,6 +28,7 @@ Nothing here starts a thread, a task or a process. This module only re-exports.
 from __future__ import annotations
 
 from ._batch_sampler import BatchSampler as BatchSampler
+from ._batch_sampler import BulkKey as BulkKey
 from ._batch_sampler import IndexCheck as IndexCheck
 from ._batch_sampler import LastBatch as LastBatch
 from ._batch_sampler import ShardedBatchSampler as ShardedBatchSampler

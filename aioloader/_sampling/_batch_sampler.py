@@ -27,12 +27,17 @@ Sharp edges, each deliberate:
   integer scalars) into plain ``list[int]`` before a batch is scheduled, and refuses anything
   else with an error naming the sampler, the batch and the value. torch accepts any key a
   dataset takes; integer indices are what every aioloader dataset kind and worker speaks.
+- **Without automatic batching a sampler's list of indices is one key** (torch's bulk read):
+  with ``batch_size=None`` each thing a sampler yields is passed to ``dataset[key]`` as it is,
+  and a list (numpy array, tensor) of indices travels as a :class:`BulkKey`, so that it is never
+  taken for the shards of a batch.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Sized
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast, get_args
 
 from .._types import Stateful
@@ -40,6 +45,7 @@ from .._validate import as_torch, boolean, check_state_keys, is_int, one_of, pos
 
 __all__ = [
     "BatchSampler",
+    "BulkKey",
     "IndexCheck",
     "LastBatch",
     "ShardedBatchSampler",
@@ -257,6 +263,27 @@ def _keys(batch: list[Any] | tuple[Any, ...]) -> bool:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class BulkKey:
+    """A key of many indices, read by one ``dataset[key]`` call: what a sampler yields as one
+    element without automatic batching (``batch_size=None``), as torch passes it (its bulk
+    read). The batch of such a loader is ``[BulkKey]``: the wrapper keeps the key from being
+    taken for a shard (a list of indices) on its way to the reader, which unwraps it.
+
+    Attributes:
+        key: what the sampler yielded (a list, a numpy array or a torch tensor), given to the
+            dataset as it is.
+        indices: its indices as plain ints, by which keys compare and hash (the skip
+            bookkeeping keeps keys in sets; a list is unhashable).
+    """
+
+    key: Any = field(compare=False)
+    indices: tuple[int, ...]
+
+    def __repr__(self) -> str:
+        return _short_repr(self.key)
+
+
 class IndexCheck:
     """Turns what a batch sampler yields into the ``list[int]`` (or, for sharded batches,
     ``list[list[int]]``) the loader schedules; refuses what is not indices, naming the source.
@@ -267,18 +294,22 @@ class IndexCheck:
         sharded: whether a batch may be a list of shards (lists of indices): true for a
             user's batch sampler (a :class:`ShardedBatchSampler`), false when the loader groups
             a sampler's indices itself (then a nested value is a sampler yielding batches).
+        bulk: whether each batch holds one key of a sampler without automatic batching
+            (``batch_size=None``), where a collection of indices is one key: a
+            :class:`BulkKey`, read by one ``dataset[key]`` call.
     """
 
-    __slots__ = ("name", "sharded", "source")
+    __slots__ = ("bulk", "name", "sharded", "source")
 
-    def __init__(self, name: str, source: object, *, sharded: bool) -> None:
+    def __init__(self, name: str, source: object, *, sharded: bool, bulk: bool = False) -> None:
         self.name = name
         self.source = source
         self.sharded = sharded
+        self.bulk = bulk
 
-    def __call__(self, batch_id: int, batch: object) -> list[int] | list[list[int]]:
-        """``batch`` as plain ints. Raises ``TypeError`` naming the source, the batch and the
-        value when it is not a batch of indices."""
+    def __call__(self, batch_id: int, batch: object) -> list[int] | list[list[int]] | list[BulkKey]:
+        """``batch`` as plain ints (or one :class:`BulkKey`). Raises ``TypeError`` naming the
+        source, the batch and the value when it is not a batch of indices."""
         if isinstance(batch, Iterator):
             batch = list(batch)  # read once: it may be looked at twice below
         flat = _indices(batch)
@@ -286,6 +317,10 @@ class IndexCheck:
             return flat
         if isinstance(batch, list | tuple) and _keys(batch):
             return list(batch)  # keys: passed to dataset[key] as they are, as torch does
+        if self.bulk and isinstance(batch, list) and len(batch) == 1:
+            indices = _indices(batch[0])
+            if indices is not None:
+                return [BulkKey(batch[0], tuple(indices))]
         if self.sharded and isinstance(batch, Iterable) and not isinstance(batch, str | bytes):
             items = list(batch)
             # A tuple of ints is a key (torch's datasets may take any key: (index, size) pairs
@@ -301,6 +336,13 @@ class IndexCheck:
         if self.name == "sampler":
             values = list(batch) if isinstance(batch, list | tuple) else [batch]
             bad = next((v for v in values if _index(v) is None), batch)
+            if self.bulk:
+                return (
+                    f"sampler={self.source!r} yielded {_short_repr(values[0])} (for batch "
+                    f"{batch_id}), which is not a key: with batch_size=None a sampler yields "
+                    f"indices ({_WHAT_AN_INDEX_IS}), lists, arrays or tensors of them (read by "
+                    "one dataset[key] call), tuples or strings"
+                )
             return (
                 f"sampler={self.source!r} yielded {bad!r} (for batch {batch_id}), which is not "
                 f"an index: a sampler yields indices ({_WHAT_AN_INDEX_IS}); one that yields "
