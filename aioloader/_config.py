@@ -124,6 +124,7 @@ class LoaderConfig:
     prefetch_factor: int | None = None  # as given (torch's argument); ``prefetch`` is the depth
     persistent_workers: bool = False
     pin_memory_device: str = ""
+    pin_device_id: int | None = None  # MXNet Gluon's name for pin_memory_device="cuda:<id>"
     shard: Shard | None = None  # the rank share the loader reads itself (None: all of it)
     worker_seeding: str = "batch"
     start_timeout: float | None = None  # as given; None: the batch timeout, else a default
@@ -202,6 +203,7 @@ class LoaderConfig:
         prefetch_factor: object = None,
         persistent_workers: object = False,
         pin_memory_device: object = "",
+        pin_device_id: object = None,
         shard: Shard | None = None,
         worker_seeding: object = "batch",
         start_timeout: object = None,
@@ -238,6 +240,7 @@ class LoaderConfig:
                 "persistent_workers=True needs num_workers > 0 (workers to keep alive between "
                 "epochs), got num_workers=0"
             )
+        pin_device, pin_id = _pin_device(pin_memory_device, pin_device_id)
         collate = check.callable_or_none("collate_fn", collate_fn)
         if batched:
             collate = collate or default_collate
@@ -270,7 +273,8 @@ class LoaderConfig:
             batched=batched,
             prefetch_factor=factor,
             persistent_workers=persistent,
-            pin_memory_device=_pin_memory_device(pin_memory_device),
+            pin_memory_device=pin_device,
+            pin_device_id=pin_id,
             shard=shard,
             worker_seeding=_worker_seeding(worker_seeding),
             start_timeout=check.seconds("start_timeout", start_timeout, positive=True),
@@ -323,6 +327,24 @@ def _pin_memory_device(device: object) -> str:
             "('cuda' or 'cuda:<index>'), or leave it '' for the current device"
         )
     return device
+
+
+def _pin_device(device: object, device_id: object) -> tuple[str, int | None]:
+    """torch's ``pin_memory_device`` and MXNet Gluon's ``pin_device_id`` (the CUDA device
+    whose pinned memory is used), reconciled: ``pin_device_id=N`` means
+    ``pin_memory_device='cuda:N'``, and giving both is allowed only when they agree.
+
+    Page-locked memory that CUDA allocates serves every device of the machine (unified
+    addressing makes it accessible from all of them, whichever device allocated it), so the
+    device is kept, shown and checked, and batches are pinned the same way for any."""
+    pin_device = _pin_memory_device(device)
+    if device_id is None:
+        return pin_device, None
+    pin_id = check.non_negative_int("pin_device_id", device_id)
+    check.decided_by(
+        "pin_device_id", pin_id, "pin_memory_device", pin_device, f"cuda:{pin_id}", unset=""
+    )
+    return f"cuda:{pin_id}", pin_id
 
 
 def resolve_seed(seed: object, generator: Any) -> int:

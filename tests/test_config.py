@@ -61,6 +61,14 @@ def test_timeout_zero_means_no_limit_as_in_torch() -> None:
     assert build_config(timeout=np.float32(1.5)).timeout == 1.5
 
 
+def test_pin_device_id_decides_the_pin_memory_device() -> None:
+    config = build_config(pin_memory=True, pin_device_id=np.int64(3))
+    assert (config.pin_device_id, config.pin_memory_device) == (3, "cuda:3")
+    assert type(config.pin_device_id) is int
+    assert build_config(pin_device_id=0, pin_memory_device="cuda:0").pin_memory_device == "cuda:0"
+    assert build_config().pin_device_id is None
+
+
 def test_derived_views() -> None:
     config = build_config(num_workers=3, thread_pool=True, on_error="skip", last_batch="discard")
     assert (config.uses_processes, config.threads) == (False, 3)
@@ -195,6 +203,9 @@ BAD_ARGUMENTS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"in_order": "yes"}, TypeError, "in_order"),
     ({"thread_pool": None}, TypeError, "thread_pool"),
     ({"shm_max_bytes": -1}, ValueError, "shm_max_bytes"),
+    ({"pin_device_id": -1}, ValueError, "pin_device_id"),
+    ({"pin_device_id": "0"}, TypeError, "pin_device_id"),
+    ({"pin_device_id": 1, "pin_memory_device": "cuda"}, ValueError, "pin_device_id"),
 ]
 
 

@@ -50,6 +50,7 @@ OWN_PARAMETERS = {
     "seed",
     "thread_pool",
     "batchify_fn",
+    "pin_device_id",
     "transform",
     "io_concurrency",
     "mp_context",

@@ -978,6 +978,69 @@ def test_pin_memory_without_a_gpu_warns_and_passes_batches_through() -> None:
     assert [b["another_dict"]["a_number"].tolist() for b in batches] == [[0, 1], [2, 3]]
 
 
+# MXNet Gluon's pin_device_id: the CUDA device whose pinned memory pin_memory uses, torch's
+# pin_memory_device="cuda:<id>".
+
+
+def test_pin_device_id_is_gluons_name_for_the_pin_memory_device() -> None:
+    loader = DataLoader(Indexed(4), pin_memory=True, pin_device_id=1)  # not run: no GPU here
+    assert (loader.pin_device_id, loader.pin_memory_device) == (1, "cuda:1")
+    assert loader.pin_memory is True
+    loader.close()
+    with DataLoader(Indexed(4), pin_device_id=0) as loader:  # Gluon's default, pin_memory off
+        assert (loader.pin_device_id, loader.pin_memory_device, loader.pin_memory) == (
+            0,
+            "cuda:0",
+            False,
+        )
+    with DataLoader(Indexed(4)) as loader:
+        assert (loader.pin_device_id, loader.pin_memory_device) == (None, "")
+    agreeing: list[dict[str, Any]] = [{"pin_memory_device": "cuda:2"}, {"pin_memory_device": "cpu"}]
+    for kwargs in agreeing:
+        with DataLoader(Indexed(4), pin_device_id=2, **kwargs) as loader:
+            assert loader.pin_memory_device == "cuda:2"
+    with pytest.raises(
+        ValueError, match=r"pin_memory_device='cuda:0' conflicts with pin_device_id=1"
+    ):
+        DataLoader(Indexed(4), pin_device_id=1, pin_memory_device="cuda:0")
+    with pytest.raises(ValueError, match="pin_device_id must be a non-negative int, got -1"):
+        DataLoader(Indexed(4), pin_device_id=-1)
+    for bad in (True, "0", 1.0):
+        with pytest.raises(
+            TypeError, match=f"pin_device_id must be a non-negative int, got {bad!r}"
+        ):
+            DataLoader(Indexed(4), pin_device_id=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # both warn that no GPU is there to pin for
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_pin_device_id_without_a_gpu_passes_batches_through_as_torch_does(num_workers: int) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU, batches are pinned (test_pin_device_id_pins_the_batches)")
+    theirs = list(
+        tud.DataLoader(Dicts(4), batch_size=2, pin_memory=True, pin_memory_device="cuda:0")
+    )
+    with pytest.warns(aioloader.DeviceUnavailableWarning, match="CUDA is not available"):
+        ours = load(
+            Dicts(4), batch_size=2, pin_memory=True, pin_device_id=0, num_workers=num_workers
+        )
+    assert [b["another_dict"]["a_number"].tolist() for b in ours] == [[0, 1], [2, 3]]
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a["a_tensor"], b["a_tensor"])
+
+
+@pytest.mark.cuda
+def test_pin_device_id_pins_the_batches() -> None:
+    theirs = list(
+        tud.DataLoader(Dicts(4), batch_size=2, pin_memory=True, pin_memory_device="cuda:0")
+    )
+    ours = load(Dicts(4), batch_size=2, pin_memory=True, pin_device_id=0, num_workers=2)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["a_tensor"].is_pinned()
+        assert b["a_tensor"].is_pinned()
+        assert torch.equal(a["a_tensor"], b["a_tensor"])
+
+
 # -- custom batches from a collate_fn ----------------------------------------------------------
 
 

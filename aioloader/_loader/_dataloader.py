@@ -135,6 +135,8 @@ class DataLoader(SettingsView):
             per-sample randomness from a generator seeded by the index there.
         thread_pool: run ``num_workers`` threads instead of processes.
         batchify_fn: another name for ``collate_fn`` (MXNet).
+        pin_device_id: MXNet Gluon's: the CUDA device whose pinned memory ``pin_memory`` uses
+            (an int >= 0), as ``pin_memory_device=f"cuda:{pin_device_id}"``.
         transform: applied to each sample off the event loop, before collation.
         io_concurrency: item fetches in flight at once for async datasets (all batches).
         mp_context: another name for ``multiprocessing_context``.
@@ -203,6 +205,7 @@ class DataLoader(SettingsView):
         seed: int | None = None,
         thread_pool: bool = False,
         batchify_fn: Callable[[list[Any]], Any] | None = None,
+        pin_device_id: int | None = None,
         transform: Callable[[Any], Any] | None = None,
         io_concurrency: int = 64,
         mp_context: str | BaseContext | None = None,
@@ -254,6 +257,7 @@ class DataLoader(SettingsView):
             prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
+            pin_device_id=pin_device_id,
             shard=share,
             worker_seeding=worker_seeding,
             start_timeout=start_timeout,

@@ -115,6 +115,7 @@ class SettingsView:
     last_batch = Setting[str]()
     persistent_workers = Setting[bool]()
     pin_memory_device = Setting[str]()
+    pin_device_id = Setting[int | None]()
     worker_seeding = Setting[str]()
     start_timeout = Setting[float | None]()
 
