@@ -6,9 +6,11 @@
 injected per path, either for the next requests (``fail(path, f1, f2)``: the next request to
 ``path`` gets ``f1``, the one after ``f2``, then service is normal) or for every request
 (``fail_always(path, f)``). ``requests[path]`` counts the requests per path, so tests can
-assert exact attempt counts. ``Fault.hold()`` keeps a response half sent until the test calls
-``release()``, so a test can look at the client while a read is surely in the middle of a body
-(``holding`` counts the responses held now), with no timing involved. ``latency`` delays every
+assert exact attempt counts, and ``received`` lists each request's path with its query and its
+``Authorization`` header (what a signed or ``user:password@`` URL sent). ``Fault.hold()``
+keeps a response half sent until the test calls ``release()``, so a test can look at the
+client while a read is surely in the middle of a body (``holding`` counts the responses held
+now), with no timing involved. ``latency`` delays every
 response (``jitter`` spreads it around that mean). ``put(path, body)`` serves fixed bytes at any
 other path (an index file); other paths answer 404 (status faults apply to them too). ``Range``
 headers are ignored (200 and the whole body, as some servers answer) unless ``ranges=True``:
@@ -52,6 +54,11 @@ SHUTDOWN_TIMEOUT_S = 1.0
 THREAD_TIMEOUT_S = 10.0
 DEFAULT_SIZE = 1024
 
+#: ``Fault.endless()``: the body's pieces, and the most it sends before it gives up on a client
+#: that never stops reading (a test must end even if the client's bound fails).
+ENDLESS_PIECE = 64 << 10
+ENDLESS_CAP = 256 << 20
+
 
 #: Objects are windows into one random block per size, shifted by up to this many bytes.
 PAYLOAD_WINDOW = 4096
@@ -85,7 +92,8 @@ class Fault:
     ``long_late`` (promise half, send that half, and the rest ``seconds`` later on the same
     connection, kept open), ``stall`` (send the headers, then stay silent for ``seconds``,
     then send the body), ``hold`` (send the headers and half the body, then wait until
-    :meth:`FaultServer.release` is called, then send the rest).
+    :meth:`FaultServer.release` is called, then send the rest), ``endless`` (a chunked body
+    without ``Content-Length`` that goes on until the client leaves, up to ``ENDLESS_CAP``).
     """
 
     kind: str
@@ -125,6 +133,10 @@ class Fault:
     def hold(cls) -> Fault:
         return cls("hold")
 
+    @classmethod
+    def endless(cls) -> Fault:
+        return cls("endless")
+
 
 class FaultServer:
     """The server; see the module docstring.
@@ -155,6 +167,7 @@ class FaultServer:
         self._draws = random.Random(0)
         self.ranges = ranges
         self.requests: Counter[str] = Counter()
+        self.received: list[tuple[str, str | None]] = []  # (path and query, Authorization)
         self.files: dict[str, bytes] = {}  # served at /files/{name}
         self.active = 0  # requests being answered now
         self.most_active = 0  # the most at once so far
@@ -230,7 +243,12 @@ class FaultServer:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), seconds)
 
+    def _receive(self, request: web.Request) -> None:
+        with self._lock:
+            self.received.append((request.path_qs, request.headers.get("Authorization")))
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self._receive(request)
         self.active += 1
         self.most_active = max(self.most_active, self.active)
         try:
@@ -261,6 +279,8 @@ class FaultServer:
         if fault.kind == "latency":
             await self._pause(fault.seconds)
             return self._whole_or_range(request, body)
+        if fault.kind == "endless":
+            return await self._endless(request)
         response = web.StreamResponse()
         long = fault.kind in ("long", "long_late")
         response.content_length = len(body) // 2 if long else len(body)
@@ -314,6 +334,25 @@ class FaultServer:
         # The connection is gone; end the handler without aiohttp writing the rest.
         raise asyncio.CancelledError
 
+    async def _endless(self, request: web.Request) -> web.StreamResponse:
+        """A chunked body that goes on while the client reads (``Fault.endless``)."""
+        assert self._stopping is not None
+        response = web.StreamResponse()
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        if request.method == "HEAD":
+            return response
+        piece = bytes(ENDLESS_PIECE)
+        for _ in range(ENDLESS_CAP // ENDLESS_PIECE):
+            transport = request.transport
+            if transport is None or transport.is_closing() or self._stopping.is_set():
+                break
+            try:
+                await response.write(piece)
+            except ConnectionError:
+                break
+        raise asyncio.CancelledError  # the client left (or the cap): nothing more to send
+
     def _whole_or_range(self, request: web.Request, body: bytes) -> web.Response:
         """``body``, or with ``ranges`` the one range ``Range: bytes=a-b`` asks for."""
         asked = request.headers.get("Range", "") if self.ranges else ""
@@ -331,6 +370,7 @@ class FaultServer:
         )
 
     async def _handle_file(self, request: web.Request) -> web.StreamResponse:
+        self._receive(request)
         fault = self._next_fault(request.path)
         if fault is not None and fault.kind == "status":
             return web.Response(status=fault.status, text=f"injected {fault.status}")

@@ -325,7 +325,14 @@ class _Shards:
                 yield sample
         except Exception as exc:
             member = exc.member if isinstance(exc, TarFormatError) else parser.last_member
-            pending, cut = grouper.flush(), parser.reading_file
+            cut = parser.reading_file
+            if isinstance(exc, MemberTooLargeError):
+                cut = exc.member  # refused at its header: what came before it is whole
+                for name, data in exc.completed:
+                    sample = grouper.add(name, data)
+                    if sample is not None:
+                        yield sample
+            pending = grouper.flush()
             if pending is not None and cut is not None and grouper.ends(pending, cut):
                 yield pending  # whole: the file member that was cut began another sample
             if isinstance(exc, MemberTooLargeError):

@@ -64,12 +64,14 @@ class TarFormatError(ValueError):
 
 
 class MemberTooLargeError(TarFormatError):
-    """A member's header announces ``size`` bytes, over the parser's bound ``limit``."""
+    """A member's header announces ``size`` bytes, over the parser's bound ``limit``;
+    ``completed`` holds the members the same :meth:`TarParser.feed` completed before it."""
 
     def __init__(self, member: str, size: int, limit: int) -> None:
         super().__init__(f"member {member!r} is {size} bytes, over the bound of {limit}", member)
         self.size = size
         self.limit = limit
+        self.completed: list[tuple[str, bytes]] = []
 
 
 class _Header(NamedTuple):  # a tuple: made twice per sample, it must be cheap
@@ -157,6 +159,15 @@ class TarParser:
             MemberTooLargeError: a header announces a member over ``max_member`` bytes.
         """
         out: list[tuple[str, bytes]] = []
+        try:
+            return self._feed(data, out)
+        except MemberTooLargeError as exc:
+            exc.completed = out  # whole members before it: their samples are good
+            raise
+
+    def _feed(
+        self, data: bytes | bytearray | memoryview, out: list[tuple[str, bytes]]
+    ) -> list[tuple[str, bytes]]:
         keep = type(data) is bytes  # its views may be held until a later chunk
         with memoryview(data) as view:
             # A header or member left incomplete by the last chunks is completed first, with
