@@ -29,7 +29,7 @@ from typing import Any, Final, TypeVar
 
 from .._errors import out_of_descriptors_note
 
-__all__ = ["NOT_INLINE", "LoopThread", "SyncIterator", "new_event_loop"]
+__all__ = ["NOT_INLINE", "LoopThread", "SyncIterator", "mark_loader_thread", "new_event_loop"]
 
 T = TypeVar("T")
 
@@ -38,6 +38,20 @@ NOT_INLINE: Final[Any] = object()
 
 # How long closing waits for the loop thread to wind down before giving up on it.
 CLOSE_TIMEOUT_S = 10.0
+
+
+# Which threads are the loader's own: a dataset's code that runs there must never wait for a
+# sync iterator's next(), which may be waiting for the very batch that code is making.
+_loader_thread = threading.local()
+
+
+def mark_loader_thread() -> None:
+    """Mark the calling thread as one that runs the loader's work (a batch, the loop)."""
+    _loader_thread.marked = True
+
+
+def _on_loader_thread() -> bool:
+    return getattr(_loader_thread, "marked", False) is True
 
 
 # uvloop, the loop this package makes, is imported with the package rather than at the first
@@ -76,6 +90,7 @@ class LoopThread:
         self._thread.start()
 
     def _run(self) -> None:
+        mark_loader_thread()  # batches are made on the loop too (cheap ones)
         asyncio.set_event_loop(self.loop)
         try:
             self.loop.run_forever()
@@ -122,6 +137,14 @@ class SyncIterator:
     iterator with ``aclose()``, ``close_nowait()`` and ``next_inline()``). While the epoch
     makes its batches in this thread (``next_inline``: cheap batches, no workers), no loop is
     involved; once it says ``NOT_INLINE``, ``loop`` gives the loop thread that runs the rest.
+
+    One iterator shared by threads (a producer thread beside the training loop, two threads
+    pulling from one epoch) is served one ``next()`` at a time: a second caller waits for the
+    first's batch, then gets the following one, so each batch goes to exactly one caller (the
+    epoch is not made for two at once: made in the caller's thread, a batch was lost). A
+    ``next()`` called from inside a running ``next()`` (a dataset that iterates its own
+    loader, in the caller's thread or a loader thread) is refused, as a generator refuses it:
+    it would wait for itself.
     """
 
     def __init__(
@@ -136,6 +159,10 @@ class SyncIterator:
         self._loop_thread: LoopThread | None = None
         self._epoch: Any = None
         self._done = False
+        # One next() at a time (see the class docstring); the thread in it, to refuse it a
+        # second one from inside the first.
+        self._turn = threading.Lock()
+        self._in_next: int | None = None
 
     def __iter__(self) -> SyncIterator:
         return self
@@ -145,14 +172,38 @@ class SyncIterator:
         return self._length()
 
     def __next__(self) -> Any:
+        me = threading.get_ident()
+        if not self._turn.acquire(blocking=False):
+            if self._in_next == me or _on_loader_thread():
+                # From inside next(): in this thread, or in a loader thread making the batch
+                # the running next() may wait for. Waiting would wait for itself.
+                raise ValueError(
+                    "this loader iterator is already executing next(), and it was called again "
+                    "from inside it (from the dataset, a transform or collate_fn?), where "
+                    "waiting for its turn would wait for itself: iterate another iterator of "
+                    "the loader there"
+                )
+            self._turn.acquire()  # another thread's next(): ours takes the batch after it
+        self._in_next = me
+        try:
+            return self._next()
+        finally:
+            self._in_next = None
+            self._turn.release()
+
+    def _next(self) -> Any:
         if self._done:
             raise StopIteration
         if not self._started:
             self._started = True
             self._epoch = self._start()
+        # Read once: close() from another thread may clear self._epoch meanwhile.
+        epoch = self._epoch
+        if epoch is None:  # closed from another thread
+            raise StopIteration
         if self._loop_thread is None:
             try:
-                batch = self._epoch.next_inline()
+                batch = epoch.next_inline()
             except StopIteration:
                 self._done = True
                 self._epoch = None
@@ -160,13 +211,13 @@ class SyncIterator:
             except BaseException as exc:
                 if not isinstance(exc, Exception):  # interrupted: the epoch closed itself
                     self._done = True
-                self._epoch.raised_last = True
+                epoch.raised_last = True
                 raise
-            self._epoch.raised_last = False
+            epoch.raised_last = False
             if batch is not NOT_INLINE:
                 return batch
             self._loop_thread = self._loop()
-        step = _step(self._epoch)
+        step = _step(epoch)
         try:
             future = asyncio.run_coroutine_threadsafe(step, self._loop_thread.loop)
         except RuntimeError:  # the loop is closed: the loader was closed under this iterator
@@ -180,11 +231,10 @@ class SyncIterator:
             if not future.done() or future.cancelled():  # the wait was interrupted, not a batch
                 future.cancel()
                 self.close()
-            elif self._epoch is not None:
-                self._epoch.raised_last = True
+            else:
+                epoch.raised_last = True
             raise
-        if self._epoch is not None:
-            self._epoch.raised_last = False
+        epoch.raised_last = False
         if not more:
             self._done = True
             self._epoch = None

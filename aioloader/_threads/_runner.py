@@ -69,6 +69,7 @@ from .._batch import (
 from .._errors import WorkerError
 from .._sampling import every_nth, stream_share
 from .._types import END, Alloc, BatchRequest, Made, StreamRequest, stream_state
+from ._loop import mark_loader_thread
 from ._reuse import ReusedBuffers
 
 __all__ = [
@@ -362,6 +363,7 @@ class ThreadPool:
         return future
 
     def _work(self) -> None:
+        mark_loader_thread()
         while True:
             job = self._jobs.get()
             if job is None:
