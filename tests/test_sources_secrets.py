@@ -17,10 +17,12 @@ import os
 import tarfile
 import traceback
 import tracemalloc
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiobotocore.session
 import pytest
 from datasets import keep, parquet_bytes, tar_digest, tar_sample, tar_shard
 from helpers import Sleeps
@@ -233,28 +235,36 @@ def moto_endpoint() -> Iterator[str]:
         yield endpoint
 
 
-async def test_s3_errors_never_show_a_secret_in_a_key_or_the_endpoint(
+async def test_s3_errors_never_show_a_secret_in_a_key(
     moto_endpoint: str, logs: pytest.LogCaptureFixture
 ) -> None:
-    # A key that carries a token (taken from a listing, so read literally), and an endpoint
-    # with credentials in its userinfo that no server answers.
-    key = ListedName(f"s3://{BUCKET}/missing?token={SECRET}")
-    async with FsspecDataset(
-        [key], retry=FAST, sleep=Sleeps(), storage_options=s3_options(moto_endpoint)
-    ) as ds:
+    # Keys that carry a token (taken from a listing, so read literally): one missing (s3fs
+    # raises FileNotFoundError(path)), one throttled until the attempts run out.
+    keys = [ListedName(f"s3://{BUCKET}/{name}?token={SECRET}") for name in ("missing", "obj-0")]
+    session = aiobotocore.session.AioSession()
+    session.register("before-call.s3.GetObject", _slow_down_obj_0)
+    options = s3_options(moto_endpoint, session=session)
+    async with FsspecDataset(keys, retry=FAST, sleep=Sleeps(), storage_options=options) as ds:
         with pytest.raises(RemoteNotFoundError) as missing:
             await ds.fetch(0)
-    closed = f"http://reader:{SECRET}@127.0.0.1:9"  # the discard port: refused at once
-    options = s3_options(closed, config_kwargs={"connect_timeout": 1})
-    async with FsspecDataset(
-        [f"s3://{BUCKET}/obj-0"], retry=FAST, sleep=Sleeps(), storage_options=options
-    ) as unreachable:
-        with pytest.raises(RemoteError) as refused:
-            await unreachable.fetch(0)
-    for error in (missing.value, refused.value):
+        with pytest.raises(RetriesExhaustedError) as throttled:
+            await ds.fetch(1)
+    for error in (missing.value, throttled.value):
         assert_hidden(shown(error))
     assert f"s3://{BUCKET}/missing?token={MARKER}" in str(missing.value)
+    assert "SlowDown" in str(throttled.value)
     assert_hidden(logged(logs), repr(ds))
+
+
+def _slow_down_obj_0(params: dict[str, Any], **_: Any) -> tuple[Any, dict[str, Any]] | None:
+    """A before-call hook: GetObject of ``obj-0...`` answers S3's SlowDown; others go on."""
+    if not str(params.get("url_path", "")).split("/")[-1].startswith("obj-0"):
+        return None
+    http = types.SimpleNamespace(status_code=503, headers={}, content=b"")
+    return http, {
+        "Error": {"Code": "SlowDown", "Message": "injected SlowDown"},
+        "ResponseMetadata": {"HTTPStatusCode": 503, "HTTPHeaders": {}},
+    }
 
 
 async def test_file_errors_never_show_a_secret_in_a_path(tmp_path: Path) -> None:
