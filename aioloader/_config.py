@@ -22,7 +22,6 @@ default sampler is a :class:`DistributedSampler`.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import re
 import secrets
 import sys
@@ -45,8 +44,6 @@ from ._sampling import (
 from ._types import DatasetKind
 
 __all__ = [
-    "SHM_FRACTION",
-    "SHM_MAX_DEFAULT",
     "WORKER_SEEDING",
     "LoaderConfig",
     "PerSample",
@@ -55,12 +52,6 @@ __all__ = [
     "context_argument",
     "resolve_seed",
 ]
-
-# Default cap on shared memory: a quarter of /dev/shm's free space, at most 4 GiB. Larger: more
-# batches the consumer keeps (a `list(loader)`) stay zero-copy; smaller: more room left for other
-# loaders and ranks on the node. Above the cap, batches travel pickled rather than failing.
-SHM_FRACTION = 0.25
-SHM_MAX_DEFAULT = 4 << 30
 
 ON_ERROR = ("raise", "skip")
 
@@ -281,12 +272,6 @@ class LoaderConfig:
             share_seed=share_seed,
         )
 
-    def shm_cap(self) -> int:
-        """Bytes of shared memory this loader may use for batches (see :data:`SHM_FRACTION`)."""
-        if self.shm_max_bytes is not None:
-            return self.shm_max_bytes
-        stat = os.statvfs("/dev/shm")
-        return int(min(SHM_MAX_DEFAULT, stat.f_bavail * stat.f_frsize * SHM_FRACTION))
 
 
 def _prefetch_factor(factor: object, prefetch: object, workers: int) -> int | None:

@@ -28,7 +28,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ._config import SHM_FRACTION, SHM_MAX_DEFAULT
+from . import _shm
+from ._shm import BUDGET_FRACTION, BUDGET_MAX
 from ._workers import resolve_context
 
 __all__ = [
@@ -56,7 +57,7 @@ SHM_PATH = "/dev/shm"
 # under 256 MiB a few such batches fill the budget and the rest travel pickled, a copy slower.
 SHM_BUDGET_LOW = 256 << 20
 # The /dev/shm size at which the default budget reaches its cap: what to ask the container for.
-SHM_FULL_SIZE = int(SHM_MAX_DEFAULT / SHM_FRACTION)
+SHM_FULL_SIZE = int(BUDGET_MAX / BUDGET_FRACTION)
 # Warn below this many open files. Each worker holds two pipes, each live shared-memory slot a
 # descriptor, each remote read in flight a socket (io_concurrency=256 alone needs 256); distros
 # still default the soft limit to 1024, which a busy loader crosses. Raising it costs nothing.
@@ -138,7 +139,7 @@ def _docker_size(n: int) -> str:
 
 def shm_budget(free: int) -> int:
     """The loader's default shared-memory budget for ``free`` bytes of free /dev/shm."""
-    return int(min(SHM_MAX_DEFAULT, free * SHM_FRACTION))
+    return _shm.budget(None, free)
 
 
 def check_shm(total: int | None, free: int | None, *, path: str = SHM_PATH) -> Check:
@@ -161,11 +162,11 @@ def check_shm(total: int | None, free: int | None, *, path: str = SHM_PATH) -> C
     budget = shm_budget(free)
     detail = (
         f"{path} {_size(total)}, {_size(free)} free; default loader budget {_size(budget)} "
-        f"({SHM_FRACTION:g} of free, at most {_size(SHM_MAX_DEFAULT)})"
+        f"({BUDGET_FRACTION:g} of free, at most {_size(BUDGET_MAX)})"
     )
     if budget >= SHM_BUDGET_LOW:
         return Check(section, Status.OK, detail)
-    if total * SHM_FRACTION < SHM_BUDGET_LOW:
+    if total * BUDGET_FRACTION < SHM_BUDGET_LOW:
         fix = (
             f"{path} is small (Docker and Kubernetes give 64 MiB): docker run "
             f"--shm-size={_docker_size(SHM_FULL_SIZE)} (the full budget; at least 1g), or on "

@@ -13,8 +13,8 @@ import pytest
 
 from aioloader import _doctor
 from aioloader.__main__ import main
-from aioloader._config import SHM_FRACTION, SHM_MAX_DEFAULT
 from aioloader._doctor import Check, Facts, Status, TorchFacts
+from aioloader._shm import BUDGET_FRACTION, BUDGET_MAX
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -105,11 +105,11 @@ def test_a_missing_shm_fails() -> None:
 
 @pytest.mark.parametrize("free", [0, 64 * MiB, 1 * GiB, 16 * GiB, 100 * GiB])
 def test_the_budget_is_the_loaders_rule(free: int) -> None:
-    assert _doctor.shm_budget(free) == int(min(SHM_MAX_DEFAULT, free * SHM_FRACTION))
+    assert _doctor.shm_budget(free) == int(min(BUDGET_MAX, free * BUDGET_FRACTION))
 
 
 def test_the_suggested_size_gives_the_full_budget() -> None:
-    assert _doctor.shm_budget(_doctor.SHM_FULL_SIZE) == SHM_MAX_DEFAULT
+    assert _doctor.shm_budget(_doctor.SHM_FULL_SIZE) == BUDGET_MAX
 
 
 # -- open files ----------------------------------------------------------------------------------

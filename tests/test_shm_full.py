@@ -121,7 +121,7 @@ def test_without_room_for_a_pool_every_large_batch_is_counted(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # /dev/shm with no room when the loader starts (a quarter of nothing is its default cap).
-    monkeypatch.setattr("aioloader._config.LoaderConfig.shm_cap", lambda self: 0)
+    monkeypatch.setattr("aioloader._shm.budget", lambda max_bytes, free=None: 0)
     caplog.set_level(logging.WARNING, logger="aioloader.shm")
     with DataLoader(Images(), batch_size=4, num_workers=2, timeout=BOUND_S) as loader:
         seen, _ = _watched_epoch(loader)

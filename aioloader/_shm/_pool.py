@@ -67,14 +67,16 @@ BUDGET_FRACTION = 0.25
 BUDGET_MAX = 4 << 30
 
 
-def budget(max_bytes: int | None) -> int:
+def budget(max_bytes: int | None, free: int | None = None) -> int:
     """The bytes a slot pool may hold: ``max_bytes`` as given (``shm_max_bytes``), else the
-    default (:data:`BUDGET_FRACTION` of what /dev/shm has free now, at most
-    :data:`BUDGET_MAX`). The one rule, for a loader's own pool and a shared one alike."""
+    default: :data:`BUDGET_FRACTION` of ``free`` (what /dev/shm has free now, when None), at
+    most :data:`BUDGET_MAX`. The one rule, for a loader's own pool, a shared one and the
+    doctor's report alike."""
     if max_bytes is not None:
         return max_bytes
-    stat = os.statvfs(SHM_DIR)
-    return int(min(BUDGET_MAX, stat.f_bavail * stat.f_frsize * BUDGET_FRACTION))
+    if free is None:
+        free = free_bytes()
+    return int(min(BUDGET_MAX, free * BUDGET_FRACTION))
 
 
 @dataclass(frozen=True, slots=True)
