@@ -28,6 +28,11 @@ from typing import Any, TypeVar
 
 __all__ = ["off_loop"]
 
+# How long an awaited call waits for its thread to end once the result is in (it ends at once,
+# unless the machine is loaded), and how often it looks.
+THREAD_END_WAIT_S = 1.0
+THREAD_END_POLL_S = 0.001
+
 T = TypeVar("T")
 
 
@@ -46,8 +51,21 @@ async def off_loop(fn: Callable[..., T], /, *args: Any) -> T:
             _on_loop(loop, _succeed, future, result)
 
     name = f"aioloader-{getattr(fn, '__name__', 'call')}"
-    threading.Thread(target=run, name=name).start()
-    return await future
+    thread = threading.Thread(target=run, name=name)
+    thread.start()
+    result = await future
+    await _ended(thread)
+    return result
+
+
+async def _ended(thread: threading.Thread) -> None:
+    """Wait, without blocking the loop, until ``thread`` has ended: it handed its result over
+    as its last act, so this is a turn or two of the loop, and an ``await`` of a close then
+    leaves no thread of the loader behind (bounded by :data:`THREAD_END_WAIT_S`)."""
+    for _ in range(round(THREAD_END_WAIT_S / THREAD_END_POLL_S)):
+        if not thread.is_alive():
+            return
+        await asyncio.sleep(THREAD_END_POLL_S)  # no event: a thread's end has no callback
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop, call: Callable[..., None], *args: Any) -> None:
