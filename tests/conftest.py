@@ -1,7 +1,18 @@
-"""Test harness: plain ``async def test_*`` functions, run on both event loops, with leak checks.
+"""Test harness: plain ``async def test_*`` functions, tiers, the event loops, leak checks.
 
-- Every ``async def`` test runs once on the stock asyncio loop and once on uvloop (where it is
-  installed), so the whole suite proves both (RELIABILITY.md row 28).
+- Tiers: every test module is in one tier, a marker of the same name (``pytest -m unit``):
+  ``unit`` (pure state machines, checks and collation: no loader running), ``loader`` (the
+  loader in this process, with threads or worker processes), ``system`` (subprocesses, gloo
+  ranks, frameworks, examples, benchmarks, the soak). A module new to the suite must be placed
+  in :data:`TIERS` (a test fails until it is). The system tier is collected first: its tests
+  are the longest, and run in parallel (``-n``) they should start early, not end last.
+- Event loops: an ``async def`` test runs on the stock asyncio loop, the one ``asyncio.run``
+  gives an application; one of a module where the loop's own machinery is under test (pipes
+  watched by the loop, cancellation, signals, timers, threads handing results back, aiohttp's
+  transport: :data:`BOTH_LOOPS`) runs on uvloop too. Synchronous ``for`` epochs run on the
+  package's own choice, uvloop. ``AIOLOADER_TEST_LOOPS=both`` runs every ``async def`` test on
+  both loops, ``AIOLOADER_TEST_SYNC_LOOP=asyncio`` every ``for`` epoch on the stock loop: with
+  both, the whole suite proves both loops (RELIABILITY.md row 28).
 - After every test, an autouse fixture checks that nothing of ours is left: no shared-memory
   segment with our prefix, no child process (workers are grandchildren through the forkserver,
   so children are listed recursively), no thread. Each check polls briefly, because a process
@@ -40,11 +51,86 @@ LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.
 if uvloop is not None:
     LOOPS["uvloop"] = uvloop.new_event_loop
 
+# Modules whose ``async def`` tests run on both loops: there the loop's own machinery is what is
+# tested (see the module docstring). Elsewhere the loop only runs the test.
+BOTH_LOOPS = frozenset(
+    {
+        "test_channel",  # worker pipes watched by the loop (add_reader)
+        "test_deadline",  # timers
+        "test_epoch",  # cancellation edges of the consumer
+        "test_faults",  # crashes, signals, cancellation
+        "test_fetch",  # io_concurrency, cancellation of fetches
+        "test_fetch_deadline_queue",  # timers across io slots
+        "test_launch_off_loop",  # the loop never stalls on a launch
+        "test_loop_responsive",  # the loop's latency itself
+        "test_offloop",  # threads handing results back to the loop
+        "test_produce",  # the producer's tasks and their cancellation
+        "test_reliability",  # the failure contract
+        "test_shared_pool",  # one loop watching several loaders' workers
+        "test_sources_http",  # aiohttp's transport on each loop
+        "test_start_hang",  # start deadlines on the loop
+        "test_threads",  # call_soon_threadsafe from the helper threads
+        "test_workers",  # worker processes' pipes and deaths
+    }
+)
+ALL_LOOPS = os.environ.get("AIOLOADER_TEST_LOOPS") == "both"
+
+# The tier of each test module (see the module docstring).
+TIERS: dict[str, str] = {
+    **dict.fromkeys(
+        [
+            "test_batch",
+            "test_cells",
+            "test_collate",
+            "test_config",
+            "test_deadline",
+            "test_device",
+            "test_device_cuda",
+            "test_device_packed",
+            "test_exports",
+            "test_failures",
+            "test_layers",
+            "test_prestack",
+            "test_reorder",
+            "test_sampler",
+            "test_tree",
+            "test_validate",
+        ],
+        "unit",
+    ),
+    **dict.fromkeys(
+        [
+            "test_accelerate",
+            "test_benchmarks",
+            "test_distributed",
+            "test_doctor",
+            "test_examples",
+            "test_framework_settings",
+            "test_lifetimes",
+            "test_lightning",
+            "test_packaging",
+            "test_shm_pressure",
+            "test_soak",
+            "test_worker_compat",
+            "test_zygote",
+        ],
+        "system",
+    ),
+}
+TIER_ORDER = {"system": 0, "loader": 1, "unit": 2}
+
+
+def tier_of(module: str) -> str:
+    """A test module's tier: named in :data:`TIERS`, else ``loader``."""
+    return TIERS.get(module, "loader")
+
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if inspect.iscoroutinefunction(metafunc.function):
+        module = metafunc.module.__name__.rpartition(".")[2]
+        kinds = list(LOOPS) if ALL_LOOPS or module in BOTH_LOOPS else ["asyncio"]
         metafunc.fixturenames.append("_loop_kind")
-        metafunc.parametrize("_loop_kind", list(LOOPS), ids=list(LOOPS))
+        metafunc.parametrize("_loop_kind", kinds, ids=kinds)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -201,6 +287,8 @@ def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "allow_leaks: skip the after-test leak check")
+    for tier in TIER_ORDER:
+        config.addinivalue_line("markers", f"{tier}: the {tier} tier (see tests/conftest.py)")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -215,6 +303,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = tier_of(item.path.stem)
+        item.add_marker(getattr(pytest.mark, tier))
+    # Stable: within a tier, the order of collection.
+    items.sort(key=lambda item: TIER_ORDER[tier_of(item.path.stem)])
     try:
         import torch
 
