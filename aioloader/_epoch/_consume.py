@@ -105,6 +105,9 @@ class Epoch:
         progress: Progress | None = None,
         stream_resume: StreamResume | None = None,
     ) -> None:
+        # Closed until fully made: __del__ of an epoch whose __init__ was interrupted (a
+        # Ctrl-C, a producer that could not be made) has nothing to close.
+        self._closed = True
         self.config = config
         self.epoch = epoch
         self._counters = counters
@@ -130,7 +133,6 @@ class Epoch:
             resume=stream_resume,
         )
         self._handing: list[tuple[int, Transfer]] = []  # popped, not yet handed over (copies)
-        self._closed = False
         self._interrupted = False  # closed with the loader before it was over (interrupt)
         # The consumer's last step raised a batch's error: if a new epoch starts before the next
         # step, the consumer stopped there (a loop unwound by the error); see _new_epoch.
@@ -150,6 +152,7 @@ class Epoch:
         self._turn_due = 0.0  # when the consumer making batches on the loop yields to it next
         self._progress = progress
         self._stats_token = object()  # this epoch's claim on the counters' epoch clock
+        self._closed = False  # last: made whole
 
     @property
     def finished(self) -> bool:
