@@ -391,7 +391,8 @@ class StreamCursor:
     An epoch's first request opens the stream afresh (``StreamRequest.opens``), or where a
     resumed epoch says (``StreamRequest.resume``). A stream that fails ends for good (reading
     it again would repeat samples): what it produced before the failure is delivered as a
-    batch first, and the error is raised by the next :meth:`next_samples` of that epoch.
+    batch first, and the error is raised by the next :meth:`next_samples` of that epoch. One
+    that fails to open raises once; the epoch's later requests of it end it.
 
     Args:
         open_stream: makes an iterator over the stream (called once per epoch) from the
@@ -419,7 +420,15 @@ class StreamCursor:
             self._streams.pop(key, None)  # the same reading opened again: afresh
             while len(self._streams) >= MAX_OPEN_STREAMS:
                 del self._streams[next(iter(self._streams))]
-            stream = self._streams[key] = [self._open(request.resume), None]
+            try:
+                opened = self._open(request.resume)
+            except BaseException:
+                # It failed to open (``__iter__`` returned no iterator, or raised): it has
+                # failed for good, like one that fails while read. The requests of this
+                # reading already on their way end; opened again, it would fail again.
+                self._streams[key] = [iter(()), None]
+                raise
+            stream = self._streams[key] = [opened, None]
         if stream[1] is not None:
             pending, stream[1] = stream[1], None
             raise pending

@@ -62,7 +62,7 @@ from .._batch import (
     users_interrupt,
 )
 from .._config import LoaderConfig
-from .._errors import WorkerCrashedError, out_of_descriptors_note
+from .._errors import LoaderTimeoutError, WorkerCrashedError, out_of_descriptors_note
 from .._sampling import StreamOrders, every_nth_async, stream_share
 from .._stats import Counters, current_counters
 from .._tree import iter_leaves
@@ -163,6 +163,9 @@ class Producer:
         self._orders = StreamOrders(type(dataset).__qualname__, config.num_workers)
         self._reading = next(_READINGS)  # this epoch's reading of a stream, apart from others
         self._ended: set[int] = set()  # the readers whose stream ended (stream epochs)
+        # Each reader's requests on their way, by batch id (stream epochs): a reader that
+        # failed ends them (see _end_reader).
+        self._pulls: dict[int, dict[int, asyncio.Future[Any]]] = {}
         self._reorder = reorder
         self._permits = permits
         self._wake = wake
@@ -319,12 +322,13 @@ class Producer:
         self._reorder.put_nowait(outcome)
         self._wake()
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], batch_id: int) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None], batch_id: int) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=f"aioloader-batch-{batch_id}")
         self._claimed = None
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         _hold(task)
+        return task
 
     async def _run_scheduler(self, body: Callable[[], Awaitable[None]]) -> None:
         """Run a scheduler body; if the sampler or stream fails, deliver the error in order."""
@@ -405,7 +409,9 @@ class Producer:
             opened.add(turn)
             reader = (turn, pulled[turn])
             pulled[turn] += 1
-            self._spawn(self._produce_stream(request, reader, ended), batch_id)
+            task = self._spawn(self._produce_stream(request, reader, ended), batch_id)
+            self._pulls.setdefault(turn, {})[batch_id] = task
+            task.add_done_callback(functools.partial(self._pulled, turn, batch_id))
 
     @property
     def readers_ended(self) -> bool:
@@ -524,7 +530,34 @@ class Producer:
         )
         if outcome.value is END or outcome.error is not None:
             ended.add(stream)
+        if outcome.error is not None:
+            if isinstance(outcome.error, LoaderTimeoutError):
+                annotate(
+                    outcome.error,
+                    f"the stream of worker {stream} ends here: a stream's batch is never read "
+                    "again (max_retries does not apply to it)",
+                )
+            self._end_reader(stream, request.batch_id)
         self._store(outcome)
+
+    def _end_reader(self, stream: int, failed: int) -> None:
+        """Reader ``stream`` failed at batch ``failed`` (its error, or its deadline): it has
+        ended for good, so its requests for later batches end too (each stores ``END``).
+
+        They may never be served: a thread stuck in a hung stream holds the stream, and the
+        requests queued behind it never start, so no deadline of theirs runs (the epoch
+        waited for ever). A worker process that was replaced would read the stream afresh
+        from its start for them (samples twice)."""
+        for batch_id, task in list(self._pulls.get(stream, {}).items()):
+            if batch_id > failed and not task.done():
+                task.cancel()  # (its END is stored by _pulled, even if it never started)
+
+    def _pulled(self, stream: int, batch_id: int, task: asyncio.Future[Any]) -> None:
+        """A request of reader ``stream`` is over; one cancelled by :meth:`_end_reader` (not
+        by the epoch's close) gets its outcome here: ``END``."""
+        self._pulls.get(stream, {}).pop(batch_id, None)
+        if task.cancelled() and not self.closed and stream in self._ended:
+            self._store(Outcome(batch_id, value=END))
 
     async def _attempts(
         self,

@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
+import re
 import sys
 import threading
 import time
@@ -61,6 +62,7 @@ from typing import Any, TypeVar
 from .._batch import (
     BatchMaker,
     StreamCursor,
+    annotate,
     continued_share,
     not_an_exit,
     stop_as_error,
@@ -289,7 +291,8 @@ class ThreadRunner:
             return made
         except BaseException as exc:
             if isinstance(exc, Exception):
-                raise  # the user's own error, as it is
+                _note_stream(exc, request.batch_id)
+                raise  # the user's own error, as it is, named
             raise _not_an_exit(exc, request.batch_id) from None
         finally:
             self._running.discard(id(request))
@@ -400,6 +403,16 @@ def _not_an_exit(exc: BaseException, batch_id: int) -> WorkerError:
     """A :class:`~aioloader.WorkerError` for ``exc``, which would end the program (a
     ``SystemExit`` from the dataset, see :func:`aioloader._batch._make.not_an_exit`)."""
     return not_an_exit(exc, f"loader thread {threading.current_thread().name}", batch_id)
+
+
+def _note_stream(exc: Exception, batch_id: int) -> None:
+    """Note on ``exc``, raised reading or batching the stream for ``batch_id``, the thread and
+    the batch (the thread alone where a note names the batch already), as a worker process
+    names itself and the batch."""
+    where = f"in the stream, read by loader thread {threading.current_thread().name}"
+    notes = "\n".join(getattr(exc, "__notes__", ()))
+    named = re.search(rf"\bbatch {batch_id}\b", notes)  # as the batch maker names it
+    annotate(exc, where if named else f"{where}, making batch {batch_id}")
 
 
 def _post(
