@@ -23,6 +23,9 @@ from aioloader._epoch._plan import Plan
 from aioloader._stats._counters import Counters
 from aioloader._threads._runner import ThreadRunner
 
+# The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
+pytestmark = pytest.mark.usefixtures("baseline")
+
 
 class InterruptedAt:
     """A loader config that raises ``KeyboardInterrupt`` when ``setting`` is read."""
