@@ -34,6 +34,10 @@ async stream is read on this loop, so it is one reader (0 of 1) whatever ``num_w
 Each position is numbered per reader (``seq``), for the book's "every earlier batch of the
 reader taken" rule (``_resume``).
 
+A reader whose batch failed (its stream's error, its deadline, its worker's death) has ended
+for good: its requests for later batches still on their way are cancelled and end (``END``),
+never served from a stuck thread's queue or a replacement worker's fresh stream.
+
 Fast path: a sync map dataset on threads with no deadline and no retries needs no task per
 batch: the thread's future (done at once if made inline) reports straight into the reorder
 buffer. For batches of tens of microseconds, the task machinery is most of the cost."""

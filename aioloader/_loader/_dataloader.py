@@ -562,8 +562,11 @@ class DataLoader(SettingsView):
         a different ``seed=`` refuses the state.
 
         Raises:
-            ValueError: the state lacks a key, its seed differs from an explicit ``seed=`` or
-                must change mid-epoch, or it is mid-epoch in a stream that cannot resume.
+            ValueError: the state lacks a key or a field is malformed (named with its value),
+                its format is unknown, it was saved mid-epoch by a loader with other settings
+                (shuffle, samplers, batch size, lengths: each named with both values), its
+                seed differs from an explicit ``seed=`` or must change mid-epoch, or it is
+                mid-epoch in a stream that cannot resume.
         """
         saved = self._book.check(state, readers=self._config.stream_readers)["seed"]
         if saved != self.seed:
