@@ -3,9 +3,9 @@
 - Tiers: every test module is in one tier, a marker of the same name (``pytest -m unit``):
   ``unit`` (pure state machines, checks and collation: no loader running), ``loader`` (the
   loader in this process, with threads or worker processes), ``system`` (subprocesses, gloo
-  ranks, frameworks, examples, benchmarks, the soak). A module new to the suite must be placed
-  in :data:`TIERS` (a test fails until it is). The system tier is collected first: its tests
-  are the longest, and run in parallel (``-n``) they should start early, not end last.
+  ranks, frameworks, examples, benchmarks, the soak). :data:`TIERS` names the unit and system
+  modules; every other module is a loader module. The system tier is collected first: its
+  tests are the longest, and run in parallel (``-n``) they should start early, not end last.
 - Event loops: an ``async def`` test runs on the stock asyncio loop, the one ``asyncio.run``
   gives an application; one of a module where the loop's own machinery is under test (pipes
   watched by the loop, cancellation, signals, timers, threads handing results back, aiohttp's
