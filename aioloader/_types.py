@@ -358,8 +358,15 @@ class InlineMaking(Protocol):
     """Makes cheap batches where they are asked for, without a hand-over (``num_workers=0``;
     see ``_threads.InlineMaker``)."""
 
-    cheap: bool  # recent batches were cheap: the event loop may make the next one itself
-    costly: bool  # the last batch was costly: the next ones go to the thread
+    @property
+    def cheap(self) -> bool:
+        """Recent batches were cheap: the event loop may make the next one itself."""
+        ...
+
+    @property
+    def costly(self) -> bool:
+        """The last batch was costly: the next ones go to the thread."""
+        ...
 
     def make(self, request: BatchRequest, *, wait: bool = True) -> Made | None:
         """Make the batch here; None if ``wait`` is False and a thread is making one."""

@@ -22,7 +22,7 @@ from helpers import BOUND_S, as_lists, expected_batches, flat, notes_of
 from aioloader import DataLoader, WorkerError
 from aioloader._batch._make import BatchMaker
 from aioloader._threads import _runner as _threads
-from aioloader._threads._runner import INLINE_AFTER, InlineMaker, ThreadRunner
+from aioloader._threads._runner import INLINE_AFTER, InlineMaker, InlinePolicy, ThreadRunner
 from aioloader._types import BatchRequest
 
 pytestmark = pytest.mark.usefixtures("baseline")
@@ -141,45 +141,45 @@ async def test_async_for_makes_batches_on_the_loop_once_they_proved_cheap() -> N
 
 
 def test_the_policy_goes_inline_after_cheap_batches_and_leaves_at_a_costly_one() -> None:
-    inline = InlineMaker(BatchMaker(Range(8), collate_fn=list))
+    inline = InlinePolicy()
     assert (inline.cheap, inline.costly) == (False, False)
     for _ in range(INLINE_AFTER - 1):
-        inline._record(CHEAP_BELOW_S / 2)
+        inline.record(CHEAP_BELOW_S / 2)
     assert not inline.cheap
-    inline._record((CHEAP_BELOW_S + COSTLY_ABOVE_S) / 2)  # neither: the count starts again
+    inline.record((CHEAP_BELOW_S + COSTLY_ABOVE_S) / 2)  # neither: the count starts again
     for _ in range(INLINE_AFTER - 1):
-        inline._record(CHEAP_BELOW_S / 2)
+        inline.record(CHEAP_BELOW_S / 2)
     assert not inline.cheap
-    inline._record(CHEAP_BELOW_S / 2)
+    inline.record(CHEAP_BELOW_S / 2)
     assert (inline.cheap, inline.costly) == (True, False)
-    inline._record(COSTLY_ABOVE_S * 2)
+    inline.record(COSTLY_ABOVE_S * 2)
     assert (inline.cheap, inline.costly) == (False, True)
-    inline._record(CHEAP_BELOW_S / 2)
+    inline.record(CHEAP_BELOW_S / 2)
     assert (inline.cheap, inline.costly) == (False, False)
 
 
 def test_each_stall_of_the_loop_makes_the_run_of_cheap_batches_needed_16_times_longer() -> None:
     # A sample that is slow now and then (a cache miss) stalled the loop once per slow sample:
     # after 4 cheap batches the loop made them again, and met the next slow one.
-    inline = InlineMaker(BatchMaker(Range(8), collate_fn=list))
+    inline = InlinePolicy()
 
     def cheap_after(batches: int) -> bool:
         for _ in range(batches):
-            inline._record(CHEAP_BELOW_S / 2, on_loop=True)
+            inline.record(CHEAP_BELOW_S / 2, on_loop=True)
         return inline.cheap
 
     assert cheap_after(INLINE_AFTER)
     for stall, needed in enumerate([INLINE_AFTER * 16, INLINE_AFTER * 256, INLINE_AFTER * 4096]):
-        inline._record(COSTLY_ABOVE_S * 2, on_loop=True)
+        inline.record(COSTLY_ABOVE_S * 2, on_loop=True)
         assert inline.loop_stalls == stall + 1
         assert not cheap_after(needed - 1)
         assert cheap_after(1)
-    inline._record(COSTLY_ABOVE_S * 2, on_loop=True)  # no longer than that, however many
+    inline.record(COSTLY_ABOVE_S * 2, on_loop=True)  # no longer than that, however many
     assert not cheap_after(INLINE_AFTER * 4096 - 1)
     assert cheap_after(1)
     # A slow batch in the caller's own thread (``for``) stalls no loop: no longer run needed.
-    inline = InlineMaker(BatchMaker(Range(8), collate_fn=list))
-    inline._record(COSTLY_ABOVE_S * 2)
+    inline = InlinePolicy()
+    inline.record(COSTLY_ABOVE_S * 2)
     assert (inline.loop_stalls, cheap_after(INLINE_AFTER)) == (0, True)
 
 
@@ -192,28 +192,28 @@ async def test_a_runner_found_cheap_makes_on_the_loop_and_a_costly_batch_sends_t
         inline = runner.inline
         assert inline is not None
         for _ in range(INLINE_AFTER):
-            inline._record(0.0)
+            inline.policy.record(0.0)
         made = runner.start_make(BatchRequest(0, 0, [0, 1]))
         assert made.done()  # made right there, on the loop
         assert (await made).batch == [0, 1]
-        inline._record(COSTLY_ABOVE_S * 2)
+        inline.policy.record(COSTLY_ABOVE_S * 2)
         on_thread = runner.start_make(BatchRequest(0, 1, [2, 3]))
         assert not on_thread.done()
         assert (await on_thread).batch == [2, 3]
         # While the thread makes a batch, the loop does not make one beside it.
-        inline._record(COSTLY_ABOVE_S * 2)
+        inline.policy.record(COSTLY_ABOVE_S * 2)
         data.gate.clear()
         held = runner.start_make(BatchRequest(0, 2, [GATED]))  # waits in the thread
         assert data.entered.wait(BOUND_S)
         for _ in range(INLINE_AFTER):
-            inline._record(0.0)
+            inline.policy.record(0.0)
         beside = runner.start_make(BatchRequest(0, 3, [4, 5]))
         assert not beside.done()  # queued for the thread, behind the held one
         data.gate.set()
         assert (await held).batch == [GATED]
         assert (await beside).batch == [4, 5]
         for _ in range(INLINE_AFTER):
-            inline._record(0.0)
+            inline.policy.record(0.0)
         assert runner.start_make(BatchRequest(0, 4, [6, 7])).done()
         assert data.most_at_once == 1
     finally:

@@ -80,6 +80,7 @@ __all__ = [
     "INLINE_BELOW_S",
     "THREAD_JOIN_TIMEOUT_S",
     "InlineMaker",
+    "InlinePolicy",
     "ThreadPool",
     "ThreadRunner",
 ]
@@ -107,6 +108,47 @@ INLINE_BACKOFF_BITS = 4
 INLINE_BACKOFF_STALLS = 3
 
 
+class InlinePolicy:
+    """Whether batches are cheap enough to make where they are asked for: the one owner of
+    that decision, a pure state machine over each batch's measured time (no thread, no loop,
+    no clock of its own; :class:`InlineMaker` times the batches and tells it).
+
+    - :attr:`cheap`: the last :attr:`needed` batches each took under :data:`INLINE_BELOW_S`,
+      and none over :data:`INLINE_ABOVE_S` since: the event loop may make the next one.
+    - :attr:`costly`: the last batch took longer than :data:`INLINE_ABOVE_S`: the next ones
+      go to the thread.
+    - :attr:`loop_stalls`: batches made on the event loop that took that long; each makes
+      :attr:`needed` 2**:data:`INLINE_BACKOFF_BITS` times longer (for the first
+      :data:`INLINE_BACKOFF_STALLS`).
+    """
+
+    def __init__(self) -> None:
+        self.cheap = False
+        self.costly = False
+        self.loop_stalls = 0
+        self.needed = INLINE_AFTER  # cheap batches in a row before the loop makes them
+        self._cheap_run = 0  # cheap batches in a row so far
+
+    def record(self, seconds: float, *, on_loop: bool = False) -> None:
+        """A batch took ``seconds`` to make; ``on_loop``: it was made on the event loop."""
+        if seconds > INLINE_ABOVE_S:
+            if on_loop and self.cheap:
+                self.loop_stalls += 1
+                shift = INLINE_BACKOFF_BITS * min(self.loop_stalls, INLINE_BACKOFF_STALLS)
+                self.needed = INLINE_AFTER << shift
+            self._cheap_run = 0
+            self.cheap = False
+            self.costly = True
+            return
+        self.costly = False
+        if seconds < INLINE_BELOW_S:
+            self._cheap_run += 1
+            if self._cheap_run >= self.needed:
+                self.cheap = True
+        else:
+            self._cheap_run = 0
+
+
 class InlineMaker:
     """Makes batches in the calling thread while they are cheap (see the module docstring).
 
@@ -122,12 +164,18 @@ class InlineMaker:
     def __init__(self, maker: BatchMaker) -> None:
         self._maker = maker
         self._lock = threading.Lock()
-        self._cheap_run = 0  # cheap batches in a row
-        self._needed = INLINE_AFTER  # of them before the loop makes batches (see backoff)
-        self.cheap = False  # the last `_needed` batches were cheap, none costly since
-        self.costly = False  # the last batch measured took longer than INLINE_ABOVE_S
-        self.loop_stalls = 0  # batches made on the event loop that took longer than that
+        self.policy = InlinePolicy()
         self.grad: bool | None = None  # the consumer's torch grad mode (ThreadRunner's)
+
+    @property
+    def cheap(self) -> bool:
+        """Recent batches were cheap: the event loop may make the next one itself."""
+        return self.policy.cheap
+
+    @property
+    def costly(self) -> bool:
+        """The last batch was costly: the next ones go to the thread."""
+        return self.policy.costly
 
     def make(
         self, request: BatchRequest, *, wait: bool = True, alloc: Alloc | None = None
@@ -145,7 +193,7 @@ class InlineMaker:
                         return self._maker.make(request, alloc)
                 return self._maker.make(request, alloc)
             finally:
-                self._record(time.perf_counter() - started, on_loop=not wait)
+                self.policy.record(time.perf_counter() - started, on_loop=not wait)
         finally:
             self._lock.release()
 
@@ -155,24 +203,6 @@ class InlineMaker:
         if grad is not None and torch is not None and torch.is_grad_enabled() != grad:
             return torch.set_grad_enabled(grad)  # type: ignore[no-any-return]
         return contextlib.nullcontext()
-
-    def _record(self, seconds: float, *, on_loop: bool = False) -> None:
-        if seconds > INLINE_ABOVE_S:
-            if on_loop and self.cheap:
-                self.loop_stalls += 1
-                shift = INLINE_BACKOFF_BITS * min(self.loop_stalls, INLINE_BACKOFF_STALLS)
-                self._needed = INLINE_AFTER << shift
-            self._cheap_run = 0
-            self.cheap = False
-            self.costly = True
-            return
-        self.costly = False
-        if seconds < INLINE_BELOW_S:
-            self._cheap_run += 1
-            if self._cheap_run >= self._needed:
-                self.cheap = True
-        else:
-            self._cheap_run = 0
 
 
 class ThreadRunner:
