@@ -374,9 +374,25 @@ class InlineMaking(Protocol):
 
 
 class Runner(Protocol):
-    """Where the CPU work of a batch runs: threads of this process or worker processes.
+    """The worker-backend seam: where the CPU work of a batch runs.
 
-    The producer side of an epoch (``_produce``) talks to either through this interface only.
+    Threads of this process (``_threads.ThreadRunner``) and local worker processes
+    (``_workers.ProcessRunner``, one loader's runner over a ``WorkerPool``) implement it; the
+    epoch (``_epoch``) and the loader's resources (``_loader._resources``) use nothing else of
+    a runner once it is made, so a backend on other machines is one more implementation and
+    nothing above the seam changes: ordering, deadlines, retries, resume state and statistics
+    stay in the training process. What a backend does, by part:
+
+    - start: :meth:`start` (or at the first job); report :meth:`worker_pids`;
+    - load a dataset copy: :meth:`load`, asked from the loader at each epoch that needs one
+      (:attr:`has_copy` says whether it holds one); :meth:`begin_epoch` as each epoch begins;
+    - submit a job, get a batch handle or a failure: :meth:`start_make` (map-style) and
+      :meth:`pull` (a stream); the future or coroutine ends with a :class:`Made` or raises
+      the batch's error, a backend failure (a death) as ``WorkerCrashedError`` naming the
+      worker;
+    - learn of a death: the failed handle above, and :attr:`restarts` counting replacements;
+      a late batch: :meth:`is_running`, :meth:`on_deadline` (stop what runs it);
+    - close: :meth:`stop_if_idle` (close at once, nothing to wait for), :meth:`close`.
     """
 
     @property
@@ -403,6 +419,30 @@ class Runner(Protocol):
         """Start the workers now and wait until they are ready (blocking; threads: nothing)."""
         ...
 
+    def worker_pids(self) -> tuple[int, ...]:
+        """Pids of the worker processes started so far (threads: none)."""
+        ...
+
+    def shm_stats(self) -> Any:
+        """The shared-memory slots' ``ShmStats`` (``aioloader._shm``), or None without any."""
+        ...
+
+    @property
+    def has_copy(self) -> bool:
+        """Whether the workers hold this loader's dataset copy (threads read the dataset
+        itself: always)."""
+        ...
+
+    def load(self, make: Callable[[], Any], epoch: int, seed: int) -> None:
+        """Give the workers the dataset copy for ``epoch``: ``make()`` builds what they load
+        (a pickled payload), seeded from ``seed``. Threads: nothing to load."""
+        ...
+
+    def begin_epoch(self) -> None:
+        """An epoch begins, called from the consumer's thread (threads take its torch grad
+        mode)."""
+        ...
+
     def start_make(self, request: BatchRequest) -> asyncio.Future[Made]:
         """Start making a map-style batch; its future completes with the :class:`Made`."""
         ...
@@ -421,6 +461,11 @@ class Runner(Protocol):
     def on_deadline(self, request: BatchRequest | StreamRequest) -> int | None:
         """The batch of ``request`` missed its deadline: stop what runs it if possible;
         returns the pid of a killed worker process, if one was killed."""
+        ...
+
+    def stop_if_idle(self) -> bool:
+        """Stop taking jobs and return True if none is queued or running and closing waits
+        for nothing; else False, and nothing changes."""
         ...
 
     def close(self) -> None:

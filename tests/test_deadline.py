@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 from datasets import HangAt, Range
@@ -61,6 +62,25 @@ class FakeRunner:
 
     def start(self) -> None:
         pass
+
+    def worker_pids(self) -> tuple[int, ...]:
+        return ()
+
+    def shm_stats(self) -> None:
+        return None
+
+    @property
+    def has_copy(self) -> bool:
+        return True
+
+    def load(self, make: Callable[[], Any], epoch: int, seed: int) -> None:
+        pass
+
+    def begin_epoch(self) -> None:
+        pass
+
+    def stop_if_idle(self) -> bool:
+        return False
 
     def start_make(self, request: BatchRequest) -> asyncio.Future[Made]:
         raise NotImplementedError

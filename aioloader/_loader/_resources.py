@@ -296,14 +296,14 @@ class Resources:
         epoch of the loader still runs on the current copy (``alone`` is False): two
         iterators at once share it, as they share the processes. Pickled from now on, in a
         thread (see ``_workers._copy``); threads take the consumer's torch grad mode."""
-        runner = self.runner
-        if isinstance(runner, ThreadRunner):
-            runner.follow_grad_mode()  # from the consumer's thread: its epoch begins
-        if not isinstance(runner, ProcessRunner):
+        runner, pool = self.runner, self.pool
+        if runner is None:
             return
-        if runner.has_copy and (config.persistent_workers or not alone):
-            return
-        make = functools.partial(worker_payload, config, dataset, runner.pool.context)
+        runner.begin_epoch()  # from the consumer's thread: its epoch begins
+        if pool is None or (runner.has_copy and (config.persistent_workers or not alone)):
+            return  # no pool: threads, which read the loader's own dataset
+        context = pool.multiprocessing_context
+        make = functools.partial(worker_payload, config, dataset, context)
         runner.load(make, epoch, seed=rank_seed(config.seed))
 
     def loop(self) -> LoopThread:
@@ -348,7 +348,7 @@ class Resources:
                 and self.device is None
                 and (starter is None or not starter.is_alive())
                 # Last: once it says yes, the threads take no more batches.
-                and (runner is None or (isinstance(runner, ThreadRunner) and runner.stop_if_idle()))
+                and (runner is None or runner.stop_if_idle())
             )
         if at_once:
             close()
@@ -397,15 +397,14 @@ class Resources:
     def worker_pids(self) -> tuple[int, ...]:
         """Pids of the worker processes started so far (none with threads)."""
         runner = self.runner
-        return tuple(runner.pool.pids()) if isinstance(runner, ProcessRunner) else ()
+        return runner.worker_pids() if runner is not None else ()
 
     def live(self, prefetch: int) -> dict[str, int]:
         """The statistics only these resources know: batches in flight and waiting, shared
         memory, restarts and fallbacks (see :class:`aioloader.LoaderStatistics`)."""
         epoch = self.epoch
         runner = self.runner
-        slot_pool = runner.slots if isinstance(runner, ProcessRunner) else None
-        slots = slot_pool.stats() if slot_pool is not None else None
+        slots = runner.shm_stats() if runner is not None else None
         return {
             "in_flight": epoch.reorder.pending if epoch is not None else 0,
             "waiting": epoch.reorder.waiting if epoch is not None else 0,

@@ -34,7 +34,7 @@ Sharp edges:
 - Threads share the process's global random generators with the user's code, so they are not
   reseeded per batch (as in torch).
 - torch's grad mode is per thread: the threads (and a sync epoch's loop) take the one the
-  consumer had as its epoch began (:meth:`ThreadRunner.follow_grad_mode`), so a dataset that
+  consumer had as its epoch began (:meth:`ThreadRunner.begin_epoch`), so a dataset that
   runs a module under the consumer's ``torch.no_grad()`` records no graph, as in torch's
   ``num_workers=0``. Other
   per-thread state (a ``sqlite3`` connection, an LMDB transaction, ``threading.local``) is
@@ -220,7 +220,7 @@ class ThreadRunner:
     ) -> None:
         self._maker = maker
         self._threads = ThreadPool(threads)
-        self._grad: bool | None = None  # the consumer's torch grad mode (follow_grad_mode)
+        self._grad: bool | None = None  # the consumer's torch grad mode (begin_epoch)
         self.inline: InlineMaker | None = InlineMaker(maker) if inline and threads == 1 else None
         # One stream for all threads: the rank split only (every thread reads from it).
         start, step = stream_share(maker.shard, 0, 1)
@@ -252,7 +252,20 @@ class ThreadRunner:
     def start(self) -> None:
         """Threads start on demand: nothing to do ahead."""
 
-    def follow_grad_mode(self) -> None:
+    def worker_pids(self) -> tuple[int, ...]:
+        return ()  # threads of this process
+
+    def shm_stats(self) -> None:
+        return None  # threads hand batches over in memory
+
+    @property
+    def has_copy(self) -> bool:
+        return True  # the threads read the loader's own dataset
+
+    def load(self, make: Callable[[], Any], epoch: int, seed: int) -> None:
+        """Nothing to load: the threads read the loader's own dataset."""
+
+    def begin_epoch(self) -> None:
         """From the consumer's thread, as an epoch begins: its torch grad mode (if torch is
         imported) becomes the threads' (see the module docstring)."""
         torch = sys.modules.get("torch")

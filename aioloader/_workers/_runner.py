@@ -108,6 +108,18 @@ class ProcessRunner:
         """Start every worker and wait until each ran its initializer (blocking)."""
         self.pool.start()
 
+    def worker_pids(self) -> tuple[int, ...]:
+        return tuple(self.pool.pids())
+
+    def shm_stats(self) -> _shm.ShmStats | None:
+        return self.slots.stats() if self.slots is not None else None
+
+    def begin_epoch(self) -> None:
+        """Nothing: the workers' state travels with their dataset copy (:meth:`load`)."""
+
+    def stop_if_idle(self) -> bool:
+        return False  # closing waits for the processes: never in place, on the loop
+
     def launch(self) -> None:
         """Start every worker's process without waiting for it (see ``WorkerPool.launch``)."""
         self.pool.launch()
