@@ -17,6 +17,8 @@
   segment with our prefix, no child process (workers are grandchildren through the forkserver,
   so children are listed recursively), no thread. Each check polls briefly, because a process
   that was told to exit needs a moment to be reaped; a leak that persists fails the test.
+- Before every test, an autouse fixture forgets which warnings were said (the package says
+  each once per process), so that no test depends on the order tests run in.
 - The ``baseline`` fixture is the stricter check of RELIABILITY.md (descriptors and asyncio
   tasks too); the fault tests use it. ``sync_loop`` runs a test's ``for`` epochs on each loop.
 """
@@ -36,6 +38,7 @@ import psutil
 import pytest
 from helpers import Baseline
 
+from aioloader._log import reset_once
 from aioloader._threads import _loop as _sync
 
 try:
@@ -194,6 +197,13 @@ def sync_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(_sync, "new_event_loop", _sync_loop_factory(kind))
     SYNC_LOOPS_MADE.clear()
     return kind
+
+
+@pytest.fixture(autouse=True)
+def _warnings_said_again() -> None:
+    """Each test starts with no warning said yet: the package says each warning once per
+    process (``aioloader._log.first_time``), which would make tests depend on their order."""
+    reset_once()
 
 
 @pytest.fixture(autouse=True)

@@ -7,6 +7,7 @@ verdict.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -20,6 +21,9 @@ from helpers import Sleeps, collect
 from http_server import Fault, FaultServer
 
 from aioloader import DataLoader
+from aioloader._epoch._consume import _log_verdict
+from aioloader._log import reset_once
+from aioloader._stats import VERDICT_WARNING_MIN_S, WAIT_SHARE_THRESHOLD
 from aioloader.sources import HTTPDataset, RetryPolicy
 
 TESTS = Path(__file__).resolve().parent
@@ -90,9 +94,44 @@ async def test_each_epoch_logs_its_verdict_once(caplog: pytest.LogCaptureFixture
             await collect(loader)
     verdicts = [r for r in records(caplog, "aioloader.epoch") if "bottleneck" in r.getMessage()]
     assert [r.getMessage().split(":")[0] for r in verdicts] == ["epoch 0", "epoch 1"]
-    # The consumer waited for a slow dataset: a WARNING naming the knob.
-    assert all(r.levelno == logging.WARNING for r in verdicts)
+    # The consumer waited for a slow dataset, and the verdict names the knob; but an epoch of
+    # a fraction of a second needs no action: INFO, not WARNING (issue #42).
+    assert all(r.levelno == logging.INFO for r in verdicts)
     assert all("num_workers" in r.getMessage() for r in verdicts)
+
+
+async def test_a_short_epoch_warns_nothing_at_the_default_level(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # logging.basicConfig()'s level: a newcomer's first short runs print no warning.
+    caplog.set_level(logging.WARNING)
+    async with DataLoader(Slow(16, 0.01), batch_size=4) as loader:
+        for _ in range(3):
+            await collect(loader)
+        assert loader.statistics().epoch_stats.wait_share > WAIT_SHARE_THRESHOLD
+    assert records(caplog, "aioloader.epoch") == []
+
+
+async def test_a_verdict_that_needs_action_warns_once_per_process(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "aioloader")
+    async with DataLoader(Slow(16, 0.01), batch_size=4) as loader:
+        await collect(loader)
+        short = loader.statistics().epoch_stats
+    assert short.wait_share > WAIT_SHARE_THRESHOLD
+    assert not short.needs_action
+    long = dataclasses.replace(short, wall_s=VERDICT_WARNING_MIN_S)
+    assert long.needs_action
+    assert not dataclasses.replace(long, wait_share=WAIT_SHARE_THRESHOLD / 2).needs_action
+    caplog.clear()
+    for _ in range(3):  # three long, slow epochs, in any loaders: one WARNING, then INFO
+        _log_verdict(long)
+    levels = [r.levelno for r in records(caplog, "aioloader.epoch")]
+    assert levels == [logging.WARNING, logging.INFO, logging.INFO]
+    reset_once()  # what tests (the autouse fixture) do between tests: said again
+    _log_verdict(long)
+    assert records(caplog, "aioloader.epoch")[-1].levelno == logging.WARNING
 
 
 async def test_a_fast_loader_logs_its_verdict_at_info(caplog: pytest.LogCaptureFixture) -> None:

@@ -35,8 +35,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .._config import LoaderConfig
-from .._log import epoch_log
-from .._stats import WAIT_SHARE_THRESHOLD, Capacity, Counters, EpochStatistics
+from .._log import epoch_log, first_time
+from .._stats import Capacity, Counters, EpochStatistics
 from .._threads import NOT_INLINE
 from .._types import EMPTY_BATCH, END, Runner, StreamPosition, StreamResume
 from ._plan import Plan
@@ -536,10 +536,11 @@ def _capacity(config: LoaderConfig) -> Capacity:
 
 
 def _log_verdict(stats: EpochStatistics) -> None:
-    """The epoch's summary and verdict: a WARNING when the consumer waited for more than
-    :data:`WAIT_SHARE_THRESHOLD` of the epoch (the loader is the bottleneck), else INFO."""
-    slow = stats.wait_share > WAIT_SHARE_THRESHOLD
-    level = logging.WARNING if slow else logging.INFO
+    """The epoch's summary and verdict: INFO, or a WARNING the first time in this process that
+    a verdict needs action (:attr:`EpochStatistics.needs_action`: the loader held back a long
+    epoch). A warning means "act"; said at every epoch it would only be noise."""
+    warn = stats.needs_action and epoch_log.isEnabledFor(logging.WARNING)
+    level = logging.WARNING if warn and first_time("epoch verdict") else logging.INFO
     if not epoch_log.isEnabledFor(level):
         return
     epoch_log.log(

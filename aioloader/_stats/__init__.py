@@ -19,6 +19,7 @@ This module only re-exports; ``_progress`` reads ``_counters``, never the other 
 
 from __future__ import annotations
 
+from ._counters import VERDICT_WARNING_MIN_S as VERDICT_WARNING_MIN_S
 from ._counters import WAIT_SHARE_THRESHOLD as WAIT_SHARE_THRESHOLD
 from ._counters import Capacity as Capacity
 from ._counters import Counters as Counters

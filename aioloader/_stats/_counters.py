@@ -44,6 +44,7 @@ from typing import Any
 __all__ = [
     "SATURATED",
     "SKIP_RECORDS",
+    "VERDICT_WARNING_MIN_S",
     "WAIT_SHARE_THRESHOLD",
     "Capacity",
     "Counters",
@@ -60,6 +61,12 @@ SKIP_RECORDS = 100
 #: epoch's verdict is then logged as a WARNING (else as INFO). A training step always waits a
 #: little (the first batch, an uneven one); a fifth of the time is worth acting on.
 WAIT_SHARE_THRESHOLD = 0.2
+
+#: An epoch shorter than this (seconds) never makes its verdict a WARNING: in a short epoch the
+#: wait for the first batch (workers starting, a dataset opening) is most of the consumer's wait,
+#: and a run that is over in seconds needs no action. Longer, and a fifth of the time waiting is
+#: a cost worth a warning; lower it and a newcomer's first runs warn for nothing.
+VERDICT_WARNING_MIN_S = 10.0
 
 #: A stage busy for this share of its capacity, while the consumer waits, is the limit. Below
 #: 1 because a saturated stage still idles between handing a batch over and getting the next.
@@ -299,6 +306,14 @@ class EpochStatistics:
             return base
         stage, knob, hint = base.verdict(capacity, s)
         return replace(base, bottleneck=stage, knob=knob, hint=hint)
+
+    @property
+    def needs_action(self) -> bool:
+        """Whether the verdict asks the user to act: the consumer waited for more than
+        :data:`WAIT_SHARE_THRESHOLD` of an epoch that lasted at least
+        :data:`VERDICT_WARNING_MIN_S` (the loader is the bottleneck, and not only for its
+        start). The epoch's log line is a WARNING only then (and once per process)."""
+        return self.wait_share > WAIT_SHARE_THRESHOLD and self.wall_s >= VERDICT_WARNING_MIN_S
 
     def verdict(self, capacity: Capacity, sums: dict[str, float]) -> tuple[str, str, str]:
         """``(bottleneck, knob, hint)``: which stage limits the epoch and what to turn.
