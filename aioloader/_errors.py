@@ -286,5 +286,9 @@ def unpicklable_error(name: str, obj: Any, exc: BaseException) -> TypeError:
             "references, and writes are seen both ways. Or use thread_pool=True"
         )
     else:
-        fix = "Define it at module level (no lambdas or local functions), or use thread_pool=True"
+        # Lambdas and local functions travel by value already: what is left cannot be pickled.
+        fix = (
+            "It cannot be pickled, even by value: give it (or what it holds) a __reduce__ or "
+            "__getstate__ that leaves the unpicklable part out, or use thread_pool=True"
+        )
     return TypeError(f"{name}={obj!r} cannot be sent to worker processes: {exc}. {fix}")

@@ -1319,3 +1319,61 @@ def test_distributed_sampler_refuses_a_bad_rank_and_shards_without_duplicates() 
         for batch in load(range(9), batch_size=2, drop_last=True, sampler=sampler):
             seen += batch.tolist()
     assert len(seen) == len(set(seen)) == 8
+
+
+# -- lambdas and local functions reach the workers (issue #35, item 2) ---------------------------
+
+
+class _Applies(tud.Dataset[Any]):
+    """Sample ``i`` is ``fn(i)``: ``fn`` may be a lambda held by the dataset."""
+
+    def __init__(self, n: int, fn: Callable[[int], Any]) -> None:
+        self.n, self.fn = n, fn
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        return self.fn(index)
+
+
+def _local_callables() -> dict[str, Any]:
+    """A collate_fn, worker_init_fn and dataset function written as users write them: lambdas
+    and local functions closing over local values."""
+    scale = 3
+    seen: list[int] = []
+
+    def init(worker_id: int) -> None:  # a local function
+        seen.append(worker_id)
+
+    return {
+        "collate_fn": lambda batch: [x * scale for x in batch],
+        "worker_init_fn": init,
+        "fn": lambda i: i + scale,
+    }
+
+
+def test_lambdas_and_local_functions_work_with_workers_as_in_torch() -> None:
+    """torch's forked workers inherit them; ours get them by value. Same batches either way."""
+    parts = _local_callables()
+    fn = parts.pop("fn")
+    theirs = list(tud.DataLoader(_Applies(10, fn), batch_size=4, num_workers=2, **parts))
+    ours = load(_Applies(10, fn), batch_size=4, num_workers=2, **parts)
+    assert ours == theirs == [[9, 12, 15, 18], [21, 24, 27, 30], [33, 36]]
+
+
+def test_a_lambda_transform_reaches_the_workers() -> None:
+    """``transform`` (aioloader's own) is sent the same way as collate_fn."""
+    offset = 100
+    got = load(Indexed(6), batch_size=3, num_workers=2, transform=lambda x: x + offset)
+    assert [b.tolist() for b in got] == [[100, 101, 102], [103, 104, 105]]
+
+
+def test_a_lambda_closing_over_a_lock_is_refused_naming_it() -> None:
+    """What cannot travel at all (a lock, an open file) is still refused, at construction, with
+    its type; torch's forked workers would inherit a copy of it (unlocked or not)."""
+    import threading
+
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match=r"^collate_fn=.* cannot be sent.*'_thread.lock'"):
+        DataLoader(Indexed(6), num_workers=2, collate_fn=lambda b: (lock, b)[1])

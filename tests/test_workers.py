@@ -382,18 +382,30 @@ def test_unknown_start_method_is_named() -> None:
 
 
 @pytest.mark.parametrize("arg", ["collate_fn", "worker_init_fn", "transform"])
-def test_unpicklable_callable_is_reported_at_construction(arg: str) -> None:
-    with pytest.raises(TypeError, match=rf"^{arg}=.*lambda.* cannot be sent to worker processes"):
-        fd.make_loader(fd.Faulty(8), **{arg: lambda x: x})
+def test_a_lambda_holding_what_cannot_travel_is_reported_at_construction(arg: str) -> None:
+    # A lambda travels by value now (see test_torch_compat); one whose closure holds a lock
+    # cannot travel at all, and is refused as the loader is made, naming the lock.
+    lock = threading.Lock()
+    with pytest.raises(
+        TypeError, match=rf"^{arg}=.*lambda.* cannot be sent to worker processes: .*_thread.lock"
+    ):
+        fd.make_loader(fd.Faulty(8), **{arg: lambda x: (lock, x)[1]})
+
+
+def test_a_dataset_holding_a_lambda_reaches_the_workers() -> None:
+    # Refused before (the lambda could not be pickled by reference); sent by value now.
+    with fd.make_loader(fd.Mapped(8, lambda i: i * 2), collate_fn=fd.stack_as_list) as loader:
+        assert [x for batch in loader for x in batch] == [i * 2 for i in range(8)]
 
 
 def test_unpicklable_dataset_is_reported_at_the_first_batch() -> None:
     # The dataset is pickled when an epoch needs it (changes made after construction count),
     # not at construction too: pickling a large dataset twice would cost twice.
-    with fd.make_loader(fd.Mapped(8, lambda i: i)) as loader:
+    lock = threading.Lock()
+    with fd.make_loader(fd.Mapped(8, lambda i: (lock, i)[1])) as loader:
         for _ in range(2):  # every epoch says so, and the loader stays usable
             with pytest.raises(
-                TypeError, match=r"^dataset=Mapped\(.*cannot be sent.*lambda"
+                TypeError, match=r"^dataset=Mapped\(.*cannot be sent.*_thread.lock"
             ) as info:
                 next(iter(loader))
             assert "thread_pool=True" in str(info.value)  # and what to do instead

@@ -137,10 +137,12 @@ def worker_payload(config: LoaderConfig, dataset: Any, context: BaseContext) -> 
 
 def check_callables(config: LoaderConfig) -> None:
     """Report an unpicklable callable now, where that is cheap: a plain function of an
-    importable module pickles by reference, so pickling it costs nothing (a lambda or a local
-    function fails at once). A function of ``__main__`` travels by value and anything else
-    (a bound method, a callable object) may hold the dataset: those are checked with the
-    dataset, when the first epoch needs a copy.
+    importable module pickles by reference, so pickling it costs nothing. A lambda or a local
+    function travels by value (``_workers._payload``): only then is it pickled so (with what
+    its closure holds), and refused if even that fails (a lock, an open file in the closure).
+    A function of ``__main__`` travels by value and anything else (a bound method, a callable
+    object) may hold the dataset: those are checked with the dataset, when the first epoch
+    needs a copy.
 
     Raises:
         TypeError: names the callable and what to do.
@@ -149,8 +151,11 @@ def check_callables(config: LoaderConfig) -> None:
         if isinstance(fn, types.FunctionType) and fn.__module__ != "__main__":
             try:
                 pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception as exc:
-                raise _unpicklable(name, fn, exc) from exc
+            except Exception:
+                try:
+                    dumps_payload(fn, main_by_value=False)  # by value
+                except Exception as exc:
+                    raise _unpicklable(name, fn, exc) from exc
 
 
 def _parts(config: LoaderConfig, dataset: Any) -> list[tuple[str, Any]]:

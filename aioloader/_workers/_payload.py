@@ -3,16 +3,20 @@ in ``__main__`` pickled by value.
 
 Plain pickle saves a class or function by reference (module and name), and a worker imports
 the module to find it. That fails for ``__main__``: a worker does not run the user's main script
-(:mod:`._context`), and a notebook or ``python -c`` has no script to run at all. So what refers
-to ``__main__`` is pickled with cloudpickle (imported only then), which takes the classes and
-functions a worker cannot import by value (``__main__``'s, and what they are made of) and the
-rest by reference; everything else is pickled plainly (fast)::
+(:mod:`._context`), and a notebook or ``python -c`` has no script to run at all; and it fails
+for a lambda or a local function anywhere (no name to import it by), the most common way to
+write a ``collate_fn``, which torch's forked workers simply inherit. So what refers to
+``__main__``, and what plain pickle refuses, is pickled with cloudpickle (imported only then),
+which takes the classes and functions a worker cannot import by value (``__main__``'s, lambdas,
+local functions, and what they are made of) and the rest by reference; everything else is
+pickled plainly (fast)::
 
     main:   pickle.dumps(obj)  ──▶ no "__main__" in the bytes ──▶ sent as is
-                               └─▶ "__main__" in the bytes (or a pickling error while
-                                   __main__ defines things) ──▶ pickled again, __main__'s
-                                   classes and functions by value, and after them the table
-                                   {name: object} of those defined at its top level
+                               └─▶ "__main__" in the bytes, or a pickling error (a lambda or
+                                   a local function, of any module) ──▶ pickled again with
+                                   cloudpickle: what a worker cannot import by value, and
+                                   after it the table {name: object} of ``__main__``'s
+                                   top-level classes and functions
     worker: load()             ──▶ the object, and each table entry set on the worker's own
                                    ``__main__``: a batch holding an instance of such a class
                                    pickles back by reference, and the main process finds the
@@ -142,16 +146,14 @@ def dumps(
         with _pickled_by_value(half):
             # A forked worker has this __main__: its names are not replaced by copies there.
             return _by_value(obj, callback, out_of_band, files, main_table=main_by_value)
-    if not main_by_value:
-        return _plain(obj, callback, files)
     try:
         data = _plain(obj, callback, files)
     except Exception:
-        if not _main_defines_any():
-            raise
-        # a lambda or local function of __main__
-        return _by_value(obj, callback, out_of_band, files)
-    if _MAIN in data:
+        # A lambda or a local function (of any module), or what holds one: by value, as a
+        # forked torch worker would simply have it. What cannot travel even so (an open file,
+        # a lock) raises here, naming its type.
+        return _by_value(obj, callback, out_of_band, files, main_table=main_by_value)
+    if main_by_value and _MAIN in data:
         return _by_value(obj, callback, out_of_band, files)
     return data
 
@@ -370,12 +372,6 @@ def _tensor_over(buffer: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
     import torch
 
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(shape)
-
-
-def _main_defines_any() -> bool:
-    """Whether ``__main__`` defines a class or a function (else nothing can be by value)."""
-    main = sys.modules.get("__main__")
-    return main is not None and any(_in_main(value) for value in list(vars(main).values()))
 
 
 def _in_main(obj: Any) -> bool:
