@@ -1,5 +1,7 @@
 """``python -m aioloader``: command-line entry point (argument parsing only).
 
+Without a subcommand it prints the help and exits 0 (it is what a newcomer types first).
+
 Subcommands:
 
 - ``doctor``: check this machine for what breaks data loaders in containers and clusters
@@ -19,7 +21,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m aioloader",
         description="aioloader: an asyncio-native data loader for deep learning.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.add_parser(
         "doctor",
         help="check this machine for what breaks data loaders, and print what to change",
@@ -35,7 +37,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), run the command and return its exit code."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # `python -m aioloader` alone: the help, not a usage error
+        parser.print_help()
+        return 0
     if args.command == "doctor":
         from . import __version__, _doctor
 

@@ -13,6 +13,7 @@ import asyncio
 import collections
 import gc
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,6 +31,7 @@ from aioloader._device import (
     DeviceStage,
     DeviceUnavailableWarning,
     Transfer,
+    falls_back,
     parse_device,
 )
 from aioloader._device._staging import StagingPool
@@ -319,13 +321,22 @@ def test_parse_device_never_leaks_torch_errors(text: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"device": "cuda"}, {"device": None, "pin_memory": True}], ids=["cuda", "pin"]
+    "kwargs",
+    [
+        {"device": "auto"},
+        {"device": None, "pin_memory": True},
+        {"device": "auto", "pin_memory": True},
+    ],
+    ids=["auto", "pin", "auto-pin"],
 )
-async def test_without_cuda_warns_once_and_passes_through(kwargs: dict[str, Any]) -> None:
+async def test_without_cuda_the_fallbacks_asked_for_pass_through(kwargs: dict[str, Any]) -> None:
     backend = FakeBackend(available=False)
-    with pytest.warns(DeviceUnavailableWarning, match="batches stay on the CPU") as record:
+    if kwargs.get("pin_memory"):
+        with pytest.warns(DeviceUnavailableWarning, match="batches stay on the CPU") as record:
+            stage = DeviceStage(backend=backend, **kwargs)
+        assert len(record) == 1
+    else:  # device="auto" is the explicit fallback: quiet (warnings are errors in this suite)
         stage = DeviceStage(backend=backend, **kwargs)
-    assert len(record) == 1
     assert not stage.enabled
     # No further warning per batch (warnings are errors in this suite).
     for i in range(3):
@@ -339,11 +350,41 @@ async def test_without_cuda_warns_once_and_passes_through(kwargs: dict[str, Any]
     stage.close()
 
 
-async def test_default_backend_without_cuda_passes_through() -> None:
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", 0, torch.device("cuda", 0)])
+@pytest.mark.parametrize("pin_memory", [False, True])
+def test_without_cuda_a_cuda_device_raises_naming_the_fixes(device: Any, pin_memory: bool) -> None:
+    # torch's .to("cuda") raises at once; passing CPU batches on would fail the model later.
+    with pytest.raises(RuntimeError, match="CUDA is not available") as info:
+        DeviceStage(device, pin_memory=pin_memory, backend=FakeBackend(available=False))
+    message = str(info.value)
+    assert f"device={str(parse_device(device))!r} was asked for" in message
+    assert "device=None" in message
+    assert "device='auto'" in message
+    assert torch.__version__ in message  # what is there
+
+
+def test_pin_memory_without_cuda_warns_once_per_process() -> None:
+    backend = FakeBackend(available=False)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")  # Python's own filter would hide repeats anyway
+        for _ in range(3):  # three loaders' stages
+            DeviceStage(None, pin_memory=True, backend=backend).close()
+    assert [w.category for w in record] == [DeviceUnavailableWarning]
+
+
+def test_auto_parses_as_cuda_and_asks_for_the_fallback() -> None:
+    assert parse_device("auto") == torch.device("cuda")
+    assert falls_back("auto")
+    assert not any(falls_back(d) for d in ("cuda", None, "cpu", 0, torch.device("cuda")))
+
+
+async def test_default_backend_without_cuda_raises_or_passes_through() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
+    with pytest.raises(RuntimeError, match="device='cuda:0' was asked for"):
+        DeviceStage(parse_device("cuda:0"), pin_memory=True)
     with pytest.warns(DeviceUnavailableWarning):
-        stage = DeviceStage(parse_device("cuda:0"), pin_memory=True)
+        stage = DeviceStage("auto", pin_memory=True)
     batch = make_batch(0)
     assert await stage.start(batch, 0).wait() is batch
     stage.close()

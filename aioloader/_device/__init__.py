@@ -58,6 +58,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .._errors import DeviceUnavailableWarning as DeviceUnavailableWarning
+from ._parse import falls_back as falls_back
 from ._parse import parse_device as parse_device
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ __all__ = [
     "DeviceUnavailableWarning",
     "TorchCudaBackend",
     "Transfer",
+    "falls_back",
     "parse_device",
 ]
 

@@ -42,10 +42,11 @@ import numpy as np
 import torch
 
 from .._errors import DeviceUnavailableWarning, TransferError
+from .._log import first_time
 from .._validate import is_int
 from ._backend import CudaBackend, TorchCudaBackend
 from ._leaves import NUMERIC_KINDS, array_as_tensor_view, empty_like_leaf, map_arrays
-from ._parse import parse_device
+from ._parse import falls_back, parse_device
 from ._plan import LeafPlan, plan_batch, stage_leaf
 from ._staging import MAX_POOLED_STAGING_BYTES, StagingPool
 from ._transfer import CopyState, Transfer, until_done
@@ -132,19 +133,23 @@ class DeviceStage:
     """Copies batches to one CUDA device from pinned memory on a side stream.
 
     With ``device=None`` and ``pin_memory=True`` it only pins (the batch comes back in page-locked
-    host memory, ready for the user's own non-blocking copies). Without CUDA, a requested device
-    or pinning warns once, here, with :class:`DeviceUnavailableWarning`, and batches pass
-    through unchanged; :attr:`enabled` then says there is nothing to do.
+    host memory, ready for the user's own non-blocking copies). Without CUDA, a requested CUDA
+    device raises here (torch's ``.to("cuda")`` raises too: a model on the GPU would fail later,
+    far from the cause), unless it is ``"auto"``, the explicit fallback: then batches pass
+    through unchanged, quietly. ``pin_memory=True`` without CUDA warns
+    :class:`DeviceUnavailableWarning` once per process (as torch warns) and batches pass
+    through. :attr:`enabled` then says there is nothing to do.
 
     Args:
         device: the target device (anything :func:`parse_device` accepts); ``None`` or cpu
-            for none.
+            for none; ``"auto"`` for CUDA where it is available, else none.
         pin_memory: with no device, return batches in pinned host memory. With a CUDA device
             copies always go through pinned memory and the flag changes nothing.
         backend: the CUDA operations to use; by default ``torch.cuda``.
 
     Raises:
         ValueError: the device index does not exist.
+        RuntimeError: a CUDA device was asked for (not ``"auto"``) and CUDA is not available.
         TypeError: ``pin_memory`` is not a bool.
     """
 
@@ -165,13 +170,16 @@ class DeviceStage:
         self._pin_only = False
         self._side_stream: Any = None
         if not self._cuda:
-            if target is not None or pin_memory:
-                what = f"device={str(target)!r}" if target is not None else "pin_memory=True"
+            if target is not None and not falls_back(device):
+                raise RuntimeError(_no_cuda_message(target))
+            if pin_memory and first_time(("pin_memory without CUDA", DeviceUnavailableWarning)):
                 warnings.warn(
-                    f"{what} was requested but CUDA is not available: batches stay on the CPU",
+                    "pin_memory=True was requested but CUDA is not available: batches stay on "
+                    "the CPU, unpinned (said once per process)",
                     DeviceUnavailableWarning,
                     stacklevel=2,
                 )
+            target = None
         elif target is not None:
             index = target.index if target.index is not None else self._backend.current_device()
             count = self._backend.device_count()
@@ -598,3 +606,18 @@ class DeviceStage:
                 f"batch {record.batch_id}: handing the batch over to the consumer's stream "
                 f"failed: {exc!r}"
             ) from exc
+
+
+def _no_cuda_message(target: torch.device) -> str:
+    """What was asked, what is there, and the fixes, for a CUDA device on a machine without."""
+    built = torch.version.cuda
+    there = (
+        f"this torch {torch.__version__} was built without CUDA"
+        if built is None
+        else f"this torch {torch.__version__} (CUDA {built}) sees no GPU"
+    )
+    return (
+        f"device={str(target)!r} was asked for, but CUDA is not available: {there}. "
+        "Run where a GPU is visible, pass device=None to keep batches on the CPU, or "
+        "device='auto' to use CUDA where it is available and the CPU otherwise"
+    )

@@ -49,7 +49,7 @@ from typing import Any
 
 from .._batch import default_collate, default_convert
 from .._config import LoaderConfig, batch_sampler_for, context_argument, resolve_seed
-from .._device import parse_device
+from .._device import falls_back, parse_device
 from .._epoch import Epoch, EpochBook, EpochIterator, plan_for
 from .._sampling import (
     DEFAULT_SHARE_SEED,
@@ -100,8 +100,8 @@ class DataLoader(SettingsView):
             the hand-over (see ``aioloader._threads._runner``).
         collate_fn: turns samples into a batch (default :func:`default_collate`).
         pin_memory: return batches in pinned (page-locked) host memory, for fast copies to
-            CUDA. Without CUDA it warns :class:`DeviceUnavailableWarning` once at the first
-            iteration and batches stay as they are (torch warns too).
+            CUDA. Without CUDA it warns :class:`DeviceUnavailableWarning` at the first
+            iteration, once per process, and batches stay as they are (torch warns too).
         drop_last: ``True`` means ``last_batch='discard'``.
         timeout: seconds of producer time a batch may take (0, as in torch, or None: no
             limit); for async datasets the fetch of its items counts too. A late batch raises
@@ -149,6 +149,9 @@ class DataLoader(SettingsView):
             samples seen so far, one failure always allowed. The error names the batch, every
             skipped index and the batch's samples that were read but not delivered.
         device: ``'cuda'``, ``'cuda:1'``, a ``torch.device`` or None; batches arrive there.
+            Without CUDA the first iteration raises ``RuntimeError`` naming what was asked and
+            what is there (as torch's ``.to('cuda')`` does); ``'auto'`` is the explicit
+            fallback: CUDA where it is available, else batches stay on the CPU, quietly.
         device_prefetch: batches copied to the device ahead of the consumer.
         shm_max_bytes: cap on shared memory for batches (default: a quarter of free /dev/shm,
             at most 4 GiB); 0 sends every batch pickled.
@@ -263,7 +266,8 @@ class DataLoader(SettingsView):
             start_timeout=start_timeout,
             share_seed=int(seed) if seed is not None else DEFAULT_SHARE_SEED,
         )
-        self._device_spec = parse_device(device)
+        parsed = parse_device(device)  # checked now; whether CUDA is there, at the first epoch
+        self._device_spec = device if falls_back(device) else parsed
         self._sampling_for = functools.partial(
             batch_sampler_for,
             dataset,
@@ -314,7 +318,10 @@ class DataLoader(SettingsView):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this DataLoader is closed")
+            raise RuntimeError(
+                "this DataLoader is closed: iterate it inside its `with` (or `async with`) "
+                "block, before close(); or make a new DataLoader"
+            )
 
     def _ensure_resources(self) -> Runner:
         self._check_open()
@@ -536,10 +543,14 @@ class DataLoader(SettingsView):
 
     @property
     def worker_pids(self) -> tuple[int, ...]:
-        """Pids of the worker processes, for diagnostics (a profiler, memory per worker).
+        """Pids of the worker processes started so far, for diagnostics (a profiler, memory
+        per worker).
 
-        Empty with threads, before the workers start and once the loader is closed; a worker
-        that died is listed until it is replaced (``statistics().worker_restarts`` counts those).
+        Workers start in the background from the loader's construction, so right after it this
+        may list fewer than ``num_workers`` (``num_workers=2``: often one); once the first
+        batch has arrived every worker has started and all are listed. Empty with threads,
+        before the workers start and once the loader is closed; a worker that died is listed
+        until it is replaced (``statistics().worker_restarts`` counts those).
         """
         return self._res.worker_pids()
 
