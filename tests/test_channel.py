@@ -23,7 +23,16 @@ import pytest
 
 from aioloader._workers import resolve_context
 from aioloader._workers._channel import Channel, open_channel, serve_over
-from aioloader._workers._frames import RemoteTraceback
+from aioloader._workers._frames import (
+    CANCELLED,
+    ERROR,
+    HEADER,
+    MAX_REPLY_BYTES,
+    RESULT,
+    RemoteTraceback,
+    pack_result,
+    reply_header_fault,
+)
 
 # -- what the worker runs (module level: pickled by reference) ----------------------------------
 
@@ -291,3 +300,68 @@ async def test_stop_iteration_in_a_job_arrives_as_a_runtime_error() -> None:
         assert isinstance(info.value.__cause__, StopIteration)
         _, future = channel.send(echo, "still serving")
         assert await future == "still serving"
+
+
+# -- a reply stream that cannot be valid (RELIABILITY.md row 41) ------------------------------
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        HEADER.pack(1 << 62, 0, RESULT),  # a length no buffer can hold: it raised MemoryError
+        b"Traceback (most recent call last):\n  File ...\n",  # what a stray child prints
+        HEADER.pack(0, 7, RESULT),  # a reply to a job never sent
+        HEADER.pack(0, 0, 9),  # an unknown kind
+    ],
+    ids=["huge-length", "text", "unknown-job", "unknown-kind"],
+)
+async def test_a_frame_that_cannot_be_valid_fails_the_channel_at_once(garbage: bytes) -> None:
+    # The worker's side of the pipes is held here: the test writes what a stray process that
+    # inherited the reply pipe would write.
+    replies_r, replies_w = os.pipe()
+    requests_r, requests_w = os.pipe()
+    channel = Channel(replies_r, requests_w)
+    try:
+        _, future = channel.send(echo, "lost")
+        os.write(replies_w, garbage)
+        async with asyncio.timeout(5.0):  # a wedged stream never fails the future
+            with pytest.raises(BrokenProcessPool, match=r"cannot be valid|too large"):
+                await future
+        assert channel.corrupt is not None
+        with pytest.raises(BrokenProcessPool):  # refused at once from now on
+            channel.send(echo, "next")
+    finally:
+        channel.close()
+        for fd in (replies_w, requests_r):
+            os.close(fd)
+
+
+def test_reply_headers_are_checked_before_anything_is_allocated() -> None:
+    assert reply_header_fault(MAX_REPLY_BYTES, 0, RESULT, {0}) is None
+    assert reply_header_fault(0, 2, CANCELLED, {1, 2}) is None
+    assert "over the bound" in (reply_header_fault(MAX_REPLY_BYTES + 1, 0, RESULT, {0}) or "")
+    assert "awaits none" in (reply_header_fault(10, 1, ERROR, {0}) or "")
+    assert "unknown reply kind 3" in (reply_header_fault(10, 0, 3, {0}) or "")
+
+
+async def test_a_second_reply_to_one_job_fails_the_channel() -> None:
+    # Two processes answering from one pipe (a forked child that went on serving): the second
+    # answer means the stream can no longer be trusted.
+    replies_r, replies_w = os.pipe()
+    requests_r, requests_w = os.pipe()
+    channel = Channel(replies_r, requests_w)
+    try:
+        _, first = channel.send(echo, "first")
+        _, second = channel.send(echo, "second")
+        answer = pack_result("first")
+        for _ in range(2):
+            os.write(replies_w, HEADER.pack(sum(map(len, answer)), 0, RESULT) + b"".join(answer))
+        async with asyncio.timeout(5.0):
+            assert await first == "first"
+            with pytest.raises(BrokenProcessPool, match="answered already"):
+                await second
+        assert channel.corrupt is not None
+    finally:
+        channel.close()
+        for fd in (replies_w, requests_r):
+            os.close(fd)

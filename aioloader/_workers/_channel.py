@@ -19,7 +19,9 @@ out of band, after the pickle: the main side reads a large frame straight into o
 its size and unpickles the arrays as views of it, so the bytes are copied once, by the kernel,
 and the loop reads at most a few MiB per callback (a 128 MiB reply kept the loop busy for
 85 ms at most, not 430). A worker that dies closes its pipe: the main side sees end-of-file at
-once and fails every job the worker held with ``BrokenProcessPool``.
+once and fails every job the worker held with ``BrokenProcessPool``. So does a reply frame that
+cannot be valid (:func:`._frames.reply_header_fault`: bytes a stray process wrote into the
+pipe): the channel is marked :attr:`Channel.corrupt`, and its owner kills the worker.
 
 Sharp edges:
 - Pipe ends are bound to one event loop at a time. A loader iterated first synchronously (on
@@ -60,6 +62,7 @@ from ._frames import (
     STOP,
     pack_error,
     pack_result,
+    reply_header_fault,
     take_frames,
     unpack_error,
     unpack_result,
@@ -217,6 +220,7 @@ class Channel:
         self._watching: set[asyncio.AbstractEventLoop] = set()  # loops that may watch the fds
         self._broken: str | None = None
         self._closed = False
+        self.corrupt: str | None = None  # why the reply stream cannot be trusted any more
 
     @property
     def pending(self) -> int:
@@ -433,6 +437,13 @@ class Channel:
                 budget -= got
         except OSError as exc:
             self.fail(f"reading from the worker failed: {exc}")
+        except (_CorruptReply, MemoryError) as exc:
+            # Out of step for good: every later read would fail the same way. The worker's
+            # owner kills it (see WorkerPool.submit), as nothing it writes can be read now.
+            self.corrupt = str(exc) or "a reply too large to hold in memory"
+            self._inbox.clear()
+            self._big = None
+            self.fail(f"the worker's reply pipe carried {self.corrupt}")
 
     def _read_small(self, budget: int) -> int | None:
         """Read into the inbox and deliver the complete frames; a large frame's payload gets
@@ -450,6 +461,9 @@ class Channel:
         with memoryview(inbox) as view:  # released before the inbox is resized below
             while len(inbox) - start >= size:
                 length, job_id, kind = HEADER.unpack_from(view, start)
+                fault = reply_header_fault(length, job_id, kind, self._pending)
+                if fault is not None:
+                    raise _CorruptReply(f"a frame that cannot be valid ({fault})")
                 body = start + size
                 if len(inbox) - body >= length:
                     self._deliver(job_id, kind, bytearray(view[body : body + length]))
@@ -501,6 +515,10 @@ class Channel:
             error = RuntimeError(f"the worker's reply to job {job_id} could not be unpickled")
             error.__cause__ = exc
             entry.future.set_exception(error)
+
+
+class _CorruptReply(Exception):
+    """A reply frame that cannot be valid (see :func:`._frames.reply_header_fault`)."""
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -28,6 +28,8 @@ class Crash:
         failed_starts: the worker's consecutive deaths before answering any job.
         hang: why it was killed while it started, if it was.
         killed: the loader killed it, for a job that ran past its deadline.
+        corrupt: the loader killed it because its reply pipe carried a frame that cannot be
+            valid (what was wrong with it).
     """
 
     worker_id: int
@@ -37,13 +39,21 @@ class Crash:
     failed_starts: int = 0
     hang: Hang | None = None
     killed: bool = False
+    corrupt: str | None = None
 
 
 def crash_error(crash: Crash, batch_id: int, *, ran: bool = True) -> WorkerCrashedError:
     """The error of ``batch_id``, lost with its worker: the job the worker was running when it
     died, or (``ran=False``) one queued behind it that cannot go to another worker (a
     stream's: only that worker's iterator knows where the stream stands)."""
-    if crash.killed:
+    if crash.corrupt is not None:
+        how = (
+            f"was killed by the loader: its reply pipe carried {crash.corrupt} (most likely "
+            "a process forked in the worker, by the dataset or a library it calls, that wrote "
+            "into the pipe it inherited; such a child must end with os._exit, never return or "
+            "raise)"
+        )
+    elif crash.killed:
         how = "was killed by the loader (a batch it ran was past its deadline)"
     else:
         how = describe_exit(crash.exitcode)

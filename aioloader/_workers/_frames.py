@@ -29,6 +29,10 @@ Sharp edges:
 - ``StopIteration`` and ``StopAsyncIteration`` cannot be set on a future (they would end the
   awaiting coroutine's iteration silently): :func:`unpack_error` wraps them in a RuntimeError.
 - The arrays :func:`unpack_result` returns are views of the payload: they keep it alive.
+- A reply stream is trusted only as far as its headers can be valid
+  (:func:`reply_header_fault`): a process the dataset forks in a worker inherits the reply
+  pipe, and what it writes there (a traceback, or replies of its own interleaved with the
+  worker's) leaves the stream out of step for good. The main side then fails the worker.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from __future__ import annotations
 import pickle
 import struct
 import traceback
+from collections.abc import Container
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -46,6 +51,7 @@ __all__ = [
     "ERROR",
     "HEADER",
     "JOB",
+    "MAX_REPLY_BYTES",
     "RESULT",
     "STOP",
     "KeyErrorMessage",
@@ -54,6 +60,7 @@ __all__ = [
     "pack_error",
     "pack_result",
     "picklable",
+    "reply_header_fault",
     "take_frames",
     "unpack_error",
     "unpack_result",
@@ -69,6 +76,33 @@ STOP = 2  # return from the serve loop (end-of-file does the same, unless a sibl
 RESULT = 0
 ERROR = 1
 CANCELLED = 2
+_REPLY_KINDS = frozenset((RESULT, ERROR, CANCELLED))
+
+# The largest reply payload the main side accepts (a batch that travels inline). Nothing real
+# comes near it: a batch that does not get a shared-memory segment is bounded by the slot
+# pool's cap (4 GiB by default). What passes it is garbage, typically bytes a process that the
+# dataset forked wrote into the worker's inherited pipe, and allocating a buffer of that size
+# would fail (MemoryError) or take the machine's memory. Higher: room for larger inline
+# batches; lower: garbage is caught by its length alone more often (the job id and kind catch
+# the rest).
+MAX_REPLY_BYTES = 1 << 38  # 256 GiB
+
+
+def reply_header_fault(length: int, job_id: int, kind: int, awaited: Container[int]) -> str | None:
+    """Why a reply header cannot be valid, or None if it can: a payload over
+    :data:`MAX_REPLY_BYTES`, an unknown kind, or a reply to a job not in ``awaited`` (the ids
+    sent and not answered yet): one never sent, or a second reply to one, which only a second
+    writer on the pipe makes."""
+    if kind not in _REPLY_KINDS:
+        return f"an unknown reply kind {kind}"
+    if job_id not in awaited:
+        return (
+            f"a reply to job {job_id}, which awaits none (never sent, or answered already: "
+            "a second process writes into the pipe)"
+        )
+    if length > MAX_REPLY_BYTES:
+        return f"a payload of {length} bytes, over the bound of {MAX_REPLY_BYTES}"
+    return None
 
 
 class RemoteTraceback(Exception):

@@ -52,6 +52,10 @@ Sharp edges:
   second reader at the same time gets EOF and records 255. So it is read under the process's
   own lock (``_zygote._Popen.poll``), and waited for off the event loop
   (:func:`._exits.reap`).
+- A reply pipe that carries a frame that cannot be valid (bytes a process forked in the worker
+  wrote into it: :func:`._frames.reply_header_fault`) fails the worker as a death would, but
+  the worker may be alive: it is killed first (``_kill_corrupt``), then named, reaped and
+  replaced; the job it ran is the culprit, the jobs queued behind it go to the replacement.
 - A job whose awaiting task is cancelled keeps running in the worker; ``on_abandon`` is called
   once the worker is really done with it (or dead), so a shared-memory slot is never reused
   while a worker may still write into it. Under a deadline, a worker that runs such a job
@@ -64,6 +68,7 @@ import asyncio
 import contextlib
 import multiprocessing
 import os
+import signal
 import threading
 import time
 import warnings
@@ -412,6 +417,8 @@ class WorkerPool:
                 # Reading the dead worker's exit status waits for threads: do the waiting off
                 # the loop, then the bookkeeping on it (no race with other jobs' submits).
                 if w.generation == generation:
+                    if channel.corrupt is not None:
+                        _kill_corrupt(w, channel.corrupt)  # alive, but its replies are lost
                     try:
                         await off_loop(_exits.reap, w.process, self._reap_lock)
                     except asyncio.CancelledError:
@@ -522,7 +529,8 @@ class WorkerPool:
             w.failed_starts += 1  # it died before it answered anything: while starting
         else:
             w.failed_starts = 0
-        crash = Crash(w.id, pid, exitcode, culprit, w.failed_starts, w.hang, w.killed)
+        corrupt = w.channel.corrupt
+        crash = Crash(w.id, pid, exitcode, culprit, w.failed_starts, w.hang, w.killed, corrupt)
         self._crashes[key] = crash
         self._replace(w)
         return crash
@@ -599,6 +607,18 @@ class WorkerPool:
         for p in processes:
             with contextlib.suppress(ValueError):  # still running after the kill: leave it
                 p.close()
+
+
+def _kill_corrupt(w: Worker, why: str) -> None:
+    """SIGKILL worker ``w``, whose reply pipe carried garbage: it may be well, but nothing it
+    writes can be read any more, and a stray writer may still hold the pipe. Its death is then
+    seen like any other (the job it ran is its culprit: see ``WorkerPool._on_broken``)."""
+    process = w.process
+    if process is None or process.pid is None:
+        return
+    workers_log.warning("worker process pid %d killed: its reply pipe carried %s", process.pid, why)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(process.pid, signal.SIGKILL)
 
 
 def _overdue(w: Worker) -> bool:
