@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from torch.utils.data import default_collate as torch_collate
 
-from aioloader._batch._collate import default_collate, numpy_collate
+from aioloader._batch._collate import PAD_HINT, default_collate, numpy_collate
 from aioloader._errors import (
     AioloaderError,
     CollateError,
@@ -648,7 +648,7 @@ def test_types_that_do_not_mix_name_the_types_and_positions() -> None:
     assert "int at positions [0, 1]" in message
     assert "str at position 2" in message
     assert "numpy.ndarray" in type_error([np.zeros(2), "a"])
-    assert "NoneType at position 1" in type_error([1, None])
+    assert "NoneType at position 2" in type_error([1, "a", None])
     assert "torch.Tensor" in type_error([torch.zeros(()), 1])
     message = type_error([np.uint64(1), 5])  # torch has no promotion for uint64
     assert "dtypes that do not combine" in message
@@ -676,6 +676,30 @@ def test_sequences_of_different_lengths() -> None:
     assert "batch[1]" in message
     assert "2 at positions [0, 2]" in message
     assert "1 at position 1" in message
+    assert message.endswith(PAD_HINT)  # the fix: a padding collate_fn (issue #42)
+
+
+def test_ragged_arrays_and_tensors_name_the_padding_fix() -> None:
+    assert "pad_sequence" in shape_error([np.zeros(2), np.zeros(3)])
+    assert "collate_fn=list" in shape_error([torch.zeros(2), torch.zeros(3)])
+    # A variable-length list field, the fix as the message names it:
+    samples = [{"tokens": [1, 2, 3]}, {"tokens": [4]}]
+    assert "pad_sequence" in shape_error(samples)
+    assert list(samples) == samples  # collate_fn=list keeps the samples as they are
+
+
+@pytest.mark.parametrize("collate", [default_collate, numpy_collate])
+def test_an_optional_field_mixed_with_values_is_a_list_keeping_none(
+    collate: Callable[..., Any],
+) -> None:
+    # The README's promise: optional fields pass through (issue #42).
+    samples = [{"x": 1, "score": 0.5}, {"x": 2, "score": None}, {"x": 3, "score": 1.5}]
+    batch = collate(samples)
+    assert batch["score"] == [0.5, None, 1.5]
+    assert batch["x"].tolist() == [1, 2, 3]
+    tensor = torch.ones(2)
+    assert collate([None, tensor])[1] is tensor  # any value beside None: kept as it is
+    assert collate([None, "a"]) == [None, "a"]  # text with None, as before
 
 
 def test_object_arrays_and_unsupported_types_are_refused_by_name() -> None:

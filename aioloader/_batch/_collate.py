@@ -8,7 +8,7 @@ the same rules but produces numpy arrays, never tensors. Both walk the samples o
     samples ──▶ kind of each sample at this key path (one kind, torch's mixes, or an error)
                  ├─ mapping / namedtuple / sequence ──▶ recurse per key, field or position
                  ├─ tensor / ndarray / numbers ──▶ one dtype (promoted) ──▶ stack into one leaf
-                 └─ str / bytes / None ──▶ a list, as it is
+                 └─ str / bytes / None, or None beside values ──▶ a list, as it is
 
 **Straight into shared memory.** Both accept ``alloc(shape, dtype)``: when it is given, every
 stacked leaf is written into the array ``alloc`` returns (a view of a shared-memory slot, in a
@@ -33,14 +33,18 @@ Sharp edges, each deliberate:
   the batch and what differs. A type that cannot be collated or mixed raises its subclass
   :class:`~aioloader.CollateTypeError` (also a ``TypeError``, as in torch); different shapes,
   lengths or devices :class:`~aioloader.CollateShapeError` (also a ``RuntimeError``, as in
-  torch). Samples whose keys differ are refused (torch raises ``KeyError`` for a missing key
-  and silently drops an extra one).
+  torch), with the fix: a ``collate_fn`` that pads (:data:`PAD_HINT`). Samples whose keys
+  differ are refused (torch raises ``KeyError`` for a missing key and silently drops an extra
+  one).
 - **Tuples come back as lists**, as in torch (its "backwards compatibility" rule); namedtuples
   keep their type, and mappings keep theirs where it can be rebuilt. Also as in torch, strings
   inside a sequence come back as a tuple (a column of the transposed samples), while strings
   under a mapping key, or at the top, come back as a list.
-- **None is kept** as a list of ``None`` (torch refuses a batch that starts with None), so
-  optional fields pass through; None beside a number is refused.
+- **None is kept**, so optional fields pass through: a field that is None in every sample is a
+  list of ``None``, and one that is None in some samples only (``[0.5, None, 1.5]``) is a list
+  of the samples as they are, None kept, as torch users write by hand (torch refuses both).
+  Such a field is a tensor in a batch without None and a list in one with: a sentinel value
+  (NaN, -1) keeps it a tensor in every batch.
 - **Byte order is normalised**: big-endian arrays are stacked into native order, because
   ``torch.from_numpy`` refuses anything else.
 """
@@ -233,6 +237,18 @@ def _error(path: str, problem: str, cls: type[CollateError] = CollateError) -> C
     return cls(f"cannot collate {path}: {problem}")
 
 
+#: The fix for samples of different lengths or shapes, said with their error.
+PAD_HINT = (
+    "to batch samples of different lengths, pass a collate_fn that pads them "
+    "(torch.nn.utils.rnn.pad_sequence) or keeps them as a list (collate_fn=list)"
+)
+
+
+def _ragged(path: str, problem: str) -> CollateError:
+    """The error for samples that differ in shape or length, with :data:`PAD_HINT`."""
+    return _error(path, f"{problem}; {PAD_HINT}", CollateShapeError)
+
+
 # -- the walk -----------------------------------------------------------------------------------
 
 
@@ -281,7 +297,7 @@ class _Collator:
             return self._numbers(samples, _BOOL, path)
         if kind in ("numpy scalar", "number"):
             return self._scalars(samples, path)
-        if kind in _TEXT_KINDS:
+        if kind in _TEXT_KINDS or kind == "optional":
             # As torch: a tuple (a column of transposed sequences) stays a tuple; a list is
             # copied so that the batch never aliases the caller's list.
             return samples if isinstance(samples, tuple) else list(samples)
@@ -301,6 +317,12 @@ class _Collator:
             return kinds.pop(), samples
         if kinds <= _TEXT_KINDS:
             return "str", samples
+        if "None" in kinds and len(kinds) == 2:
+            # An optional field: values in some samples, None in others. Kept as a list of
+            # the samples as they are, None included, as torch users write by hand (torch
+            # refuses it). The field's type then differs between batches (a tensor where no
+            # sample is None): a sentinel value (NaN, -1) keeps it a tensor in every batch.
+            return "optional", samples
         if kinds <= _NUMBER_KINDS | {"ndarray"} and all(
             s.ndim == 0 for s in samples if isinstance(s, np.ndarray)
         ):
@@ -342,8 +364,7 @@ class _Collator:
     def _sequences(self, samples: Sequence[Sequence[Any]], path: str) -> Any:
         lengths = [len(s) for s in samples]
         if len(set(lengths)) > 1:
-            problem = f"sequences have different lengths: {grouped(lengths)}"
-            raise _error(path, problem, CollateShapeError)
+            raise _ragged(path, f"sequences have different lengths: {grouped(lengths)}")
         columns = zip(*samples, strict=True)
         items = [self.collate(c, f"{path}[{i}]") for i, c in enumerate(columns)]
         first = samples[0]
@@ -441,7 +462,7 @@ class _Collator:
     def _arrays(self, samples: Sequence[np.ndarray[Any, Any]], path: str) -> Any:
         first = samples[0]
         if len({a.shape for a in samples}) > 1:
-            raise _error(path, layout_mismatch(samples, "arrays"), CollateShapeError)
+            raise _ragged(path, layout_mismatch(samples, "arrays"))
         dtype = self._common_dtype([a.dtype for a in samples], path)
         # Shapes agree (checked above) and the dtype holds every sample's values (promoted),
         # so stacking cannot fail.
@@ -470,6 +491,8 @@ class _Collator:
             return self._stack_tensors(samples, path)
         except RuntimeError as exc:
             problem = layout_mismatch(samples, "tensors")
+            if "different shapes" in problem:
+                raise _ragged(path, problem) from exc
             if problem:
                 raise _error(path, problem, CollateShapeError) from exc
             raise
