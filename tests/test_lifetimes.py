@@ -407,3 +407,27 @@ def test_a_loader_iterated_while_its_module_is_imported(tmp_path: Path, start_me
     assert len(workers) == 2
     _assert_quiet(proc.stderr)
     _assert_nothing_left(int(pid), [int(w) for w in workers])
+
+
+# -- nothing of the loader outlives the last loader and pool (issue #35, item 1) ----------------
+
+_NOTHING_LEFT = TESTS / "scripts" / "nothing_left_after_close.py"
+
+
+@pytest.mark.parametrize("scenario", ["close", "async_with", "dropped", "exception", "two"])
+def test_no_process_of_the_loader_remains_once_it_is_closed(scenario: str) -> None:
+    """Reliability contract #33: once the last loader is closed (however it ends), the program
+    has no descendant but the resource tracker: the forked worker server is gone too, so no
+    copy of the program's memory outlives the loaders. Listed while the program still runs
+    (once it exits, an orphaned server would be the init process's, not its child)."""
+    proc = subprocess.run(
+        [sys.executable, str(_NOTHING_LEFT), scenario],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_BOUND_S,
+        env=_env(),
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "LEFT []" in proc.stdout
+    _assert_quiet(proc.stderr)

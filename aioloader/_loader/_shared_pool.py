@@ -83,6 +83,7 @@ from .._workers import (
     DEFAULT_START_TIMEOUT_S,
     Payload,
     ProcessRunner,
+    hold_server,
     preload_pickler,
     resolve_context,
     warn_more_workers_than_cpus,
@@ -206,6 +207,9 @@ class _Held:
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     pid: int = field(default_factory=os.getpid)  # the process the pool belongs to
+    # Lets go of the forked worker server once the workers are stopped (``hold_server``): the
+    # last pool to close ends it, so no process of the loader outlives the pools.
+    let_go_server: Callable[[], None] | None = None
 
     def claim(self) -> None:
         """Before starting something: if the pool holds nothing yet, what it starts belongs
@@ -263,6 +267,8 @@ class _Held:
         if loop_thread is not None:
             loop_thread.close()
         self.processes.close()
+        if self.let_go_server is not None:
+            self.let_go_server()
         for name in list(self.abandoned_own):  # the workers are stopped: none makes one now
             _shm.discard(name)
         self.abandoned_own.clear()
@@ -373,6 +379,7 @@ class WorkerPool:
                 exc.add_note(note)
             raise
         self._held = _Held(processes, self.shm_max_bytes, private=private)
+        self._held.let_go_server = hold_server(self._context)
         _OPEN.add(self._held)
         self._finalizer = weakref.finalize(self, _finalize, self._held)
 

@@ -85,6 +85,7 @@ from ._pool import DEFAULT_START_TIMEOUT_S as DEFAULT_START_TIMEOUT_S
 from ._pool import WorkerPool as WorkerPool
 from ._pool import warn_more_workers_than_cpus as warn_more_workers_than_cpus
 from ._runner import ProcessRunner as ProcessRunner
+from ._zygote import hold_server as hold_server
 from ._zygote import is_zygote as is_zygote
 
 __all__ = [
@@ -96,6 +97,7 @@ __all__ = [
     "dumps_copy",
     "dumps_payload",
     "get_worker_info",
+    "hold_server",
     "is_zygote",
     "pickles_main_by_value",
     "preload_pickler",

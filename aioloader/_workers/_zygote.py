@@ -13,6 +13,13 @@ first loader with worker processes is made, in the main thread, before any loade
 exists) and returns ``None`` otherwise, for the caller to use a standard start method. One
 server serves every loader of the process; if it dies it is forked again when that is safe.
 
+It lives no longer than the pools that use it: each context given out holds it until a pool
+claims that hold, each pool until it is closed (:func:`hold_server`), and the last to let go
+ends it. A later loader forks a new one (one ``fork()``: the first batch of a second loader
+made after the first was closed measured no slower). A server kept for the program's life
+would keep a copy-on-write image of the program as it was at the first loader (a large
+in-memory dataset freed since included) and show in ``ps`` after every loader is closed.
+
 Because the server is a copy of the main process, the main module is already there; workers are
 not told to run the main script again either (:func:`preparation_data`): an unguarded script
 works, as with torch's ``fork``. What the loader sends them from ``__main__`` still travels by
@@ -45,7 +52,8 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from multiprocessing import connection, forkserver, popen_forkserver, resource_tracker, spawn, util
 from multiprocessing import context as mp_context
 from multiprocessing.context import ForkServerContext, ForkServerProcess
@@ -65,6 +73,7 @@ __all__ = [
     "SHED_SIGNALS",
     "Held",
     "fork_is_safe",
+    "hold_server",
     "is_zygote",
     "name_process",
     "preparation_data",
@@ -110,6 +119,25 @@ class _ForkedServer(_ServerBase):  # type: ignore[misc]
         self._forkserver_pid: int | None = None
         self._forkserver_alive_fd: int | None = None
         self._forkserver_address: Any = None
+        self._users = 0  # contexts not yet claimed by a pool, and pools not closed yet
+
+    def hold(self) -> None:
+        """One more user (a context given out, or a pool): the server stays while any holds it."""
+        with self._lock:
+            self._users += 1
+
+    def let_go(self) -> None:
+        """One user fewer; the last one ends the server (see :func:`_end_server`). In a forked
+        child, nothing: the server is its parent's."""
+        if os.getpid() != self._owner:
+            return
+        with self._lock:
+            self._users -= 1
+            if self._users > 0 or self._forkserver_pid is None:
+                return
+            pid, alive = self._forkserver_pid, self._forkserver_alive_fd
+            self._forkserver_pid = self._forkserver_alive_fd = self._forkserver_address = None
+        _end_server(pid, alive)
 
     def ensure_running(self) -> None:
         with self._lock:
@@ -146,6 +174,34 @@ class _ForkedServer(_ServerBase):  # type: ignore[misc]
         self._forkserver_address = address
         self._forkserver_alive_fd = alive_w
         self._forkserver_pid = pid
+
+
+# How long the last user waits for the server to end once told (it exits at once: the stdlib
+# server loop ends at the end-of-file of its alive pipe); past it the server is killed.
+_END_WAIT_S = 2.0
+
+
+def _end_server(pid: int, alive_fd: int | None) -> None:
+    """End the server ``pid`` and reap it: closing ``alive_fd`` (the last writer of its alive
+    pipe) ends its loop. Its workers are the pools' to stop, which did so first."""
+    if alive_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive_fd)
+    deadline = time.monotonic() + _END_WAIT_S
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # reaped already (a SIGCHLD handler set to ignore)
+            return
+        if done:
+            return
+        if time.monotonic() >= deadline:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+            return
+        time.sleep(0.001)
 
 
 def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
@@ -325,9 +381,49 @@ class _Process(ForkServerProcess):
 
 
 class _Context(ForkServerContext):
-    """A forkserver context whose server is forked from this process."""
+    """A forkserver context whose server is forked from this process. It holds the server
+    (:meth:`_ForkedServer.hold`) from when it is given out until a pool claims that hold
+    (:func:`hold_server`) or, claimed by none, it is collected."""
 
     Process = _Process
+
+    def __init__(self, server: _ForkedServer) -> None:
+        super().__init__()
+        server.hold()
+        self._claim: list[_ForkedServer] = [server]  # the hold not yet claimed by a pool
+        weakref.finalize(self, _unclaimed, self._claim)
+
+
+def _unclaimed(claim: list[_ForkedServer]) -> None:
+    while claim:
+        claim.pop().let_go()
+
+
+def hold_server(context: object) -> Callable[[], None] | None:
+    """For a pool whose workers start from ``context``: hold the forked server while the pool
+    is open. Returns what the pool calls once closed, its workers stopped (the last such call
+    ends the server: nothing of the loader outlives the last pool, and the program's memory
+    is not kept in a copy); None for other contexts. The first pool on a context takes over
+    the context's own hold, so a server that already runs is never ended in between."""
+    if not isinstance(context, _Context):
+        return None
+    try:
+        server = context._claim.pop()
+    except IndexError:  # claimed already: a second pool on the same context
+        server = _server()
+        server.ensure_running()  # RuntimeError where it cannot be forked again now
+        server.hold()
+    return _once(server.let_go)
+
+
+def _once(call: Callable[[], None]) -> Callable[[], None]:
+    box = [call]
+
+    def once() -> None:
+        while box:
+            box.pop()()
+
+    return once
 
 
 _SERVER_LOCK = threading.Lock()
@@ -405,7 +501,7 @@ def zygote_context() -> ForkServerContext | None:
         server.ensure_running()
     except (OSError, RuntimeError):
         return None
-    return _Context()
+    return _Context(server)
 
 
 def is_zygote(context: object) -> bool:
