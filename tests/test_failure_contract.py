@@ -6,6 +6,7 @@ called again, a loader inherited through ``fork()``, and the slots a burst leave
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,3 +98,25 @@ async def test_garbage_on_a_workers_pipe_is_retried_under_max_retries(tmp_path: 
         run = await fd.run_epoch(aiter(loader))
     assert run.errors == []
     assert run.batches == fd.sequential_batches(48, 4)
+
+
+# -- memory a loader keeps after a burst (issue: slots pinned until close) --------------------
+
+
+async def test_a_dropped_burst_of_batches_gives_its_slots_back() -> None:
+    # An evaluation pass that keeps every batch (list(loader)) grows the slot pool to one
+    # segment per batch; once they are dropped, the loader keeps what an epoch in flight needs
+    # (at most one per batch of prefetch), not all of them until close().
+    ds = fd.Faulty(64, shape=(64, 1024))  # 64 KiB samples: batches of 256 KiB, in slots
+    async with fd.make_loader(ds, prefetch=2) as loader:
+        burst = [batch async for batch in loader]
+        assert len(burst) == 16
+        assert loader.statistics().held_shm_slots >= 12  # the burst is held in slots
+        del burst
+        gc.collect()
+        stats = loader.statistics()
+        assert stats.live_shm_slots <= 2, stats
+        assert stats.held_shm_slots == stats.leased_shm_slots == 0
+
+        again = await fd.run_epoch(aiter(loader))  # the next epoch runs on what was kept
+        assert again.batches == fd.sequential_batches(64, 4)

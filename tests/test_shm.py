@@ -33,6 +33,7 @@ from hypothesis.stateful import (
 from aioloader import _shm
 from aioloader._errors import SharedMemoryError
 from aioloader._shm import ArrayRef, Encoded, Slot, SlotPool, SlotWriter, attach
+from aioloader._shm._pool import IDLE_GRACE_S
 from aioloader._tree import iter_leaves
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -749,6 +750,13 @@ class PoolMachine(RuleBasedStateMachine):
         assert stats.bytes_total <= self.MAX
 
     @invariant()
+    def free_slots_beyond_need_are_given_back_when_nothing_is_leased(self) -> None:
+        stats = self.pool.stats()
+        if stats.leased == 0:
+            assert stats.free <= self.pool.keep
+        assert self.pool.keep >= max(1, stats.leased)
+
+    @invariant()
     def held_batches_are_intact(self) -> None:
         for _, batch, mark in self.held:
             assert (batch["x"] == mark).all()
@@ -883,3 +891,73 @@ def test_a_name_taken_already_is_retried_under_a_fresh_one(monkeypatch: pytest.M
     finally:
         _shm.unlink(taken)
         _shm.discard(fresh)
+
+
+# --- what a burst leaves behind ------------------------------------------------------------
+
+
+def _hold(pool: SlotPool, count: int) -> list[Any]:
+    """``count`` batches held at once, each leased and opened before the next (one in flight)."""
+    held = []
+    for i in range(count):
+        slot = pool.lease(PAGE)
+        assert slot is not None
+        writer = SlotWriter(attach(slot))
+        arr = writer.alloc(PAGE // 8, np.int64)
+        arr[:] = i
+        held.append(pool.open(slot, writer.encode({"x": arr}, inline_below=0).tree))
+    return held
+
+
+def test_a_dropped_burst_is_given_back_without_another_call() -> None:
+    # An evaluation pass kept every batch (list(loader)), then dropped them: the pool keeps
+    # what an epoch in flight needs (one slot leased at a time here), and no more, even if
+    # the program never calls the loader again.
+    p = SlotPool(64 * PAGE, min_slot_bytes=PAGE)
+    try:
+        burst = _hold(p, 12)
+        assert len(_mine()) == 12
+        del burst
+        gc.collect()
+        assert len(_mine()) == 1  # unlinked as the batches died, not at the next call
+        assert (p.stats().slots, p.stats().free, p.keep) == (1, 1, 1)
+        again = _hold(p, 1)  # the slot kept is reused
+        assert len(_mine()) == 1
+        del again
+    finally:
+        p.close()
+        _shm.detach_all()
+
+
+def test_while_batches_are_made_idle_slots_go_after_a_grace_period() -> None:
+    now = [0.0]
+    p = SlotPool(64 * PAGE, min_slot_bytes=PAGE, clock=lambda: now[0])
+    try:
+        burst = _hold(p, 4)
+        making = p.lease(PAGE)  # an epoch in flight: a batch being made
+        assert making is not None
+        del burst
+        gc.collect()
+        assert p.stats().free == 4  # a burst may come again: kept for a while
+        now[0] += IDLE_GRACE_S - 0.1
+        assert p.stats().free == 4
+        now[0] += 0.2
+        assert (p.stats().free, p.stats().leased) == (1, 1)  # beyond keep (1): given back
+        p.release(making)  # nothing leased: no more than keep stay
+        assert (p.stats().slots, p.stats().free) == (1, 1)
+        assert len(_mine()) == 1
+    finally:
+        p.close()
+        _shm.detach_all()
+
+
+def test_the_slots_an_epoch_leases_at_once_are_kept() -> None:
+    p = SlotPool(64 * PAGE, min_slot_bytes=PAGE)
+    try:
+        slots = [p.lease(PAGE) for _ in range(3)]  # prefetch 3: three in flight at once
+        for slot in slots:
+            assert slot is not None
+            p.release(slot)
+        assert (p.keep, p.stats().free) == (3, 3)  # the next epoch reuses them all
+    finally:
+        p.close()

@@ -6,6 +6,14 @@ slot, takes a slot back when the last view dies, and unlinks every segment on ``
 Invariant: every segment is FREE, LEASED to a worker, or HELD by a live batch, and the sizes of
 all segments, plus the bytes reserved for segments workers are making (:meth:`SlotPool.reserve`),
 sum to at most ``max_bytes``.
+
+Free slots are kept for reuse, but only as many as an epoch in flight needs: the most slots
+ever leased at once (:attr:`SlotPool.keep`; it follows ``prefetch``). A burst that held more
+(``list(loader)`` of an evaluation pass) gives the rest back: at once when nothing is leased
+(no epoch in flight, or its batches all made), else once they were free for
+:data:`IDLE_GRACE_S`. The check runs at every call of the pool, and when a batch's last view
+dies (:func:`_on_return`), so a burst dropped by a program that calls the loader no more is
+given back too.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import math
 import os
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -44,6 +53,7 @@ __all__ = [
     "BUDGET_FRACTION",
     "BUDGET_MAX",
     "GROWTH",
+    "IDLE_GRACE_S",
     "MIN_SLOT_BYTES",
     "ShmStats",
     "SlotPool",
@@ -65,6 +75,12 @@ MIN_SLOT_BYTES = 1 << 20
 # batches travel pickled rather than failing.
 BUDGET_FRACTION = 0.25
 BUDGET_MAX = 4 << 30
+
+# How long a free slot beyond what an epoch in flight needs (:attr:`SlotPool.keep`) is kept
+# while batches are being made, in case a burst comes again (a consumer that holds a few steps'
+# batches, then lets them go). Longer: fewer segments made afresh (slow first writes); shorter:
+# /dev/shm and memory given back sooner. With nothing leased they go at once.
+IDLE_GRACE_S = 5.0
 
 
 def budget(max_bytes: int | None, free: int | None = None) -> int:
@@ -113,6 +129,7 @@ class _Segment:
     mapping: SegmentMapping
     state: _State = _State.FREE
     lease_id: int = 0
+    freed_at: float = 0.0  # when it last became FREE (the pool's clock)
 
 
 def _destroy(segments: dict[str, _Segment]) -> None:
@@ -135,6 +152,21 @@ def _finalize_pool(segments: dict[str, _Segment], owner: int) -> None:
     _destroy(segments)
 
 
+def _on_return(
+    returned: collections.deque[tuple[str, int]],
+    pool: weakref.ref[SlotPool],
+    item: tuple[str, int],
+) -> None:
+    """A held batch's last view died (a finalizer: any thread, any time): queue its slot's
+    return (``deque.append`` is atomic), and apply it now if the pool is free to take it, so a
+    burst a program dropped is given back without another call (see :meth:`SlotPool._trim`).
+    The pool is referenced weakly: a live batch does not keep a pool alive."""
+    returned.append(item)
+    alive = pool()
+    if alive is not None:
+        alive.drain_nowait()
+
+
 class SlotPool:
     """The main process's pool of shared-memory slots, reused from batch to batch.
 
@@ -149,6 +181,7 @@ class SlotPool:
         on_map: called with ``(address, size)`` of each new segment's mapping, e.g. to register
             it as page-locked memory for device copies (best effort: errors are ignored).
         on_unmap: called with the address before a segment is unlinked and unmapped.
+        clock: the clock of :data:`IDLE_GRACE_S` (tests pass a fake one).
 
     Raises:
         ValueError: if a size is not a positive int or ``min_slot_bytes > max_bytes``.
@@ -163,6 +196,7 @@ class SlotPool:
         shm_dir: str = SHM_DIR,
         on_map: Callable[[int, int], Any] | None = None,
         on_unmap: Callable[[int], Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         for arg, value in (("max_bytes", max_bytes), ("min_slot_bytes", min_slot_bytes)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -178,6 +212,8 @@ class SlotPool:
         self.shm_dir = shm_dir
         self._on_map = on_map
         self._on_unmap = on_unmap
+        self._clock = clock
+        self.keep = 1  # free slots kept for reuse: the most ever leased at once (see _trim)
         # Invariant: every segment is FREE, LEASED to a worker, or HELD by a live batch, and the
         # sizes of all segments plus _reserved sum to at most max_bytes.
         self._segments: dict[str, _Segment] = {}
@@ -247,6 +283,7 @@ class SlotPool:
                     return None
             best.state = _State.LEASED
             best.lease_id = next(self._lease_ids)
+            self._count_leased()
             return Slot(best.name, best.size, best.lease_id)
 
     def _make_room_and_create(self, nbytes: int) -> _Segment | None:
@@ -330,6 +367,7 @@ class SlotPool:
                 raise RuntimeError("SlotPool is closed")
             seg = _Segment(name, size, mapping, _State.LEASED, next(self._lease_ids))
             self._segments[name] = seg
+            self._count_leased()
         if self._on_map is not None:
             with contextlib.suppress(Exception):
                 self._on_map(ctypes.addressof(seg.mapping), seg.size)
@@ -348,8 +386,8 @@ class SlotPool:
             self._drain()
             seg = self._segments.get(slot.name)
             if seg is not None and seg.state is _State.LEASED and seg.lease_id == slot.lease_id:
-                seg.state = _State.FREE
-                seg.lease_id = 0
+                self._free(seg)
+                self._trim()
 
     def forget(self, slot: Slot) -> None:
         """Drop a leased slot whose segment vanished from ``/dev/shm`` (removed by someone else),
@@ -396,13 +434,14 @@ class SlotPool:
                 raise ValueError(f"slot={slot!r} is not leased under this lease id ({state})")
             used = max((ref_end(ref, seg.size) for ref in refs), default=0)
             if not refs:  # nothing points into the slot: it is free again at once
-                seg.state, seg.lease_id = _State.FREE, 0
+                self._free(seg)
                 return tree
             root = as_bytes(seg.mapping, used)
             torch_mod = import_torch() if any(r.kind == "torch" for r in refs) else None
             batch = map_tree(tree, lambda leaf: view_leaf(root, leaf, torch_mod))
             seg.state = _State.HELD
-            fin = weakref.finalize(root, self._returned.append, (seg.name, seg.lease_id))
+            returned = (seg.name, seg.lease_id)
+            fin = weakref.finalize(root, _on_return, self._returned, weakref.ref(self), returned)
             fin.atexit = False
             return batch
 
@@ -431,12 +470,48 @@ class SlotPool:
                 view[offset : offset + size] = data
 
     def _drain(self) -> None:
-        # Lock held. Apply the returns that finalizers queued.
+        # Lock held. Apply the returns that finalizers queued, then give back idle slots.
         while self._returned:
             name, lease_id = self._returned.popleft()
             seg = self._segments.get(name)
             if seg is not None and seg.state is _State.HELD and seg.lease_id == lease_id:
-                seg.state, seg.lease_id = _State.FREE, 0
+                self._free(seg)
+        self._trim()
+
+    def drain_nowait(self) -> None:
+        """Apply the returns of batches that died, and give back idle slots, unless another
+        thread is in the pool now (it does so itself). Never blocks: a finalizer calls it."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if not self._closed:
+                self._drain()
+        finally:
+            self._lock.release()
+
+    def _free(self, seg: _Segment) -> None:
+        seg.state, seg.lease_id, seg.freed_at = _State.FREE, 0, self._clock()
+
+    def _count_leased(self) -> None:
+        # Lock held, after a lease: an epoch in flight needs as many slots as it leases at once.
+        leased = sum(1 for s in self._segments.values() if s.state is _State.LEASED)
+        self.keep = max(self.keep, leased)
+
+    def _trim(self) -> None:
+        """Lock held. Unlink the free slots beyond :attr:`keep` (the largest are kept: they fit
+        any batch): at once if none is leased, else those free for :data:`IDLE_GRACE_S`. Not in
+        a forked child: the segments are the parent's."""
+        free = [s for s in self._segments.values() if s.state is _State.FREE]
+        if len(free) <= self.keep or os.getpid() != self._owner:
+            return
+        leased = any(s.state is _State.LEASED for s in self._segments.values())
+        old = self._clock() - IDLE_GRACE_S
+        free.sort(key=lambda s: s.size, reverse=True)
+        for seg in free[self.keep :]:
+            if not leased or seg.freed_at <= old:
+                del self._segments[seg.name]  # FREE: no view holds it; unmapped with our last ref
+                self._unmapping(seg)
+                unlink(seg.name)
 
     def stats(self) -> ShmStats:
         """Count the slots in each state and the bytes of all segments."""
