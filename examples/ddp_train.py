@@ -100,5 +100,5 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-if __name__ == "__main__":  # worker processes re-import this module
+if __name__ == "__main__":
     main(parse_args())

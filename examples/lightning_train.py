@@ -87,7 +87,7 @@ def main(args: argparse.Namespace) -> None:
         )
 
 
-if __name__ == "__main__":  # worker processes re-import this module
+if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)

@@ -1,7 +1,7 @@
 """From MXNet Gluon's DataLoader to aioloader: the same argument names, the same batches.
 
     python examples/migrate_from_gluon.py              # 2 helper threads, as thread_pool=True
-    python examples/migrate_from_gluon.py --tiny       # smaller
+    python examples/migrate_from_gluon.py --samples 90 --batch-size 32   # larger
 
 A Gluon pipeline reads::
 
@@ -107,14 +107,11 @@ def run(policy: str, args: argparse.Namespace) -> tuple[list[list[int]], bool]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=90)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--tiny", action="store_true", help="10 samples in batches of 4")
     args = parser.parse_args()
-    if args.tiny:
-        args.samples, args.batch_size = 10, 4
     print(f"{args.samples} samples, batch_size={args.batch_size}, {args.epochs} epochs")
     for policy in ("keep", "discard", "rollover"):
         sizes, equal = run(policy, args)

@@ -1,7 +1,7 @@
 """From torch's DataLoader to aioloader: change one import, get the same batches.
 
-    python examples/migrate_from_torch.py              # 2 worker processes each
-    python examples/migrate_from_torch.py --tiny       # smaller, one worker process each
+    python examples/migrate_from_torch.py              # seconds: one worker process each
+    python examples/migrate_from_torch.py --samples 2048 --workers 2   # larger
 
 The pipeline below is ordinary torch code: a ``torch.utils.data.Dataset`` subclass of
 variable-length token sequences, a ``collate_fn`` that pads them into a dict of tensors, a
@@ -129,15 +129,12 @@ def main(args: argparse.Namespace) -> None:
     print(f"torch: {sum(len(e) for e in theirs)} batches; the first: {shapes}")
 
 
-if __name__ == "__main__":  # worker processes re-import this module
+if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=2048)
+    parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--tiny", action="store_true", help="256 samples, one worker each")
+    parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args()
-    if args.tiny:
-        args.samples, args.workers = 256, 1
     torch.set_num_threads(1)
     asyncio.set_event_loop_policy(None)
     main(args)

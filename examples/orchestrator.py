@@ -1,7 +1,7 @@
 """Training, periodic evaluation and a parameter server on one event loop.
 
-    python examples/orchestrator.py                # 2 worker processes for training
-    python examples/orchestrator.py --tiny         # a few seconds, helper threads only
+    python examples/orchestrator.py                # seconds: helper threads only
+    python examples/orchestrator.py --samples 32768 --eval-samples 4096 --epochs 3 --workers 2
 
 One asyncio loop runs three things at once, as an RL learner or an online-training service does:
 
@@ -173,22 +173,16 @@ async def main(args: argparse.Namespace) -> None:
     print(f"parameter server, while training and evaluating ({elapsed:.1f} s): {describe(busy)}")
 
 
-if __name__ == "__main__":  # worker processes re-import this module
+if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=32768)
-    parser.add_argument("--eval-samples", type=int, default=4096)
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--eval-samples", type=int, default=1024)
+    parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--eval-every", type=int, default=200, help="training steps")
-    parser.add_argument("--idle-s", type=float, default=1.0, help="the idle measurement")
-    parser.add_argument(
-        "--tiny", action="store_true", help="4,096 samples, 2 epochs, no worker process"
-    )
+    parser.add_argument("--workers", type=int, default=0, help="0: helper threads")
+    parser.add_argument("--eval-every", type=int, default=40, help="training steps")
+    parser.add_argument("--idle-s", type=float, default=0.3, help="the idle measurement")
     args = parser.parse_args()
-    if args.tiny:
-        args.samples, args.eval_samples, args.epochs, args.workers = 4096, 1024, 2, 0
-        args.eval_every, args.idle_s = 40, 0.3
     torch.set_num_threads(1)
     sys.setswitchinterval(0.001)  # the loop waits at most ~1 ms for the GIL, not 5 ms
     gc.freeze()  # torch's import-time objects: out of the collector's reach (see the README)

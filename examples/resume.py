@@ -1,7 +1,7 @@
 """Resume after an interruption: the resumed run sees exactly the batches the first one did not.
 
     python examples/resume.py                                      # uninterrupted, for reference
-    python examples/resume.py --stop-after 40      # "crash" after 40 batches, save the state
+    python examples/resume.py --stop-after 21      # "crash" after 21 batches, save the state
     python examples/resume.py --resume             # a new process carries on from the state
 
 Each run trains a small classifier for ``--epochs`` epochs over a shuffled data set and prints
@@ -122,22 +122,17 @@ async def main(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":  # worker processes re-import this module
+if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=2048)
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=0, help="0: one helper thread")
     parser.add_argument("--stop-after", type=int, default=0, help="batches, then stop (0: never)")
     parser.add_argument("--resume", action="store_true", help="carry on from --checkpoint")
     parser.add_argument(
         "--checkpoint", type=Path, default=Path(tempfile.gettempdir()) / "aioloader_resume.pt"
     )
-    parser.add_argument(
-        "--tiny", action="store_true", help="512 samples, 2 epochs, no worker process"
-    )
     args = parser.parse_args()
-    if args.tiny:
-        args.samples, args.epochs, args.workers = 512, 2, 0
     torch.set_num_threads(1)  # one thread: the same sums in the same order, run after run
     sys.exit(aioloader.run(main(args)))

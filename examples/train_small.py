@@ -1,14 +1,14 @@
 """Train a tiny CNN end to end with the loader: the loss goes down, the throughput is printed.
 
-    python examples/train_small.py                 # 2 worker processes, async for
+    python examples/train_small.py                 # seconds: 1,024 samples, async for
     python examples/train_small.py --sync          # the same with a plain for loop
-    python examples/train_small.py --tiny          # a few seconds: small set, one helper thread
+    python examples/train_small.py --samples 8192 --epochs 4 --workers 2   # larger
 
 The data set is made here, in memory: 16x16 grey images of 10 classes, each class a fixed
 random pattern, and every sample that pattern plus fresh Gaussian noise drawn in
 ``__getitem__`` (so the model cannot memorise samples, and each read costs a little CPU, as a
 decode would). In worker processes the noise is reseeded from (seed, epoch, batch): the same
-``seed`` gives the same noise with any number of workers. With no worker process (``--tiny``)
+``seed`` gives the same noise with any number of workers. With no worker process (the default)
 the samples are read in this process, whose global generator the loader leaves to your code,
 as torch does; the script seeds it, so those runs repeat too.
 
@@ -131,20 +131,15 @@ def main_sync(args: argparse.Namespace) -> None:
         print(f"loader: {loader.statistics().hint}")
 
 
-if __name__ == "__main__":  # worker processes re-import this module
+if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=8192)
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=1024)
+    parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=0, help="0: one helper thread")
     parser.add_argument("--lr", type=float, default=0.003)
     parser.add_argument("--sync", action="store_true", help="iterate with a plain for loop")
-    parser.add_argument(
-        "--tiny", action="store_true", help="1,024 samples, 3 epochs, no worker process"
-    )
     args = parser.parse_args()
-    if args.tiny:
-        args.samples, args.epochs, args.workers = 1024, 3, 0
     np.random.seed(0)  # read by __getitem__ when no worker process reseeds it
     torch.set_num_threads(1)  # the workers and the training step share a small machine
     if args.sync:
