@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import warnings
 
 import pytest
@@ -46,7 +47,8 @@ async def test_run_inside_a_running_loop_says_to_await(recwarn: pytest.WarningsR
         aioloader.run(coro)
     assert "`await _main()`" in str(info.value)
     assert "notebook" in str(info.value)
-    assert inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED  # closed unrun: no "coroutine was never awaited" follows
+    # Closed unrun: no "coroutine was never awaited" follows.
+    assert inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED
     del coro
     assert [str(w.message) for w in recwarn] == []
 
@@ -82,6 +84,17 @@ def test_pin_memory_without_a_gpu_warns_once_for_many_loaders(
         with DataLoader(Range(4), batch_size=2, pin_memory=True) as loader:
             list(loader)
     assert [w.category for w in recwarn] == [aioloader.DeviceUnavailableWarning]
+
+
+def test_more_workers_than_cpus_warns_once_for_many_loaders(
+    monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder
+) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    for _ in range(3):  # made in a loop, each line the same cause
+        DataLoader(Range(4), num_workers=2).close()
+    assert [str(w.message) for w in recwarn] == [
+        "num_workers=2 is more than the 1 CPUs here; extra workers only compete for them"
+    ]
 
 
 def test_short_epochs_of_many_loaders_warn_nothing(
