@@ -5,14 +5,19 @@ called again, a loader inherited through ``fork()``, and the slots a burst leave
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import gc
+import multiprocessing.process
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import fault_datasets as fd
+import pytest
+from helpers import Baseline
 
 import aioloader
 
@@ -120,3 +125,58 @@ async def test_a_dropped_burst_of_batches_gives_its_slots_back() -> None:
 
         again = await fd.run_epoch(aiter(loader))  # the next epoch runs on what was kept
         assert again.batches == fd.sequential_batches(64, 4)
+
+
+# -- close() interrupted, then called again (row 42) -------------------------------------------
+
+
+class _Interrupt:
+    """Raises KeyboardInterrupt (as a second Ctrl-C would) at the ``at``-th blocking wait while
+    armed: a thread's or a process's join, a future's result, an event's wait. Counts them."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, at: int) -> None:
+        self.at, self.calls, self.armed, self.fired = at, 0, False, ""
+        for owner, name in (
+            (threading.Thread, "join"),
+            (multiprocessing.process.BaseProcess, "join"),
+            (concurrent.futures.Future, "result"),
+            (threading.Event, "wait"),
+        ):
+            monkeypatch.setattr(owner, name, self._wrap(getattr(owner, name), name))
+
+    def _wrap(self, real: Any, name: str) -> Any:
+        def wait(obj: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.armed:
+                self.calls += 1
+                if self.calls == self.at:
+                    self.armed, self.fired = False, f"{type(obj).__name__}.{name}"
+                    raise KeyboardInterrupt
+            return real(obj, *args, **kwargs)
+
+        return wait
+
+
+def test_close_interrupted_at_each_blocking_step_is_finished_by_a_second_close(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = Baseline.record()
+    interrupted = []
+    for at in range(1, 40):
+        ds = fd.Faulty(16, shape=(64, 1024))
+        loader = fd.make_loader(ds)
+        assert [fd.batch_indices(b) for b in loader] == fd.sequential_batches(16, 4)
+        with monkeypatch.context() as patch:
+            hook = _Interrupt(patch, at)
+            hook.armed = True
+            try:
+                loader.close()
+            except KeyboardInterrupt:
+                interrupted.append(hook.fired)
+            hook.armed = False
+        loader.close()  # finishes what the first left
+        assert loader.worker_pids == ()
+        if not hook.fired:
+            break  # the first close ran through: every wait was interrupted once
+    assert len(interrupted) >= 4, interrupted
+    assert any("Process" in step for step in interrupted), interrupted  # joining the workers
+    before.check()

@@ -361,7 +361,9 @@ class Resources:
             await off_loop(close)
 
     def close(self) -> None:
-        """Release everything (blocking). Idempotent. In a forked child (torch's workers
+        """Release everything (blocking). Idempotent in effect: each part stays held here until
+        it is closed, so a close interrupted (a second Ctrl-C while it joins busy workers) is
+        finished by the next call, never left half done. In a forked child (torch's workers
         under 'fork', a fork-started pool) that collects its copy of an unclosed loader, or
         closes it, nothing: the workers, pipes, threads and segments are the parent's."""
         if os.getpid() != self.pid:
@@ -371,14 +373,10 @@ class Resources:
         for epoch in epochs:
             epoch.close_nowait()
         with self.lock:
-            self.closed = True
-            runner, self.runner = self.runner, None
-            own = self.pool if self.own_pool else None
-            given = self.pool if not self.own_pool else None
-            if own is not None:
-                self.pool = None
-            device, self.device = self.device, None
-            loop_thread, self.loop_thread = self.loop_thread, None
+            self.closed = True  # nothing new is made from now on
+            runner, pool, own = self.runner, self.pool, self.own_pool
+            device, loop_thread = self.device, self.loop_thread
+        given = pool if not own else None
         # Another open loader may read the dataset: then this one's loop closes only its own.
         aclose, self.dataset_aclose = closer_if_last(self.dataset_aclose), None
         if loop_thread is not None:
@@ -387,17 +385,21 @@ class Resources:
                     loop_thread.run(aclose(), timeout=DATASET_CLOSE_TIMEOUT_S)
             if given is None:  # the loop of a pool it was given is that pool's to close
                 loop_thread.close()
+            self.loop_thread = None
         elif aclose is not None:
             _close_dataset_without_loop(aclose, epochs[0].loop if epochs else None)
-        if own is not None:
-            own.close()  # its processes and slots: nothing to release one copy from first
+        if own and pool is not None:
+            pool.close()  # its processes and slots: nothing to release one copy from first
+            self.pool = None
         elif runner is not None:
             runner.close()  # threads; or this loader's copy in a pool it was given
+        self.runner = None
         starter = self.starter
         if starter is not None and starter is not threading.current_thread():
             starter.join(STARTER_JOIN_S)  # it launches nothing more once the pool is closed
         if device is not None:
             device.close()
+            self.device = None
 
     def worker_pids(self) -> tuple[int, ...]:
         """Pids of the worker processes started so far (none with threads)."""

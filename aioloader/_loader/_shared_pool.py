@@ -204,7 +204,8 @@ class _Held:
     # workers' channels let them go at close before the workers are stopped (ProcessRunner).
     abandoned_own: set[str] = field(default_factory=set)
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
-    closed: bool = False
+    closed: bool = False  # nothing new is started from now on
+    released: bool = False  # every step of close() done
     lock: threading.Lock = field(default_factory=threading.Lock)
     pid: int = field(default_factory=os.getpid)  # the process the pool belongs to
     # Lets go of the forked worker server once the workers are stopped (``hold_server``): the
@@ -257,15 +258,17 @@ class _Held:
             self.closed = True
             return
         with self.lock:
-            if self.closed:
+            if self.released:
                 return
+            # Each step below can be done again: a close interrupted (a second Ctrl-C) is
+            # finished by the next call, so the parts stay held until they are closed.
             self.closed = True
-            loop_thread, self.loop_thread = self.loop_thread, None
-            slots, self.slots = self.slots, None
+            loop_thread, slots = self.loop_thread, self.slots
             self.attached.clear()
         _OPEN.discard(self)
         if loop_thread is not None:
             loop_thread.close()
+            self.loop_thread = None
         self.processes.close()
         if self.let_go_server is not None:
             self.let_go_server()
@@ -274,6 +277,8 @@ class _Held:
         self.abandoned_own.clear()
         if slots is not None:
             slots.close()
+            self.slots = None
+        self.released = True
 
 
 def start_deadline(config: LoaderConfig) -> tuple[float, str]:

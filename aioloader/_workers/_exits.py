@@ -72,19 +72,23 @@ class ExitWatch:
         self._wake()
 
     def close(self) -> None:
-        """Stop the thread (wait for it) and forget every process. Idempotent."""
+        """Stop the thread (wait for it) and forget every process. Idempotent in effect: a
+        call interrupted while it waits for the thread is finished by the next one."""
         with self._lock:
-            if self._closed:
-                return
             self._closed = True
             thread = self._thread
             self._watched.clear()
+            if self._wake_r < 0:
+                return  # done already
         self._wake()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5.0)
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with self._lock:
+            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):  # closed, or full: a wake-up is pending anyway

@@ -195,7 +195,9 @@ class WorkerPool:
             self._cells.close()
             raise
         self._crashes: dict[tuple[int, int], Crash] = {}
-        self._closed = False
+        self._closed = False  # no job or launch from now on
+        self._closed_all = False  # every step of close() done
+        self._close_lock = threading.RLock()
         self.rebuilds = 0
 
     def _new_worker(self) -> tuple[Channel, tuple[Connection, ...], StackPipe]:
@@ -569,44 +571,49 @@ class WorkerPool:
         return None
 
     def close(self) -> None:
-        """Stop every worker: let current jobs end for a moment, then kill. Idempotent."""
-        with self._launch_lock:
-            if self._closed:
-                return
-            self._closed = True
-            copies = [*self._copies.values(), *self._retired.values()]
-        self._launcher.close(self._workers)
-        grace = time.monotonic() + SHUTDOWN_GRACE_S
-        for w in self._workers:  # a launch under way (another thread's) finishes first
-            if w.lock.acquire(timeout=max(0.0, grace - time.monotonic())):  # a stalled server
-                w.lock.release()
-        for copy in copies:
-            copy.release()
-        for w in self._workers:  # end-of-file: each worker's serve loop returns
-            w.channel.close()
-            _close_pipes(w.child_pipes)
-            w.child_pipes = None
-            w.stacks.close()
-        processes = [w.process for w in self._workers if w.process is not None]
-        deadline = time.monotonic() + SHUTDOWN_GRACE_S
-        for p in processes:
-            with self._reap_lock:  # the exit status is read once (see _exits.reap)
-                p.join(timeout=max(0.0, deadline - time.monotonic()))
-            if p.exitcode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    p.kill()
-                with self._reap_lock:
-                    p.join(timeout=5.0)
-        self._exits.close()  # before the sentinels close
-        self._cells.close()  # after the joins: the start checks read it until then
-        # Release each process's pipes now, not when the process object is collected: an error
-        # the user keeps holds this pool through its traceback (a frame of submit), and with it
-        # every worker's last process.
-        for w in self._workers:
-            w.process = None
-        for p in processes:
-            with contextlib.suppress(ValueError):  # still running after the kill: leave it
-                p.close()
+        """Stop every worker: let current jobs end for a moment, then kill. Idempotent in
+        effect: each step can be done again, so a close interrupted (a second Ctrl-C while it
+        joins busy workers) is finished by the next call rather than left half done."""
+        with self._close_lock:  # re-entrant: a SIGTERM handler may close amid a close here
+            with self._launch_lock:
+                if self._closed_all:
+                    return
+                self._closed = True
+                copies = [*self._copies.values(), *self._retired.values()]
+            self._launcher.close(self._workers)
+            grace = time.monotonic() + SHUTDOWN_GRACE_S
+            for w in self._workers:  # a launch under way (another thread's) finishes first
+                if w.lock.acquire(timeout=max(0.0, grace - time.monotonic())):  # stalled server
+                    w.lock.release()
+            for copy in copies:
+                copy.release()
+            for w in self._workers:  # end-of-file: each worker's serve loop returns
+                w.channel.close()
+                _close_pipes(w.child_pipes)
+                w.child_pipes = None
+                w.stacks.close()
+            processes = [w.process for w in self._workers if w.process is not None]
+            deadline = time.monotonic() + SHUTDOWN_GRACE_S
+            for p in processes:
+                if p.exitcode is None:  # a process is reaped once: an earlier call may have
+                    with self._reap_lock:  # the exit status is read once (see _exits.reap)
+                        p.join(timeout=max(0.0, deadline - time.monotonic()))
+                if p.exitcode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        p.kill()
+                    with self._reap_lock:
+                        p.join(timeout=5.0)
+            self._exits.close()  # before the sentinels close
+            self._cells.close()  # after the joins: the start checks read it until then
+            # Release each process's pipes now, not when the process object is collected: an
+            # error the user keeps holds this pool through its traceback (a frame of submit),
+            # and with it every worker's last process.
+            for w in self._workers:
+                p, w.process = w.process, None
+                if p is not None:
+                    with contextlib.suppress(ValueError):  # still running after the kill
+                        p.close()
+            self._closed_all = True
 
 
 def _kill_corrupt(w: Worker, why: str) -> None:
