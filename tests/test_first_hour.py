@@ -130,3 +130,9 @@ def test_loop_is_not_left_running() -> None:
         return asyncio.get_running_loop().is_running()
 
     assert asyncio.run(inner()) is True
+
+
+@pytest.mark.cuda
+def test_device_auto_with_a_gpu_puts_batches_on_it() -> None:
+    with DataLoader(Range(4), batch_size=2, device="auto") as loader:
+        assert [b.device.type for b in loader] == ["cuda", "cuda"]
