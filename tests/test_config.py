@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -244,16 +245,18 @@ def test_bad_arguments_are_rejected_naming_the_argument() -> None:
 
 
 def test_unpicklable_arguments_for_worker_processes_are_reported() -> None:
+    # A lambda travels by value; one holding what cannot travel at all (a lock) cannot.
+    lock = threading.Lock()
     local = Range(4)
-    local.fn = lambda x: x  # type: ignore[attr-defined]
+    local.fn = lambda x: (lock, x)  # type: ignore[attr-defined]
     # The dataset is pickled when the first epoch needs it (once, not at construction too).
     with DataLoader(local, num_workers=2) as loader, pytest.raises(TypeError, match=r"^dataset"):
         next(iter(loader))
-    # A plain function costs nothing to check: at construction.
+    # A function costs little to check: at construction.
     with pytest.raises(TypeError, match="collate_fn"):
-        DataLoader(Range(4), num_workers=2, collate_fn=lambda s: s)
+        DataLoader(Range(4), num_workers=2, collate_fn=lambda s: (lock, s))
     # Threads need no pickling.
-    DataLoader(local, num_workers=2, thread_pool=True, collate_fn=lambda s: s).close()
+    DataLoader(local, num_workers=2, thread_pool=True, collate_fn=lambda s: (lock, s)).close()
 
 
 def test_more_worker_processes_than_cpus_warns() -> None:

@@ -6,7 +6,7 @@ The default run soaks a few epochs. ``AIOLOADER_SOAK=full`` runs the full soak (
 growth of the main process under 5% from epoch 2 to 20) in a fresh interpreter through
 ``tests/scripts/full_soak.py``, which prints its figures; the script also runs on its own::
 
-    AIOLOADER_SOAK=full pytest -n 0 -s tests/test_soak.py     # or: python tests/scripts/full_soak.py
+    AIOLOADER_SOAK=full pytest -n 0 -s tests/test_soak.py   # or: python tests/scripts/full_soak.py
 """
 
 from __future__ import annotations
