@@ -203,6 +203,7 @@ class Resources:
         Raises:
             RuntimeError: closed (:meth:`start_early`'s thread, outrun by the loader's close).
         """
+        self._check_process()
         with self.lock:
             if self.closed:
                 raise RuntimeError("this DataLoader is closed")
@@ -313,6 +314,7 @@ class Resources:
 
     def loop(self) -> LoopThread:
         """The private event-loop thread for sync iteration, started on first use."""
+        self._check_process()
         with self.lock:
             self._claim()
             if self.loop_thread is None:  # the loaders of a pool they were given share its own
@@ -320,6 +322,25 @@ class Resources:
                 self.loop_thread = LoopThread() if given is None else given.loop()
             _LIVE.add(self)
             return self.loop_thread
+
+    def _check_process(self) -> None:
+        """Refuse at once, in a process forked from the one that holds these resources (a
+        loader made, and used, before ``fork()``: Lightning's ``ddp_fork``, a
+        ``multiprocessing`` child under 'fork'): its worker processes, pipes and loop thread
+        are the parent's, and waiting on them would wait forever. (Not before the lock: a
+        thread of the parent may have held it as the process forked.)
+
+        Raises:
+            RuntimeError: forked with these resources held; names the pids and the fix.
+        """
+        if os.getpid() != self.pid and self.held:
+            raise RuntimeError(
+                f"this DataLoader's workers and threads belong to process {self.pid}, and this "
+                f"is process {os.getpid()}, forked from it after the loader was used: they "
+                "cannot serve it here. Make the loader in the child process, or create it "
+                "before the fork without iterating it (nothing is started until first use), "
+                "or start children with 'spawn' or 'forkserver'."
+            )
 
     def _claim(self) -> None:
         """Before making anything (under the lock): what is made from now on belongs to this
@@ -376,6 +397,8 @@ class Resources:
             self.closed = True  # nothing new is made from now on
             runner, pool, own = self.runner, self.pool, self.own_pool
             device, loop_thread = self.device, self.loop_thread
+            if own and pool is not None:
+                self.runner = None  # its own pool holds (and closes) the processes
         given = pool if not own else None
         # Another open loader may read the dataset: then this one's loop closes only its own.
         aclose, self.dataset_aclose = closer_if_last(self.dataset_aclose), None
