@@ -97,6 +97,21 @@ def test_more_workers_than_cpus_warns_once_for_many_loaders(
     ]
 
 
+def test_pools_and_their_loaders_warn_once_for_one_count(
+    monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder
+) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    for _ in range(2):  # two pools of the same count, two loaders on each (nothing started)
+        pool = aioloader.WorkerPool(num_workers=2)
+        for _ in range(2):
+            DataLoader(Range(4), workers=pool).close()
+        pool.close()
+    DataLoader(Range(4), num_workers=2).close()  # a loader of its own, the same count
+    assert [str(w.message) for w in recwarn] == [
+        "num_workers=2 is more than the 1 CPUs here; extra workers only compete for them"
+    ]
+
+
 def test_short_epochs_of_many_loaders_warn_nothing(
     caplog: pytest.LogCaptureFixture, recwarn: pytest.WarningsRecorder
 ) -> None:

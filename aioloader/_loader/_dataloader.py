@@ -51,7 +51,6 @@ from .._batch import default_collate, default_convert
 from .._config import LoaderConfig, batch_sampler_for, context_argument, resolve_seed
 from .._device import falls_back, parse_device
 from .._epoch import Epoch, EpochBook, EpochIterator, plan_for
-from .._log import first_time
 from .._sampling import (
     DEFAULT_SHARE_SEED,
     process_group,
@@ -299,9 +298,8 @@ class DataLoader(SettingsView):
             self._context = worker_context(pool, config, context, allow_fork, dataset)
             check_callables(config)  # the dataset is pickled when an epoch needs it
         # A pool it is given decided, and warned; ten loaders made in a loop warn once.
-        n = config.num_workers
-        if config.uses_processes and pool is None and first_time(("num_workers above CPUs", n)):
-            warn_more_workers_than_cpus(n)
+        if config.uses_processes and pool is None:
+            warn_more_workers_than_cpus(config.num_workers)
         self._counters = Counters()
         drawn = seed is None and generator is not None and not config.persistent_workers
         redraw = functools.partial(resolve_seed, None, generator) if drawn else None

@@ -80,7 +80,7 @@ from multiprocessing.context import BaseContext
 from typing import Any, TypeVar
 
 from .._errors import WorkerInitError
-from .._log import workers_log
+from .._log import first_time, workers_log
 from .._threads import off_loop
 from . import _exits
 from ._abandoned import watch_abandoned
@@ -140,10 +140,11 @@ _FORK: BaseContext | None = (
 def warn_more_workers_than_cpus(num_workers: int, stacklevel: int = 3) -> None:
     """Warn where ``num_workers`` processes are more than this machine's CPUs: the extra ones
     only compete for them. Said by whoever decides the count (a loader with workers of its
-    own, or a :class:`~aioloader.WorkerPool`), never by a loader on a pool as well. Threads
-    (``thread_pool=True``) are not counted: they mostly wait on IO with the GIL released."""
+    own, or a :class:`~aioloader.WorkerPool`), never by a loader on a pool as well, and once
+    per process for each count. Threads (``thread_pool=True``) are not counted: they mostly
+    wait on IO with the GIL released."""
     cpus = os.cpu_count() or 1
-    if num_workers > cpus:
+    if num_workers > cpus and first_time(("num_workers above CPUs", num_workers)):
         warnings.warn(
             f"num_workers={num_workers} is more than the {cpus} CPUs here; "
             "extra workers only compete for them",
