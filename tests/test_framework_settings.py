@@ -8,6 +8,8 @@ loader must yield the loader's batches. Lightning assigns ``worker_init_fn`` (af
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from datasets import Range
@@ -64,9 +66,13 @@ def test_a_new_worker_init_fn_runs_with_the_next_dataset_copy(persistent: bool) 
     assert second == ({-1} if persistent else {0, 1})
 
 
+# A lambda travels to the workers by value; one holding a lock cannot travel at all.
+_LOCK = threading.Lock()
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
-    [(5, "worker_init_fn must be callable"), (lambda i: None, "cannot be sent to worker")],
+    [(5, "worker_init_fn must be callable"), (lambda i: _LOCK, "cannot be sent to worker")],
 )
 def test_worker_init_fn_setter_checks_the_value(value: object, message: str) -> None:
     loader = aioloader.DataLoader(Range(4), num_workers=1)
