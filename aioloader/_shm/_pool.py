@@ -8,12 +8,14 @@ all segments, plus the bytes reserved for segments workers are making (:meth:`Sl
 sum to at most ``max_bytes``.
 
 Free slots are kept for reuse, but only as many as an epoch in flight needs: the most slots
-ever leased at once (:attr:`SlotPool.keep`; it follows ``prefetch``). A burst that held more
-(``list(loader)`` of an evaluation pass) gives the rest back: at once when nothing is leased
-(no epoch in flight, or its batches all made), else once they were free for
-:data:`IDLE_GRACE_S`. The check runs at every call of the pool, and when a batch's last view
-dies (:func:`_on_return`), so a burst dropped by a program that calls the loader no more is
-given back too.
+ever leased at once (:attr:`SlotPool.keep`; it follows ``prefetch``) and :data:`KEEP_SPARE`
+for the consumer's own. A burst that held more
+(``list(loader)`` of an evaluation pass) gives the rest back: at once when every slot is free
+(no batch being made and none held: the burst was dropped and nothing runs), else once they
+were free for :data:`IDLE_GRACE_S` (a slot freed while others are in use is leased again at
+once in an epoch, so it is not given back then). The check runs at every call of the pool,
+and when a batch's last view dies (:func:`_on_return`), so a burst dropped by a program that
+calls the loader no more is given back too.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ __all__ = [
     "BUDGET_MAX",
     "GROWTH",
     "IDLE_GRACE_S",
+    "KEEP_SPARE",
     "MIN_SLOT_BYTES",
     "ShmStats",
     "SlotPool",
@@ -81,6 +84,13 @@ BUDGET_MAX = 4 << 30
 # batches, then lets them go). Longer: fewer segments made afresh (slow first writes); shorter:
 # /dev/shm and memory given back sooner. With nothing leased they go at once.
 IDLE_GRACE_S = 5.0
+
+# Free slots kept beyond the most ever leased at once: the batch the consumer holds and the one
+# before it, which a loop drops only as it takes the next (or at an epoch's end, when nothing
+# is leased). Without them every epoch of a training loop gave back a slot at its end and made
+# it again at the next, its pages faulted in afresh: a quarter of the large-batch rate. More:
+# a burst leaves more behind; fewer: that churn.
+KEEP_SPARE = 2
 
 
 def budget(max_bytes: int | None, free: int | None = None) -> int:
@@ -182,6 +192,7 @@ class SlotPool:
             it as page-locked memory for device copies (best effort: errors are ignored).
         on_unmap: called with the address before a segment is unlinked and unmapped.
         clock: the clock of :data:`IDLE_GRACE_S` (tests pass a fake one).
+        keep_spare: free slots kept beyond the most ever leased at once (:data:`KEEP_SPARE`).
 
     Raises:
         ValueError: if a size is not a positive int or ``min_slot_bytes > max_bytes``.
@@ -197,6 +208,7 @@ class SlotPool:
         on_map: Callable[[int, int], Any] | None = None,
         on_unmap: Callable[[int], Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        keep_spare: int = KEEP_SPARE,
     ) -> None:
         for arg, value in (("max_bytes", max_bytes), ("min_slot_bytes", min_slot_bytes)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -213,7 +225,8 @@ class SlotPool:
         self._on_map = on_map
         self._on_unmap = on_unmap
         self._clock = clock
-        self.keep = 1  # free slots kept for reuse: the most ever leased at once (see _trim)
+        self.keep = 1  # the most slots ever leased at once (see _trim)
+        self._keep_spare = keep_spare
         # Invariant: every segment is FREE, LEASED to a worker, or HELD by a live batch, and the
         # sizes of all segments plus _reserved sum to at most max_bytes.
         self._segments: dict[str, _Segment] = {}
@@ -498,17 +511,20 @@ class SlotPool:
         self.keep = max(self.keep, leased)
 
     def _trim(self) -> None:
-        """Lock held. Unlink the free slots beyond :attr:`keep` (the largest are kept: they fit
-        any batch): at once if none is leased, else those free for :data:`IDLE_GRACE_S`. Not in
-        a forked child: the segments are the parent's."""
+        """Lock held. Unlink the free slots beyond :attr:`keep` and :data:`KEEP_SPARE` (the
+        largest are kept: they fit any batch): at once if every slot is free (no batch being
+        made, none held: a burst was dropped, or an epoch ended), else those free for
+        :data:`IDLE_GRACE_S` (a slot freed while others are in use is leased again within
+        milliseconds in an epoch). Not in a forked child: the segments are the parent's."""
         free = [s for s in self._segments.values() if s.state is _State.FREE]
-        if len(free) <= self.keep or os.getpid() != self._owner:
+        kept = self.keep + self._keep_spare
+        if len(free) <= kept or os.getpid() != self._owner:
             return
-        leased = any(s.state is _State.LEASED for s in self._segments.values())
+        in_use = len(free) < len(self._segments)
         old = self._clock() - IDLE_GRACE_S
         free.sort(key=lambda s: s.size, reverse=True)
-        for seg in free[self.keep :]:
-            if not leased or seg.freed_at <= old:
+        for seg in free[kept:]:
+            if not in_use or seg.freed_at <= old:
                 del self._segments[seg.name]  # FREE: no view holds it; unmapped with our last ref
                 self._unmapping(seg)
                 unlink(seg.name)
