@@ -32,6 +32,7 @@ __all__ = ["off_loop"]
 # unless the machine is loaded), and how often it looks.
 THREAD_END_WAIT_S = 1.0
 THREAD_END_POLL_S = 0.001
+THREAD_END_QUICK_TURNS = 8
 
 T = TypeVar("T")
 
@@ -62,10 +63,12 @@ async def _ended(thread: threading.Thread) -> None:
     """Wait, without blocking the loop, until ``thread`` has ended: it handed its result over
     as its last act, so this is a turn or two of the loop, and an ``await`` of a close then
     leaves no thread of the loader behind (bounded by :data:`THREAD_END_WAIT_S`)."""
-    for _ in range(round(THREAD_END_WAIT_S / THREAD_END_POLL_S)):
+    for turn in range(round(THREAD_END_WAIT_S / THREAD_END_POLL_S)):
         if not thread.is_alive():
             return
-        await asyncio.sleep(THREAD_END_POLL_S)  # no event: a thread's end has no callback
+        # No event: a thread's end has no callback. A turn of the loop first (the thread
+        # is ending as the loop runs the callback it posted), then a millisecond at a time.
+        await asyncio.sleep(0 if turn < THREAD_END_QUICK_TURNS else THREAD_END_POLL_S)
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop, call: Callable[..., None], *args: Any) -> None:
