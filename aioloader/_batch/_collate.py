@@ -342,18 +342,7 @@ class _Collator:
         if not all(s.keys() == keys for s in samples):
             raise _error(path, key_mismatch(samples))
         result = {key: self.collate([s[key] for s in samples], f"{path}[{key!r}]") for key in keys}
-        if type(first) is dict:
-            return result
-        # Rebuild the sample's own mapping type, as torch does: a copy keeps what a constructor
-        # call would lose (a defaultdict's factory); a type that cannot be rebuilt gives a dict.
-        try:
-            if isinstance(first, MutableMapping):
-                clone = copy.copy(first)
-                clone.update(result)
-                return clone
-            return type(first)(result)  # type: ignore[call-arg]
-        except (TypeError, ValueError):
-            return result
+        return result if type(first) is dict else _like_mapping(first, result)
 
     def _namedtuples(self, samples: Sequence[Any], path: str) -> Any:
         cls = type(samples[0])
@@ -370,15 +359,7 @@ class _Collator:
         first = samples[0]
         if isinstance(first, tuple) or type(first) is list:
             return items  # tuples become lists, as in torch
-        try:
-            if isinstance(first, MutableSequence):
-                clone = copy.copy(first)
-                for i, item in enumerate(items):
-                    clone[i] = item
-                return clone
-            return type(first)(items)  # type: ignore[call-arg]
-        except (TypeError, ValueError):
-            return items
+        return _like_sequence(first, items)
 
     # -- leaves --
 
@@ -590,28 +571,42 @@ def _convert(data: Any, torch: Any) -> Any:
     if isinstance(data, str | bytes):
         return data
     if isinstance(data, Mapping):
-        items = {key: _convert(value, torch) for key, value in data.items()}
-        try:
-            if isinstance(data, MutableMapping):
-                clone = copy.copy(data)  # keeps what a constructor call would lose
-                clone.update(items)
-                return clone
-            return type(data)(items)  # type: ignore[call-arg]
-        except (TypeError, ValueError):
-            return items
+        return _like_mapping(data, {key: _convert(value, torch) for key, value in data.items()})
     if isinstance(data, tuple) and hasattr(data, "_fields"):
         return type(data)(*(_convert(item, torch) for item in data))
     if isinstance(data, tuple):
         return [_convert(item, torch) for item in data]  # tuples become lists, as in torch
     if isinstance(data, Sequence):
-        converted = [_convert(item, torch) for item in data]
-        try:
-            if isinstance(data, MutableSequence):
-                rebuilt = copy.copy(data)
-                for i, item in enumerate(converted):
-                    rebuilt[i] = item
-                return rebuilt
-            return type(data)(converted)  # type: ignore[call-arg]
-        except (TypeError, ValueError):
-            return converted  # a range, or a type that cannot be rebuilt from a list
+        return _like_sequence(data, [_convert(item, torch) for item in data])
     return data
+
+
+# -- containers rebuilt as the samples' own types --------------------------------------------
+
+
+def _like_mapping(like: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    """``items`` as a mapping of ``like``'s type, as torch rebuilds it: a copy keeps what a
+    constructor call would lose (a defaultdict's factory); a type that cannot be rebuilt
+    gives the dict."""
+    try:
+        if isinstance(like, MutableMapping):
+            clone = copy.copy(like)
+            clone.update(items)
+            return clone
+        return type(like)(items)  # type: ignore[call-arg]
+    except (TypeError, ValueError):
+        return items
+
+
+def _like_sequence(like: Sequence[Any], items: list[Any]) -> Any:
+    """``items`` as a sequence of ``like``'s type (the same length), as torch rebuilds it; a
+    type that cannot be rebuilt from a list (a ``range``) gives the list."""
+    try:
+        if isinstance(like, MutableSequence):
+            clone = copy.copy(like)
+            for i, item in enumerate(items):
+                clone[i] = item
+            return clone
+        return type(like)(items)  # type: ignore[call-arg]
+    except (TypeError, ValueError):
+        return items
