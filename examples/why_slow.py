@@ -3,6 +3,7 @@
     python examples/why_slow.py                    # --case dataset: reading is slow: num_workers
     python examples/why_slow.py --case remote      # remote reads are slow: io_concurrency
     python examples/why_slow.py --case consumer    # the training step is slow: not the loader
+    python examples/why_slow.py --case cpu         # the CPUs are full: no knob helps
 
 Each case runs one epoch with a setting that is too small, prints ``loader.statistics()`` (a
 table of the epoch and the total, then the bottleneck verdict), and runs the epoch again with
@@ -18,6 +19,9 @@ epoch this short is never a WARNING, see the README's Logging section).
   is far too few to hide the latency.
 - ``consumer``: batches are cheap, and the training step takes 20 ms: the loader keeps up, and
   no setting of the loader makes the epoch shorter.
+- ``cpu``: each sample costs 10 ms of CPU (a decode) in one worker process per CPU: the cores
+  are full, and the verdict names the machine. Its "fix" runs twice the workers, to show that
+  they do not help: the rate stays where it was.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import aioloader
 SAMPLE_S = 0.02  # the dataset case: seconds to read one sample
 LATENCY_S = 0.05  # the remote case: seconds until an item arrives
 STEP_S = 0.02  # the consumer case: seconds per training step
+BURN_S = 0.01  # the cpu case: CPU seconds per sample
 
 
 class SlowReads:
@@ -54,6 +59,23 @@ class SlowReads:
 
     def __getitem__(self, index: int) -> np.ndarray:
         time.sleep(self.delay)
+        return np.full(256, index, dtype=np.float32)
+
+
+class Decode:
+    """A map-style dataset whose ``__getitem__`` costs ``cost`` seconds of CPU (a decode)."""
+
+    def __init__(self, n: int, cost: float) -> None:
+        self.n = n
+        self.cost = cost
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        end = time.thread_time() + self.cost
+        while time.thread_time() < end:  # CPU time advances while this runs: it ends
+            pass
         return np.full(256, index, dtype=np.float32)
 
 
@@ -82,22 +104,31 @@ def case_settings(case: str, n: int, fixed: bool) -> tuple[Any, dict[str, Any], 
         return RemoteStore(n, LATENCY_S), {"io_concurrency": 64 if fixed else 4}, 0.0
     if case == "consumer":
         return SlowReads(n, 0.0), {"num_workers": 0}, STEP_S
+    if case == "cpu":
+        cpus = len(os.sched_getaffinity(0))
+        return Decode(n, BURN_S), {"num_workers": 2 * cpus if fixed else cpus}, 0.0
     raise ValueError(f"unknown case {case!r}")
 
 
 async def run(case: str, n: int, *, fixed: bool) -> aioloader.LoaderStatistics:
     """One epoch of ``case``; its statistics."""
     dataset, settings, step_s = case_settings(case, n, fixed)
+    # The cpu case measures a second, warm epoch: the first one's start (workers importing
+    # torch) would weigh more than its 10 ms per sample.
+    epochs = 2 if case == "cpu" else 1
     async with aioloader.DataLoader(dataset, batch_size=8, **settings) as loader:
-        async for _batch in loader:
-            if step_s:
-                await asyncio.sleep(step_s)  # the training step
+        for _ in range(epochs):
+            async for _batch in loader:
+                if step_s:
+                    await asyncio.sleep(step_s)  # the training step
         return loader.statistics()
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", choices=["dataset", "remote", "consumer"], default="dataset")
+    parser.add_argument(
+        "--case", choices=["dataset", "remote", "consumer", "cpu"], default="dataset"
+    )
     parser.add_argument("--samples", type=int, default=160, help="samples in the epoch")
     parser.add_argument("--no-fix", action="store_true", help="skip the run with the knob turned")
     parser.add_argument("--log", action="store_true", help="show the loader's own log records")
@@ -108,12 +139,13 @@ async def main() -> None:
     stats = await run(args.case, args.samples, fixed=False)
     print(stats)
     print(f"\nverdict: {stats.bottleneck} (knob: {stats.epoch_stats.knob or 'none'})")
-    if args.no_fix or not stats.epoch_stats.knob:
+    knob = stats.epoch_stats.knob or ("num_workers" if stats.bottleneck == "cpu" else "")
+    if args.no_fix or not knob:
         return
     fixed = await run(args.case, args.samples, fixed=True)
     before, after = stats.epoch_stats, fixed.epoch_stats
     print(
-        f"with {stats.epoch_stats.knob} turned up: {after.samples_per_s:.0f} samples/s "
+        f"with {knob} turned up: {after.samples_per_s:.0f} samples/s "
         f"(was {before.samples_per_s:.0f}); verdict now: {fixed.bottleneck}"
     )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -25,11 +26,15 @@ from http_server import FaultServer, payload
 import aioloader
 from aioloader import DataLoader, LoaderStatistics
 from aioloader._stats._counters import (
+    CPU_SAMPLE_INTERVAL_S,
+    CPU_SATURATED,
     SKIP_RECORDS,
     WAIT_SHARE_THRESHOLD,
     Capacity,
     Counters,
     EpochStatistics,
+    cpus_available,
+    process_tree_cpu,
 )
 from aioloader.sources import HTTPDataset, RetryPolicy
 
@@ -49,9 +54,37 @@ class Arrays:
         return np.full(1000, index, dtype=np.float32)
 
 
+class FakeCpu:
+    """A process tree's CPU clock that reads ``(main_s, tree_s, wait_s)`` from a list, in turn
+    (the last one again once they are used up); counts its reads."""
+
+    def __init__(self, *reads: tuple[float, float, float]) -> None:
+        self.reads = list(reads)
+        self.count = 0
+
+    def __call__(self) -> tuple[float, float, float]:
+        self.count += 1
+        return self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
+
+
 def measured(capacity: Capacity, wall: float = 10.0, **sums: float) -> EpochStatistics:
-    """The statistics of an epoch of ``wall`` seconds with these sums (the rest zero)."""
-    counters = Counters()
+    """The statistics of an epoch of ``wall`` seconds with these sums (the rest zero), whose
+    processes' CPU time is unknown."""
+    return epoch_of(capacity, wall, Counters(cpu_clock=lambda: None), sums)
+
+
+def measured_cpu(
+    capacity: Capacity, cpu: tuple[float, float, float], cpus: float, **sums: float
+) -> EpochStatistics:
+    """As :func:`measured` (10 s), the processes having used ``cpu`` (``main_s, tree_s,
+    wait_s``) of ``cpus`` CPUs."""
+    counters = Counters(cpu_clock=FakeCpu((0.0, 0.0, 0.0), cpu), cpus=cpus)
+    return epoch_of(capacity, 10.0, counters, sums)
+
+
+def epoch_of(
+    capacity: Capacity, wall: float, counters: Counters, sums: dict[str, float]
+) -> EpochStatistics:
     counters.begin_epoch(0, capacity, TOKEN, now=0.0)
     for name, value in sums.items():
         setattr(counters, name, value)
@@ -117,6 +150,122 @@ def test_verdict_names_the_limiting_stage_and_its_knob(
     assert stats.hint
     if knob:
         assert knob in stats.hint
+
+
+# The CPU weighs before any knob: (capacity, sums, cpu (main_s, tree_s, wait_s) of 10 s on 2
+# CPUs, the stage and the knob).
+CPU_CASES = [
+    # Prefetch full and workers idle by their own clocks, but this process and its workers
+    # ran 18 of the 20 CPU-seconds: the machine, not prefetch (the quickstart on 2 cores).
+    (WORKERS4, {"consumer_wait_s": 5.0, "permit_wait_s": 9.0}, (6.0, 18.0, 0.0), "cpu", ""),
+    # Workers busy 90% by their clocks, and the CPUs all used: more workers cannot help.
+    (WORKERS4, {"consumer_wait_s": 8.0, "read_s": 36.0}, (2.0, 19.0, 0.0), "cpu", ""),
+    # The processes ran only 6 CPU-seconds but waited 12 for a CPU: other processes hold the
+    # cores (a shared machine): still the machine.
+    (WORKERS4, {"consumer_wait_s": 5.0, "permit_wait_s": 9.0}, (2.0, 6.0, 12.0), "cpu", ""),
+    # The same waits with CPUs to spare: prefetch is still the answer.
+    (
+        WORKERS4,
+        {"consumer_wait_s": 5.0, "permit_wait_s": 9.0},
+        (1.0, 3.0, 1.0),
+        "prefetch",
+        "prefetch",
+    ),
+    # Workers that measured little (their time goes to work outside read and collate) but
+    # whose processes ran 3.6 CPUs of an 8-CPU machine: num_workers, not prefetch.
+    (
+        Capacity(makers=4, prefetch=8, batch_size=32, processes=True),
+        {"consumer_wait_s": 5.0, "permit_wait_s": 9.0, "read_s": 4.0},
+        (2.0, 38.0, 0.0),
+        "workers",
+        "num_workers",
+    ),
+    # This process busy a whole CPU handing tiny batches over, the workers idle, CPUs to
+    # spare: the cost per batch: batch_size.
+    (
+        WORKERS4,
+        {"consumer_wait_s": 6.0, "permit_wait_s": 9.0},
+        (9.5, 11.0, 0.0),
+        "loop",
+        "batch_size",
+    ),
+    # A consumer that rarely waited is the limit, whatever the CPUs do.
+    (WORKERS4, {"consumer_wait_s": 1.0, "read_s": 39.0}, (2.0, 19.5, 0.0), "consumer", ""),
+]
+
+
+@pytest.mark.parametrize(("capacity", "sums", "cpu", "stage", "knob"), CPU_CASES)
+def test_the_verdict_weighs_the_cpus_before_it_names_a_knob(
+    capacity: Capacity,
+    sums: dict[str, float],
+    cpu: tuple[float, float, float],
+    stage: str,
+    knob: str,
+) -> None:
+    cpus = 8.0 if stage == "workers" else 2.0
+    stats = measured_cpu(capacity, cpu, cpus, batches_yielded=100, **sums)
+    assert (stats.bottleneck, stats.knob) == (stage, knob), stats.hint
+    if stage == "cpu":
+        assert "the machine is the limit" in stats.hint
+        assert f"of the {stats.cpus:g} CPUs" in stats.hint
+        assert "num_workers" not in stats.hint  # no knob is offered
+    if knob:
+        assert knob in stats.hint
+
+
+def test_cpu_fields_are_the_tree_over_the_cpus_it_may_use() -> None:
+    stats = measured_cpu(WORKERS4, (3.0, 12.0, 2.0), 2.0, batches_yielded=1)
+    assert (stats.cpus, stats.cpu_s) == (2.0, 12.0)
+    assert stats.cpu_share == pytest.approx(12.0 / 20.0)
+    assert stats.main_cpus == pytest.approx(0.3)
+    assert stats.worker_cpus == pytest.approx(0.9)
+    assert stats.cpu_wait_share == pytest.approx(0.1)
+    assert "CPU of 2" in str(LoaderStatistics(epoch_stats=stats, total=stats))
+    unknown = measured(WORKERS4, batches_yielded=1, consumer_wait_s=5.0, read_s=1.0)
+    assert (unknown.cpus, unknown.cpu_share, unknown.bottleneck) == (0.0, 0.0, "loop")
+    assert "CPU of" not in str(LoaderStatistics(epoch_stats=unknown, total=unknown))
+
+
+def test_cpu_time_is_read_at_most_every_interval_while_an_epoch_runs() -> None:
+    # statistics() in a loop must stay cheap: a read of /proc walks every process.
+    clock = FakeCpu((0.0, 0.0, 0.0), (1.0, 2.0, 0.0), (1.0, 3.0, 0.0))
+    counters = Counters(cpu_clock=clock, cpus=2.0, batches_yielded=0)
+    counters.begin_epoch(0, WORKERS4, TOKEN, now=0.0)
+    counters.batches_yielded = 1
+    first = counters.measure(now=1.0)
+    for step in range(10):
+        assert counters.measure(now=1.0 + step * CPU_SAMPLE_INTERVAL_S / 20).cpu_s == 2.0
+    assert clock.count == 2
+    assert first.cpu_s == 2.0
+    later = counters.measure(now=1.0 + CPU_SAMPLE_INTERVAL_S)
+    assert (clock.count, later.cpu_s) == (3, 3.0)
+    ended = counters.end_epoch(TOKEN, now=1.0 + CPU_SAMPLE_INTERVAL_S * 1.1)  # read afresh
+    assert ended is not None
+    assert clock.count == 4
+    assert counters.measure_total().cpu_s == 3.0
+
+
+def test_the_process_tree_cpu_counts_children_and_the_cpus_are_the_affinity() -> None:
+    before = process_tree_cpu()
+    assert before is not None
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass",
+        ],
+        check=True,
+        timeout=30,
+    )
+    assert child.returncode == 0
+    after = process_tree_cpu()
+    assert after is not None
+    main_s, tree_s, wait_s = (b - a for a, b in zip(before, after, strict=True))
+    assert main_s >= 0.3  # a reaped child's time counts to its parent
+    assert tree_s >= main_s >= 0.3
+    assert wait_s >= 0
+    assert 0 < cpus_available() <= len(os.sched_getaffinity(0))
+    assert 0 < CPU_SATURATED < 1
 
 
 def test_shares_are_busy_time_over_wall_times_parallelism() -> None:
@@ -376,6 +525,7 @@ def test_statistics_before_any_epoch_are_empty() -> None:
         ("dataset", "workers (knob: num_workers)"),
         ("remote", "io (knob: io_concurrency)"),
         ("consumer", "consumer (knob: none)"),
+        ("cpu", "cpu (knob: none)"),
     ],
 )
 def test_the_why_slow_example_names_each_case(case: str, verdict: str) -> None:

@@ -27,6 +27,12 @@ timestamp per event, and would call a stage with one busy worker out of eight "b
   ready or for its device copy (``consumer_wait_s + transfer_s``) over ``wall_s``;
 - ``prefetch_full_share``: time the scheduler waited for a permit (all ``prefetch`` batches
   in flight or unclaimed) over ``wall_s``.
+- ``cpu_share``: CPU seconds of this process and every descendant (read from ``/proc`` at the
+  epoch's start and now) over ``wall_s * cpus``, the CPUs they may use (affinity and cgroup
+  quota); ``cpu_wait_share``: the time their threads waited in a run queue for a CPU, over the
+  same. Their sum is how much CPU the loader asked for: near 1, the machine is the limit, and
+  the verdict says so before it names any knob (on two cores, two decoding workers and the
+  training loop fill them: more workers or prefetch would only queue).
 
 The wall time of an epoch runs from its first ``__anext__`` to its end (or to now, while it
 runs); the total is the sum over epochs, so time between epochs (an evaluation) is not counted.
@@ -37,20 +43,27 @@ from __future__ import annotations
 
 import contextvars
 import math
+import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 __all__ = [
+    "CPU_SAMPLE_INTERVAL_S",
+    "CPU_SATURATED",
     "SATURATED",
     "SKIP_RECORDS",
     "VERDICT_WARNING_MIN_S",
     "WAIT_SHARE_THRESHOLD",
     "Capacity",
     "Counters",
+    "CpuSample",
     "EpochStatistics",
     "LoaderStatistics",
+    "cpus_available",
     "current_counters",
+    "process_tree_cpu",
 ]
 
 #: Skip records kept (the newest): every skip is counted (``skipped_count``), but an epoch of
@@ -71,6 +84,151 @@ VERDICT_WARNING_MIN_S = 10.0
 #: A stage busy for this share of its capacity, while the consumer waits, is the limit. Below
 #: 1 because a saturated stage still idles between handing a batch over and getting the next.
 SATURATED = 0.6
+
+#: The loader's processes (this one and every descendant: the worker server, the workers) using
+#: this share of the CPUs they may use make the machine the limit: no setting of the loader
+#: can make batches faster, only cheaper work per sample or more cores. Below 1 because the
+#: scheduler, interrupts and the processes' own idle moments (a batch handed over) take a few
+#: percent; well above :data:`SATURATED`, because naming the machine must be sure: a slowed
+#: pipeline whose knob would help never comes near it (its time is spent waiting, not running).
+CPU_SATURATED = 0.85
+
+#: While an epoch runs, the process tree's CPU time is read at most this often (seconds): a
+#: read walks ``/proc`` (~3 ms on a 2-core machine with ~100 processes), and ``statistics()``
+#: must stay cheap to read in a loop. An epoch's start and end always read it afresh.
+CPU_SAMPLE_INTERVAL_S = 0.5
+
+
+# -- CPU: the process tree's time, and the CPUs it may use -----------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CpuSample:
+    """CPU seconds used so far, read at ``at`` (``time.perf_counter()``).
+
+    Attributes:
+        at: when it was read.
+        main_s: this process (all its threads), children it reaped included.
+        tree_s: this process and every live descendant, with the children each reaped.
+        wait_s: time the threads of those processes were ready to run but waited for a CPU
+            (the run queue's delay, ``/proc/PID/task/TID/schedstat``): CPUs taken by other
+            processes, or more runnable threads than cores.
+    """
+
+    at: float
+    main_s: float
+    tree_s: float
+    wait_s: float
+
+
+#: ``(wall_s, main_s, tree_s, wait_s)``: CPU use over ``wall_s`` seconds (see CpuSample).
+_Cpu = tuple[float, float, float, float]
+_NO_CPU: _Cpu = (math.inf, 0.0, 0.0, 0.0)
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_tree_cpu() -> tuple[float, float, float] | None:
+    """``(main_s, tree_s, wait_s)``: CPU seconds (user + system) of this process, and of it with
+    every descendant, each with the children it reaped; and the seconds their live threads
+    waited in a run queue (see :class:`CpuSample`). None where ``/proc`` cannot tell.
+
+    Workers are grandchildren (through the worker server), so descendants are found by walking
+    parent links over every process in ``/proc``: about 30 us per process. Counting the reaped
+    children of each keeps the sum steady when a worker exits and is reaped mid-epoch.
+    """
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    root = os.getpid()
+    children: dict[int, list[int]] = {}
+    seconds: dict[int, float] = {}
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                data = f.read()
+        except OSError:  # exited meanwhile, or not ours to read
+            continue
+        # Fields after the command (which may hold spaces and parentheses): state, ppid, ...,
+        # utime (14th field of the line), stime, cutime, cstime.
+        rest = data[data.rfind(b")") + 2 :].split()
+        if len(rest) < 15:
+            continue
+        pid = int(name)
+        children.setdefault(int(rest[1]), []).append(pid)
+        seconds[pid] = sum(int(x) for x in rest[11:15]) / _CLOCK_TICKS
+    if root not in seconds:
+        return None
+    tree, wait, stack = 0.0, 0.0, [root]
+    while stack:  # bounded: every pid is visited once (parent links form a tree)
+        pid = stack.pop()
+        tree += seconds.get(pid, 0.0)
+        wait += _run_queue_wait(pid)
+        stack.extend(children.get(pid, ()))
+    return seconds[root], tree, wait
+
+
+def _run_queue_wait(pid: int) -> float:
+    """Seconds the live threads of ``pid`` waited for a CPU (0 where the kernel does not say:
+    ``schedstat`` needs ``CONFIG_SCHED_INFO``)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    total = 0
+    for tid in tids:
+        text = _read(f"/proc/{pid}/task/{tid}/schedstat")
+        fields_ = text.split() if text else ()
+        if len(fields_) >= 2 and fields_[1].isdigit():
+            total += int(fields_[1])
+    return total / 1e9
+
+
+def cpus_available() -> float:
+    """CPUs this process may use: its affinity mask (``os.sched_getaffinity``), lowered by a
+    cgroup CPU quota if one is set (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``): what a
+    container with ``--cpus=1.5`` may use is 1.5, whatever ``os.cpu_count()`` says."""
+    try:
+        cpus = float(len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        cpus = float(os.cpu_count() or 1)
+    quota = _cgroup_quota()
+    return max(0.01, min(cpus, quota)) if quota else cpus
+
+
+def _cgroup_quota() -> float | None:
+    """The cgroup CPU quota of this process in CPUs, or None when there is none."""
+    v1 = "/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2: its own folder's cpu.max, e.g. "150000 100000"
+            for base in (f"/sys/fs/cgroup{path}", "/sys/fs/cgroup"):
+                text = _read(f"{base.rstrip('/')}/cpu.max")
+                if text is not None:
+                    limit, _, every = text.partition(" ")
+                    if limit != "max" and every:
+                        return float(limit) / float(every)
+                    break
+    quota, period = _read(v1[0]), _read(v1[1])
+    if quota is not None and period is not None and float(quota) > 0 and float(period) > 0:
+        return float(quota) / float(period)
+    return None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except (OSError, ValueError):
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +307,14 @@ class Counters:
     owner: object = None  # the running epoch's token: only it ends its clock
     baseline: tuple[float, ...] = ()  # _SUMS at the running epoch's start
     last_epoch: EpochStatistics | None = None  # the epoch that ended last
+    # The process tree's CPU time: how it is read (injectable: tests give a fake), the CPUs it
+    # may use, the read at the running epoch's start and the newest, and (wall covered, main_s,
+    # tree_s, wait_s) of the epochs that ended.
+    cpu_clock: Callable[[], tuple[float, float, float] | None] = process_tree_cpu
+    cpus: float = field(default_factory=cpus_available)
+    cpu_begin: CpuSample | None = None
+    cpu_last: CpuSample | None = None
+    cpu_ended: _Cpu = (0.0, 0.0, 0.0, 0.0)
 
     def skip(self, records: list[tuple[int, str]]) -> None:
         """Count skipped samples and keep the newest :data:`SKIP_RECORDS` of their records."""
@@ -171,6 +337,7 @@ class Counters:
         self.owner = owner
         self.epoch_started = time.perf_counter() if now is None else now
         self.baseline = self.sums()
+        self.cpu_begin = self.read_cpu(self.epoch_started, fresh=True)
 
     def end_epoch(self, owner: object, now: float | None = None) -> EpochStatistics | None:
         """The epoch of token ``owner`` ended: its statistics (None if it is not the one
@@ -178,29 +345,75 @@ class Counters:
         if self.epoch_started is None or owner is not self.owner:
             return None
         now = time.perf_counter() if now is None else now
-        stats = self.measure(now)
+        stats = self.measure(now, fresh=True)
         self.wall_s += stats.wall_s
+        use = self.cpu_use(now)
+        if use is not None:
+            self.cpu_ended = _plus(self.cpu_ended, use)
         self.epoch_started = None
+        self.cpu_begin = None
         self.last_epoch = stats
         return stats
 
-    def measure(self, now: float | None = None) -> EpochStatistics:
-        """The running epoch's statistics so far, or the last epoch's if none runs."""
+    def measure(self, now: float | None = None, *, fresh: bool = False) -> EpochStatistics:
+        """The running epoch's statistics so far, or the last epoch's if none runs.
+
+        ``fresh`` reads the CPU time now; else a read younger than
+        :data:`CPU_SAMPLE_INTERVAL_S` serves (the CPU shares then cover the epoch up to it).
+        """
         if self.epoch_started is None:
             return self.last_epoch or EpochStatistics(epoch=self.epoch)
         now = time.perf_counter() if now is None else now
+        self.read_cpu(now, fresh=fresh)
         sums = [a - b for a, b in zip(self.sums(), self.baseline, strict=True)]
         return EpochStatistics.build(
-            self.epoch, max(0.0, now - self.epoch_started), sums, self.capacity
+            self.epoch,
+            max(0.0, now - self.epoch_started),
+            sums,
+            self.capacity,
+            cpu=self.cpu_use(now),
+            cpus=self.cpus,
         )
 
     def measure_total(self, now: float | None = None) -> EpochStatistics:
         """Every epoch's statistics together."""
         running = 0.0
+        cpu: _Cpu | None = self.cpu_ended
         if self.epoch_started is not None:
-            running = (time.perf_counter() if now is None else now) - self.epoch_started
+            now = time.perf_counter() if now is None else now
+            running = now - self.epoch_started
+            use = self.cpu_use(now)
+            if use is not None:
+                cpu = _plus(self.cpu_ended, use)
         wall = self.wall_s + max(0.0, running)
-        return EpochStatistics.build(None, wall, list(self.sums()), self.capacity)
+        if cpu is not None and cpu[0] <= 0:
+            cpu = None
+        return EpochStatistics.build(
+            None, wall, list(self.sums()), self.capacity, cpu=cpu, cpus=self.cpus
+        )
+
+    def read_cpu(self, now: float, *, fresh: bool) -> CpuSample | None:
+        """The process tree's CPU time at ``now`` (or at the newest read, if it is younger than
+        :data:`CPU_SAMPLE_INTERVAL_S` and ``fresh`` is false); None where it cannot be read."""
+        last = self.cpu_last
+        if not fresh and last is not None and 0 <= now - last.at < CPU_SAMPLE_INTERVAL_S:
+            return last
+        read = self.cpu_clock()
+        self.cpu_last = None if read is None else CpuSample(now, *read)
+        return self.cpu_last
+
+    def cpu_use(self, now: float) -> _Cpu | None:
+        """``(wall_s, main_s, tree_s, wait_s)`` of the running epoch, from its start to the
+        newest read of the CPU time; None when either read is missing or they cover no time."""
+        begin, last = self.cpu_begin, self.cpu_last
+        if begin is None or last is None or last.at <= begin.at or last.at > now:
+            return None
+        return (
+            last.at - begin.at,
+            max(0.0, last.main_s - begin.main_s),
+            max(0.0, last.tree_s - begin.tree_s),
+            max(0.0, last.wait_s - begin.wait_s),
+        )
 
 
 #: The counters of the loader whose epoch runs this task (set by the epoch's scheduler task,
@@ -233,15 +446,25 @@ class EpochStatistics:
         transfer_share: the consumer waited for device copies.
         prefetch_full_share: every ``prefetch`` permit was taken and the scheduler waited.
         stream_share: pulling items from an async iterable dataset, on the loop.
+        cpus: CPUs the loader's processes may use (affinity, cgroup quota); 0 if unknown.
+        cpu_s: CPU seconds (user + system) of this process and every descendant (the worker
+            server, the workers), over the epoch; 0 where ``/proc`` cannot tell.
+        cpu_share: ``cpu_s`` over the wall time times ``cpus``: how much of the machine the
+            loader's processes used. The training step's own work in this process counts too.
+        main_cpus, worker_cpus: CPUs this process, and its descendants, used on average (1.0:
+            one CPU all the time).
+        cpu_wait_share: the time their threads were ready to run but waited for a CPU, over
+            the wall time times ``cpus``: with ``cpu_share``, how much CPU they asked for.
         retries: batches re-run after a worker crash or a deadline.
         remote_retries: remote reads retried (HTTP 5xx/429, resets, timeouts, ...).
         remote_requests: remote read attempts started.
         timeouts: batches that missed their deadline.
         skipped: samples skipped (``on_error='skip'``).
         bottleneck: the limiting stage: ``'consumer'``, ``'workers'``, ``'io'``,
-            ``'transfer'``, ``'prefetch'``, ``'source'``, ``'loop'``, or ``''`` (no batch yet).
+            ``'transfer'``, ``'prefetch'``, ``'source'``, ``'loop'``, ``'cpu'`` (the machine:
+            the CPUs the processes may use are all busy), or ``''`` (no batch yet).
         knob: the setting to turn: ``'num_workers'``, ``'io_concurrency'``, ``'prefetch'``,
-            ``'pin_memory'``, or ``''`` when no setting of the loader helps.
+            ``'pin_memory'``, ``'batch_size'``, or ``''`` when no setting of the loader helps.
         hint: the verdict in a sentence, with the numbers behind it.
     """
 
@@ -261,6 +484,12 @@ class EpochStatistics:
     transfer_share: float = 0.0
     prefetch_full_share: float = 0.0
     stream_share: float = 0.0
+    cpus: float = 0.0
+    cpu_s: float = 0.0
+    cpu_share: float = 0.0
+    main_cpus: float = 0.0
+    worker_cpus: float = 0.0
+    cpu_wait_share: float = 0.0
     retries: int = 0
     remote_retries: int = 0
     remote_requests: int = 0
@@ -272,10 +501,23 @@ class EpochStatistics:
 
     @classmethod
     def build(
-        cls, epoch: int | None, wall_s: float, sums: list[float], capacity: Capacity
+        cls,
+        epoch: int | None,
+        wall_s: float,
+        sums: list[float],
+        capacity: Capacity,
+        *,
+        cpu: _Cpu | None = None,
+        cpus: float = 0.0,
     ) -> EpochStatistics:
-        """The statistics of ``wall_s`` seconds whose :data:`_SUMS` were ``sums``."""
+        """The statistics of ``wall_s`` seconds whose :data:`_SUMS` were ``sums``; ``cpu`` is
+        ``(wall_s, main_s, tree_s, wait_s)``: the CPU seconds of this process and of its tree over
+        ``wall_s`` seconds (a CPU read may cover a little less than the epoch), None unknown."""
         s = dict(zip(_SUMS, sums, strict=True))
+        known = cpu is not None and cpu[0] > 0 and cpus > 0
+        covered, main_s, tree_s, wait_s = cpu if cpu is not None and known else _NO_CPU
+        if not known:  # unknown: every CPU field stays 0, and the verdict ignores them
+            cpus = 0.0
         wall = wall_s if wall_s > 0 else math.inf  # no time yet: every rate and share is 0
         wait = s["consumer_wait_s"] + s["transfer_s"]
         io = capacity.io_concurrency
@@ -301,6 +543,12 @@ class EpochStatistics:
             remote_requests=int(s["remote_requests"]),
             timeouts=int(s["timeouts"]),
             skipped=int(s["skipped_count"]),
+            cpus=cpus,
+            cpu_s=tree_s,
+            cpu_share=_share(tree_s, covered * cpus),
+            main_cpus=main_s / covered,
+            worker_cpus=max(0.0, tree_s - main_s) / covered,
+            cpu_wait_share=_share(wait_s, covered * cpus),
         )
         if not base.batches:
             return base
@@ -319,11 +567,16 @@ class EpochStatistics:
         """``(bottleneck, knob, hint)``: which stage limits the epoch and what to turn.
 
         In order: a consumer that rarely waited is the limit itself; else the copies to the
-        device if the consumer waited for them more than for batches; else the busiest stage
-        that used :data:`SATURATED` of the capacity it could use (the smaller of its own
-        setting and what ``prefetch`` lets it have: when ``prefetch`` is the smaller, it is
-        the knob); else ``prefetch`` if the scheduler mostly waited for permits; else the
-        loop itself (no stage was busy, yet batches came late).
+        device if the consumer waited for them more than for batches; else the machine, when
+        the loader's processes used or waited for :data:`CPU_SATURATED` of the CPUs they may
+        use (no knob
+        helps then: more workers share the same cores, more prefetch only queues); else the
+        busiest stage that used :data:`SATURATED` of the capacity it could use (the smaller of
+        its own setting and what ``prefetch`` lets it have: when ``prefetch`` is the smaller,
+        it is the knob; the workers' busy share is the larger of the time they measured and
+        the CPU their processes used); else this process, busy on one CPU handing batches
+        over (per-batch cost: ``batch_size``); else ``prefetch`` if the scheduler mostly
+        waited for permits; else the loop itself (no stage was busy, yet batches came late).
         """
         waited = f"the consumer waited {self.wait_share:.0%} of the time"
         if self.wait_share < WAIT_SHARE_THRESHOLD:
@@ -342,14 +595,29 @@ class EpochStatistics:
             )
         wall = self.wall_s
         makers = max(1, capacity.makers)
-        items = capacity.prefetch * max(1, capacity.batch_size)
-        candidates = [
-            (
-                _share(sums["read_s"] + sums["collate_s"], wall * min(makers, capacity.prefetch)),
-                "workers",
-                makers > capacity.prefetch,
+        if self.cpus and self.cpu_share + self.cpu_wait_share >= CPU_SATURATED:
+            others = ""
+            if self.cpu_share < CPU_SATURATED:
+                others = (
+                    f", and waited for a CPU {self.cpu_wait_share:.0%} of it: other processes "
+                    "or too many threads hold the rest"
+                )
+            return (
+                "cpu",
+                "",
+                f"the machine is the limit: the loader's processes used "
+                f"{self.cpu_share * self.cpus:.1f} of the {self.cpus:g} CPUs they may use "
+                f"({self.cpu_share:.0%}: this process {self.main_cpus:.1f}, its workers "
+                f"{self.worker_cpus:.1f}{others}; {waited}): more workers or prefetch cannot "
+                "help on these cores; make __getitem__, the transform or collate_fn cheaper, "
+                "or run on more CPUs",
             )
-        ]
+        items = capacity.prefetch * max(1, capacity.batch_size)
+        running = min(makers, capacity.prefetch)
+        worker_busy = _share(sums["read_s"] + sums["collate_s"], wall * running)
+        if capacity.processes and self.cpus:
+            worker_busy = max(worker_busy, _share(self.worker_cpus, running))
+        candidates = [(worker_busy, "workers", makers > capacity.prefetch)]
         if capacity.io_concurrency:
             used = _share(sums["io_busy_s"], wall * min(capacity.io_concurrency, items))
             candidates.append((used, "io", capacity.io_concurrency > items))
@@ -388,12 +656,21 @@ class EpochStatistics:
                 f"the async iterable dataset yields too slowly ({waited}); it is read one "
                 "item at a time on the loop: make it faster or use a map-style dataset",
             )
+        if self.cpus and self.main_cpus >= SATURATED and capacity.processes:
+            return (
+                "loop",
+                "batch_size",
+                f"this process is busy {self.main_cpus:.0%} of a CPU handing batches over "
+                f"while its workers are busy {busy:.0%} ({waited}): the cost per batch on the "
+                "event loop is the limit: raise batch_size (fewer, larger batches)",
+            )
         if self.prefetch_full_share >= SATURATED:
             return (
                 "prefetch",
                 "prefetch",
                 f"every one of the {capacity.prefetch} permits was taken "
-                f"{self.prefetch_full_share:.0%} of the time ({waited}): raise prefetch",
+                f"{self.prefetch_full_share:.0%} of the time while the workers were busy "
+                f"{busy:.0%} ({waited}): raise prefetch",
             )
         return (
             "loop",
@@ -580,6 +857,13 @@ def format_table(s: LoaderStatistics) -> str:
     if t.stream_share:
         rows.append(("async stream", pct(e.stream_share), pct(t.stream_share)))
     rows.append(("prefetch full", pct(e.prefetch_full_share), pct(t.prefetch_full_share)))
+    if t.cpus:
+        rows += [
+            (f"CPU of {t.cpus:g}", pct(e.cpu_share), pct(t.cpu_share)),
+            ("  this process", f"{e.main_cpus:.2f}", f"{t.main_cpus:.2f}"),
+            ("  workers", f"{e.worker_cpus:.2f}", f"{t.worker_cpus:.2f}"),
+            ("waited for a CPU", pct(e.cpu_wait_share), pct(t.cpu_wait_share)),
+        ]
     width = max(len(r[0]) for r in rows)
     cols = [max(len(title), *(len(r[1]) for r in rows)), max(5, *(len(r[2]) for r in rows))]
     lines = [f"{'':<{width}}  {title:>{cols[0]}}  {'total':>{cols[1]}}"]
@@ -597,6 +881,10 @@ def format_table(s: LoaderStatistics) -> str:
     if e.bottleneck:
         lines.append(f"bottleneck: {e.bottleneck}: {e.hint}")
     return "\n".join(lines)
+
+
+def _plus(a: _Cpu, b: _Cpu) -> _Cpu:
+    return (a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3])
 
 
 def _share(busy: float, capacity: float) -> float:
