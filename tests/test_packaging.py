@@ -1,5 +1,6 @@
 """The packaging promises that nothing else checks: one version source, extras split by need
-with no development tool in any of them, and CI running the README's test command verbatim."""
+with no development tool in any of them, and CI running the README's test command and its
+documentation build verbatim."""
 
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ def test_extras_are_split_by_need_and_remote_is_their_union() -> None:
         "parquet",
         "remote",
         "test-frameworks",
+        "docs",
     }
     assert _extra(extras, "http") == {"aiohttp"}
     assert _extra(extras, "fsspec") == {"fsspec"}
@@ -89,6 +91,8 @@ def test_extras_are_split_by_need_and_remote_is_their_union() -> None:
     assert _extra(extras, "remote") == {"aiohttp", "fsspec", "s3fs"}
     # What the integration tests run the loader under (the package imports neither).
     assert _extra(extras, "test-frameworks") == {"lightning", "accelerate"}
+    # What builds the documentation site (docs/conf.py).
+    assert _extra(extras, "docs") == {"sphinx", "myst-parser", "furo"}
 
 
 def test_no_published_extra_carries_a_development_tool() -> None:
@@ -124,3 +128,17 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     [line] = [line for line in ci_lines if line.startswith(command)]
     assert line.startswith(command + " || {"), line
     assert line.endswith("exit 1; }"), line
+
+
+def test_ci_builds_the_documentation_as_the_readme_says() -> None:
+    readme = (ROOT / "README.md").read_text()
+    after = readme.split("## Documentation", 1)[1]
+    command = after.split("```sh\n", 1)[1].split("```", 1)[0].strip()
+    assert command.startswith(".venv/bin/sphinx-build -W "), command  # strict: warnings fail
+    ci = (ROOT / ".ci" / "run").read_text()
+    tests_at = ci.index("the README's test command failed")
+    assert ci.index("\n" + command + "\n") > tests_at, "the build runs after the tests"
+    # The development requirements install what the build needs.
+    dev = (ROOT / "requirements-dev.txt").read_text()
+    [project] = [line for line in dev.splitlines() if line.startswith("-e .[")]
+    assert "docs" in project.split("[", 1)[1].rstrip("]").split(",")
