@@ -106,6 +106,7 @@ TIERS: dict[str, str] = {
             "test_accelerate",
             "test_benchmarks",
             "test_distributed",
+            "test_docs",
             "test_doctor",
             "test_examples",
             "test_framework_settings",
