@@ -1,7 +1,8 @@
 """aioloader: an asyncio-native data loader for deep learning.
 
-This module only re-exports; each name lives in one private module (see the README's module
-tree). ``__all__`` is sorted and every export reports ``aioloader`` as its ``__module__``.
+This module only re-exports; each name lives in one private module (see the module map in
+docs/architecture.md). ``__all__`` is sorted and every export reports ``aioloader`` as its
+``__module__``.
 """
 
 from __future__ import annotations

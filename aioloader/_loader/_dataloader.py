@@ -158,7 +158,7 @@ class DataLoader(SettingsView):
         progress: a progress bar per epoch: ``True`` (tqdm, the ``progress`` extra), a tqdm
             bar to reuse, or a callable making one from tqdm's arguments (see ``_progress``).
         shard: this rank's share only (torch.distributed): None (default) when a process group
-            of world size > 1 exists at construction; True requires one; False never (README).
+            of world size > 1 exists at construction; True requires one; False never (docs).
         worker_seeding: worker ``k`` gets ``base + k`` (its ``get_worker_info().seed``), the base
             drawn from ``seed`` and the epoch; ``'batch'`` (default) then reseeds before each
             batch from (seed, epoch, batch id); ``'worker'`` does not, as torch.

@@ -38,7 +38,7 @@ Sharp edges, each deliberate:
   data-parallel group's size and rank.
 - **Streams may end unevenly.** An iterable's share cannot be padded (its length is unknown
   until it ends), so ranks may get different batch counts, as with torch; a collective in the
-  training step then waits for a rank that has stopped (see the README).
+  training step then waits for a rank that has stopped (see the docs).
 - **A stream that shards itself by rank is the user's to declare** (``shard=False``): nothing
   shows from outside that a dataset reads ``torch.distributed.get_rank()``. One that shards
   itself by worker (it asks ``get_worker_info()``) is still split by rank here.

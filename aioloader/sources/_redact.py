@@ -99,7 +99,7 @@ def add_credential_parameters(*names: str) -> None:
 
     For credentials under names of your own (``?my_auth=...``); compared without case. The
     default list covers the object stores' presigned URLs, Azure SAS and common token names
-    (see the README's remote-data guide). Applies to this process, and to worker processes
+    (see docs/guides/secrets-and-size-bounds.md). Applies to this process, and to worker processes
     through the datasets made or pickled after the call.
 
     Example::
