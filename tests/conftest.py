@@ -109,6 +109,7 @@ TIERS: dict[str, str] = {
             "test_docs",
             "test_doctor",
             "test_examples",
+            "test_forked_program",
             "test_framework_settings",
             "test_lifetimes",
             "test_lightning",

@@ -31,6 +31,16 @@ reaches the workers, and one made after the loader was built reaches the first e
 unpicklable part is reported then, at the first batch, naming what could not be pickled; a
 plain function is cheap to check and is reported at construction already
 (:func:`check_callables`), as the dataset cannot be without pickling it twice.
+
+A program may fork while a loader holds all this (Lightning's ``ddp_fork``, ``multiprocessing``
+under 'fork', joblib-style forks, ``os.fork()``). The child's copies are its parent's: worker
+processes it cannot wait on, pipes and a loop the parent reads, segments the parent unlinks.
+At the child's first use (an epoch, ``with``, ``load_state_dict``) :meth:`Resources._leave_parent`
+lets go of them without closing any (``_closing.keep_inherited``) and the child makes its own,
+as a loader made there would, torch-like (its workers fork at ``iter()``); a shared pool given
+as ``workers=`` renews itself likewise. The parent's workers keep serving the parent, mid-epoch
+included; an iterator the child inherited mid-epoch refuses to go on there (``_threads``). A
+child that never uses the loader, or only collects or closes its copy, touches nothing.
 """
 
 from __future__ import annotations
@@ -56,7 +66,7 @@ from .._epoch import Epoch
 from .._errors import unpicklable_error as _unpicklable
 from .._sampling import rank_seed
 from .._signals import release_before_sigterm
-from .._threads import LoopThread, ThreadRunner, off_loop
+from .._threads import LoopThread, ThreadRunner, off_loop, skips_thread
 from .._types import AsyncCloseable, DecodingStream, NamedItems, Runner, SourceDataset
 from .._workers import (
     Payload,
@@ -66,7 +76,7 @@ from .._workers import (
     pickles_main_by_value,
     starts_early,
 )
-from ._closing import close_soon, closer_if_last, hold
+from ._closing import close_soon, closer_if_last, forked_lock, hold, keep_inherited
 from ._shared_pool import WorkerPool, close_pools, private_pool
 
 if TYPE_CHECKING:
@@ -203,11 +213,10 @@ class Resources:
         Raises:
             RuntimeError: closed (:meth:`start_early`'s thread, outrun by the loader's close).
         """
-        self._check_process()
+        self._leave_parent()
         with self.lock:
             if self.closed:
                 raise RuntimeError("this DataLoader is closed")
-            self._claim()
             if not early and threading.current_thread() is not self.starter:
                 self.used = True
             if self.device is None and (device_spec is not None or config.pin_memory):
@@ -225,7 +234,7 @@ class Resources:
                 self.runner = ThreadRunner(
                     batch_maker(config, dataset),
                     config.threads,
-                    inline=config.makes_inline,
+                    inline=skips_thread(config),
                     prefetch=config.prefetch,
                 )
             if isinstance(dataset, AsyncCloseable) and self.dataset_aclose is None:
@@ -286,6 +295,7 @@ class Resources:
         """
         if not config.uses_processes:
             return
+        self._leave_parent()  # a forked child's epochs and workers are its parent's
         if any(e is not None and not e.finished for e in (self.epoch, *self.others)):
             raise ValueError(
                 f"cannot adopt the state's seed={seed} while an epoch is being iterated "
@@ -314,43 +324,56 @@ class Resources:
 
     def loop(self) -> LoopThread:
         """The private event-loop thread for sync iteration, started on first use."""
-        self._check_process()
+        self._leave_parent()
         with self.lock:
-            self._claim()
             if self.loop_thread is None:  # the loaders of a pool they were given share its own
                 given = self.pool if self.pool is not None and not self.own_pool else None
                 self.loop_thread = LoopThread() if given is None else given.loop()
             _LIVE.add(self)
             return self.loop_thread
 
-    def _check_process(self) -> None:
-        """Refuse at once, in a process forked from the one that holds these resources (a
-        loader made, and used, before ``fork()``: Lightning's ``ddp_fork``, a
-        ``multiprocessing`` child under 'fork'): its worker processes, pipes and loop thread
-        are the parent's, and waiting on them would wait forever. (Not before the lock: a
-        thread of the parent may have held it as the process forked.)
+    def _leave_parent(self) -> None:
+        """In a process forked from the one these resources belong to (a loader used before
+        ``fork()``: Lightning's ``ddp_fork``, a ``multiprocessing`` child under 'fork', a
+        joblib-style fork), let go of the parent's, so that what is made from now on is this
+        process's own, as for a loader made here: its own workers, slots, loop thread and
+        device stage, at its first epoch.
 
-        Raises:
-            RuntimeError: forked with these resources held; names the pids and the fix.
+        The parent's are kept, untouched, for this process's life (``_closing.keep_inherited``):
+        closing them here would kill the parent's workers and write on its pipes, and an epoch
+        of theirs collected here would wake the parent's loop. The parent's epochs are
+        forgotten with them (one forked mid-epoch is the parent's, which goes on); a pool the
+        loader was given renews its own the same way at its next use
+        (``WorkerPool._leave_parent``). Not under :attr:`lock`: a thread of the parent may
+        have held it as the process forked; the lock is replaced with the rest.
         """
-        if os.getpid() != self.pid and self.held:
-            raise RuntimeError(
-                f"this DataLoader's workers and threads belong to process {self.pid}, and this "
-                f"is process {os.getpid()}, forked from it after the loader was used: they "
-                "cannot serve it here. Make the loader in the child process, or create it "
-                "before the fork without iterating it (nothing is started until first use), "
-                "or start children with 'spawn' or 'forkserver'."
+        if os.getpid() == self.pid:
+            return
+        with forked_lock():
+            if os.getpid() == self.pid:  # another thread of this process did it meanwhile
+                return
+            keep_inherited(
+                self.runner,
+                self.pool if self.own_pool else None,
+                self.loop_thread,
+                self.device,
+                self.starter,
+                self.epoch,
+                *self.others,
             )
-
-    def _claim(self) -> None:
-        """Before making anything (under the lock): what is made from now on belongs to this
-        process, if it holds nothing yet (a loader built before a fork and first used in the
-        child is the child's to close)."""
-        if not self.held and self.device is None:
+            self.runner = self.loop_thread = self.device = self.starter = self.epoch = None
+            if self.own_pool:
+                self.pool, self.own_pool = None, False
+            self.others = weakref.WeakSet()
+            self.lock = threading.Lock()
             self.pid = os.getpid()
 
     def take_epochs(self) -> list[Epoch]:
-        """Every epoch still held, newest first, forgotten here: the loader closes them."""
+        """Every epoch still held, newest first, forgotten here: the loader closes them. None
+        in a forked child that did not use the loader: they are its parent's (see
+        :meth:`_leave_parent`)."""
+        if os.getpid() != self.pid:
+            return []
         epochs = [e for e in (self.epoch, *self.others) if e is not None]
         for epoch in epochs:
             epoch.interrupt()  # one not over tells its consumer so
@@ -425,8 +448,9 @@ class Resources:
             self.device = None
 
     def worker_pids(self) -> tuple[int, ...]:
-        """Pids of the worker processes started so far (none with threads)."""
-        runner = self.runner
+        """Pids of the worker processes started so far (none with threads, nor in a forked
+        child before it used the loader: those are its parent's)."""
+        runner = self.runner if os.getpid() == self.pid else None
         return runner.worker_pids() if runner is not None else ()
 
     def live(self, prefetch: int) -> dict[str, int]:

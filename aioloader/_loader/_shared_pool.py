@@ -51,6 +51,10 @@ Sharp edges:
   worker's stream of this loader with ``WorkerCrashedError``, as a crash of its own would.
 - A pickled loader (Lightning's ``ddp_spawn``) arrives without the pool; it starts workers of
   its own, as many as the pool had.
+- A process forked from one that used the pool (Lightning's ``ddp_fork``) has a copy of it
+  that starts workers, slots and a loop of the child's own at its first use, leaving the
+  parent's to the parent (:meth:`WorkerPool._leave_parent`); a pool closed before the fork is
+  closed in the child too.
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ from .._workers import (
     warn_more_workers_than_cpus,
 )
 from .._workers import WorkerPool as Processes
-from ._closing import close_soon
+from ._closing import close_soon, forked_lock, keep_inherited
 
 __all__ = [
     "SharedRunner",
@@ -212,19 +216,12 @@ class _Held:
     # last pool to close ends it, so no process of the loader outlives the pools.
     let_go_server: Callable[[], None] | None = None
 
-    def claim(self) -> None:
-        """Before starting something: if the pool holds nothing yet, what it starts belongs
-        to this process (a pool built before a fork and first used in the child)."""
-        if not self.processes.pids() and self.slots is None and self.loop_thread is None:
-            self.pid = os.getpid()
-
     def slot_pool(self, device: DeviceStage | None = None) -> _shm.SlotPool | None:
         """The one slot pool, made at the first loader's first epoch (under the lock). A
         loader's own pool registers each slot as page-locked memory with the loader's
         ``device`` stage, so device copies read the slots directly; a shared pool does not
         (its loaders may use different devices, or none)."""
         if not self.slots_made:
-            self.claim()
             self.slots_made = True
             cap = _shm.budget(self.shm_max_bytes) if _shm.shm_available() else 0
             self.no_room = cap <= 0 and _shm.shm_available() and self.shm_max_bytes is None
@@ -370,7 +367,9 @@ class WorkerPool:
 
     def _setup(self, start_timeout: float, start_setting: str, *, private: bool) -> None:
         """What every pool holds, a loader's own or one it shares: the processes (not started
-        yet), and the record a finalizer and the exit hook release."""
+        yet), and the record a finalizer and the exit hook release (made again in a forked
+        child: :meth:`_leave_parent`)."""
+        self._start_deadline = (start_timeout, start_setting)
         try:
             processes = Processes(
                 self.num_workers,
@@ -383,10 +382,50 @@ class WorkerPool:
             if (note := _start_up_note(exc, self.num_workers)) is not None:
                 exc.add_note(note)
             raise
-        self._held = _Held(processes, self.shm_max_bytes, private=private)
-        self._held.let_go_server = hold_server(self._context)
-        _OPEN.add(self._held)
-        self._finalizer = weakref.finalize(self, _finalize, self._held)
+        held = _Held(processes, self.shm_max_bytes, private=private)
+        try:
+            held.let_go_server = hold_server(self._context)
+        except BaseException:  # nothing was started: the pipes go, the pool is left as it was
+            processes.close()
+            raise
+        self._held = held
+        _OPEN.add(held)
+        self._finalizer = weakref.finalize(self, _finalize, held)
+
+    def _leave_parent(self) -> None:
+        """In a process forked from the one whose workers the pool holds (a program that
+        forks after using it: Lightning's ``ddp_fork``, ``multiprocessing`` under 'fork'):
+        let go of the parent's, and hold a new set of this process's own, started when used,
+        as a pool made here would be. The parent's processes, slots, pipes and loop thread are
+        kept untouched (``_closing.keep_inherited``): its workers keep serving it. Every
+        loader of the pool in this process then attaches anew (``_resources``). A pool closed
+        before the fork stays closed. Its lock is not taken: a thread of the parent may have
+        held it as the process forked.
+
+        Raises:
+            RuntimeError: the workers cannot be started from here now (their server must be
+                forked from this process, which other threads make unsafe); says so.
+        """
+        held = self._held
+        if held.pid == os.getpid() or held.closed:
+            return
+        with forked_lock():
+            held = self._held
+            if held.pid == os.getpid() or held.closed:
+                return
+            self._finalizer.detach()  # this process's record of the parent's pool
+            keep_inherited(held)
+            try:
+                self._setup(*self._start_deadline, private=held.private)
+            except RuntimeError as exc:
+                exc.add_note(
+                    f"this process ({os.getpid()}) was forked from process {held.pid}, whose "
+                    f"{self!r} it inherited: its own workers start from a server forked from "
+                    "this process, which is safe only from its main thread while no other "
+                    "thread of its own runs. Iterate the loaders there first, or give them a "
+                    "pool with multiprocessing_context='spawn'"
+                )
+                raise
 
     @property
     def multiprocessing_context(self) -> BaseContext:
@@ -403,7 +442,10 @@ class WorkerPool:
     @property
     def worker_pids(self) -> tuple[int, ...]:
         """Pids of the worker processes started so far (empty once closed)."""
-        return () if self._held.closed else tuple(self._held.processes.pids())
+        held = self._held
+        if held.closed or held.pid != os.getpid():  # a forked child's copy: the parent's
+            return ()
+        return tuple(held.processes.pids())
 
     def start(self) -> None:
         """Start every worker now and wait until each is ready (blocking).
@@ -412,8 +454,8 @@ class WorkerPool:
             RuntimeError: the pool is closed.
             WorkerInitError: a worker did not start within ``start_timeout`` (it was killed).
         """
+        self._leave_parent()
         self._check_open()
-        self._held.claim()
         self._held.processes.start()
 
     async def astart(self) -> None:
@@ -499,6 +541,7 @@ class WorkerPool:
         Raises:
             RuntimeError: the pool is closed (the message says so, naming it).
         """
+        self._leave_parent()
         held = self._held
         with held.lock:
             self._check_open()
@@ -522,11 +565,11 @@ class WorkerPool:
         Raises:
             RuntimeError: the pool is closed.
         """
+        self._leave_parent()
         held = self._held
         with held.lock:
             self._check_open()
             if held.loop_thread is None:
-                held.claim()
                 held.loop_thread = LoopThread()
             return held.loop_thread
 

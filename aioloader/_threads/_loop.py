@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Coroutine
 from types import ModuleType
@@ -88,6 +89,7 @@ class LoopThread:
             raise
         self._thread = threading.Thread(target=self._run, name="aioloader-loop", daemon=True)
         self._thread.start()
+        self.pid = os.getpid()  # a forked child's copy has no thread running the loop
 
     def _run(self) -> None:
         mark_loader_thread()  # batches are made on the loop too (cheap ones)
@@ -217,6 +219,13 @@ class SyncIterator:
             if batch is not NOT_INLINE:
                 return batch
             self._loop_thread = self._loop()
+        if self._loop_thread.pid != os.getpid():  # forked mid-epoch: nothing runs its loop here
+            raise RuntimeError(
+                f"this iterator's epoch runs in process {self._loop_thread.pid}, and this is "
+                f"process {os.getpid()}, forked from it mid-epoch: the epoch cannot go on here "
+                "(the parent's goes on). Start a new one in this process (`for batch in "
+                "loader`): it gets workers of its own"
+            )
         step = _step(epoch)
         try:
             future = asyncio.run_coroutine_threadsafe(step, self._loop_thread.loop)

@@ -1,0 +1,377 @@
+"""A program that forks while a loader exists (RELIABILITY.md row 39; issue #43, item 1).
+
+A child forked from a program that used a loader (``os.fork()``, ``multiprocessing`` under
+'fork', Lightning's ``ddp_fork``) holds copies of its parent's workers, pipes, loop thread and
+segments. Its first epoch must get workers, slots and threads of its own, as a loader made in
+the child would, and leave the parent's alone: the parent's epoch in flight goes on exactly,
+its workers keep serving it, none of its segments is removed. An iterator the child inherited
+mid-epoch cannot go on there: it refuses at once, never waits.
+
+Every child runs under an alarm of its own and every wait here is bounded: a hang ends the
+child with SIGALRM, which the parent reports, rather than the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import fault_datasets as fd
+import psutil
+import pytest
+from framework_data import child_pythonpath, gloo_environment
+
+import aioloader
+
+SAMPLES = 64
+BATCH = 4
+SHAPE = (64, 1024)  # 64 KiB a sample: batches travel in shared-memory slots
+CHILD_LIMIT_S = 40  # the child's alarm: far past an epoch, well inside the test's timeout
+GONE_WITHIN_S = 10.0  # the child's workers and server, once it has exited
+
+
+def _loader(pool: aioloader.WorkerPool | None) -> aioloader.DataLoader:
+    dataset = fd.Faulty(SAMPLES, shape=SHAPE)
+    if pool is not None:
+        return aioloader.DataLoader(dataset, batch_size=BATCH, seed=0, workers=pool, timeout=20)
+    return fd.make_loader(dataset, batch_size=BATCH, num_workers=2, timeout=20)
+
+
+def _indices(batches: Iterator[Any]) -> list[int]:
+    return [i for batch in batches for i in fd.batch_indices(batch)]
+
+
+def _parents_segments() -> set[str]:
+    """The segments this process made (its pid is in their names)."""
+    prefix = f"aiol_{os.getpid()}_"
+    return {name for name in os.listdir("/dev/shm") if name.startswith(prefix)}
+
+
+def _descendants() -> list[int]:
+    out = []
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if process.status() != psutil.STATUS_ZOMBIE:
+                out.append(process.pid)
+    return out
+
+
+def _in_child(
+    loader: aioloader.DataLoader, inherited: Iterator[Any] | None, close: Callable[[], None]
+) -> dict[str, Any]:
+    """What the child does and sees: the inherited iterator's next() (refused at once), a
+    whole epoch of its own, its workers, and what of it is left after ``close``."""
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)  # not the test runner's handler
+    signal.alarm(CHILD_LIMIT_S)  # a hang kills the child; the parent says so
+    report: dict[str, Any] = {"pid": os.getpid()}
+    if inherited is not None:
+        started = time.monotonic()
+        try:
+            next(inherited)
+            report["inherited"] = "no error"
+        except RuntimeError as exc:
+            report["inherited"] = str(exc)
+        report["inherited_s"] = time.monotonic() - started
+    started = time.monotonic()
+    report["indices"] = _indices(iter(loader))
+    report["epoch_s"] = time.monotonic() - started
+    report["workers"] = list(loader.worker_pids)
+    report["descendants"] = _descendants()  # its workers and their server, while they run
+    close()
+    report["left_after_close"] = _descendants()
+    return report
+
+
+def _by_os_fork(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run ``run`` in a child made by ``os.fork()``; its report, once it has exited."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child (its coverage is not collected)
+        code = 1
+        try:
+            os.close(read_fd)
+            try:
+                payload = json.dumps(run())
+            except BaseException as exc:
+                payload = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+            with os.fdopen(write_fd, "w") as out:
+                out.write(payload)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    text = _read_bounded(read_fd, pid)
+    status = _reap_bounded(pid)
+    assert status == 0, f"the child ended with {status} (-14: SIGALRM, it hung): {text}"
+    report: dict[str, Any] = json.loads(text)
+    return report
+
+
+def _by_multiprocessing(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run ``run`` in a ``multiprocessing`` child under 'fork' (Python 3.11's default start
+    method on Linux); it leaves the loader open, as a program's child that simply ends does."""
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+
+    def target() -> None:
+        try:
+            send.send(json.dumps(run()))
+        except BaseException as exc:
+            send.send(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+
+    process = context.Process(target=target)
+    process.start()
+    try:
+        assert receive.poll(CHILD_LIMIT_S + 5), "no report from the child"
+        report: dict[str, Any] = json.loads(receive.recv())
+        process.join(CHILD_LIMIT_S)
+        assert process.exitcode == 0, f"the child ended with {process.exitcode}: {report}"
+    finally:
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+        receive.close()
+        send.close()
+    return report
+
+
+def _read_bounded(fd_: int, pid: int) -> str:
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + CHILD_LIMIT_S + 5
+    with os.fdopen(fd_, "rb") as pipe:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([pipe], [], [], 0.5)
+            if ready:
+                chunk = os.read(pipe.fileno(), 1 << 16)
+                if not chunk:
+                    return b"".join(chunks).decode()
+                chunks.append(chunk)
+    os.kill(pid, signal.SIGKILL)
+    pytest.fail("the child sent no report in time")
+
+
+def _reap_bounded(pid: int) -> int:
+    deadline = time.monotonic() + CHILD_LIMIT_S
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the child did not exit in time")
+
+
+def _gone(pids: list[int]) -> list[int]:
+    """``pids`` still alive after :data:`GONE_WITHIN_S` (a zombie has exited)."""
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while True:
+        alive = []
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("mid_epoch", [False, True], ids=["between_epochs", "mid_epoch"])
+@pytest.mark.parametrize("shared", [False, True], ids=["own_workers", "shared_pool"])
+@pytest.mark.parametrize("fork", ["os_fork", "multiprocessing"])
+def test_a_forked_child_iterates_with_workers_of_its_own_and_the_parent_goes_on(
+    fork: str, shared: bool, mid_epoch: bool
+) -> None:
+    pool = aioloader.WorkerPool(2) if shared else None
+    loader = _loader(pool)
+    try:
+        assert sorted(_indices(iter(loader))) == list(range(SAMPLES))  # the parent iterated
+        parent_workers = loader.worker_pids
+        assert len(parent_workers) == 2
+        assert loader.statistics().live_shm_slots > 0  # segments the child must leave alone
+        epoch = iter(loader)
+        first = fd.batch_indices(next(epoch)) if mid_epoch else []
+        segments = _parents_segments()
+
+        def close() -> None:
+            if fork == "os_fork":  # the multiprocessing child just ends: its exit closes it
+                loader.close()
+                if pool is not None:
+                    pool.close()
+
+        def run() -> dict[str, Any]:
+            return _in_child(loader, epoch if mid_epoch else None, close)
+
+        report = (_by_os_fork if fork == "os_fork" else _by_multiprocessing)(run)
+        assert "error" not in report, report["error"]
+        # A whole epoch, every sample exactly once, from workers of the child's own.
+        assert sorted(report["indices"]) == list(range(SAMPLES)), report["indices"]
+        child_workers = report["workers"]
+        assert len(child_workers) == 2, report
+        assert not set(child_workers) & set(parent_workers), (child_workers, parent_workers)
+        assert set(child_workers) <= set(report["descendants"]), report
+        if mid_epoch:  # the iterator it inherited refuses at once, naming both processes
+            assert report["inherited_s"] < 1.0, report
+            assert "forked from it mid-epoch" in report["inherited"], report["inherited"]
+            assert f"runs in process {os.getpid()}" in report["inherited"], report
+        if fork == "os_fork":  # closed: nothing of the child's runs any more
+            assert report["left_after_close"] == [], report
+        # Once the child has exited, nothing it started is left (its workers, its server).
+        assert _gone(report["descendants"]) == []
+        # None of the parent's segments was removed, its workers are the same, and its epoch
+        # in flight, then the next one, are whole.
+        assert segments <= _parents_segments(), sorted(segments - _parents_segments())
+        rest = _indices(epoch)
+        assert first + rest == list(range(SAMPLES))
+        assert sorted(_indices(iter(loader))) == list(range(SAMPLES))
+        assert loader.worker_pids == parent_workers
+    finally:
+        loader.close()
+        if pool is not None:
+            pool.close()
+
+
+def test_a_child_of_a_child_gets_workers_of_its_own_too() -> None:
+    # The child's resources are its own, so its own fork passes them on likewise.
+    with _loader(None) as loader:
+        assert sorted(_indices(iter(loader))) == list(range(SAMPLES))
+
+        def grandchild() -> dict[str, Any]:
+            return _in_child(loader, None, loader.close)
+
+        def child() -> dict[str, Any]:
+            mine = sorted(_indices(iter(loader)))
+            report = _by_os_fork(grandchild)
+            report["child_indices"] = mine
+            report["child_workers"] = list(loader.worker_pids)
+            loader.close()
+            return report
+
+        report = _by_os_fork(child)
+        assert "error" not in report, report["error"]
+        assert report["child_indices"] == list(range(SAMPLES))
+        assert sorted(report["indices"]) == list(range(SAMPLES))
+        assert not set(report["workers"]) & set(report["child_workers"]), report
+        assert not set(report["workers"]) & set(loader.worker_pids), report
+        assert report["left_after_close"] == []
+        assert sorted(_indices(iter(loader))) == list(range(SAMPLES))
+
+
+def test_a_pool_closed_before_the_fork_stays_closed_in_the_child() -> None:
+    # Nothing to renew: the child's loader says the pool is closed, at once.
+    pool = aioloader.WorkerPool(1)
+    loader = _loader(pool)
+    try:
+        assert sorted(_indices(iter(loader))) == list(range(SAMPLES))
+        pool.close()
+
+        def run() -> dict[str, Any]:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(CHILD_LIMIT_S)
+            started = time.monotonic()
+            try:
+                next(iter(loader))
+                return {"said": "no error"}
+            except RuntimeError as exc:
+                return {"said": str(exc), "took": time.monotonic() - started}
+
+        report = _by_os_fork(run)
+        assert "WorkerPool this loader uses" in report["said"], report
+        assert "is closed" in report["said"], report
+        assert report["took"] < 1.0, report
+    finally:
+        loader.close()
+        pool.close()
+
+
+# -- Lightning's ddp_fork -----------------------------------------------------------------------
+
+# Lightning forks its ranks from the program (``strategy="ddp_fork"``, what ``ddp_notebook``
+# uses in Jupyter): here after the program iterated the loader it passes to ``fit()``.
+_DDP_FORK = """
+import json, os, sys, time
+import warnings
+
+from framework_data import Indexed
+from lightning_model import Recorder, dump, trainer
+
+import aioloader
+
+outdir = sys.argv[1]
+
+
+class RankRecorder(Recorder):
+    def on_train_end(self):
+        loader = self.trainer.train_dataloader
+        dump(os.path.join(outdir, f"rank{self.global_rank}.json"), {
+            "pid": os.getpid(),
+            "indices": [i for indices, _, _ in self.train_records for i in indices],
+            "workers": list(loader.worker_pids),
+        })
+
+
+if __name__ == "__main__":
+    warnings.simplefilter("ignore")  # Lightning's own, and the loader's "built before the group"
+    loader = aioloader.DataLoader(
+        Indexed(), batch_size=4, shuffle=True, seed=1, num_workers=2, timeout=30
+    )
+    n = len(Indexed())
+    assert sorted(i for b in loader for i in b["index"].tolist()) == list(range(n))
+    workers = loader.worker_pids
+    trainer(devices=2, strategy="ddp_fork", max_epochs=1).fit(
+        RankRecorder(), train_dataloaders=loader
+    )
+    assert sorted(i for b in loader for i in b["index"].tolist()) == list(range(n))
+    assert loader.worker_pids == workers, (loader.worker_pids, workers)
+    dump(os.path.join(outdir, "parent.json"), {"pid": os.getpid(), "workers": list(workers)})
+    loader.close()
+"""
+
+DDP_FORK_LIMIT_S = 150.0  # a hang guard (Lightning's import and two ranks on 2 busy cores)
+
+
+@pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)`:FutureWarning")
+def test_lightning_ddp_fork_with_workers_finishes(tmp_path: Path) -> None:
+    script = tmp_path / "ddp_fork.py"
+    script.write_text(textwrap.dedent(_DDP_FORK))
+    env = {
+        **os.environ,
+        **gloo_environment(),
+        "PYTHONPATH": child_pythonpath(),
+        "PYTHONFAULTHANDLER": "1",
+    }
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT"):
+        env.pop(name, None)
+    command = [sys.executable, str(script), str(tmp_path)]
+    with subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    ) as child:
+        try:
+            output, _ = child.communicate(timeout=DDP_FORK_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)  # the script and the ranks it forked
+            output, _ = child.communicate()
+            pytest.fail(f"ddp_fork overran {DDP_FORK_LIMIT_S} s:\n{output.decode()[-3000:]}")
+    assert child.returncode == 0, output.decode()[-3000:]
+    parent = json.loads((tmp_path / "parent.json").read_text())
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    seen: set[int] = set()
+    for rank in ranks:
+        # Built before the process group, the loader reads all of the data on each rank.
+        assert sorted(rank["indices"]) == list(range(40)), rank["indices"]
+        assert len(rank["workers"]) == 2, rank
+        assert not set(rank["workers"]) & set(parent["workers"]), (rank, parent)
+        assert not set(rank["workers"]) & seen, ranks
+        seen |= set(rank["workers"])
+    assert _gone([*seen, *parent["workers"]]) == []
