@@ -160,25 +160,42 @@ def test_the_readme_links_name_files_that_exist() -> None:
         assert target.exists(), f"README.md links to {link}, which does not exist"
 
 
-@pytest.mark.parametrize("block", python_blocks(), ids=lambda b: b.label)
-def test_every_python_block_runs(block: Block, tmp_path: Path) -> None:
-    if block.not_runnable is not None:
-        pytest.skip(block.not_runnable)
-    source = tmp_path / "block.py"
-    source.write_text(block.code)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-W", "default", "-c", RUNNER, str(source), block.label],
+def run_block(code: str, label: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run one block in a fresh interpreter, as the ``__main__`` module, warnings shown."""
+    source = cwd / "block.py"
+    source.write_text(code)
+    return subprocess.run(
+        [sys.executable, "-W", "default", "-c", RUNNER, str(source), label],
         capture_output=True,
         text=True,
         timeout=BLOCK_TIMEOUT_S,
         check=False,
-        cwd=tmp_path,  # a block that writes files writes them here
-        env=env,
+        cwd=cwd,  # a block that writes files writes them here
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+
+
+@pytest.mark.parametrize("block", python_blocks(), ids=lambda b: b.label)
+def test_every_python_block_runs(block: Block, tmp_path: Path) -> None:
+    if block.not_runnable is not None:
+        pytest.skip(block.not_runnable)
+    result = run_block(block.code, block.label, tmp_path)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{block.label} failed:\n{output}"
     assert "Warning" not in result.stderr, f"{block.label} warned:\n{result.stderr}"
+
+
+def test_the_runner_awaits_at_top_level_and_reports_a_failing_block(tmp_path: Path) -> None:
+    awaited = run_block(
+        "import asyncio\nawait asyncio.sleep(0)\nprint(asyncio.get_running_loop() is not None)\n",
+        "page.md:3",
+        tmp_path,
+    )
+    assert (awaited.returncode, awaited.stdout) == (0, "True\n"), awaited.stderr
+    failing = run_block("x = 1\nraise ValueError('boom')\n", "page.md:9", tmp_path)
+    assert failing.returncode != 0
+    assert 'File "page.md:9", line 2' in failing.stderr, failing.stderr  # names the block
+    assert "ValueError: boom" in failing.stderr
 
 
 # -- the built site -------------------------------------------------------------------------------
@@ -189,7 +206,10 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The site, built strictly once per session: the first test process to get here builds
     it, under a lock in the directory all pytest-xdist processes share; the others wait and
     read the result."""
-    shared = tmp_path_factory.getbasetemp().parent
+    base = tmp_path_factory.getbasetemp()
+    # Under pytest-xdist each process has its own base directory inside the session's; alone,
+    # the base directory is the session's (its parent holds earlier sessions' too).
+    shared = base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
     out = shared / "docs-html"
     report = shared / "docs-build.txt"
     with (shared / "docs-build.lock").open("w") as lock:
@@ -249,9 +269,10 @@ def test_every_page_is_built(site: Path) -> None:
         assert built.exists(), f"{page.relative_to(ROOT)} has no page in the built site"
 
 
-@pytest.mark.timeout(BUILD_TIMEOUT_S + 30)
-def test_every_internal_link_resolves(site: Path) -> None:
-    parsed = {path: read_page(path) for path in pages_of(site)}
+def broken_links(site: Path) -> tuple[int, list[str]]:
+    """How many local links and image sources the built pages make, and those that name a
+    file or an anchor that does not exist."""
+    parsed = {path.resolve(): read_page(path) for path in pages_of(site)}
     broken: list[str] = []
     checked = 0
     for path, page in parsed.items():
@@ -261,14 +282,37 @@ def test_every_internal_link_resolves(site: Path) -> None:
                 continue  # another site: not this build's business
             target = (path.parent / unquote(parts.path)).resolve() if parts.path else path
             checked += 1
+            where = f"{path.relative_to(site.resolve())}: {link}"
             if not target.exists():
-                broken.append(f"{path.relative_to(site)}: {link} (no such file)")
+                broken.append(f"{where} (no such file)")
             elif parts.fragment and target.suffix == ".html":
                 ids = parsed[target].ids if target in parsed else read_page(target).ids
                 if parts.fragment not in ids:
-                    broken.append(f"{path.relative_to(site)}: {link} (no such anchor)")
+                    broken.append(f"{where} (no such anchor)")
+    return checked, broken
+
+
+@pytest.mark.timeout(BUILD_TIMEOUT_S + 30)
+def test_every_internal_link_resolves(site: Path) -> None:
+    checked, broken = broken_links(site)
     assert checked > 100, f"only {checked} internal links: is the site empty?"
     assert not broken, "\n".join(broken)
+
+
+def test_the_link_checker_finds_missing_pages_and_anchors(tmp_path: Path) -> None:
+    (tmp_path / "guides").mkdir()
+    (tmp_path / "guides" / "b.html").write_text('<h2 id="x">x</h2><a href="#x">self</a>')
+    (tmp_path / "a.html").write_text(
+        '<a href="guides/b.html#x">ok</a> <a href="guides/b.html#gone">anchor</a> '
+        '<a href="c.html">page</a> <img src="pic.png"> <a href="https://example.org/">out</a>'
+    )
+    checked, broken = broken_links(tmp_path)
+    assert checked == 5  # four of a.html (not the other site's), one of b.html
+    assert sorted(broken) == [
+        "a.html: c.html (no such file)",
+        "a.html: guides/b.html#gone (no such anchor)",
+        "a.html: pic.png (no such file)",
+    ]
 
 
 @pytest.mark.timeout(BUILD_TIMEOUT_S + 30)
