@@ -13,6 +13,7 @@ child with SIGALRM, which the parent reports, rather than the test.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import multiprocessing
@@ -240,6 +241,52 @@ def test_a_forked_child_iterates_with_workers_of_its_own_and_the_parent_goes_on(
         loader.close()
         if pool is not None:
             pool.close()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"num_workers": 0},
+        {"num_workers": 2, "thread_pool": True},
+        {"num_workers": 2, "persistent_workers": True},
+        {"num_workers": 2, "multiprocessing_context": "spawn"},
+    ],
+    ids=["one_thread", "thread_pool", "persistent_workers", "spawn"],
+)
+def test_a_forked_child_runs_sync_and_async_epochs_of_its_own(settings: dict[str, Any]) -> None:
+    # Threads of the parent do not exist in the child, whatever runs on them: the child's
+    # epochs, `for` and `async for`, run on threads (and workers) of its own.
+    loader = fd.make_loader(fd.Faulty(SAMPLES, shape=SHAPE), timeout=20, **settings)
+
+    async def async_epoch() -> list[int]:
+        return [i async for batch in loader for i in fd.batch_indices(batch)]
+
+    try:
+        assert sorted(_indices(iter(loader))) == list(range(SAMPLES))
+        epoch = iter(loader)
+        first = fd.batch_indices(next(epoch))
+
+        def run() -> dict[str, Any]:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(CHILD_LIMIT_S)
+            sync = _indices(iter(loader))
+            in_async = asyncio.run(async_epoch())
+            workers = list(loader.worker_pids)
+            loader.close()
+            return {"sync": sync, "async": in_async, "workers": workers}
+
+        report = _by_os_fork(run)
+        assert "error" not in report, report["error"]
+        assert sorted(report["sync"]) == list(range(SAMPLES)), report
+        assert sorted(report["async"]) == list(range(SAMPLES)), report
+        assert len(report["workers"]) == (
+            0 if settings.get("thread_pool") else settings["num_workers"]
+        ), report
+        assert not set(report["workers"]) & set(loader.worker_pids), report
+        assert first + _indices(epoch) == list(range(SAMPLES))
+        assert sorted(_indices(iter(loader))) == list(range(SAMPLES))
+    finally:
+        loader.close()
 
 
 def test_a_child_of_a_child_gets_workers_of_its_own_too() -> None:
