@@ -149,18 +149,6 @@ class LoaderConfig:
         return self.num_workers if self.kind == "iterable" and self.uses_processes else 1
 
     @property
-    def makes_inline(self) -> bool:
-        """Whether cheap batches may be made without the helper thread (a sync map-style
-        dataset, ``num_workers=0``, no deadline: see ``_threads.InlineMaker``). An async
-        dataset's items are fetched on the loop and decoded off it, whatever they cost."""
-        return (
-            self.kind == "map"
-            and self.num_workers == 0
-            and not self.thread_pool
-            and self.timeout is None
-        )
-
-    @property
     def threads(self) -> int:
         """Threads that make batches when no processes do."""
         return self.num_workers if self.thread_pool and self.num_workers else 1

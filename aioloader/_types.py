@@ -31,6 +31,7 @@ every module can name them without importing a module above its own level:
 from __future__ import annotations
 
 import asyncio
+import enum
 import inspect
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
@@ -56,6 +57,7 @@ __all__ = [
     "NamedItems",
     "RankShardedStream",
     "ResumableStream",
+    "Route",
     "Runner",
     "Sampler",
     "SourceDataset",
@@ -354,22 +356,26 @@ class Made:
     order: tuple[int, ...] | None = None
 
 
+class Route(enum.Enum):
+    """Where a ``num_workers=0`` batch is made; chosen by ``_threads.RoutePolicy`` alone."""
+
+    CALLER = "the caller's thread"  # ``for``: the thread that iterates, no loop
+    LOOP = "the event loop"  # on the loop, where the batch is asked for
+    THREAD = "the helper thread"  # handed over; made while the consumer works
+
+
 class InlineMaking(Protocol):
-    """Makes cheap batches where they are asked for, without a hand-over (``num_workers=0``;
-    see ``_threads.InlineMaker``)."""
+    """Makes batches without a hand-over where its route policy says so (``num_workers=0``;
+    see ``_threads._routes``)."""
 
-    @property
-    def cheap(self) -> bool:
-        """Recent batches were cheap: the event loop may make the next one itself."""
+    def route(self, *, on_loop: bool) -> Route:
+        """Where the next batch asked for on the loop (``on_loop``), or in the caller's own
+        thread, is to be made."""
         ...
 
-    @property
-    def costly(self) -> bool:
-        """The last batch was costly: the next ones go to the thread."""
-        ...
-
-    def make(self, request: BatchRequest, *, wait: bool = True) -> Made | None:
-        """Make the batch here; None if ``wait`` is False and a thread is making one."""
+    def make(self, request: BatchRequest, route: Route) -> Made | None:
+        """Make the batch here, by ``route``; None on :attr:`Route.LOOP` while a thread is
+        making one (the loop never waits for it)."""
         ...
 
 

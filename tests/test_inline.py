@@ -5,6 +5,7 @@ and the epoch going on after them, skips, statistics, exact resume, the end of a
 its last batch, Ctrl-C, and the dataset never read from two threads at once.
 
 Which thread made a batch is read from the dataset itself (the thread that ran ``__getitem__``).
+The route policy alone, with no loader, is ``test_routes``'s.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from helpers import BOUND_S, as_lists, expected_batches, flat, notes_of
 
 from aioloader import DataLoader, WorkerError
 from aioloader._batch._make import BatchMaker
-from aioloader._threads import _runner as _threads
-from aioloader._threads._runner import INLINE_AFTER, InlineMaker, InlinePolicy, ThreadRunner
-from aioloader._types import BatchRequest
+from aioloader._threads import RoutePolicy, ThreadRunner, _routes
+from aioloader._threads._routes import INLINE_AFTER
+from aioloader._types import BatchRequest, Route
 
 pytestmark = pytest.mark.usefixtures("baseline")
 
@@ -38,8 +39,9 @@ HELPER = "aioloader-0"  # the helper thread's name (_threads.ThreadPool)
 
 @pytest.fixture(autouse=True)
 def robust_thresholds(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_threads, "INLINE_BELOW_S", CHEAP_BELOW_S)
-    monkeypatch.setattr(_threads, "INLINE_ABOVE_S", COSTLY_ABOVE_S)
+    """The route policy of every loader made here uses these thresholds (its defaults)."""
+    monkeypatch.setattr(_routes, "INLINE_BELOW_S", CHEAP_BELOW_S)
+    monkeypatch.setattr(_routes, "INLINE_ABOVE_S", COSTLY_ABOVE_S)
 
 
 class WhereMade(Range):
@@ -140,80 +142,39 @@ async def test_async_for_makes_batches_on_the_loop_once_they_proved_cheap() -> N
     assert data.most_at_once == 1
 
 
-def test_the_policy_goes_inline_after_cheap_batches_and_leaves_at_a_costly_one() -> None:
-    inline = InlinePolicy()
-    assert (inline.cheap, inline.costly) == (False, False)
-    for _ in range(INLINE_AFTER - 1):
-        inline.record(CHEAP_BELOW_S / 2)
-    assert not inline.cheap
-    inline.record((CHEAP_BELOW_S + COSTLY_ABOVE_S) / 2)  # neither: the count starts again
-    for _ in range(INLINE_AFTER - 1):
-        inline.record(CHEAP_BELOW_S / 2)
-    assert not inline.cheap
-    inline.record(CHEAP_BELOW_S / 2)
-    assert (inline.cheap, inline.costly) == (True, False)
-    inline.record(COSTLY_ABOVE_S * 2)
-    assert (inline.cheap, inline.costly) == (False, True)
-    inline.record(CHEAP_BELOW_S / 2)
-    assert (inline.cheap, inline.costly) == (False, False)
-
-
-def test_each_stall_of_the_loop_makes_the_run_of_cheap_batches_needed_16_times_longer() -> None:
-    # A sample that is slow now and then (a cache miss) stalled the loop once per slow sample:
-    # after 4 cheap batches the loop made them again, and met the next slow one.
-    inline = InlinePolicy()
-
-    def cheap_after(batches: int) -> bool:
-        for _ in range(batches):
-            inline.record(CHEAP_BELOW_S / 2, on_loop=True)
-        return inline.cheap
-
-    assert cheap_after(INLINE_AFTER)
-    for stall, needed in enumerate([INLINE_AFTER * 16, INLINE_AFTER * 256, INLINE_AFTER * 4096]):
-        inline.record(COSTLY_ABOVE_S * 2, on_loop=True)
-        assert inline.loop_stalls == stall + 1
-        assert not cheap_after(needed - 1)
-        assert cheap_after(1)
-    inline.record(COSTLY_ABOVE_S * 2, on_loop=True)  # no longer than that, however many
-    assert not cheap_after(INLINE_AFTER * 4096 - 1)
-    assert cheap_after(1)
-    # A slow batch in the caller's own thread (``for``) stalls no loop: no longer run needed.
-    inline = InlinePolicy()
-    inline.record(COSTLY_ABOVE_S * 2)
-    assert (inline.loop_stalls, cheap_after(INLINE_AFTER)) == (0, True)
-
-
 async def test_a_runner_found_cheap_makes_on_the_loop_and_a_costly_batch_sends_the_next_away() -> (
     None
 ):
     data = Gated(64)
-    runner = ThreadRunner(BatchMaker(data, collate_fn=list), 1, inline=True)
-    try:
-        inline = runner.inline
-        assert inline is not None
+    routes = RoutePolicy(cheap_below_s=CHEAP_BELOW_S, costly_above_s=COSTLY_ABOVE_S)
+    runner = ThreadRunner(BatchMaker(data, collate_fn=list), 1, inline=True, routes=routes)
+
+    def found_cheap() -> None:
         for _ in range(INLINE_AFTER):
-            inline.policy.record(0.0)
+            routes.record(0.0, Route.THREAD)
+
+    try:
+        found_cheap()
         made = runner.start_make(BatchRequest(0, 0, [0, 1]))
         assert made.done()  # made right there, on the loop
         assert (await made).batch == [0, 1]
-        inline.policy.record(COSTLY_ABOVE_S * 2)
+        routes.record(COSTLY_ABOVE_S * 2, Route.THREAD)
         on_thread = runner.start_make(BatchRequest(0, 1, [2, 3]))
         assert not on_thread.done()
         assert (await on_thread).batch == [2, 3]
         # While the thread makes a batch, the loop does not make one beside it.
-        inline.policy.record(COSTLY_ABOVE_S * 2)
+        routes.record(COSTLY_ABOVE_S * 2, Route.THREAD)
         data.gate.clear()
         held = runner.start_make(BatchRequest(0, 2, [GATED]))  # waits in the thread
         assert data.entered.wait(BOUND_S)
-        for _ in range(INLINE_AFTER):
-            inline.policy.record(0.0)
+        found_cheap()
+        assert routes.route(on_loop=True) is Route.LOOP  # the policy says the loop...
         beside = runner.start_make(BatchRequest(0, 3, [4, 5]))
-        assert not beside.done()  # queued for the thread, behind the held one
+        assert not beside.done()  # ... but the thread holds the maker: queued behind it
         data.gate.set()
         assert (await held).batch == [GATED]
         assert (await beside).batch == [4, 5]
-        for _ in range(INLINE_AFTER):
-            inline.policy.record(0.0)
+        found_cheap()
         assert runner.start_make(BatchRequest(0, 4, [6, 7])).done()
         assert data.most_at_once == 1
     finally:
@@ -272,9 +233,10 @@ def test_a_state_taken_mid_epoch_inline_resumes_exactly() -> None:
 
 def test_taking_len_batches_ends_the_epoch_without_a_last_next() -> None:
     # Lightning and accelerate count to len(loader) and never ask for the batch after.
-    with DataLoader(WhereMade(20), batch_size=4, seed=3) as counted, DataLoader(
-        WhereMade(20), batch_size=4, seed=3
-    ) as drained:
+    with (
+        DataLoader(WhereMade(20), batch_size=4, seed=3) as counted,
+        DataLoader(WhereMade(20), batch_size=4, seed=3) as drained,
+    ):
         it = iter(counted)
         for _ in range(len(counted)):
             next(it)
@@ -430,9 +392,7 @@ async def test_an_exit_in_the_dataset_on_the_loop_is_that_batchs_error_and_the_e
     assert got == [b for b in expected_batches(120, 4) if 101 not in b]
 
 
-async def test_ctrl_c_in_the_dataset_on_the_loop_ends_the_epoch_and_the_next_starts_whole() -> (
-    None
-):
+async def test_ctrl_c_in_the_dataset_on_the_loop_ends_the_epoch_and_the_next_starts_whole() -> None:
     data = WhereMade(120, interrupt=101)
     async with DataLoader(data, batch_size=4) as loader:
         it = aiter(loader)
@@ -458,29 +418,44 @@ async def test_two_async_epochs_at_once_run_whole_and_never_read_together() -> N
     assert data.most_at_once == 1
 
 
-async def test_while_a_thread_makes_a_batch_the_consumer_leaves_the_next_to_the_scheduler() -> (
-    None
-):
-    data = WhereMade(200)
+async def test_while_a_thread_makes_a_batch_the_consumer_leaves_the_next_to_the_scheduler() -> None:
+    data = Gated(200)
     async with DataLoader(data, batch_size=4) as loader:
         it = aiter(loader)
         got = [(await anext(it)).tolist() for _ in range(20)]  # the consumer took over
-        runner = loader._res.runner
-        assert runner is not None
-        inline = runner.inline
-        assert isinstance(inline, InlineMaker)
-        # As the helper thread of another epoch of this loader holds it, making a batch:
-        inline._lock.acquire()
+        # Another epoch of this loader, iterated with `for` in a thread of its own, makes its
+        # batches in that thread: it holds the maker while it reads index GATED (batch 15).
+        data.gate.clear()
+        data.entered.clear()
+        other: list[int] = []
+
+        def other_epoch() -> None:
+            sync = iter(loader)
+            try:
+                for batch in sync:
+                    other.extend(batch.tolist())
+                    if GATED in other:
+                        return
+            finally:
+                sync.close()
+
+        reader = threading.Thread(target=other_epoch, name="other-epoch")
+        reader.start()
         try:
+            assert await asyncio.to_thread(data.entered.wait, BOUND_S)
             nxt = asyncio.ensure_future(anext(it))
-            await asyncio.sleep(0.05)  # the loop runs: it never waits for the lock
+            await asyncio.sleep(0.05)  # the loop runs: it never waits for the maker
             assert not nxt.done()
         finally:
-            inline._lock.release()
+            data.gate.set()
+            await asyncio.to_thread(reader.join, BOUND_S)
+        assert not reader.is_alive()
+        assert other == list(range(GATED + 1))
         got.append((await asyncio.wait_for(nxt, BOUND_S)).tolist())
         got += [b.tolist() async for b in it]
     assert got == expected_batches(200, 4)
-    assert data.threads[80] == HELPER  # made by the scheduler's thread once the lock was free
+    assert data.threads[GATED] == "other-epoch"  # the maker was held where the test says
+    assert data.threads[80] == HELPER  # made by the scheduler's thread once the maker was free
     assert data.most_at_once == 1
 
 

@@ -20,7 +20,8 @@ import torch
 
 from aioloader import DataLoader, numpy_collate
 from aioloader._threads._reuse import REUSE_MIN_BYTES, ReusedBuffers
-from aioloader._threads._runner import INLINE_ABOVE_S, ThreadRunner
+from aioloader._threads._routes import INLINE_ABOVE_S
+from aioloader._threads._runner import ThreadRunner
 
 MIB = 1 << 20
 U8 = np.dtype(np.uint8)

@@ -37,8 +37,8 @@ from typing import Any, Protocol
 from .._config import LoaderConfig
 from .._log import epoch_log, first_time
 from .._stats import Capacity, Counters, EpochStatistics
-from .._threads import NOT_INLINE
-from .._types import EMPTY_BATCH, END, Runner, StreamPosition, StreamResume
+from .._threads import NOT_INLINE, epoch_makes
+from .._types import EMPTY_BATCH, END, Route, Runner, StreamPosition, StreamResume
 from ._plan import Plan
 from ._produce import BUSY, Producer
 from ._reorder import Outcome, ReorderBuffer
@@ -46,8 +46,8 @@ from ._reorder import Outcome, ReorderBuffer
 __all__ = ["LOOP_TURN_S", "DeviceStage", "Epoch", "EpochIterator"]
 
 #: While the consumer makes cheap batches on the loop itself (``Epoch._next_on_loop``), the
-#: loop's other tasks get a turn at least this often (a batch that takes longer than
-#: ``_threads.INLINE_ABOVE_S`` sends the rest of the epoch back to the helper thread).
+#: loop's other tasks get a turn at least this often (a costly batch sends the rest of the epoch
+#: back to the helper thread: ``_threads.RoutePolicy``).
 LOOP_TURN_S = 1e-3
 
 
@@ -139,15 +139,10 @@ class Epoch:
         self.raised_last = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._began = False  # the epoch's clock started (by __anext__ or next_inline)
-        # Made in the consumer's thread while cheap (``for``, num_workers=0: next_inline).
-        self._inline = (
-            runner.inline
-            if plan is not None
-            and config.kind == "map"
-            and config.max_retries == 0
-            and device is None
-            else None
-        )
+        # Made by the epoch itself on the routes that allow it (``_threads._routes``): in the
+        # consumer's thread (``for``: next_inline), by the consumer on the loop (_next_on_loop).
+        makes = plan is not None and epoch_makes(config, device=device is not None)
+        self._inline = runner.inline if makes else None
         self._producer.may_park = self._inline is not None
         self._turn_due = 0.0  # when the consumer making batches on the loop yields to it next
         self._progress = progress
@@ -219,18 +214,19 @@ class Epoch:
 
     def next_inline(self) -> Any:
         """The next batch, made here in the caller's thread with no event loop: ``for`` over a
-        sync map-style dataset with ``num_workers=0``, while batches are cheap (see
-        ``_threads.InlineMaker``; torch makes every batch that way). Returns
-        :data:`NOT_INLINE` where the rest of the epoch is to come from ``__anext__`` on the
-        loop instead: the epoch is not of that kind, its batches got costly (the loop's helper
-        thread then makes the next one while the consumer works), or it runs there already.
+        sync map-style dataset with ``num_workers=0``, while the route policy says
+        :attr:`Route.CALLER` (see ``_threads._routes``; torch makes every batch that way).
+        Returns :data:`NOT_INLINE` where the rest of the epoch is to come from ``__anext__``
+        on the loop instead: the epoch is not of that kind, its batches got costly (the loop's
+        helper thread then makes the next one while the consumer works), or it runs there
+        already.
         Raises ``StopIteration`` at the end, and a batch's error as ``__anext__`` does.
         """
         inline = self._inline
         if inline is None or self._loop is not None:
             return NOT_INLINE
         producer = self._producer
-        if inline.costly and producer.can_leave_inline:
+        if inline.route(on_loop=False) is not Route.CALLER and producer.can_leave_inline:
             return NOT_INLINE
         self._begin()
         while True:
@@ -263,9 +259,10 @@ class Epoch:
 
     async def _next_on_loop(self) -> Any:
         """The next batch, made here on the loop by the consumer, with no task, permit or
-        future: the scheduler parked once batches proved cheap (``Producer.may_park``), as
-        ``next_inline`` makes them with no loop. Returns :data:`NOT_INLINE` once they got
-        costly (or a thread makes one): the scheduler then goes on. Other tasks on the loop get
+        future: the scheduler parked once the route policy said :attr:`Route.LOOP`
+        (``Producer.may_park``), as ``next_inline`` makes them with no loop. Returns
+        :data:`NOT_INLINE` once it says otherwise (or a thread makes one): the scheduler then
+        goes on. Other tasks on the loop get
         a turn every :data:`LOOP_TURN_S`."""
         inline, producer = self._inline, self._producer
         assert inline is not None
@@ -275,7 +272,7 @@ class Epoch:
                 raise self.end_error()
             if not producer.parked:  # another __anext__ of this epoch handed it back meanwhile
                 return NOT_INLINE
-            if (inline.costly or not inline.cheap) and producer.can_leave_inline:
+            if inline.route(on_loop=True) is not Route.LOOP and producer.can_leave_inline:
                 producer.unpark(self.plan.put_back)
                 return NOT_INLINE
             if time.perf_counter() >= self._turn_due:

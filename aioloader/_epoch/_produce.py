@@ -76,6 +76,7 @@ from .._types import (
     InlineMaking,
     Made,
     RankShardedStream,
+    Route,
     Runner,
     StreamPosition,
     StreamRequest,
@@ -256,7 +257,7 @@ class Producer:
         self._next_id = batch_id + 1
         request = request_for(self._epoch, batch_id, indices)
         try:
-            made = inline.make(request, wait=not on_loop)
+            made = inline.make(request, Route.LOOP if on_loop else Route.CALLER)
         except Exception as exc:
             outcome = Outcome(batch_id, error=exc)
         except BaseException as exc:
@@ -368,7 +369,11 @@ class Producer:
                 if future.done():  # made inline (cheap): no callback round through the loop
                     self._made_fast(request, future)
                     inline = self._runner.inline
-                    if self.may_park and inline is not None and inline.cheap:
+                    if (
+                        self.may_park
+                        and inline is not None
+                        and inline.route(on_loop=True) is Route.LOOP
+                    ):
                         # The consumer makes the rest (Epoch._next_on_loop) from the pair read
                         # here, so that the end of the plan sets done at the last batch still.
                         self._read_ahead()

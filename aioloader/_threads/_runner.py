@@ -12,18 +12,10 @@ loader's cost. Here a job carries its loop and asyncio future, and the thread se
 one ``call_soon_threadsafe``. A job whose future was cancelled before a thread took it is
 skipped.
 
-Cheap batches skip the thread (:class:`InlineMaker`, ``num_workers=0`` only): handing a batch
-to a thread and back costs about 60 us of CPU across the two threads, more than making a batch
-of a few hundred small samples (torch's ``num_workers=0`` makes them in the caller's thread,
-and was twice as fast here). Batches that take under :data:`INLINE_BELOW_S` are made where
-they are asked for: on the event loop (async iteration, once :data:`INLINE_AFTER` batches in a
-row were that cheap, and only while the thread is not making one; then by the consumer's
-``__anext__`` itself: see ``Epoch._next_on_loop``), or in the caller's own thread (``for``,
-from the first batch: see ``Epoch.next_inline``). A batch that takes longer than
-:data:`INLINE_ABOVE_S` sends the next ones back to the thread, which makes them while the
-consumer works: the loop never stalls for longer than that, and slow batches keep their
-prefetch. Never with a ``timeout`` (a batch made inline cannot be abandoned) or
-``thread_pool=True`` (several threads were asked for).
+Cheap batches skip the thread (``num_workers=0`` only): :class:`InlineMaker` makes them where
+they are asked for, on the route :class:`aioloader._threads._routes.RoutePolicy` chooses from
+the times it measures (the event loop, the caller's own thread of ``for``, or the thread); see
+``_routes`` for the routes and why.
 
 Sharp edges:
 - A thread cannot be killed: a batch that misses its deadline times out, but the thread runs on
@@ -70,20 +62,12 @@ from .._batch import (
 )
 from .._errors import WorkerError
 from .._sampling import every_nth, stream_share
-from .._types import END, Alloc, BatchRequest, Made, StreamRequest, stream_state
+from .._types import END, Alloc, BatchRequest, Made, Route, StreamRequest, stream_state
 from ._loop import mark_loader_thread
 from ._reuse import ReusedBuffers
+from ._routes import RoutePolicy
 
-__all__ = [
-    "INLINE_ABOVE_S",
-    "INLINE_AFTER",
-    "INLINE_BELOW_S",
-    "THREAD_JOIN_TIMEOUT_S",
-    "InlineMaker",
-    "InlinePolicy",
-    "ThreadPool",
-    "ThreadRunner",
-]
+__all__ = ["THREAD_JOIN_TIMEOUT_S", "InlineMaker", "ThreadPool", "ThreadRunner"]
 
 A = TypeVar("A")
 R = TypeVar("R")
@@ -92,108 +76,47 @@ R = TypeVar("R")
 # with a slow last batch; shorter: a hung dataset read delays close() less (it is warned about).
 THREAD_JOIN_TIMEOUT_S = 10.0
 
-# Batches made in under this many seconds are cheaper to make where they are asked for than to
-# hand to the thread and back (the hand-over costs ~60 us). Higher: more batches made inline
-# (the loop stalls up to this long per batch); lower: more batches pay the hand-over.
-INLINE_BELOW_S = 100e-6
-# How many batches in a row must be that cheap before the event loop makes them itself.
-INLINE_AFTER = 4
-# A batch made inline that takes longer than this sends the next ones back to the thread.
-INLINE_ABOVE_S = 1e-3
-# Each batch that stalled the event loop so makes the run of cheap batches needed before the
-# loop makes them again 2**INLINE_BACKOFF_BITS times longer, for the first INLINE_BACKOFF_STALLS
-# stalls (4, 64, 1024, then 16384 batches): a dataset with a slow sample now and then (a cache
-# miss, a lazy open) stalls the loop a few times in the loader's life, not once per slow one.
-INLINE_BACKOFF_BITS = 4
-INLINE_BACKOFF_STALLS = 3
-
-
-class InlinePolicy:
-    """Whether batches are cheap enough to make where they are asked for: the one owner of
-    that decision, a pure state machine over each batch's measured time (no thread, no loop,
-    no clock of its own; :class:`InlineMaker` times the batches and tells it).
-
-    - :attr:`cheap`: the last :attr:`needed` batches each took under :data:`INLINE_BELOW_S`,
-      and none over :data:`INLINE_ABOVE_S` since: the event loop may make the next one.
-    - :attr:`costly`: the last batch took longer than :data:`INLINE_ABOVE_S`: the next ones
-      go to the thread.
-    - :attr:`loop_stalls`: batches made on the event loop that took that long; each makes
-      :attr:`needed` 2**:data:`INLINE_BACKOFF_BITS` times longer (for the first
-      :data:`INLINE_BACKOFF_STALLS`).
-    """
-
-    def __init__(self) -> None:
-        self.cheap = False
-        self.costly = False
-        self.loop_stalls = 0
-        self.needed = INLINE_AFTER  # cheap batches in a row before the loop makes them
-        self._cheap_run = 0  # cheap batches in a row so far
-
-    def record(self, seconds: float, *, on_loop: bool = False) -> None:
-        """A batch took ``seconds`` to make; ``on_loop``: it was made on the event loop."""
-        if seconds > INLINE_ABOVE_S:
-            if on_loop and self.cheap:
-                self.loop_stalls += 1
-                shift = INLINE_BACKOFF_BITS * min(self.loop_stalls, INLINE_BACKOFF_STALLS)
-                self.needed = INLINE_AFTER << shift
-            self._cheap_run = 0
-            self.cheap = False
-            self.costly = True
-            return
-        self.costly = False
-        if seconds < INLINE_BELOW_S:
-            self._cheap_run += 1
-            if self._cheap_run >= self.needed:
-                self.cheap = True
-        else:
-            self._cheap_run = 0
-
 
 class InlineMaker:
-    """Makes batches in the calling thread while they are cheap (see the module docstring).
+    """Makes the batches of a runner with one helper thread, on every route, timing each for
+    its :class:`RoutePolicy` (see the module docstring).
 
-    Every make of the runner, on its thread or inline, goes through :meth:`make`, under one
-    lock: the dataset is only ever read by one thread at a time, as with a single helper
+    Every make of the runner, on its thread or where asked, goes through :meth:`make`, under
+    one lock: the dataset is only ever read by one thread at a time, as with a single helper
     thread (two epochs at once, one iterated with ``for`` and one with ``async for``, would
     otherwise read it from two threads).
 
     Args:
         maker: builds batches.
+        routes: the route policy, told the time of every batch.
     """
 
-    def __init__(self, maker: BatchMaker) -> None:
+    def __init__(self, maker: BatchMaker, routes: RoutePolicy) -> None:
         self._maker = maker
         self._lock = threading.Lock()
-        self.policy = InlinePolicy()
+        self.routes = routes
         self.grad: bool | None = None  # the consumer's torch grad mode (ThreadRunner's)
 
-    @property
-    def cheap(self) -> bool:
-        """Recent batches were cheap: the event loop may make the next one itself."""
-        return self.policy.cheap
+    def route(self, *, on_loop: bool) -> Route:
+        """The route of the next batch (:meth:`RoutePolicy.route`)."""
+        return self.routes.route(on_loop=on_loop)
 
-    @property
-    def costly(self) -> bool:
-        """The last batch was costly: the next ones go to the thread."""
-        return self.policy.costly
-
-    def make(
-        self, request: BatchRequest, *, wait: bool = True, alloc: Alloc | None = None
-    ) -> Made | None:
-        """Make ``request``'s batch here and now, and time it; None if ``wait`` is False and
-        another thread is making one (the event loop never waits for that). ``alloc``: where
-        collated arrays go (the runner's reused memory, on its thread)."""
-        if not self._lock.acquire(blocking=wait):
+    def make(self, request: BatchRequest, route: Route, alloc: Alloc | None = None) -> Made | None:
+        """Make ``request``'s batch here and now, by ``route``, and time it; None on
+        :attr:`Route.LOOP` while another thread is making one (the loop never waits for that).
+        ``alloc``: where collated arrays go (the runner's reused memory, on its thread)."""
+        on_loop = route is Route.LOOP
+        if not self._lock.acquire(blocking=not on_loop):
             return None
         try:
             started = time.perf_counter()
             try:
-                if not wait:  # on the loop: a sync epoch's loop thread is not the consumer's
+                if on_loop:  # a sync epoch's loop thread is not the consumer's
                     with self._grad_mode():
                         return self._maker.make(request, alloc)
                 return self._maker.make(request, alloc)
             finally:
-                self.policy.record(time.perf_counter() - started, on_loop=not wait)
+                self.routes.record(time.perf_counter() - started, route)
         finally:
             self._lock.release()
 
@@ -211,17 +134,30 @@ class ThreadRunner:
     Args:
         maker: builds batches.
         threads: thread count (started on demand).
-        inline: make cheap batches without the thread (:class:`InlineMaker`); for one thread.
+        inline: make cheap batches without the thread (:class:`InlineMaker`); for one thread
+            (see ``_routes.skips_thread``).
         prefetch: batches asked ahead: what the reused memory keeps is sized by it.
+        routes: the route policy of ``inline`` (default: :class:`RoutePolicy` with the
+            package's thresholds).
     """
 
     def __init__(
-        self, maker: BatchMaker, threads: int, *, inline: bool = False, prefetch: int = 2
+        self,
+        maker: BatchMaker,
+        threads: int,
+        *,
+        inline: bool = False,
+        prefetch: int = 2,
+        routes: RoutePolicy | None = None,
     ) -> None:
         self._maker = maker
         self._threads = ThreadPool(threads)
         self._grad: bool | None = None  # the consumer's torch grad mode (begin_epoch)
-        self.inline: InlineMaker | None = InlineMaker(maker) if inline and threads == 1 else None
+        self.inline: InlineMaker | None = (
+            InlineMaker(maker, routes if routes is not None else RoutePolicy())
+            if inline and threads == 1
+            else None
+        )
         # One stream for all threads: the rank split only (every thread reads from it).
         start, step = stream_share(maker.shard, 0, 1)
 
@@ -282,10 +218,10 @@ class ThreadRunner:
     def start_make(self, request: BatchRequest) -> asyncio.Future[Made]:
         inline = self.inline
         # Never while the thread makes one: the lock tells, and the loop does not wait for it.
-        if inline is not None and inline.cheap:
+        if inline is not None and inline.route(on_loop=True) is Route.LOOP:
             future: asyncio.Future[Made] = asyncio.get_running_loop().create_future()
             try:
-                made = inline.make(request, wait=False)
+                made = inline.make(request, Route.LOOP)
             except BaseException as exc:
                 if users_interrupt(exc):
                     raise
@@ -307,7 +243,7 @@ class ThreadRunner:
             made = (
                 self._maker.make(request, alloc)
                 if inline is None
-                else inline.make(request, alloc=alloc)
+                else inline.make(request, Route.THREAD, alloc)
             )
             assert made is not None  # a make that waits for the lock always makes
             return made
