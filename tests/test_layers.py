@@ -108,7 +108,7 @@ PACKAGE_LEVELS: dict[str, dict[str, int]] = {
         "_parquet": 5,
     },
     "_batch": {"_mismatch": 0, "_stacking": 0, "_prestack": 0, "_collate": 1, "_make": 2},
-    "_threads": {"_loop": 0, "_offloop": 0, "_reuse": 0, "_run": 1, "_runner": 1},
+    "_threads": {"_loop": 0, "_offloop": 0, "_reuse": 0, "_routes": 0, "_run": 1, "_runner": 1},
     "_workers": {
         # the records and mechanisms both sides share
         "_cells": 0,
