@@ -315,6 +315,46 @@ def test_a_child_of_a_child_gets_workers_of_its_own_too() -> None:
         assert sorted(_indices(iter(loader))) == list(range(SAMPLES))
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["own_workers", "shared_pool"])
+def test_pythons_forkserver_is_refused_in_a_forked_child_at_once(shared: bool) -> None:
+    # The standard forkserver is the parent's child: multiprocessing cannot start workers
+    # through it from the child. Refused at once, naming the start methods that work there.
+    pool = aioloader.WorkerPool(2, "forkserver") if shared else None
+    if pool is not None:
+        loader = aioloader.DataLoader(fd.Faulty(SAMPLES), batch_size=BATCH, workers=pool)
+    else:
+        loader = fd.make_loader(fd.Faulty(SAMPLES), multiprocessing_context="forkserver")
+    try:
+        epoch = iter(loader)
+        first = fd.batch_indices(next(epoch))
+
+        def run() -> dict[str, Any]:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(CHILD_LIMIT_S)
+            said = []
+            for _ in range(2):  # and again: never a half-made pool that waits
+                started = time.monotonic()
+                try:
+                    next(iter(loader))
+                    said.append(("no error", 0.0))
+                except RuntimeError as exc:
+                    said.append((str(exc), time.monotonic() - started))
+            return {"said": said, "left": _descendants()}
+
+        report = _by_os_fork(run)
+        for message, took in report["said"]:
+            assert "Python's 'forkserver'" in message, message
+            assert f"forked from process {os.getpid()}" in message, message
+            assert "'spawn'" in message, message
+            assert took < 1.0, report
+        assert report["left"] == [], report  # it started nothing
+        assert first + _indices(epoch) == list(range(SAMPLES))
+    finally:
+        loader.close()
+        if pool is not None:
+            pool.close()
+
+
 def test_a_pool_closed_before_the_fork_stays_closed_in_the_child() -> None:
     # Nothing to renew: the child's loader says the pool is closed, at once.
     pool = aioloader.WorkerPool(1)

@@ -77,7 +77,7 @@ from .._workers import (
     starts_early,
 )
 from ._closing import close_soon, closer_if_last, forked_lock, hold, keep_inherited
-from ._shared_pool import WorkerPool, close_pools, private_pool
+from ._shared_pool import WorkerPool, close_pools, private_pool, refuse_parents_forkserver
 
 if TYPE_CHECKING:
     from .._device import DeviceStage
@@ -196,6 +196,7 @@ class Resources:
     used: bool = False  # made or started for the user (not only by start_early)
     closed: bool = False
     pid: int = field(default_factory=os.getpid)  # the process they belong to (see close)
+    forked_from: int | None = None  # the process they were left to (see _leave_parent)
 
     def ensure(
         self,
@@ -226,6 +227,8 @@ class Resources:
             if config.uses_processes:
                 if self.pool is None:
                     assert context is not None
+                    if self.forked_from is not None:
+                        refuse_parents_forkserver(context, self.forked_from)
                     self.pool, self.own_pool = private_pool(config, context), True
                 # The pool's runner for this loader, made once; raises if the pool is closed.
                 self.runner = self.pool.attach(config, self.runner, self.device)
@@ -366,7 +369,7 @@ class Resources:
                 self.pool, self.own_pool = None, False
             self.others = weakref.WeakSet()
             self.lock = threading.Lock()
-            self.pid = os.getpid()
+            self.forked_from, self.pid = self.pid, os.getpid()
 
     def take_epochs(self) -> list[Epoch]:
         """Every epoch still held, newest first, forgotten here: the loader closes them. None

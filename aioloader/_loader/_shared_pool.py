@@ -88,6 +88,7 @@ from .._workers import (
     Payload,
     ProcessRunner,
     hold_server,
+    is_zygote,
     preload_pickler,
     resolve_context,
     warn_more_workers_than_cpus,
@@ -101,6 +102,7 @@ __all__ = [
     "WorkerPoolStatistics",
     "close_pools",
     "private_pool",
+    "refuse_parents_forkserver",
     "shared_pool",
     "start_deadline",
     "worker_context",
@@ -413,6 +415,7 @@ class WorkerPool:
             held = self._held
             if held.pid == os.getpid() or held.closed:
                 return
+            refuse_parents_forkserver(self._context, held.pid)
             self._finalizer.detach()  # this process's record of the parent's pool
             keep_inherited(held)
             try:
@@ -589,6 +592,27 @@ def private_pool(config: LoaderConfig, context: BaseContext) -> WorkerPool:
     pool._context = context
     pool._setup(*start_deadline(config), private=True)
     return pool
+
+
+def refuse_parents_forkserver(context: BaseContext, parent: int) -> None:
+    """In a process forked from process ``parent``, before it starts workers of its own: refuse
+    at once those of Python's own ``forkserver``. That server is the parent's child, and
+    ``multiprocessing`` checks that it runs by waiting on it as on a child of its own, which
+    fails in this one ("No child processes"), at every worker's start. The default start
+    method (workers forked from a server this process forks itself) and ``spawn`` work here.
+
+    Raises:
+        RuntimeError: ``context`` is the standard forkserver; names both pids and the fix.
+    """
+    if is_zygote(context) or context.get_start_method() != "forkserver":
+        return
+    raise RuntimeError(
+        f"this process ({os.getpid()}) was forked from process {parent}, whose loader starts "
+        "its workers through Python's 'forkserver': that server is the parent's child, and "
+        "multiprocessing cannot start workers through it from a forked process. Use the "
+        "default start method (multiprocessing_context=None), whose server each process forks "
+        "for itself, or 'spawn'; or make the loader (and its WorkerPool) in this process"
+    )
 
 
 def shared_pool(workers: object, *, num_workers: object, thread_pool: object) -> WorkerPool | None:
