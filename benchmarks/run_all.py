@@ -16,7 +16,16 @@ It runs, each in its own process and each with ``--json``:
 - ``remote``: ``remote_http.py``, objects over HTTP with latency, against torch's DataLoader
   with a synchronous HTTP data set and against a bare aiohttp loop;
 - ``gpu``: ``gpu_transfer.py``, host-to-device GB/s of the device stage against a plain pinned
-  ``.to(non_blocking=True)`` loop; only where CUDA is available.
+  ``.to(non_blocking=True)`` loop; only where CUDA is available;
+- ``jpeg``: ``jpeg_pipeline.py``, a folder of JPEG files decoded and augmented per sample, 2
+  workers, batch 32 and 256: images/s warm and cold, CPU per image, peak PSS, against torch's
+  DataLoader, torchdata.nodes and SPDL, and against the machine's ceiling for the pipeline;
+- ``transport``: ``transport.py``, worker-to-consumer MB/s of 2-32 MiB bytes, arrays and
+  tensors against a pipe, torch's DataLoader and SPDL's shared-memory arena;
+- ``startup``: ``startup_size.py``, time to the first batch against the dataset object's size
+  (16-128 MiB of bytes objects), 1-8 workers, forkserver and spawn, against torch's DataLoader;
+- ``memory``: ``memory_breakdown.py``, the process tree's PSS at 2 workers against torch's
+  DataLoader (the table of where it goes is in its own output).
 
 Then it prints one markdown table, a row per measurement with the baseline's figure,
 aioloader's and their ratio (above 1: aioloader is ahead; for times and memory, the baseline's
@@ -46,7 +55,10 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("warm", "cold", "remote", "gpu")
+BENCHMARKS = ("warm", "cold", "remote", "gpu", "jpeg", "transport", "startup", "memory")
+#: What ``--quick`` runs without ``--only``: the new workloads start several interpreters each
+#: (seconds apiece on a shared 2-core machine), so their smoke runs are asked for by name.
+QUICK_DEFAULT = ("warm", "cold", "remote", "gpu")
 OTHER_LOADERS = {"torchdata": "torchdata.nodes", "spdl": "spdl.pipeline", "seqtools": "seqtools"}
 INSTALL = {"torchdata": "torchdata", "spdl": "spdl-core", "seqtools": "seqtools"}
 #: Seconds one benchmark may take before the runner gives up on it.
@@ -94,6 +106,7 @@ def has_cuda() -> bool:
 def commands(quick: bool, others: list[str], repeat: int | None) -> dict[str, list[str]]:
     """The command line of each benchmark, in this mode."""
     loaders = ",".join(["torch", "aioloader", *others])
+    jpeg = ",".join(["torch", "aioloader", *(o for o in others if o in ("torchdata", "spdl"))])
     again = [] if repeat is None else ["--repeat", str(repeat)]
     if quick:
         return {
@@ -110,12 +123,20 @@ def commands(quick: bool, others: list[str], repeat: int | None) -> dict[str, li
                 "2",
             ],
             "gpu": ["gpu_transfer.py", "--batch-mb", "4", "--batches", "5", "--step-ms", "5"],
+            "jpeg": ["jpeg_pipeline.py", "--quick", "--loaders", jpeg],
+            "transport": ["transport.py", "--quick", "--loaders", "pipe,torch,aioloader"],
+            "startup": ["startup_size.py", "--quick"],
+            "memory": ["memory_breakdown.py", "--quick"],
         }
     return {
         "warm": ["bench_loader.py", "--loaders", loaders, *again],
         "cold": ["cold_start.py", "--peers", *others, *again],
         "remote": ["remote_http.py", *(again or ["--repeat", "2"])],
         "gpu": ["gpu_transfer.py", "--batch-mb", "4", "32", "128"],
+        "jpeg": ["jpeg_pipeline.py", "--loaders", jpeg],
+        "transport": ["transport.py"],
+        "startup": ["startup_size.py"],
+        "memory": ["memory_breakdown.py"],
     }
 
 
@@ -237,7 +258,96 @@ def gpu_rows(doc: dict[str, Any]) -> list[Row]:
     ]
 
 
-TO_ROWS = {"warm": warm_rows, "cold": cold_rows, "remote": remote_rows, "gpu": gpu_rows}
+def jpeg_rows(doc: dict[str, Any]) -> list[Row]:
+    """Per batch size: warm and cold images/s, CPU per image and peak PSS against torch (the
+    other loaders as ratios beside), then warm and cold against the machine's ceiling."""
+    rows = []
+    top = doc["ceiling_img_s"]
+    batches = sorted({r["batch"] for r in doc["rows"]})
+    for batch in batches:
+        by = {r["loader"]: r for r in doc["rows"] if r["batch"] == batch}
+        if "torch" not in by or "aioloader" not in by:
+            continue
+        case = f"{doc['files']} JPEG files, batch {batch}"
+        measures = [
+            ("warm_img_s", "warm img/s", False),
+            ("cold_img_s", "img/s from construction", False),
+            ("warm_cpu_ms", "CPU ms per image (tree)", True),
+            ("peak_pss_mb", "peak PSS (MB)", True),
+        ]
+        for key, measure, lower_is_better in measures:
+            base, ours = by["torch"][key], by["aioloader"][key]
+
+            def ratio(value: float, base: float = base, lower: bool = lower_is_better) -> float:
+                return base / value if lower else value / base
+
+            others = {k: ratio(r[key]) for k, r in by.items() if k not in ("torch", "aioloader")}
+            rows.append(Row("jpeg", case, measure, "torch", base, ours, ratio(ours), others))
+        for key, measure in (("warm_img_s", "warm img/s"), ("cold_img_s", "cold img/s")):
+            ours = by["aioloader"][key]
+            others = {k: r[key] / top for k, r in by.items() if k != "aioloader"}
+            rows.append(
+                Row("jpeg", case, measure, "machine ceiling", top, ours, ours / top, others)
+            )
+    return rows
+
+
+def transport_rows(doc: dict[str, Any]) -> list[Row]:
+    """Per payload: MB/s against a pipe and against torch's DataLoader (SPDL's ratio beside)."""
+    rows = []
+    cases = sorted({(r["kind"], r["mib"]) for r in doc["rows"]})
+    for kind, mib in cases:
+        by = {r["loader"]: r for r in doc["rows"] if (r["kind"], r["mib"]) == (kind, mib)}
+        if "aioloader" not in by:
+            continue
+        ours = by["aioloader"]["mb_s"]
+        for base in ("pipe", "torch"):
+            if base not in by:
+                continue
+            value = by[base]["mb_s"]
+            others = {"spdl": by["spdl"]["mb_s"] / value} if "spdl" in by else {}
+            label = "pickle through a pipe" if base == "pipe" else "torch"
+            case = f"{kind} {mib} MiB"
+            rows.append(Row("transport", case, "MB/s", label, value, ours, ours / value, others))
+    return rows
+
+
+def startup_rows(doc: dict[str, Any]) -> list[Row]:
+    rows = []
+    cases: dict[tuple[str, int, int], dict[str, float]] = {}
+    for r in doc["rows"]:
+        cases.setdefault((r["method"], r["mib"], r["workers"]), {})[r["loader"]] = r[
+            "first_batch_s"
+        ]
+    for (method, mib, workers), by in cases.items():
+        if "torch" in by and "aioloader" in by:
+            base, ours = by["torch"], by["aioloader"]
+            case = f"{mib} MiB dataset, {workers} workers, {method}"
+            rows.append(Row("startup", case, "first batch (s)", "torch", base, ours, base / ours))
+    return rows
+
+
+def memory_rows(doc: dict[str, Any]) -> list[Row]:
+    by = {(d["case"], d["loader"]): d["total_pss_mb"] for d in doc["rows"]}
+    rows = []
+    for case in sorted({c for c, _ in by}):
+        if (case, "torch") in by and (case, "aioloader") in by:
+            base, ours = by[(case, "torch")], by[(case, "aioloader")]
+            label = f"{case}, 2 workers"
+            rows.append(Row("memory", label, "tree PSS (MB)", "torch", base, ours, base / ours))
+    return rows
+
+
+TO_ROWS = {
+    "warm": warm_rows,
+    "cold": cold_rows,
+    "remote": remote_rows,
+    "gpu": gpu_rows,
+    "jpeg": jpeg_rows,
+    "transport": transport_rows,
+    "startup": startup_rows,
+    "memory": memory_rows,
+}
 
 
 # -- output -----------------------------------------------------------------------------------
@@ -353,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             notes.append(f"{name}: not installed, skipped (pip install {INSTALL[name]})")
-    chosen = list(args.only or BENCHMARKS)
+    chosen = list(args.only or (QUICK_DEFAULT if args.quick else BENCHMARKS))
     if "gpu" in chosen and not has_cuda():
         chosen.remove("gpu")
         notes.append("gpu: no CUDA device here, gpu_transfer.py skipped")

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import random
 import re
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -233,3 +235,190 @@ def test_server_latency_jitter_spreads_every_wait_over_its_range_around_the_same
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match=rf"jitter must be from 0 to 1, got {bad}"):
             FaultServer(jitter=bad)
+
+
+# -- the workloads people run, and the peers' micro-benchmarks (issue 40) ----------------------
+
+
+def run_json(script: str, *argv: str, timeout: float = 110) -> tuple[dict[str, Any], str]:
+    """``benchmarks/<script> *argv --json``: its document, and its table (on stderr)."""
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *argv, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    document: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return document, result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_jpeg_pipeline_smoke_reports_rates_cpu_memory_and_the_ceiling(tmp_path: Path) -> None:
+    doc, table = run_json(
+        "jpeg_pipeline.py",
+        *("--files", "24", "--batch", "8", "--epochs", "2", "--cache", str(tmp_path)),
+        *("--loaders", "torch,aioloader"),
+    )
+    assert len(list((tmp_path / "jpeg-v1").glob("*.jpg"))) == 24  # the folder, made once
+    assert doc["ceiling_img_s"] > 0
+    assert [(r["loader"], r["batch"], r["images"]) for r in doc["rows"]] == [
+        ("torch", 8, 24),
+        ("aioloader", 8, 24),
+    ]
+    for row in doc["rows"]:
+        assert row["cold_img_s"] > 0
+        assert row["warm_img_s"] > 0
+        assert row["warm_cpu_ms"] > 0  # the tree's CPU: decoding 24 images costs some
+        assert row["peak_pss_mb"] > 50  # the tree holds torch at least once
+    assert doc["rows"][1]["verdict"]  # aioloader's own verdict on its warm epoch
+    assert "| 8 | aioloader |" in table
+    assert "warm / ceiling" in table
+
+
+def test_jpeg_crop_follows_torchvisions_random_resized_crop(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    jpeg = load_benchmark(monkeypatch, "jpeg_pipeline")
+    rng = random.Random(0)
+    for width, height in [(640, 480), (400, 300), (300, 480)]:
+        areas = []
+        for _ in range(200):
+            x0, y0, x1, y1 = jpeg.crop_box(width, height, rng)
+            assert 0 <= x0 < x1 <= width
+            assert 0 <= y0 < y1 <= height
+            areas.append((x1 - x0) * (y1 - y0) / (width * height))
+        assert min(areas) < 0.3 < 0.7 < max(areas)  # scale 0.08-1: small and large crops
+    # No 3/4-4/3 crop of 8-100% of a 2000x100 image fits: the centre crop at ratio 4/3.
+    assert jpeg.crop_box(2000, 100, rng) == (933, 0, 1066, 100)
+    data = jpeg.make_image(3)
+    assert 30_000 < len(data) < 300_000  # photo-like: tens of KB at quality 90, not noise
+    (tmp_path / "x.jpg").write_bytes(data)
+    sample = jpeg.load_sample(str(tmp_path / "x.jpg"), random.Random(0))
+    assert tuple(sample.shape) == (3, 224, 224)
+    assert str(sample.dtype) == "torch.uint8"
+
+
+@pytest.mark.timeout(120)
+def test_transport_smoke_reports_rates_consumer_cpu_and_memory() -> None:
+    doc, table = run_json(
+        "transport.py",
+        *("--mib", "2", "--total-mib", "8", "--kinds", "numpy"),
+        *("--loaders", "pipe,aioloader"),
+    )
+    rows = doc["rows"]
+    assert [(r["loader"], r["kind"], r["mib"], r["items"]) for r in rows] == [
+        ("pipe", "numpy", 2, 4),
+        ("aioloader", "numpy", 2, 4),
+    ]
+    for row in rows:
+        assert row["mb_s"] > 0
+        assert row["consumer_cpu_s_per_gb"] >= 0
+        assert row["peak_pss_mb"] > 50
+    assert "| numpy 2 MiB | aioloader |" in table
+
+
+@pytest.mark.timeout(120)
+def test_startup_size_smoke_times_the_first_batch_of_both_loaders() -> None:
+    doc, table = run_json("startup_size.py", "--quick")
+    assert {(r["loader"], r["mib"], r["workers"], r["method"]) for r in doc["rows"]} == {
+        ("torch", 4, 1, "forkserver"),
+        ("aioloader", 4, 1, "forkserver"),
+    }
+    assert all(r["first_batch_s"] > 0 and r["peak_pss_mb"] > 50 for r in doc["rows"])
+    assert "| forkserver | 4 | 1 |" in table
+
+
+@pytest.mark.timeout(120)
+def test_memory_breakdown_smoke_names_every_process_of_each_tree() -> None:
+    doc, table = run_json("memory_breakdown.py", "--quick")
+    by = {d["loader"]: d for d in doc["rows"]}
+    assert set(by) == {"torch", "aioloader"}
+    for loader, d in by.items():
+        roles = [p["role"] for p in d["processes"]]
+        assert roles[0] == "training process"
+        assert roles.count("worker") == 2, (loader, roles)
+        assert d["total_pss_mb"] == pytest.approx(sum(p["pss_mb"] for p in d["processes"]))
+        for p in d["processes"]:
+            parts = p["anon_mb"] + p["libs_mb"] + p["shm_mb"] + p["other_mb"]
+            assert p["pss_mb"] == pytest.approx(parts)
+    assert "worker server" in [p["role"] for p in by["aioloader"]["processes"]]
+    assert "**tree**" in table
+
+
+def test_the_runner_turns_the_new_documents_into_ratio_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    run_all = load_run_all(monkeypatch)
+    jpeg = {
+        "files": 100,
+        "ceiling_img_s": 400.0,
+        "rows": [
+            {
+                "loader": "torch",
+                "batch": 32,
+                "warm_img_s": 200.0,
+                "cold_img_s": 100.0,
+                "warm_cpu_ms": 10.0,
+                "peak_pss_mb": 300.0,
+            },
+            {
+                "loader": "aioloader",
+                "batch": 32,
+                "warm_img_s": 380.0,
+                "cold_img_s": 300.0,
+                "warm_cpu_ms": 5.0,
+                "peak_pss_mb": 250.0,
+            },
+            {
+                "loader": "spdl",
+                "batch": 32,
+                "warm_img_s": 100.0,
+                "cold_img_s": 50.0,
+                "warm_cpu_ms": 20.0,
+                "peak_pss_mb": 600.0,
+            },
+        ],
+    }
+    rows = {(r.measure, r.baseline): r for r in run_all.jpeg_rows(jpeg)}
+    assert rows[("warm img/s", "torch")].ratio == pytest.approx(1.9)
+    assert rows[("warm img/s", "torch")].others == {"spdl": pytest.approx(0.5)}
+    assert rows[("CPU ms per image (tree)", "torch")].ratio == pytest.approx(2.0)  # lower: ahead
+    assert rows[("CPU ms per image (tree)", "torch")].others == {"spdl": pytest.approx(0.5)}
+    assert rows[("peak PSS (MB)", "torch")].ratio == pytest.approx(1.2)
+    assert rows[("warm img/s", "machine ceiling")].ratio == pytest.approx(0.95)
+    assert rows[("cold img/s", "machine ceiling")].ratio == pytest.approx(0.75)
+    transport = {
+        "rows": [
+            {"loader": "pipe", "kind": "numpy", "mib": 8, "mb_s": 500.0},
+            {"loader": "torch", "kind": "numpy", "mib": 8, "mb_s": 1000.0},
+            {"loader": "aioloader", "kind": "numpy", "mib": 8, "mb_s": 4000.0},
+            {"loader": "spdl", "kind": "numpy", "mib": 8, "mb_s": 2000.0},
+        ]
+    }
+    pipe, torch_row = run_all.transport_rows(transport)
+    assert (pipe.baseline, pipe.ratio, pipe.others) == ("pickle through a pipe", 8.0, {"spdl": 4.0})
+    assert (torch_row.baseline, torch_row.ratio) == ("torch", 4.0)
+    startup = {
+        "rows": [
+            {"loader": "torch", "mib": 128, "workers": 8, "method": "spawn", "first_batch_s": 20.0},
+            {
+                "loader": "aioloader",
+                "mib": 128,
+                "workers": 8,
+                "method": "spawn",
+                "first_batch_s": 0.8,
+            },
+        ]
+    }
+    (row,) = run_all.startup_rows(startup)
+    assert (row.case, row.ratio) == ("128 MiB dataset, 8 workers, spawn", 25.0)
+    memory = {
+        "rows": [
+            {"case": "large", "loader": "torch", "total_pss_mb": 280.0},
+            {"case": "large", "loader": "aioloader", "total_pss_mb": 350.0},
+        ]
+    }
+    (row,) = run_all.memory_rows(memory)
+    assert row.ratio == pytest.approx(0.8)
