@@ -89,7 +89,6 @@ class LoopThread:
             raise
         self._thread = threading.Thread(target=self._run, name="aioloader-loop", daemon=True)
         self._thread.start()
-        self.pid = os.getpid()  # a forked child's copy has no thread running the loop
 
     def _run(self) -> None:
         mark_loader_thread()  # batches are made on the loop too (cheap ones)
@@ -158,6 +157,7 @@ class SyncIterator:
         self._loop = loop
         self._length = length
         self._started = False
+        self._pid = 0  # the process the epoch began in
         self._loop_thread: LoopThread | None = None
         self._epoch: Any = None
         self._done = False
@@ -198,7 +198,15 @@ class SyncIterator:
             raise StopIteration
         if not self._started:
             self._started = True
+            self._pid = os.getpid()
             self._epoch = self._start()
+        elif self._pid != os.getpid():  # forked mid-epoch: its threads and workers are not here
+            raise RuntimeError(
+                f"this iterator's epoch began in process {self._pid}, and this is process "
+                f"{os.getpid()}, forked from it mid-epoch: the epoch cannot go on here (the "
+                "parent's goes on). Start a new one in this process (`for batch in loader`): "
+                "it gets workers of its own"
+            )
         # Read once: close() from another thread may clear self._epoch meanwhile.
         epoch = self._epoch
         if epoch is None:  # closed from another thread
@@ -219,13 +227,6 @@ class SyncIterator:
             if batch is not NOT_INLINE:
                 return batch
             self._loop_thread = self._loop()
-        if self._loop_thread.pid != os.getpid():  # forked mid-epoch: nothing runs its loop here
-            raise RuntimeError(
-                f"this iterator's epoch runs in process {self._loop_thread.pid}, and this is "
-                f"process {os.getpid()}, forked from it mid-epoch: the epoch cannot go on here "
-                "(the parent's goes on). Start a new one in this process (`for batch in "
-                "loader`): it gets workers of its own"
-            )
         step = _step(epoch)
         try:
             future = asyncio.run_coroutine_threadsafe(step, self._loop_thread.loop)
