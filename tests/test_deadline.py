@@ -2,9 +2,11 @@
 
 The runner is a fake (it only says whether a batch is running and records kills); the attempts
 are plain futures the test completes. The clock for elapsed times is injected, so the figures in
-errors are exact; only the deadline's own wake-ups use the loop's timer (a few milliseconds).
-The last tests take the same contract through a loader, on its helper thread (a hung read, a
-slow consumer, an async item that never arrives), with deadlines of a few tenths of a second.
+errors are exact; the deadline's own wake-ups use the loop's timer, on a loop whose clock skips
+idle waits (``loop_time``): a deadline of seconds passes in no real time. The last tests take
+the same contract through a loader, on its helper thread: a slow consumer and an async item
+that never arrives on that loop too (it waits briefly, really, for the thread before it skips),
+and one real hung read caught by a real deadline of a few tenths of a second.
 """
 
 from __future__ import annotations
@@ -17,17 +19,22 @@ from typing import Any
 import pytest
 from datasets import HangAt, Range
 from helpers import BOUND_S, as_lists, expected_batches, take
+from loop_time import run_skipping
 
 import aioloader
 from aioloader import DataLoader, LoaderTimeoutError, WorkerCrashedError
-from aioloader._epoch._deadline import DeadlinePolicy, run_attempts, timeout_error
+from aioloader._epoch._deadline import LOOKS, DeadlinePolicy, run_attempts, timeout_error
 from aioloader._stats._counters import Counters
 from aioloader._types import BatchRequest, Made, StreamRequest
 
 # The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
 pytestmark = pytest.mark.usefixtures("baseline")
 
-TICK = 0.01  # the deadline used where one must pass: short, the clock is fake anyway
+TICK = 0.01  # the deadline used where none passes
+DEADLINE_S = 2.0  # the deadline used where one passes: on the skipping loop, no real time
+# How long a helper thread's result is waited for, really, before the loop skips idle time
+# (loader tests): a thread stalled that long at each of a deadline's looks would be late.
+THREAD_GRACE_S = 0.05
 
 
 class FakeClock:
@@ -183,60 +190,79 @@ async def test_the_users_error_is_raised_unchanged_and_never_retried() -> None:
     assert calls == [0]
 
 
-async def test_a_hung_running_batch_times_out_its_worker_killed_and_named() -> None:
+def test_a_hung_running_batch_times_out_its_worker_killed_and_named() -> None:
     attempt, _calls = attempts("hang")
     runner = FakeRunner(running=True)
     counters = Counters()
     clock = FakeClock()
-    with pytest.raises(LoaderTimeoutError) as info:
-        await run(attempt, runner, DeadlinePolicy(TICK, 0, clock=clock), counters)
-    message = str(info.value)
+
+    async def main() -> tuple[LoaderTimeoutError, float]:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(LoaderTimeoutError) as info:
+            await run(attempt, runner, DeadlinePolicy(DEADLINE_S, 0, clock=clock), counters)
+        return info.value, loop.time() - started
+
+    error, took = run_skipping(main())
+    message = str(error)
     assert "batch 7 (indices [1, 2, 3])" in message
     assert "after 1.00 s" in message  # two readings of the fake clock, one second apart
     assert "worker pid 4242 was killed and replaced" in message
-    assert isinstance(info.value, TimeoutError)
+    assert isinstance(error, TimeoutError)
     assert runner.killed == [7]
     assert counters.timeouts == 1
+    # Stopped once it ran its whole deadline, counted from the first look that saw it running,
+    # and at most two looks later (the _deadline module's promise).
+    assert DEADLINE_S <= took <= DEADLINE_S * (1 + 2 / LOOKS) + 0.01
 
 
-async def test_a_hung_batch_is_retried_then_succeeds() -> None:
-    attempt, _calls = attempts("hang", "ok")
+def test_a_hung_batch_is_retried_then_succeeds() -> None:
+    attempt, calls = attempts("hang", "ok")
     runner = FakeRunner(running=True)
     counters = Counters()
-    made = await run(attempt, runner, DeadlinePolicy(TICK, 1), counters)
+    made = run_skipping(run(attempt, runner, DeadlinePolicy(DEADLINE_S, 1), counters))
     assert made.batch == "batch-2"
     assert (counters.timeouts, counters.retries, runner.killed) == (1, 1, [7])
+    assert calls == [0, 1]
 
 
-async def test_time_queued_behind_another_batch_does_not_count() -> None:
+def test_time_queued_behind_another_batch_does_not_count() -> None:
     """While the runner says the batch is only queued, its deadline starts again."""
     runner = FakeRunner(running=False)
-    gate: asyncio.Future[Made] = asyncio.get_running_loop().create_future()
 
-    async def attempt() -> Made:
-        return await gate
+    async def main() -> Made:
+        gate: asyncio.Future[Made] = asyncio.get_running_loop().create_future()
 
-    task = asyncio.ensure_future(run(attempt, runner, DeadlinePolicy(TICK, 0), Counters()))
-    await asyncio.sleep(TICK * 10)  # ten deadlines pass while queued
-    assert not task.done()
-    assert runner.killed == []
-    gate.set_result(Made(batch="late but fine"))
-    assert (await task).batch == "late but fine"
+        async def attempt() -> Made:
+            return await gate
+
+        task = asyncio.ensure_future(run(attempt, runner, DeadlinePolicy(TICK, 0), Counters()))
+        await asyncio.sleep(TICK * 10)  # ten deadlines pass while queued
+        assert not task.done()
+        assert runner.killed == []
+        gate.set_result(Made(batch="late but fine"))
+        return await task
+
+    assert run_skipping(main()).batch == "late but fine"
 
 
-async def test_a_batch_that_began_late_gets_its_whole_deadline_once_running() -> None:
+def test_a_batch_that_began_late_gets_its_whole_deadline_once_running() -> None:
     """Queued for most of a deadline, then running for less than one: not timed out (a look
     that found it running just after it began must not count the time it was queued)."""
     runner = FakeRunner(running=False)
-    loop = asyncio.get_running_loop()
-    gate: asyncio.Future[Made] = loop.create_future()
-    loop.call_later(0.3, setattr, runner, "running", True)  # begins at 0.3 s
-    loop.call_later(0.6, gate.set_result, Made(batch="ran 0.3 s of its 0.5 s"))
 
-    async def attempt() -> Made:
-        return await gate
+    async def main() -> Made:
+        loop = asyncio.get_running_loop()
+        gate: asyncio.Future[Made] = loop.create_future()
+        loop.call_later(0.3, setattr, runner, "running", True)  # begins at 0.3 s
+        loop.call_later(0.6, gate.set_result, Made(batch="ran 0.3 s of its 0.5 s"))
 
-    made = await run(attempt, runner, DeadlinePolicy(0.5, 0), Counters())
+        async def attempt() -> Made:
+            return await gate
+
+        return await run(attempt, runner, DeadlinePolicy(0.5, 0), Counters())
+
+    made = run_skipping(main())
     assert made.batch == "ran 0.3 s of its 0.5 s"
     assert runner.killed == []
 
@@ -292,15 +318,18 @@ async def test_a_hung_batch_raises_loader_timeout_error_naming_it() -> None:
         await loader.aclose()
 
 
-async def test_a_slow_consumer_causes_no_timeout() -> None:
-    async with DataLoader(Range(6), batch_size=2, timeout=0.2, prefetch=2) as loader:
-        got = []
-        async with asyncio.timeout(BOUND_S):
-            async for batch in loader:
-                got.append(batch.tolist())
-                await asyncio.sleep(0.3)  # longer than the timeout, between batches
-        assert got == expected_batches(6, 2)
-        assert loader.statistics().timeouts == 0
+def test_a_slow_consumer_causes_no_timeout() -> None:
+    async def main() -> None:
+        async with DataLoader(Range(6), batch_size=2, timeout=0.2, prefetch=2) as loader:
+            got = []
+            async with asyncio.timeout(BOUND_S):
+                async for batch in loader:
+                    got.append(batch.tolist())
+                    await asyncio.sleep(1.0)  # five times the timeout, between batches
+            assert got == expected_batches(6, 2)
+            assert loader.statistics().timeouts == 0
+
+    run_skipping(main(), grace_s=THREAD_GRACE_S)
 
 
 class NeverArrives:
@@ -316,18 +345,21 @@ class NeverArrives:
         return i
 
 
-async def test_an_async_item_that_never_arrives_misses_its_batch_deadline() -> None:
-    loader = DataLoader(NeverArrives(8, stuck=5), batch_size=4, timeout=0.3)
-    async with loader, asyncio.timeout(BOUND_S):
-        it = aiter(loader)
-        assert (await anext(it)).tolist() == [0, 1, 2, 3]
-        with pytest.raises(
-            LoaderTimeoutError, match=r"batch 1 \(fetching indices \[4, 5, 6, 7\]\)"
-        ):
-            await anext(it)
-        assert loader.statistics().timeouts == 1
-        # The loader stays usable: the next epoch delivers, then misses the same deadline.
-        again = aiter(loader)
-        assert (await anext(again)).tolist() == [0, 1, 2, 3]
-        with pytest.raises(TimeoutError):  # LoaderTimeoutError is also a TimeoutError
-            await anext(again)
+def test_an_async_item_that_never_arrives_misses_its_batch_deadline() -> None:
+    async def main() -> None:
+        loader = DataLoader(NeverArrives(8, stuck=5), batch_size=4, timeout=5.0)
+        async with loader, asyncio.timeout(BOUND_S * 10):  # loop time: 2 deadlines and more
+            it = aiter(loader)
+            assert (await anext(it)).tolist() == [0, 1, 2, 3]
+            with pytest.raises(
+                LoaderTimeoutError, match=r"batch 1 \(fetching indices \[4, 5, 6, 7\]\)"
+            ):
+                await anext(it)
+            assert loader.statistics().timeouts == 1
+            # The loader stays usable: the next epoch delivers, then misses the same deadline.
+            again = aiter(loader)
+            assert (await anext(again)).tolist() == [0, 1, 2, 3]
+            with pytest.raises(TimeoutError):  # LoaderTimeoutError is also a TimeoutError
+                await anext(again)
+
+    run_skipping(main(), grace_s=THREAD_GRACE_S)
