@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -358,6 +359,37 @@ def test_pythons_forkserver_is_refused_in_a_forked_child_at_once(shared: bool) -
         loader.close()
         if pool is not None:
             pool.close()
+
+
+def test_a_child_that_cannot_fork_its_worker_server_says_so_at_once() -> None:
+    # Its workers start from a server forked from the child, which a thread of the child's own
+    # makes unsafe (it may hold a lock the server would need): an error at once, never a wait.
+    with _loader(None) as loader:
+        assert sorted(_indices(iter(loader))) == list(range(SAMPLES))
+
+        def run() -> dict[str, Any]:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(CHILD_LIMIT_S)
+            stop = threading.Event()
+            thread = threading.Thread(target=stop.wait)  # not a daemon: the program's own
+            thread.start()
+            started = time.monotonic()
+            try:
+                next(iter(loader))
+                said = "no error"
+            except RuntimeError as exc:
+                said = "\n".join([str(exc), *getattr(exc, "__notes__", ())])
+            took = time.monotonic() - started
+            stop.set()
+            thread.join(5)
+            return {"said": said, "took": took, "left": _descendants()}
+
+        report = _by_os_fork(run)
+        assert f"forked from process {os.getpid()}" in report["said"], report
+        assert "no other thread of its own runs" in report["said"], report
+        assert report["took"] < 1.0, report
+        assert report["left"] == [], report
+        assert sorted(_indices(iter(loader))) == list(range(SAMPLES))
 
 
 def test_a_pool_closed_before_the_fork_stays_closed_in_the_child() -> None:

@@ -77,7 +77,13 @@ from .._workers import (
     starts_early,
 )
 from ._closing import close_soon, closer_if_last, forked_lock, hold, keep_inherited
-from ._shared_pool import WorkerPool, close_pools, private_pool, refuse_parents_forkserver
+from ._shared_pool import (
+    WorkerPool,
+    close_pools,
+    forked_server_note,
+    private_pool,
+    refuse_parents_forkserver,
+)
 
 if TYPE_CHECKING:
     from .._device import DeviceStage
@@ -227,9 +233,7 @@ class Resources:
             if config.uses_processes:
                 if self.pool is None:
                     assert context is not None
-                    if self.forked_from is not None:
-                        refuse_parents_forkserver(context, self.forked_from)
-                    self.pool, self.own_pool = private_pool(config, context), True
+                    self.pool, self.own_pool = self._private_pool(config, context), True
                 # The pool's runner for this loader, made once; raises if the pool is closed.
                 self.runner = self.pool.attach(config, self.runner, self.device)
                 release_before_sigterm(close_all_at_exit)
@@ -245,6 +249,17 @@ class Resources:
                 hold(dataset)  # closed by the last open loader that reads it
             _LIVE.add(self)
             return self.runner
+
+    def _private_pool(self, config: LoaderConfig, context: BaseContext) -> WorkerPool:
+        """The loader's own pool; in a forked child, with what to do where it cannot start."""
+        if self.forked_from is None:
+            return private_pool(config, context)
+        refuse_parents_forkserver(context, self.forked_from)
+        try:
+            return private_pool(config, context)
+        except RuntimeError as exc:
+            exc.add_note(forked_server_note(self.forked_from))
+            raise
 
     def start_early(
         self, config: LoaderConfig, dataset: Any, *, device_spec: Any, context: BaseContext | None

@@ -101,6 +101,7 @@ __all__ = [
     "WorkerPool",
     "WorkerPoolStatistics",
     "close_pools",
+    "forked_server_note",
     "private_pool",
     "refuse_parents_forkserver",
     "shared_pool",
@@ -405,8 +406,10 @@ class WorkerPool:
         held it as the process forked.
 
         Raises:
-            RuntimeError: the workers cannot be started from here now (their server must be
-                forked from this process, which other threads make unsafe); says so.
+            RuntimeError: the workers start through Python's forkserver, the parent's
+                (:func:`refuse_parents_forkserver`), or cannot be started from here now
+                (their server must be forked from this process, which other threads make
+                unsafe); says so.
         """
         held = self._held
         if held.pid == os.getpid() or held.closed:
@@ -421,13 +424,7 @@ class WorkerPool:
             try:
                 self._setup(*self._start_deadline, private=held.private)
             except RuntimeError as exc:
-                exc.add_note(
-                    f"this process ({os.getpid()}) was forked from process {held.pid}, whose "
-                    f"{self!r} it inherited: its own workers start from a server forked from "
-                    "this process, which is safe only from its main thread while no other "
-                    "thread of its own runs. Iterate the loaders there first, or give them a "
-                    "pool with multiprocessing_context='spawn'"
-                )
+                exc.add_note(forked_server_note(held.pid))
                 raise
 
     @property
@@ -592,6 +589,17 @@ def private_pool(config: LoaderConfig, context: BaseContext) -> WorkerPool:
     pool._context = context
     pool._setup(*start_deadline(config), private=True)
     return pool
+
+
+def forked_server_note(parent: int) -> str:
+    """What to add to an error from starting a forked child's own workers (``parent``: the
+    process it was forked from)."""
+    return (
+        f"this process ({os.getpid()}) was forked from process {parent}, whose loader it "
+        "inherited: its own workers start from a server forked from this process, which is "
+        "safe only from its main thread while no other thread of its own runs. Iterate the "
+        "loader there first, or use multiprocessing_context='spawn'"
+    )
 
 
 def refuse_parents_forkserver(context: BaseContext, parent: int) -> None:
