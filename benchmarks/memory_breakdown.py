@@ -48,7 +48,8 @@ def breakdown() -> list[dict[str, Any]]:
             for m in p.memory_maps(grouped=True):
                 path = m.path
                 own = m.private_clean + m.private_dirty
-                if "/dev/shm" in path or "psm_" in path or "torch_" in path:
+                name = path.rsplit("/", 1)[-1]
+                if path.startswith("/dev/shm") or name.startswith(("psm_", "aiol_", "torch_")):
                     kinds["shm"] += m.pss
                     private["shm"] += own
                 elif path in ("", "[heap]") or path.startswith("[anon") or path == "[stack]":

@@ -29,6 +29,7 @@ import functools
 import importlib.util
 import json
 import multiprocessing
+import pickle
 import resource
 import subprocess
 import sys
@@ -85,9 +86,12 @@ class Payloads:
 
 
 def _send(conn: Any, kind: str, nbytes: int, n: int) -> None:
+    # Plain pickle (protocol 5), not the connection's ForkingPickler: with torch imported, that
+    # one sends a tensor as a file descriptor of shared memory, which is torch's road, not a
+    # pipe's.
     payload = make_payload(kind, nbytes)
     for _ in range(n):
-        conn.send(payload)
+        conn.send_bytes(pickle.dumps(payload, protocol=5))
     conn.close()
 
 
@@ -100,7 +104,7 @@ def epochs_pipe(data: Payloads) -> tuple[Callable[[], Iterable[Any]], Callable[[
         proc.start()
         send.close()
         for _ in range(data.n):
-            yield recv.recv()
+            yield pickle.loads(recv.recv_bytes())
         proc.join()
         recv.close()
 
