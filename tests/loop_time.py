@@ -1,23 +1,23 @@
-"""An event loop whose clock skips idle waits, for unit tests of deadlines that take no real time.
+"""An event loop whose clock moves only by skipping idle waits, for unit tests of deadlines that
+take no real time.
 
 Deadlines here run on the loop's clock (``asyncio.timeout``, ``asyncio.wait(timeout=)``,
-``call_later``, ``loop.time()``). :class:`SkippingLoop` keeps that clock running with real time,
-and whenever the loop would wait for its next timer with nothing to do, it jumps to that timer
-at once instead: a test of a 30 s deadline takes microseconds, and the times it reads (elapsed
-time in an error, a batch's served time) are exact.
+``call_later``, ``loop.time()``). :class:`SkippingLoop`'s clock stands still while the loop
+works, and whenever the loop would wait for its next timer with nothing to do, it jumps to that
+timer at once: a test of a 30 s deadline takes microseconds, and the times it reads (elapsed
+time in an error, a batch's served time) are exact, whatever the machine's load.
 
 Only for tests whose every actor is on the loop (fakes and futures the test settles, async
 datasets that ``await asyncio.sleep``): a thread or process working meanwhile would see the
 loop's time race ahead of it. ``grace_s`` bounds that where a helper thread takes part: the
 loop first waits that long, really, for a thread's result before it jumps (a thread stalled
-longer than ``grace_s`` per look of a deadline is then late by the loop's clock).
+longer than ``grace_s`` at each look of a deadline is then late by the loop's clock).
 """
 
 from __future__ import annotations
 
 import asyncio
 import selectors
-import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -32,7 +32,7 @@ class _SkippingSelector(selectors.DefaultSelector):
     def __init__(self, grace_s: float) -> None:
         super().__init__()
         self.grace_s = grace_s
-        self.skipped = 0.0  # seconds the clock jumped, in all
+        self.now = 0.0  # the loop's clock: seconds skipped, in all
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         if timeout is None:  # no timer: only a thread or a descriptor can wake the loop
@@ -40,22 +40,21 @@ class _SkippingSelector(selectors.DefaultSelector):
             if not events:
                 raise RuntimeError(f"the loop had nothing to do for {IDLE_BOUND_S} s: a hang")
             return events
-        started = time.monotonic()
         events = super().select(min(timeout, self.grace_s))
         if not events:
-            self.skipped += max(0.0, timeout - (time.monotonic() - started))
+            self.now += timeout  # idle until the next timer: it is due now
         return events
 
 
 class SkippingLoop(asyncio.SelectorEventLoop):
-    """A stock asyncio loop whose clock jumps over idle waits (see the module docstring)."""
+    """A stock asyncio loop whose clock moves by skipping idle waits (the module docstring)."""
 
     def __init__(self, grace_s: float = 0.0) -> None:
         self._skipping = _SkippingSelector(grace_s)
         super().__init__(self._skipping)
 
     def time(self) -> float:
-        return time.monotonic() + self._skipping.skipped
+        return self._skipping.now
 
 
 def run_skipping(main: Coroutine[Any, Any, T], *, grace_s: float = 0.0) -> T:
