@@ -25,7 +25,9 @@ It runs, each in its own process and each with ``--json``:
 - ``startup``: ``startup_size.py``, time to the first batch against the dataset object's size
   (16-128 MiB of bytes objects), 1-8 workers, forkserver and spawn, against torch's DataLoader;
 - ``memory``: ``memory_breakdown.py``, the process tree's PSS at 2 workers against torch's
-  DataLoader (the table of where it goes is in its own output).
+  DataLoader (the table of where it goes is in its own output);
+- ``verdict``: ``verdict_advice.py``, slowed pipelines whose verdict's advice is followed: the
+  rate after it against the rate before.
 
 Then it prints one markdown table, a row per measurement with the baseline's figure,
 aioloader's and their ratio (above 1: aioloader is ahead; for times and memory, the baseline's
@@ -55,7 +57,17 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("warm", "cold", "remote", "gpu", "jpeg", "transport", "startup", "memory")
+BENCHMARKS = (
+    "warm",
+    "cold",
+    "remote",
+    "gpu",
+    "jpeg",
+    "transport",
+    "startup",
+    "memory",
+    "verdict",
+)
 #: What ``--quick`` runs without ``--only``: the new workloads start several interpreters each
 #: (seconds apiece on a shared 2-core machine), so their smoke runs are asked for by name.
 QUICK_DEFAULT = ("warm", "cold", "remote", "gpu")
@@ -127,6 +139,7 @@ def commands(quick: bool, others: list[str], repeat: int | None) -> dict[str, li
             "transport": ["transport.py", "--quick", "--loaders", "pipe,torch,aioloader"],
             "startup": ["startup_size.py", "--quick"],
             "memory": ["memory_breakdown.py", "--quick"],
+            "verdict": ["verdict_advice.py", "--case", "slow-reads"],
         }
     return {
         "warm": ["bench_loader.py", "--loaders", loaders, *again],
@@ -137,6 +150,7 @@ def commands(quick: bool, others: list[str], repeat: int | None) -> dict[str, li
         "transport": ["transport.py"],
         "startup": ["startup_size.py"],
         "memory": ["memory_breakdown.py"],
+        "verdict": ["verdict_advice.py"],
     }
 
 
@@ -338,6 +352,22 @@ def memory_rows(doc: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def verdict_rows(doc: dict[str, Any]) -> list[Row]:
+    """Per case: the rate once the verdict's advice was followed, against the rate before."""
+    return [
+        Row(
+            "verdict",
+            f"{r['case']}: {r['verdict']} ({r['knob'] or 'no knob'})",
+            f"samples/s with {r['tried']}",
+            "before",
+            r["before"]["samples_per_s"],
+            r["after"]["samples_per_s"],
+            r["ratio"],
+        )
+        for r in doc["rows"]
+    ]
+
+
 TO_ROWS = {
     "warm": warm_rows,
     "cold": cold_rows,
@@ -347,6 +377,7 @@ TO_ROWS = {
     "transport": transport_rows,
     "startup": startup_rows,
     "memory": memory_rows,
+    "verdict": verdict_rows,
 }
 
 

@@ -347,6 +347,19 @@ def test_memory_breakdown_smoke_names_every_process_of_each_tree() -> None:
     assert "**tree**" in table
 
 
+@pytest.mark.timeout(120)
+def test_verdict_advice_smoke_follows_the_verdict_and_measures_again() -> None:
+    doc, table = run_json("verdict_advice.py", "--case", "slow-reads")
+    (row,) = doc["rows"]
+    assert (row["case"], row["verdict"], row["knob"]) == ("slow-reads", "workers", "num_workers")
+    assert row["tried"] == "num_workers=4"
+    assert row["after"]["samples_per_s"] > 0
+    assert row["ratio"] == pytest.approx(
+        row["after"]["samples_per_s"] / row["before"]["samples_per_s"]
+    )
+    assert "| slow-reads | workers (num_workers) |" in table
+
+
 def test_the_runner_turns_the_new_documents_into_ratio_rows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -422,3 +435,22 @@ def test_the_runner_turns_the_new_documents_into_ratio_rows(
     }
     (row,) = run_all.memory_rows(memory)
     assert row.ratio == pytest.approx(0.8)
+    verdict = {
+        "rows": [
+            {
+                "case": "remote",
+                "verdict": "io",
+                "knob": "io_concurrency",
+                "tried": "io_concurrency=16",
+                "before": {"samples_per_s": 100.0},
+                "after": {"samples_per_s": 350.0},
+                "ratio": 3.5,
+            },
+        ]
+    }
+    (row,) = run_all.verdict_rows(verdict)
+    assert (row.case, row.measure, row.ratio) == (
+        "remote: io (io_concurrency)",
+        "samples/s with io_concurrency=16",
+        3.5,
+    )
