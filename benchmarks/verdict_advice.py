@@ -15,6 +15,7 @@ no knob of the loader moves it much.
 
     python benchmarks/verdict_advice.py                  # every case (a minute or two)
     python benchmarks/verdict_advice.py --case transport decode
+    python benchmarks/verdict_advice.py --sync            # each epoch a plain `for` loop
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ TURN = {
 }
 
 
-async def measure(make: Any, settings: dict[str, Any]) -> dict[str, Any]:
+def measure(make: Any, settings: dict[str, Any], sync: bool) -> dict[str, Any]:
     import warnings
 
     import aioloader
@@ -143,10 +144,19 @@ async def measure(make: Any, settings: dict[str, Any]) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # more workers than CPUs, when the knob asks for it
         loader = aioloader.DataLoader(make(), **settings)
-    async with loader:
+
+    async def epochs() -> None:
         for _ in range(2):  # a warm-up epoch, then the measured one
             async for _ in loader:
                 pass
+
+    with loader:
+        if sync:
+            for _ in range(2):
+                for _ in loader:
+                    pass
+        else:
+            aioloader.run(epochs())
         e = loader.statistics().epoch_stats
     return {
         "samples_per_s": e.samples_per_s,
@@ -158,14 +168,14 @@ async def measure(make: Any, settings: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def run(names: list[str]) -> list[dict[str, Any]]:
+def run(names: list[str], sync: bool) -> list[dict[str, Any]]:
     rows = []
     for name in names:
         make, settings = CASES[name]
-        before = await measure(make, settings)
+        before = measure(make, settings, sync)
         knob = before["knob"] or "num_workers"
         turned = {**settings, **TURN[knob](settings)}
-        after = await measure(make, turned)
+        after = measure(make, turned, sync)
         rows.append(
             {
                 "case": name,
@@ -200,14 +210,13 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--sync", action="store_true", help="iterate with `for`, not `async for`")
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
-    import aioloader
-
-    rows = aioloader.run(run(args.case))
+    rows = run(args.case, args.sync)
     print(table(rows), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps({"benchmark": "verdict", "rows": rows}))
