@@ -23,6 +23,10 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+#: The ``grace_s`` of a test whose batches a loader's helper thread makes: a thread stalled that
+#: long at each of a deadline's looks would be late by the loop's clock (8 looks: 0.4 s).
+THREAD_GRACE_S = 0.05
+
 #: How long the loop waits, for real, when it has nothing to do and no timer set (a thread's
 #: result may come): a test that waits longer waits for ever.
 IDLE_BOUND_S = 10.0

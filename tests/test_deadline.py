@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from datasets import HangAt, Range
 from helpers import BOUND_S, as_lists, expected_batches, take
-from loop_time import run_skipping
+from loop_time import THREAD_GRACE_S, run_skipping
 
 import aioloader
 from aioloader import DataLoader, LoaderTimeoutError, WorkerCrashedError
@@ -32,9 +32,6 @@ pytestmark = pytest.mark.usefixtures("baseline")
 
 TICK = 0.01  # the deadline used where none passes
 DEADLINE_S = 2.0  # the deadline used where one passes: on the skipping loop, no real time
-# How long a helper thread's result is waited for, really, before the loop skips idle time
-# (loader tests): a thread stalled that long at each of a deadline's looks would be late.
-THREAD_GRACE_S = 0.05
 
 
 class FakeClock:
