@@ -95,6 +95,7 @@ TIERS: dict[str, str] = {
             "test_layers",
             "test_prestack",
             "test_reorder",
+            "test_routes",
             "test_sampler",
             "test_tree",
             "test_validate",
