@@ -219,8 +219,7 @@ class Epoch:
         Returns :data:`NOT_INLINE` where the rest of the epoch is to come from ``__anext__``
         on the loop instead: the epoch is not of that kind, its batches got costly (the loop's
         helper thread then makes the next one while the consumer works), or it runs there
-        already.
-        Raises ``StopIteration`` at the end, and a batch's error as ``__anext__`` does.
+        already. Raises ``StopIteration`` at the end, and a batch's error as ``__anext__`` does.
         """
         inline = self._inline
         if inline is None or self._loop is not None:
@@ -262,8 +261,7 @@ class Epoch:
         future: the scheduler parked once the route policy said :attr:`Route.LOOP`
         (``Producer.may_park``), as ``next_inline`` makes them with no loop. Returns
         :data:`NOT_INLINE` once it says otherwise (or a thread makes one): the scheduler then
-        goes on. Other tasks on the loop get
-        a turn every :data:`LOOP_TURN_S`."""
+        goes on. Other tasks on the loop get a turn every :data:`LOOP_TURN_S`."""
         inline, producer = self._inline, self._producer
         assert inline is not None
         assert self.plan is not None
