@@ -163,6 +163,15 @@ CPU_CASES = [
     # The processes ran only 6 CPU-seconds but waited 12 for a CPU: other processes hold the
     # cores (a shared machine): still the machine.
     (WORKERS4, {"consumer_wait_s": 5.0, "permit_wait_s": 9.0}, (2.0, 6.0, 12.0), "cpu", ""),
+    # The CPUs full, and this process spent more than its workers (tiny batches handed over):
+    # the machine, and batch_size cuts the part paid per batch.
+    (
+        WORKERS4,
+        {"consumer_wait_s": 5.0, "permit_wait_s": 9.0},
+        (12.0, 18.0, 0.0),
+        "cpu",
+        "batch_size",
+    ),
     # The same waits with CPUs to spare: prefetch is still the answer.
     (
         WORKERS4,
@@ -208,7 +217,7 @@ def test_the_verdict_weighs_the_cpus_before_it_names_a_knob(
     if stage == "cpu":
         assert "the machine is the limit" in stats.hint
         assert f"of the {stats.cpus:g} CPUs" in stats.hint
-        assert "num_workers" not in stats.hint  # no knob is offered
+        assert "num_workers" not in stats.hint  # more workers cannot help
     if knob:
         assert knob in stats.hint
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -64,6 +65,30 @@ async def test_consumer_verdict_means_the_step_not_the_loader() -> None:
     assert followed.samples_per_s > FASTER * slowed.samples_per_s
 
 
+class SlowStream:
+    """An async iterable dataset whose every item arrives ``delay`` seconds after the last (a
+    feed read one record at a time)."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        self.n = n
+        self.delay = delay
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        for i in range(self.n):
+            await asyncio.sleep(self.delay)
+            yield i
+
+
+async def test_source_verdict_raises_the_rate_when_followed() -> None:
+    # The verdict says: the stream is read one item at a time on the loop, use a map-style
+    # dataset. The same items behind an async map-style dataset are fetched 8 at a time.
+    slowed = await epoch_stats(SlowStream(32, 0.01), batch_size=4)
+    assert (slowed.bottleneck, slowed.knob) == ("source", ""), slowed.hint
+    assert "map-style" in slowed.hint
+    followed = await epoch_stats(AsyncRange(32, delay=0.01), batch_size=4, io_concurrency=8)
+    assert followed.samples_per_s > FASTER * slowed.samples_per_s
+
+
 class Burn:
     """A map-style dataset whose every sample costs ``ms`` milliseconds of CPU (a decode)."""
 
@@ -82,16 +107,21 @@ class Burn:
         return np.full(64, index, dtype=np.int64)
 
 
+def warm_epoch_stats(dataset: Any, **settings: Any) -> EpochStatistics:
+    """The second (warm: workers started) epoch's statistics, iterated with ``for``."""
+    with DataLoader(dataset, **settings) as loader:
+        for _ in range(2):
+            for _batch in loader:
+                pass
+        return loader.statistics().epoch_stats
+
+
 def test_a_cpu_bound_pipeline_names_the_machine_and_no_knob() -> None:
     # As many worker processes as the CPUs this process may use, each sample 15 ms of CPU: the
     # cores are full (a decode-bound ImageNet pipeline on a small machine). "raise num_workers"
     # or "raise prefetch" would be false advice.
     workers = max(1, int(cpus_available()))
-    with DataLoader(Burn(48 * workers, 15.0), batch_size=4, num_workers=workers) as loader:
-        for _ in range(2):  # the second epoch: warm, the workers started
-            for _batch in loader:
-                pass
-        stats = loader.statistics().epoch_stats
+    stats = warm_epoch_stats(Burn(48 * workers, 15.0), batch_size=4, num_workers=workers)
     assert stats.bottleneck == "cpu", stats.hint
     assert stats.knob == ""
     assert "the machine is the limit" in stats.hint

@@ -569,14 +569,15 @@ class EpochStatistics:
         In order: a consumer that rarely waited is the limit itself; else the copies to the
         device if the consumer waited for them more than for batches; else the machine, when
         the loader's processes used or waited for :data:`CPU_SATURATED` of the CPUs they may
-        use (no knob
-        helps then: more workers share the same cores, more prefetch only queues); else the
-        busiest stage that used :data:`SATURATED` of the capacity it could use (the smaller of
-        its own setting and what ``prefetch`` lets it have: when ``prefetch`` is the smaller,
-        it is the knob; the workers' busy share is the larger of the time they measured and
-        the CPU their processes used); else this process, busy on one CPU handing batches
-        over (per-batch cost: ``batch_size``); else ``prefetch`` if the scheduler mostly
-        waited for permits; else the loop itself (no stage was busy, yet batches came late).
+        use (more workers share the same cores, more prefetch only queues: only where this
+        process spent more than its workers does a knob help, ``batch_size``: fewer batches
+        to hand over); else the busiest stage that used :data:`SATURATED` of the capacity it
+        could use (the smaller of its own setting and what ``prefetch`` lets it have: when
+        ``prefetch`` is the smaller, it is the knob; the workers' busy share is the larger of
+        the time they measured and the CPU their processes used); else this process, busy on
+        one CPU handing batches over (per-batch cost: ``batch_size``); else ``prefetch`` if
+        the scheduler mostly waited for permits; else the loop itself (no stage was busy, yet
+        batches came late).
         """
         waited = f"the consumer waited {self.wait_share:.0%} of the time"
         if self.wait_share < WAIT_SHARE_THRESHOLD:
@@ -602,15 +603,27 @@ class EpochStatistics:
                     f", and waited for a CPU {self.cpu_wait_share:.0%} of it: other processes "
                     "or too many threads hold the rest"
                 )
-            return (
-                "cpu",
-                "",
+            machine = (
                 f"the machine is the limit: the loader's processes used "
                 f"{self.cpu_share * self.cpus:.1f} of the {self.cpus:g} CPUs they may use "
                 f"({self.cpu_share:.0%}: this process {self.main_cpus:.1f}, its workers "
-                f"{self.worker_cpus:.1f}{others}; {waited}): more workers or prefetch cannot "
-                "help on these cores; make __getitem__, the transform or collate_fn cheaper, "
-                "or run on more CPUs",
+                f"{self.worker_cpus:.1f}{others}; {waited})"
+            )
+            if capacity.processes and self.main_cpus >= self.worker_cpus:
+                # This process, not the workers, spent the most: handing batches over (and
+                # the training step). Fewer, larger batches cut the part paid per batch.
+                return (
+                    "cpu",
+                    "batch_size",
+                    f"{machine}: this process spends more than its workers, much of it per "
+                    "batch (receiving, mapping, handing over): raise batch_size; more workers "
+                    "or prefetch cannot help on these cores",
+                )
+            return (
+                "cpu",
+                "",
+                f"{machine}: more workers or prefetch cannot help on these cores; make "
+                "__getitem__, the transform or collate_fn cheaper, or run on more CPUs",
             )
         items = capacity.prefetch * max(1, capacity.batch_size)
         running = min(makers, capacity.prefetch)
