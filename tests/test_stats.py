@@ -538,9 +538,11 @@ def test_statistics_before_any_epoch_are_empty() -> None:
     ],
 )
 def test_the_why_slow_example_names_each_case(case: str, verdict: str) -> None:
+    # 128 samples: the consumer case's 16 steps of 20 ms dwarf the wait for its first batch (a
+    # helper thread starting), which at 8 steps was near a fifth of a loaded machine's epoch.
     script = Path(__file__).resolve().parent.parent / "examples" / "why_slow.py"
     result = subprocess.run(
-        [sys.executable, str(script), "--case", case, "--samples", "64", "--no-fix"],
+        [sys.executable, str(script), "--case", case, "--samples", "128", "--no-fix"],
         capture_output=True,
         text=True,
         timeout=60,
