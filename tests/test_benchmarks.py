@@ -326,7 +326,7 @@ def test_startup_size_smoke_times_the_first_batch_of_both_loaders() -> None:
         ("torch", 4, 1, "forkserver"),
         ("aioloader", 4, 1, "forkserver"),
     }
-    assert all(r["first_batch_s"] > 0 and r["peak_pss_mb"] > 50 for r in doc["rows"])
+    assert all(r["first_batch_s"] > 0 and r["pss_mb"] > 50 for r in doc["rows"])
     assert "| forkserver | 4 | 1 |" in table
 
 
