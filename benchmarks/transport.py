@@ -1,8 +1,10 @@
 """Worker-to-consumer transport: large payloads, no per-item work, one worker process.
 
-Each item is one payload made once per worker and handed over again and again: ``bytes``, a
-numpy array or a torch tensor of 2, 8 or 32 MiB. What is measured is only the road from the
-worker to the consumer, which drops each item at once:
+Each item is a payload of 2, 8 or 32 MiB: ``bytes`` (one object made once per worker, handed
+over again and again: pickling copies it anyway), or a numpy array or torch tensor copied from
+one made once per worker (a fresh array per item, as a real batch is: handing the same tensor
+over again would let torch send the handle of a storage it already shared, at no cost, which
+no training run does). The worker does nothing else; the consumer drops each item at once:
 
 - ``pipe``: a process sending each item through a ``multiprocessing.Pipe`` (pickled, copied
   through the kernel, unpickled): the floor every loader should beat;
@@ -15,7 +17,9 @@ worker to the consumer, which drops each item at once:
 
 Each loader and payload kind runs in a fresh interpreter (one epoch to warm up, one timed);
 reported: MB/s, the consumer's CPU seconds per GB moved (its own process, every thread), and
-the peak PSS of the process tree. The machine is shared: read the ratios.
+the PSS of the process tree after the timed epoch, read once (sampling it all along reads the
+memory maps of processes mapping hundreds of MB of segments, and slowed what it measured).
+The machine is shared: read the ratios.
 
     python benchmarks/transport.py                   # 2, 8, 32 MiB; 256 MiB moved per size
     python benchmarks/transport.py --mib 8 --total-mib 1024 --kinds numpy
@@ -73,7 +77,9 @@ class Payloads:
     def __getitem__(self, index: int) -> Any:
         if self._payload is None:
             self._payload = make_payload(self.kind, self.nbytes)
-        return self._payload
+        if self.kind == "bytes":
+            return self._payload
+        return self._payload.copy() if self.kind == "numpy" else self._payload.clone()
 
     def __iter__(self) -> Iterator[Any]:  # SPDL iterates it in its subprocess
         return (self[i] for i in range(self.n))
@@ -89,9 +95,9 @@ def _send(conn: Any, kind: str, nbytes: int, n: int) -> None:
     # Plain pickle (protocol 5), not the connection's ForkingPickler: with torch imported, that
     # one sends a tensor as a file descriptor of shared memory, which is torch's road, not a
     # pipe's.
-    payload = make_payload(kind, nbytes)
-    for _ in range(n):
-        conn.send_bytes(pickle.dumps(payload, protocol=5))
+    payloads = Payloads(kind, nbytes, n)
+    for i in range(n):
+        conn.send_bytes(pickle.dumps(payloads[i], protocol=5))
     conn.close()
 
 
@@ -154,9 +160,22 @@ def consumer_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def tree_pss_mb() -> float:
+    """The PSS of this process and every descendant, now."""
+    import contextlib
+
+    import psutil
+
+    me = psutil.Process()
+    total = 0
+    for p in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_full_info().pss
+    return total / MiB
+
+
 def child(loader: str, kind: str, sizes: list[int], total: int) -> list[dict[str, Any]]:
     """One loader, one payload kind, each size: one warm-up epoch, then one timed."""
-    import bench_loader
     import torch
 
     torch.set_num_threads(1)
@@ -164,19 +183,19 @@ def child(loader: str, kind: str, sizes: list[int], total: int) -> list[dict[str
     for mib in sizes:
         n = max(4, total // mib)
         data = Payloads(kind, mib * MiB, n)
-        with bench_loader.PeakPss() as memory:
-            epoch, close = EPOCHS[loader](data)
-            try:
-                assert sum(1 for _ in epoch()) == n
-                cpu, started = consumer_cpu_s(), time.perf_counter()
-                seen = 0
-                for item in epoch():
-                    seen += 1
-                    del item
-                elapsed = time.perf_counter() - started
-                cpu = consumer_cpu_s() - cpu
-            finally:
-                close()
+        epoch, close = EPOCHS[loader](data)
+        try:
+            assert sum(1 for _ in epoch()) == n
+            cpu, started = consumer_cpu_s(), time.perf_counter()
+            seen = 0
+            for item in epoch():
+                seen += 1
+                del item
+            elapsed = time.perf_counter() - started
+            cpu = consumer_cpu_s() - cpu
+            pss = tree_pss_mb()
+        finally:
+            close()
         assert seen == n
         moved = n * mib * MiB
         rows.append(
@@ -187,7 +206,7 @@ def child(loader: str, kind: str, sizes: list[int], total: int) -> list[dict[str
                 "items": n,
                 "mb_s": moved / elapsed / 1e6,
                 "consumer_cpu_s_per_gb": cpu / (moved / 1e9),
-                "peak_pss_mb": memory.peak / MiB,
+                "pss_mb": pss,
             }
         )
     return rows
@@ -250,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def table(doc: dict[str, Any]) -> str:
     lines = [
-        "| payload | loader | MB/s | / pipe | / torch | / spdl | consumer CPU s/GB | peak PSS MB |",
+        "| payload | loader | MB/s | / pipe | / torch | / spdl | consumer CPU s/GB "
+        "| PSS MB after |",
         "|---|---|---|---|---|---|---|---|",
     ]
     rates = {(r["kind"], r["mib"], r["loader"]): r["mb_s"] for r in doc["rows"]}
@@ -262,7 +282,7 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(
             f"| {r['kind']} {r['mib']} MiB | {r['loader']} | {r['mb_s']:,.0f} | "
             + " | ".join(cells)
-            + f" | {r['consumer_cpu_s_per_gb']:.3f} | {r['peak_pss_mb']:.0f} |"
+            + f" | {r['consumer_cpu_s_per_gb']:.3f} | {r['pss_mb']:.0f} |"
         )
     for name, why in doc["skipped"].items():
         lines.append(f"| | {name} | {why} | | | | | |")

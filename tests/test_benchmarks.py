@@ -315,7 +315,7 @@ def test_transport_smoke_reports_rates_consumer_cpu_and_memory() -> None:
     for row in rows:
         assert row["mb_s"] > 0
         assert row["consumer_cpu_s_per_gb"] >= 0
-        assert row["peak_pss_mb"] > 50
+        assert row["pss_mb"] > 50
     assert "| numpy 2 MiB | aioloader |" in table
 
 
