@@ -86,11 +86,13 @@ VERDICT_WARNING_MIN_S = 10.0
 SATURATED = 0.6
 
 #: The loader's processes (this one and every descendant: the worker server, the workers) using
-#: this share of the CPUs they may use make the machine the limit: no setting of the loader
-#: can make batches faster, only cheaper work per sample or more cores. Below 1 because the
-#: scheduler, interrupts and the processes' own idle moments (a batch handed over) take a few
-#: percent; well above :data:`SATURATED`, because naming the machine must be sure: a slowed
-#: pipeline whose knob would help never comes near it (its time is spent waiting, not running).
+#: or waiting in a run queue for this share of the CPUs they may use make the machine the
+#: limit: no setting of the loader can make batches faster, only cheaper work per sample (or
+#: per batch) or more cores. Below 1 because the processes' own idle moments (a batch handed
+#: over) take some; well above :data:`SATURATED`, because naming the machine must be sure. On a
+#: loaded 2-core machine (docs/benchmarks.md): sleep-bound pipelines read 12-35%, a
+#: latency-bound one (2 MiB arrays, 2 permits, where prefetch was the truth) up to 77%,
+#: decode-bound ones 86-102%.
 CPU_SATURATED = 0.85
 
 #: While an epoch runs, the process tree's CPU time is read at most this often (seconds): a
