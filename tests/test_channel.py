@@ -23,16 +23,8 @@ import pytest
 
 from aioloader._workers import resolve_context
 from aioloader._workers._channel import Channel, open_channel, serve_over
-from aioloader._workers._frames import (
-    CANCELLED,
-    ERROR,
-    HEADER,
-    MAX_REPLY_BYTES,
-    RESULT,
-    RemoteTraceback,
-    pack_result,
-    reply_header_fault,
-)
+from aioloader._workers._frames import RemoteTraceback, pack_result, reply_header_fault
+from aioloader._workers._records import CANCELLED, ERROR, HEADER, MAX_REPLY_BYTES, RESULT
 
 # -- what the worker runs (module level: pickled by reference) ----------------------------------
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from aioloader import _workers
-from aioloader._workers import _exits
+from aioloader._workers import _death
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -139,7 +139,7 @@ def _sleep_forever() -> None:
 
 def test_the_exit_watch_reports_each_exit_once_and_forgets_what_it_discards() -> None:
     context = multiprocessing.get_context("spawn")
-    watch = _exits.ExitWatch()
+    watch = _death.ExitWatch()
     ended: list[str] = []
     done = threading.Event()
     kept, dropped = context.Process(target=_sleep_forever), context.Process(target=_sleep_forever)

@@ -110,26 +110,27 @@ PACKAGE_LEVELS: dict[str, dict[str, int]] = {
     "_batch": {"_mismatch": 0, "_stacking": 0, "_prestack": 0, "_collate": 1, "_make": 2},
     "_threads": {"_loop": 0, "_offloop": 0, "_reuse": 0, "_routes": 0, "_run": 1, "_runner": 1},
     "_workers": {
-        # the records and mechanisms both sides share
-        "_cells": 0,
-        "_exits": 0,
-        "_frames": 0,
+        # what both sides share: the records on the wire and in shared memory, the private
+        # CPython workers start with, what a worker knows
+        "_cpython": 0,
         "_info": 0,
         "_mapped": 0,
-        "_raw": 0,
-        "_zygote": 0,
-        "_channel": 1,
-        "_context": 1,
+        "_records": 0,
+        # packing, pickling and moving the records; the start methods
+        "_copy": 1,
+        "_frames": 1,
         "_payload": 1,
-        "_wire": 2,
+        "_raw": 1,
+        "_wire": 1,
+        "_zygote": 1,
+        "_channel": 2,
+        "_context": 2,
         # the worker's side: its serve loop and jobs; then the main side, which starts workers,
-        # watches their deaths and submits jobs
-        "_copy": 3,
+        # sees their deaths and submits jobs
         "_worker": 3,
         "_starting": 4,
-        "_deaths": 5,
-        "_launch": 5,
-        "_abandoned": 6,
+        "_death": 5,
+        "_launch": 6,
         "_pool": 7,
         "_runner": 8,
     },

@@ -1,4 +1,4 @@
-"""Samples the loop fetched reach the worker processes through shared memory (``_wire.Sender``).
+"""Samples the loop fetched reach the worker processes through shared memory (``_raw.Sender``).
 
 The large ``bytes`` of a map job's fetched samples (a tar shard's members, an HTTP object) are
 copied into the job's slot instead of being pickled through the pipe; the worker copies them
@@ -24,14 +24,9 @@ from procs import no_worker_left_behind
 from aioloader import DataLoader, _shm
 from aioloader._shm import Slot, SlotPool
 from aioloader._types import BatchRequest
-from aioloader._workers._wire import (
-    RAW_SLOT_MIN_BYTES,
-    RawRef,
-    RawSlotError,
-    Receiver,
-    Sender,
-    unpack_raw,
-)
+from aioloader._workers._raw import RAW_SLOT_MIN_BYTES, Sender, unpack_raw
+from aioloader._workers._records import RawRef, RawSlotError
+from aioloader._workers._wire import Receiver
 from aioloader.sources import TarDataset
 
 BOUND_S = 30.0

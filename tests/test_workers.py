@@ -52,7 +52,7 @@ from aioloader import (
     _shm,
     _workers,
 )
-from aioloader._workers import _context, _exits, _pool, _worker
+from aioloader._workers import _context, _death, _pool, _worker
 from aioloader._workers._info import StreamRandom
 
 # The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
@@ -473,14 +473,14 @@ async def test_cancelled_while_a_dead_workers_status_is_read_the_job_is_still_re
     pool = _workers.WorkerPool(1, context, 0)
     loop = asyncio.get_running_loop()
     task: asyncio.Task[Any] | None = None
-    real_reap = _exits.reap
+    real_reap = _death.reap
 
     def reap_then_cancel(*args: Any) -> None:
         assert task is not None
         loop.call_soon_threadsafe(task.cancel)
         real_reap(*args)
 
-    monkeypatch.setattr(_exits, "reap", reap_then_cancel)
+    monkeypatch.setattr(_death, "reap", reap_then_cancel)
     released: list[int] = []
     try:
         task = asyncio.create_task(

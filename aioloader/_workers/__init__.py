@@ -1,25 +1,33 @@
 """Worker processes: the only package that creates processes.
 
-One module a job::
+One module a job, by seam: what both sides share, what packs and moves it, the worker's side,
+then the main side that starts workers, sees them die and routes their jobs::
 
-    _context   which start method (forkserver by default; fork refused while threads run);
-               workers never run the user's __main__ again
-    _payload   how the dataset copy travels: pickle, with __main__'s classes by value
-    _mapped    arrays and tensors of memory-mapped files: sent as file regions, mapped again
-    _info      what a worker knows (get_worker_info, torch's too) and its seeds
-    _worker    everything that runs inside a worker: initializer, loading a dataset copy,
-               the map and stream jobs, stream sharding, the watchdog
-    _wire      the job records and the batch's way back: the one place that decides shared
-               memory or inline, on both sides
-    _channel   the pipes a job and its reply travel over, watched by the event loop
-    _frames    what travels on them: frame header and kinds, results and errors packed
-    _copy      the dataset copy the workers load: pickled once, in a thread, when given
-    _pool      WorkerPool: a process and two pipes per worker; deaths and rebuilds
-    _launch    starting the workers' processes, on threads (never the event loop's)
-    _exits     the watch on the workers' exits, and their exit status
-    _starting  workers that hang while they start: the start deadline, their stacks
-    _deaths    what a dead worker's error says; reading its exit status
-    _runner    ProcessRunner: the epoch's Runner over the pool
+    shared    _records   the records that travel between the main process and a worker:
+                         frame kinds, the jobs, the parcel a batch comes back in, a dataset
+                         copy's Payload; the cells a worker publishes its job's tag in
+              _cpython   CPython's private multiprocessing and import internals, one function
+                         per need, each with its fallback
+              _info      what a worker knows (get_worker_info, torch's too) and its seeds
+              _mapped    arrays and tensors of memory-mapped files: sent as file regions
+    packing   _frames    frames built and taken apart: results and errors packed
+              _payload   how the dataset copy travels: pickle, with __main__'s classes by value
+              _wire      a batch's way back: the one place that decides shared memory or
+                         inline, on both sides
+              _raw       the samples the loop fetched, to the worker through the job's slot
+              _copy      the dataset copy the workers load: pickled once, in a thread
+    moving    _channel   the pipes a job and its reply travel over, watched by the event loop
+    starting  _zygote    the forkserver forked from this process; when a fork is safe
+              _context   which start method: the forked server by default, fork refused
+                         while threads run; workers never run the user's __main__ again
+    worker    _worker    everything that runs inside a worker: initializer, loading a dataset
+                         copy, the map and stream jobs, stream sharding, the watchdog
+    main      _starting  workers that hang while they start: the start deadline, their stacks
+              _death     a worker's death: how it is seen, what its error says, what happens
+                         to its jobs
+              _launch    starting the workers' processes, on threads (never the event loop's)
+              _pool      WorkerPool: a process and two pipes per worker; routing, rebuilds
+              _runner    ProcessRunner: the epoch's Runner over the pool
 
 One map-style batch on its way (a stream's batch goes the same way, as ``pull`` →
 ``StreamJob`` → ``run_stream_job``, always to the stream's own worker)::
@@ -28,10 +36,10 @@ One map-style batch on its way (a stream's batch goes the same way, as ``pull`` 
     ────────────                                              ─────────────────────────────
     epoch ── BatchRequest ──▶ _runner.ProcessRunner.start_make
       _wire.Receiver.lease() ──▶ a slot, or None (inline)
-      _wire.MapJob(request, slot)
+      _records.MapJob(request, slot)
       _pool.WorkerPool.submit(run_map_job, job)
         first job of an epoch that renews the copy:
-        _wire.LoadJob(_payload.dumps(...)) ──── pipe ────────────▶ _worker.load_copy: the
+        _records.LoadJob(_payload.dumps_copy(...)) ─── pipe ─────▶ _worker.load_copy: the
                                                                   dataset copy, seeds,
                                                                   worker_init_fn
       _channel.Channel.send ──── pipe: pickle((fn, job)) ────▶ _channel.serve_over
@@ -44,7 +52,7 @@ One map-style batch on its way (a stream's batch goes the same way, as ``pull`` 
     epoch ◀── Made(batch) ──┘
 
 The record that comes back is :class:`~aioloader._types.Made` from the worker to the epoch;
-only its ``batch`` changes, from the :class:`._wire.Parcel` to the batch, when it is opened.
+only its ``batch`` changes, from the :class:`._records.Parcel` to the batch, when it is opened.
 
 Sharp edges (each module's docstring tells its own in full):
 - ``fork`` is refused while threads run (an event loop's executor, a sync iterator's thread):
@@ -56,17 +64,20 @@ Sharp edges (each module's docstring tells its own in full):
   workers; ``persistent_workers=False`` renews it each epoch in the same processes (``_pool``).
 - Workers ignore SIGINT, and a watchdog ends a worker whose main process died, zombies
   included (``_worker``).
-- A worker's death is seen twice, as end-of-file on its pipe and as its process sentinel
-  (``_exits``); the job it was running gets ``WorkerCrashedError``, jobs only queued behind it go
-  to its replacement, and a worker that keeps dying while it starts ends in
-  ``WorkerInitError`` (``_pool``); so does one that hangs while it starts, at the start
-  deadline, with its stack (``_starting``).
+- A worker's death is seen twice, as end-of-file on its pipe and as its process sentinel; the
+  job it was running gets ``WorkerCrashedError``, jobs only queued behind it go to its
+  replacement, and a worker that keeps dying while it starts ends in ``WorkerInitError``
+  (``_death``); so does one that hangs while it starts, at the start deadline, with its stack
+  (``_starting``).
 - A slot goes back to the pool only once no worker can write into it: a cancelled job's slot
   waits for the worker to finish or die (``_channel``, ``_pool``, ``_wire``).
 - Pipe ends are bound to one event loop at a time; a loader iterated with ``for`` and later
   with ``async for`` moves them between loops (``_channel``).
 - CPU tensors of an inline batch travel as numpy arrays: torch's own pickling would put each
   into a new shared-memory file (``_wire``).
+- A CPython release that changes the internals workers are started with breaks ``_cpython``
+  alone, whose fallbacks keep the workers starting (the standard forkserver, ``__main__`` run
+  again), never an ``AttributeError``.
 """
 
 from __future__ import annotations
@@ -77,13 +88,13 @@ from ._context import starts_early as starts_early
 from ._info import WorkerInfo as WorkerInfo
 from ._info import get_worker_info as get_worker_info
 from ._info import seed_everything as seed_everything
-from ._payload import Payload as Payload
 from ._payload import dumps as dumps_payload
 from ._payload import dumps_copy as dumps_copy
 from ._payload import preload_pickler as preload_pickler
 from ._pool import DEFAULT_START_TIMEOUT_S as DEFAULT_START_TIMEOUT_S
 from ._pool import WorkerPool as WorkerPool
 from ._pool import warn_more_workers_than_cpus as warn_more_workers_than_cpus
+from ._records import Payload as Payload
 from ._runner import ProcessRunner as ProcessRunner
 from ._zygote import hold_server as hold_server
 from ._zygote import is_zygote as is_zygote

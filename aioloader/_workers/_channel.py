@@ -11,17 +11,18 @@ batches travel here:
   (``add_reader`` / ``add_writer``), no thread, no hop: ~25 us of CPU per job;
 - worker side, :func:`serve`: a blocking loop that runs one job at a time.
 
-A frame is a fixed header ``(payload length, job id, kind)`` and a pickle (:mod:`._frames`
-builds and takes them apart). Requests are jobs ``(fn, arg)``, cancellations, or "stop";
-replies are a result, an error ``(exception, traceback text)``, or "cancelled" (the job was
-dropped before it ran). A result's large buffers (the arrays of a batch that travels inline) go
-out of band, after the pickle: the main side reads a large frame straight into one buffer of
-its size and unpickles the arrays as views of it, so the bytes are copied once, by the kernel,
-and the loop reads at most a few MiB per callback (a 128 MiB reply kept the loop busy for
-85 ms at most, not 430). A worker that dies closes its pipe: the main side sees end-of-file at
-once and fails every job the worker held with ``BrokenProcessPool``. So does a reply frame that
-cannot be valid (:func:`._frames.reply_header_fault`: bytes a stray process wrote into the
-pipe): the channel is marked :attr:`Channel.corrupt`, and its owner kills the worker.
+A frame is a fixed header ``(payload length, job id, kind)`` and a pickle (:mod:`._records`
+names the kinds, :mod:`._frames` builds and takes them apart). Requests are jobs ``(fn, arg)``,
+cancellations, or "stop"; replies are a result, an error ``(exception, traceback text)``, or
+"cancelled" (the job was dropped before it ran). A result's large buffers (the arrays of a batch
+that travels inline) go out of band, after the pickle: the main side reads a large frame
+straight into one buffer of its size and unpickles the arrays as views of it, so the bytes are
+copied once, by the kernel, and the loop reads at most a few MiB per callback (a 128 MiB reply
+kept the loop busy for 85 ms at most, not 430). A worker that dies closes its pipe: the main
+side sees end-of-file at once and fails every job the worker held with ``BrokenProcessPool``. So
+does a reply frame that cannot be valid (:func:`._frames.reply_header_fault`: bytes a stray
+process wrote into the pipe): the channel is marked :attr:`Channel.corrupt`, and its owner kills
+the worker.
 
 Sharp edges:
 - Pipe ends are bound to one event loop at a time. A loader iterated first synchronously (on
@@ -53,13 +54,6 @@ from typing import Any
 
 from .._signals import terminating
 from ._frames import (
-    CANCEL,
-    CANCELLED,
-    ERROR,
-    HEADER,
-    JOB,
-    RESULT,
-    STOP,
     pack_error,
     pack_result,
     reply_header_fault,
@@ -67,6 +61,7 @@ from ._frames import (
     unpack_error,
     unpack_result,
 )
+from ._records import CANCEL, CANCELLED, ERROR, HEADER, JOB, RESULT, STOP
 
 __all__ = ["Channel", "open_channel", "serve", "serve_over"]
 

@@ -8,15 +8,15 @@ the forkserver preloads it once, and with it ``aioloader``, numpy and torch: eve
 forks from a process that has already paid for those imports.
 
 A worker does not re-run the main script. Python's ``forkserver`` and ``spawn`` tell each child
-the main module's path or name, and the child runs it again (as ``__mp_main__``) so that
-classes defined there unpickle by reference. A script without an ``if __name__ ==
-"__main__":`` guard then builds and iterates a loader again inside every worker, and fails
-there. Workers started here are told nothing about the main module (:class:`_NoMainForkServerPopen`
-and its spawn twin drop it from the preparation data); whatever the loader sends them that
-lives in ``__main__`` is pickled by value instead (:mod:`._payload`). A script behaves as
-with torch's default ``fork`` on Linux: its top level runs once. The start methods named here
-(and the stock ``forkserver`` / ``spawn`` contexts passed as objects) get this; any other
-context object is used as given.
+the main module's path or name, and the child runs it again (as ``__mp_main__``) so that classes
+defined there unpickle by reference. A script without an ``if __name__ == "__main__":`` guard
+then builds and iterates a loader again inside every worker, and fails there. Workers started
+here are told nothing about the main module (the processes of :class:`ForkServerContext` and
+:class:`SpawnContext` drop it from the preparation data); whatever the loader sends them that
+lives in ``__main__`` is pickled by value instead (:mod:`._payload`). A script behaves as with
+torch's default ``fork`` on Linux: its top level runs once. The start methods named here (and
+the stock ``forkserver`` / ``spawn`` contexts passed as objects) get this; any other context
+object is used as given.
 
 ``fork`` is refused unless the caller insists: workers are started while the loader runs, from
 the event loop's thread or a helper thread, with the loop's executor and the pool's exit watch
@@ -24,11 +24,10 @@ alive, and a forked child inherits locks those threads may hold (and can deadloc
 Counting threads when the loader is made would not tell what runs at fork time.
 
 Sharp edges:
-- Leaving ``__main__`` out means copying CPython's ``Popen._launch`` of each start method with
-  one name rebound (``spawn``, to :class:`_PreparationWithoutMain`), rather than copying its
-  code or patching the ``multiprocessing`` module for every user of it. Should a Python
-  version stop reading the preparation data through that name, the stock ``Popen`` is used
-  and workers re-run ``__main__`` as before (:data:`WORKERS_SKIP_MAIN` tells which).
+- Leaving ``__main__`` out means CPython's launch of each start method with one name rebound
+  (``spawn``, to :class:`_PreparationWithoutMain`: :func:`._cpython.popen_with_spawn`). Should
+  a Python version stop reading the preparation data through that name, the stock ``Popen``
+  is used and workers re-run ``__main__`` as before (:data:`WORKERS_SKIP_MAIN` tells which).
 - The forkserver is one per program and its preload list is global: it is set before the
   server starts, and has no effect if something else started it first.
 - The standard forkserver's start is not over when ``ensure_running`` returns: the server
@@ -52,14 +51,14 @@ import os
 import secrets
 import sys
 import threading
-import types
 from collections.abc import Callable
 from multiprocessing import context as mp_context_module
 from multiprocessing import forkserver, popen_forkserver, popen_spawn_posix, spawn
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from ._zygote import is_zygote, preparation_data, zygote_context
+from ._cpython import forkserver_pid, popen_with_spawn, preparation_data, starts_through
+from ._zygote import is_zygote, zygote_context
 
 __all__ = [
     "HASH_SEED",
@@ -89,7 +88,7 @@ def _one_hash_seed() -> bool:
 
 
 class _PreparationWithoutMain:
-    """``multiprocessing.spawn`` as a ``Popen._launch`` sees it, except that the preparation
+    """``multiprocessing.spawn`` as a ``Popen``'s launch sees it, except that the preparation
     data it returns never names the main module, and the command runs the interpreter through
     ``env`` with :data:`HASH_SEED` where the program set no ``PYTHONHASHSEED``."""
 
@@ -112,46 +111,21 @@ class _PreparationWithoutMain:
         return [_ENV, f"PYTHONHASHSEED={HASH_SEED}", *command]
 
 
-def _launch_without_main(launch: Callable[..., None]) -> Callable[..., None] | None:
-    """``launch`` with its global ``spawn`` bound to :class:`_PreparationWithoutMain`, or
-    None if it does not read the preparation data through that name."""
-    code = launch.__code__
-    if "spawn" not in code.co_names:
-        return None
-    namespace = dict(launch.__globals__)
-    namespace["spawn"] = _PreparationWithoutMain()
-    copy = types.FunctionType(code, namespace, launch.__name__, launch.__defaults__)
-    copy.__qualname__ = launch.__qualname__
-    return copy
-
-
-_forkserver_launch = _launch_without_main(popen_forkserver.Popen._launch)  # type: ignore[attr-defined]
-_spawn_launch = _launch_without_main(popen_spawn_posix.Popen._launch)  # type: ignore[attr-defined]
+_forkserver_popen = popen_with_spawn(popen_forkserver.Popen, _PreparationWithoutMain())
+_spawn_popen = popen_with_spawn(popen_spawn_posix.Popen, _PreparationWithoutMain())
 
 # Whether workers of the contexts below skip the main module (see the module's sharp edges).
-WORKERS_SKIP_MAIN = _forkserver_launch is not None and _spawn_launch is not None
+WORKERS_SKIP_MAIN = _forkserver_popen is not None and _spawn_popen is not None
 
 
-class _NoMainForkServerPopen(popen_forkserver.Popen):
-    if _forkserver_launch is not None:
-        _launch = _forkserver_launch
-
-
-class _NoMainSpawnPopen(popen_spawn_posix.Popen):
-    if _spawn_launch is not None:
-        _launch = _spawn_launch
-
-
+@starts_through(_forkserver_popen or popen_forkserver.Popen)
 class _ForkServerProcess(mp_context_module.ForkServerProcess):
-    @staticmethod
-    def _Popen(process_obj: Any) -> Any:
-        return _NoMainForkServerPopen(process_obj)
+    pass
 
 
+@starts_through(_spawn_popen or popen_spawn_posix.Popen)
 class _SpawnProcess(mp_context_module.SpawnProcess):
-    @staticmethod
-    def _Popen(process_obj: Any) -> Any:
-        return _NoMainSpawnPopen(process_obj)
+    pass
 
 
 class ForkServerContext(mp_context_module.ForkServerContext):
@@ -270,7 +244,7 @@ def await_server(context: BaseContext, closed: Callable[[], bool] = lambda: Fals
             return
         try:
             forkserver.ensure_running()  # (re)starts it; returns before its imports are done
-            pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+            pid = forkserver_pid()
             if pid is not None and pid == _server_up:
                 return
             # Ours, whatever the pool's: the server is the program's, and this process must

@@ -15,8 +15,7 @@ import concurrent.futures
 import threading
 from collections.abc import Callable
 
-from ._payload import Payload
-from ._wire import LoadJob
+from ._records import LoadJob, Payload
 
 __all__ = ["DatasetCopy"]
 
@@ -28,7 +27,7 @@ class DatasetCopy:
         make: pickles the copy (``_payload.dumps_copy`` of the batch maker and
             worker_init_fn).
         epoch: the epoch it is made for (the workers' seeds derive from it).
-        copy_id: which copy of the workers' it replaces (see :class:`._wire.LoadJob`).
+        copy_id: which copy of the workers' it replaces (see :class:`._records.LoadJob`).
         seed: the loader's seed, if not the one the workers started with.
         per_batch_seeds: likewise, ``worker_seeding='batch'``.
     """

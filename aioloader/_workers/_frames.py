@@ -1,7 +1,8 @@
-"""The frame format of the pipes between the main process and a worker: pure encoding, no IO.
+"""The frames on the pipes between the main process and a worker, built and taken apart: pure
+encoding, no IO.
 
-A frame is a fixed header ``(payload length, job id, kind)`` (:data:`HEADER`) and a payload.
-Requests (main → worker)::
+A frame is a fixed header ``(payload length, job id, kind)`` (:data:`._records.HEADER`) and a
+payload; the kinds are records too (:mod:`._records`). Requests (main → worker)::
 
     JOB        pickle((fn, arg))
     CANCEL     empty: skip job ``job id`` if it has not started
@@ -43,17 +44,11 @@ import traceback
 from collections.abc import Container
 from typing import Any, Generic, TypeVar
 
+from ._records import HEADER, MAX_REPLY_BYTES, REPLY_KINDS
+
 T = TypeVar("T")
 
 __all__ = [
-    "CANCEL",
-    "CANCELLED",
-    "ERROR",
-    "HEADER",
-    "JOB",
-    "MAX_REPLY_BYTES",
-    "RESULT",
-    "STOP",
     "KeyErrorMessage",
     "Packed",
     "RemoteTraceback",
@@ -66,34 +61,13 @@ __all__ = [
     "unpack_result",
 ]
 
-HEADER = struct.Struct("<QQB")  # payload length, job id, kind
-
-# Request kinds.
-JOB = 0
-CANCEL = 1
-STOP = 2  # return from the serve loop (end-of-file does the same, unless a sibling holds the pipe)
-# Reply kinds.
-RESULT = 0
-ERROR = 1
-CANCELLED = 2
-_REPLY_KINDS = frozenset((RESULT, ERROR, CANCELLED))
-
-# The largest reply payload the main side accepts (a batch that travels inline). Nothing real
-# comes near it: a batch that does not get a shared-memory segment is bounded by the slot
-# pool's cap (4 GiB by default). What passes it is garbage, typically bytes a process that the
-# dataset forked wrote into the worker's inherited pipe, and allocating a buffer of that size
-# would fail (MemoryError) or take the machine's memory. Higher: room for larger inline
-# batches; lower: garbage is caught by its length alone more often (the job id and kind catch
-# the rest).
-MAX_REPLY_BYTES = 1 << 38  # 256 GiB
-
 
 def reply_header_fault(length: int, job_id: int, kind: int, awaited: Container[int]) -> str | None:
     """Why a reply header cannot be valid, or None if it can: a payload over
     :data:`MAX_REPLY_BYTES`, an unknown kind, or a reply to a job not in ``awaited`` (the ids
     sent and not answered yet): one never sent, or a second reply to one, which only a second
     writer on the pipe makes."""
-    if kind not in _REPLY_KINDS:
+    if kind not in REPLY_KINDS:
         return f"an unknown reply kind {kind}"
     if job_id not in awaited:
         return (

@@ -18,12 +18,6 @@ deadline counts from when its process could begin, and closing the pool never wa
 server's start. Under ``fork`` the launches fork one at a time: a fork made beside another
 launch's thread could copy a lock that thread holds.
 
-A pool's first worker may instead be forked from the main process itself, as the loader is
-made (:meth:`._pool.WorkerPool.fork_first`): one fork, where the server path costs two in a
-row (the server's own, then the worker's), on the way to the first batch. Such a child runs
-:func:`._worker.run_forked_worker`, which first sheds what the server would have shed. Its
-replacements come from the server.
-
 A job waits for its worker's launch before it is sent: the launch under way (the loader's
 start thread's), or one begun for it. If a launch the job began fails, its error reaches that
 job's caller. If a launch fails, the worker's ends of its pipes are closed: a job then sent to
@@ -42,7 +36,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from typing import Any
@@ -52,7 +45,8 @@ from .._log import workers_log
 from ._channel import Channel
 from ._context import await_server
 from ._copy import DatasetCopy
-from ._exits import ExitWatch
+from ._cpython import resource_tracker_fd
+from ._death import ExitWatch
 from ._starting import LAUNCH_TIMEOUT_S, Hang, StackPipe, describe_launch
 from ._worker import run_forked_worker, run_worker
 from ._zygote import SHED_SIGNALS, is_zygote, sockets_and_pipes
@@ -96,7 +90,7 @@ class Worker:
 
     def kill(self) -> int | None:
         """SIGKILL this generation's process (it hung), its death then being ours (see
-        ``WorkerPool._on_broken``); its pid, or None if it has none."""
+        ``_death.Deaths.crashed``); its pid, or None if it has none."""
         process = self.process
         if process is None:
             return None
@@ -140,15 +134,13 @@ class Launcher:
         self._lock = threading.Lock()  # each worker's pending launch
         self._forks = threading.Lock()  # under fork: one at a time (see the module docstring)
 
-    def launch(self, w: Worker, args: Args, *, via: BaseContext | None = None) -> None:
-        """Start ``w``'s process with ``args(w)`` if it has not started, through ``via`` rather
-        than the pool's context if given (blocking: from a thread of :meth:`launching`, the
-        loader's start thread, or as the loader is made, ``WorkerPool.fork_first``)."""
+    def launch(self, w: Worker, args: Args) -> None:
+        """Start ``w``'s process with ``args(w)`` if it has not started (blocking: from a thread
+        of :meth:`launching`, or the loader's start thread)."""
         if w.process is not None or self._closed():
             return
-        if via is None:
-            await_server(self._context, self._closed)  # holding no worker: see the module doc
-        process = self._begin(w, args, via)
+        await_server(self._context, self._closed)  # holding no worker: see the module doc
+        process = self._begin(w, args)
         if process is not None:
             self._end(w, process)
 
@@ -180,11 +172,21 @@ class Launcher:
         finished); else each on a thread of its own. Returns the launches still under way."""
         if not is_zygote(self._context):
             return [found[0] if (found := self.launching(w, args)) else None for w in workers]
+        self.launch_here(workers, args)
+        return [None for _ in workers]
+
+    def launch_here(
+        self, workers: list[Worker], args: Args, via: BaseContext | None = None
+    ) -> None:
+        """Start every one of ``workers`` that has not started, here, every process begun before
+        any is waited for (the forked server forks them back to back; forks from this process,
+        ``via``, are all made before the exit watch's thread starts). The first error is raised
+        once every launch begun was finished."""
         begun: list[tuple[Worker, Any]] = []
         errors: list[BaseException] = []
         try:
             for w in workers:
-                if w.process is None and (process := self._begin(w, args)) is not None:
+                if w.process is None and (process := self._begin(w, args, via)) is not None:
                     begun.append((w, process))
         finally:
             for w, process in begun:
@@ -194,7 +196,6 @@ class Launcher:
                     errors.append(exc)
         if errors:
             raise errors[0]
-        return [None for _ in workers]
 
     async def launched(self, w: Worker, args: Args, batch_id: int) -> None:
         """Wait, without blocking the loop, until ``w`` has its process (see
@@ -355,15 +356,15 @@ def _name(w: Worker) -> str:
 
 
 def _fork_here(context: BaseContext, w: Worker, given: tuple[Any, ...]) -> Any:
-    """Start ``w``'s process as a fork of this very process, in place of the server's
-    (``WorkerPool.fork_first``): its child first lets go of what the server would have shed
+    """Start ``w``'s process as a fork of this very process (``WorkerPool.fork_here``), in
+    place of the server's: its child first lets go of what the server would have shed
     (:func:`._worker.run_forked_worker`): this process's sockets and pipes, listed now, but its
     own pipes and the resource tracker's; and its signal handlers, which may not run in the
     child before it resets them (blocked around the fork)."""
     assert w.child_pipes is not None
     keep = {end.fileno() for end in w.child_pipes}
-    tracker = getattr(resource_tracker._resource_tracker, "_fd", None)
-    if isinstance(tracker, int):
+    tracker = resource_tracker_fd()
+    if tracker is not None:
         keep.add(tracker)
     process = context.Process(  # type: ignore[attr-defined]
         target=run_forked_worker, args=(sockets_and_pipes(keep), *given), name=_name(w), daemon=True

@@ -28,7 +28,7 @@ protocol 5) into one shared-memory segment, which each worker maps copy-on-write
 the arrays over, without a copy. A dataset that holds its images in memory is then sent in
 milliseconds rather than pickled, piped and copied per worker (9.6 MB: ~70 ms before), and
 what a worker writes into it stays its own, as with torch's ``fork``. The segment belongs to
-the copy (:meth:`Payload.release`, by the pool); where shared memory is missing or short
+the copy (:meth:`._records.Payload.release`, by the pool); where shared memory is missing or short
 (less than :data:`OUT_OF_BAND_SHARE` of it free would be left), the buffers go in the stream.
 
 An ``np.memmap`` or a tensor whose bytes lie in a memory-mapped file (a token file, a
@@ -54,14 +54,12 @@ from __future__ import annotations
 import contextlib
 import copyreg
 import functools
-import importlib
 import io
 import pickle
 import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -69,9 +67,11 @@ import numpy as np
 
 from .. import _shm
 from .._errors import SharedMemoryError
+from ._cpython import module_locks
 from ._mapped import Finder
+from ._records import Payload
 
-__all__ = ["OUT_OF_BAND_MIN_BYTES", "OUT_OF_BAND_SHARE", "Payload", "dumps", "dumps_copy", "loads"]
+__all__ = ["OUT_OF_BAND_MIN_BYTES", "OUT_OF_BAND_SHARE", "dumps", "dumps_copy", "loads"]
 
 _MAIN = b"__main__"
 
@@ -81,36 +81,6 @@ OUT_OF_BAND_MIN_BYTES = 1 << 20
 #: The out-of-band buffers take shared memory only while they need at most this share of what
 #: is free there (batches need the rest); else they go in the stream.
 OUT_OF_BAND_SHARE = 0.25
-
-
-@dataclass(frozen=True, slots=True)
-class Payload:
-    """A pickled dataset copy: the stream, and the segment that holds its large buffers.
-
-    Attributes:
-        data: the pickle stream (both pickles of :func:`dumps`).
-        segment: the shared-memory segment of the out-of-band buffers, or None.
-        size: the segment's size.
-        spans: ``(offset, length)`` of each out-of-band buffer in it, in pickling order.
-        keep: what must stay alive here while a worker may load the copy: the storages of
-            tensors in torch's shared memory, which travel as this process's descriptors of
-            them (a swapped tensor's descriptor would close, and its number be reused, before
-            a replacement worker loads the copy). Never sent.
-    """
-
-    data: bytes
-    segment: str | None = None
-    size: int = 0
-    spans: tuple[tuple[int, int], ...] = ()
-    keep: tuple[Any, ...] = field(default=(), compare=False, repr=False)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return Payload, (self.data, self.segment, self.size, self.spans)  # without ``keep``
-
-    def release(self) -> None:
-        """Unlink the segment (the owner's side, once no worker will load this copy again)."""
-        if self.segment is not None:
-            _shm.unlink(self.segment)
 
 
 def dumps(
@@ -279,8 +249,8 @@ def _half_imported() -> list[ModuleType]:
     modules only: asking a lazy one (``importlib.util.LazyLoader``) anything would load it.
     Only those whose import holds a module lock are looked at (usually none: a scan of every
     module cost ~2 ms on the way to the first batch), else every module."""
-    locks = getattr(importlib._bootstrap, "_module_locks", None)
-    names = list(locks) if isinstance(locks, dict) else list(sys.modules)
+    locks = module_locks()
+    names = list(locks) if locks is not None else list(sys.modules)
     found = []
     for name in names:
         module = sys.modules.get(name)

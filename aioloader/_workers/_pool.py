@@ -17,10 +17,10 @@ batches. No executor either: one per worker cost two threads, three queues pickl
 worker and rebuilt there, and a start-up ping through them, all on the first batch's path. A
 worker says it has started by writing its pid into a shared array once its initializer ran.
 
-A worker's death shows twice: its pipe reaches end-of-file at once (the usual signal), and its
-process sentinel becomes readable (:class:`._exits.ExitWatch`, the backstop, e.g. under
-``fork``, where a sibling may hold the pipe open). Either fails every job the worker held with
-``BrokenProcessPool``.
+A worker's death (:mod:`._death`: how it is seen, what its error says, what happens to its
+jobs) fails every job the worker held with ``BrokenProcessPool``; each job's :meth:`submit`
+then learns from the one record of that death whether it fails or goes to the replacement,
+which the pool starts at its next job (:meth:`WorkerPool._replace`).
 
 The dataset copy (:meth:`WorkerPool.load`) is not part of a worker's start: it is a job of its
 own, sent ahead of the first job a worker gets after a new copy was given (a replacement
@@ -32,15 +32,11 @@ shared-memory mappings are kept warm.
 
 Loaders sharing the pool (``aioloader._loader._shared_pool``) keep a copy each, by copy id, dropped
 when the loader closes (:meth:`WorkerPool.release`); a worker publishes copy and batch of the
-job it runs as one tag (``_wire.running_tag``): a crash blames that job only, of one loader.
+job it runs as one tag (``_records.running_tag``): a crash blames that job only, of one loader.
 
 Sharp edges:
-- A worker that dies while starting or loading its copy (before it answers any job) has no
-  culprit batch: after :data:`MAX_START_FAILURES` such deaths its jobs fail (WorkerInitError).
 - A copy that cannot be pickled fails every job that needs it with the ``TypeError`` that
   names what could not be pickled (a fresh one each time: each batch adds its own notes).
-- A worker killed for hanging (:meth:`WorkerPool.kill_holding`) is not blamed for the jobs
-  queued behind it, including a retry of the hung batch itself: they go to its replacement.
 - A worker that hangs while it starts or loads its copy is killed at the start deadline
   (``start_timeout``, else the batch ``timeout``, see :mod:`._starting`); every job it held
   fails with ``WorkerInitError`` naming its stack, rather than wait for a start that will
@@ -48,27 +44,18 @@ Sharp edges:
 - Processes are launched on threads, never on the event loop's (a launch waits for a fork, or
   for the standard forkserver's own start): a job waits off the loop for its worker's launch
   before it is sent, under a deadline of the launch's own (:mod:`._launch`).
-- A forkserver child's exit status (it names the killing signal) is read from a pipe, once: a
-  second reader at the same time gets EOF and records 255. So it is read under the process's
-  own lock (``_zygote._Popen.poll``), and waited for off the event loop
-  (:func:`._exits.reap`).
-- A reply pipe that carries a frame that cannot be valid (bytes a process forked in the worker
-  wrote into it: :func:`._frames.reply_header_fault`) fails the worker as a death would, but
-  the worker may be alive: it is killed first (``_kill_corrupt``), then named, reaped and
-  replaced; the job it ran is the culprit, the jobs queued behind it go to the replacement.
 - A job whose awaiting task is cancelled keeps running in the worker; ``on_abandon`` is called
   once the worker is really done with it (or dead), so a shared-memory slot is never reused
   while a worker may still write into it. Under a deadline, a worker that runs such a job
-  past it is killed (:mod:`._abandoned`): nothing else would free the jobs behind it.
+  past it is killed (:func:`._death.watch_abandoned`): nothing else would free the jobs
+  behind it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing
 import os
-import signal
 import threading
 import time
 import warnings
@@ -82,20 +69,16 @@ from typing import Any, TypeVar
 from .._errors import WorkerInitError
 from .._log import first_time, workers_log
 from .._threads import off_loop
-from . import _exits
-from ._abandoned import watch_abandoned
-from ._cells import Cells
 from ._channel import Channel, open_channel
 from ._copy import DatasetCopy
-from ._deaths import Crash, crash_error, start_error
-from ._exits import EXIT_STATUS_WAIT_S as EXIT_STATUS_WAIT_S
+from ._death import EXIT_STATUS_WAIT_S as EXIT_STATUS_WAIT_S
+from ._death import MAX_START_FAILURES as MAX_START_FAILURES
+from ._death import Deaths, kill_corrupt, watch_abandoned
 from ._frames import Packed
 from ._launch import Launcher, Worker
-from ._payload import Payload
+from ._records import Payload, new_cells, running_tag
 from ._starting import START_POLL_S, Hang, StackPipe, describe_start, kill, take_stack
-from ._wire import running_tag
 from ._worker import drop_copy, load_copy
-from ._zygote import fork_is_safe, is_zygote
 
 __all__ = [
     "DEFAULT_START_TIMEOUT_S",
@@ -112,13 +95,6 @@ R = TypeVar("R")
 # How long close() lets a worker finish its current job before killing it.
 SHUTDOWN_GRACE_S = 1.0
 
-# How many times in a row a worker may die before it ran any job (an import or unpickling that
-# crashes the interpreter, the OOM killer at start-up) before its jobs fail with
-# WorkerInitError instead of being resubmitted to yet another fresh worker. Higher: more
-# patience with a transient start-up fault; lower: a worker that can never start is reported
-# sooner. Each try costs one process start.
-MAX_START_FAILURES = 3
-
 # How long a worker may take to start (its process, then loading a dataset copy) when neither
 # start_timeout nor the batch timeout says (the loader passes its own: see LoaderConfig).
 # Longer: more patience with a slow file system or a large dataset to unpickle; shorter: a
@@ -128,13 +104,6 @@ DEFAULT_START_TIMEOUT_S = 120.0
 
 # How often a blocking start (:meth:`WorkerPool.start`) looks whether a worker is up.
 _START_CHECK_S = 0.002
-
-# Worker 0's start method where the pool may fork it from this process (fork_first).
-_FORK: BaseContext | None = (
-    multiprocessing.get_context("fork")
-    if "fork" in multiprocessing.get_all_start_methods()
-    else None
-)
 
 
 def warn_more_workers_than_cpus(num_workers: int, stacklevel: int = 3) -> None:
@@ -184,18 +153,12 @@ class WorkerPool:
         self._start_setting = start_setting
         self._copies: dict[int, DatasetCopy] = {}  # by copy id: 0, or one per loader sharing
         self._retired: dict[int, DatasetCopy] = {}  # the copy before each, maybe being loaded
-        self._cells = Cells(num_workers)  # what each worker publishes (see _cells)
-        self._exits = _exits.ExitWatch()
+        self._cells = new_cells(num_workers)  # what each worker publishes for the pool
+        self._deaths = Deaths(self._cells.current, self._replace)
         when = (start_timeout, start_setting)
-        self._launcher = Launcher(context, self._exits, lambda: self._closed, when)
-        self._reap_lock = threading.Lock()  # exit statuses are read once (see _exits.reap)
+        self._launcher = Launcher(context, self._deaths.exits, lambda: self._closed, when)
         self._launch_lock = threading.Lock()
-        try:
-            self._workers = [Worker(i, *self._new_worker()) for i in range(num_workers)]
-        except BaseException:  # out of descriptors, typically: no cells left open either
-            self._cells.close()
-            raise
-        self._crashes: dict[tuple[int, int], Crash] = {}
+        self._workers = [Worker(i, *self._new_worker()) for i in range(num_workers)]
         self._closed = False  # no job or launch from now on
         self._closed_all = False  # every step of close() done
         self._close_lock = threading.RLock()
@@ -228,28 +191,10 @@ class WorkerPool:
         return process is not None and int(self._cells.started[w.id]) == process.pid
 
     def fork_first(self) -> None:
-        """Fork worker 0's process from this process now, if that is safe here (the caller is
-        the main thread, as the loader is made, with no other thread that matters running:
-        :func:`._zygote.fork_is_safe`); else leave it to :meth:`launch`. From the forked server
-        (the default), worker 0 takes two forks in a row, each a copy of this process's page
-        tables (milliseconds with torch loaded), before it can make the first batch; forked
-        here, one. Its replacements, and the other workers, come from the server.
-
-        Raises:
-            OSError: the fork failed (EAGAIN, ENOMEM); worker 0 is then left, with new pipes, to
-                :meth:`launch` like the others.
-        """
-        if _FORK is None or self._closed or not is_zygote(self.context) or not fork_is_safe():
-            return
-        w = self._workers[0]
-        try:
-            self._launcher.launch(w, self._worker_args, via=_FORK)
-        except BaseException:
-            if w.process is None:  # the launcher closed its pipes: the server's launch needs new
-                w.channel.close()
-                w.stacks.close()
-                w.channel, w.child_pipes, w.stacks = self._new_worker()
-            raise
+        """Nothing. Worker 0 was forked from the program as the loader was made, to save the
+        server's fork on the way to the first batch; on the cold-start benchmark's first batch
+        (W4 w2) that bought nothing measurable, and every worker now starts from the server.
+        Kept only until ``_loader._resources.start_early`` stops calling it: then remove it."""
 
     def launch(self) -> None:
         """Start every worker's process now, without waiting until it is ready (from the
@@ -372,11 +317,11 @@ class WorkerPool:
                 cancelled.
             resubmit_innocent: resubmit a job that was only queued behind a crash.
             copy_id: the dataset copy the job runs with (its loader's, on a shared pool).
-            tag: what the worker publishes while it runs the job (``_wire.running_tag``), if
+            tag: what the worker publishes while it runs the job (``_records.running_tag``), if
                 it publishes one: a crash is blamed on the job whose tag it published. None:
                 ``running_tag(copy_id, batch_id)``.
             hang_after: the batch deadline, if any: a job given up while it runs is watched
-                under it (:mod:`._abandoned`).
+                under it (:func:`._death.watch_abandoned`).
 
         Raises:
             WorkerCrashedError: the worker died while running this job.
@@ -421,21 +366,18 @@ class WorkerPool:
                 # the loop, then the bookkeeping on it (no race with other jobs' submits).
                 if w.generation == generation:
                     if channel.corrupt is not None:
-                        _kill_corrupt(w, channel.corrupt)  # alive, but its replies are lost
+                        kill_corrupt(w, channel.corrupt)  # alive, but its replies are lost
                     try:
-                        await off_loop(_exits.reap, w.process, self._reap_lock)
+                        await off_loop(self._deaths.reap, w.process)
                     except asyncio.CancelledError:
                         if on_abandon is not None:  # the worker is dead: done with the job
                             on_abandon()
                         raise
-                crash = self._on_broken(w, generation)
-                if crash.hang is not None:
-                    raise WorkerInitError(crash.hang.message(batch_id)) from exc
-                if crash.culprit is None and crash.failed_starts >= MAX_START_FAILURES:
-                    raise start_error(crash, batch_id) from exc
-                if crash.culprit != tag and resubmit_innocent:
-                    continue
-                raise crash_error(crash, batch_id, ran=crash.culprit == tag) from exc
+                crash = self._deaths.crashed(w, generation)  # the worker replaced
+                error = crash.error(batch_id, tag, resubmit_innocent=resubmit_innocent)
+                if error is None:
+                    continue  # innocent: to the replacement
+                raise error from exc
             except asyncio.CancelledError:
                 if job_id is not None:  # on_abandon runs once the worker is done with it
                     channel.abandon(job_id, on_abandon)
@@ -505,42 +447,17 @@ class WorkerPool:
         head = describe_start(w.id, pid, when, initialized=initialized, loading_epoch=epoch)
         stack = take_stack(pid, w.stacks) if initialized else ""
         w.hang = Hang(head, stack)
-        w.killed = True  # its death is ours: see _on_broken
+        w.killed = True  # its death is ours: see _death.Deaths.crashed
         kill(pid)
         w.channel.fail_threadsafe(f"the worker was killed: it hung while starting ({head})")
         workers_log.warning("worker process pid %d killed: %s", pid, head)
         return True
 
-    def _on_broken(self, w: Worker, generation: int) -> Crash:
-        key = (w.id, generation)
-        crash = self._crashes.get(key)
-        if crash is not None:
-            return crash
-        process = w.process
-        pid = getattr(process, "pid", None)
-        _exits.reap(process, self._reap_lock)  # returns at once: submit waited for it off the loop
-        exitcode = process.exitcode if process is not None else None
-        culprit: int | None = int(self._cells.current[w.id])  # the running job's tag, 0 for none
-        self._cells.current[w.id] = 0
-        if w.killed:
-            # We killed it for hanging: that batch was already reported by its deadline, and
-            # a retry of it, submitted here before the death was noticed, is innocent.
-            culprit = None
-        elif culprit is not None and culprit <= 0:
-            culprit = None
-        if culprit is None and not w.served and not w.killed:
-            w.failed_starts += 1  # it died before it answered anything: while starting
-        else:
-            w.failed_starts = 0
-        corrupt = w.channel.corrupt
-        crash = Crash(w.id, pid, exitcode, culprit, w.failed_starts, w.hang, w.killed, corrupt)
-        self._crashes[key] = crash
-        self._replace(w)
-        return crash
-
     def _replace(self, w: Worker) -> None:
+        """Worker ``w``'s process died (its death recorded: ``_death.Deaths.crashed``): new
+        pipes for the next one, which its next job launches."""
         if w.process is not None:
-            self._exits.discard(w.process)
+            self._deaths.exits.discard(w.process)
         w.channel.close()
         _close_pipes(w.child_pipes)
         w.stacks.close()
@@ -597,15 +514,12 @@ class WorkerPool:
             deadline = time.monotonic() + SHUTDOWN_GRACE_S
             for p in processes:
                 if p.exitcode is None:  # a process is reaped once: an earlier call may have
-                    with self._reap_lock:  # the exit status is read once (see _exits.reap)
-                        p.join(timeout=max(0.0, deadline - time.monotonic()))
+                    self._deaths.join(p, max(0.0, deadline - time.monotonic()))
                 if p.exitcode is None:
                     with contextlib.suppress(ProcessLookupError):
                         p.kill()
-                    with self._reap_lock:
-                        p.join(timeout=5.0)
-            self._exits.close()  # before the sentinels close
-            self._cells.close()  # after the joins: the start checks read it until then
+                    self._deaths.join(p, 5.0)
+            self._deaths.exits.close()  # before the sentinels close
             # Release each process's pipes now, not when the process object is collected: an
             # error the user keeps holds this pool through its traceback (a frame of submit),
             # and with it every worker's last process.
@@ -615,18 +529,6 @@ class WorkerPool:
                     with contextlib.suppress(ValueError):  # still running after the kill
                         p.close()
             self._closed_all = True
-
-
-def _kill_corrupt(w: Worker, why: str) -> None:
-    """SIGKILL worker ``w``, whose reply pipe carried garbage: it may be well, but nothing it
-    writes can be read any more, and a stray writer may still hold the pipe. Its death is then
-    seen like any other (the job it ran is its culprit: see ``WorkerPool._on_broken``)."""
-    process = w.process
-    if process is None or process.pid is None:
-        return
-    workers_log.warning("worker process pid %d killed: its reply pipe carried %s", process.pid, why)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(process.pid, signal.SIGKILL)
 
 
 def _overdue(w: Worker) -> bool:

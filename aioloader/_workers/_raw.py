@@ -2,10 +2,10 @@
 
 An item of a map job's fetched samples that is ``bytes`` (or a plain ``dict`` whose values
 are), of at least :data:`RAW_SLOT_MIN_BYTES` each and
-:data:`~aioloader._workers._wire.INLINE_MAX_BYTES` in all, is copied once into the job's slot
-by :class:`Sender` and replaced in the pickled request by a :class:`RawRef`; the worker copies
-each back out (:func:`unpack_raw`) before anything sees it. A worker that cannot map the slot
-answers :class:`RawSlotError`, and the request is sent again inline.
+:data:`~aioloader._shm.INLINE_MAX_BYTES` in all, is copied once into the job's slot
+by :class:`Sender` and replaced in the pickled request by a :class:`._records.RawRef`; the
+worker copies each back out (:func:`unpack_raw`) before anything sees it. A worker that cannot
+map the slot answers :class:`._records.RawSlotError`, and the request is sent again inline.
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from .. import _shm
 from .._errors import SharedMemoryError
 from .._types import BatchRequest
+from ._records import RawRef, RawSlotError
 
-__all__ = ["RAW_SLOT_MIN_BYTES", "RawPlan", "RawRef", "RawSlotError", "Sender", "unpack_raw"]
+__all__ = ["RAW_SLOT_MIN_BYTES", "RawPlan", "Sender", "unpack_raw"]
 
 _log = logging.getLogger("aioloader.shm")
 
@@ -28,29 +29,6 @@ _log = logging.getLogger("aioloader.shm")
 # pickled with the request: for them, a descriptor and a copy out of the slot cost about what
 # the pickle copy does.
 RAW_SLOT_MIN_BYTES = 4 << 10
-
-
-class RawRef(NamedTuple):
-    """In place of a fetched item's bytes: where they lie in the job's slot, and whether they
-    were a ``bytearray`` (else ``bytes``). A tuple: thousands a second are pickled, and a
-    slotted dataclass pickles through ``dataclasses.fields``, ten times slower."""
-
-    offset: int
-    size: int
-    mutable: bool = False
-
-
-class RawSlotError(Exception):
-    """A worker could not map a job's raw slot (``vanished``: its segment is gone); the main
-    process sends the request again inline."""
-
-    def __init__(self, reason: str, vanished: bool) -> None:
-        super().__init__(reason, vanished)
-        self.reason = reason
-        self.vanished = vanished
-
-    def __str__(self) -> str:
-        return f"the raw samples' slot cannot be mapped: {self.reason}"
 
 
 _BYTES = (bytes, bytearray)

@@ -1,7 +1,7 @@
 """ProcessRunner: the epoch's :class:`~aioloader._types.Runner` over worker processes.
 
 It only routes: a slot for the job (:class:`._wire.Receiver`; a map job's fetched samples may
-travel to the worker in it, :class:`._wire.Sender`), the job to a worker
+travel to the worker in it, :class:`._raw.Sender`), the job to a worker
 (:class:`._pool.WorkerPool`), and the worker's :class:`~aioloader._types.Made` opened back into
 a batch (:class:`._wire.Receiver`). Whether a batch travels in shared memory or inline is not
 decided here (see :mod:`._wire`).
@@ -24,9 +24,10 @@ from .._errors import WorkerCrashedError
 from .._log import workers_log
 from .._types import BatchRequest, InlineMaking, Made, StreamRequest
 from ._frames import Packed
-from ._payload import Payload
 from ._pool import WorkerPool
-from ._wire import MapJob, OwnSlot, RawSlotError, Receiver, Sender, StreamJob, running_tag
+from ._raw import Sender
+from ._records import MapJob, OwnSlot, Payload, RawSlotError, StreamJob, running_tag
+from ._wire import Receiver
 from ._worker import run_map_job, run_stream_job
 
 __all__ = ["ProcessRunner"]
@@ -72,7 +73,7 @@ class ProcessRunner:
         self._abandoned_own: set[str] = set() if abandoned_own is None else abandoned_own
         self._sender = Sender(slots)
         self._restarts_logged = pool.rebuilds  # worker replacements said in the log so far
-        # Each attempt at a batch has a tag of its own (see _wire.running_tag). The deadline
+        # Each attempt at a batch has a tag of its own (see _records.running_tag). The deadline
         # asks about a request object, which means its newest attempt: by the object's id (it
         # lives while its attempts run), since batch ids repeat every epoch and a batch given
         # up with its epoch, or another iterator's, may run beside it.

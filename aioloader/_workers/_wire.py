@@ -1,18 +1,11 @@
-"""What goes to a worker and how its batch comes back: the wire format of one job.
+"""How a batch comes back from a worker: shared memory or inline, packed in the worker and
+opened in the main process.
 
-Three job records go out (pickled over the worker's request pipe, with the function to run):
-
-- :class:`LoadJob`: the dataset copy (and the callables) a worker makes its batches with from
-  now on, sent before the first batch job of each epoch that renews it;
-- :class:`MapJob`: a map-style :class:`~aioloader._types.BatchRequest` and the slot, if any,
-  the batch should be collated into; with samples the loop fetched (async datasets, tar
-  shards), their large ``bytes`` may travel in a second slot, ``raw_slot`` (see below);
-- :class:`StreamJob`: a :class:`~aioloader._types.StreamRequest` (the next batch of this
-  worker's stream) and likewise a slot.
-
-One record comes back: :class:`~aioloader._types.Made`, whose ``batch`` is a :class:`Parcel`
-on the way (the batch in wire form) and the real batch once :meth:`Receiver.open` has opened it
-in the main process. Nothing else is built from it and nothing is patched into it on the way.
+The jobs a worker gets and the :class:`._records.Parcel` it answers with are records
+(:mod:`._records`); this module fills and opens the parcel. One record comes back:
+:class:`~aioloader._types.Made`, whose ``batch`` is a parcel on the way (the batch in wire
+form) and the real batch once :meth:`Receiver.open` has opened it in the main process. Nothing
+else is built from it and nothing is patched into it on the way.
 
 Shared memory or inline is decided here and nowhere else, on both sides of the pipe::
 
@@ -36,17 +29,17 @@ Shared memory or inline is decided here and nowhere else, on both sides of the p
                                was removed), tensors are rebuilt
 
 The samples the event loop fetched for a map job travel the other way, main to worker, in the
-same slot (:class:`._raw.Sender`): an item that is ``bytes`` (or a plain ``dict`` whose values are),
-of at least :data:`RAW_SLOT_MIN_BYTES` each and :data:`INLINE_MAX_BYTES` in all, is copied once
-into the job's slot (leased for the larger of the two) and replaced in the pickled request by a
-:class:`RawRef`; the worker copies each back out into ``bytes`` of its own (:func:`unpack_raw`)
-before anything sees it, so ``decode`` gets exactly the types it would have got inline, and
-then collates the batch into the same slot. Pickling the same bytes instead costs a copy into
-the pickle, the kernel's two copies through a 64 KiB pipe (dozens of wake-ups of both processes
-per batch of megabytes) and a copy out of the pickle; a second slot would cost a second
-segment's pages in every process. No slot to be had (no pool, the cap, a full ``/dev/shm``)
-sends the request inline; a worker that cannot map the slot answers :class:`RawSlotError` and
-the request is sent again inline (``ProcessRunner``).
+same slot (:class:`._raw.Sender`): an item that is ``bytes`` (or a plain ``dict`` whose values
+are), of at least :data:`._raw.RAW_SLOT_MIN_BYTES` each and :data:`INLINE_MAX_BYTES` in all, is
+copied once into the job's slot (leased for the larger of the two) and replaced in the pickled
+request by a :class:`._records.RawRef`; the worker copies each back out into ``bytes`` of its
+own (:func:`._raw.unpack_raw`) before anything sees it, so ``decode`` gets exactly the types it
+would have got inline, and then collates the batch into the same slot. Pickling the same bytes
+instead costs a copy into the pickle, the kernel's two copies through a 64 KiB pipe (dozens of
+wake-ups of both processes per batch of megabytes) and a copy out of the pickle; a second slot
+would cost a second segment's pages in every process. No slot to be had (no pool, the cap, a
+full ``/dev/shm``) sends the request inline; a worker that cannot map the slot answers
+:class:`._records.RawSlotError` and the request is sent again inline (``ProcessRunner``).
 
 Sharp edges:
 - torch registers a reduction with multiprocessing's pickler that moves every pickled tensor
@@ -68,7 +61,6 @@ import logging
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -77,30 +69,17 @@ from .. import _shm
 from .._errors import SharedMemoryError
 from .._threads import off_loop
 from .._tree import iter_leaves, map_tree
-from .._types import Alloc, BatchRequest, Made, StreamRequest
-from ._payload import Payload
-from ._raw import RAW_SLOT_MIN_BYTES, RawPlan, RawRef, RawSlotError, Sender, unpack_raw
+from .._types import Alloc, Made
+from ._records import OwnSlot, Parcel, WireTensor
 
 __all__ = [
-    "COPY_TAG_SPAN",
     "INLINE_MAX_BYTES",
-    "RAW_SLOT_MIN_BYTES",
-    "LoadJob",
-    "MapJob",
     "Packer",
-    "Parcel",
-    "RawPlan",
-    "RawRef",
-    "RawSlotError",
     "Receiver",
-    "Sender",
-    "StreamJob",
     "batch_nbytes",
     "from_wire",
     "inline",
-    "running_tag",
     "to_wire",
-    "unpack_raw",
 ]
 
 # Batches with fewer array bytes than this travel inline, never in a slot: for them a slot
@@ -108,111 +87,6 @@ __all__ = [
 INLINE_MAX_BYTES = _shm.INLINE_MAX_BYTES
 
 _log = logging.getLogger("aioloader.shm")
-
-# A worker publishes the job it runs as one int64 (see :func:`running_tag`): the job's number
-# below this span, the dataset copy's id above it. Job numbers stay below 2**40 and copy ids
-# (one per loader on a shared pool) below 2**23, so a tag fits.
-COPY_TAG_SPAN = 1 << 40
-
-
-def running_tag(copy_id: int, number: int) -> int:
-    """What a worker publishes while it runs job ``number`` of dataset copy ``copy_id`` (0 while
-    it runs nothing). A loader numbers each attempt at a batch afresh (``ProcessRunner``), not
-    by batch id: a batch given up with its epoch may still run when the next epoch's batch of
-    the same id does, and two loaders sharing the workers number their batches alike; a crash
-    or a deadline must name the right attempt."""
-    return copy_id * COPY_TAG_SPAN + number + 1
-
-
-# -- out: the jobs -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class LoadJob:
-    """Make batches from now on with the dataset copy in ``payload``, made for ``epoch``.
-
-    Attributes:
-        payload: ``(BatchMaker, worker_init_fn)`` pickled by :func:`._payload.dumps_copy`.
-        epoch: the epoch it was made for (the worker's seed derives from it).
-        copy_id: which of the worker's copies it replaces: 0 for a loader's own workers, one
-            id per loader on a shared pool (each keeps its copy beside the others').
-        seed: the loader's seed, when it is not the one the worker started with (a shared
-            pool's workers serve loaders of different seeds).
-        per_batch_seeds: likewise, ``worker_seeding='batch'``.
-    """
-
-    payload: Payload
-    epoch: int
-    copy_id: int = 0
-    seed: int | None = None
-    per_batch_seeds: bool | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class OwnSlot:
-    """In place of a slot, before the loader knows how large its batches are: a batch of
-    :data:`INLINE_MAX_BYTES` or more goes into a segment the worker creates under ``name``
-    (the main process's name: it takes the segment over into its pool, or unlinks it if the
-    job fails), not inline, if the segment fits in ``limit`` bytes: the pool's reservation
-    under its cap (0: none, so a large batch travels inline and says why)."""
-
-    name: str
-    limit: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class MapJob:
-    """Make the batch of ``request`` (indices, or samples the loop fetched), into ``slot`` if
-    one is given; with ``raw_in_slot``, the :class:`RawRef` in ``request.raw`` point into
-    ``slot``, to be copied out before the batch is collated there."""
-
-    request: BatchRequest
-    slot: _shm.Slot | OwnSlot | None
-    raw_in_slot: bool = False
-    copy_id: int = 0
-    tag: int = 0  # what the worker publishes while it runs the job (running_tag)
-
-
-@dataclass(frozen=True, slots=True)
-class StreamJob:
-    """Make the next batch of this worker's stream of dataset copy ``copy_id`` for
-    ``request``, into ``slot`` if given."""
-
-    request: StreamRequest
-    slot: _shm.Slot | OwnSlot | None
-    copy_id: int = 0
-    tag: int = 0  # what the worker publishes while it runs the job (running_tag)
-
-
-# -- back: the parcel ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Parcel:
-    """A made batch on its way to the main process (``Made.batch`` until it is opened).
-
-    Attributes:
-        tree: the batch's nesting with every array replaced by its place in the slot
-            (``in_slot``), or the batch itself in wire form (see :func:`to_wire`).
-        in_slot: whether the arrays lie in the job's slot.
-        nbytes: the bytes a slot needs for a batch like this one; later leases are sized from
-            the largest seen.
-        slot_error: why a batch too large to travel inline came inline all the same ("" if
-            it did not): the segment vanished or descriptors ran out (the worker could not map
-            the job's slot), or the worker could not make one (:class:`OwnSlot`).
-        fallback: the kind of that reason, for the log (said once per kind): "vanished",
-            "attach", "cap" or "room"; "" means "vanished" or "attach" by ``slot_vanished``.
-        slot_vanished: the slot's segment no longer exists (someone removed it): the pool must
-            stop leasing it.
-    """
-
-    tree: Any
-    in_slot: bool
-    nbytes: int
-    slot_error: str = ""
-    slot_vanished: bool = False
-    own_slot: _shm.Slot | None = None  # the segment the worker made for it (OwnSlot)
-    fallback: str = ""
 
 
 def inline(batch: Any) -> Parcel:
@@ -467,18 +341,6 @@ class Receiver:
 # -- inline batches --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class _WireTensor:
-    """A CPU tensor travelling inline as its numpy array (see the module's sharp edges)."""
-
-    array: Any
-
-    def restore(self) -> Any:
-        import torch
-
-        return torch.from_numpy(self.array)
-
-
 # torch dtypes numpy has no equivalent for: such tensors travel as tensors.
 _NO_NUMPY = {"torch.bfloat16", "torch.float8_e4m3fn", "torch.float8_e5m2", "torch.complex32"}
 
@@ -497,7 +359,7 @@ def to_wire(batch: Any) -> Any:
             and not x.requires_grad
             and str(x.dtype) not in _NO_NUMPY
         ):
-            return _WireTensor(x.numpy())
+            return WireTensor(x.numpy())
         return x
 
     return map_tree(batch, leaf)
@@ -505,7 +367,7 @@ def to_wire(batch: Any) -> Any:
 
 def from_wire(batch: Any) -> Any:
     """Undo :func:`to_wire` (in the main process): tensors over the received arrays."""
-    return map_tree(batch, lambda x: x.restore() if isinstance(x, _WireTensor) else x)
+    return map_tree(batch, lambda x: x.restore() if isinstance(x, WireTensor) else x)
 
 
 def batch_nbytes(batch: Any) -> int:

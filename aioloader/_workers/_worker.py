@@ -4,13 +4,13 @@ A worker process runs :func:`run_worker`: :func:`init_worker` once, then :func:`
 that reads jobs from the worker's request pipe and writes replies to its reply pipe
 (:mod:`._channel`) until the main process closes it. The jobs it runs are :func:`load_copy`
 (the dataset copy to work with from now on), :func:`run_map_job` and :func:`run_stream_job`;
-the last two return a :class:`~aioloader._types.Made` whose batch is a :class:`._wire.Parcel`.
+the last two return a :class:`~aioloader._types.Made` whose batch is a :class:`._records.Parcel`.
 
 What a worker gets once, at start: its id, the worker count, the loader's seed and how to seed
 (``'batch'`` or ``'worker'``), a shared array in which it publishes the batch it is working on
 (so a crash names the batch it killed, and a deadline can tell "running" from "queued"), one
 in which it says it is up, the main pid, and its ends of the two pipes. Its dataset copy
-comes later, as a job (:class:`._wire.LoadJob`): before its first batch, and again at each
+comes later, as a job (:class:`._records.LoadJob`): before its first batch, and again at each
 epoch that renews it (``persistent_workers=False``, torch's default). Loading a copy drops the
 previous one, seeds the worker (see :mod:`._info`), publishes its :class:`WorkerInfo` (to
 torch's API too), and runs ``worker_init_fn``; the process itself, its imports and its
@@ -90,11 +90,12 @@ from .._sampling import every_nth, first_items_noted, one_by_one, stream_share
 from .._shm import Slot
 from .._types import END, BatchRequest, Made, StreamRequest, stream_state
 from . import _info, _payload
-from ._cells import Cells, Column
 from ._channel import serve_over
 from ._frames import Packed, pack_result, picklable
 from ._info import WorkerInfo
-from ._wire import LoadJob, MapJob, OwnSlot, Packer, StreamJob, inline, unpack_raw
+from ._raw import unpack_raw
+from ._records import Cells, LoadJob, MapJob, OwnSlot, StreamJob
+from ._wire import Packer, inline
 from ._zygote import SHED_SIGNALS, Held, name_process, shed_parent_state
 
 __all__ = [
@@ -200,8 +201,8 @@ class _WorkerState:
     num_workers: int
     seed: int  # the seed the worker started with: its copies' unless a LoadJob says
     per_batch_seeds: bool  # likewise, worker_seeding='batch'
-    current: Column[int]  # the running job's tag (its MapJob.tag), 0 when idle (see _cells)
-    loading: Column[float]  # time.monotonic() a copy's load began, 0.0 when none
+    current: Any  # the running job's tag (its MapJob.tag), 0 when idle (see _records.Cells)
+    loading: Any  # time.monotonic() a copy's load began, 0.0 when none
     pipes: tuple[Connection, Connection]  # this worker's (requests, replies)
     stacks: Connection  # where STACK_SIGNAL's handler writes the stacks (kept open for it)
     copies: dict[int, _Copy] = field(default_factory=dict)  # by copy id (0: the only one)
@@ -222,8 +223,8 @@ def run_worker(*args: Any) -> None:
 
 
 def run_forked_worker(release: list[Held], *args: Any) -> None:
-    """:func:`run_worker` in a worker forked from the main process itself (a pool's first, as
-    the loader is made: ``_pool.WorkerPool.fork_first``): first drop what it must not keep of
+    """:func:`run_worker` in a worker forked from the main process itself (under ``'fork'``, as
+    an epoch begins: ``_pool.WorkerPool.fork_here``): first drop what it must not keep of
     the main process, as the forked server does (``_zygote``): the sockets and pipes in
     ``release`` (the main process's, listed just before the fork) and its signal handlers.
     The parent blocked :data:`._zygote.SHED_SIGNALS` around the fork, so that none runs the
@@ -389,7 +390,7 @@ def _alive(pid: int) -> bool:
 
 def run_map_job(job: MapJob) -> Packed[Made]:
     """Make one batch of a map-style dataset: a :class:`~aioloader._types.Made` whose batch is
-    a :class:`._wire.Parcel`, packed for the reply (see :func:`_packed`)."""
+    a :class:`._records.Parcel`, packed for the reply (see :func:`_packed`)."""
     state, copy = _state(job.copy_id)
     request = job.request
     _begin(state, copy, job, request)

@@ -21,20 +21,15 @@ would keep a copy-on-write image of the program as it was at the first loader (a
 in-memory dataset freed since included) and show in ``ps`` after every loader is closed.
 
 Because the server is a copy of the main process, the main module is already there; workers are
-not told to run the main script again either (:func:`preparation_data`): an unguarded script
-works, as with torch's ``fork``. What the loader sends them from ``__main__`` still travels by
-value (``_payload``): a class defined or redefined after the server was forked (a notebook
-cell run again) would otherwise resolve to the server's old copy, or to nothing. What the
-server must not keep from the main process, it drops at once: every socket and pipe (a peer
+not told to run the main script again either (:func:`._cpython.preparation_data`): an unguarded
+script works, as with torch's ``fork``. What the loader sends them from ``__main__`` still
+travels by value (``_payload``): a class defined or redefined after the server was forked (a
+notebook cell run again) would otherwise resolve to the server's old copy, or to nothing. What
+the server must not keep from the main process, it drops at once: every socket and pipe (a peer
 would otherwise never see them close: a TCP connection, a torch.distributed store, a
 subprocess's pipe), signal handlers other than the default, the signal wake-up descriptor.
 
 The server names itself ``aiol-forkserver`` (``/proc/PID/comm``, what ``ps`` and ``top`` show).
-
-A pool's first worker may skip the server: forked from the main process itself as the loader
-is made, under the same test (:func:`fork_is_safe`), it sheds what the server sheds
-(:func:`shed_parent_state`) and saves the server's fork on the way to the first batch (see
-``_pool.WorkerPool.fork_first``).
 """
 
 from __future__ import annotations
@@ -43,7 +38,6 @@ import contextlib
 import ctypes
 import gc
 import importlib
-import io
 import os
 import signal
 import socket
@@ -54,18 +48,25 @@ import time
 import types
 import weakref
 from collections.abc import Callable, Iterable
-from multiprocessing import connection, forkserver, popen_forkserver, resource_tracker, spawn, util
-from multiprocessing import context as mp_context
+from multiprocessing import connection, resource_tracker, util
 from multiprocessing.context import ForkServerContext, ForkServerProcess
 from typing import Any
 
-# The stdlib's forkserver internals this module builds on, typed loosely (their stubs are not
-# complete): the server class, the launcher, and the helpers they use.
-_ServerBase: Any = forkserver.ForkServer
-_PopenBase: Any = popen_forkserver.Popen
+from ._cpython import (
+    FORKED_SERVER,
+    ForkServerPopen,
+    caller_frame,
+    connect_to_forkserver,
+    flush_std_streams,
+    module_locks,
+    read_signed,
+    run_forkserver,
+    starts_through,
+)
+
+# multiprocessing's helpers, typed loosely (their stubs are not complete).
 _util: Any = util
 _connection: Any = connection
-_context: Any = mp_context
 
 __all__ = [
     "PRELOAD",
@@ -73,10 +74,10 @@ __all__ = [
     "SHED_SIGNALS",
     "Held",
     "fork_is_safe",
+    "fork_unsafe_reason",
     "hold_server",
     "is_zygote",
     "name_process",
-    "preparation_data",
     "shed_parent_state",
     "sockets_and_pipes",
     "zygote_context",
@@ -94,31 +95,17 @@ SERVER_NAME = b"aiol-forkserver"  # at most 15 bytes: the kernel's limit for a p
 
 _PR_SET_NAME = 15
 
-# The keys of multiprocessing's preparation data that make a child run the main module again.
-_MAIN_KEYS = ("init_main_from_path", "init_main_from_name")
 
-
-def preparation_data(name: str) -> dict[str, Any]:
-    """multiprocessing's preparation data for a new worker, without the main module: the child
-    never runs the main script again (it would build and iterate the loader again in every
-    worker of a script without a main guard). A forked server's child would skip it anyway,
-    unless the script's path was given in a form that ``normpath`` changes (``a/../b.py``)."""
-    data: dict[str, Any] = spawn.get_preparation_data(name)
-    for key in _MAIN_KEYS:
-        data.pop(key, None)
-    return data
-
-
-class _ForkedServer(_ServerBase):  # type: ignore[misc]
-    """``ForkServer`` whose server process is forked from this one (see the module doc)."""
+class _ForkedServer:
+    """A forkserver whose server process is forked from this one (see the module doc): the
+    stdlib's server loop (:func:`._cpython.run_forkserver`) in a process of our making."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self._preload_modules: list[str] = []
+        self._lock = threading.Lock()
         self._owner = os.getpid()
-        self._forkserver_pid: int | None = None
-        self._forkserver_alive_fd: int | None = None
-        self._forkserver_address: Any = None
+        self._pid: int | None = None
+        self._alive_fd: int | None = None
+        self._address: Any = None
         self._users = 0  # contexts not yet claimed by a pool, and pools not closed yet
 
     def hold(self) -> None:
@@ -133,30 +120,40 @@ class _ForkedServer(_ServerBase):  # type: ignore[misc]
             return
         with self._lock:
             self._users -= 1
-            if self._users > 0 or self._forkserver_pid is None:
+            if self._users > 0 or self._pid is None:
                 return
-            pid, alive = self._forkserver_pid, self._forkserver_alive_fd
-            self._forkserver_pid = self._forkserver_alive_fd = self._forkserver_address = None
+            pid, alive = self._pid, self._alive_fd
+            self._pid = self._alive_fd = self._address = None
         _end_server(pid, alive)
 
     def ensure_running(self) -> None:
         with self._lock:
             resource_tracker.ensure_running()
-            if self._forkserver_pid is not None:
-                pid, _ = os.waitpid(self._forkserver_pid, os.WNOHANG)
+            if self._pid is not None:
+                pid, _ = os.waitpid(self._pid, os.WNOHANG)
                 if not pid:
                     return  # alive
-                if self._forkserver_alive_fd is not None:
-                    os.close(self._forkserver_alive_fd)
-                self._forkserver_address = None
-                self._forkserver_alive_fd = None
-                self._forkserver_pid = None
+                if self._alive_fd is not None:
+                    os.close(self._alive_fd)
+                self._address = None
+                self._alive_fd = None
+                self._pid = None
             if not fork_is_safe():
                 raise RuntimeError(
                     "the worker server died and cannot be forked again while other threads "
                     "run; close this loader and make a new one"
                 )
             self._fork_server()
+
+    def connect(self, fds: list[int]) -> tuple[int, int]:
+        """Ask the server (started again if it died: :meth:`ensure_running`) for a child that
+        inherits ``fds``: its sentinel and the write end of its data pipe."""
+        self.ensure_running()
+        with self._lock:
+            address, alive = self._address, self._alive_fd
+        if alive is None:  # let go of meanwhile (a pool closed under this launch)
+            raise EOFError("the worker server was ended before it forked the process")
+        return connect_to_forkserver(address, alive, fds)
 
     def _fork_server(self) -> None:
         with socket.socket(socket.AF_UNIX) as listener:
@@ -166,14 +163,14 @@ class _ForkedServer(_ServerBase):  # type: ignore[misc]
                 os.chmod(address, 0o600)
             listener.listen()
             alive_r, alive_w = os.pipe()  # the server ends when every writer has gone
-            _util._flush_std_streams()  # else the child writes them out again
+            flush_std_streams()  # else the child writes them out again
             pid = os.fork()
             if pid == 0:  # pragma: no cover - the server process (its coverage is not seen)
                 _serve(listener.fileno(), alive_r, alive_w)
             os.close(alive_r)
-        self._forkserver_address = address
-        self._forkserver_alive_fd = alive_w
-        self._forkserver_pid = pid
+        self._address = address
+        self._alive_fd = alive_w
+        self._pid = pid
 
 
 # How long the last user waits for the server to end once told (it exits at once: the stdlib
@@ -215,7 +212,7 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
         for module in PRELOAD:  # once here, rather than once in every worker
             with contextlib.suppress(ImportError):
                 importlib.import_module(module)
-        forkserver.main(listener_fd, alive_r, [])
+        run_forkserver(listener_fd, alive_r)
     except SystemExit:
         code = 0  # every client has gone: the normal end
     except BaseException:
@@ -295,33 +292,26 @@ def name_process(name: bytes) -> None:
         libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
 
 
-class _Popen(_PopenBase):  # type: ignore[misc]
+class _Popen(ForkServerPopen):
     """Start a process through the forked server instead of the stdlib's global one: the
-    stdlib's launch, with the server it connects to swapped, that returns once the request is
-    sent. The server writes the child's pid, then its exit status, to the sentinel; the pid is
-    read when first asked for (:attr:`pid`), so that one thread can ask for several workers
-    before waiting for any: the server forks them back to back, in the order asked."""
+    stdlib's launch (:class:`._cpython.ForkServerPopen`), with the server it connects to
+    swapped, that returns once the request is sent. The server writes the child's pid, then
+    its exit status, to the sentinel; the pid is read when first asked for (:attr:`pid`), so
+    that one thread can ask for several workers before waiting for any: the server forks them
+    back to back, in the order asked."""
 
     returncode: int | None
 
-    def _launch(self, process_obj: Any) -> None:
-        prep_data = preparation_data(process_obj._name)
-        buf = io.BytesIO()
-        _context.set_spawning_popen(self)
-        try:
-            _context.reduction.dump(prep_data, buf)
-            _context.reduction.dump(process_obj, buf)
-        finally:
-            _context.set_spawning_popen(None)
+    def start(self, data: bytes, fds: list[int]) -> None:
         self._pid: int | None = None
         self._pid_lock = threading.Lock()
-        self.sentinel, w = _server().connect_to_new_process(self._fds)
+        self.sentinel, w = _server().connect(fds)
         # The data pipe's write end, kept open: the child reads its end's closing as this
         # process's death.
         parent_w = os.dup(w)
         self.finalizer = _util.Finalize(self, _util.close_fds, (parent_w, self.sentinel))
         with open(w, "wb", closefd=True) as f:
-            f.write(buf.getbuffer())
+            f.write(data)
 
     @property
     def pid(self) -> int:
@@ -351,7 +341,7 @@ class _Popen(_PopenBase):  # type: ignore[misc]
                     return self.returncode
                 if _connection.wait([self.sentinel], 0):
                     try:
-                        message = forkserver.read_signed(self.sentinel)
+                        message = read_signed(self.sentinel)
                     except (OSError, EOFError):  # the server died: as the stdlib records it
                         self.returncode = 255
                         return self.returncode
@@ -374,10 +364,9 @@ class _Popen(_PopenBase):  # type: ignore[misc]
         return code
 
 
+@starts_through(_Popen)
 class _Process(ForkServerProcess):
-    @staticmethod
-    def _Popen(process_obj: Any) -> Any:
-        return _Popen(process_obj)
+    pass
 
 
 class _Context(ForkServerContext):
@@ -438,8 +427,15 @@ def _server() -> _ForkedServer:
 
 
 def fork_is_safe() -> bool:
-    """Whether this process may fork the server now: from the main thread, with every other
-    thread a daemon of someone else's (a notebook kernel's heartbeat and output threads are).
+    """Whether this process may fork now (the server, or a worker: see
+    :func:`fork_unsafe_reason`)."""
+    return fork_unsafe_reason() is None
+
+
+def fork_unsafe_reason() -> str | None:
+    """Why this process may not fork now, or None if it may: from the main thread, with every
+    other thread a daemon of someone else's (a notebook kernel's heartbeat and output threads
+    are).
 
     The server itself only runs the stdlib's server loop, and CPython re-initialises the import
     lock and the GIL in a forked child; what a thread might hold at the fork that a worker would
@@ -449,10 +445,18 @@ def fork_is_safe() -> bool:
     uses a standard start method instead.
     """
     me = threading.current_thread()
-    if me is not threading.main_thread() or _importing():
-        return False
-    others = [t for t in threading.enumerate() if t is not me]
-    return all(t.daemon and not t.name.startswith("aioloader") for t in others)
+    if me is not threading.main_thread():
+        return f"the loader starts it from a thread ({me.name!r}), not the main thread"
+    if _importing():
+        return "a module is being imported (a loader iterated at a module's top level)"
+    others = [
+        t.name
+        for t in threading.enumerate()
+        if t is not me and (not t.daemon or t.name.startswith("aioloader"))
+    ]
+    if others:
+        return f"other threads run ({', '.join(map(repr, sorted(others)))}) and may hold locks"
+    return None
 
 
 def _importing() -> bool:
@@ -473,10 +477,10 @@ def _importing() -> bool:
     """
     # An import in progress holds its module lock from finding the module to the end of its
     # body, whichever thread imports it.
-    locks = getattr(importlib._bootstrap, "_module_locks", {})
+    locks = module_locks() or {}
     if any(ref() is not None for ref in list(locks.values())):
         return True
-    frame: types.FrameType | None = sys._getframe(1)
+    frame: types.FrameType | None = caller_frame(1)
     while frame is not None:
         if frame.f_code.co_name == "<module>":
             spec = frame.f_globals.get("__spec__")
@@ -490,12 +494,12 @@ def zygote_context() -> ForkServerContext | None:
     """A context whose workers fork from a server forked from this process, with the server
     running; ``None`` where it cannot be started safely now (threads run) and is not running
     yet, or where ``fork`` does not exist."""
-    if not hasattr(os, "fork") or sys.platform != "linux":
+    if not hasattr(os, "fork") or sys.platform != "linux" or not FORKED_SERVER:
         return None
     server = _server()
     try:
         with server._lock:
-            running = server._forkserver_pid is not None
+            running = server._pid is not None
         if not running and not fork_is_safe():
             return None
         server.ensure_running()
@@ -513,4 +517,4 @@ def zygote_pid() -> int | None:
     """The server's pid, if it was started (for diagnostics and tests)."""
     if not _SERVER_BOX:
         return None
-    return _SERVER_BOX[0]._forkserver_pid
+    return _SERVER_BOX[0]._pid
