@@ -1377,3 +1377,166 @@ def test_a_lambda_closing_over_a_lock_is_refused_naming_it() -> None:
     lock = threading.Lock()
     with pytest.raises(TypeError, match=r"^collate_fn=.* cannot be sent.*'_thread.lock'"):
         DataLoader(Indexed(6), num_workers=2, collate_fn=lambda b: (lock, b)[1])
+
+
+# -- multiprocessing_context="fork" -----------------------------------------------------------
+#
+# Each runs a script in a fresh interpreter: whether a fork is safe depends on the threads the
+# process runs, which a test process shared with other tests does not control.
+
+_FORK_SCRIPT_S = 120.0
+
+_FORK_PRELUDE = """
+import os, sys, threading, warnings
+warnings.simplefilter("always")
+import psutil
+import torch
+import torch.utils.data as tud
+import aioloader
+import fork_program
+from fork_program import Program
+
+
+def parents(pids):
+    return {psutil.Process(pid).ppid() for pid in pids}
+
+
+def fork_warnings(caught):
+    return [str(w.message) for w in caught if "multiprocessing_context='fork'" in str(w.message)]
+"""
+
+
+def _fork_script(body: str, tmp_path: Any) -> list[str]:
+    """Run ``body`` after :data:`_FORK_PRELUDE` in a fresh interpreter (bounded: a hang fails);
+    its printed lines."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    path = Path(tmp_path) / "fork_script.py"
+    path.write_text(_FORK_PRELUDE + textwrap.dedent(body))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests)]))
+    proc = subprocess.run(
+        [sys.executable, str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=_FORK_SCRIPT_S,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.splitlines()
+
+
+def test_fork_workers_see_the_program_as_it_is_when_the_epoch_begins(tmp_path: Any) -> None:
+    """torch forks its workers as its iterator is made: a dataset changed after the loader was
+    made, and the program's state (a module's global, which a worker imports rather than gets
+    sent), are seen as they are then. aioloader's 'fork' workers are forked from the program
+    itself as the first epoch begins, where no other thread runs: the same batches, no
+    warning."""
+    lines = _fork_script(
+        """
+        if __name__ == "__main__":
+            got = {}
+            for name, make in (("torch", tud.DataLoader), ("aioloader", aioloader.DataLoader)):
+                fork_program.STATE = "at construction"
+                ds = Program()
+                loader = make(ds, batch_size=2, num_workers=2, multiprocessing_context="fork")
+                ds.tag, fork_program.STATE = "changed", "set before the epoch"
+                with warnings.catch_warnings(record=True) as caught:
+                    got[name] = [list(b) for b in loader]
+                    if name == "aioloader":
+                        pids = loader.worker_pids
+                        print("forked from the program", parents(pids) == {os.getpid()})
+                        print("fork warnings", len(fork_warnings(caught)))
+                        loader.close()
+            print("same", got["torch"] == got["aioloader"])
+            print(got["aioloader"])
+        """,
+        tmp_path,
+    )
+    assert lines[:3] == ["forked from the program True", "fork warnings 0", "same True"], lines
+    assert lines[3] == str([["changed/set before the epoch"] * 2] * 2)
+
+
+def test_fork_while_a_thread_runs_falls_back_with_one_warning_saying_why(tmp_path: Any) -> None:
+    """A process forked while another thread holds a lock can hang on it for ever (torch's
+    'fork' takes that risk). aioloader's does not: with a thread of the program running, the
+    workers start from the safe start method, and one warning per process says why; every
+    batch comes, from this loader and the next, and nothing hangs."""
+    lines = _fork_script(
+        """
+        if __name__ == "__main__":
+            stop = threading.Event()
+            busy = threading.Thread(target=stop.wait, name="program-thread")
+            busy.start()
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    batches = []
+                    for _ in range(2):  # two loaders: still one warning
+                        ds = Program()
+                        with aioloader.DataLoader(
+                            ds, batch_size=2, num_workers=2, multiprocessing_context="fork"
+                        ) as loader:
+                            batches += [list(b) for b in loader]
+                            pids = loader.worker_pids
+                            print("forked from the program", parents(pids) == {os.getpid()})
+            finally:
+                stop.set()
+                busy.join()
+            said = fork_warnings(caught)
+            print("batches", len(batches))
+            print("fork warnings", len(said))
+            print(said[0])
+        """,
+        tmp_path,
+    )
+    assert lines[:4] == [
+        "forked from the program False",
+        "forked from the program False",
+        "batches 4",
+        "fork warnings 1",
+    ], lines
+    assert "other threads run ('program-thread')" in lines[4], lines[4]
+    assert "allow_fork=True" in lines[4]
+
+
+def test_fork_started_off_the_loop_falls_back_and_allow_fork_forks_regardless(
+    tmp_path: Any,
+) -> None:
+    """``async with`` starts the workers off the event loop, on a thread: no safe fork there, so
+    they start from the safe start method (warned once). ``allow_fork=True`` keeps its meaning:
+    fork even so, at the caller's risk, with no warning."""
+    lines = _fork_script(
+        """
+        import asyncio
+
+        async def epoch(**settings):
+            async with aioloader.DataLoader(
+                Program(), batch_size=2, num_workers=2, multiprocessing_context="fork", **settings
+            ) as loader:
+                got = [list(b) async for b in loader]
+                return got, parents(loader.worker_pids) == {os.getpid()}
+
+        if __name__ == "__main__":
+            with warnings.catch_warnings(record=True) as caught:
+                got, forked = asyncio.run(epoch())
+                print("async with:", len(got), "forked from the program", forked)
+                print("fork warnings", len(fork_warnings(caught)))
+                print("said", "from a thread" in fork_warnings(caught)[0])
+            with warnings.catch_warnings(record=True) as caught:
+                got, forked = asyncio.run(epoch(allow_fork=True))
+                print("allow_fork:", len(got), "forked from the program", forked)
+                print("fork warnings", len(fork_warnings(caught)))
+        """,
+        tmp_path,
+    )
+    assert lines == [
+        "async with: 2 forked from the program False",
+        "fork warnings 1",
+        "said True",
+        "allow_fork: 2 forked from the program True",
+        "fork warnings 0",
+    ], lines

@@ -80,18 +80,22 @@ def test_a_dataset_class_defined_in_python_c_works_with_workers(tmp_path: Path) 
     assert proc.stdout.strip() == "[[0, 2, 4, 6, 8], [10, 12, 14, 16, 18]]"
 
 
-def test_the_server_holds_no_socket_or_pipe_of_the_main_process(tmp_path: Path) -> None:
-    """A connection the program closes is closed for its peer, though the server was forked
-    while it was open (a TCP connection, a torch.distributed store, a subprocess pipe)."""
+@pytest.mark.parametrize("method", [None, "fork"])
+def test_the_server_holds_no_socket_or_pipe_of_the_main_process(
+    tmp_path: Path, method: str | None
+) -> None:
+    """A connection the program closes is closed for its peer, though the server (or, under
+    'fork', each worker, forked from the program itself) was forked while it was open (a TCP
+    connection, a torch.distributed store, a subprocess pipe)."""
     proc = _run(
-        """
+        f"""
         import os, socket
         from aioloader import DataLoader
         from datasets import Range
 
         mine, peer = socket.socketpair()
         read_end, write_end = os.pipe()
-        with DataLoader(Range(8), batch_size=4, num_workers=2) as loader:
+        with DataLoader(Range(8), batch_size=4, num_workers=2, mp_context={method!r}) as loader:
             assert [len(b) for b in loader] == [4, 4]
             mine.close()
             os.close(write_end)
@@ -131,6 +135,34 @@ def test_workers_fork_from_the_server_and_name_themselves(tmp_path: Path) -> Non
         f"worker aiol-worker-0 from {SERVER_NAME.decode()}",
         f"worker aiol-worker-1 from {SERVER_NAME.decode()}",
     ], proc.stdout
+
+
+def test_fork_workers_that_cannot_be_forked_start_from_the_server(tmp_path: Path) -> None:
+    """Under 'fork', the forks from the program as the epoch begins fail (EAGAIN: no process
+    left to the user): nothing is lost, no error, the workers start from the server."""
+    proc = _run(
+        """
+        import multiprocessing, os, psutil
+        from aioloader import DataLoader
+        from aioloader._workers import _pool
+        from datasets import Range
+
+        class Refused:  # the fork context, whose processes cannot start
+            def __getattr__(self, name):
+                return getattr(multiprocessing.get_context("fork"), name)
+            def Process(self, *args, **kwargs):
+                raise BlockingIOError(11, "Resource temporarily unavailable")
+
+        _pool._FORK = Refused()
+        with DataLoader(Range(8), batch_size=4, num_workers=2, mp_context="fork") as loader:
+            assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+            parents = {psutil.Process(pid).parent().pid for pid in loader.worker_pids}
+            print("workers", len(loader.worker_pids), "from program", os.getpid() in parents)
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "workers 2 from program False" in proc.stdout, proc.stdout
 
 
 def test_output_buffered_before_the_fork_is_written_once(tmp_path: Path) -> None:

@@ -324,7 +324,9 @@ class WorkerPool:
         multiprocessing_context: ``'forkserver'`` (default), ``'spawn'``, ``'fork'`` or a
             context, as for ``DataLoader``; ``mp_context`` is its other name.
         mp_context: another name for ``multiprocessing_context``.
-        allow_fork: allow ``'fork'`` even while threads run (unsafe; you insist).
+        allow_fork: fork every worker as it starts, even while threads run (unsafe; you
+            insist); without it ``'fork'`` forks only where that is safe, else starts the
+            workers through the default start method, with one warning.
         shm_max_bytes: the shared-memory budget of all its loaders together (default: a
             quarter of free /dev/shm, at most 4 GiB); 0 sends every batch pickled.
         start_timeout: seconds a worker may take to start, and to load each loader's dataset
@@ -333,7 +335,7 @@ class WorkerPool:
 
     Raises:
         TypeError: an argument of the wrong type (named).
-        ValueError: a bad value (named), or ``'fork'`` while threads run.
+        ValueError: a bad value (named).
     """
 
     def __init__(
@@ -657,8 +659,8 @@ def worker_context(
     come from ``__main__`` (``_workers.preload_pickler``).
 
     Raises:
-        ValueError: a loader argument conflicts with the pool (both named); an unknown or
-            refused start method.
+        ValueError: a loader argument conflicts with the pool (both named); an unknown
+            start method.
     """
     if pool is None:
         if context is None:

@@ -18,8 +18,8 @@ then the main side that starts workers, sees them die and routes their jobs::
               _copy      the dataset copy the workers load: pickled once, in a thread
     moving    _channel   the pipes a job and its reply travel over, watched by the event loop
     starting  _zygote    the forkserver forked from this process; when a fork is safe
-              _context   which start method: the forked server by default, fork refused
-                         while threads run; workers never run the user's __main__ again
+              _context   which start method: the forked server by default, 'fork' made safe;
+                         workers never run the user's __main__ again
     worker    _worker    everything that runs inside a worker: initializer, loading a dataset
                          copy, the map and stream jobs, stream sharding, the watchdog
     main      _starting  workers that hang while they start: the start deadline, their stacks
@@ -55,8 +55,9 @@ The record that comes back is :class:`~aioloader._types.Made` from the worker to
 only its ``batch`` changes, from the :class:`._records.Parcel` to the batch, when it is opened.
 
 Sharp edges (each module's docstring tells its own in full):
-- ``fork`` is refused while threads run (an event loop's executor, a sync iterator's thread):
-  a forked child inherits locks held by threads that do not exist in it. ``forkserver`` and
+- ``fork`` is forked only where no other thread may hold a lock: from the main thread, as an
+  epoch begins, with no loader thread running; a worker that must start elsewhere starts from
+  the safe start method, with one warning per process (``_context``). ``forkserver`` and
   ``spawn`` re-import ``aioloader`` in a fresh interpreter; the forkserver preloads the
   worker module once; neither runs the user's ``__main__`` again (``_context``), so what lives
   there travels by value (``_payload``).
@@ -82,6 +83,7 @@ Sharp edges (each module's docstring tells its own in full):
 
 from __future__ import annotations
 
+from ._context import hold_server as hold_server
 from ._context import pickles_main_by_value as pickles_main_by_value
 from ._context import resolve_context as resolve_context
 from ._context import starts_early as starts_early
@@ -96,7 +98,6 @@ from ._pool import WorkerPool as WorkerPool
 from ._pool import warn_more_workers_than_cpus as warn_more_workers_than_cpus
 from ._records import Payload as Payload
 from ._runner import ProcessRunner as ProcessRunner
-from ._zygote import hold_server as hold_server
 from ._zygote import is_zygote as is_zygote
 
 __all__ = [

@@ -18,10 +18,20 @@ torch's default ``fork`` on Linux: its top level runs once. The start methods na
 the stock ``forkserver`` / ``spawn`` contexts passed as objects) get this; any other context
 object is used as given.
 
-``fork`` is refused unless the caller insists: workers are started while the loader runs, from
-the event loop's thread or a helper thread, with the loop's executor and the pool's exit watch
-alive, and a forked child inherits locks those threads may hold (and can deadlock on them).
-Counting threads when the loader is made would not tell what runs at fork time.
+``fork`` means what it means to torch's DataLoader: workers see the program as it is when they
+start (a large in-memory dataset, module state set up before the loop), with the safety torch
+lacks. A forked child inherits every lock held at the fork by a thread that does not exist in
+it, and can wait on it for ever; workers are started while the loader runs, from the event
+loop's thread or a helper thread, with the loop's executor and the pool's exit watch alive. So
+``'fork'`` resolves to :class:`ForkContext`: its workers are forked from the main thread, all
+at once, only where no other thread may hold a lock (``_zygote.fork_unsafe_reason``), when an
+epoch begins (torch forks as its iterator is made) or ``with``/``start()`` starts them; a
+worker that must start anywhere else (``async with``, whose start runs off the loop; a
+replacement for one that died; a program with threads of its own) starts through the safe
+start method instead (:attr:`ForkContext.fallback`, the default's), and the first such start
+warns once per process, saying why; never a hang, never an error. ``allow_fork=True`` forks
+every worker when it starts, threads or not (the caller takes the risk). Counting threads when
+the loader is made would not tell what runs at fork time: the test is made at each fork.
 
 Sharp edges:
 - Leaving ``__main__`` out means CPython's launch of each start method with one name rebound
@@ -58,17 +68,21 @@ from multiprocessing.context import BaseContext
 from typing import Any
 
 from ._cpython import forkserver_pid, popen_with_spawn, preparation_data, starts_through
+from ._zygote import hold_server as hold_forked_server
 from ._zygote import is_zygote, zygote_context
 
 __all__ = [
     "HASH_SEED",
     "WORKERS_SKIP_MAIN",
     "WORKER_MODULE",
+    "ForkContext",
     "ForkServerContext",
     "SpawnContext",
     "await_server",
+    "hold_server",
     "pickles_main_by_value",
     "resolve_context",
+    "start_context",
     "starts_early",
 ]
 
@@ -140,6 +154,32 @@ class SpawnContext(mp_context_module.SpawnContext):
     Process = _SpawnProcess
 
 
+class ForkContext(mp_context_module.ForkContext):
+    """``fork`` made safe (see the module docstring): a worker is forked from the main thread
+    where no other thread may hold a lock (``WorkerPool.fork_here``), else started through
+    :attr:`fallback`, with one warning per process.
+
+    Args:
+        fallback: the context of the workers that cannot be forked safely.
+    """
+
+    def __init__(self, fallback: BaseContext) -> None:
+        super().__init__()
+        self.fallback = fallback
+
+
+def start_context(context: BaseContext) -> BaseContext:
+    """The context the pool launches workers through when it does not fork them itself: a
+    :class:`ForkContext`'s fallback, else ``context``."""
+    return context.fallback if isinstance(context, ForkContext) else context
+
+
+def hold_server(context: BaseContext) -> Callable[[], None] | None:
+    """:func:`._zygote.hold_server` of the context workers start through
+    (:func:`start_context`)."""
+    return hold_forked_server(start_context(context))
+
+
 _OURS: dict[str, Callable[[], BaseContext]] = {
     "forkserver": ForkServerContext,
     "spawn": SpawnContext,
@@ -151,11 +191,11 @@ def resolve_context(mp_context: str | BaseContext | None, *, allow_fork: bool) -
 
     Args:
         mp_context: a start method name, a context, or None for the default.
-        allow_fork: accept ``fork`` although threads run (the caller takes the risk).
+        allow_fork: fork every worker when it starts, although threads run (the caller takes
+            the risk); else ``fork`` gives a :class:`ForkContext`.
 
     Raises:
-        ValueError: unknown start method, or ``fork`` while other threads run (unless
-            ``allow_fork``).
+        ValueError: unknown start method.
         TypeError: ``mp_context`` is neither a name nor a context.
     """
     if mp_context is None:
@@ -181,13 +221,8 @@ def resolve_context(mp_context: str | BaseContext | None, *, allow_fork: bool) -
         ctx = _ours(mp_context.get_start_method()) if stock else mp_context
     else:
         raise TypeError(f"mp_context must be a start method name or a context, got {mp_context!r}")
-    if ctx.get_start_method() == "fork" and not allow_fork:
-        raise ValueError(
-            "mp_context='fork' is refused while other threads run: workers are started from "
-            f"the event loop or a helper thread ({threading.active_count()} thread(s) now), "
-            "and a forked worker inherits their locks and can deadlock. Use 'forkserver' or "
-            "'spawn', or pass allow_fork=True."
-        )
+    if ctx.get_start_method() == "fork" and not allow_fork and not isinstance(ctx, ForkContext):
+        return ForkContext(resolve_context(None, allow_fork=False))
     if ctx.get_start_method() == "forkserver":
         # torch too where this program uses it: else every worker forked from the server
         # imports it (about 1 s) at its first batch, for every loader of the process.
@@ -204,10 +239,13 @@ def _ours(method: str) -> BaseContext:
 
 def pickles_main_by_value(context: BaseContext) -> bool:
     """Whether what lives in ``__main__`` must travel by value to workers of ``context``: a
-    forked worker has the parent's ``__main__`` (by reference is right, and by value would
-    make second copies of its classes); any other worker has no user ``__main__`` at all, or
-    one it ran again, whose classes are not the ones the parent pickled."""
-    return context.get_start_method() != "fork"
+    worker forked when it starts has the parent's ``__main__`` (by reference is right, and by
+    value would make second copies of its classes); any other worker has no user ``__main__``
+    at all, or one it ran again, whose classes are not the ones the parent pickled. A
+    :class:`ForkContext`'s workers may be of either kind, and the copy is pickled once for
+    all: by value (a forked worker takes ``__main__``'s classes so too, as a pool's first
+    worker forked from the program does)."""
+    return context.get_start_method() != "fork" or isinstance(context, ForkContext)
 
 
 def starts_early(context: BaseContext | None) -> bool:
@@ -215,7 +253,9 @@ def starts_early(context: BaseContext | None) -> bool:
     those forked from a server, the forked one (``_zygote``) or the standard forkserver (its
     one-time start then overlaps the program's own). Not ``spawn``, whose workers each start a
     fresh interpreter and import torch (seconds of CPU each, while the program builds its
-    model), nor ``fork`` (from a thread: see the module docstring)."""
+    model), nor ``fork``: from a thread it is not safe, and a :class:`ForkContext`'s workers
+    are forked as the first epoch begins, seeing the program as it is then (see the module
+    docstring)."""
     return context is not None and (
         is_zygote(context) or context.get_start_method() == "forkserver"
     )

@@ -18,6 +18,14 @@ deadline counts from when its process could begin, and closing the pool never wa
 server's start. Under ``fork`` the launches fork one at a time: a fork made beside another
 launch's thread could copy a lock that thread holds.
 
+Under ``'fork'`` (a :class:`._context.ForkContext`) the workers are instead forked from the
+main process itself, from its main thread where no other thread runs, as an epoch begins
+(:meth:`._pool.WorkerPool.fork_here`, through :meth:`Launcher.launch_here`): every fork is
+made before any is waited for, before the exit watch's thread starts. Such a child runs
+:func:`._worker.run_forked_worker`, which first sheds what the server would have shed. A
+worker launched anywhere else (its replacement, ``async with``'s start) starts through the
+context's fallback, and the first such launch warns (:meth:`Launcher.not_forked`).
+
 A job waits for its worker's launch before it is sent: the launch under way (the loader's
 start thread's), or one begun for it. If a launch the job began fails, its error reaches that
 job's caller. If a launch fails, the worker's ends of its pipes are closed: a job then sent to
@@ -34,6 +42,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -41,7 +50,7 @@ from multiprocessing.context import BaseContext
 from typing import Any
 
 from .._errors import WorkerInitError
-from .._log import workers_log
+from .._log import first_time, workers_log
 from ._channel import Channel
 from ._context import await_server
 from ._copy import DatasetCopy
@@ -113,6 +122,8 @@ class Launcher:
         closed: whether the pool is closed (nothing is launched then).
         start_deadline: the workers' start deadline, and the setting that gave it (for
             errors): a launch gets as long, and at least :data:`._starting.LAUNCH_TIMEOUT_S`.
+        fork_asked: the pool was asked to fork its workers (``'fork'``): a launch through
+            ``context`` (the fallback) warns, once per process (:meth:`not_forked`).
     """
 
     def __init__(
@@ -121,8 +132,11 @@ class Launcher:
         exits: ExitWatch,
         closed: Callable[[], bool],
         start_deadline: tuple[float, str] = (LAUNCH_TIMEOUT_S, "the default"),
+        *,
+        fork_asked: bool = False,
     ):
         self._context = context
+        self._fork_asked = fork_asked
         self._exits = exits
         self._closed = closed
         seconds, setting = start_deadline
@@ -196,6 +210,27 @@ class Launcher:
                     errors.append(exc)
         if errors:
             raise errors[0]
+
+    def not_forked(self, worker_id: int, reason: str) -> None:
+        """Worker ``worker_id`` of a pool asked to fork its workers (a
+        :class:`._context.ForkContext`) starts through the pool's start method instead, for
+        ``reason``: warn, once per process. The warning is never raised as an error (a
+        warnings filter set to "error", in a launch thread, would fail the launch)."""
+        if not first_time(("fork declined",)):
+            return
+        method = self._context.get_start_method()
+        through = f"the forked server ({method})" if is_zygote(self._context) else method
+        with contextlib.suppress(Warning):
+            warnings.warn(
+                f"multiprocessing_context='fork': worker {worker_id} starts through {through} "
+                f"instead of a fork of this process: {reason}, and a process forked then can "
+                "hang on a lock another thread held. Workers are forked where that is safe: from "
+                "the main thread, with no other thread running, as an epoch begins (or at "
+                "`with loader:`); pass allow_fork=True to fork them regardless, at your own "
+                "risk. (Said once per process.)",
+                UserWarning,
+                stacklevel=2,
+            )
 
     async def launched(self, w: Worker, args: Args, batch_id: int) -> None:
         """Wait, without blocking the loop, until ``w`` has its process (see
@@ -293,6 +328,8 @@ class Launcher:
             w.launched = time.monotonic()
             context = via if via is not None else self._context
             fork = context.get_start_method() == "fork"
+            if via is None and self._fork_asked:
+                self.not_forked(w.id, _NOT_FORKED)
             with self._forks if fork else contextlib.nullcontext():
                 if via is not None:
                     return _fork_here(via, w, args(w))
@@ -344,6 +381,14 @@ class Launcher:
         w.child_pipes = None
         w.lock.release()
         self._settle(w, None, exc)
+
+
+# Why a worker of a pool asked to fork starts through its fallback, when no fork was declined
+# for it before (its pool forks where an epoch begins: this one starts elsewhere).
+_NOT_FORKED = (
+    "it is started on a thread of the loader (a replacement for a worker that died, or a "
+    "worker started before any epoch or start() of its loader could fork it)"
+)
 
 
 def _retrieve(outcome: asyncio.Future[None]) -> None:

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import os
 import threading
 import time
@@ -70,6 +71,7 @@ from .._errors import WorkerInitError
 from .._log import first_time, workers_log
 from .._threads import off_loop
 from ._channel import Channel, open_channel
+from ._context import ForkContext, start_context
 from ._copy import DatasetCopy
 from ._death import EXIT_STATUS_WAIT_S as EXIT_STATUS_WAIT_S
 from ._death import MAX_START_FAILURES as MAX_START_FAILURES
@@ -79,6 +81,7 @@ from ._launch import Launcher, Worker
 from ._records import Payload, new_cells, running_tag
 from ._starting import START_POLL_S, Hang, StackPipe, describe_start, kill, take_stack
 from ._worker import drop_copy, load_copy
+from ._zygote import fork_unsafe_reason
 
 __all__ = [
     "DEFAULT_START_TIMEOUT_S",
@@ -104,6 +107,13 @@ DEFAULT_START_TIMEOUT_S = 120.0
 
 # How often a blocking start (:meth:`WorkerPool.start`) looks whether a worker is up.
 _START_CHECK_S = 0.002
+
+# The start method of workers the pool forks from this process (fork_here).
+_FORK: BaseContext | None = (
+    multiprocessing.get_context("fork")
+    if "fork" in multiprocessing.get_all_start_methods()
+    else None
+)
 
 
 def warn_more_workers_than_cpus(num_workers: int, stacklevel: int = 3) -> None:
@@ -156,7 +166,14 @@ class WorkerPool:
         self._cells = new_cells(num_workers)  # what each worker publishes for the pool
         self._deaths = Deaths(self._cells.current, self._replace)
         when = (start_timeout, start_setting)
-        self._launcher = Launcher(context, self._deaths.exits, lambda: self._closed, when)
+        self._fork = isinstance(context, ForkContext)  # forked here where safe (fork_here)
+        self._launcher = Launcher(
+            start_context(context),
+            self._deaths.exits,
+            lambda: self._closed,
+            when,
+            fork_asked=self._fork,
+        )
         self._launch_lock = threading.Lock()
         self._workers = [Worker(i, *self._new_worker()) for i in range(num_workers)]
         self._closed = False  # no job or launch from now on
@@ -196,6 +213,38 @@ class WorkerPool:
         (W4 w2) that bought nothing measurable, and every worker now starts from the server.
         Kept only until ``_loader._resources.start_early`` stops calling it: then remove it."""
 
+    def fork_here(self) -> None:
+        """Under ``'fork'`` (a :class:`._context.ForkContext`): fork every worker that has no
+        process from this thread now, where that is safe (``_zygote.fork_unsafe_reason``), all
+        before any is waited for; else say once why they start through the fallback (their
+        launch, from a thread, does). Called as an epoch begins (:meth:`load`) and by
+        :meth:`start`: the workers see the program as it is then, as torch's forked workers
+        do. A no-op for other contexts, and once every worker has a process. Never raises: a
+        fork that fails (EAGAIN, ENOMEM) leaves its worker, with new pipes, to its launch."""
+        if not self._fork or _FORK is None or self._closed:
+            return
+        waiting = [w for w in self._workers if w.process is None]
+        if not waiting:
+            return
+        reason = fork_unsafe_reason()
+        if reason is not None:
+            self._launcher.not_forked(waiting[0].id, reason)
+            return
+        try:
+            self._launcher.launch_here(waiting, self._worker_args, via=_FORK)
+        except Exception as exc:
+            workers_log.info("forking workers failed (%s): they start through the fallback", exc)
+            self._renew_pipes(waiting)
+
+    def _renew_pipes(self, workers: list[Worker]) -> None:
+        """New pipes for each of ``workers`` whose launch failed (the launcher closed its
+        pipes): its next launch needs them."""
+        for w in workers:
+            if w.process is None and w.child_pipes is None:
+                w.channel.close()
+                w.stacks.close()
+                w.channel, w.child_pipes, w.stacks = self._new_worker()
+
     def launch(self) -> None:
         """Start every worker's process now, without waiting until it is ready (from the
         forked server, blocking while they are forked, in order: call it from a thread; else
@@ -212,6 +261,7 @@ class WorkerPool:
             WorkerInitError: a worker did not start within the start deadline (it is killed),
                 or got no process within the launch deadline.
         """
+        self.fork_here()  # under 'fork': from here, where that is safe
         launches = self._launcher.launch_all(self._workers, self._worker_args)
         for w, launch in zip(self._workers, launches, strict=True):
             if launch is not None:
@@ -233,7 +283,10 @@ class WorkerPool:
         """Give the workers a new dataset copy: ``make()`` pickles it (once, in a thread, from
         now on); each worker loads it before its next job of ``copy_id``
         (one per loader sharing the pool, with its own seeds). Thread-safe. The one before the
-        current one of ``copy_id`` is released: no worker can have its load queued."""
+        current one of ``copy_id`` is released: no worker can have its load queued. Under
+        ``'fork'``, the workers without a process are forked first (:meth:`fork_here`), before
+        the pickling's thread starts."""
+        self.fork_here()
         copy = DatasetCopy(make, epoch, copy_id, **seeds)  # seed=, per_batch_seeds= if given
         with self._launch_lock:
             retired = self._retired.pop(copy_id, None)

@@ -30,6 +30,10 @@ would otherwise never see them close: a TCP connection, a torch.distributed stor
 subprocess's pipe), signal handlers other than the default, the signal wake-up descriptor.
 
 The server names itself ``aiol-forkserver`` (``/proc/PID/comm``, what ``ps`` and ``top`` show).
+
+Under ``'fork'`` the workers skip the server: forked from the main process itself as an epoch
+begins, under the same test (:func:`fork_unsafe_reason`), each sheds what the server sheds
+(:func:`shed_parent_state`; see ``_pool.WorkerPool.fork_here``).
 """
 
 from __future__ import annotations
