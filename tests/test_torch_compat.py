@@ -1503,37 +1503,50 @@ def test_fork_while_a_thread_runs_falls_back_with_one_warning_saying_why(tmp_pat
     assert "allow_fork=True" in lines[4]
 
 
-def test_fork_started_off_the_loop_falls_back_and_allow_fork_forks_regardless(
+def test_fork_under_async_for_forks_and_off_the_loop_falls_back_and_allow_fork_forks(
     tmp_path: Any,
 ) -> None:
-    """``async with`` starts the workers off the event loop, on a thread: no safe fork there, so
-    they start from the safe start method (warned once). ``allow_fork=True`` keeps its meaning:
-    fork even so, at the caller's risk, with no warning."""
+    """``async for`` begins its epoch on the event loop's thread, the main one: the workers are
+    forked from the program there. ``async with`` starts them off the loop, on a thread: no
+    safe fork there, so they start from the safe start method (warned once).
+    ``allow_fork=True`` keeps its meaning: fork even so, at the caller's risk, with no
+    warning."""
     lines = _fork_script(
         """
         import asyncio
 
-        async def epoch(**settings):
-            async with aioloader.DataLoader(
+        async def epoch(start=False, **settings):
+            loader = aioloader.DataLoader(
                 Program(), batch_size=2, num_workers=2, multiprocessing_context="fork", **settings
-            ) as loader:
+            )
+            if start:
+                await loader.__aenter__()
+            try:
                 got = [list(b) async for b in loader]
                 return got, parents(loader.worker_pids) == {os.getpid()}
+            finally:
+                await loader.aclose()
 
         if __name__ == "__main__":
             with warnings.catch_warnings(record=True) as caught:
                 got, forked = asyncio.run(epoch())
+                print("async for:", len(got), "forked from the program", forked)
+                print("fork warnings", len(fork_warnings(caught)))
+            with warnings.catch_warnings(record=True) as caught:
+                got, forked = asyncio.run(epoch(start=True))
                 print("async with:", len(got), "forked from the program", forked)
                 print("fork warnings", len(fork_warnings(caught)))
                 print("said", "from a thread" in fork_warnings(caught)[0])
             with warnings.catch_warnings(record=True) as caught:
-                got, forked = asyncio.run(epoch(allow_fork=True))
+                got, forked = asyncio.run(epoch(start=True, allow_fork=True))
                 print("allow_fork:", len(got), "forked from the program", forked)
                 print("fork warnings", len(fork_warnings(caught)))
         """,
         tmp_path,
     )
     assert lines == [
+        "async for: 2 forked from the program True",
+        "fork warnings 0",
         "async with: 2 forked from the program False",
         "fork warnings 1",
         "said True",
