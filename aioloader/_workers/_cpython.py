@@ -28,17 +28,18 @@ gives a fallback, named in each docstring and summed up here::
                                     ._fd                                sheds the pipe (its
                                                                         segments untracked)
     flush_std_streams()             util._flush_std_streams             flushed here instead
-    module_locks()                  importlib._bootstrap._module_locks  None: callers look at
-                                                                        every module instead
+    module_locks()                  importlib._bootstrap._module_locks  None: _payload looks at
+                                                                        every module, _zygote at
+                                                                        this thread's frames
     caller_frame()                  sys._getframe                       None: no frame walked
 
-Checked against CPython 3.11.7 (run: the test suite) and the 3.12, 3.13 and 3.14 sources of
-``multiprocessing/forkserver.py``, ``popen_forkserver.py``, ``popen_spawn_posix.py``,
-``spawn.py``, ``resource_tracker.py``, ``util.py`` and ``importlib/_bootstrap.py`` (read).
-3.14 added an authentication key to the standard forkserver: a server run by
-:func:`run_forkserver` is given none, and :func:`connect_to_forkserver`'s client has none, so
-neither side asks for one. :data:`FORKED_SERVER` is computed once, at import, from the
-attributes present.
+Checked against CPython 3.11.7 (run: the whole test suite) and, read only, against later
+sources of ``multiprocessing/forkserver.py``, ``popen_forkserver.py`` and ``resource_tracker.py``
+(3.14's, whose forkserver added an authentication key: a server run by :func:`run_forkserver`
+is given none, and :func:`connect_to_forkserver`'s client has none, so neither side asks for
+one); ``spawn.py``, ``util.py`` and ``importlib/_bootstrap.py`` as 3.11.7 has them. Where a
+later release differs, the fallbacks above apply. :data:`FORKED_SERVER` is computed once, at
+import, from the attributes present.
 """
 
 from __future__ import annotations
