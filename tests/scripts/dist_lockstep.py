@@ -1,0 +1,233 @@
+"""One rank of a real gloo job of 4: streams of unequal shares under equal steps, the slow rank
+named, data-parallel groups. Reports what this rank read, as JSON, for
+``tests/test_distributed_lockstep.py`` to compare across ranks.
+
+Run by the test (one process per rank) with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``, ``GLOO_SOCKET_IFNAME`` and ``PYTHONPATH`` holding ``tests/``::
+
+    python tests/scripts/dist_lockstep.py REPORT.json
+
+As in ``dist_ranks.py``, a case that raises records the error and the next one runs, and every
+case starts together on every rank (a barrier).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from datasets import AsyncStream, Range, Stream, TorchDraws, keep, tar_sample, tar_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from aioloader import DataLoader
+from aioloader.distributed import gather_statistics
+from aioloader.sources import TarDataset
+
+# Bounds each collective of this rank (the agreement's own group has its own, longer bound:
+# a case that hangs there is ended by the test's limit on the whole job).
+COLLECTIVE_TIMEOUT = timedelta(seconds=90)
+
+#: The length of each rank's copy of the "uneven" stream: the loader keeps items r, r + 4, ...
+#: of it, so the shares are 10, 3, 6 and 2 items long (3, 1, 2 and 1 batches of 4).
+UNEVEN = (40, 13, 27, 8)
+#: Tar shards of 2 to 9 samples: each rank reads whole shards of its own, of unequal sizes.
+TAR_SHARDS = 9
+
+
+def tar_size(shard: int) -> int:
+    return 2 + (shard * 5) % 8
+
+
+class Timed(Range):
+    """``dataset[i] == i`` after ``delay`` seconds (a rank slowed on purpose sleeps longer)."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        super().__init__(n)
+        self.delay = delay
+
+    def __getitem__(self, index: int) -> int:
+        time.sleep(self.delay)
+        return super().__getitem__(index)
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(f"{record.levelname} {record.getMessage()}")
+
+
+@contextlib.contextmanager
+def observed(report: dict[str, Any]) -> Iterator[None]:
+    logger = logging.getLogger("aioloader.distributed")
+    handler = Records()
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    except Exception:
+        report["error"] = traceback.format_exc()
+    finally:
+        logger.removeHandler(handler)
+    report["log"] = handler.messages
+
+
+def items(batch: Any) -> list[Any]:
+    """A batch's samples as JSON-able values (ints, or a tar sample's key)."""
+    out = []
+    for sample in batch:
+        if isinstance(sample, dict):
+            out.append(sample["key"])
+        else:
+            out.append(int(sample))
+    return out
+
+
+def train(loader: DataLoader, epochs: int) -> dict[str, Any]:
+    """A DDP training loop on CPU over ``epochs`` epochs: the steps and samples of each."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(1, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    per_epoch = []
+    for _ in range(epochs):
+        seen: list[list[Any]] = []
+        for batch in loader:
+            got = items(batch)
+            x = torch.tensor([[float(len(got))]])
+            loss = model(x).pow(2).mean()  # DDP's gradient all-reduce in backward()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            seen.append(got)
+        per_epoch.append(seen)
+    stats = loader.statistics()
+    return {
+        "epochs": per_epoch,
+        "leftover_batches": stats.leftover_batches,
+        "leftover_samples": stats.leftover_samples,
+        "dropped_batches": stats.dropped_batches,
+        "dropped_samples": stats.dropped_samples,
+    }
+
+
+def case(reports: dict[str, Any], name: str, body: Callable[[dict[str, Any]], None]) -> None:
+    report: dict[str, Any] = {}
+    with observed(report):
+        body(report)
+    reports[name] = report
+
+
+def main() -> None:
+    out = sys.argv[1]
+    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reports: dict[str, Any] = {"pid": os.getpid(), "rank": rank, "world": world, "workers": []}
+
+    def uneven(report: dict[str, Any]) -> None:
+        # A user's stream that ends at a different point on each rank, in threads and in
+        # worker processes, carried and dropped.
+        for name, workers, leftover in (
+            ("thread_carry", 0, "carry"),
+            ("workers_carry", 2, "carry"),
+            ("thread_drop", 0, "drop"),
+        ):
+            with DataLoader(
+                Stream(UNEVEN[rank]), batch_size=4, num_workers=workers, leftover=leftover
+            ) as loader:
+                report[name] = train(loader, 2)
+                reports["workers"].extend(loader.worker_pids)
+
+    def async_uneven(report: dict[str, Any]) -> None:
+        async def run() -> list[list[list[int]]]:
+            async with DataLoader(AsyncStream(UNEVEN[rank]), batch_size=4) as loader:
+                epochs = []
+                for _ in range(2):
+                    epochs.append([items(b) async for b in loader])
+                    total = torch.ones(1)
+                    dist.all_reduce(total)  # (a collective between epochs: all still there)
+                return epochs
+
+        report["epochs"] = asyncio.run(run())
+
+    def tar(report: dict[str, Any]) -> None:
+        directory = os.path.join(os.path.dirname(out), f"tar-rank{rank}")
+        os.makedirs(directory, exist_ok=True)
+        paths = []
+        for shard in range(TAR_SHARDS):
+            paths.append(os.path.join(directory, f"{shard}.tar"))
+            with open(paths[-1], "wb") as f:
+                f.write(tar_shard(shard, tar_size(shard)))
+        dataset = TarDataset(paths, decode=tar_sample, shuffle=True, shuffle_buffer=4, seed=1)
+        with DataLoader(dataset, batch_size=3, num_workers=2, collate_fn=keep) as loader:
+            report.update(train(loader, 2))
+            reports["workers"].extend(loader.worker_pids)
+
+    def alone(report: dict[str, Any]) -> None:
+        # Loaders built on rank 0 only: nothing waits for the other ranks.
+        if rank == 0:
+            with DataLoader(Stream(10), batch_size=4, shard=False) as loader:
+                report["whole"] = [i for b in loader for i in items(b)]
+            with DataLoader(Stream(10), batch_size=4, equal_steps=False) as loader:
+                report["share"] = [i for b in loader for i in items(b)]
+
+    def slow_rank(report: dict[str, Any]) -> None:
+        # The last rank's samples take 3x as long; an all-reduce per step, as DDP's.
+        slow = world - 1
+        delay = 0.006 if rank == slow else 0.002
+        with DataLoader(Timed(160, delay), batch_size=4, num_workers=0) as loader:
+            for _ in loader:
+                total = torch.ones(1)
+                dist.all_reduce(total)
+            gathered = gather_statistics(loader, log=True)
+            again = gather_statistics(loader, log=True)  # the same epoch: logged once
+        report["slowest"] = gathered.slowest
+        report["stage"] = gathered.stage
+        report["table"] = str(gathered)
+        report["ranks"] = [r.rank for r in gathered.ranks]
+        report["again"] = again.slowest
+
+    def dp_groups(report: dict[str, Any]) -> None:
+        # Model-parallel pairs (0, 1) and (2, 3); data-parallel groups (0, 2) and (1, 3).
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        mine = groups[rank % 2]
+        assert isinstance(mine, dist.ProcessGroup)  # a member: not the non-member marker
+        with DataLoader(Range(24), batch_size=4, shuffle=True, seed=3, shard=mine) as loader:
+            report["map"] = [items(b) for b in loader]
+        with DataLoader(Stream(30), batch_size=4, shard=mine) as loader:
+            report["stream"] = [items(b) for b in loader]
+        with DataLoader(
+            TorchDraws(16), batch_size=4, shuffle=True, seed=5, num_workers=2, shard=mine
+        ) as loader:
+            report["draws"] = [[float(d) for d in b[1]] for b in loader]
+            reports["workers"].extend(loader.worker_pids)
+
+    for name, body in (
+        ("uneven", uneven),
+        ("async_uneven", async_uneven),
+        ("tar", tar),
+        ("alone", alone),
+        ("slow_rank", slow_rank),
+        ("dp_groups", dp_groups),
+    ):
+        case(reports, name, body)
+        dist.barrier()
+    dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump(reports, f)
+
+
+if __name__ == "__main__":
+    main()
