@@ -57,3 +57,4 @@ from ._lockstep import resolve_leftover as resolve_leftover
 from ._sampler import DistributedSampler as DistributedSampler
 from ._sampler import RandomSampler as RandomSampler
 from ._sampler import SequentialSampler as SequentialSampler
+from ._sampler import consumed_positions as consumed_positions

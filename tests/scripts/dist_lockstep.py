@@ -41,6 +41,9 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=90)
 #: The length of each rank's copy of the "uneven" stream: the loader keeps items r, r + 4, ...
 #: of it, so the shares are 10, 3, 6 and 2 items long (3, 1, 2 and 1 batches of 4).
 UNEVEN = (40, 13, 27, 8)
+#: The elastic case: a map dataset's length, and the batches every rank takes before the cut.
+ELASTIC_N = 45
+CUTS = (1, 2)  # of the 3 batches of 4 each rank has (45 samples, 12 a rank)
 #: Tar shards of 2 to 9 samples: each rank reads whole shards of its own, of unequal sizes.
 TAR_SHARDS = 9
 
@@ -214,7 +217,49 @@ def main() -> None:
             report["draws"] = [[float(d) for d in b[1]] for b in loader]
             reports["workers"].extend(loader.worker_pids)
 
+    def elastic(report: dict[str, Any]) -> None:
+        # Epoch 0 of a shuffled map dataset on 4 ranks x 2 workers, cut after CUTS batches;
+        # rank 0's state resumes on 2 ranks x 1 worker, 3 x 2 and 4 x 0 (the smaller worlds
+        # are groups of the first ranks, as a job restarted on fewer machines would be).
+        two, three = dist.new_group([0, 1]), dist.new_group([0, 1, 2])
+        topologies = (("2x1", two, 2, 1), ("3x2", three, 3, 2), ("4x0", None, 4, 0))
+
+        def make(group: Any, workers: int) -> DataLoader:
+            shard = True if group is None else group
+            return DataLoader(
+                Range(ELASTIC_N),
+                batch_size=4,
+                shuffle=True,
+                seed=9,
+                num_workers=workers,
+                shard=shard,
+            )
+
+        for taken in CUTS:
+            with make(None, 2) as first:
+                it = iter(first)
+                head = [i for _ in range(taken) for i in items(next(it))]
+                state = first.state_dict()
+                del it
+                reports["workers"].extend(first.worker_pids)
+            shared = [state]
+            dist.broadcast_object_list(shared, src=0)
+            result: dict[str, Any] = {"head": head}
+            for name, group, size, workers in topologies:
+                if rank >= size:
+                    continue
+                with make(group, workers) as resumed:
+                    resumed.load_state_dict(shared[0])
+                    rest = [i for b in resumed for i in items(b)]
+                    following = [i for b in resumed for i in items(b)]
+                with make(group, 0) as fresh:
+                    fresh.set_epoch(1)
+                    uninterrupted = [i for b in fresh for i in items(b)]
+                result[name] = {"rest": rest, "next": following, "fresh1": uninterrupted}
+            report[str(taken)] = result
+
     for name, body in (
+        ("elastic", elastic),
         ("uneven", uneven),
         ("async_uneven", async_uneven),
         ("tar", tar),
