@@ -263,6 +263,22 @@ def test_tar_shards_of_unequal_sizes_give_every_rank_as_many_steps(
 
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_an_epoch_left_early_ends_and_the_next_one_is_in_step(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """Ranks 1-3 leave after one batch, rank 0 asks for two: it gets the second only if the
+    others had offered that step before they left (they offer ahead), never more; nobody
+    hangs in the agreement, and the next epoch runs to the same step everywhere."""
+    reports = case(ranks, "left_early")
+    assert [len(r["first"]) for r in reports[1:]] == [1] * (WORLD - 1)
+    assert 1 <= len(reports[0]["first"]) <= 2
+    expected = [batches(rank, 2) for rank in range(WORLD)]
+    steps = min(map(len, expected))
+    assert [len(r["after"]) for r in reports] == [steps] * WORLD
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
 def test_a_stream_loader_on_one_rank_only_does_not_wait(ranks: list[dict[str, Any]]) -> None:
     report = case(ranks, "alone")[0]
     assert report["whole"] == list(range(10))  # shard=False: everything

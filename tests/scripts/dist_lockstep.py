@@ -178,6 +178,19 @@ def main() -> None:
             report.update(train(loader, 2))
             reports["workers"].extend(loader.worker_pids)
 
+    def left_early(report: dict[str, Any]) -> None:
+        # Ranks 1-3 leave their first epoch after one batch (a break); rank 0 wants two: the
+        # others' leaving ends its epoch at their step. The next epoch is whole and in step.
+        with DataLoader(Stream(UNEVEN[rank]), batch_size=4, num_workers=2) as loader:
+            first = []
+            for batch in loader:
+                first.append(items(batch))
+                if len(first) == (2 if rank == 0 else 1):
+                    break
+            report["first"] = first
+            report["after"] = train(loader, 1)["epochs"][0]
+            reports["workers"].extend(loader.worker_pids)
+
     def alone(report: dict[str, Any]) -> None:
         # Loaders built on rank 0 only: nothing waits for the other ranks.
         if rank == 0:
@@ -263,6 +276,7 @@ def main() -> None:
         ("uneven", uneven),
         ("async_uneven", async_uneven),
         ("tar", tar),
+        ("left_early", left_early),
         ("alone", alone),
         ("slow_rank", slow_rank),
         ("dp_groups", dp_groups),
