@@ -45,10 +45,7 @@ import functools
 import weakref
 from collections.abc import Callable
 from multiprocessing.context import BaseContext
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
+from typing import Any
 
 from .._batch import default_collate, default_convert
 from .._config import LoaderConfig, batch_sampler_for, context_argument, resolve_seed
@@ -236,7 +233,7 @@ class DataLoader(SettingsView):
         device_prefetch: int = 1,
         shm_max_bytes: int | None = None,
         progress: Any = False,
-        shard: bool | ProcessGroup | None = None,
+        shard: Any = None,  # None, True, False or a torch.distributed ProcessGroup
         equal_steps: bool | None = None,
         leftover: str = "carry",
         worker_seeding: str = "batch",
