@@ -35,6 +35,15 @@ continue: :meth:`EpochBook.load` refuses a state that says batches of it were ta
 than replay the epoch from its start (those batches would be trained on twice, silently). A
 state saved between epochs needs nothing of the stream and is always accepted.
 
+On another number of ranks (elastic resume): a mid-epoch state of a loader whose samples are
+shared out by aioloader's ``DistributedSampler`` in plain batches also records ``"consumed"``,
+the positions of the epoch's order every rank has read (ranges; under DDP every rank took the
+same batch ids, so rank 0's state says it for all). Loaded where only the world size and what
+follows from it differ (``num_replicas``, ``len(sampler)``, ``len(loader)``), the state is
+rebased (:meth:`EpochBook.check`): no batch taken yet, the sampler holding those positions, so
+that its ``iter()`` shares out the rest of the order over the new ranks. The next epochs are
+those of an uninterrupted run on the new ranks. Streams resume on the same ranks only.
+
 The format is versioned (``"version"``, :data:`STATE_VERSION`) and checked whole where it is
 loaded, never later at the first batch. A mid-epoch state counts the batches taken by id, and an
 id means the same samples only under the same settings: every state records them

@@ -213,7 +213,9 @@ class EpochAgreement:
 
     Invariant: steps are submitted in order, each once; after a 0 is submitted (the stream
     ended, or the epoch gave up) nothing more is; a job after the first 0 result skips its
-    collective, so every rank runs collectives ``0 .. n`` for the same ``n``.
+    collective, so every rank runs collectives ``0 .. n`` for the same ``n``. Offers come from
+    the event loop; a give-up may come from another thread (a new epoch started from the
+    consumer's), hence the lock around submitting.
     """
 
     def __init__(
@@ -222,6 +224,7 @@ class EpochAgreement:
         self.epoch = epoch
         self._thread = thread
         self._all_have = all_have
+        self._lock = threading.Lock()
         self._submitted = 0
         self._open = True  # no 0 submitted yet
         self._ended = False  # on the thread: a step's minimum was 0
@@ -232,19 +235,23 @@ class EpochAgreement:
     def offer(self, have: int, complete: bool) -> None:
         """This rank has ``have`` batches in this epoch so far (handed or known ready);
         ``complete``: its stream ended, no more will come."""
-        while self._open and self._submitted < have:
-            self._submit(1)
-        if complete and self._open:
-            self._submit(0)
+        with self._lock:
+            while self._open and self._submitted < have:
+                self._submit(1)
+            if complete and self._open:
+                self._submit(0)
 
     def give_up(self) -> None:
         """The epoch ends here on this rank (closed early): offer 0 at the next step."""
-        if self._open:
-            self._submit(0)
+        with self._lock:
+            if self._open:
+                self._submit(0)
 
     def verdict(self, step: int) -> concurrent.futures.Future[bool] | None:
-        """Whether every rank has a batch ``step`` (None: the step was not offered yet)."""
-        return self._verdicts.get(step)
+        """Whether every rank has a batch ``step`` (None: the step was not offered yet).
+        Forgotten once asked: the caller keeps it."""
+        with self._lock:
+            return self._verdicts.pop(step, None)
 
     def _submit(self, have: int) -> None:
         step = self._submitted
