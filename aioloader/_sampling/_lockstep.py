@@ -25,8 +25,11 @@ training thread: ops of two threads on one group would be matched in whatever or
 issued them. The group (gloo, so any default backend works) is made by the thread at the
 first job, with ``use_local_synchronization`` over the sharing ranks: a collective of theirs,
 never at construction, and only for a loader that shards by the group (every rank builds it:
-a loader made on some ranks only passes ``shard=False`` or ``equal_steps=False``). A rank that
-waits longer than :data:`AGREEMENT_TIMEOUT_S` gets torch's timeout error at that step.
+a loader made on some ranks only passes ``shard=False`` or ``equal_steps=False``). torch names
+a group by the order in which each rank makes its groups, so groups the user makes from another
+thread while the first epoch starts could pair wrongly: they are made before, in a setup. A
+rank that waits longer than :data:`AGREEMENT_TIMEOUT_S` gets torch's timeout error at that
+step.
 
 What each rank read past the agreed end (its ``leftover``) is counted and logged; with
 ``leftover='carry'`` it is handed first in the next epoch (a step of that epoch), with
