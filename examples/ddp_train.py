@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=2 examples/ddp_train.py
     torchrun --nproc_per_node=2 examples/ddp_train.py --epochs 3 --workers 2
     python -m torch.distributed.run --nproc_per_node=2 examples/ddp_train.py --indices
+    torchrun --nproc_per_node=2 examples/ddp_train.py --stream
 
 The loader is built after ``init_process_group``, with no sampler: it sees the process group
 and reads this rank's share of every epoch (a DistributedSampler over the indices, reshuffled
@@ -10,6 +11,13 @@ each epoch from a seed all ranks share), so every rank gets as many batches and 
 all-reduce never waits for a rank that ran out. Each rank prints how many samples it read per
 epoch; ``--indices`` prints them too (one JSON line per rank and epoch), to check that the ranks
 read disjoint shares that cover the data set.
+
+``--stream`` reads a stream instead (an iterable dataset), whose copy on each rank is longer
+than the last rank's: the shares differ in length, yet every rank ends each epoch at the same
+step (the loader's ``equal_steps``; what a rank read past the end is carried into the next
+epoch and logged), so the gradient all-reduce never waits for a rank that ran out. After each
+epoch every rank calls ``aioloader.distributed.gather_statistics``, and rank 0 logs which rank
+waited longest for data.
 
 The data set is made here, in memory: a linear regression, ``y = x @ w + noise``, small enough
 that a few epochs fit the weights on any CPU.
@@ -19,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -28,6 +38,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import aioloader
+import aioloader.distributed
 
 FEATURES = 8
 
@@ -50,6 +61,17 @@ class SyntheticRegression:
         return {"index": i, "x": self.x[i], "y": self.y[i : i + 1]}
 
 
+class SyntheticStream:
+    """The same samples as an iterable dataset (a stream): ``n`` of them, in order."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.data = SyntheticRegression(n, seed)
+
+    def __iter__(self) -> Iterator[dict[str, object]]:
+        for i in range(len(self.data)):
+            yield self.data[i]
+
+
 def say(line: str) -> None:
     """Print ``line`` in one write: torchrun runs the ranks unbuffered on one output, where
     print() writes the newline apart and two ranks' lines could mix."""
@@ -63,10 +85,17 @@ def main(args: argparse.Namespace) -> None:
     torch.manual_seed(0)  # DDP also broadcasts rank 0's weights when it wraps the model
     model = DistributedDataParallel(torch.nn.Linear(FEATURES, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    dataset = SyntheticRegression(args.samples)
+    dataset: SyntheticRegression | SyntheticStream
+    if args.stream:
+        # Each rank's copy is longer than the next one's: the shares differ in length.
+        dataset = SyntheticStream(args.samples + 8 * args.batch_size * (world - 1 - rank))
+        options: dict[str, object] = {}
+    else:
+        dataset = SyntheticRegression(args.samples)
+        options = {"shuffle": True}
     # No sampler and no shard=: under the process group the loader reads this rank's share.
     with aioloader.DataLoader(
-        dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers, seed=0
+        dataset, batch_size=args.batch_size, num_workers=args.workers, seed=0, **options
     ) as loader:
         for epoch in range(args.epochs):
             seen: list[int] = []
@@ -78,10 +107,14 @@ def main(args: argparse.Namespace) -> None:
                 optimizer.step()
                 total += loss.item() * len(batch["index"])
                 seen.extend(batch["index"].tolist())
+            steps = loader.statistics().epoch_stats.batches
+            size = len(dataset.data) if isinstance(dataset, SyntheticStream) else len(dataset)
             say(
-                f"rank {rank}/{world} epoch {epoch}: {len(seen)} of {len(dataset)} samples in "
-                f"{len(loader)} batches, mean loss {total / max(1, len(seen)):.4f}"
+                f"rank {rank}/{world} epoch {epoch}: {len(seen)} of {size} samples in "
+                f"{steps} batches, mean loss {total / max(1, len(seen)):.4f}"
             )
+            # One small collective, at the epoch's end on every rank: rank 0 logs the table.
+            aioloader.distributed.gather_statistics(loader, log=True)
             if args.indices:
                 share = {"rank": rank, "world": world, "epoch": epoch, "pid": os.getpid()}
                 share["indices"] = seen
@@ -97,8 +130,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=0, help="worker processes per rank")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--indices", action="store_true", help="print each rank's indices")
+    parser.add_argument(
+        "--stream", action="store_true", help="a stream whose shares differ in length"
+    )
     return parser.parse_args()
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     main(parse_args())

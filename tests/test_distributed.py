@@ -82,7 +82,7 @@ JOB_TEST_TIMEOUT_S = 200
 @pytest.mark.parametrize("bad", ["yes", 1, 0, "auto"])
 def test_shard_must_be_none_true_or_false(bad: object) -> None:
     assert_raises_naming(
-        lambda: DataLoader(Range(8), shard=bad),  # type: ignore[arg-type]
+        lambda: DataLoader(Range(8), shard=bad),
         TypeError,
         ["shard", repr(bad)],
     )
@@ -91,7 +91,7 @@ def test_shard_must_be_none_true_or_false(bad: object) -> None:
 @pytest.mark.parametrize("value", [True, np.True_])
 def test_shard_true_needs_a_process_group(value: object) -> None:
     assert_raises_naming(
-        lambda: DataLoader(Range(8), shard=value),  # type: ignore[arg-type]
+        lambda: DataLoader(Range(8), shard=value),
         ValueError,
         ["shard=True", "init_process_group"],
     )
@@ -100,11 +100,11 @@ def test_shard_true_needs_a_process_group(value: object) -> None:
 def test_without_a_process_group_nothing_changes(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="aioloader.distributed")
     for shard in (None, False, np.False_):
-        with DataLoader(Range(10), batch_size=4, shuffle=True, seed=0, shard=shard) as loader:  # type: ignore[arg-type]
+        with DataLoader(Range(10), batch_size=4, shuffle=True, seed=0, shard=shard) as loader:
             assert isinstance(loader.sampler, RandomSampler)
             assert sorted(i for batch in loader for i in batch.tolist()) == list(range(10))
         # A plain sampler warns only where ranks exist (filterwarnings=error would fail here).
-        DataLoader(Range(10), sampler=SequentialSampler(10), shard=shard)  # type: ignore[arg-type]
+        DataLoader(Range(10), sampler=SequentialSampler(10), shard=shard)
     assert [r for r in caplog.records if r.name == "aioloader.distributed"] == []
 
 

@@ -67,6 +67,7 @@ LEVELS: dict[str, int] = {
     "sources": 1,
     "_batch": 2,
     "_config": 2,
+    "distributed": 2,
     "_threads": 3,
     "_workers": 4,
     "_epoch": 4,
@@ -79,7 +80,7 @@ LEVELS: dict[str, int] = {
 # Level of each module inside a package, for imports between modules of one package.
 PACKAGE_LEVELS: dict[str, dict[str, int]] = {
     "_stats": {"_counters": 0, "_progress": 1},
-    "_sampling": {"_batch_sampler": 0, "_distributed": 0, "_sampler": 1},
+    "_sampling": {"_batch_sampler": 0, "_distributed": 0, "_lockstep": 0, "_sampler": 1},
     "_shm": {"_segment": 0, "_descriptors": 0, "_attach": 1, "_pool": 1},
     "_device": {
         "_backend": 0,

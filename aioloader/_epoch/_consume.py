@@ -31,11 +31,13 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from .._config import LoaderConfig
-from .._log import epoch_log, first_time
+from .._log import distributed_log, epoch_log, first_time
+from .._sampling import Lockstep
 from .._stats import Capacity, Counters, EpochStatistics
 from .._threads import NOT_INLINE, epoch_makes
 from .._types import EMPTY_BATCH, END, Route, Runner, StreamPosition, StreamResume
@@ -88,6 +90,9 @@ class Epoch:
             last batch (or that batch's error), or else at the ``__anext__`` that ends it.
         progress: told of each batch handed over, closed with the epoch.
         stream_resume: for a stream, how a resumed epoch begins.
+        lockstep: equal steps on every rank (a sharded stream, ``equal_steps``): each batch is
+            handed over once every rank has one at that step (see ``_sampling._lockstep``);
+            batches carried from the last epoch come first.
     """
 
     def __init__(
@@ -104,6 +109,7 @@ class Epoch:
         on_finish: Callable[[], None] = lambda: None,
         progress: Progress | None = None,
         stream_resume: StreamResume | None = None,
+        lockstep: Lockstep | None = None,
     ) -> None:
         # Closed until fully made: __del__ of an epoch whose __init__ was interrupted (a
         # Ctrl-C, a producer that could not be made) has nothing to close.
@@ -119,6 +125,17 @@ class Epoch:
         # The semaphore and the event bind to a loop at first use: made here, used on the loop.
         self._permits = asyncio.Semaphore(config.prefetch)
         self._ready = asyncio.Event()
+        # Equal steps: this epoch's agreement, the batches carried into it, real batches
+        # popped from the reorder buffer, carried ones handed over, verdicts by step.
+        self._lockstep = lockstep
+        self._agreement = lockstep.begin(epoch) if lockstep is not None else None
+        self._carried: deque[tuple[Any, int, int]] = deque()
+        if lockstep is not None:
+            self._carried.extend(lockstep.carried)
+            lockstep.carried = []
+        self._real_popped = 0
+        self._carried_handed = 0
+        self._verdicts: dict[int, asyncio.Future[bool]] = {}
         self._producer = Producer(
             config,
             epoch,
@@ -129,7 +146,7 @@ class Epoch:
             dataset=dataset,
             reorder=self.reorder,
             permits=self._permits,
-            wake=self._ready.set,
+            wake=self._woken if lockstep is not None else self._ready.set,
             resume=stream_resume,
         )
         self._handing: list[tuple[int, Transfer]] = []  # popped, not yet handed over (copies)
@@ -155,7 +172,12 @@ class Epoch:
         would end it): e.g. its last batch raised, and a traceback keeps the iterator alive."""
         if self._closed:
             return True
-        return self._producer.done and len(self.reorder) == 0 and not self._handing
+        return (
+            self._producer.done
+            and len(self.reorder) == 0
+            and not self._handing
+            and not self._carried
+        )
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -178,10 +200,22 @@ class Epoch:
         while True:
             if self._closed:  # closed while we waited (a new epoch, the loader's close)
                 raise self.end_error()
+            if self._carried:
+                if not await self._gate(self._carried_handed):
+                    continue  # waited for the verdict: look again
+                return await self._hand_carried()
             if self._handing:
+                if not await self._gate(self._step()):
+                    continue
                 return await self._hand_over()
+            if self._agreement is not None:
+                ahead = self.reorder.peek_ready()
+                if ahead is not None and _real(ahead) and not await self._gate(self._step()):
+                    continue
             outcome = self.reorder.pop_ready()
             if outcome is not None:
+                if _real(outcome):
+                    self._real_popped += 1
                 if outcome.value is END:
                     self._release_permit()
                     continue
@@ -319,6 +353,7 @@ class Epoch:
             if nxt is None or nxt.error is not None or nxt.value is END or nxt.value is EMPTY_BATCH:
                 break
             self.reorder.pop_ready()
+            self._real_popped += 1
             self._handing.append((nxt.batch_id, self._start_copy(nxt)))
         return await self._hand_over()
 
@@ -355,14 +390,7 @@ class Epoch:
         return batch
 
     def _yielded(self, batch_id: int) -> None:
-        samples, nbytes = self._producer.taken(batch_id)
-        counters = self._counters
-        counters.batches_yielded += 1
-        counters.epoch_batches_yielded += 1
-        counters.samples_yielded += samples
-        counters.bytes_yielded += nbytes
-        if self._progress is not None:
-            self._progress.advance(samples, nbytes)
+        self._count_yield(*self._producer.taken(batch_id))
         self._taken(batch_id)
 
     def _taken(self, batch_id: int) -> None:
@@ -390,6 +418,126 @@ class Epoch:
     def _release_permit(self) -> None:
         self._permits.release()
 
+    # -- equal steps (a sharded stream) -----------------------------------------------------
+
+    def _woken(self) -> None:
+        """An outcome arrived, or scheduling ended: tell the consumer, and offer the steps
+        this rank now knows it has (or that its stream ended) to the agreement, ahead of the
+        consumer."""
+        self._ready.set()
+        self._offer()
+
+    def _offer(self) -> None:
+        agreement = self._agreement
+        if agreement is None or self._closed:
+            return
+        ready = sum(1 for outcome in self.reorder.ready_run() if _real(outcome))
+        have = self._carried_handed + len(self._carried) + self._real_popped + ready
+        agreement.offer(have, complete=self._producer.done and self.reorder.pending == 0)
+
+    def _step(self) -> int:
+        """The step of the next real batch to hand over (first of ``_handing``, or the
+        reorder buffer's next)."""
+        return self._carried_handed + self._real_popped - len(self._handing)
+
+    async def _gate(self, step: int) -> bool:
+        """Whether batch ``step`` may be handed over now: True once every rank has one at
+        that step; False after waiting for the verdict (the caller looks at the epoch again).
+        Where some rank has none, the epoch ends here (:meth:`_end_agreed`)."""
+        if self._agreement is None:
+            return True
+        verdict = self._verdicts.get(step)
+        if verdict is None:
+            self._offer()
+            offered = self._agreement.verdict(step)
+            assert offered is not None, f"step {step} handed before it was offered"
+            self._verdicts.pop(step - 1, None)
+            verdict = self._verdicts[step] = asyncio.wrap_future(offered)
+        if not verdict.done():
+            started = time.perf_counter()
+            try:
+                # Shielded: a cancelled consumer must not cancel the step's job (every rank
+                # runs every step's collective); the next __anext__ waits for it again.
+                await asyncio.shield(verdict)
+            finally:
+                self._counters.consumer_wait_s += time.perf_counter() - started
+            return False
+        if verdict.result():
+            return True
+        await self._end_agreed(step)
+
+    async def _hand_carried(self) -> Any:
+        """The next batch carried from the last epoch (its device copy first, if any)."""
+        batch, samples, nbytes = self._carried[0]
+        if self._device is not None:
+            batch = await self._device.start(batch, -1 - self._carried_handed).wait()
+        if self._closed:
+            raise self.end_error()
+        self._carried.popleft()
+        self._carried_handed += 1
+        self._count_yield(samples, nbytes)
+        return batch
+
+    async def _end_agreed(self, step: int) -> NoReturn:
+        """Some rank has no batch ``step``: the epoch ends here on every rank. What this rank
+        read past it is its leftover: carried into the next epoch, or dropped."""
+        assert self._lockstep is not None
+        cut = not (self._producer.done and self.reorder.pending == 0)
+        carried_before = list(self._carried)
+        self._carried.clear()
+        leftover: list[tuple[Any, int, int]] = []
+        handing, self._handing = self._handing, []
+        for batch_id, transfer in handing:
+            size = self._producer.taken(batch_id)
+            with contextlib.suppress(Exception):  # an error past the end is no batch to keep
+                leftover.append((await transfer.wait(), *size))
+        for outcome in sorted(self.reorder.drain(), key=lambda o: o.batch_id):
+            if _real(outcome) and outcome.error is None:
+                leftover.append((outcome.value, *self._producer.taken(outcome.batch_id)))
+        await self.aclose()
+        self._finish()
+        self._settle_leftover(step, carried_before, leftover, cut)
+        raise StopAsyncIteration
+
+    def _settle_leftover(
+        self,
+        step: int,
+        carried_before: list[tuple[Any, int, int]],
+        leftover: list[tuple[Any, int, int]],
+        cut: bool,
+    ) -> None:
+        assert self._lockstep is not None
+        counters = self._counters
+        samples = sum(item[1] for item in leftover)
+        counters.leftover_batches += len(leftover)
+        counters.leftover_samples += samples
+        keep = self._lockstep.leftover == "carry"
+        if keep:
+            self._lockstep.carried = carried_before + leftover
+        else:
+            counters.dropped_batches += len(carried_before) + len(leftover)
+            counters.dropped_samples += samples + sum(item[1] for item in carried_before)
+        if leftover or carried_before or cut:
+            distributed_log.info(
+                "epoch %d ends at step %d on every rank (the shortest share); this rank read "
+                "%d batches (%d samples) past it: %s%s",
+                self.epoch,
+                step,
+                len(leftover) + len(carried_before),
+                samples + sum(item[1] for item in carried_before),
+                "carried into the next epoch, read first" if keep else "dropped (leftover='drop')",
+                "; the rest of its share was not read in this epoch" if cut else "",
+            )
+
+    def _count_yield(self, samples: int, nbytes: int) -> None:
+        counters = self._counters
+        counters.batches_yielded += 1
+        counters.epoch_batches_yielded += 1
+        counters.samples_yielded += samples
+        counters.bytes_yielded += nbytes
+        if self._progress is not None:
+            self._progress.advance(samples, nbytes)
+
     # -- closing -----------------------------------------------------------------------------
 
     async def aclose(self) -> None:
@@ -397,6 +545,8 @@ class Epoch:
         if self._closed:
             return
         self._closed = True
+        if self._agreement is not None:
+            self._agreement.give_up()
         self._end_stats()
         tasks = self._producer.cancel()
         if tasks:
@@ -437,8 +587,13 @@ class Epoch:
         if loop is None or loop.is_closed():
             self._release_all()  # never started, or its loop is gone: nothing runs any more
             self._end_stats()
+            if self._agreement is not None:
+                self._agreement.give_up()
             return
+
         def stop() -> None:
+            if self._agreement is not None:
+                self._agreement.give_up()
             self._end_stats()
             self._producer.cancel()
             self._release_all()
@@ -516,6 +671,11 @@ class EpochIterator:
     def __del__(self) -> None:
         if self.epoch is not None:
             self.epoch.close_nowait()
+
+
+def _real(outcome: Outcome) -> bool:
+    """Whether ``outcome`` is a step of the consumer's (a batch or its error), not a marker."""
+    return outcome.value is not END and outcome.value is not EMPTY_BATCH
 
 
 def _capacity(config: LoaderConfig) -> Capacity:

@@ -97,6 +97,20 @@ class ReorderBuffer:
             return self._done.get(self._order[0])
         return next(iter(self._done.values()), None)
 
+    def ready_run(self) -> list[Outcome]:
+        """What :meth:`pop_ready` would return one after the other if nothing more arrived:
+        the stored outcomes from the head on, up to the first still pending (in order), or
+        all of them (as completed)."""
+        if not self._in_order:
+            return list(self._done.values())
+        run = []
+        for batch_id in self._order:
+            outcome = self._done.get(batch_id)
+            if outcome is None:
+                break
+            run.append(outcome)
+        return run
+
     def is_ready(self) -> bool:
         """Whether :meth:`pop_ready` would return an outcome now."""
         if self._in_order:

@@ -35,6 +35,15 @@ continue: :meth:`EpochBook.load` refuses a state that says batches of it were ta
 than replay the epoch from its start (those batches would be trained on twice, silently). A
 state saved between epochs needs nothing of the stream and is always accepted.
 
+On another number of ranks (elastic resume): a mid-epoch state of a loader whose samples are
+shared out by aioloader's ``DistributedSampler`` in plain batches also records ``"consumed"``,
+the positions of the epoch's order every rank has read (ranges; under DDP every rank took the
+same batch ids, so rank 0's state says it for all). Loaded where only the world size and what
+follows from it differ (``num_replicas``, ``len(sampler)``, ``len(loader)``), the state is
+rebased (:meth:`EpochBook.check`): no batch taken yet, the sampler holding those positions, so
+that its ``iter()`` shares out the rest of the order over the new ranks. The next epochs are
+those of an uninterrupted run on the new ranks. Streams resume on the same ranks only.
+
 The format is versioned (``"version"``, :data:`STATE_VERSION`) and checked whole where it is
 loaded, never later at the first batch. A mid-epoch state counts the batches taken by id, and an
 id means the same samples only under the same settings: every state records them
@@ -56,7 +65,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._config import Sampling
-from .._sampling import RandomSampler
+from .._sampling import DistributedSampler, RandomSampler, consumed_positions
 from .._types import ResumableStream, Stateful, StreamPosition, StreamResume, check_readers
 from .._validate import (
     boolean,
@@ -295,7 +304,7 @@ class EpochBook:
                 }
             if self._done:
                 self._warn_unresumable()
-            return {
+            state = {
                 "version": STATE_VERSION,
                 "epoch": self._epoch,
                 "done": list(self._done),
@@ -306,6 +315,10 @@ class EpochBook:
                 "streams": streams,
                 "layout": self._layout,  # what "done" counts in (see check)
             }
+            consumed = self._consumed()
+            if consumed is not None:
+                state["consumed"] = consumed  # for a resume on another number of ranks
+            return state
         told = getattr(self._sampling.sampler, "set_epoch_asked", None)  # not taken yet
         built = self._sampling.built and self._asked is None and isinstance(told, int)
         return {
@@ -318,6 +331,22 @@ class EpochBook:
             "seed": seed,
             "layout": self.layout(),
         }
+
+    def _consumed(self) -> list[list[int]] | None:
+        """The positions of the epoch's order every rank read, where the epoch is shared out
+        by a DistributedSampler of ours in plain batches (see :func:`_elastic`): None where
+        the state cannot say (another sampler, a rollover, a sharded batch sampler)."""
+        sampler: object = self._sampling.sampler
+        batches = self._sampling.batches
+        inner = _index_state(self._sampler_state)
+        size = getattr(batches, "batch_size", None)
+        plain = getattr(batches, "sampler", None) is sampler
+        plain = plain and _last_batch([batches]) in ("keep", "discard")
+        if not isinstance(sampler, DistributedSampler) or inner is None or not is_int(size):
+            return None
+        if not plain:
+            return None
+        return consumed_positions(sampler, inner, self._done, int(size))
 
     def layout(self) -> dict[str, Any]:
         """The settings that decide which samples each batch id of an epoch is, as a state
@@ -390,6 +419,8 @@ class EpochBook:
             _check_done(state)
             state = self._current_format(state)
             _check_fields(state)
+        if state["done"] and self._elastic(state):
+            state = self._rebased(state)
         done = state["done"]
         if self._sampling.batches is None and done:
             self._check_stream(state)
@@ -403,6 +434,36 @@ class EpochBook:
         if state.get("generators") is not None:
             _matching_generators(self._sampling.batches, state["generators"])
         return state
+
+    def _elastic(self, state: dict[str, Any]) -> bool:
+        """Whether a mid-epoch ``state`` was saved on another number of ranks (only the world
+        size and what follows from it differ) and says which positions of the epoch's order
+        every rank read: the rest of the epoch is then shared out over this loader's ranks."""
+        saved, mine = state.get("layout"), self.layout()
+        if not isinstance(saved, dict) or state.get("consumed") is None:
+            return False
+        if saved.get("replicas") == mine["replicas"]:
+            return False  # the same ranks: the batch ids resume it, as always
+        if not isinstance(self._sampling.sampler, DistributedSampler):
+            return False
+        differ = {key for key in _LAYOUT if saved.get(key) != mine[key]}
+        return differ <= _ELASTIC
+
+    def _rebased(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (saved on other ranks) as the start of the rest of its epoch here: no
+        batch taken yet, its sampler state holding the positions read (see
+        :class:`~aioloader.DistributedSampler`)."""
+        sampler = _copied(state.get("sampler"))
+        inner = _index_state(sampler)
+        if inner is None:
+            raise ValueError(
+                "the state was saved on another number of ranks, but holds no state of its "
+                "DistributedSampler: load it into a loader built the same way"
+            )
+        inner["consumed"] = state["consumed"]
+        rebased = {key: value for key, value in state.items() if key != "consumed"}
+        layout = {**state["layout"], **{key: None for key in _ELASTIC}}
+        return {**rebased, "done": [], "sampler": sampler, "layout": layout}
 
     def _current_format(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` in the format of :data:`STATE_VERSION`: migrated from an older one where
@@ -612,10 +673,31 @@ def _chain_text(batches: object) -> str:
 
 
 def _keys(state: object) -> object:
-    """The shape of a sampler state: its keys, nested; None for anything else."""
+    """The shape of a sampler state: its keys, nested; None for anything else. A
+    DistributedSampler's ``consumed`` (the rest of an epoch resumed on other ranks) is left
+    out: present or not, the same samplers read it."""
     if isinstance(state, dict):
-        return {key: _keys(value) for key, value in state.items()}
+        return {key: _keys(value) for key, value in state.items() if key != "consumed"}
     return None
+
+
+def _index_state(state: object) -> dict[str, Any] | None:
+    """The index sampler's state inside a (batch) sampler state: the first level with a
+    ``seed`` and an ``epoch``."""
+    for _ in range(_DEPTH):
+        if not isinstance(state, dict):
+            return None
+        if "seed" in state and "epoch" in state:
+            return state
+        state = state.get("sampler", state.get("batch_sampler"))
+    return None
+
+
+def _copied(state: object) -> Any:
+    """A copy of a state's nested dicts (the caller's state is never changed)."""
+    if isinstance(state, dict):
+        return {key: _copied(value) for key, value in state.items()}
+    return state
 
 
 def _within(saved: object, mine: object) -> bool:
@@ -683,6 +765,9 @@ def _state_of(batches: object) -> dict[str, Any] | None:
 
 # torch's samplers that draw from their ``generator``, or torch's global one without it.
 _GLOBAL_RANDOM = frozenset({"RandomSampler", "SubsetRandomSampler", "WeightedRandomSampler"})
+# The layout's settings that follow from the number of ranks: a mid-epoch state that differs
+# in these alone resumes elastically (see EpochBook._elastic).
+_ELASTIC = frozenset({"replicas", "indices", "batches"})
 _DEPTH = 4  # wrappers looked through: a sharded batch sampler around a batch sampler around...
 
 

@@ -53,8 +53,12 @@ from .._device import falls_back, parse_device
 from .._epoch import Epoch, EpochBook, EpochIterator, plan_for
 from .._sampling import (
     DEFAULT_SHARE_SEED,
+    Lockstep,
+    Shard,
     process_group,
+    resolve_equal_steps,
     resolve_last_batch,
+    resolve_leftover,
     resolve_shard,
     stream_items,
     warn_if_group_appeared,
@@ -72,7 +76,7 @@ from ._shared_pool import WorkerPool, shared_pool, worker_context
 __all__ = ["DataLoader"]
 
 # What a pickled loader leaves behind: what runs (workers, threads, segments) and its statistics.
-_LIVE = frozenset({"_res", "_finalizer", "_counters"})
+_LIVE = frozenset({"_res", "_finalizer", "_counters", "_lockstep"})
 
 
 class DataLoader(SettingsView):
@@ -158,7 +162,16 @@ class DataLoader(SettingsView):
         progress: a progress bar per epoch: ``True`` (tqdm, the ``progress`` extra), a tqdm
             bar to reuse, or a callable making one from tqdm's arguments (see ``_progress``).
         shard: this rank's share only (torch.distributed): None (default) when a process group
-            of world size > 1 exists at construction; True requires one; False never (docs).
+            of world size > 1 exists at construction; True requires one; False never; a
+            ``ProcessGroup``: the share of this rank in that data-parallel group, whose
+            model-parallel peers read the same batches (docs/distributed.md).
+        equal_steps: a stream the loader shards ends its epoch at the same step on every rank
+            (the shortest share): the ranks agree on the end a few batches ahead, one small
+            collective per step on a thread and a gloo group of the loader's own, made at its
+            first epoch. None (default): on for a sharded stream; True: insist (an error
+            where the loader does not shard a stream); False: off, shares may end unevenly.
+        leftover: what a rank read past the agreed end: ``'carry'`` (default; handed first in
+            the next epoch) or ``'drop'``; counted in ``statistics()`` either way, and logged.
         worker_seeding: worker ``k`` gets ``base + k`` (its ``get_worker_info().seed``), the base
             drawn from ``seed`` and the epoch; ``'batch'`` (default) then reseeds before each
             batch from (seed, epoch, batch id); ``'worker'`` does not, as torch.
@@ -220,7 +233,9 @@ class DataLoader(SettingsView):
         device_prefetch: int = 1,
         shm_max_bytes: int | None = None,
         progress: Any = False,
-        shard: bool | None = None,
+        shard: Any = None,  # None, True, False or a torch.distributed ProcessGroup
+        equal_steps: bool | None = None,
+        leftover: str = "carry",
         worker_seeding: str = "batch",
         start_timeout: float | None = None,
         workers: WorkerPool | None = None,
@@ -233,6 +248,9 @@ class DataLoader(SettingsView):
         self._generator = generator
         policy = resolve_last_batch(last_batch, drop_last if drop_last else None)
         share = resolve_shard(shard, kind, sampler, batch_sampler, dataset)
+        self._equal_steps = resolve_equal_steps(equal_steps)
+        self._leftover = resolve_leftover(leftover)
+        self._lockstep = self._lockstep_for(kind, share, later=shard is None)
         pool = shared_pool(workers, num_workers=num_workers, thread_pool=thread_pool)
         self._config = config = LoaderConfig.build(
             kind=kind,
@@ -311,6 +329,24 @@ class DataLoader(SettingsView):
         self._initialized = True
         self._res.start_early(config, dataset, device_spec=self._device_spec, context=self._context)
 
+    def _lockstep_for(self, kind: str, share: Shard | None, later: bool = False) -> Lockstep | None:
+        """The agreement on equal steps, for a stream read in shares (see ``equal_steps``);
+        ``later``: the share may still be decided, when a process group appears."""
+        stream = kind in ("iterable", "async_iterable")
+        sharded = share is not None and share.replicas > 1
+        later = later and process_group() is None
+        if self._equal_steps and stream and not sharded and not later:
+            raise ValueError(
+                f"equal_steps=True needs a stream the loader shards by rank: dataset="
+                f"{type(self.dataset).__name__} is not read in shares here (no process group "
+                "of world size > 1, or shard=False)"
+            )
+        if not stream or not sharded or self._equal_steps is False:
+            return None
+        assert share is not None
+        members = share.members if share.members is not None else tuple(range(share.replicas))
+        return Lockstep(members, self._leftover)
+
     def _reconfigure(self, config: LoaderConfig) -> None:
         # Checked first: if it cannot be pickled, nothing changes. Workers take it with a copy.
         if config.uses_processes:
@@ -356,6 +392,7 @@ class DataLoader(SettingsView):
         self._sampling = self._sampling_for(shard=share)
         self._book.replace_sampling(self._sampling)
         self._reconfigure(dataclasses.replace(self._config, shard=share))
+        self._lockstep = self._lockstep_for(self._config.kind, share)
 
     def __len__(self) -> int:
         self._shard_if_group_appeared()
@@ -414,6 +451,7 @@ class DataLoader(SettingsView):
             on_finish=weak_call(self._epoch_finished, epoch),
             progress=self._epoch_progress(epoch, len(done)),
             stream_resume=self._book.stream_resume,
+            lockstep=self._lockstep,
         )
         self._res.epoch = it
         return it
@@ -516,6 +554,10 @@ class DataLoader(SettingsView):
 
     def _close_now(self) -> None:
         self._closed = True
+        if self._lockstep is not None:
+            self._counters.dropped_batches += len(self._lockstep.carried)
+            self._counters.dropped_samples += sum(item[1] for item in self._lockstep.carried)
+            self._lockstep.close()
         self._res.close()
         if self._progress is not None:
             self._progress.close()
@@ -528,6 +570,7 @@ class DataLoader(SettingsView):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _counters=Counters(), _res=Resources(), _closed=False)
+        self._lockstep = self._lockstep_for(self._config.kind, self._config.shard)
         self._finalizer = weakref.finalize(self, finalize, self._res, type(self).__name__)
         if self._book.open:  # pickled mid-epoch: the copy resumes where this one was
             position = self._book.state_dict(self.seed)

@@ -338,7 +338,7 @@ class Resources:
             return  # no pool: threads, which read the loader's own dataset
         context = pool.multiprocessing_context
         make = functools.partial(worker_payload, config, dataset, context)
-        runner.load(make, epoch, seed=rank_seed(config.seed))
+        runner.load(make, epoch, seed=rank_seed(config.seed, config.shard))
 
     def loop(self) -> LoopThread:
         """The private event-loop thread for sync iteration, started on first use."""

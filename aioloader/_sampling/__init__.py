@@ -16,13 +16,17 @@ which rank.
 
     torch.distributed ──▶ this rank's share (_distributed): a DistributedSampler over the
                           indices, or every R-th item of a stream, split again per reader
+                      ──▶ equal steps (_lockstep): the ranks agree where a stream's epoch ends
 
 - ``_batch_sampler``: the batch samplers and the last-batch policy; pure.
 - ``_sampler``: the index samplers; pure, deterministic, with ``state_dict``.
-- ``_distributed``: the only module that asks ``torch.distributed`` anything: the rank's
-  share, the seed the ranks agree on, and how a stream is split among ranks and readers.
+- ``_distributed``: the rank's share, the seed the ranks agree on, and how a stream is split
+  among ranks and readers.
+- ``_lockstep``: the step-by-step agreement on a stream's end (one collective a step, on a
+  thread of its own and a gloo group of its own, ahead of the consumer).
 
-Nothing here starts a thread, a task or a process. This module only re-exports.
+Nothing here starts a task or a process; the agreement's one thread is the only thread. This
+module only re-exports.
 """
 
 from __future__ import annotations
@@ -46,6 +50,11 @@ from ._distributed import resolve_shard as resolve_shard
 from ._distributed import stream_items as stream_items
 from ._distributed import stream_share as stream_share
 from ._distributed import warn_if_group_appeared as warn_if_group_appeared
+from ._lockstep import EpochAgreement as EpochAgreement
+from ._lockstep import Lockstep as Lockstep
+from ._lockstep import resolve_equal_steps as resolve_equal_steps
+from ._lockstep import resolve_leftover as resolve_leftover
 from ._sampler import DistributedSampler as DistributedSampler
 from ._sampler import RandomSampler as RandomSampler
 from ._sampler import SequentialSampler as SequentialSampler
+from ._sampler import consumed_positions as consumed_positions

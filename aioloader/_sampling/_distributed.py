@@ -33,12 +33,14 @@ Sharp edges, each deliberate:
   take a collective at construction, which waits forever on a loader built on some ranks
   only (evaluation on rank 0). Such a loader then reads its rank's share: pass ``shard=False``.
   The loader's own ``seed`` still seeds the workers' per-batch randomness on each rank.
-- **The default group's ranks.** With tensor or pipeline parallelism, ranks that must see the
-  same batch are not data-parallel peers: pass ``shard=False`` and a DistributedSampler over the
-  data-parallel group's size and rank.
-- **Streams may end unevenly.** An iterable's share cannot be padded (its length is unknown
-  until it ends), so ranks may get different batch counts, as with torch; a collective in the
-  training step then waits for a rank that has stopped (see the docs).
+- **A data-parallel group.** With tensor or pipeline parallelism, ranks that must see the
+  same batch are not data-parallel peers: ``shard=dp_group`` (a ``ProcessGroup``) shares the
+  data over that group's ranks, by its rank and size (Mosaic's ``replication``): the ranks of
+  one model-parallel group have the same data-parallel rank, so they read the same batches,
+  and draw the same per-batch randomness in their workers (:func:`rank_seed`).
+- **Streams end together** (:mod:`._lockstep`): an iterable's share cannot be padded (its
+  length is unknown until it ends), so under ``equal_steps`` (the default for a stream the
+  loader shards) the ranks agree on the epoch's end, a few batches ahead of the consumer.
 - **A stream that shards itself by rank is the user's to declare** (``shard=False``): nothing
   shows from outside that a dataset reads ``torch.distributed.get_rank()``. One that shards
   itself by worker (it asks ``get_worker_info()``) is still split by rank here.
@@ -102,10 +104,16 @@ _WRAPPER_DEPTH = 4
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    """This process's share of the data: rank ``rank`` of ``replicas``."""
+    """This process's share of the data: rank ``rank`` of ``replicas``.
+
+    ``members``: the global ranks that share the data, in group rank order (the default
+    group's ``0 .. replicas - 1``, or a data-parallel group's); ``given``: the share is a
+    group the user passed (``shard=group``), whose rank also seeds the workers."""
 
     rank: int
     replicas: int
+    members: tuple[int, ...] | None = None
+    given: bool = False
 
 
 @runtime_checkable
@@ -126,7 +134,7 @@ def process_group() -> tuple[int, int] | None:
     return None
 
 
-def rank_seed(seed: int) -> int:
+def rank_seed(seed: int, shard: Shard | None = None) -> int:
     """The base seed of this rank's worker processes: ``seed`` itself without a process group
     and on rank 0, another 64-bit seed on each other rank.
 
@@ -134,11 +142,14 @@ def rank_seed(seed: int) -> int:
     batches are numbered from 0: seeded from (seed, epoch, batch) alone, batch ``b`` of every
     rank would draw the same augmentations. Lightning mixes the rank into worker seeds for the
     same reason. Decided when a dataset copy is made (each epoch's, with
-    ``persistent_workers=False``), so a group made after the loader counts from then on."""
+    ``persistent_workers=False``), so a group made after the loader counts from then on.
+    A data-parallel group given as ``shard`` counts by its rank instead: the ranks of one
+    model-parallel group read the same batches and must draw the same randomness for them."""
     group = process_group()
-    if group is None or group[0] == 0:
+    rank = shard.rank if shard is not None and shard.given else (group or (0, 1))[0]
+    if rank == 0:
         return seed
-    return (seed ^ (group[0] * 0x9E3779B97F4A7C15)) & 0xFFFFFFFFFFFFFFFF
+    return (seed ^ (rank * 0x9E3779B97F4A7C15)) & 0xFFFFFFFFFFFFFFFF
 
 
 def rank_aware(sampler: object) -> bool:
@@ -161,16 +172,25 @@ def resolve_shard(
     Logs the decision once (INFO, ``aioloader.distributed``) and warns about a sampler that is
     not rank-aware (see the module docstring).
 
+    ``shard`` may also be a ``torch.distributed`` process group: the data-parallel group whose
+    ranks share the data (see the module docstring).
+
     Raises:
-        TypeError: ``shard`` is not None, True or False.
+        TypeError: ``shard`` is not None, True, False or a process group.
         ValueError: ``shard=True`` without an initialised process group, or with a sampler
-            that is not rank-aware.
+            that is not rank-aware; a group this process is not a member of.
     """
+    given = _group_share(shard)
+    if given is not None:
+        return _given_share(given, kind, sampler, batch_sampler, dataset)
     if shard is not None:
         try:
             shard = boolean("shard", shard)
         except TypeError:
-            message = f"shard must be None (automatic), True or False, got {shard!r}"
+            message = (
+                f"shard must be None (automatic), True, False or a torch.distributed "
+                f"process group (the data-parallel group), got {shard!r}"
+            )
             raise TypeError(message) from None
     if shard is False:
         return None
@@ -219,7 +239,49 @@ def resolve_shard(
         world,
         how,
     )
-    return Shard(rank, world)
+    return Shard(rank, world, tuple(range(world)))
+
+
+def _group_share(shard: object) -> Any:
+    """``shard`` if it is a ``torch.distributed`` process group, else None."""
+    dist: Any = sys.modules.get("torch.distributed")
+    group_type = getattr(dist, "ProcessGroup", None) if dist is not None else None
+    if group_type is not None and isinstance(shard, group_type):
+        return shard
+    return None
+
+
+def _given_share(
+    group: Any, kind: str, sampler: object, batch_sampler: object, dataset: object
+) -> Shard:
+    """The share of this rank in the data-parallel ``group`` (``shard=group``)."""
+    dist: Any = sys.modules["torch.distributed"]
+    rank, world = int(dist.get_rank(group)), int(dist.get_world_size(group))
+    if rank < 0:
+        raise ValueError(
+            f"shard={group!r}: this process (global rank {dist.get_rank()}) is not a member "
+            "of that group; pass each rank its own data-parallel group"
+        )
+    members = tuple(int(r) for r in dist.get_process_group_ranks(group))
+    given = sampler if sampler is not None else batch_sampler
+    if given is not None and kind in ("map", "async_map"):
+        raise ValueError(
+            f"shard={group!r} cannot shard a sampler of yours ({given!r}): give the loader no "
+            "sampler (it then reads the group's share), or pass shard=False with a "
+            f"DistributedSampler(dataset, num_replicas={world}, rank={rank})"
+        )
+    distributed_log.info(
+        "DataLoader of %s shards by the given group: group rank %d of %d (global ranks %s) "
+        "reads %s",
+        type(dataset).__name__,
+        rank,
+        world,
+        list(members),
+        "its DistributedSampler share of each epoch"
+        if kind in ("map", "async_map")
+        else f"1 item in {world} of the stream",
+    )
+    return Shard(rank, world, members, given=True)
 
 
 def warn_if_group_appeared(dataset: object) -> None:

@@ -41,6 +41,11 @@ Sharp edges, each deliberate:
 - **Every rank gets the same number of samples.** :class:`DistributedSampler` pads by wrapping
   around the epoch's order (or drops the tail with ``drop_last``), because a rank with one batch
   fewer than the others would leave a collective op waiting forever.
+- **The rest of an epoch, on another number of ranks.** A DistributedSampler's state may hold
+  ``consumed``: positions of the epoch's order (ranges) already read, by every rank together
+  (:func:`consumed_positions` computes them from the batches taken). Its next ``iter()`` then
+  shares out the rest of that order, padded or trimmed alike, over its own ``num_replicas``:
+  the elastic resume (``aioloader._epoch._resume``). It applies to that one iteration.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ __all__ = [
     "RandomSampler",
     "SequentialSampler",
     "ShardedBatchSampler",
+    "consumed_positions",
     "validate_non_negative_int",
     "validate_positive_int",
 ]
@@ -400,11 +406,14 @@ class DistributedSampler:
         self.drop_last = boolean("drop_last", drop_last)
         self._epoch = 0
         self.set_epoch_asked: int | None = None  # the last set_epoch's, until a loader reads it
+        # Ranges of positions of the next iteration's order already read (an elastic resume):
+        # the next iter() shares out the rest. Emptied by that iter().
+        self._consumed: list[list[int]] = []
 
     @property
     def num_samples(self) -> int:
-        """How many indices each rank gets per epoch."""
-        n = _length_of("dataset", self.dataset)
+        """How many indices each rank gets per epoch (of the rest, after a resume)."""
+        n = len(_rest(_length_of("dataset", self.dataset), self._consumed))
         if self.drop_last:
             return n // self.num_replicas
         return -(-n // self.num_replicas)
@@ -427,13 +436,15 @@ class DistributedSampler:
 
     def __iter__(self) -> Iterator[int]:
         n = _length_of("dataset", self.dataset)
-        epoch, self._epoch = self._epoch, self._epoch + 1
-        if self.shuffle and n:
-            order = _draw(self.seed, epoch, n, n, replacement=False)
-        else:
-            order = np.arange(n, dtype=np.int64)
         total = self.total_size
-        if total > n:
+        epoch, self._epoch = self._epoch, self._epoch + 1
+        positions = _rest(n, self._consumed)
+        self._consumed = []
+        if self.shuffle and n:
+            order = _draw(self.seed, epoch, n, n, replacement=False)[positions]
+        else:
+            order = positions
+        if total > len(order) and len(order):
             # Wrap around as many times as needed (more than once only when n < num_replicas).
             order = np.resize(order, total)
         mine = order[self.rank : total : self.num_replicas]
@@ -443,15 +454,25 @@ class DistributedSampler:
         return self.num_samples
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the next ``iter()`` starts: the seed and the epoch."""
-        return {"seed": self.seed, "epoch": self._epoch}
+        """Where the next ``iter()`` starts: the seed and the epoch (and, resumed on another
+        number of ranks, the positions of its order already read)."""
+        state: dict[str, Any] = {"seed": self.seed, "epoch": self._epoch}
+        if self._consumed:
+            state["consumed"] = [list(r) for r in self._consumed]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; the next ``iter()`` repeats the one it described."""
         state = check_state_keys("DistributedSampler", state, {"seed", "epoch"})
         epoch = non_negative_int("epoch", state["epoch"])
+        consumed = check_ranges(
+            "DistributedSampler state 'consumed'",
+            state.get("consumed", []),
+            _length_of("dataset", self.dataset),
+        )
         self.seed = to_int("seed", state["seed"])
         self._epoch = epoch
+        self._consumed = consumed
 
     def __repr__(self) -> str:
         return (
@@ -459,3 +480,76 @@ class DistributedSampler:
             f"rank={self.rank}, num_replicas={self.num_replicas}, shuffle={self.shuffle}, "
             f"seed={self.seed}, drop_last={self.drop_last}, epoch={self._epoch})"
         )
+
+
+# -- the rest of an epoch (elastic resume) --------------------------------------------------------
+
+
+def _rest(n: int, consumed: list[list[int]]) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """The positions ``0 .. n-1`` of an epoch's order not in the ranges ``consumed``."""
+    keep = np.ones(n, dtype=bool)
+    for start, stop in consumed:
+        keep[start:stop] = False
+    return np.flatnonzero(keep).astype(np.int64)
+
+
+def _as_ranges(positions: np.ndarray[Any, Any]) -> list[list[int]]:
+    """Sorted distinct positions as ``[start, stop)`` ranges (a prefix is one range)."""
+    if not len(positions):
+        return []
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    stops = np.concatenate((breaks, [len(positions)]))
+    return [
+        [int(positions[a]), int(positions[b - 1]) + 1] for a, b in zip(starts, stops, strict=True)
+    ]
+
+
+def check_ranges(name: str, ranges: object, n: int) -> list[list[int]]:
+    """``ranges`` as ``[[start, stop], ...]`` within ``0 .. n``, or a clear error naming it."""
+    if not isinstance(ranges, list | tuple):
+        raise TypeError(f"{name} must be a list of [start, stop] ranges, got {ranges!r}")
+    out = []
+    for item in ranges:
+        if (
+            not isinstance(item, list | tuple)
+            or len(item) != 2
+            or not all(map(is_int, item))
+            or not 0 <= int(item[0]) < int(item[1]) <= n
+        ):
+            raise ValueError(
+                f"{name} must hold [start, stop] ranges with 0 <= start < stop <= {n} (the "
+                f"dataset's length), got {item!r}"
+            )
+        out.append([int(item[0]), int(item[1])])
+    return out
+
+
+def consumed_positions(
+    sampler: DistributedSampler,
+    state: dict[str, Any],
+    done: list[int],
+    batch_size: int,
+) -> list[list[int]]:
+    """The positions of an epoch's order read once every rank of ``sampler.num_replicas``
+    took the batches ``done`` of it, as ranges (with those read before the epoch began, in
+    ``state``: the sampler's state before its ``iter()``).
+
+    Rank ``r`` reads position ``r + R * j`` of the epoch's (padded) rest for its ``j``-th
+    index, batch ``b`` being its indices ``b * batch_size`` up to the next batch's; a padded
+    position repeats an earlier one, whose sample was then read.
+    """
+    n = _length_of("dataset", sampler.dataset)
+    replicas = sampler.num_replicas
+    rest = _rest(n, check_ranges("consumed", state.get("consumed", []), n))
+    m = len(rest)
+    per_rank = m // replicas if sampler.drop_last else -(-m // replicas)
+    total = per_rank * replicas
+    padded = np.resize(rest, total) if total > m and m else rest[:total]
+    read = [
+        np.arange(b * batch_size, min((b + 1) * batch_size, per_rank), dtype=np.int64) for b in done
+    ]
+    js = np.concatenate(read) if read else np.empty(0, dtype=np.int64)
+    taken = (np.arange(replicas, dtype=np.int64)[:, None] + replicas * js[None, :]).ravel()
+    before = np.setdiff1d(np.arange(n, dtype=np.int64), rest, assume_unique=True)
+    return _as_ranges(np.union1d(before, padded[taken]))

@@ -303,6 +303,10 @@ class Counters:
     remote_bytes: int = 0
     remote_stalls: int = 0
     remote_in_flight: int = 0
+    leftover_batches: int = 0  # read past the ranks' agreed end of an epoch (equal_steps)
+    leftover_samples: int = 0
+    dropped_batches: int = 0  # of those, released (leftover='drop')
+    dropped_samples: int = 0
     wall_s: float = 0.0  # of the epochs that ended
     capacity: Capacity = field(default_factory=Capacity)
     epoch_started: float | None = None  # perf_counter at the running epoch's start
@@ -738,6 +742,13 @@ class LoaderStatistics:
         skipped: ``(index, reason)`` of the newest :data:`SKIP_RECORDS` samples skipped with
             ``on_error='skip'``; ``skipped_count`` counts them all.
         skipped_count: samples skipped, all epochs.
+        leftover_batches: batches a rank had read past the end the ranks agreed on for an
+            epoch of a stream (``equal_steps``), all epochs; ``leftover_samples`` their samples.
+            With ``leftover='carry'`` they are handed first in the next epoch.
+        leftover_samples: samples in ``leftover_batches``.
+        dropped_batches: leftover batches released (``leftover='drop'``, or carried batches
+            left when the loader closed); ``dropped_samples`` their samples.
+        dropped_samples: samples in ``dropped_batches``.
         fetch_s: seconds the event loop spent awaiting async dataset items (summed per batch).
         read_s: seconds spent reading samples (``dataset[i]``), in threads or workers.
         collate_s: seconds spent collating, in threads or workers.
@@ -771,6 +782,10 @@ class LoaderStatistics:
     remote_stalls: int = 0
     skipped: tuple[tuple[int, str], ...] = ()
     skipped_count: int = 0
+    leftover_batches: int = 0
+    leftover_samples: int = 0
+    dropped_batches: int = 0
+    dropped_samples: int = 0
     fetch_s: float = 0.0
     read_s: float = 0.0
     collate_s: float = 0.0
@@ -802,6 +817,10 @@ class LoaderStatistics:
             remote_stalls=c.remote_stalls,
             skipped=tuple(c.skipped[-SKIP_RECORDS:]),
             skipped_count=c.skipped_count,
+            leftover_batches=c.leftover_batches,
+            leftover_samples=c.leftover_samples,
+            dropped_batches=c.dropped_batches,
+            dropped_samples=c.dropped_samples,
             fetch_s=c.fetch_s,
             read_s=c.read_s,
             collate_s=c.collate_s,

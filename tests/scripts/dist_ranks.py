@@ -312,7 +312,11 @@ def main() -> None:
 
         def make(workers: int) -> DataLoader:
             ds = TarDataset(paths, decode=tar_sample, shuffle=True, shuffle_buffer=5, seed=1)
-            return DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=keep)
+            # The split itself, each share read whole: the ranks' shares differ in length, and
+            # equal steps (which end them at the shortest) are tested in dist_lockstep.py.
+            return DataLoader(
+                ds, batch_size=4, num_workers=workers, collate_fn=keep, equal_steps=False
+            )
 
         epochs_and_resume(make, "key", report)
 
@@ -329,7 +333,9 @@ def main() -> None:
             ds = ParquetDataset(
                 directory, decode=parquet_row, shuffle=True, shuffle_buffer=5, seed=1
             )
-            return DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=keep)
+            return DataLoader(
+                ds, batch_size=4, num_workers=workers, collate_fn=keep, equal_steps=False
+            )
 
         epochs_and_resume(make, "id", report)
 

@@ -1,0 +1,292 @@
+"""One rank of a real gloo job of 4: streams of unequal shares under equal steps, the slow rank
+named, data-parallel groups. Reports what this rank read, as JSON, for
+``tests/test_distributed_lockstep.py`` to compare across ranks.
+
+Run by the test (one process per rank) with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``, ``GLOO_SOCKET_IFNAME`` and ``PYTHONPATH`` holding ``tests/``::
+
+    python tests/scripts/dist_lockstep.py REPORT.json
+
+As in ``dist_ranks.py``, a case that raises records the error and the next one runs, and every
+case starts together on every rank (a barrier).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from datasets import AsyncStream, Range, Stream, TorchDraws, keep, tar_sample, tar_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from aioloader import DataLoader
+from aioloader.distributed import gather_statistics
+from aioloader.sources import TarDataset
+
+# Bounds each collective of this rank (the agreement's own group has its own, longer bound:
+# a case that hangs there is ended by the test's limit on the whole job).
+COLLECTIVE_TIMEOUT = timedelta(seconds=90)
+
+#: The length of each rank's copy of the "uneven" stream: the loader keeps items r, r + 4, ...
+#: of it, so the shares are 10, 3, 6 and 2 items long (3, 1, 2 and 1 batches of 4).
+UNEVEN = (40, 13, 27, 8)
+#: The elastic case: a map dataset's length, and the batches every rank takes before the cut.
+ELASTIC_N = 45
+CUTS = (1, 2)  # of the 3 batches of 4 each rank has (45 samples, 12 a rank)
+#: Tar shards of 2 to 9 samples: each rank reads whole shards of its own, of unequal sizes.
+TAR_SHARDS = 9
+
+
+def tar_size(shard: int) -> int:
+    return 2 + (shard * 5) % 8
+
+
+class Timed(Range):
+    """``dataset[i] == i`` after ``delay`` seconds (a rank slowed on purpose sleeps longer)."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        super().__init__(n)
+        self.delay = delay
+
+    def __getitem__(self, index: int) -> int:
+        time.sleep(self.delay)
+        return super().__getitem__(index)
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(f"{record.levelname} {record.getMessage()}")
+
+
+@contextlib.contextmanager
+def observed(report: dict[str, Any]) -> Iterator[None]:
+    logger = logging.getLogger("aioloader.distributed")
+    handler = Records()
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    except Exception:
+        report["error"] = traceback.format_exc()
+    finally:
+        logger.removeHandler(handler)
+    report["log"] = handler.messages
+
+
+def items(batch: Any) -> list[Any]:
+    """A batch's samples as JSON-able values (ints, or a tar sample's key)."""
+    out = []
+    for sample in batch:
+        if isinstance(sample, dict):
+            out.append(sample["key"])
+        else:
+            out.append(int(sample))
+    return out
+
+
+def train(loader: DataLoader, epochs: int) -> dict[str, Any]:
+    """A DDP training loop on CPU over ``epochs`` epochs: the steps and samples of each."""
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(1, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    per_epoch = []
+    for _ in range(epochs):
+        seen: list[list[Any]] = []
+        for batch in loader:
+            got = items(batch)
+            x = torch.tensor([[float(len(got))]])
+            loss = model(x).pow(2).mean()  # DDP's gradient all-reduce in backward()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            seen.append(got)
+        per_epoch.append(seen)
+    stats = loader.statistics()
+    return {
+        "epochs": per_epoch,
+        "leftover_batches": stats.leftover_batches,
+        "leftover_samples": stats.leftover_samples,
+        "dropped_batches": stats.dropped_batches,
+        "dropped_samples": stats.dropped_samples,
+    }
+
+
+def case(reports: dict[str, Any], name: str, body: Callable[[dict[str, Any]], None]) -> None:
+    report: dict[str, Any] = {}
+    with observed(report):
+        body(report)
+    reports[name] = report
+
+
+def main() -> None:
+    out = sys.argv[1]
+    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reports: dict[str, Any] = {"pid": os.getpid(), "rank": rank, "world": world, "workers": []}
+
+    def uneven(report: dict[str, Any]) -> None:
+        # A user's stream that ends at a different point on each rank, in threads and in
+        # worker processes, carried and dropped.
+        for name, workers, leftover in (
+            ("thread_carry", 0, "carry"),
+            ("workers_carry", 2, "carry"),
+            ("thread_drop", 0, "drop"),
+        ):
+            with DataLoader(
+                Stream(UNEVEN[rank]), batch_size=4, num_workers=workers, leftover=leftover
+            ) as loader:
+                report[name] = train(loader, 2)
+                reports["workers"].extend(loader.worker_pids)
+
+    def async_uneven(report: dict[str, Any]) -> None:
+        async def run() -> list[list[list[int]]]:
+            async with DataLoader(AsyncStream(UNEVEN[rank]), batch_size=4) as loader:
+                epochs = []
+                for _ in range(2):
+                    epochs.append([items(b) async for b in loader])
+                    total = torch.ones(1)
+                    dist.all_reduce(total)  # (a collective between epochs: all still there)
+                return epochs
+
+        report["epochs"] = asyncio.run(run())
+
+    def tar(report: dict[str, Any]) -> None:
+        directory = os.path.join(os.path.dirname(out), f"tar-rank{rank}")
+        os.makedirs(directory, exist_ok=True)
+        paths = []
+        for shard in range(TAR_SHARDS):
+            paths.append(os.path.join(directory, f"{shard}.tar"))
+            with open(paths[-1], "wb") as f:
+                f.write(tar_shard(shard, tar_size(shard)))
+        dataset = TarDataset(paths, decode=tar_sample, shuffle=True, shuffle_buffer=4, seed=1)
+        with DataLoader(dataset, batch_size=3, num_workers=2, collate_fn=keep) as loader:
+            report.update(train(loader, 2))
+            reports["workers"].extend(loader.worker_pids)
+
+    def left_early(report: dict[str, Any]) -> None:
+        # Ranks 1-3 leave their first epoch after one batch (a break); rank 0 wants two: the
+        # others' leaving ends its epoch at their step. The next epoch is whole and in step.
+        with DataLoader(Stream(UNEVEN[rank]), batch_size=4, num_workers=2) as loader:
+            first = []
+            for batch in loader:
+                first.append(items(batch))
+                if len(first) == (2 if rank == 0 else 1):
+                    break
+            report["first"] = first
+            report["after"] = train(loader, 1)["epochs"][0]
+            reports["workers"].extend(loader.worker_pids)
+
+    def alone(report: dict[str, Any]) -> None:
+        # Loaders built on rank 0 only: nothing waits for the other ranks.
+        if rank == 0:
+            with DataLoader(Stream(10), batch_size=4, shard=False) as loader:
+                report["whole"] = [i for b in loader for i in items(b)]
+            with DataLoader(Stream(10), batch_size=4, equal_steps=False) as loader:
+                report["share"] = [i for b in loader for i in items(b)]
+
+    def slow_rank(report: dict[str, Any]) -> None:
+        # The last rank's samples take 3x as long; an all-reduce per step, as DDP's.
+        slow = world - 1
+        delay = 0.006 if rank == slow else 0.002
+        with DataLoader(Timed(160, delay), batch_size=4, num_workers=0) as loader:
+            for _ in loader:
+                total = torch.ones(1)
+                dist.all_reduce(total)
+            gathered = gather_statistics(loader, log=True)
+            again = gather_statistics(loader, log=True)  # the same epoch: logged once
+        report["slowest"] = gathered.slowest
+        report["stage"] = gathered.stage
+        report["table"] = str(gathered)
+        report["ranks"] = [r.rank for r in gathered.ranks]
+        report["again"] = again.slowest
+
+    def dp_groups(report: dict[str, Any]) -> None:
+        # Model-parallel pairs (0, 1) and (2, 3); data-parallel groups (0, 2) and (1, 3).
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        mine = groups[rank % 2]
+        assert isinstance(mine, dist.ProcessGroup)  # a member: not the non-member marker
+        with DataLoader(Range(24), batch_size=4, shuffle=True, seed=3, shard=mine) as loader:
+            report["map"] = [items(b) for b in loader]
+        with DataLoader(Stream(30), batch_size=4, shard=mine) as loader:
+            report["stream"] = [items(b) for b in loader]
+        with DataLoader(
+            TorchDraws(16), batch_size=4, shuffle=True, seed=5, num_workers=2, shard=mine
+        ) as loader:
+            report["draws"] = [[float(d) for d in b[1]] for b in loader]
+            reports["workers"].extend(loader.worker_pids)
+
+    def elastic(report: dict[str, Any]) -> None:
+        # Epoch 0 of a shuffled map dataset on 4 ranks x 2 workers, cut after CUTS batches;
+        # rank 0's state resumes on 2 ranks x 1 worker, 3 x 2 and 4 x 0 (the smaller worlds
+        # are groups of the first ranks, as a job restarted on fewer machines would be).
+        two, three = dist.new_group([0, 1]), dist.new_group([0, 1, 2])
+        topologies = (("2x1", two, 2, 1), ("3x2", three, 3, 2), ("4x0", None, 4, 0))
+
+        def make(group: Any, workers: int) -> DataLoader:
+            shard = True if group is None else group
+            return DataLoader(
+                Range(ELASTIC_N),
+                batch_size=4,
+                shuffle=True,
+                seed=9,
+                num_workers=workers,
+                shard=shard,
+            )
+
+        for taken in CUTS:
+            with make(None, 2) as first:
+                it = iter(first)
+                head = [i for _ in range(taken) for i in items(next(it))]
+                state = first.state_dict()
+                del it
+                reports["workers"].extend(first.worker_pids)
+            shared = [state]
+            dist.broadcast_object_list(shared, src=0)
+            result: dict[str, Any] = {"head": head}
+            for name, group, size, workers in topologies:
+                if rank >= size:
+                    continue
+                with make(group, workers) as resumed:
+                    resumed.load_state_dict(shared[0])
+                    rest = [i for b in resumed for i in items(b)]
+                    following = [i for b in resumed for i in items(b)]
+                with make(group, 0) as fresh:
+                    fresh.set_epoch(1)
+                    uninterrupted = [i for b in fresh for i in items(b)]
+                result[name] = {"rest": rest, "next": following, "fresh1": uninterrupted}
+            report[str(taken)] = result
+
+    for name, body in (
+        ("elastic", elastic),
+        ("uneven", uneven),
+        ("async_uneven", async_uneven),
+        ("tar", tar),
+        ("left_early", left_early),
+        ("alone", alone),
+        ("slow_rank", slow_rank),
+        ("dp_groups", dp_groups),
+    ):
+        case(reports, name, body)
+        dist.barrier()
+    dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump(reports, f)
+
+
+if __name__ == "__main__":
+    main()

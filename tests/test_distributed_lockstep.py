@@ -1,0 +1,344 @@
+"""Equal steps on every rank, the slow rank named, data-parallel groups.
+
+- in this process: the arguments' checks, and the agreement's sequencing (which steps run a
+  collective, in which order) with the collective swapped for a recorder;
+- a real job: ``tests/scripts/dist_lockstep.py`` as four gloo ranks on 127.0.0.1 (the harness
+  of ``test_distributed``: each process in its own session, killed as a whole at the job's
+  limit, nothing left behind), run once for the module.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from typing import Any
+
+import pytest
+from datasets import Stream
+from helpers import assert_raises_naming
+from test_distributed import (
+    JOB_TEST_TIMEOUT_S,
+    ROOT,
+    free_port,
+    job_environment,
+    run_job,
+    segments_of,
+)
+
+from aioloader import DataLoader
+from aioloader._sampling import EpochAgreement, Lockstep
+from aioloader.distributed import gather_statistics
+
+SCRIPT = ROOT / "tests" / "scripts" / "dist_lockstep.py"
+WORLD = 4
+LIMIT_S = 240.0
+
+
+# -- without a process group ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, "auto"])
+def test_equal_steps_must_be_none_true_or_false(bad: object) -> None:
+    assert_raises_naming(
+        lambda: DataLoader(Stream(8), equal_steps=bad),  # type: ignore[arg-type]
+        TypeError,
+        ["equal_steps", repr(bad)],
+    )
+
+
+@pytest.mark.parametrize("bad", ["keep", None, 1, "Carry"])
+def test_leftover_must_be_carry_or_drop(bad: object) -> None:
+    assert_raises_naming(
+        lambda: DataLoader(Stream(8), leftover=bad),  # type: ignore[arg-type]
+        ValueError,
+        ["leftover", repr(bad), "carry", "drop"],
+    )
+
+
+def test_equal_steps_true_needs_a_stream_read_in_shares() -> None:
+    assert_raises_naming(
+        lambda: DataLoader(Stream(8), equal_steps=True, shard=False),
+        ValueError,
+        ["equal_steps=True", "Stream", "shard=False"],
+    )
+
+
+def test_without_a_process_group_a_stream_is_read_as_before() -> None:
+    with DataLoader(Stream(10), batch_size=4) as loader:
+        assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+        stats = loader.statistics()
+    assert (stats.leftover_batches, stats.dropped_batches) == (0, 0)
+    assert [t.name for t in threading.enumerate() if "equal-steps" in t.name] == []
+
+
+def test_gather_statistics_needs_a_process_group() -> None:
+    with DataLoader(Stream(4)) as loader:
+        assert_raises_naming(
+            lambda: gather_statistics(loader), RuntimeError, ["init_process_group"]
+        )
+
+
+class Recorded:
+    """Stands in for the all-reduce: records each step's contribution; the "others" have
+    ``others`` batches."""
+
+    def __init__(self, others: int) -> None:
+        self.others = others
+        self.calls: list[int] = []
+
+    def __call__(self, have: int) -> int:
+        self.calls.append(have)
+        step = len(self.calls) - 1
+        return min(have, int(step < self.others))
+
+
+def verdict(agreement: EpochAgreement, step: int) -> bool:
+    """The verdict of ``step``, once its job ran."""
+    future = agreement.verdict(step)
+    assert future is not None, f"step {step} was not offered"
+    return future.result(timeout=10)
+
+
+def agreement_with(record: Recorded) -> tuple[Lockstep, EpochAgreement]:
+    lockstep = Lockstep((0, 1), "carry", all_have=record)
+    return lockstep, lockstep.begin(0)
+
+
+def test_steps_are_agreed_in_order_and_none_after_the_end() -> None:
+    # This rank has 5 batches, the others 2: steps 0 and 1 pass, step 2 ends the epoch; steps
+    # 3 and 4, offered ahead, run no collective (the others never run theirs).
+    record = Recorded(others=2)
+    lockstep, agreement = agreement_with(record)
+    agreement.offer(5, complete=True)
+    verdicts = [verdict(agreement, step) for step in range(6)]
+    assert verdicts == [True, True, False, False, False, False]
+    assert record.calls == [1, 1, 1]
+    assert agreement.end == 2
+    lockstep.close()
+
+
+def test_a_short_share_offers_0_at_its_end_and_an_epoch_closed_early_gives_up() -> None:
+    record = Recorded(others=9)
+    lockstep, agreement = agreement_with(record)
+    agreement.offer(2, complete=False)
+    agreement.offer(3, complete=True)
+    assert [verdict(agreement, s) for s in range(4)] == [True] * 3 + [False]
+    assert record.calls == [1, 1, 1, 0]
+    # The next epoch is closed after one batch: it offers 0 at its next step, once.
+    nxt = lockstep.begin(1)
+    nxt.offer(1, complete=False)
+    nxt.give_up()
+    nxt.give_up()
+    assert verdict(nxt, 1) is False
+    assert record.calls == [1, 1, 1, 0, 1, 0]
+    lockstep.close()
+
+
+# -- a real job of four ranks -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    logs = tmp_path_factory.mktemp("lockstep")
+    port = str(free_port())
+    commands = [
+        (
+            [sys.executable, str(SCRIPT), str(logs / f"rank{rank}.json")],
+            job_environment(
+                RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_PORT=port
+            ),
+        )
+        for rank in range(WORLD)
+    ]
+    finished = run_job(commands, LIMIT_S, logs)
+    for rank, done in enumerate(finished):
+        assert done.returncode == 0, f"rank {rank} exited {done.returncode}:\n{done.output}"
+    reports = [json.loads((logs / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    pids = [r["pid"] for r in reports] + [p for r in reports for p in r["workers"]]
+    assert segments_of(pids) == [], "shared-memory segments left by the ranks"
+    return reports
+
+
+def case(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    reports = [r[name] for r in ranks]
+    for rank, report in enumerate(reports):
+        assert "error" not in report, f"rank {rank}, case {name}:\n{report['error']}"
+    return reports
+
+
+def share(rank: int) -> list[int]:
+    """Rank ``rank``'s share of its copy of the uneven stream (dist_lockstep.UNEVEN)."""
+    return list(range(rank, (40, 13, 27, 8)[rank], WORLD))
+
+
+def batches(rank: int, workers: int) -> list[list[int]]:
+    """The batches of 4 of rank ``rank``'s share in the order the loader yields them: reader
+    ``k`` of ``W`` keeps every ``W``-th item of the share from the ``k``-th, and the readers'
+    batches come in turn (a reader whose stream ended is skipped)."""
+    readers = max(1, workers)
+    chunks = []
+    for k in range(readers):
+        items = share(rank)[k::readers]
+        chunks.append([items[i : i + 4] for i in range(0, len(items), 4)])
+    return [c[j] for j in range(max(map(len, chunks))) for c in chunks if j < len(c)]
+
+
+def flat(batches: list[list[Any]]) -> list[Any]:
+    return [i for batch in batches for i in batch]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_an_uneven_stream_ends_every_epoch_at_the_same_step(ranks: list[dict[str, Any]]) -> None:
+    """Shares of 10, 3, 7 and 2 items under DDP: every rank's epoch ends at the step of the
+    shortest share (in batches of 4), nothing is read twice, what a rank read past the end is
+    counted and comes first in the next epoch (or is counted as dropped); no hang."""
+    reports = case(ranks, "uneven")
+    for name, workers in (("thread_carry", 0), ("workers_carry", 2), ("thread_drop", 0)):
+        runs = [r[name] for r in reports]
+        expected = [batches(rank, workers) for rank in range(WORLD)]
+        steps = min(map(len, expected))
+        assert steps == (1 if workers == 0 else 2)
+        for epoch in range(2):
+            assert [len(run["epochs"][epoch]) for run in runs] == [steps] * WORLD, name
+        for rank, run in enumerate(runs):
+            mine = expected[rank]
+            assert run["epochs"][0] == mine[:steps], (name, rank)  # the head, each item once
+            if name.endswith("carry"):
+                # What was read past the end comes first in the next epoch: nothing is lost.
+                following = mine[steps] if len(mine) > steps else mine[0]
+                assert run["epochs"][1][0] == following, (name, rank)
+                assert run["dropped_batches"] == 0
+            else:
+                assert run["epochs"][1][0] == mine[0], name  # a fresh epoch
+                assert (run["dropped_batches"], run["dropped_samples"]) == (
+                    run["leftover_batches"],
+                    run["leftover_samples"],
+                )
+            if len(mine) > steps:
+                # It had batch `steps` ready when the ranks agreed (it offered that step
+                # only then): read past the end, and counted.
+                assert run["leftover_batches"] >= 1, (name, rank)
+                assert run["leftover_samples"] >= len(mine[steps])
+            else:
+                assert run["leftover_batches"] == 0, (name, rank)  # the shortest read no more
+    log = reports[0]["log"]
+    assert any("past it" in line and "carried into the next epoch" in line for line in log)
+    assert any("past it" in line and "dropped" in line for line in log)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_an_uneven_async_stream_ends_at_the_same_step(ranks: list[dict[str, Any]]) -> None:
+    reports = case(ranks, "async_uneven")
+    for epoch in range(2):
+        assert [len(r["epochs"][epoch]) for r in reports] == [1] * WORLD
+    for rank, report in enumerate(reports):
+        assert report["epochs"][0] == batches(rank, 0)[:1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_tar_shards_of_unequal_sizes_give_every_rank_as_many_steps(
+    ranks: list[dict[str, Any]],
+) -> None:
+    from datasets import tar_keys
+
+    reports = case(ranks, "tar")
+    every = set(tar_keys(9, lambda shard: 2 + (shard * 5) % 8))
+    leftover = sum(r["leftover_samples"] for r in reports)
+    for epoch in range(2):
+        steps = [len(r["epochs"][epoch]) for r in reports]
+        assert len(set(steps)) == 1, steps  # the same step count on every rank
+        delivered = [key for r in reports for key in flat(r["epochs"][epoch])]
+        assert set(delivered) <= every
+        # Each sample at most once, on one rank; in the next epoch, samples carried from the
+        # last come first, and their shards' new owners may read them again in that epoch.
+        assert len(delivered) - len(set(delivered)) <= (leftover if epoch else 0)
+    # Shares of whole shards differ: some rank read past the end, and says how much.
+    assert sum(r["leftover_batches"] for r in reports) >= 1
+    assert all(r["dropped_batches"] == 0 for r in reports)  # carried, by default
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_an_epoch_left_early_ends_and_the_next_one_is_in_step(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """Ranks 1-3 leave after one batch, rank 0 asks for two: it gets the second only if the
+    others had offered that step before they left (they offer ahead), never more; nobody
+    hangs in the agreement, and the next epoch runs to the same step everywhere."""
+    reports = case(ranks, "left_early")
+    assert [len(r["first"]) for r in reports[1:]] == [1] * (WORLD - 1)
+    assert 1 <= len(reports[0]["first"]) <= 2
+    expected = [batches(rank, 2) for rank in range(WORLD)]
+    steps = min(map(len, expected))
+    assert [len(r["after"]) for r in reports] == [steps] * WORLD
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_a_stream_loader_on_one_rank_only_does_not_wait(ranks: list[dict[str, Any]]) -> None:
+    report = case(ranks, "alone")[0]
+    assert report["whole"] == list(range(10))  # shard=False: everything
+    assert report["share"] == [0, 4, 8]  # equal_steps=False: its share, alone
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_the_rank_slowed_on_purpose_is_named_with_its_stage(ranks: list[dict[str, Any]]) -> None:
+    reports = case(ranks, "slow_rank")
+    for report in reports:
+        assert report["slowest"] == WORLD - 1, report["table"]
+        assert report["again"] == WORLD - 1
+        assert report["ranks"] == list(range(WORLD))
+        assert report["stage"] == "workers", report["table"]
+        assert f"slowest: rank {WORLD - 1} (workers)" in report["table"]
+    logged = [line for line in reports[0]["log"] if "across 4 ranks" in line]
+    assert len(logged) == 1, reports[0]["log"]  # rank 0 only, once for the epoch
+    assert all(not any("across" in line for line in r["log"]) for r in reports[1:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_ranks_of_one_model_parallel_group_get_identical_batches(
+    ranks: list[dict[str, Any]],
+) -> None:
+    reports = case(ranks, "dp_groups")
+    for key in ("map", "stream", "draws"):
+        assert reports[0][key] == reports[1][key], key  # model-parallel pair (0, 1)
+        assert reports[2][key] == reports[3][key], key  # pair (2, 3)
+        assert reports[0][key] != reports[2][key], key  # data-parallel peers differ
+    assert sorted(flat(reports[0]["map"]) + flat(reports[2]["map"])) == list(range(24))
+    assert sorted(flat(reports[0]["stream"]) + flat(reports[2]["stream"])) == list(range(30))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_a_state_of_four_ranks_resumes_exactly_on_two_three_and_four(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """Saved on 4 ranks x 2 workers, resumed on 2 x 1, 3 x 2 and 4 x 0: the rest of the epoch
+    exactly once across the new ranks (padding aside, as a DistributedSampler pads), nothing
+    taken again, and the next epoch that of an uninterrupted run on the new ranks."""
+    reports = case(ranks, "elastic")
+    n = 45
+    for taken in ("1", "2"):
+        head = [i for r in reports for i in r[taken]["head"]]
+        assert len(head) == WORLD * 4 * int(taken)
+        for name, size in (("2x1", 2), ("3x2", 3), ("4x0", 4)):
+            runs = [r[taken][name] for r in reports[:size]]
+            rest = [i for run in runs for i in run["rest"]]
+            again = set(head) & set(rest)
+            if size == WORLD:
+                # The same ranks resume by batch ids, as the uninterrupted epoch goes: its
+                # padding (48 places for 45 samples) repeats 3 samples of its first batches.
+                assert len(again) <= 3, (taken, name)
+            else:
+                assert not again, (taken, name)  # the rest is shared out of what is left
+            assert set(head) | set(rest) == set(range(n)), (taken, name)
+            assert len(head) + len(rest) - n < (WORLD - 1) + size, (taken, name)  # padding
+            assert len({len(run["rest"]) for run in runs}) == 1  # as many on every rank
+            for run in runs:
+                assert run["next"] == run["fresh1"], (taken, name)
