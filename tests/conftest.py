@@ -115,6 +115,8 @@ TIERS: dict[str, str] = {
             "test_lifetimes",
             "test_lightning",
             "test_packaging",
+            "test_ray",
+            "test_ray_bench",
             "test_shm_pressure",
             "test_soak",
             "test_worker_compat",

@@ -34,6 +34,8 @@ Sharp edges:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
 import os
 import socket
 import time
@@ -52,6 +54,7 @@ from .._workers import (
     picklable,
     publish_worker_info,
     seed_everything,
+    seed_on_import,
     seed_worker,
     torch_on_one_thread,
     worker_seed,
@@ -72,6 +75,9 @@ class ActorCopy:
             maker reads a sync dataset).
         io_concurrency: item fetches in flight at once in the actor, all its batches together.
         per_batch_seeds: ``worker_seeding='batch'``: reseed before every batch.
+        preload: modules to import as the copy loads (torch, where the training process has
+            it): under the start deadline, not the first batch's (a fresh actor importing
+            torch for its first collate took seconds of that batch's ``timeout``).
     """
 
     maker: BatchMaker
@@ -79,6 +85,7 @@ class ActorCopy:
     fetch_from: Any = None
     io_concurrency: int = 64
     per_batch_seeds: bool = True
+    preload: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +119,9 @@ class LoaderActor:
         self._copies: dict[int, _Loaded] = {}
         self._cpu: asyncio.Lock | None = None  # one batch's CPU work at a time
         self._active: int | None = None  # the copy whose WorkerInfo is published
+        # numpy.random and torch imported later (numpy imports numpy.random lazily) are seeded
+        # with the seed in force the moment they arrive, as in a worker process.
+        seed_on_import()
 
     async def ready(self) -> tuple[int, str, str]:
         """This actor's pid, node id and host name (for errors and statistics)."""
@@ -138,6 +148,9 @@ class LoaderActor:
                 f"{traceback.format_exc()}"
             )
             return
+        for name in copy.preload:
+            with contextlib.suppress(ImportError):
+                importlib.import_module(name)
         wseed = worker_seed(seed, epoch, self._id)
         seed_worker(wseed, every_device=not copy.per_batch_seeds)
         torch_on_one_thread()  # as a local worker: the actor's CPUs are its own budget

@@ -148,6 +148,7 @@ class Fleet:
             return
         if record.ready_task is None:
             record.ready_task = asyncio.ensure_future(self._ready(record))
+            record.ready_task.add_done_callback(_retrieve)
         await asyncio.shield(record.ready_task)
 
     async def _ready(self, record: ActorRecord) -> None:
@@ -241,6 +242,12 @@ class Fleet:
         for record in records:
             if record is not None and ray.is_initialized():
                 ray.kill(record.handle, no_restart=True)
+
+
+def _retrieve(future: asyncio.Future[None]) -> None:
+    """Mark ``future``'s exception as seen (it is shielded: its awaiting task may be gone)."""
+    if not future.cancelled():
+        future.exception()
 
 
 _ids = itertools.count(1)

@@ -31,6 +31,7 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
+import sys
 import threading
 import warnings
 import weakref
@@ -181,6 +182,14 @@ class RayWorkers(WorkerPool):
         self._connect()
         self._state.fleet.wait_ready()
 
+    def __enter__(self) -> RayWorkers:
+        super().__enter__()
+        return self
+
+    async def __aenter__(self) -> RayWorkers:
+        await super().__aenter__()
+        return self
+
     def close(self) -> None:
         """Kill the actors, stop the loop thread, and leave a Ray runtime this pool started.
         Loaders that use the pool raise at their next epoch. Idempotent."""
@@ -284,6 +293,7 @@ class RayWorkers(WorkerPool):
             dataset if config.kind == "async_map" else None,
             config.io_concurrency,
             config.worker_seeding == "batch",
+            ("torch",) if "torch" in sys.modules else (),
         )
         try:
             return dumps_payload(copy, main_by_value=True)

@@ -172,7 +172,9 @@ class RayRunner:
                 ref = record.handle.make.remote(self.copy_id, request)
                 future = ref.future()
                 future.add_done_callback(functools.partial(self._done, job))
-                result = await asyncio.shield(asyncio.wrap_future(future))
+                awaited = asyncio.wrap_future(future)
+                awaited.add_done_callback(_retrieve)  # also once its awaiting task is gone
+                result = await asyncio.shield(awaited)
             except Exception as exc:
                 if not actor_died(exc):
                     raise
@@ -211,6 +213,7 @@ class RayRunner:
         loading = record.loaded.get(key)
         if loading is None:
             loading = record.loaded[key] = asyncio.ensure_future(self._load_into(record))
+            loading.add_done_callback(_retrieve)
         try:
             await asyncio.shield(loading)
         except BaseException:
@@ -229,6 +232,7 @@ class RayRunner:
             if make is None:
                 raise RuntimeError("no dataset copy was given to the actors (load() first)")
             self._put = asyncio.ensure_future(off_loop(lambda: _put(make())))
+            self._put.add_done_callback(_retrieve)
         return self._put
 
 
@@ -236,3 +240,11 @@ def _put(data: bytes) -> Any:
     import ray
 
     return ray.put(data)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark ``future``'s exception as seen: a shielded future whose awaiting task was cancelled
+    (a deadline, a closed epoch) still fails when its actor dies, with nobody left to see it;
+    asyncio would log "Future exception was never retrieved"."""
+    if not future.cancelled():
+        future.exception()

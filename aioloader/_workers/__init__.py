@@ -92,6 +92,7 @@ from ._info import WorkerInfo as WorkerInfo
 from ._info import get_worker_info as get_worker_info
 from ._info import publish as publish_worker_info
 from ._info import seed_everything as seed_everything
+from ._info import seed_on_import as seed_on_import
 from ._info import seed_worker as seed_worker
 from ._info import torch_on_one_thread as torch_on_one_thread
 from ._info import worker_seed as worker_seed
@@ -124,6 +125,7 @@ __all__ = [
     "publish_worker_info",
     "resolve_context",
     "seed_everything",
+    "seed_on_import",
     "seed_worker",
     "starts_early",
     "torch_on_one_thread",
