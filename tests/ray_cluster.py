@@ -142,6 +142,9 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         [str(ROOT), str(TESTS), str(EXAMPLES), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
     env["RAY_USAGE_STATS_ENABLED"] = "0"
+    # A local ray.init() elsewhere on this machine (the benchmark's) leaves a token in
+    # ~/.ray/auth_token; this cluster's nodes and driver run without token authentication.
+    env["RAY_AUTH_MODE"] = "disabled"
     shared = tmp_path_factory.getbasetemp().parent  # the same for every xdist process of a run
     state_file = shared / "ray-cluster.json"
     with FileLock(str(shared / "ray-cluster.lock")):
@@ -150,6 +153,8 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             state["address"], state["temp"] = _start(env)
         state["users"] += 1
         state_file.write_text(json.dumps(state))
+    auth_mode = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # this driver's, until the end of the session
     try:
         ray.init(address=state["address"], logging_level=logging.WARNING, log_to_driver=False)
         _warm_up()
@@ -157,6 +162,10 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         with contextlib.suppress(Exception):
             ray.shutdown()
+        if auth_mode is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = auth_mode
         with FileLock(str(shared / "ray-cluster.lock")):
             state = json.loads(state_file.read_text())
             state["users"] -= 1

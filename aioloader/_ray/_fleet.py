@@ -185,6 +185,11 @@ class Fleet:
                 live = [r for r in self.records if r is not None and not r.dead]
             return min(live, key=lambda r: (len(r.jobs), r.slot))
 
+    def live(self) -> list[ActorRecord]:
+        """The actors made and not dead."""
+        with self.lock:
+            return [r for r in self.records if r is not None and not r.dead]
+
     def finished(self, job: Job) -> None:
         """``job``'s result arrived (not an actor's death): it leaves its actor's queue."""
         with self.lock:

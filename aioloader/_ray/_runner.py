@@ -207,21 +207,31 @@ class RayRunner:
             self._fleet.finished(job)
 
     async def _loaded(self, record: ActorRecord) -> None:
-        """Wait until ``record``'s actor runs and holds this loader's current copy."""
-        await self._fleet.ready(record)
+        """Wait until ``record``'s actor runs and holds this loader's current copy. The first
+        job of a copy starts loading it into every live actor at once: an actor first picked
+        later in the epoch would otherwise load it (imports included) inside a batch's time."""
+        for other in self._fleet.live():
+            self._loading(other)
+        loading = self._loading(record)
+        try:
+            await asyncio.shield(loading)
+        except BaseException:
+            if loading.done():  # failed: the next job tries again
+                for key in [k for k, v in record.loaded.items() if v is loading]:
+                    del record.loaded[key]
+            raise
+
+    def _loading(self, record: ActorRecord) -> asyncio.Future[None]:
+        """The load of this loader's current copy into ``record``'s actor, started if need be."""
         key = (self.copy_id, self._version)
         loading = record.loaded.get(key)
         if loading is None:
             loading = record.loaded[key] = asyncio.ensure_future(self._load_into(record))
             loading.add_done_callback(_retrieve)
-        try:
-            await asyncio.shield(loading)
-        except BaseException:
-            if loading.done():
-                record.loaded.pop(key, None)  # failed: the next job tries again
-            raise
+        return loading
 
     async def _load_into(self, record: ActorRecord) -> None:
+        await self._fleet.ready(record)
         ref = await self._payload_ref()
         await record.handle.load.remote(self.copy_id, ref, self._epoch, self._seed)
 
