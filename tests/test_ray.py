@@ -283,6 +283,19 @@ def _broken_init(worker_id: int) -> None:
     raise OSError("broken on purpose")
 
 
+def test_one_loader_iterated_with_for_then_async_for(workers: RayWorkers) -> None:
+    """The first epoch runs on the pool's loop, the second on the caller's: the actors' copy
+    and their readiness carry over from one loop to the other."""
+
+    async def epoch(loader: DataLoader) -> list[int]:
+        return [int(i) for b in [b async for b in loader] for i in b["index"].ravel()]
+
+    with DataLoader(Numbered(), batch_size=BATCH, workers=workers) as loader:
+        first = indices(list(loader))
+        second = asyncio.run(epoch(loader))
+    assert first == second == list(range(N))
+
+
 # -- faults -----------------------------------------------------------------------------------
 
 

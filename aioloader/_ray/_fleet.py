@@ -35,7 +35,7 @@ from typing import Any
 from .._errors import WorkerInitError
 from ._actor import LoaderActor
 
-__all__ = ["ActorRecord", "Fleet", "Job", "actor_died"]
+__all__ = ["ActorRecord", "Fleet", "Job", "actor_died", "succeeded"]
 
 
 @dataclass(slots=True, eq=False)
@@ -146,10 +146,11 @@ class Fleet:
         """
         if record.pid is not None:
             return
-        if record.ready_task is None:
-            record.ready_task = asyncio.ensure_future(self._ready(record))
-            record.ready_task.add_done_callback(_retrieve)
-        await asyncio.shield(record.ready_task)
+        task = record.ready_task
+        if task is None or task.get_loop() is not asyncio.get_running_loop():
+            task = record.ready_task = asyncio.ensure_future(self._ready(record))
+            task.add_done_callback(_retrieve)
+        await asyncio.shield(task)
 
     async def _ready(self, record: ActorRecord) -> None:
         try:
@@ -247,6 +248,11 @@ class Fleet:
         for record in records:
             if record is not None and ray.is_initialized():
                 ray.kill(record.handle, no_restart=True)
+
+
+def succeeded(future: asyncio.Future[Any]) -> bool:
+    """Whether ``future`` is done with a result (not cancelled, no exception)."""
+    return future.done() and not future.cancelled() and future.exception() is None
 
 
 def _retrieve(future: asyncio.Future[None]) -> None:

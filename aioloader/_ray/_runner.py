@@ -37,7 +37,7 @@ from .._log import workers_log
 from .._threads import off_loop
 from .._types import BatchRequest, InlineMaking, Made, StreamRequest
 from ._actor import Failed
-from ._fleet import ActorRecord, Fleet, Job, actor_died
+from ._fleet import ActorRecord, Fleet, Job, actor_died, succeeded
 from ._wire import opened
 
 __all__ = ["MAX_START_DEATHS", "RayRunner"]
@@ -213,6 +213,8 @@ class RayRunner:
         for other in self._fleet.live():
             self._loading(other)
         loading = self._loading(record)
+        if succeeded(loading):
+            return  # (perhaps on another loop, whose future is not to be awaited here)
         try:
             await asyncio.shield(loading)
         except BaseException:
@@ -225,7 +227,11 @@ class RayRunner:
         """The load of this loader's current copy into ``record``'s actor, started if need be."""
         key = (self.copy_id, self._version)
         loading = record.loaded.get(key)
-        if loading is None:
+        # A loader iterated with `for` (the pool's loop) and then with `async for` (the
+        # caller's): a load still under way on the other loop is started again on this one.
+        if loading is None or (
+            loading.get_loop() is not asyncio.get_running_loop() and not succeeded(loading)
+        ):
             loading = record.loaded[key] = asyncio.ensure_future(self._load_into(record))
             loading.add_done_callback(_retrieve)
         return loading
@@ -235,15 +241,20 @@ class RayRunner:
         ref = await self._payload_ref()
         await record.handle.load.remote(self.copy_id, ref, self._epoch, self._seed)
 
-    def _payload_ref(self) -> asyncio.Future[Any]:
+    async def _payload_ref(self) -> Any:
         """The copy's ObjectRef: pickled off the loop and put into the object store once."""
-        if self._put is None:
+        put = self._put
+        if put is not None and put.get_loop() is not asyncio.get_running_loop():
+            if succeeded(put):
+                return put.result()
+            put = None  # under way on another loop: again here
+        if put is None:
             make = self._make_payload
             if make is None:
                 raise RuntimeError("no dataset copy was given to the actors (load() first)")
-            self._put = asyncio.ensure_future(off_loop(lambda: _put(make())))
-            self._put.add_done_callback(_retrieve)
-        return self._put
+            put = self._put = asyncio.ensure_future(off_loop(lambda: _put(make())))
+            put.add_done_callback(_retrieve)
+        return await asyncio.shield(put)
 
 
 def _put(data: bytes) -> Any:
