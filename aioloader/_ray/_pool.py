@@ -162,6 +162,7 @@ class RayWorkers(WorkerPool):
 
     @property
     def closed(self) -> bool:
+        """Whether the pool was closed (its actors killed), or the program is ending."""
         return self._state.closed
 
     @property
