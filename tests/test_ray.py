@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ray_cluster import ray_cluster
 
 import aioloader
 from aioloader import (
@@ -34,8 +33,6 @@ from aioloader import (
     get_worker_info,
     numpy_collate,
 )
-
-__all__ = ["ray_cluster"]  # the session fixture, imported to be found here
 
 N = 24
 BATCH = 4
@@ -264,7 +261,7 @@ def test_errors_keep_their_type_and_skips_are_named(workers: RayWorkers) -> None
         got = [int(i) for b in loader for i in b.ravel()]
         skipped = loader.statistics().skipped
     assert got == [i for i in range(N) if i not in (5, 9)]
-    assert [index for index, _ in skipped] == [5, 9]
+    assert sorted(index for index, _ in skipped) == [5, 9]  # in the order batches came in
     assert all("corrupt" in why for _, why in skipped)
 
 

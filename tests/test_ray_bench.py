@@ -11,9 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from ray_cluster import ray_cluster
-
-__all__ = ["ray_cluster"]  # the session fixture, imported to be found here
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "ray_workers.py"
 
