@@ -169,6 +169,29 @@ def test_bad_arguments_are_refused_naming_them(
         RayWorkers(**kwargs)
 
 
+def test_an_unreachable_cluster_is_named_at_once_and_nothing_is_left() -> None:
+    """In a process that has not joined a cluster (Ray would retry the address for minutes)."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'aioloader[ray]')")
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    code = (
+        "import aioloader\n"
+        f"pool = aioloader.RayWorkers(1, address='127.0.0.1:{port}')\n"
+        "try:\n    pool.start()\nexcept ConnectionError as exc:\n    print('REFUSED', exc)\n"
+        "pool.close()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"REFUSED could not join the Ray cluster at address='127.0.0.1:{port}'" in result.stdout
+
+
 def test_the_pool_decides_the_worker_count(workers: RayWorkers) -> None:
     with pytest.raises(ValueError, match="num_workers=3 conflicts with workers="):
         DataLoader(Numbered(), batch_size=BATCH, num_workers=3, workers=workers)

@@ -31,6 +31,8 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
+import os
+import socket
 import sys
 import threading
 import warnings
@@ -322,6 +324,7 @@ class RayWorkers(WorkerPool):
         state = self._state
         if ray.is_initialized():
             return
+        _probe(self.address if self.address is not None else os.environ.get("RAY_ADDRESS"))
         try:
             ray.init(address=self.address, logging_level=logging.WARNING, log_to_driver=False)
         except Exception as exc:
@@ -366,6 +369,35 @@ class _State:
 
             ray.shutdown()
             self.own_runtime = False
+
+
+#: Seconds to wait for a cluster's address to accept a connection before joining it. Ray's own
+#: join retries an unreachable address for minutes; this fails in seconds, naming it. Longer:
+#: more patience with a head node that is still starting.
+CONNECT_TIMEOUT_S = 10.0
+
+
+def _probe(address: str | None) -> None:
+    """Refuse at once a cluster address (``host:port`` or ``ray://host:port``) that accepts no
+    connection; ``auto``, none, and other forms are left to Ray.
+
+    Raises:
+        ConnectionError: names the address, the error and the fix.
+    """
+    if not address or address == "auto" or address == "local":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        raise ConnectionError(
+            f"could not join the Ray cluster at address={address!r}: nothing accepts a "
+            f"connection there ({type(exc).__name__}: {exc}, within {CONNECT_TIMEOUT_S} s). "
+            "Start one (ray start --head), pass its address, or address=None for a local one"
+        ) from exc
 
 
 def _resources(resources: object) -> dict[str, float]:
