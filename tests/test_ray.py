@@ -303,6 +303,28 @@ def _broken_init(worker_id: int) -> None:
     raise OSError("broken on purpose")
 
 
+class Offset(Numbered):
+    """Sample ``i`` is ``i + offset``: a change the loader's next dataset copy carries."""
+
+    offset = 0
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"index": np.array([i + self.offset])}
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_persistent_workers_decides_whether_each_epoch_brings_a_new_copy(
+    workers: RayWorkers, persistent: bool
+) -> None:
+    dataset = Offset(n=8)
+    with DataLoader(dataset, batch_size=4, workers=workers, persistent_workers=persistent) as ld:
+        first = indices(list(ld))
+        dataset.offset = 100  # after the first epoch's copy was made
+        second = indices(list(ld))
+    assert first == list(range(8))
+    assert second == (first if persistent else [i + 100 for i in range(8)])
+
+
 def test_one_loader_iterated_with_for_then_async_for(workers: RayWorkers) -> None:
     """The first epoch runs on the pool's loop, the second on the caller's: the actors' copy
     and their readiness carry over from one loop to the other."""

@@ -177,6 +177,7 @@ class RayRunner:
                 result = await asyncio.shield(awaited)
             except Exception as exc:
                 if not actor_died(exc):
+                    self._fleet.finished(job)  # never sent, or Ray failed it: not running
                     raise
                 self._fleet.died(record)
                 if record.culprit is not job:
