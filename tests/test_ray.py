@@ -145,6 +145,14 @@ def workers(ray_cluster: str) -> Iterator[RayWorkers]:
         yield pool
 
 
+@pytest.fixture(scope="module")
+def one_actor(ray_cluster: str) -> Iterator[RayWorkers]:
+    """One actor: a loader resumed on it continues a state saved with two."""
+    with RayWorkers(1, num_cpus=0.25) as pool:
+        pool.loop()
+        yield pool
+
+
 # -- construction --------------------------------------------------------------------------
 
 
@@ -400,13 +408,13 @@ def test_a_hung_actor_without_retries_times_out_naming_the_batch(
 
 
 @settings(
-    max_examples=4,
+    max_examples=6,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
-@given(cut=st.integers(0, N // BATCH), into_local=st.booleans())
+@given(cut=st.integers(0, N // BATCH), into=st.sampled_from(["threads", "actors", "one actor"]))
 def test_resume_at_any_cut_continues_exactly_into_actors_or_local_workers(
-    workers: RayWorkers, cut: int, into_local: bool
+    workers: RayWorkers, one_actor: RayWorkers, cut: int, into: str
 ) -> None:
     common: dict[str, Any] = {"batch_size": BATCH, "shuffle": True, "seed": 3}
     with DataLoader(Numbered(), workers=workers, **common) as loader:
@@ -416,7 +424,12 @@ def test_resume_at_any_cut_continues_exactly_into_actors_or_local_workers(
         taken = [next(it) for _ in range(cut)]
         state = loader.state_dict()
         del it
-    resumed_with: dict[str, Any] = {"num_workers": 0} if into_local else {"workers": workers}
+    choices: dict[str, dict[str, Any]] = {
+        "threads": {"num_workers": 0},
+        "actors": {"workers": workers},
+        "one actor": {"workers": one_actor},  # another actor count than the state's
+    }
+    resumed_with = choices[into]
     with DataLoader(Numbered(), **resumed_with, **common) as loader:
         loader.load_state_dict(state)
         rest = list(loader)
@@ -425,7 +438,7 @@ def test_resume_at_any_cut_continues_exactly_into_actors_or_local_workers(
         return
     assert indices(taken + rest) == indices(whole)
     draws = [b["draw"].tolist() for b in whole[cut:]]
-    if not into_local:  # threads share the process's generators: not reseeded per batch
+    if into != "threads":  # threads share the process's generators: not reseeded per batch
         assert [b["draw"].tolist() for b in rest] == draws
 
 
