@@ -32,6 +32,9 @@ from ._errors import WorkerInitError as WorkerInitError
 from ._loader import DataLoader as DataLoader
 from ._loader import WorkerPool as WorkerPool
 from ._loader import WorkerPoolStatistics as WorkerPoolStatistics
+from ._ray import ActorStatistics as ActorStatistics
+from ._ray import RayWorkers as RayWorkers
+from ._ray import RayWorkersStatistics as RayWorkersStatistics
 from ._sampling import BatchSampler as BatchSampler
 from ._sampling import DistributedSampler as DistributedSampler
 from ._sampling import RandomSampler as RandomSampler
@@ -53,6 +56,7 @@ from ._workers import get_worker_info as get_worker_info
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActorStatistics",
     "AioloaderError",
     "AsyncDataset",
     "AsyncIterableDataset",
@@ -69,6 +73,8 @@ __all__ = [
     "LoaderStatistics",
     "LoaderTimeoutError",
     "RandomSampler",
+    "RayWorkers",
+    "RayWorkersStatistics",
     "RemoteError",
     "RemoteNotFoundError",
     "RemotePermissionError",

@@ -37,6 +37,7 @@ from typing import Any
 import psutil
 import pytest
 from helpers import Baseline
+from ray_cluster import ray_cluster as ray_cluster  # one session fixture for test_ray*.py
 
 from aioloader._log import reset_once
 from aioloader._threads import _loop as _sync
@@ -115,6 +116,8 @@ TIERS: dict[str, str] = {
             "test_lifetimes",
             "test_lightning",
             "test_packaging",
+            "test_ray",
+            "test_ray_bench",
             "test_shm_pressure",
             "test_soak",
             "test_worker_compat",

@@ -26,6 +26,7 @@ TIMEOUT_S = 50
 ELSEWHERE = {
     "ddp_train.py": "needs torchrun and several ranks: tests/test_distributed.py runs it",
     "lightning_train.py": "needs PyTorch Lightning: tests/test_lightning.py runs it",
+    "ray_actor.py": "needs a Ray cluster: tests/test_ray.py runs it on the session's",
 }
 
 

@@ -49,8 +49,9 @@ LEVEL_NAMES: dict[int, str] = {
     3: "threads: batches made without workers, the loop behind `for`, blocking calls",
     4: "worker processes; one epoch (producer, reorder, consumer)",
     5: "the loader and the pool that own lifetimes; the doctor",
-    6: "the facade",
-    7: "the command line",
+    6: "workers past one machine: Ray actors, a pool the loader attaches to",
+    7: "the facade",
+    8: "the command line",
 }
 LEVELS: dict[str, int] = {
     "_errors": 0,
@@ -73,8 +74,9 @@ LEVELS: dict[str, int] = {
     "_epoch": 4,
     "_loader": 5,
     "_doctor": 5,
-    "__init__": 6,
-    "__main__": 7,
+    "_ray": 6,
+    "__init__": 7,
+    "__main__": 8,
 }
 
 # Level of each module inside a package, for imports between modules of one package.
@@ -145,6 +147,7 @@ PACKAGE_LEVELS: dict[str, dict[str, int]] = {
         "_produce": 2,
         "_consume": 3,
     },
+    "_ray": {"_wire": 0, "_actor": 1, "_fleet": 2, "_runner": 3, "_pool": 4},
     "_loader": {
         "_closing": 0,
         "_settings": 0,

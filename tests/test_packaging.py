@@ -81,6 +81,7 @@ def test_extras_are_split_by_need_and_remote_is_their_union() -> None:
         "remote",
         "test-frameworks",
         "docs",
+        "ray",
     }
     assert _extra(extras, "http") == {"aiohttp"}
     assert _extra(extras, "fsspec") == {"fsspec"}
@@ -89,6 +90,7 @@ def test_extras_are_split_by_need_and_remote_is_their_union() -> None:
     assert _extra(extras, "plot") == {"matplotlib"}
     assert _extra(extras, "parquet") == {"pyarrow"}
     assert _extra(extras, "remote") == {"aiohttp", "fsspec", "s3fs"}
+    assert _extra(extras, "ray") == {"ray"}
     # What the integration tests run the loader under (the package imports neither).
     assert _extra(extras, "test-frameworks") == {"lightning", "accelerate"}
     # What builds the documentation site (docs/conf.py).

@@ -185,7 +185,8 @@ class Producer:
                 budget=self._budget,
                 counters=counters,
             )
-            if config.kind == "async_map"
+            # Ray actors fetch an async dataset's items themselves (aioloader._ray).
+            if config.kind == "async_map" and not getattr(runner, "fetches", False)
             else None
         )
         self._scheduler: asyncio.Task[None] | None = None

@@ -336,8 +336,12 @@ class Resources:
         runner.begin_epoch()  # from the consumer's thread: its epoch begins
         if pool is None or (runner.has_copy and (config.persistent_workers or not alone)):
             return  # no pool: threads, which read the loader's own dataset
-        context = pool.multiprocessing_context
-        make = functools.partial(worker_payload, config, dataset, context)
+        payload = getattr(pool, "payload", None)  # RayWorkers (aioloader._ray) pack their own
+        if payload is not None:
+            make = functools.partial(payload, batch_maker(config, dataset), config, dataset)
+        else:
+            context = pool.multiprocessing_context
+            make = functools.partial(worker_payload, config, dataset, context)
         runner.load(make, epoch, seed=rank_seed(config.seed, config.shard))
 
     def loop(self) -> LoopThread:

@@ -87,11 +87,18 @@ from ._context import hold_server as hold_server
 from ._context import pickles_main_by_value as pickles_main_by_value
 from ._context import resolve_context as resolve_context
 from ._context import starts_early as starts_early
+from ._frames import picklable as picklable
 from ._info import WorkerInfo as WorkerInfo
 from ._info import get_worker_info as get_worker_info
+from ._info import publish as publish_worker_info
 from ._info import seed_everything as seed_everything
+from ._info import seed_on_import as seed_on_import
+from ._info import seed_worker as seed_worker
+from ._info import torch_on_one_thread as torch_on_one_thread
+from ._info import worker_seed as worker_seed
 from ._payload import dumps as dumps_payload
 from ._payload import dumps_copy as dumps_copy
+from ._payload import loads as loads_payload
 from ._payload import preload_pickler as preload_pickler
 from ._pool import DEFAULT_START_TIMEOUT_S as DEFAULT_START_TIMEOUT_S
 from ._pool import WorkerPool as WorkerPool
@@ -111,9 +118,16 @@ __all__ = [
     "get_worker_info",
     "hold_server",
     "is_zygote",
+    "loads_payload",
+    "picklable",
     "pickles_main_by_value",
     "preload_pickler",
+    "publish_worker_info",
     "resolve_context",
     "seed_everything",
+    "seed_on_import",
+    "seed_worker",
     "starts_early",
+    "torch_on_one_thread",
+    "worker_seed",
 ]

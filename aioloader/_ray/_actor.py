@@ -1,0 +1,283 @@
+"""What runs inside a Ray actor: one actor is one worker of the loader.
+
+::
+
+    training process                               actor k (an async actor, on any node)
+    ────────────────                               ─────────────────────────────────────
+    ray.put(payload) once per copy ──ref──▶ load(copy_id, ref, epoch, seed): unpickle the
+                                            ActorCopy, seed, publish WorkerInfo, worker_init_fn
+    make.remote(copy_id, request) ─────────▶ make: async dataset? fetch the items here, on the
+                                            actor's loop, io_concurrency at once (many batches
+                                            fetching together); then, one batch at a time, on a
+                                            thread: seed, read / decode / transform, collate
+    await ref ◀─── Made(batch=as_arrays(batch)) or Failed(exception) ───┘
+
+One actor stands for one worker process: its id (stable across replacements), its seeds
+(``base + id``, and per batch from (seed, epoch, batch id)), :func:`aioloader.get_worker_info`
+and ``worker_init_fn`` are a local worker's (:mod:`aioloader._workers._info`). The CPU work of
+its batches runs one at a time on a thread, so the actor's event loop stays free: to fetch the
+next batches' items, and to answer the training process.
+
+The user's errors come back as values (:class:`Failed`), not as Ray's ``RayTaskError``: the
+training loop then catches the exception's own type, with the notes that name the batch, the
+index and the actor. An exception that is not an ``Exception`` (``SystemExit`` from a dataset)
+comes back as :class:`~aioloader.WorkerError`, as from a worker process.
+
+Sharp edges:
+- The dataset copy is pickled by aioloader (``__main__``'s classes by value), and unpickled
+  here: the modules it needs (aioloader included) must be importable on every node (the same
+  environment, or a Ray ``runtime_env``).
+- A ``worker_init_fn`` that raises makes every batch of that copy fail with
+  :class:`~aioloader.WorkerInitError` (never retried), until the next copy loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._batch import BatchMaker, annotate, not_an_exit
+from .._errors import WorkerInitError
+from .._types import BatchRequest, Made, SourceDataset
+from .._workers import (
+    WorkerInfo,
+    get_worker_info,
+    loads_payload,
+    picklable,
+    publish_worker_info,
+    seed_everything,
+    seed_on_import,
+    seed_worker,
+    torch_on_one_thread,
+    worker_seed,
+)
+from ._wire import as_arrays
+
+__all__ = ["ActorCopy", "Failed", "LoaderActor"]
+
+
+@dataclass(frozen=True, slots=True)
+class ActorCopy:
+    """What an actor gets of a loader, once per dataset copy (pickled in the training process).
+
+    Attributes:
+        maker: makes batches of the fetched or read samples.
+        init_fn: the loader's ``worker_init_fn``.
+        fetch_from: an async map dataset whose items the actor fetches itself (None: the
+            maker reads a sync dataset).
+        io_concurrency: item fetches in flight at once in the actor, all its batches together.
+        per_batch_seeds: ``worker_seeding='batch'``: reseed before every batch.
+        preload: modules to import as the copy loads (torch, where the training process has
+            it): under the start deadline, not the first batch's (a fresh actor importing
+            torch for its first collate took seconds of that batch's ``timeout``).
+    """
+
+    maker: BatchMaker
+    init_fn: Callable[[int], Any] | None
+    fetch_from: Any = None
+    io_concurrency: int = 64
+    per_batch_seeds: bool = True
+    preload: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """A batch's exception, sent back as a value (see the module docstring)."""
+
+    error: BaseException
+
+
+@dataclass(slots=True)
+class _Loaded:
+    copy: ActorCopy
+    info: WorkerInfo
+    seed: int  # the loader's seed: per-batch seeds derive from it
+    init_error: str | None = None
+    io: asyncio.Semaphore | None = None
+    fetch: Callable[[int], Any] | None = field(default=None)
+
+
+class LoaderActor:
+    """The actor class (made a Ray actor by :mod:`._pool`, with the user's resources).
+
+    Args:
+        worker_id: this worker's number, ``0 <= worker_id < num_workers``.
+        num_workers: the actor count.
+    """
+
+    def __init__(self, worker_id: int, num_workers: int) -> None:
+        self._id = worker_id
+        self._n = num_workers
+        self._copies: dict[int, _Loaded] = {}
+        self._cpu: asyncio.Lock | None = None  # one batch's CPU work at a time
+        self._active: int | None = None  # the copy whose WorkerInfo is published
+        # numpy.random and torch imported later (numpy imports numpy.random lazily) are seeded
+        # with the seed in force the moment they arrive, as in a worker process.
+        seed_on_import()
+
+    async def ready(self) -> tuple[int, str, str]:
+        """This actor's pid, node id and host name (for errors and statistics)."""
+        import ray
+
+        return os.getpid(), ray.get_runtime_context().get_node_id(), socket.gethostname()
+
+    async def load(self, copy_id: int, payload: bytes, epoch: int, seed: int) -> None:
+        """Make batches of ``copy_id`` with this copy from now on (drops the one before)."""
+        async with self._lock():
+            await asyncio.to_thread(self._load, copy_id, payload, epoch, seed)
+
+    def _load(self, copy_id: int, payload: bytes, epoch: int, seed: int) -> None:
+        publish_worker_info(None)
+        self._active = None
+        self._copies.pop(copy_id, None)
+        try:
+            copy: ActorCopy = loads_payload(payload)
+        except BaseException as exc:  # reported by every batch of this copy, never a crash
+            failed = ActorCopy(BatchMaker(None, list), None)
+            self._copies[copy_id] = _Loaded(failed, WorkerInfo(self._id, self._n, 0, None), 0)
+            self._copies[copy_id].init_error = (
+                f"unpickling the dataset copy: {type(exc).__name__}: {exc}\n"
+                f"{traceback.format_exc()}"
+            )
+            return
+        for name in copy.preload:
+            with contextlib.suppress(ImportError):
+                importlib.import_module(name)
+        wseed = worker_seed(seed, epoch, self._id)
+        seed_worker(wseed, every_device=not copy.per_batch_seeds)
+        torch_on_one_thread()  # as a local worker: the actor's CPUs are its own budget
+        dataset = copy.maker.dataset if copy.fetch_from is None else copy.fetch_from
+        loaded = _Loaded(copy, WorkerInfo(self._id, self._n, wseed, dataset), seed)
+        if copy.fetch_from is not None:
+            source = copy.fetch_from
+            loaded.fetch = source.fetch if isinstance(source, SourceDataset) else source.__getitem__
+            expect = getattr(source, "expect_in_flight", None)
+            if callable(expect):
+                expect(copy.io_concurrency)
+        self._copies[copy_id] = loaded
+        publish_worker_info(loaded.info)
+        self._active = copy_id
+        if copy.init_fn is not None:
+            try:
+                copy.init_fn(self._id)
+            except BaseException as exc:  # reported by every batch of this copy
+                loaded.init_error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+
+    async def drop(self, copy_id: int) -> None:
+        """Forget ``copy_id`` (its loader was closed)."""
+        if self._copies.pop(copy_id, None) is not None and self._active == copy_id:
+            publish_worker_info(None)
+            self._active = None
+
+    async def make(self, copy_id: int, request: BatchRequest) -> Made | Failed:
+        """Make the batch of ``request`` with copy ``copy_id``."""
+        try:
+            loaded = self._copies.get(copy_id)
+            if loaded is None:
+                raise WorkerInitError(f"{self._where()} has no dataset copy {copy_id}")
+            if loaded.init_error is not None:
+                raise WorkerInitError(f"{self._where()} failed to start: {loaded.init_error}")
+            started = time.perf_counter()
+            skipped: list[tuple[int, str]] = []
+            if loaded.fetch is not None and request.raw is None:
+                request = await self._fetch(loaded, request, skipped)
+            fetched_s = time.perf_counter() - started
+            async with self._lock():
+                made = await asyncio.to_thread(self._make, copy_id, loaded, request)
+            made.read_s += fetched_s
+            made.skipped[:0] = skipped
+            made.batch = as_arrays(made.batch)
+            return made
+        except Exception as exc:
+            annotate(exc, f"in {self._where()}, making batch {request.batch_id}")
+            return Failed(picklable(exc))
+        except BaseException as exc:  # SystemExit from the dataset: not this actor's end
+            return Failed(not_an_exit(exc, self._where(), request.batch_id))
+
+    def _make(self, copy_id: int, loaded: _Loaded, request: BatchRequest) -> Made:
+        if self._active != copy_id or get_worker_info() is not loaded.info:
+            publish_worker_info(loaded.info)
+            self._active = copy_id
+        if loaded.copy.per_batch_seeds:
+            seed_everything(loaded.seed, request.epoch, request.batch_id)
+        return loaded.copy.maker.make(request)
+
+    async def _fetch(
+        self, loaded: _Loaded, request: BatchRequest, skipped: list[tuple[int, str]]
+    ) -> BatchRequest:
+        """``request`` with its items fetched here, ``io_concurrency`` at once for the actor;
+        with ``on_error='skip'``, a failed item is left out and named in ``skipped``."""
+        if loaded.io is None:
+            loaded.io = asyncio.Semaphore(loaded.copy.io_concurrency)
+        io, fetch = loaded.io, loaded.fetch
+        assert fetch is not None
+        skip = loaded.copy.maker.skip_errors
+
+        async def one(index: int) -> Any:
+            async with io:
+                try:
+                    return await fetch(index)
+                except Exception as exc:
+                    if skip:
+                        return _Skip(index, f"{type(exc).__name__}: {exc}")
+                    annotate(exc, f"fetching sample index {index} of batch {request.batch_id}")
+                    raise
+
+        indices: Any = request.indices
+        shards: list[Sequence[int]] = (
+            [list(s) for s in indices] if request.sharded else [list(indices)]
+        )
+        tasks: list[list[asyncio.Task[Any]]] = []
+        failed: BaseException | None = None
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks.extend([group.create_task(one(i)) for i in shard] for shard in shards)
+        except BaseExceptionGroup as exc:
+            # The first item's error in sample order, as it is (not a group: ``except
+            # KeyError`` in the training loop must keep working).
+            errors = [
+                error
+                for shard_tasks in tasks
+                for task in shard_tasks
+                if task.done() and not task.cancelled() and (error := task.exception())
+            ]
+            failed = errors[0] if errors else exc.exceptions[0]
+        if failed is not None:
+            raise failed
+        kept_indices: list[list[int]] = []
+        kept_raws: list[list[Any]] = []
+        for shard, shard_tasks in zip(shards, tasks, strict=True):
+            kept_indices.append([])
+            kept_raws.append([])
+            for index, task in zip(shard, shard_tasks, strict=True):
+                value = task.result()
+                if isinstance(value, _Skip):
+                    skipped.append((value.index, value.why))
+                    continue
+                kept_indices[-1].append(index)
+                kept_raws[-1].append(value)
+        if request.sharded:
+            return BatchRequest(request.epoch, request.batch_id, kept_indices, True, kept_raws)
+        return BatchRequest(request.epoch, request.batch_id, kept_indices[0], False, kept_raws[0])
+
+    def _lock(self) -> asyncio.Lock:
+        if self._cpu is None:
+            self._cpu = asyncio.Lock()
+        return self._cpu
+
+    def _where(self) -> str:
+        return f"Ray actor {self._id} (pid {os.getpid()}, host {socket.gethostname()})"
+
+
+@dataclass(frozen=True, slots=True)
+class _Skip:
+    index: int
+    why: str

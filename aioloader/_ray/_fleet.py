@@ -1,0 +1,269 @@
+"""The actors of a :class:`~aioloader.RayWorkers`: made, placed, watched, killed, replaced.
+
+::
+
+    slot k ── ActorRecord (one incarnation: handle, pid, node, the jobs it holds in order)
+       │  died (Ray: RayActorError on a job)  or  killed (a batch passed its deadline)
+       ▼
+    the record is marked dead once, naming its culprit: the job it was running (the oldest it
+    holds), or the one killed for its deadline; a new actor takes slot k (same worker id) and
+    loads each loader's copy before its first job
+
+The jobs of a dead record that were not its culprit were only queued behind it (or fetching
+beside it): the runner sends them to another actor, untouched; the culprit's batch fails with
+:class:`~aioloader.WorkerCrashedError`, re-run under ``max_retries`` by the epoch.
+
+Sharp edges:
+- Ray does not restart these actors (``max_restarts=0``): a restarted actor would come back
+  without its dataset copy, and Ray would re-run the culprit's batch itself, outside the
+  loader's retry budget. The fleet replaces them instead.
+- "Running" is the oldest job an actor holds: its batches' CPU work runs one at a time, in
+  the order they reach it. With an async dataset several batches fetch at once; the oldest is
+  the one whose deadline runs.
+- Actors are owned by the process that made them (not detached): if it dies, Ray ends them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._errors import WorkerInitError
+from ._actor import LoaderActor
+
+__all__ = ["ActorRecord", "Fleet", "Job", "actor_died", "succeeded"]
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """One attempt at a batch on one actor."""
+
+    record: ActorRecord
+
+
+@dataclass(slots=True, eq=False)
+class ActorRecord:
+    """One incarnation of the actor of slot ``slot``."""
+
+    slot: int
+    handle: Any
+    ready_ref: Any
+    pid: int | None = None
+    node: str | None = None
+    host: str | None = None
+    jobs: list[Job] = field(default_factory=list)  # oldest first; a done job leaves
+    loaded: dict[tuple[int, int], asyncio.Future[None]] = field(default_factory=dict)
+    dead: bool = False
+    culprit: Job | None = None
+    ready_task: asyncio.Future[None] | None = None
+
+    def describe(self) -> str:
+        pid = "?" if self.pid is None else self.pid
+        node = "?" if self.node is None else self.node[:12]
+        return f"Ray actor {self.slot} (pid {pid}, node {node}, host {self.host or '?'})"
+
+
+def actor_died(exc: BaseException) -> bool:
+    """Whether ``exc`` (from a job's reference) says its actor is gone."""
+    from ray import exceptions
+
+    return isinstance(exc, exceptions.RayActorError | exceptions.WorkerCrashedError)
+
+
+@dataclass(slots=True)
+class SlotFigures:
+    """What one slot's actors did, all incarnations together."""
+
+    batches: int = 0
+    busy_s: float = 0.0
+    restarts: int = 0
+
+
+class Fleet:
+    """``num_actors`` actor slots with the options each actor is made with.
+
+    Args:
+        num_actors: how many actors (worker ids ``0 .. num_actors - 1``).
+        options: Ray's actor options (``num_cpus``, ``resources``, ...).
+        start_timeout: seconds an actor may take to be placed and started.
+    """
+
+    def __init__(self, num_actors: int, options: Mapping[str, Any], start_timeout: float) -> None:
+        self.num_actors = num_actors
+        self.options = dict(options)
+        self.start_timeout = start_timeout
+        self.records: list[ActorRecord | None] = [None] * num_actors
+        self.figures = [SlotFigures() for _ in range(num_actors)]
+        self.restarts = 0
+        self.closed = False
+        self.lock = threading.Lock()
+        self._cls: Any = None
+
+    # -- making and watching actors --------------------------------------------------------
+
+    def _new(self, slot: int) -> ActorRecord:
+        import ray
+
+        if self._cls is None:
+            self._cls = ray.remote(LoaderActor)
+        handle = self._cls.options(max_restarts=0, max_task_retries=0, **self.options).remote(
+            slot, self.num_actors
+        )
+        return ActorRecord(slot, handle, handle.ready.remote())
+
+    def start_all(self) -> None:
+        """Ask Ray for every actor not made yet (returns at once: placement runs in Ray)."""
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("these RayWorkers are closed")
+            for slot, record in enumerate(self.records):
+                if record is None:
+                    self.records[slot] = self._new(slot)
+
+    def wait_ready(self) -> None:
+        """Block until every actor runs (placed, started, imported), or the start deadline."""
+        import ray
+
+        self.start_all()
+        records = [r for r in self.records if r is not None]
+        refs = [r.ready_ref for r in records]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=self.start_timeout)
+        for record in records:
+            if record.ready_ref not in done:
+                raise self._not_started(record)
+            record.pid, record.node, record.host = ray.get(record.ready_ref)
+
+    async def ready(self, record: ActorRecord) -> None:
+        """Wait (on the loop) until ``record``'s actor runs; its pid and node are known then.
+
+        Raises:
+            WorkerInitError: it was not placed and started within the start deadline.
+            RayActorError: it died while starting.
+        """
+        if record.pid is not None:
+            return
+        task = record.ready_task
+        if task is None or task.get_loop() is not asyncio.get_running_loop():
+            task = record.ready_task = asyncio.ensure_future(self._ready(record))
+            task.add_done_callback(_retrieve)
+        await asyncio.shield(task)
+
+    async def _ready(self, record: ActorRecord) -> None:
+        try:
+            async with asyncio.timeout(self.start_timeout):
+                record.pid, record.node, record.host = await record.ready_ref
+        except TimeoutError:
+            raise self._not_started(record) from None
+
+    def _not_started(self, record: ActorRecord) -> WorkerInitError:
+        import ray
+
+        try:
+            free = ray.available_resources()  # type: ignore[no-untyped-call]
+        except Exception:  # pragma: no cover - the cluster went away
+            free = "unknown"
+        return WorkerInitError(
+            f"Ray actor {record.slot} was not placed and started within start_timeout="
+            f"{self.start_timeout} s; it asks for {self.options}, and the cluster has "
+            f"{free} free. Add nodes with those resources, or ask for fewer actors or less "
+            "per actor"
+        )
+
+    def pick(self) -> ActorRecord:
+        """The live actor holding the fewest jobs (the lowest slot among equals)."""
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("these RayWorkers are closed: their actors are gone")
+            live = [r for r in self.records if r is not None and not r.dead]
+            if len(live) < self.num_actors:
+                for slot, record in enumerate(self.records):
+                    if record is None:
+                        self.records[slot] = self._new(slot)
+                live = [r for r in self.records if r is not None and not r.dead]
+            return min(live, key=lambda r: (len(r.jobs), r.slot))
+
+    def live(self) -> list[ActorRecord]:
+        """The actors made and not dead."""
+        with self.lock:
+            return [r for r in self.records if r is not None and not r.dead]
+
+    def finished(self, job: Job) -> None:
+        """``job``'s result arrived (not an actor's death): it leaves its actor's queue."""
+        with self.lock:
+            if job in job.record.jobs:
+                job.record.jobs.remove(job)
+
+    def died(self, record: ActorRecord) -> None:
+        """``record``'s actor is gone (Ray said so): blame the job it was running, replace it."""
+        with self.lock:
+            if record.dead:
+                return
+            record.dead = True
+            record.culprit = record.jobs[0] if record.jobs else None
+            self._replace(record)
+
+    def kill(self, record: ActorRecord, culprit: Job) -> int | None:
+        """Kill ``record``'s actor (it hung on ``culprit``) and replace it; returns its pid."""
+        with self.lock:
+            if record.dead:
+                return None
+            record.dead = True
+            record.culprit = culprit
+            self._replace(record)
+        return record.pid
+
+    def _replace(self, record: ActorRecord) -> None:
+        import ray
+
+        ray.kill(record.handle, no_restart=True)  # a hung one, or one half gone
+        if self.closed or self.records[record.slot] is not record:
+            return
+        self.restarts += 1
+        self.figures[record.slot].restarts += 1
+        self.records[record.slot] = self._new(record.slot)
+
+    def pids(self) -> tuple[int, ...]:
+        return tuple(r.pid for r in self.records if r is not None and r.pid is not None)
+
+    def drop(self, copy_id: int) -> None:
+        """Every live actor forgets ``copy_id`` (a loader was closed); nothing waited for."""
+        with self.lock:
+            records = [r for r in self.records if r is not None and not r.dead]
+        for record in records:
+            record.handle.drop.remote(copy_id)
+            for key in [k for k in record.loaded if k[0] == copy_id]:
+                del record.loaded[key]
+
+    def close(self) -> None:
+        """Kill every actor. Idempotent."""
+        import ray
+
+        with self.lock:
+            self.closed = True
+            records, self.records = self.records, [None] * self.num_actors
+        for record in records:
+            if record is not None and ray.is_initialized():
+                ray.kill(record.handle, no_restart=True)
+
+
+def succeeded(future: asyncio.Future[Any]) -> bool:
+    """Whether ``future`` is done with a result (not cancelled, no exception)."""
+    return future.done() and not future.cancelled() and future.exception() is None
+
+
+def _retrieve(future: asyncio.Future[None]) -> None:
+    """Mark ``future``'s exception as seen (it is shielded: its awaiting task may be gone)."""
+    if not future.cancelled():
+        future.exception()
+
+
+_ids = itertools.count(1)
+
+
+def next_copy_id() -> int:
+    """A copy id no loader of this process used (each loader's copy in the actors)."""
+    return next(_ids)

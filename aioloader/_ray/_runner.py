@@ -1,0 +1,272 @@
+"""RayRunner: the epoch's :class:`~aioloader._types.Runner` over Ray actors.
+
+::
+
+    epoch ── BatchRequest ──▶ start_make ──▶ _run:
+        pick the least-loaded live actor (Fleet.pick)
+        its copy loaded? else: the payload, put once per copy (ray.put), ──▶ actor.load
+        actor.make.remote(copy_id, request) ──▶ ObjectRef, awaited on this loop
+            Made ──▶ opened (tensors back, see _wire) ──▶ epoch
+            Failed(exc) ──▶ raise exc (the user's own type, annotated)
+            the actor died ──▶ the batch it was running: WorkerCrashedError (the epoch re-runs
+                               it under max_retries); one only queued there: sent to another
+                               actor at once, as it was never made
+
+Ordering, deadlines, retries, the skip budget, resume state and statistics stay above, in the
+epoch, as for local workers; this module only routes. The deadline asks :meth:`is_running`
+(the oldest job an actor holds, see ``_fleet``) and :meth:`on_deadline` kills that actor.
+
+The dataset copy travels once per copy: pickled off the loop at the first job after
+:meth:`load`, put into the object store once, and loaded by each actor from there before its
+first job of that copy (a replacement actor loads it too). A batch never carries it.
+
+Cancellation edges: cancelling the task that awaits a job leaves the job on its actor (its
+result is dropped when it comes; Ray frees it); the job stays the actor's oldest until then,
+so a deadline still sees what the actor is busy with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from .._errors import WorkerCrashedError, WorkerInitError
+from .._log import workers_log
+from .._threads import off_loop
+from .._types import BatchRequest, InlineMaking, Made, StreamRequest
+from ._actor import Failed
+from ._fleet import ActorRecord, Fleet, Job, actor_died, succeeded
+from ._wire import opened
+
+__all__ = ["MAX_START_DEATHS", "RayRunner"]
+
+#: Deaths of a slot's actor while it loads a copy, one after another, before the batch fails
+#: with WorkerInitError (an actor that cannot even load its copy would die for ever).
+MAX_START_DEATHS = 3
+
+
+class RayRunner:
+    """One loader's jobs on a :class:`Fleet` of actors.
+
+    Args:
+        fleet: the actors (a :class:`~aioloader.RayWorkers`'s).
+        copy_id: this loader's dataset copy in the actors.
+        on_close: called once when the runner is closed (the workers forget the loader).
+    """
+
+    inline: InlineMaking | None = None  # every batch is an actor's
+    #: An async dataset's items are fetched by the actors, not by the training process's
+    #: loop (``aioloader._epoch``'s producer reads this).
+    fetches = True
+
+    def __init__(self, fleet: Fleet, copy_id: int, on_close: Callable[[], None]) -> None:
+        self._fleet = fleet
+        self.copy_id = copy_id
+        self._on_close: Callable[[], None] | None = on_close
+        self._make_payload: Callable[[], bytes] | None = None
+        self._version = 0  # of the copy: each load() makes a new one
+        self._epoch = 0
+        self._seed = 0
+        self._put: asyncio.Future[Any] | None = None  # the copy's ObjectRef, once put
+        self._attempts: dict[int, Job] = {}  # id(request) -> its attempt under way
+
+    @property
+    def streams(self) -> int:
+        return self._fleet.num_actors
+
+    @property
+    def restarts(self) -> int:
+        """Actors replaced after a death or a kill."""
+        return self._fleet.restarts
+
+    @property
+    def shm_fallbacks(self) -> int:
+        return 0  # batches travel in Ray's object store
+
+    def start(self) -> None:
+        """Make every actor and wait until each runs (blocking)."""
+        self._fleet.wait_ready()
+
+    def worker_pids(self) -> tuple[int, ...]:
+        return self._fleet.pids()
+
+    def shm_stats(self) -> None:
+        return None
+
+    @property
+    def has_copy(self) -> bool:
+        return self._make_payload is not None
+
+    def load(self, make: Callable[[], Any], epoch: int, seed: int) -> None:
+        """A new dataset copy for ``epoch``: pickled and put at the first job that needs it."""
+        self._make_payload = make
+        self._version += 1
+        self._epoch, self._seed = epoch, seed
+        self._put = None
+
+    def begin_epoch(self) -> None:
+        """Nothing: the actors' state travels with their dataset copy (:meth:`load`)."""
+
+    def start_make(self, request: BatchRequest) -> asyncio.Future[Made]:
+        return asyncio.ensure_future(self._run(request))
+
+    async def pull(self, request: StreamRequest, stream: int) -> Made:
+        raise TypeError("RayWorkers run map-style datasets only")  # refused at attach
+
+    def is_running(self, request: BatchRequest | StreamRequest) -> bool:
+        job = self._attempts.get(id(request))
+        if job is None or job.record.dead:
+            return False
+        jobs = job.record.jobs
+        return bool(jobs) and jobs[0] is job
+
+    def on_deadline(self, request: BatchRequest | StreamRequest) -> int | None:
+        """Kill the actor running the batch of ``request`` (it hung); returns its pid."""
+        job = self._attempts.get(id(request))
+        if job is None or not self.is_running(request):
+            return None
+        record = job.record
+        pid = self._fleet.kill(record, job)
+        workers_log.warning(
+            "%s killed and replaced: batch %d passed its deadline",
+            record.describe(),
+            request.batch_id,
+        )
+        return pid
+
+    def stop_if_idle(self) -> bool:
+        return False  # the actors are closed off the loop
+
+    def close(self) -> None:
+        """The loader is closed: the actors forget its copy; they stay for other loaders."""
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+    # -- one job -----------------------------------------------------------------------------
+
+    async def _run(self, request: BatchRequest) -> Made:
+        start_deaths = 0
+        while True:
+            record = self._fleet.pick()
+            try:
+                await self._loaded(record)
+            except Exception as exc:
+                if not actor_died(exc):
+                    raise
+                self._fleet.died(record)
+                start_deaths += 1
+                if start_deaths >= MAX_START_DEATHS:
+                    raise WorkerInitError(
+                        f"{record.describe()} died {start_deaths} times in a row while "
+                        f"loading the dataset copy: {exc}"
+                    ) from exc
+                continue
+            job = Job(record)
+            with self._fleet.lock:
+                record.jobs.append(job)
+            self._attempts[id(request)] = job
+            try:
+                ref = record.handle.make.remote(self.copy_id, request)
+                future = ref.future()
+                future.add_done_callback(functools.partial(self._done, job))
+                awaited = asyncio.wrap_future(future)
+                awaited.add_done_callback(_retrieve)  # also once its awaiting task is gone
+                result = await asyncio.shield(awaited)
+            except Exception as exc:
+                if not actor_died(exc):
+                    self._fleet.finished(job)  # never sent, or Ray failed it: not running
+                    raise
+                self._fleet.died(record)
+                if record.culprit is not job:
+                    continue  # only queued there: never made, so made elsewhere now
+                raise WorkerCrashedError(
+                    f"{record.describe()} died while making batch {request.batch_id}: "
+                    f"{type(exc).__name__}: {exc}",
+                    pid=record.pid,
+                ) from exc
+            finally:
+                if self._attempts.get(id(request)) is job:
+                    del self._attempts[id(request)]
+            if isinstance(result, Failed):
+                raise result.error
+            figures = self._fleet.figures[record.slot]
+            figures.batches += 1
+            figures.busy_s += result.read_s + result.collate_s
+            result.batch = opened(result.batch)
+            return result  # type: ignore[no-any-return]
+
+    def _done(self, job: Job, future: Any) -> None:
+        """A job's reference resolved (on Ray's thread): it leaves its actor's queue, unless
+        the actor died (the fleet then needs the queue to name the culprit)."""
+        if future.cancelled():
+            return
+        error = future.exception()
+        if error is None or not actor_died(error):
+            self._fleet.finished(job)
+
+    async def _loaded(self, record: ActorRecord) -> None:
+        """Wait until ``record``'s actor runs and holds this loader's current copy. The first
+        job of a copy starts loading it into every live actor at once: an actor first picked
+        later in the epoch would otherwise load it (imports included) inside a batch's time."""
+        for other in self._fleet.live():
+            self._loading(other)
+        loading = self._loading(record)
+        if succeeded(loading):
+            return  # (perhaps on another loop, whose future is not to be awaited here)
+        try:
+            await asyncio.shield(loading)
+        except BaseException:
+            if loading.done():  # failed: the next job tries again
+                for key in [k for k, v in record.loaded.items() if v is loading]:
+                    del record.loaded[key]
+            raise
+
+    def _loading(self, record: ActorRecord) -> asyncio.Future[None]:
+        """The load of this loader's current copy into ``record``'s actor, started if need be."""
+        key = (self.copy_id, self._version)
+        loading = record.loaded.get(key)
+        # A loader iterated with `for` (the pool's loop) and then with `async for` (the
+        # caller's): a load still under way on the other loop is started again on this one.
+        if loading is None or (
+            loading.get_loop() is not asyncio.get_running_loop() and not succeeded(loading)
+        ):
+            loading = record.loaded[key] = asyncio.ensure_future(self._load_into(record))
+            loading.add_done_callback(_retrieve)
+        return loading
+
+    async def _load_into(self, record: ActorRecord) -> None:
+        await self._fleet.ready(record)
+        ref = await self._payload_ref()
+        await record.handle.load.remote(self.copy_id, ref, self._epoch, self._seed)
+
+    async def _payload_ref(self) -> Any:
+        """The copy's ObjectRef: pickled off the loop and put into the object store once."""
+        put = self._put
+        if put is not None and put.get_loop() is not asyncio.get_running_loop():
+            if succeeded(put):
+                return put.result()
+            put = None  # under way on another loop: again here
+        if put is None:
+            make = self._make_payload
+            if make is None:
+                raise RuntimeError("no dataset copy was given to the actors (load() first)")
+            put = self._put = asyncio.ensure_future(off_loop(lambda: _put(make())))
+            put.add_done_callback(_retrieve)
+        return await asyncio.shield(put)
+
+
+def _put(data: bytes) -> Any:
+    import ray
+
+    return ray.put(data)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark ``future``'s exception as seen: a shielded future whose awaiting task was cancelled
+    (a deadline, a closed epoch) still fails when its actor dies, with nobody left to see it;
+    asyncio would log "Future exception was never retrieved"."""
+    if not future.cancelled():
+        future.exception()

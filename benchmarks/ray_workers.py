@@ -1,0 +1,213 @@
+"""Ray actors as workers against local worker processes, and against Ray Data, in one run.
+
+The same pipeline three ways, at the same worker count (``--workers``): samples of float32
+images made by a CPU-bound per-sample transform (a decode stand-in, normalisation and a blur),
+collated into batches of about 1 MB (16 x 1x128x128) and 9.6 MB (16 x 3x224x224):
+
+- ``local``: ``DataLoader(num_workers=W)``: worker processes, batches in shared memory;
+- ``ray``: ``DataLoader(workers=RayWorkers(W))``: Ray actors, batches through the object store;
+- ``ray data``: ``ray.data.range(n).map_batches(...).iter_torch_batches(...)``, the tool a Ray
+  user would pick instead (unordered, and no resume; ``W`` tasks of ``--num-cpus`` each).
+
+Reported per batch size: samples/s of each (the best of ``--repeat`` epochs, after one warm-up
+epoch), the ratios ray/local and ray/ray-data, and the added p50 latency of one batch: the wall
+time per batch with one batch in flight at a time (``prefetch=1``, so nothing overlaps), ray's
+p50 minus local's.
+
+    python benchmarks/ray_workers.py                 # a local Ray, started for the run
+    python benchmarks/ray_workers.py --address host:6379 --workers 8
+    python benchmarks/ray_workers.py --quick         # seconds: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from aioloader import DataLoader, RayWorkers
+
+#: (name, shape of one sample): 16 samples make a batch of about 1 MB and about 9.6 MB.
+SIZES = {"1MB": (1, 128, 128), "9.6MB": (3, 224, 224)}
+BATCH = 16
+
+
+def make_sample(index: int, shape: tuple[int, ...], work: int) -> np.ndarray[Any, Any]:
+    """Sample ``index``: a deterministic uint8 image 'decoded', normalised and blurred
+    ``work`` times (the CPU-bound transform)."""
+    rng = np.random.default_rng(index)
+    image = rng.integers(0, 256, size=shape, dtype=np.uint8).astype(np.float32)
+    image = (image - 127.5) / 64.0
+    for _ in range(work):
+        image[..., 1:-1, 1:-1] = (
+            image[..., :-2, 1:-1]
+            + image[..., 2:, 1:-1]
+            + image[..., 1:-1, :-2]
+            + image[..., 1:-1, 2:]
+        ) * 0.25
+    return image
+
+
+class Images:
+    """The map-style dataset of the loader runs."""
+
+    def __init__(self, n: int, shape: tuple[int, ...], work: int) -> None:
+        self.n = n
+        self.shape = shape
+        self.work = work
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> np.ndarray[Any, Any]:
+        return make_sample(index, self.shape, self.work)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    size: str
+    local_sps: float
+    ray_sps: float
+    data_sps: float
+    local_p50_ms: float
+    ray_p50_ms: float
+
+    @property
+    def vs_local(self) -> float:
+        return self.ray_sps / self.local_sps
+
+    @property
+    def vs_data(self) -> float:
+        return self.ray_sps / self.data_sps
+
+
+def timed_epochs(batches: Callable[[], Iterable[Any]], repeat: int) -> float:
+    """Samples/s of the best of ``repeat`` epochs, after one warm-up epoch."""
+    best = 0.0
+    for attempt in range(repeat + 1):
+        started, samples = time.perf_counter(), 0
+        for batch in batches():
+            samples += len(batch)
+        rate = samples / (time.perf_counter() - started)
+        if attempt:
+            best = max(best, rate)
+    return best
+
+
+def p50_batch_ms(loader: DataLoader, batches: int) -> float:
+    """Wall ms per batch with one batch in flight at a time (``loader`` has prefetch=1)."""
+    times = []
+    it = iter(loader)
+    next(it)  # warm
+    for _ in range(batches):
+        started = time.perf_counter()
+        next(it)
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def run_size(name: str, args: argparse.Namespace, pool: RayWorkers) -> Row:
+    import ray
+
+    shape = SIZES[name]
+    dataset = Images(args.samples, shape, args.work)
+    local = DataLoader(dataset, batch_size=BATCH, num_workers=args.workers, persistent_workers=True)
+    remote = DataLoader(dataset, batch_size=BATCH, workers=pool, persistent_workers=True)
+    with local, remote:
+        local_sps = timed_epochs(lambda: local, args.repeat)
+        ray_sps = timed_epochs(lambda: remote, args.repeat)
+    one_local = DataLoader(
+        Images(BATCH * (args.latency_batches + 2), shape, args.work),
+        batch_size=BATCH,
+        num_workers=args.workers,
+        prefetch=1,
+    )
+    one_ray = DataLoader(
+        Images(BATCH * (args.latency_batches + 2), shape, args.work),
+        batch_size=BATCH,
+        workers=pool,
+        prefetch=1,
+    )
+    with one_local, one_ray:
+        local_p50 = p50_batch_ms(one_local, args.latency_batches)
+        ray_p50 = p50_batch_ms(one_ray, args.latency_batches)
+
+    work, n = args.work, args.samples
+
+    def transform(block: dict[str, np.ndarray[Any, Any]]) -> dict[str, np.ndarray[Any, Any]]:
+        return {"x": np.stack([make_sample(int(i), shape, work) for i in block["id"]])}
+
+    def data_batches() -> Iterable[Any]:
+        ds = ray.data.range(n).map_batches(
+            transform, batch_size=BATCH, num_cpus=args.num_cpus, concurrency=args.workers
+        )
+        for batch in ds.iter_torch_batches(batch_size=BATCH):
+            yield batch["x"]
+
+    data_sps = timed_epochs(data_batches, args.repeat)
+    return Row(name, local_sps, ray_sps, data_sps, local_p50, ray_p50)
+
+
+def table(rows: list[Row], workers: int) -> str:
+    lines = [
+        f"| batch | local workers={workers} (samples/s) | ray actors={workers} | ray / local | "
+        "ray data | ray / ray data | p50 per batch, local | added by ray |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.size} | {r.local_sps:.0f} | {r.ray_sps:.0f} | {r.vs_local:.2f}x | "
+            f"{r.data_sps:.0f} | {r.vs_data:.2f}x | {r.local_p50_ms:.1f} ms | "
+            f"{r.ray_p50_ms - r.local_p50_ms:+.1f} ms |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=512, help="samples per epoch")
+    parser.add_argument("--work", type=int, default=6, help="blur passes per sample (CPU cost)")
+    parser.add_argument("--repeat", type=int, default=2, help="timed epochs; the best counts")
+    parser.add_argument("--latency-batches", type=int, default=10)
+    parser.add_argument("--num-cpus", type=float, default=1.0, help="Ray CPUs per actor / task")
+    parser.add_argument(
+        "--sizes", default=",".join(SIZES), help="comma-separated of " + str(list(SIZES))
+    )
+    parser.add_argument("--address", default=None, help="a Ray cluster to join (default: local)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    args = parser.parse_args()
+    if args.quick:
+        args.samples, args.work, args.repeat, args.latency_batches = 64, 1, 1, 3
+
+    import ray
+
+    if not ray.is_initialized():
+        init: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
+        if args.address is None:
+            init["num_cpus"] = max(args.workers, 1) * max(args.num_cpus, 1) + 1
+            init["include_dashboard"] = False
+        ray.init(address=args.address, **init)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    rows = []
+    with RayWorkers(args.workers, num_cpus=args.num_cpus) as pool:
+        for name in args.sizes.split(","):
+            rows.append(run_size(name, args, pool))
+    print(table(rows, args.workers))
+    if args.json:
+        print(
+            json.dumps([{**asdict(r), "vs_local": r.vs_local, "vs_data": r.vs_data} for r in rows])
+        )
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""A real Ray cluster on loopback for the Ray tests: a head and a second node, each with its own
+object store, started once per test session (``ray start``) and stopped at its end.
+
+Batches of an actor on the second node really cross between two object stores on their way to
+the test process (the driver, on the head). The second node alone offers the custom resource
+``preprocess``: actors that ask for it are placed there, as on a CPU-only preprocessing node.
+
+The nodes run with ``PYTHONPATH`` naming this checkout, the tests and the examples, so actors
+import the aioloader under test, the tests' own dataset classes and the example's actor.
+Start-up is bounded (:data:`START_TIMEOUT_S` per node), nothing of the dashboard runs, and
+``ray stop`` ends every process of the cluster at the end, even when start-up failed half-way.
+Under pytest-xdist the test processes share the one cluster (see :func:`ray_cluster`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+EXAMPLES = ROOT / "examples"
+#: Seconds one ``ray start`` may take (about 8 s each on 2 shared cores).
+START_TIMEOUT_S = 120
+STOP_TIMEOUT_S = 60
+#: CPUs each node offers: small, so that the cluster fits beside the rest of the suite.
+NODE_CPUS = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ray_cli() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+def _run(args: list[str], env: dict[str, str], timeout: float) -> None:
+    result = subprocess.run(
+        [_ray_cli(), *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"ray {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
+
+
+def _warm_up() -> None:
+    """Start the driver's lazily made threads now (an actor, a put, a reference awaited on a
+    loop), before any test records its baseline of threads."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        async def echo(self, x: int) -> int:
+            return x
+
+    echo = Echo.remote()  # type: ignore[attr-defined]
+
+    async def awaited() -> int:
+        return int(await echo.echo.remote(1))
+
+    assert asyncio.run(awaited()) == 1
+    assert ray.get(ray.put(2)) == 2
+    # A reference's callbacks run on a thread of Ray's own, which Python then lists (as a
+    # "Dummy" thread): let it run one now, for a result and for an actor's death.
+    seen = threading.Event()
+    echo.echo.remote(3).future().add_done_callback(lambda _: seen.set())
+    assert seen.wait(START_TIMEOUT_S)
+    doomed = Echo.remote()  # type: ignore[attr-defined]
+    assert ray.get(doomed.echo.remote(4)) == 4
+    died = threading.Event()
+    ray.kill(doomed)
+    doomed.echo.remote(5).future().add_done_callback(lambda _: died.set())
+    assert died.wait(START_TIMEOUT_S)
+    ray.kill(echo)
+
+
+def _start(env: dict[str, str]) -> tuple[str, str]:
+    """Start the head and the second node; returns the address and the head's temp dir."""
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    # Short: Ray's socket paths live under it, and a Unix socket path has 107 bytes at most.
+    temp = tempfile.mkdtemp(prefix="aiol-ray-", dir="/tmp")
+    common = ["--node-ip-address=127.0.0.1", f"--num-cpus={NODE_CPUS}", "--disable-usage-stats"]
+    try:
+        _run(
+            [
+                "start",
+                "--head",
+                f"--port={port}",
+                "--include-dashboard=false",
+                f"--temp-dir={temp}",
+                *common,
+            ],
+            env,
+            START_TIMEOUT_S,
+        )
+        _run(
+            ["start", f"--address={address}", '--resources={"preprocess": 2}', *common],
+            env,
+            START_TIMEOUT_S,
+        )
+    except BaseException:
+        _stop(env, temp)
+        raise
+    return address, temp
+
+
+def _stop(env: dict[str, str], temp: str) -> None:
+    with contextlib.suppress(Exception):
+        _run(["stop", "--force"], env, STOP_TIMEOUT_S)
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The address of the session's two-node cluster, this process joined to it.
+
+    Under pytest-xdist the test processes share one cluster: the first to need it starts it,
+    each one that uses it counts itself in (a file under the run's common temp dir, under a
+    lock), and the last one to leave stops it.
+    """
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'aioloader[ray]')")
+    from filelock import FileLock
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), str(TESTS), str(EXAMPLES), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    # A local ray.init() elsewhere on this machine (the benchmark's) leaves a token in
+    # ~/.ray/auth_token; this cluster's nodes and driver run without token authentication.
+    env["RAY_AUTH_MODE"] = "disabled"
+    shared = tmp_path_factory.getbasetemp().parent  # the same for every xdist process of a run
+    state_file = shared / "ray-cluster.json"
+    with FileLock(str(shared / "ray-cluster.lock")):
+        state = json.loads(state_file.read_text()) if state_file.exists() else {"users": 0}
+        if state["users"] == 0:
+            state["address"], state["temp"] = _start(env)
+        state["users"] += 1
+        state_file.write_text(json.dumps(state))
+    auth_mode = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # this driver's, until the end of the session
+    try:
+        ray.init(address=state["address"], logging_level=logging.WARNING, log_to_driver=False)
+        _warm_up()
+        yield str(state["address"])
+    finally:
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        if auth_mode is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = auth_mode
+        with FileLock(str(shared / "ray-cluster.lock")):
+            state = json.loads(state_file.read_text())
+            state["users"] -= 1
+            if state["users"] == 0:
+                _stop(env, state["temp"])
+            state_file.write_text(json.dumps(state))

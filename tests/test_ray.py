@@ -1,0 +1,527 @@
+"""Ray actors as the loader's workers (``aioloader.RayWorkers``), on a real two-node cluster on
+loopback (``ray_cluster``: started once per session, stopped at its end).
+
+What local workers guarantee holds with actors: the batches (values, seeds, worker info) are the
+very ones local worker processes make; an actor killed by its pid mid-epoch is replaced and its
+batch re-run, every sample once; a hung actor is killed at the deadline; resume is exact at any
+cut, into local workers too; an async dataset is fetched inside the actors, many items in
+flight; and the loader runs inside an actor's own event loop while the actor serves other calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import aioloader
+from aioloader import (
+    DataLoader,
+    LoaderTimeoutError,
+    RayWorkers,
+    WorkerInitError,
+    get_worker_info,
+    numpy_collate,
+)
+
+N = 24
+BATCH = 4
+#: Seconds a test may wait for one batch where a replacement actor must start first.
+SLOW_BATCH_S = 60
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+# -- datasets (imported by the actors from this module: the nodes' PYTHONPATH names tests/) ----
+
+
+class Numbered:
+    """Sample ``i``: the index, a random draw (per-batch seeding), and which worker made it."""
+
+    def __init__(self, n: int = N, delay: float = 0.0) -> None:
+        self.n = n
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if self.delay:
+            time.sleep(self.delay)
+        info = get_worker_info()
+        return {
+            "index": np.array([i], dtype=np.int64),
+            "draw": np.random.randint(0, 2**31, size=1),
+            "workers": np.array([info.num_workers if info else 0]),
+            "init": np.array([_INIT.get("value", -1)]),
+        }
+
+
+_INIT: dict[str, int] = {}
+
+
+def init_worker(worker_id: int) -> None:
+    info = get_worker_info()
+    assert info is not None
+    assert info.id == worker_id
+    _INIT["value"] = 100 + worker_id
+
+
+class HangsOnce:
+    """Sample ``hang_at`` hangs for ever the first time it is read anywhere (a marker file says
+    it was), and reads at once after that."""
+
+    def __init__(self, marker: str, hang_at: int) -> None:
+        self.marker = marker
+        self.hang_at = hang_at
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> np.ndarray[Any, Any]:
+        if i == self.hang_at and not os.path.exists(self.marker):
+            Path(self.marker).write_text("hung")
+            time.sleep(3600)
+        return np.array([i])
+
+
+class FailsOn:
+    def __init__(self, bad: frozenset[int]) -> None:
+        self.bad = bad
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> np.ndarray[Any, Any]:
+        if i in self.bad:
+            raise KeyError(f"sample {i} is corrupt")
+        return np.array([i])
+
+
+class Concurrent:
+    """An async dataset that reports how many of its reads were in flight at once in its copy."""
+
+    def __init__(self, n: int = 32) -> None:
+        self.n = n
+        self.now = 0
+        self.peak = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    async def __getitem__(self, i: int) -> np.ndarray[Any, Any]:
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        try:
+            await asyncio.sleep(0.05)
+        finally:
+            self.now -= 1
+        return np.array([i, self.peak, os.getpid()])
+
+
+class Stream:
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(4))
+
+
+def indices(batches: list[Any]) -> list[int]:
+    return [int(i) for b in batches for i in np.asarray(b["index"]).ravel()]
+
+
+@pytest.fixture(scope="module")
+def workers(ray_cluster: str) -> Iterator[RayWorkers]:
+    """Two actors, one CPU each, shared by the tests of this module that do not kill them."""
+    with RayWorkers(2, num_cpus=0.5) as pool:
+        pool.loop()  # its thread for `for`, made now: the tests' leak checks see it as there
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def one_actor(ray_cluster: str) -> Iterator[RayWorkers]:
+    """One actor: a loader resumed on it continues a state saved with two."""
+    with RayWorkers(1, num_cpus=0.25) as pool:
+        pool.loop()
+        yield pool
+
+
+# -- construction --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "names"),
+    [
+        ({"num_actors": 0}, ValueError, "num_actors"),
+        ({"num_actors": 1.5}, TypeError, "num_actors"),
+        ({"num_actors": 1, "num_cpus": -1}, ValueError, "num_cpus"),
+        ({"num_actors": 1, "num_gpus": float("nan")}, ValueError, "num_gpus"),
+        ({"num_actors": 1, "resources": ["preprocess"]}, TypeError, "resources"),
+        ({"num_actors": 1, "resources": {"preprocess": -1}}, ValueError, "preprocess"),
+        ({"num_actors": 1, "resources": {"CPU": 1}}, ValueError, "num_cpus"),
+        ({"num_actors": 1, "address": 6379}, TypeError, "address"),
+        ({"num_actors": 1, "start_timeout": 0}, ValueError, "start_timeout"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_them(
+    kwargs: dict[str, Any], error: type[Exception], names: str
+) -> None:
+    with pytest.raises(error, match=names):
+        RayWorkers(**kwargs)
+
+
+def test_an_unreachable_cluster_is_named_at_once_and_nothing_is_left() -> None:
+    """In a process that has not joined a cluster (Ray would retry the address for minutes)."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'aioloader[ray]')")
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    code = (
+        "import aioloader\n"
+        f"pool = aioloader.RayWorkers(1, address='127.0.0.1:{port}')\n"
+        "try:\n    pool.start()\nexcept ConnectionError as exc:\n    print('REFUSED', exc)\n"
+        "pool.close()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"REFUSED could not join the Ray cluster at address='127.0.0.1:{port}'" in result.stdout
+
+
+def test_the_pool_decides_the_worker_count(workers: RayWorkers) -> None:
+    with pytest.raises(ValueError, match="num_workers=3 conflicts with workers="):
+        DataLoader(Numbered(), batch_size=BATCH, num_workers=3, workers=workers)
+    loader = DataLoader(Numbered(), batch_size=BATCH, workers=workers)
+    assert loader.num_workers == 2
+    loader.close()
+
+
+def test_an_iterable_dataset_is_refused_at_once_with_the_reason(workers: RayWorkers) -> None:
+    with (
+        pytest.raises(TypeError, match="map-style datasets"),
+        DataLoader(Stream(), batch_size=2, workers=workers),
+    ):
+        pass
+    loader = DataLoader(Stream(), batch_size=2, workers=workers)
+    with pytest.raises(TypeError, match="map-style datasets"):
+        list(loader)
+    loader.close()
+
+
+# -- the batches ------------------------------------------------------------------------------
+
+
+def test_actors_make_the_batches_local_worker_processes_make(workers: RayWorkers) -> None:
+    """Same order, values, per-batch random draws, worker count and worker_init_fn as two local
+    worker processes, with shuffle; numpy leaves arrive read-only, tensors writable."""
+    common: dict[str, Any] = {
+        "batch_size": BATCH,
+        "shuffle": True,
+        "seed": 7,
+        "worker_init_fn": init_worker,
+    }
+    with DataLoader(Numbered(), workers=workers, **common) as loader:
+        remote = list(loader)
+    with DataLoader(Numbered(), num_workers=2, **common) as loader:
+        local = list(loader)
+    assert len(remote) == len(local) == N // BATCH
+    for a, b in zip(remote, local, strict=True):
+        for key in ("index", "draw", "workers"):
+            assert a[key].tolist() == b[key].tolist(), key
+        assert set(a["init"].ravel().tolist()) <= {100, 101}
+    assert sorted(indices(remote)) == list(range(N))
+    tensor = remote[0]["index"]
+    tensor += 1  # writable memory of its own
+    with DataLoader(Numbered(), batch_size=BATCH, collate_fn=numpy_collate, workers=workers) as ld:
+        array = next(iter(ld))["index"]
+    assert isinstance(array, np.ndarray)
+    assert not array.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        array += 1
+
+
+def test_actors_on_a_preprocessing_node_send_batches_across_object_stores(
+    ray_cluster: str,
+) -> None:
+    """Actors that ask for the second node's resource run there only; their batches cross to
+    the head's object store, whole and in order; statistics name each actor's node."""
+    import ray
+
+    head = ray.get_runtime_context().get_node_id()
+    with RayWorkers(2, num_cpus=0, resources={"preprocess": 1}) as pool:
+        with DataLoader(Numbered(), batch_size=BATCH, workers=pool, in_order=True) as loader:
+            got = list(loader)
+        stats = pool.statistics()
+    assert indices(got) == list(range(N))
+    nodes = {a.node_id for a in stats.actors}
+    assert len(nodes) == 1
+    assert head not in nodes
+    assert sum(a.batches for a in stats.actors) == N // BATCH
+    assert all(a.busy_s > 0 for a in stats.actors if a.batches)
+    assert stats.worker_restarts == 0
+
+
+def test_errors_keep_their_type_and_skips_are_named(workers: RayWorkers) -> None:
+    with DataLoader(FailsOn(frozenset({5})), batch_size=BATCH, workers=workers) as loader:
+        it = iter(loader)
+        assert next(it).ravel().tolist() == [0, 1, 2, 3]
+        with pytest.raises(KeyError, match="corrupt") as caught:
+            list(it)
+    notes = "\n".join(caught.value.__notes__)
+    assert "Ray actor" in notes
+    assert "batch 1" in notes
+    with DataLoader(
+        FailsOn(frozenset({5, 9})),
+        batch_size=BATCH,
+        workers=workers,
+        on_error="skip",
+        max_failures=2,
+    ) as loader:
+        got = [int(i) for b in loader for i in b.ravel()]
+        skipped = loader.statistics().skipped
+    assert got == [i for i in range(N) if i not in (5, 9)]
+    assert sorted(index for index, _ in skipped) == [5, 9]  # in the order batches came in
+    assert all("corrupt" in why for _, why in skipped)
+
+
+def test_a_failing_worker_init_fn_fails_the_first_batch_without_retries(
+    workers: RayWorkers,
+) -> None:
+    with DataLoader(
+        Numbered(), batch_size=BATCH, workers=workers, worker_init_fn=_broken_init, max_retries=3
+    ) as loader:
+        with pytest.raises(WorkerInitError, match="broken on purpose"):
+            next(iter(loader))
+        assert loader.statistics().retries == 0
+
+
+def _broken_init(worker_id: int) -> None:
+    raise OSError("broken on purpose")
+
+
+class Offset(Numbered):
+    """Sample ``i`` is ``i + offset``: a change the loader's next dataset copy carries."""
+
+    offset = 0
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"index": np.array([i + self.offset])}
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_persistent_workers_decides_whether_each_epoch_brings_a_new_copy(
+    workers: RayWorkers, persistent: bool
+) -> None:
+    dataset = Offset(n=8)
+    with DataLoader(dataset, batch_size=4, workers=workers, persistent_workers=persistent) as ld:
+        first = indices(list(ld))
+        dataset.offset = 100  # after the first epoch's copy was made
+        second = indices(list(ld))
+    assert first == list(range(8))
+    assert second == (first if persistent else [i + 100 for i in range(8)])
+
+
+def test_one_loader_iterated_with_for_then_async_for(workers: RayWorkers) -> None:
+    """The first epoch runs on the pool's loop, the second on the caller's: the actors' copy
+    and their readiness carry over from one loop to the other."""
+
+    async def epoch(loader: DataLoader) -> list[int]:
+        return [int(i) for b in [b async for b in loader] for i in b["index"].ravel()]
+
+    with DataLoader(Numbered(), batch_size=BATCH, workers=workers) as loader:
+        first = indices(list(loader))
+        second = asyncio.run(epoch(loader))
+    assert first == second == list(range(N))
+
+
+# -- faults -----------------------------------------------------------------------------------
+
+
+def test_an_actor_killed_by_its_pid_mid_epoch_is_replaced_and_nothing_is_lost(
+    ray_cluster: str,
+) -> None:
+    with RayWorkers(2, num_cpus=0.5) as pool:
+        loader = DataLoader(
+            Numbered(delay=0.05),
+            batch_size=BATCH,
+            workers=pool,
+            max_retries=2,
+            timeout=SLOW_BATCH_S,
+        )
+        with loader:
+            it = iter(loader)
+            got = [next(it)]
+            victim = pool.statistics().actors[0]
+            assert victim.pid is not None
+            os.kill(victim.pid, signal.SIGKILL)
+            got.extend(it)
+            stats = loader.statistics()
+        after = pool.statistics()
+    assert indices(got) == list(range(N))  # in order, each sample once
+    assert stats.worker_restarts >= 1
+    assert after.actors[0].restarts >= 1
+    assert after.actors[0].pid != victim.pid
+
+
+def test_a_hung_actor_is_killed_at_the_deadline_and_its_batch_re_run(
+    ray_cluster: str, tmp_path: Path
+) -> None:
+    dataset = HangsOnce(str(tmp_path / "hung"), hang_at=9)
+    with (
+        RayWorkers(2, num_cpus=0.5) as pool,
+        DataLoader(dataset, batch_size=BATCH, workers=pool, timeout=3, max_retries=1) as loader,
+    ):
+        got = [int(i) for b in loader for i in b.ravel()]
+        stats = loader.statistics()
+    assert got == list(range(N))
+    assert stats.timeouts == 1
+    assert stats.retries == 1
+    assert stats.worker_restarts == 1
+
+
+def test_a_hung_actor_without_retries_times_out_naming_the_batch(
+    ray_cluster: str, tmp_path: Path
+) -> None:
+    dataset = HangsOnce(str(tmp_path / "hung"), hang_at=0)
+    with RayWorkers(1, num_cpus=0.5) as pool:
+        with (
+            DataLoader(dataset, batch_size=BATCH, workers=pool, timeout=2) as loader,
+            pytest.raises(LoaderTimeoutError, match="batch 0"),
+        ):
+            next(iter(loader))
+        assert pool.statistics().worker_restarts == 1
+
+
+# -- resume ---------------------------------------------------------------------------------
+
+
+@settings(
+    max_examples=6,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(cut=st.integers(0, N // BATCH), into=st.sampled_from(["threads", "actors", "one actor"]))
+def test_resume_at_any_cut_continues_exactly_into_actors_or_local_workers(
+    workers: RayWorkers, one_actor: RayWorkers, cut: int, into: str
+) -> None:
+    common: dict[str, Any] = {"batch_size": BATCH, "shuffle": True, "seed": 3}
+    with DataLoader(Numbered(), workers=workers, **common) as loader:
+        whole = list(loader)
+    with DataLoader(Numbered(), workers=workers, **common) as loader:
+        it = iter(loader)
+        taken = [next(it) for _ in range(cut)]
+        state = loader.state_dict()
+        del it
+    choices: dict[str, dict[str, Any]] = {
+        "threads": {"num_workers": 0},
+        "actors": {"workers": workers},
+        "one actor": {"workers": one_actor},  # another actor count than the state's
+    }
+    resumed_with = choices[into]
+    with DataLoader(Numbered(), **resumed_with, **common) as loader:
+        loader.load_state_dict(state)
+        rest = list(loader)
+    if cut == len(whole):  # saved after the epoch's last batch: the next epoch, whole
+        assert sorted(indices(rest)) == list(range(N))
+        return
+    assert indices(taken + rest) == indices(whole)
+    draws = [b["draw"].tolist() for b in whole[cut:]]
+    if into != "threads":  # threads share the process's generators: not reseeded per batch
+        assert [b["draw"].tolist() for b in rest] == draws
+
+
+# -- async datasets in the actors -------------------------------------------------------------
+
+
+def test_an_async_dataset_is_fetched_in_the_actors_many_items_at_once(ray_cluster: str) -> None:
+    with (
+        RayWorkers(1, num_cpus=0.5) as pool,
+        DataLoader(
+            Concurrent(), batch_size=8, workers=pool, io_concurrency=16, collate_fn=numpy_collate
+        ) as loader,
+    ):
+        got = list(loader)
+    rows = np.concatenate(got)
+    assert rows[:, 0].tolist() == list(range(32))
+    assert rows[:, 2].tolist().count(os.getpid()) == 0  # fetched in the actor, not here
+    assert rows[:, 1].max() > 8  # items of several batches in flight in the actor at once
+
+
+def test_an_http_dataset_is_read_through_actors(workers: RayWorkers) -> None:
+    from http_server import FaultServer, payload
+
+    from aioloader.sources import HTTPDataset
+
+    with FaultServer().in_thread() as server:
+        dataset = HTTPDataset([server.url(f"/obj/{i}") for i in range(12)])
+        with DataLoader(dataset, batch_size=4, workers=workers, collate_fn=list) as loader:
+            got = [body for batch in loader for body in batch]
+    assert got == [payload(i) for i in range(12)]
+
+
+# -- the loader inside an actor -----------------------------------------------------------------
+
+
+def test_the_loader_runs_inside_an_actors_event_loop_while_it_serves_calls(
+    ray_cluster: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """examples/ray_actor.py: a trainer actor iterates a loader (on RayWorkers) with
+    ``async for``, and answers other calls while it is mid-epoch (paused between two steps)."""
+    import ray
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import ray_actor  # type: ignore[import-not-found]  # examples/, put on the path above
+
+    batches = 6
+    trainer = ray_actor.Trainer.options(num_cpus=0).remote(samples=batches * 4, batch_size=4)
+    try:
+        done = trainer.train.remote(actors=2, num_cpus=0.25)
+        for _ in range(int(SLOW_BATCH_S / 0.05)):
+            if ray.get(trainer.progress.remote(), timeout=SLOW_BATCH_S) > 0:
+                break
+            time.sleep(0.05)
+        ray.get(trainer.pause.remote(), timeout=SLOW_BATCH_S)
+        paused_at = ray.get(trainer.progress.remote(), timeout=SLOW_BATCH_S)
+        ready, _ = ray.wait([done], timeout=0.3)
+        assert not ready
+        assert 0 < paused_at < batches
+        assert ray.get(trainer.progress.remote(), timeout=SLOW_BATCH_S) == paused_at
+        ray.get(trainer.resume.remote(), timeout=SLOW_BATCH_S)
+        assert ray.get(done, timeout=SLOW_BATCH_S) == list(range(batches * 4))
+    finally:
+        ray.kill(trainer)
+
+
+def test_closing_the_pool_kills_its_actors(ray_cluster: str) -> None:
+    import psutil
+
+    pool = RayWorkers(2, num_cpus=0)
+    pool.start()
+    pids = pool.worker_pids
+    assert len(pids) == 2
+    pool.close()
+    deadline = time.monotonic() + 20
+    while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(psutil.pid_exists(p) for p in pids)
+    assert pool.closed
+    assert pool.worker_pids == ()
+    with pytest.raises(ValueError, match="closed"):
+        DataLoader(Numbered(), workers=pool)
+
+
+def test_exported_through_the_facade() -> None:
+    assert aioloader.RayWorkers.__module__ == "aioloader"
+    assert threading.current_thread() is threading.main_thread()
