@@ -17,7 +17,8 @@ from datasets import Range
 
 from aioloader import DataLoader, WorkerPool, _shm
 from aioloader._shm import SlotPool
-from aioloader._workers._wire import OwnSlot, Receiver
+from aioloader._workers._records import OwnSlot
+from aioloader._workers._wire import Receiver
 
 pytestmark = pytest.mark.usefixtures("baseline")
 
