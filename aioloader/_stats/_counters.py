@@ -367,14 +367,16 @@ class Counters:
         ``fresh`` reads the CPU time now; else a read younger than
         :data:`CPU_SAMPLE_INTERVAL_S` serves (the CPU shares then cover the epoch up to it).
         """
-        if self.epoch_started is None:
+        # Read once: statistics() may run on another thread while the epoch ends and clears it.
+        started = self.epoch_started
+        if started is None:
             return self.last_epoch or EpochStatistics(epoch=self.epoch)
         now = time.perf_counter() if now is None else now
         self.read_cpu(now, fresh=fresh)
         sums = [a - b for a, b in zip(self.sums(), self.baseline, strict=True)]
         return EpochStatistics.build(
             self.epoch,
-            max(0.0, now - self.epoch_started),
+            max(0.0, now - started),
             sums,
             self.capacity,
             cpu=self.cpu_use(now),
@@ -385,9 +387,10 @@ class Counters:
         """Every epoch's statistics together."""
         running = 0.0
         cpu: _Cpu | None = self.cpu_ended
-        if self.epoch_started is not None:
+        started = self.epoch_started  # read once, as in measure()
+        if started is not None:
             now = time.perf_counter() if now is None else now
-            running = now - self.epoch_started
+            running = now - started
             use = self.cpu_use(now)
             if use is not None:
                 cpu = _plus(self.cpu_ended, use)
