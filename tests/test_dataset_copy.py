@@ -20,7 +20,7 @@ from helpers import BOUND_S
 
 import aioloader
 from aioloader import DataLoader, _shm
-from aioloader._workers import _payload
+from aioloader._workers import _payload, _records
 from aioloader._workers._copy import DatasetCopy
 from aioloader._workers._payload import OUT_OF_BAND_MIN_BYTES, dumps_copy, loads
 
@@ -177,7 +177,7 @@ async def test_a_cancelled_waiter_does_not_cancel_the_copy_for_the_others() -> N
     # it, and the next epoch's workers waited for the copy for ever (a hang, about 1 run in 3).
     gate = threading.Event()
 
-    def make() -> _payload.Payload:
+    def make() -> _records.Payload:
         assert gate.wait(BOUND_S)
         return dumps_copy(Range(5), main_by_value=False)
 
