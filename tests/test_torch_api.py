@@ -63,6 +63,8 @@ OWN_PARAMETERS = {
     "shm_max_bytes",
     "progress",
     "shard",
+    "equal_steps",
+    "leftover",
     "worker_seeding",
     "start_timeout",
     "workers",
