@@ -267,10 +267,9 @@ class Resources:
         """Start the worker processes now, in the background (at the loader's construction):
         they start while the program builds its model, and are ready, or nearly, when the
         first batch is asked for. Only the processes: their dataset copy still comes with the
-        first epoch, so a change made to the dataset before it reaches them. Worker 0 is forked
-        from this thread when that is safe (``WorkerPool.fork_first``); the others start in a
-        thread. Whatever fails here fails again, and is reported, where the workers are first
-        used.
+        first epoch, so a change made to the dataset before it reaches them. They start in a
+        thread, from the worker server. Whatever fails here fails again, and is reported, where
+        the workers are first used.
 
         Only where a start is cheap and safe from a thread: workers forked from a server (the
         forked one, the default, or the standard forkserver, whose one-time start then overlaps
@@ -287,12 +286,8 @@ class Resources:
         ):
             return
         release_before_sigterm(close_all_at_exit)  # from this thread: off it, it cannot
-        # Worker 0 is forked from here, now, where that is safe: its start is the first batch's
-        # longest wait (see WorkerPool.fork_first). The rest start from the server, off here.
         with contextlib.suppress(Exception):  # reported where the workers are first used
-            runner = self.ensure(config, dataset, device_spec=None, context=context, early=True)
-            if isinstance(runner, ProcessRunner):
-                runner.pool.fork_first()
+            self.ensure(config, dataset, device_spec=None, context=context, early=True)
 
         def launch() -> None:
             with contextlib.suppress(Exception):

@@ -207,12 +207,6 @@ class WorkerPool:
         process = w.process
         return process is not None and int(self._cells.started[w.id]) == process.pid
 
-    def fork_first(self) -> None:
-        """Nothing. Worker 0 was forked from the program as the loader was made, to save the
-        server's fork on the way to the first batch; on the cold-start benchmark's first batch
-        (W4 w2) that bought nothing measurable, and every worker now starts from the server.
-        Kept only until ``_loader._resources.start_early`` stops calling it: then remove it."""
-
     def fork_here(self) -> None:
         """Under ``'fork'`` (a :class:`._context.ForkContext`): fork every worker that has no
         process from this thread now, where that is safe (``_zygote.fork_unsafe_reason``), all
