@@ -200,8 +200,11 @@ def test_spawn_workers_killed_or_hung_are_named_replaced_and_lose_nothing(
     expected = fd.sequential_batches(48, 4)
     started = time.monotonic()
     caplog.set_level(logging.WARNING, logger="aioloader.workers")
+    # The hang is caught by the batch deadline (timeout); a spawned replacement's start (a
+    # fresh interpreter importing torch) gets its own, longer deadline, so that a loaded
+    # machine's slow start is not taken for the fault under test.
     with fd.make_loader(
-        ds, num_workers=1, mp_context=mp_context, timeout=5.0, max_retries=1
+        ds, num_workers=1, mp_context=mp_context, timeout=5.0, start_timeout=60.0, max_retries=1
     ) as loader:
         assert loader.mp_context is not None
         assert loader.mp_context.get_start_method() == "spawn"
