@@ -419,6 +419,71 @@ def test_a_pool_closed_before_the_fork_stays_closed_in_the_child() -> None:
         pool.close()
 
 
+# -- a child that ends normally ------------------------------------------------------------
+
+# A child made by os.fork() that ends as programs do (sys.exit, the end of its script) runs
+# the exit handlers it inherited, multiprocessing's among them, which terminates every daemon
+# process in the record of children the child inherited: the parent's workers were there.
+_EXITING_CHILD = """
+import json, os, sys
+
+import fault_datasets as fd
+
+import aioloader
+
+child_iterates = sys.argv[1] == "iterates"
+loader = fd.make_loader(fd.Faulty(64), batch_size=4, num_workers=2, timeout=20, max_retries=0)
+assert sorted(i for b in loader for i in fd.batch_indices(b)) == list(range(64))
+workers = list(loader.worker_pids)
+epoch = iter(loader)
+first = fd.batch_indices(next(epoch))
+pid = os.fork()
+if pid == 0:
+    if child_iterates:  # an epoch of its own, left open: its exit closes it
+        assert sorted(i for b in loader for i in fd.batch_indices(b)) == list(range(64))
+    sys.exit(0)
+_, status = os.waitpid(pid, 0)
+rest = [i for b in epoch for i in fd.batch_indices(b)]
+again = sorted(i for b in loader for i in fd.batch_indices(b))
+print(json.dumps({
+    "child": os.waitstatus_to_exitcode(status), "epoch": first + rest, "again": again,
+    "workers": workers, "after": list(loader.worker_pids),
+}))
+loader.close()
+"""
+
+
+@pytest.mark.parametrize("child", ["iterates", "idle"])
+def test_a_child_that_exits_normally_leaves_the_parents_workers_alone(
+    tmp_path: Path, child: str
+) -> None:
+    script = tmp_path / "exiting_child.py"
+    script.write_text(textwrap.dedent(_EXITING_CHILD))
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "PYTHONFAULTHANDLER": "1"}
+    with subprocess.Popen(
+        [sys.executable, str(script), child],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    ) as program:
+        try:
+            out, err = program.communicate(timeout=CHILD_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(program.pid, signal.SIGKILL)
+            out, err = program.communicate()
+            pytest.fail(f"the program overran {CHILD_LIMIT_S} s:\n{err.decode()[-3000:]}")
+    assert program.returncode == 0, err.decode()[-3000:]
+    report = json.loads(out.decode().strip().splitlines()[-1])
+    assert report["child"] == 0, report
+    # The epoch in flight at the fork, and the next, whole and in order, from the same workers.
+    assert report["epoch"] == list(range(SAMPLES)), report
+    assert report["again"] == list(range(SAMPLES)), report
+    assert report["after"] == report["workers"], report
+    assert len(report["workers"]) == 2, report
+    assert "WorkerCrashedError" not in err.decode(), err.decode()[-3000:]
+
+
 # -- Lightning's ddp_fork -----------------------------------------------------------------------
 
 # Lightning forks its ranks from the program (``strategy="ddp_fork"``, what ``ddp_notebook``

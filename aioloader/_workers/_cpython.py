@@ -28,6 +28,10 @@ gives a fallback, named in each docstring and summed up here::
                                     ._fd                                sheds the pipe (its
                                                                         segments untracked)
     flush_std_streams()             util._flush_std_streams             flushed here instead
+    forget_parents_children()       process._children, Process          nothing dropped: a forked
+                                    ._parent_pid                        child's normal exit
+                                                                        SIGTERMs its parent's
+                                                                        daemon workers
     module_locks()                  importlib._bootstrap._module_locks  None: _payload looks at
                                                                         every module, _zygote at
                                                                         this thread's frames
@@ -46,11 +50,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import sys
 import types
 from collections.abc import Callable
 from multiprocessing import context as mp_context
 from multiprocessing import forkserver, popen_forkserver, resource_tracker, spawn, util
+from multiprocessing import process as mp_process
 from typing import Any
 
 __all__ = [
@@ -59,6 +65,7 @@ __all__ = [
     "caller_frame",
     "connect_to_forkserver",
     "flush_std_streams",
+    "forget_parents_children",
     "forkserver_pid",
     "module_locks",
     "popen_with_spawn",
@@ -245,6 +252,23 @@ def flush_std_streams() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError):
             stream.flush()
+
+
+def forget_parents_children() -> None:
+    """Drop from multiprocessing's record of this process's children every process that
+    another process started: run in a child made by ``os.fork()`` (an after-in-child fork
+    hook). The child inherits the record, and multiprocessing's exit handler, which runs when
+    the child ends normally (``sys.exit``, the end of its script), terminates every daemon
+    process in it and joins the others: the parent's workers, killed by its child. A process
+    multiprocessing starts does the same for itself (``Process._bootstrap`` empties the
+    record). Missing record or ``_parent_pid``: nothing is dropped."""
+    children = getattr(mp_process, "_children", None)
+    if not isinstance(children, set):
+        return
+    me = os.getpid()
+    for child in list(children):
+        if getattr(child, "_parent_pid", me) != me:
+            children.discard(child)
 
 
 # -- imports in progress ---------------------------------------------------------------------

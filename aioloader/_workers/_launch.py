@@ -54,13 +54,18 @@ from .._log import first_time, workers_log
 from ._channel import Channel
 from ._context import await_server
 from ._copy import DatasetCopy
-from ._cpython import resource_tracker_fd
+from ._cpython import forget_parents_children, resource_tracker_fd
 from ._death import ExitWatch
 from ._starting import LAUNCH_TIMEOUT_S, Hang, StackPipe, describe_launch
 from ._worker import run_forked_worker, run_worker
 from ._zygote import SHED_SIGNALS, is_zygote, sockets_and_pipes
 
 __all__ = ["Launch", "Launcher", "Worker"]
+
+# A child the program forks (os.fork(), then sys.exit or the end of its script) must not take
+# its parent's workers with it: multiprocessing's exit handler terminates every daemon process
+# in the record of children the child inherited, and the workers are there.
+os.register_at_fork(after_in_child=forget_parents_children)
 
 
 @dataclass(slots=True, eq=False)
