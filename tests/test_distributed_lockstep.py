@@ -287,6 +287,20 @@ def test_a_stream_loader_on_one_rank_only_does_not_wait(ranks: list[dict[str, An
 
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_a_sharded_stream_iterated_on_rank_0_only_fails_within_the_bound(
+    ranks: list[dict[str, Any]],
+) -> None:
+    report = case(ranks, "rank0_only")[0]
+    assert "batches" not in report, report  # it cannot agree with ranks that never come
+    kind, message = report["raised"]
+    assert kind == "RuntimeError"
+    for part in ("epoch 0", "equal_steps=False", "shard=False", "3 s"):
+        assert part in message, message
+    assert report["elapsed"] < 30, report  # the bound (3 s), not 30 minutes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
 def test_the_rank_slowed_on_purpose_is_named_with_its_stage(ranks: list[dict[str, Any]]) -> None:
     reports = case(ranks, "slow_rank")
     for report in reports:

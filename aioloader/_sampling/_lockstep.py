@@ -27,9 +27,14 @@ first job, with ``use_local_synchronization`` over the sharing ranks: a collecti
 never at construction, and only for a loader that shards by the group (every rank builds it:
 a loader made on some ranks only passes ``shard=False`` or ``equal_steps=False``). torch names
 a group by the order in which each rank makes its groups, so groups the user makes from another
-thread while the first epoch starts could pair wrongly: they are made before, in a setup. A
-rank that waits longer than :data:`AGREEMENT_TIMEOUT_S` gets torch's timeout error at that
-step.
+thread while the first epoch starts could pair wrongly: they are made before, in a setup.
+
+No wait is unbounded: the group's creation (torch's store-based barrier and gloo's connection
+to each peer, both bounded by ``new_group``'s ``timeout`` in torch 2.x) and each step's
+all-reduce give up after :data:`AGREEMENT_TIMEOUT_S`, and the epoch fails with a
+``RuntimeError`` naming the epoch, the step and the way out (``equal_steps=False`` or
+``shard=False``), its cause torch's error. A loader iterated on rank 0 only (an evaluation
+loader built without ``shard=False``) so fails within a minute instead of hanging.
 
 What each rank read past the agreed end (its ``leftover``) is counted and logged; with
 ``leftover='carry'`` it is handed first in the next epoch (a step of that epoch), with
@@ -61,10 +66,14 @@ __all__ = [
     "resolve_leftover",
 ]
 
-#: How long one rank waits for the others in a step's agreement (and in making the group)
-#: before torch raises its timeout error: torch's default for gloo groups. Long, since a rank
-#: may legitimately be behind by a slow step (a checkpoint, an evaluation on rank 0).
-AGREEMENT_TIMEOUT_S = 1800.0
+#: How long one rank waits for the others in making the group and in a step's agreement
+#: before the epoch fails with an error naming the way out. The trade-off: long enough for a
+#: rank that is legitimately behind by a slow step (a checkpoint, a short evaluation on rank
+#: 0), short enough that a loader iterated on some ranks only (an evaluation loader made
+#: without ``shard=False``) fails within a minute instead of hanging for torch's 30 minutes.
+#: A job whose ranks drift apart by longer passes ``equal_steps=False`` and keeps in step
+#: itself. Read when a loader is built (a test lowers it before building one).
+AGREEMENT_TIMEOUT_S = 60.0
 
 #: What ``leftover=`` accepts: read first in the next epoch, or released (counted, logged).
 LEFTOVER_POLICIES = ("carry", "drop")
@@ -151,13 +160,13 @@ class Lockstep:
         self,
         members: tuple[int, ...],
         leftover: str,
-        timeout_s: float = AGREEMENT_TIMEOUT_S,
+        timeout_s: float | None = None,
         all_have: Callable[[int], int] | None = None,
     ) -> None:
         self.members = members
         self._collective = all_have if all_have is not None else self._all_have
         self.leftover = leftover
-        self._timeout_s = timeout_s
+        self._timeout_s = AGREEMENT_TIMEOUT_S if timeout_s is None else timeout_s
         self._thread: _AgreementThread | None = None
         self._group: Any = None
         self._lock = threading.Lock()
@@ -175,7 +184,7 @@ class Lockstep:
             previous, self._current = self._current, None
         if previous is not None:
             previous.give_up()
-        agreement = EpochAgreement(self._thread, self._collective, epoch)
+        agreement = EpochAgreement(self._thread, self._collective, epoch, self._timeout_s)
         self._current = agreement
         return agreement
 
@@ -222,9 +231,14 @@ class EpochAgreement:
     """
 
     def __init__(
-        self, thread: _AgreementThread, all_have: Callable[[int], int], epoch: int
+        self,
+        thread: _AgreementThread,
+        all_have: Callable[[int], int],
+        epoch: int,
+        timeout_s: float = AGREEMENT_TIMEOUT_S,
     ) -> None:
         self.epoch = epoch
+        self._timeout_s = timeout_s
         self._thread = thread
         self._all_have = all_have
         self._lock = threading.Lock()
@@ -268,8 +282,17 @@ class EpochAgreement:
             return False
         try:
             agreed = self._all_have(have) > 0
-        except BaseException:
+        except Exception as exc:
             self._ended = True  # the group is broken: no later step of it waits in vain
+            raise RuntimeError(
+                f"equal steps: epoch {self.epoch}, step {step}: the other ranks did not join "
+                f"this rank's agreement within {self._timeout_s:g} s (a loader iterated on "
+                "some ranks only, a rank that died or is far behind); a loader that is not "
+                "iterated on every rank of its group takes equal_steps=False (its rank's share, "
+                "no agreement) or shard=False (the whole stream)"
+            ) from exc
+        except BaseException:
+            self._ended = True
             raise
         if not agreed:
             self._ended = True

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from datasets import AsyncStream, Range, Stream, TorchDraws, keep, tar_sample, tar_shard
 from torch.nn.parallel import DistributedDataParallel
 
+import aioloader._sampling._lockstep as lockstep_module
 from aioloader import DataLoader
 from aioloader.distributed import gather_statistics
 from aioloader.sources import TarDataset
@@ -37,6 +38,7 @@ from aioloader.sources import TarDataset
 # Bounds each collective of this rank (the agreement's own group has its own, longer bound:
 # a case that hangs there is ended by the test's limit on the whole job).
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)
+SHORT_AGREEMENT_S = 3.0  # the agreement's bound, lowered for the rank-0-only case
 
 #: The length of each rank's copy of the "uneven" stream: the loader keeps items r, r + 4, ...
 #: of it, so the shares are 10, 3, 6 and 2 items long (3, 1, 2 and 1 batches of 4).
@@ -271,6 +273,20 @@ def main() -> None:
                 result[name] = {"rest": rest, "next": following, "fresh1": uninterrupted}
             report[str(taken)] = result
 
+    def rank0_only(report: dict[str, Any]) -> None:
+        # A sharded stream iterated on rank 0 only (an evaluation loader built without
+        # shard=False): the agreement's group never forms; rank 0 fails after the (lowered)
+        # bound, naming the way out, and does not hang. Last: rank 0's group count is ahead.
+        lockstep_module.AGREEMENT_TIMEOUT_S = SHORT_AGREEMENT_S
+        if rank == 0:
+            start = time.monotonic()
+            with DataLoader(Stream(20), batch_size=2) as loader:
+                try:
+                    report["batches"] = sum(1 for _ in loader)
+                except Exception as exc:
+                    report["raised"] = [type(exc).__name__, str(exc)]
+            report["elapsed"] = time.monotonic() - start
+
     for name, body in (
         ("elastic", elastic),
         ("uneven", uneven),
@@ -280,6 +296,7 @@ def main() -> None:
         ("alone", alone),
         ("slow_rank", slow_rank),
         ("dp_groups", dp_groups),
+        ("rank0_only", rank0_only),
     ):
         case(reports, name, body)
         dist.barrier()
