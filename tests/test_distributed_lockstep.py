@@ -15,7 +15,7 @@ import threading
 from typing import Any
 
 import pytest
-from datasets import Stream
+from datasets import Range, Stream
 from helpers import assert_raises_naming
 from test_distributed import (
     JOB_TEST_TIMEOUT_S,
@@ -62,6 +62,25 @@ def test_equal_steps_true_needs_a_stream_read_in_shares() -> None:
         ValueError,
         ["equal_steps=True", "Stream", "shard=False"],
     )
+
+
+def test_equal_steps_true_on_map_style_data_is_refused_at_construction() -> None:
+    assert_raises_naming(
+        lambda: DataLoader(Range(8), equal_steps=True),
+        ValueError,
+        ["equal_steps=True", "Range", "map-style"],
+    )
+
+
+def test_equal_steps_true_without_a_process_group_is_refused_at_the_first_epoch() -> None:
+    # Built before init_process_group is allowed (the group may come later); an epoch begun
+    # with none cannot be read in shares, so True cannot apply.
+    with DataLoader(Stream(8), batch_size=4, equal_steps=True) as loader:
+        assert_raises_naming(
+            lambda: next(iter(loader)),
+            ValueError,
+            ["equal_steps=True", "Stream", "no process group"],
+        )
 
 
 def test_without_a_process_group_a_stream_is_read_as_before() -> None:

@@ -168,8 +168,9 @@ class DataLoader(SettingsView):
         equal_steps: a stream the loader shards ends its epoch at the same step on every rank
             (the shortest share): the ranks agree on the end a few batches ahead, one small
             collective per step on a thread and a gloo group of the loader's own, made at its
-            first epoch. None (default): on for a sharded stream; True: insist (an error
-            where the loader does not shard a stream); False: off, shares may end unevenly.
+            first epoch. None (default): on for a sharded stream; True: insist (a
+            ``ValueError`` for map-style data or ``shard=False`` at construction, for no
+            process group at the first epoch); False: off, shares may end unevenly.
         leftover: what a rank read past the agreed end: ``'carry'`` (default; handed first in
             the next epoch) or ``'drop'``; counted in ``statistics()`` either way, and logged.
         worker_seeding: worker ``k`` gets ``base + k`` (its ``get_worker_info().seed``), the base
@@ -335,7 +336,13 @@ class DataLoader(SettingsView):
         stream = kind in ("iterable", "async_iterable")
         sharded = share is not None and share.replicas > 1
         later = later and process_group() is None
-        if self._equal_steps and stream and not sharded and not later:
+        if self._equal_steps and not stream:
+            raise ValueError(
+                f"equal_steps=True applies to a stream (an iterable dataset) only: dataset="
+                f"{type(self.dataset).__name__} is map-style, whose shares are already equal "
+                "(leave equal_steps=None)"
+            )
+        if self._equal_steps and not sharded and not later:
             raise ValueError(
                 f"equal_steps=True needs a stream the loader shards by rank: dataset="
                 f"{type(self.dataset).__name__} is not read in shares here (no process group "
@@ -416,6 +423,8 @@ class DataLoader(SettingsView):
 
     def _new_epoch(self) -> Epoch:
         self._shard_if_group_appeared()  # before the workers start: they get the share's config
+        if self._equal_steps and self._lockstep is None:  # deferred at construction: no group
+            self._lockstep_for(self._config.kind, self._config.shard)  # raises, naming why
         runner = self._ensure_resources()
         previous = self._res.epoch
         if previous is not None and previous.raised_last and not previous.finished:
