@@ -298,6 +298,21 @@ def test_an_epoch_left_early_ends_and_the_next_one_is_in_step(
 
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_a_second_open_epoch_of_one_loader_is_refused_and_the_first_is_whole(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for rank, report in enumerate(case(ranks, "zip_self")):
+        assert "second" not in report, report
+        for part in ("epoch 0", "still open", "equal_steps=False"):
+            assert part in report["refused"], report["refused"]
+        mine = list(range(rank, 40 + rank, WORLD))  # 10 items: 5 batches of 2
+        whole = [mine[i : i + 2] for i in range(0, len(mine), 2)]
+        assert [report["head"], *report["rest"]] == whole  # not cut short by the refused one
+        assert report["after"] == whole
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
 def test_a_stream_loader_on_one_rank_only_does_not_wait(ranks: list[dict[str, Any]]) -> None:
     report = case(ranks, "alone")[0]
     assert report["whole"] == list(range(10))  # shard=False: everything

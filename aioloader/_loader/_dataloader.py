@@ -431,6 +431,17 @@ class DataLoader(SettingsView):
             # Its consumer stopped at an error (a traceback keeps it alive): not a 2nd iterator.
             previous.close_nowait()
         alone = previous is None or previous.finished
+        if self._lockstep is not None and not alone:
+            assert previous is not None
+            # Equal steps pair the ranks' steps of one epoch at a time: a second epoch open
+            # beside it would cut the first short (zip(loader, loader)). Refused before
+            # anything changes; the open one goes on.
+            raise RuntimeError(
+                f"this DataLoader's epoch {previous.epoch} is still open in another iterator "
+                "(zip(loader, loader), another task or thread): under equal steps the ranks "
+                "agree on one epoch's steps at a time; finish or drop that iterator first, "
+                "make a second DataLoader, or pass equal_steps=False"
+            )
         if previous is not None and not previous.finished:
             # Another iterator is mid-epoch: both run a full epoch, as torch's do. The older
             # one's plan is read out first, before set_epoch moves the shared sampler on; a

@@ -177,7 +177,8 @@ class Lockstep:
 
     def begin(self, epoch: int) -> EpochAgreement:
         """The agreement of epoch ``epoch``. An epoch still open gives up first (one epoch's
-        steps at a time: two interleaved would pair steps differently on each rank)."""
+        steps at a time: two interleaved would pair steps differently on each rank); the
+        loader refuses to begin one while another is open, so this is a backstop."""
         with self._lock:
             if self._thread is None:
                 self._thread = _AgreementThread(f"aioloader-equal-steps-{epoch}")

@@ -43,6 +43,7 @@ SHORT_AGREEMENT_S = 3.0  # the agreement's bound, lowered for the rank-0-only ca
 #: The length of each rank's copy of the "uneven" stream: the loader keeps items r, r + 4, ...
 #: of it, so the shares are 10, 3, 6 and 2 items long (3, 1, 2 and 1 batches of 4).
 UNEVEN = (40, 13, 27, 8)
+ZIP_ITEMS = 40  # rank r's copy has 40 + r items: a share of 10, five batches of 2, on each
 #: The elastic case: a map dataset's length, and the batches every rank takes before the cut.
 ELASTIC_N = 45
 CUTS = (1, 2)  # of the 3 batches of 4 each rank has (45 samples, 12 a rank)
@@ -193,6 +194,19 @@ def main() -> None:
             report["after"] = train(loader, 1)["epochs"][0]
             reports["workers"].extend(loader.worker_pids)
 
+    def zip_self(report: dict[str, Any]) -> None:
+        # Two epochs of one loader open at once under equal steps: refused at once (never a
+        # first epoch silently cut short); the first goes on, and a later epoch is whole.
+        with DataLoader(Stream(ZIP_ITEMS + rank), batch_size=2) as loader:
+            first = iter(loader)
+            report["head"] = items(next(first))
+            try:
+                report["second"] = items(next(iter(loader)))
+            except RuntimeError as exc:
+                report["refused"] = str(exc)
+            report["rest"] = [items(b) for b in first]
+            report["after"] = train(loader, 1)["epochs"][0]
+
     def alone(report: dict[str, Any]) -> None:
         # Loaders built on rank 0 only: nothing waits for the other ranks.
         if rank == 0:
@@ -293,6 +307,7 @@ def main() -> None:
         ("async_uneven", async_uneven),
         ("tar", tar),
         ("left_early", left_early),
+        ("zip_self", zip_self),
         ("alone", alone),
         ("slow_rank", slow_rank),
         ("dp_groups", dp_groups),
