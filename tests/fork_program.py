@@ -4,6 +4,8 @@ name in workers, so the global is the worker's copy of the module's, not one sen
 
 from __future__ import annotations
 
+import threading
+
 import torch.utils.data as tud
 
 STATE = "at import"
@@ -18,3 +20,19 @@ class Program(tud.Dataset[str]):
 
     def __getitem__(self, i: int) -> str:
         return f"{self.tag}/{STATE}"
+
+
+#: A lock of the program's, which a thread of the program may hold while workers are forked.
+LOCK = threading.Lock()
+
+
+class Locked(tud.Dataset[int]):
+    """Reads take the program's :data:`LOCK`: a worker forked while another thread holds it
+    waits for ever (its copy is never released)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        with LOCK:
+            return i

@@ -1503,6 +1503,50 @@ def test_fork_while_a_thread_runs_falls_back_with_one_warning_saying_why(tmp_pat
     assert "allow_fork=True" in lines[4]
 
 
+def test_fork_while_a_daemon_thread_of_the_program_runs_falls_back_too(tmp_path: Any) -> None:
+    """A daemon thread of the program may hold a lock that the workers' code takes (here the
+    dataset's): workers forked from the program then would wait on their copy of it for ever
+    (the batch deadline, 15 s, bounds that here). They start from the safe start method
+    instead (the server forked as the loader was made, before the thread took the lock), with
+    the warning naming the thread; every batch comes."""
+    lines = _fork_script(
+        """
+        if __name__ == "__main__":
+            held = threading.Event()
+
+            def hold():
+                with fork_program.LOCK:  # held for the rest of the program
+                    held.set()
+                    threading.Event().wait()
+
+            with warnings.catch_warnings(record=True) as caught:
+                loader = aioloader.DataLoader(
+                    fork_program.Locked(), batch_size=2, num_workers=2,
+                    multiprocessing_context="fork", timeout=15,
+                )
+                threading.Thread(target=hold, name="program-daemon", daemon=True).start()
+                assert held.wait(10)
+                try:
+                    print("batches", [b.tolist() for b in loader])
+                    print("forked from the program", parents(loader.worker_pids) == {os.getpid()})
+                except Exception as exc:
+                    print("failed", type(exc).__name__)
+                finally:
+                    loader.close()
+            said = fork_warnings(caught)
+            print("fork warnings", len(said))
+            print(said[0] if said else "")
+        """,
+        tmp_path,
+    )
+    assert lines[:3] == [
+        "batches [[0, 1], [2, 3]]",
+        "forked from the program False",
+        "fork warnings 1",
+    ], lines
+    assert "other threads run ('program-daemon')" in lines[3], lines[3]
+
+
 def test_fork_under_async_for_forks_and_off_the_loop_falls_back_and_allow_fork_forks(
     tmp_path: Any,
 ) -> None:

@@ -209,18 +209,19 @@ class WorkerPool:
 
     def fork_here(self) -> None:
         """Under ``'fork'`` (a :class:`._context.ForkContext`): fork every worker that has no
-        process from this thread now, where that is safe (``_zygote.fork_unsafe_reason``), all
-        before any is waited for; else say once why they start through the fallback (their
-        launch, from a thread, does). Called as an epoch begins (:meth:`load`) and by
-        :meth:`start`: the workers see the program as it is then, as torch's forked workers
-        do. A no-op for other contexts, and once every worker has a process. Never raises: a
-        fork that fails (EAGAIN, ENOMEM) leaves its worker, with new pipes, to its launch."""
+        process from this thread now, where that is safe (``_zygote.fork_unsafe_reason``: any
+        other thread, a daemon too, makes it unsafe), all before any is waited for; else say
+        once why they start through the fallback (their launch, from a thread, does). Called
+        as an epoch begins (:meth:`load`) and by :meth:`start`: the workers see the program as
+        it is then, as torch's forked workers do. A no-op for other contexts, and once every
+        worker has a process. Never raises: a fork that fails (EAGAIN, ENOMEM) leaves its
+        worker, with new pipes, to its launch."""
         if not self._fork or _FORK is None or self._closed:
             return
         waiting = [w for w in self._workers if w.process is None]
         if not waiting:
             return
-        reason = fork_unsafe_reason()
+        reason = fork_unsafe_reason(runs_user_code=True)  # daemon threads count too
         if reason is not None:
             self._launcher.not_forked(waiting[0].id, reason)
             return

@@ -32,8 +32,9 @@ subprocess's pipe), signal handlers other than the default, the signal wake-up d
 The server names itself ``aiol-forkserver`` (``/proc/PID/comm``, what ``ps`` and ``top`` show).
 
 Under ``'fork'`` the workers skip the server: forked from the main process itself as an epoch
-begins, under the same test (:func:`fork_unsafe_reason`), each sheds what the server sheds
-(:func:`shed_parent_state`; see ``_pool.WorkerPool.fork_here``).
+begins, under the same test made stricter (:func:`fork_unsafe_reason` with ``runs_user_code``:
+a daemon thread counts too, since the worker runs user code that may want its lock), each sheds
+what the server sheds (:func:`shed_parent_state`; see ``_pool.WorkerPool.fork_here``).
 """
 
 from __future__ import annotations
@@ -436,10 +437,10 @@ def fork_is_safe() -> bool:
     return fork_unsafe_reason() is None
 
 
-def fork_unsafe_reason() -> str | None:
+def fork_unsafe_reason(*, runs_user_code: bool = False) -> str | None:
     """Why this process may not fork now, or None if it may: from the main thread, with every
     other thread a daemon of someone else's (a notebook kernel's heartbeat and output threads
-    are).
+    are), or, where the child ``runs_user_code``, with no other thread at all.
 
     The server itself only runs the stdlib's server loop, and CPython re-initialises the import
     lock and the GIL in a forked child; what a thread might hold at the fork that a worker would
@@ -447,6 +448,11 @@ def fork_unsafe_reason() -> str | None:
     own) may be in the middle of anything, and a loader's own threads hold its locks: with
     either running, or while a module is being imported (see :func:`_importing`), the caller
     uses a standard start method instead.
+
+    A worker forked from the program (``runs_user_code``: under ``'fork'``) runs the user's
+    dataset, transforms and collate function, which may take any lock a daemon thread of the
+    program holds (a logging handler's, an allocator's, a client library's): there a daemon
+    thread counts as any other.
     """
     me = threading.current_thread()
     if me is not threading.main_thread():
@@ -456,7 +462,7 @@ def fork_unsafe_reason() -> str | None:
     others = [
         t.name
         for t in threading.enumerate()
-        if t is not me and (not t.daemon or t.name.startswith("aioloader"))
+        if t is not me and (runs_user_code or not t.daemon or t.name.startswith("aioloader"))
     ]
     if others:
         return f"other threads run ({', '.join(map(repr, sorted(others)))}) and may hold locks"
