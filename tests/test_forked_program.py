@@ -484,6 +484,101 @@ def test_a_child_that_exits_normally_leaves_the_parents_workers_alone(
     assert "WorkerCrashedError" not in err.decode(), err.decode()[-3000:]
 
 
+# -- 'fork' whose fallback is Python's forkserver ------------------------------------------
+
+# A thread of the program runs as the loader is made: under 'fork' its fallback is then
+# Python's forkserver, the parent's child. A child forked later that cannot fork its workers
+# itself (a thread of its own runs) would start them through that server: refused at once,
+# never multiprocessing's bare ChildProcessError. One that can fork them does so.
+_FORK_FALLBACK = """
+import json, os, sys, threading, time, warnings
+
+import fault_datasets as fd
+
+import aioloader
+
+warnings.simplefilter("ignore")  # the fallback's own warning
+stop = threading.Event()
+busy = threading.Thread(target=stop.wait)
+busy.start()
+try:
+    loader = fd.make_loader(fd.Faulty(16), multiprocessing_context="fork", timeout=20)
+    parent = sorted(i for b in loader for i in fd.batch_indices(b))
+finally:
+    stop.set()
+    busy.join()
+
+
+def child(with_thread):
+    signal_stop = threading.Event()
+    thread = threading.Thread(target=signal_stop.wait)
+    if with_thread:
+        thread.start()
+    started = time.monotonic()
+    try:
+        said = sorted(i for b in loader for i in fd.batch_indices(b))
+    except Exception as exc:
+        said = f"{type(exc).__name__}: {exc}"
+    took = time.monotonic() - started
+    signal_stop.set()
+    if with_thread:
+        thread.join()
+    loader.close()
+    return {"said": said, "took": took}
+
+
+reports = {}
+for with_thread in (True, False):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        code = 1
+        try:
+            os.write(w, json.dumps(child(with_thread)).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as pipe:
+        reports[str(with_thread)] = json.loads(pipe.read() or "{}")
+    os.waitpid(pid, 0)
+again = sorted(i for b in loader for i in fd.batch_indices(b))
+print(json.dumps({"pid": os.getpid(), "parent": parent, "again": again, **reports}))
+loader.close()
+"""
+
+
+def test_fork_falling_back_to_pythons_forkserver_is_refused_in_a_forked_child(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "fork_fallback.py"
+    script.write_text(textwrap.dedent(_FORK_FALLBACK))
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "PYTHONFAULTHANDLER": "1"}
+    with subprocess.Popen(
+        [sys.executable, str(script)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    ) as program:
+        try:
+            out, err = program.communicate(timeout=CHILD_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(program.pid, signal.SIGKILL)
+            out, err = program.communicate()
+            pytest.fail(f"the program overran {CHILD_LIMIT_S} s:\n{err.decode()[-3000:]}")
+    assert program.returncode == 0, err.decode()[-3000:]
+    report = json.loads(out.decode().strip().splitlines()[-1])
+    assert report["parent"] == report["again"] == list(range(16)), report
+    refused = report["True"]  # a thread of the child's own runs: the fallback would be used
+    assert refused["said"].startswith("RuntimeError: "), refused
+    assert "Python's 'forkserver'" in refused["said"], refused
+    assert f"forked from process {report['pid']}" in refused["said"], refused
+    assert refused["took"] < 1.0, refused
+    assert report["False"]["said"] == list(range(16)), report  # forked from the child itself
+
+
 # -- Lightning's ddp_fork -----------------------------------------------------------------------
 
 # Lightning forks its ranks from the program (``strategy="ddp_fork"``, what ``ddp_notebook``

@@ -88,9 +88,9 @@ from .._workers import (
     Payload,
     ProcessRunner,
     hold_server,
-    is_zygote,
     preload_pickler,
     resolve_context,
+    starts_through_pythons_forkserver,
     warn_more_workers_than_cpus,
 )
 from .._workers import WorkerPool as Processes
@@ -611,10 +611,15 @@ def refuse_parents_forkserver(context: BaseContext, parent: int) -> None:
     fails in this one ("No child processes"), at every worker's start. The default start
     method (workers forked from a server this process forks itself) and ``spawn`` work here.
 
+    The context's own start method is not the test: a ``'fork'`` context whose workers cannot
+    be forked from here now (another thread runs) starts them through its fallback, which may
+    be that server (``_workers.starts_through_pythons_forkserver``).
+
     Raises:
-        RuntimeError: ``context`` is the standard forkserver; names both pids and the fix.
+        RuntimeError: the workers would start through the standard forkserver; names both pids
+            and the fix.
     """
-    if is_zygote(context) or context.get_start_method() != "forkserver":
+    if not starts_through_pythons_forkserver(context):
         return
     raise RuntimeError(
         f"this process ({os.getpid()}) was forked from process {parent}, whose loader starts "

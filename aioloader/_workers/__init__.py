@@ -102,6 +102,7 @@ from ._payload import loads as loads_payload
 from ._payload import preload_pickler as preload_pickler
 from ._pool import DEFAULT_START_TIMEOUT_S as DEFAULT_START_TIMEOUT_S
 from ._pool import WorkerPool as WorkerPool
+from ._pool import starts_through_pythons_forkserver as starts_through_pythons_forkserver
 from ._pool import warn_more_workers_than_cpus as warn_more_workers_than_cpus
 from ._records import Payload as Payload
 from ._runner import ProcessRunner as ProcessRunner
@@ -128,6 +129,7 @@ __all__ = [
     "seed_on_import",
     "seed_worker",
     "starts_early",
+    "starts_through_pythons_forkserver",
     "torch_on_one_thread",
     "worker_seed",
 ]

@@ -81,7 +81,7 @@ from ._launch import Launcher, Worker
 from ._records import Payload, new_cells, running_tag
 from ._starting import START_POLL_S, Hang, StackPipe, describe_start, kill, take_stack
 from ._worker import drop_copy, load_copy
-from ._zygote import fork_unsafe_reason
+from ._zygote import fork_unsafe_reason, is_zygote
 
 __all__ = [
     "DEFAULT_START_TIMEOUT_S",
@@ -89,6 +89,7 @@ __all__ = [
     "MAX_START_FAILURES",
     "SHUTDOWN_GRACE_S",
     "WorkerPool",
+    "starts_through_pythons_forkserver",
     "warn_more_workers_than_cpus",
 ]
 
@@ -114,6 +115,18 @@ _FORK: BaseContext | None = (
     if "fork" in multiprocessing.get_all_start_methods()
     else None
 )
+
+
+def starts_through_pythons_forkserver(context: BaseContext) -> bool:
+    """Whether a pool of ``context`` made now, on this thread, starts its workers through
+    Python's own forkserver: a ``forkserver`` context, or a ``'fork'`` one
+    (:class:`._context.ForkContext`) whose workers cannot be forked from here now
+    (:meth:`WorkerPool.fork_here`'s test) and whose fallback is that server. Not the forked
+    server of ``_zygote``."""
+    start = start_context(context)
+    if is_zygote(start) or start.get_start_method() != "forkserver":
+        return False
+    return start is context or fork_unsafe_reason(runs_user_code=True) is not None
 
 
 def warn_more_workers_than_cpus(num_workers: int, stacklevel: int = 3) -> None:
