@@ -313,6 +313,20 @@ def test_a_second_open_epoch_of_one_loader_is_refused_and_the_first_is_whole(
 
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_a_loader_collected_unclosed_leaves_no_thread_group_or_batches(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for rank, report in enumerate(case(ranks, "collected")):
+        assert report["steps"] == 1, report  # the shortest share: 2 items, 1 batch of 2
+        assert len(report["threads_while_open"]) == 1, report
+        assert report["groups_while_open"] == 1, report
+        assert report["threads_after"] == [], (rank, report)
+        assert report["locksteps_after"] == 0, (rank, report)
+        assert report["groups_after"] == 0, (rank, report)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
 def test_a_stream_loader_on_one_rank_only_does_not_wait(ranks: list[dict[str, Any]]) -> None:
     report = case(ranks, "alone")[0]
     assert report["whole"] == list(range(10))  # shard=False: everything

@@ -326,7 +326,7 @@ class DataLoader(SettingsView):
         self._progress = progress_display(progress)
         self._res = Resources(pool=pool)
         self._closed = False
-        self._finalizer = weakref.finalize(self, finalize, self._res, type(self).__name__)
+        self._finalizer = self._watch()
         self._initialized = True
         self._res.start_early(config, dataset, device_spec=self._device_spec, context=self._context)
 
@@ -353,6 +353,13 @@ class DataLoader(SettingsView):
         assert share is not None
         members = share.members if share.members is not None else tuple(range(share.replicas))
         return Lockstep(members, self._leftover)
+
+    def _watch(self) -> weakref.finalize[..., Any]:
+        """The finalizer of a loader collected unclosed: its lockstep first (the agreement
+        thread, its group, the carried batches), then its resources. Re-made when a lockstep
+        comes later (a process group that appeared after construction)."""
+        lockstep = self._lockstep.finalizer() if self._lockstep is not None else None
+        return weakref.finalize(self, _collected, self._res, type(self).__name__, lockstep)
 
     def _reconfigure(self, config: LoaderConfig) -> None:
         # Checked first: if it cannot be pickled, nothing changes. Workers take it with a copy.
@@ -400,6 +407,9 @@ class DataLoader(SettingsView):
         self._book.replace_sampling(self._sampling)
         self._reconfigure(dataclasses.replace(self._config, shard=share))
         self._lockstep = self._lockstep_for(self._config.kind, share)
+        if self._lockstep is not None:
+            self._finalizer.detach()
+            self._finalizer = self._watch()
 
     def __len__(self) -> int:
         self._shard_if_group_appeared()
@@ -591,7 +601,7 @@ class DataLoader(SettingsView):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _counters=Counters(), _res=Resources(), _closed=False)
         self._lockstep = self._lockstep_for(self._config.kind, self._config.shard)
-        self._finalizer = weakref.finalize(self, finalize, self._res, type(self).__name__)
+        self._finalizer = self._watch()
         if self._book.open:  # pickled mid-epoch: the copy resumes where this one was
             position = self._book.state_dict(self.seed)
             self._book.finished()
@@ -672,6 +682,14 @@ class DataLoader(SettingsView):
             return str(len(self))
         except TypeError:
             return "?"
+
+
+def _collected(resources: Resources, name: str, close_lockstep: Callable[[], None] | None) -> None:
+    """The loader was garbage collected unclosed: its lockstep is closed without waiting,
+    then its resources are released (warning if it was used)."""
+    if close_lockstep is not None:
+        close_lockstep()
+    finalize(resources, name)
 
 
 def weak_call(method: Callable[[int], None], arg: int) -> Callable[[], None]:

@@ -42,12 +42,17 @@ What each rank read past the agreed end (its ``leftover``) is counted and logged
 epoch: the log says so.
 
 The one thread is a daemon: a collective waiting for a rank that died must not hold the
-interpreter at its exit (torch's timeout ends the wait anyway).
+interpreter at its exit (the bound ends the wait anyway). Closing (the loader's ``close()``,
+or its finalizer when it is collected unclosed, which does not wait) gives up the open epoch,
+releases the carried batches, destroys the group after the last job, and ends the thread; the
+thread forgets each job once it ran, so an idle thread holds no epoch or batch.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import functools
 import queue
 import sys
 import threading
@@ -135,6 +140,9 @@ class _AgreementThread:
                 future.set_result(job())
             except BaseException as exc:  # handed to whoever awaits the verdict
                 future.set_exception(exc)
+            # The last job's closure holds its epoch, the lockstep and its carried batches:
+            # dropped here, or an idle thread would keep a collected loader's batches alive.
+            del item, job, future
 
     def close(self, wait_s: float) -> None:
         """Stop after the jobs already queued; wait up to ``wait_s`` for that."""
@@ -204,21 +212,41 @@ class Lockstep:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
         return int(flag.item())
 
-    def close(self) -> None:
-        """Give up the open epoch (the others end at its next step) and stop the thread once
-        its queued jobs ran (waiting briefly: a job waits for the other ranks)."""
+    def close(self, wait_s: float | None = None) -> None:
+        """Give up the open epoch (the others end at its next step), release the carried
+        batches, and stop the thread once its queued jobs ran, destroying the group last.
+        Waits up to ``wait_s`` for the thread (a job may wait for the other ranks): a loader's
+        ``close()`` waits briefly, its finalizer (the garbage collector's thread) not at all.
+        Idempotent."""
         current, self._current = self._current, None
         if current is not None:
             current.give_up()
+        self.carried.clear()
         thread, self._thread = self._thread, None
         if thread is not None:
-            thread.close(wait_s=_CLOSE_WAIT_S)
-        self.carried.clear()
+            if self._group is not None:
+                group, self._group = self._group, None
+                thread.submit(functools.partial(_destroy_group, group))
+            thread.close(wait_s=_CLOSE_WAIT_S if wait_s is None else wait_s)
+
+    def finalizer(self) -> Callable[[], None]:
+        """What closes this lockstep without waiting and without holding its owner (a
+        loader's finalizer calls it)."""
+        return functools.partial(self.close, 0.0)
 
 
 # How long closing a loader waits for its agreement thread to finish the jobs it has: the
 # other ranks close too and answer in milliseconds; a rank that does not is left to the daemon.
 _CLOSE_WAIT_S = 5.0
+
+
+def _destroy_group(group: Any) -> None:
+    """On the thread, after the epoch's last collective: the group's sockets are released.
+    A job that is already gone (the default group destroyed first) has nothing to release."""
+    dist: Any = sys.modules["torch.distributed"]
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(group)
 
 
 class EpochAgreement:

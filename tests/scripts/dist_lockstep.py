@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -32,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import aioloader._sampling._lockstep as lockstep_module
 from aioloader import DataLoader
+from aioloader._sampling import Lockstep
 from aioloader.distributed import gather_statistics
 from aioloader.sources import TarDataset
 
@@ -129,6 +133,10 @@ def train(loader: DataLoader, epochs: int) -> dict[str, Any]:
     }
 
 
+def equal_steps_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if "equal-steps" in t.name]
+
+
 def case(reports: dict[str, Any], name: str, body: Callable[[dict[str, Any]], None]) -> None:
     report: dict[str, Any] = {}
     with observed(report):
@@ -206,6 +214,32 @@ def main() -> None:
                 report["refused"] = str(exc)
             report["rest"] = [items(b) for b in first]
             report["after"] = train(loader, 1)["epochs"][0]
+
+    def collected(report: dict[str, Any]) -> None:
+        # A loader dropped without close() after an uneven epoch (some ranks carry batches):
+        # its finalizer closes the agreement (thread, group, carried batches); nothing of it
+        # stays alive.
+        def groups() -> int:
+            # The groups torch holds until destroyed (its registry: ProcessGroup objects are
+            # not tracked by gc, and get_pg_count() only counts up).
+            return len(dist.distributed_c10d._world.pg_map)
+
+        before = groups()
+        loader = DataLoader(Stream(UNEVEN[rank]), batch_size=2)
+        report["steps"] = sum(1 for _ in loader)
+        report["threads_while_open"] = equal_steps_threads()
+        report["groups_while_open"] = groups() - before
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)  # unclosed, on purpose
+            del loader
+            gc.collect()
+        deadline = time.monotonic() + 10
+        while equal_steps_threads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gc.collect()
+        report["threads_after"] = equal_steps_threads()
+        report["locksteps_after"] = sum(1 for o in gc.get_objects() if isinstance(o, Lockstep))
+        report["groups_after"] = groups() - before
 
     def alone(report: dict[str, Any]) -> None:
         # Loaders built on rank 0 only: nothing waits for the other ranks.
@@ -308,6 +342,7 @@ def main() -> None:
         ("tar", tar),
         ("left_early", left_early),
         ("zip_self", zip_self),
+        ("collected", collected),
         ("alone", alone),
         ("slow_rank", slow_rank),
         ("dp_groups", dp_groups),
