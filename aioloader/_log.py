@@ -32,6 +32,7 @@ check :meth:`logging.Logger.isEnabledFor` before formatting anything costly.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Hashable
 
@@ -71,6 +72,19 @@ def first_time(key: Hashable) -> bool:
             return False
         _said.add(key)
         return True
+
+
+def _forget_in_child() -> None:
+    """In a child made by ``os.fork()``: nothing said yet. It is a process of its own, whose
+    user sees its warnings apart (a rank forked by ``ddp_fork``, a job's process), so "once
+    per process" is not once per tree of processes. The lock is made anew: a thread of the
+    parent may have held it as the process forked."""
+    global _said_lock
+    _said_lock = threading.Lock()
+    _said.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def reset_once() -> None:

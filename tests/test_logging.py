@@ -9,9 +9,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import fault_datasets as fd
@@ -22,7 +25,7 @@ from http_server import Fault, FaultServer
 
 from aioloader import DataLoader
 from aioloader._epoch._consume import _log_verdict
-from aioloader._log import reset_once
+from aioloader._log import first_time, reset_once
 from aioloader._stats import VERDICT_WARNING_MIN_S, WAIT_SHARE_THRESHOLD
 from aioloader.sources import HTTPDataset, RetryPolicy
 
@@ -236,3 +239,31 @@ async def test_a_worker_killed_at_its_deadline_is_logged(
     assert "batch 0" in rerun
     assert "passed its 0.5 s deadline" in rerun
     assert not [m for m in messages if m.startswith("worker process replaced")]  # said once
+
+
+def test_a_forked_child_says_once_per_process_warnings_again() -> None:
+    # "Once per process": a child made by os.fork() (a ddp_fork rank) has said nothing yet,
+    # whatever its parent said; the parent still says it only once.
+    key = ("test", "forked child")
+    assert first_time(key)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 3
+        try:
+            code = 0 if first_time(key) and not first_time(key) else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 10
+    status = None
+    while status is None and time.monotonic() < deadline:
+        done, raw = os.waitpid(pid, os.WNOHANG)
+        if done:
+            status = os.waitstatus_to_exitcode(raw)
+        else:
+            time.sleep(0.01)
+    if status is None:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the child did not exit within 10 s")
+    assert status == 0, "the child found the key said already (1)"
+    assert not first_time(key)  # the parent's record is untouched
