@@ -172,7 +172,8 @@ class DataLoader(SettingsView):
             ``ValueError`` for map-style data or ``shard=False`` at construction, for no
             process group at the first epoch); False: off, shares may end unevenly.
         leftover: what a rank read past the agreed end: ``'carry'`` (default; handed first in
-            the next epoch) or ``'drop'``; counted in ``statistics()`` either way, and logged.
+            the next epoch, up to ``prefetch`` batches, the rest dropped) or ``'drop'``;
+            counted in ``statistics()`` either way, and logged.
         worker_seeding: worker ``k`` gets ``base + k`` (its ``get_worker_info().seed``), the base
             drawn from ``seed`` and the epoch; ``'batch'`` (default) then reseeds before each
             batch from (seed, epoch, batch id); ``'worker'`` does not, as torch.

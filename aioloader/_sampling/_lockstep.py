@@ -37,7 +37,8 @@ all-reduce give up after :data:`AGREEMENT_TIMEOUT_S`, and the epoch fails with a
 loader built without ``shard=False``) so fails within a minute instead of hanging.
 
 What each rank read past the agreed end (its ``leftover``) is counted and logged; with
-``leftover='carry'`` it is handed first in the next epoch (a step of that epoch), with
+``leftover='carry'`` it is handed first in the next epoch (a step of that epoch; at most
+``prefetch`` batches are carried, the rest counted as dropped), with
 ``'drop'`` it is released. What the rank had not read yet of its share is not read in this
 epoch: the log says so.
 

@@ -47,6 +47,7 @@ SHORT_AGREEMENT_S = 3.0  # the agreement's bound, lowered for the rank-0-only ca
 #: The length of each rank's copy of the "uneven" stream: the loader keeps items r, r + 4, ...
 #: of it, so the shares are 10, 3, 6 and 2 items long (3, 1, 2 and 1 batches of 4).
 UNEVEN = (40, 13, 27, 8)
+CAP_PREFETCH, CAP_EPOCHS = 3, 6  # at most 3 batches carried across 6 epochs
 ZIP_ITEMS = 40  # rank r's copy has 40 + r items: a share of 10, five batches of 2, on each
 #: The elastic case: a map dataset's length, and the batches every rank takes before the cut.
 ELASTIC_N = 45
@@ -241,6 +242,17 @@ def main() -> None:
         report["locksteps_after"] = sum(1 for o in gc.get_objects() if isinstance(o, Lockstep))
         report["groups_after"] = groups() - before
 
+    def capped(report: dict[str, Any]) -> None:
+        # Rank 0's share is always longer (50 batches against 1): it reads ahead past every
+        # epoch's end; what it carries stays within prefetch, the excess counted as dropped.
+        loader = DataLoader(Stream(400 if rank == 0 else 8), batch_size=2, prefetch=CAP_PREFETCH)
+        report["steps"] = [sum(1 for _ in loader) for _ in range(CAP_EPOCHS)]
+        stats = loader.statistics()
+        report["leftover"] = stats.leftover_batches
+        report["dropped_open"] = stats.dropped_batches
+        loader.close()  # what is still carried is released now, counted as dropped
+        report["dropped_closed"] = loader.statistics().dropped_batches
+
     def alone(report: dict[str, Any]) -> None:
         # Loaders built on rank 0 only: nothing waits for the other ranks.
         if rank == 0:
@@ -343,6 +355,7 @@ def main() -> None:
         ("left_early", left_early),
         ("zip_self", zip_self),
         ("collected", collected),
+        ("capped", capped),
         ("alone", alone),
         ("slow_rank", slow_rank),
         ("dp_groups", dp_groups),
