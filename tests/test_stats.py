@@ -9,8 +9,10 @@ shares are loose on purpose (``> 0.6``, ``< 0.2``): the machine running the test
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -275,6 +277,50 @@ def test_the_process_tree_cpu_counts_children_and_the_cpus_are_the_affinity() ->
     assert wait_s >= 0
     assert 0 < cpus_available() <= len(os.sched_getaffinity(0))
     assert 0 < CPU_SATURATED < 1
+
+
+@pytest.mark.parametrize("walk", ["children lists", "scan of /proc"])
+def test_the_process_tree_cpu_counts_a_live_grandchild(
+    walk: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Workers are grandchildren (through the worker server) and alive while an epoch runs: their
+    # CPU counts, whether the tree is found from the threads' children lists or by a scan.
+    from aioloader._stats import _counters
+
+    if walk == "scan of /proc":
+        monkeypatch.setattr(_counters, "_descendants", lambda root: None)
+    elif _counters._descendants(os.getpid()) is None:
+        pytest.skip("this kernel keeps no children lists (CONFIG_PROC_CHILDREN)")
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
+    middle = (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {spin!r} + 'time.sleep(30)'])\n"
+        "print(p.pid, flush=True)\n"
+        "p.wait()\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", middle], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        grandchild = int(parent.stdout.readline())
+        before = process_tree_cpu()
+        assert before is not None
+        deadline = time.monotonic() + 20
+        while True:  # bounded: the grandchild spins 0.4 s of CPU, then sleeps
+            after = process_tree_cpu()
+            assert after is not None
+            if after[1] - after[0] >= 0.4 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert after[1] - after[0] >= 0.4  # the live grandchild's CPU, not this process's
+        if walk == "children lists":
+            assert grandchild in (_counters._descendants(os.getpid()) or [])
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(grandchild, signal.SIGKILL)
+    finally:
+        parent.kill()
+        parent.wait(10)
+        if parent.stdout is not None:
+            parent.stdout.close()
 
 
 def test_shares_are_busy_time_over_wall_times_parallelism() -> None:
