@@ -352,7 +352,8 @@ def test_one_loader_iterated_with_for_then_async_for(workers: RayWorkers) -> Non
 def test_an_actor_killed_by_its_pid_mid_epoch_is_replaced_and_nothing_is_lost(
     ray_cluster: str,
 ) -> None:
-    with RayWorkers(2, num_cpus=0.5) as pool:
+    # No CPU reservation, as in the hung-actor test: the replacement is placed at once.
+    with RayWorkers(2, num_cpus=0) as pool:
         loader = DataLoader(
             Numbered(delay=0.05),
             batch_size=BATCH,
@@ -379,8 +380,11 @@ def test_a_hung_actor_is_killed_at_the_deadline_and_its_batch_re_run(
     ray_cluster: str, tmp_path: Path
 ) -> None:
     dataset = HangsOnce(str(tmp_path / "hung"), hang_at=9)
+    # No CPU reservation: the replacement is placed at once even while the other test
+    # processes' actors hold the shared cluster's CPUs (else it waits for one, up to its 120 s
+    # start deadline, past this test's time limit, on a busy machine).
     with (
-        RayWorkers(2, num_cpus=0.5) as pool,
+        RayWorkers(2, num_cpus=0) as pool,
         DataLoader(dataset, batch_size=BATCH, workers=pool, timeout=3, max_retries=1) as loader,
     ):
         got = [int(i) for b in loader for i in b.ravel()]
