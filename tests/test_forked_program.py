@@ -419,6 +419,60 @@ def test_a_pool_closed_before_the_fork_stays_closed_in_the_child() -> None:
         pool.close()
 
 
+def test_module_locks_a_parent_thread_held_at_the_fork_are_free_in_the_child() -> None:
+    # A thread of the parent holds every module-level lock of the loader as the process forks
+    # (the fork copies them held, and that thread does not exist in the child): the child's
+    # loader must still start its worker server, pickle its dataset copy, map slots and count
+    # dataset users, none of which may wait on a lock nobody will ever release.
+    from aioloader._loader import _closing
+    from aioloader._shm import _attach
+    from aioloader._workers import _payload, _zygote
+
+    def locks() -> dict[str, Any]:
+        return {
+            "closing": _closing._users_lock,
+            "zygote": _zygote._SERVER_LOCK,
+            "payload": _payload._registry_lock,
+            "attach": _attach._attach_lock,
+        }
+
+    holding, release = threading.Event(), threading.Event()
+
+    def hold_them() -> None:
+        with contextlib.ExitStack() as stack:
+            for lock in locks().values():
+                stack.enter_context(lock)
+            holding.set()
+            release.wait(CHILD_LIMIT_S)
+
+    holder = threading.Thread(target=hold_them, daemon=True)
+    holder.start()
+    assert holding.wait(10)
+    try:
+
+        def run() -> dict[str, Any]:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(CHILD_LIMIT_S)
+            free = {}
+            for name, lock in locks().items():
+                free[name] = lock.acquire(timeout=2)
+                if free[name]:
+                    lock.release()
+            loader = _loader(None)
+            try:
+                indices = _indices(iter(loader))
+            finally:
+                loader.close()
+            return {"free": free, "indices": sorted(indices)}
+
+        report = _by_os_fork(run)
+    finally:
+        release.set()
+        holder.join(10)
+    assert report.get("free") == dict.fromkeys(locks(), True), report
+    assert report["indices"] == list(range(SAMPLES)), report
+
+
 # -- a child that ends normally ------------------------------------------------------------
 
 # A child made by os.fork() that ends as programs do (sys.exit, the end of its script) runs

@@ -34,6 +34,15 @@ _users: dict[int, int] = {}
 _users_lock = threading.Lock()
 
 
+def _new_users_lock() -> None:
+    # A parent's thread may have held it as the process forked: the child starts with its own.
+    global _users_lock
+    _users_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_users_lock)
+
+
 def hold(obj: object) -> None:
     """One more open user of ``obj`` (a dataset with ``aclose()`` that a loader reads)."""
     with _users_lock:

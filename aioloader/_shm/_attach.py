@@ -11,6 +11,7 @@ arrives. Workers never talk to the resource tracker.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 
 import numpy as np
@@ -28,6 +29,16 @@ ATTACH_CACHE_MAX = 32
 # Invariant: holds no descriptor; a dropped entry is unmapped once no batch views it.
 attached: collections.OrderedDict[str, npt.NDArray[np.uint8]] = collections.OrderedDict()
 _attach_lock = threading.Lock()
+
+
+def _new_attach_lock() -> None:
+    # A parent's thread may have held it (mapping a slot) as the process forked: a forked
+    # worker maps slots too, so it starts with its own lock.
+    global _attach_lock
+    _attach_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_attach_lock)
 
 
 def attach(slot: Slot) -> npt.NDArray[np.uint8]:

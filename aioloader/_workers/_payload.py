@@ -55,6 +55,7 @@ import contextlib
 import copyreg
 import functools
 import io
+import os
 import pickle
 import sys
 import threading
@@ -264,6 +265,16 @@ def _half_imported() -> list[ModuleType]:
 
 
 _registry_lock = threading.Lock()
+
+
+def _new_registry_lock() -> None:
+    # A parent's thread may have held it (pickling) as the process forked: the child, which
+    # may pickle a dataset copy of its own, starts with its own lock.
+    global _registry_lock
+    _registry_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_registry_lock)
 _registered: dict[str, int] = {}  # module name -> our picklings that registered it, still on
 
 

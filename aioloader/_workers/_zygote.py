@@ -424,6 +424,16 @@ _SERVER_LOCK = threading.Lock()
 _SERVER_BOX: list[_ForkedServer] = []
 
 
+def _new_server_lock() -> None:
+    # A parent's thread may have held it as the process forked (starting the server): the
+    # child starts with its own, and _server() sees the inherited server is not its own.
+    global _SERVER_LOCK
+    _SERVER_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_server_lock)
+
+
 def _server() -> _ForkedServer:
     with _SERVER_LOCK:
         if not _SERVER_BOX or _SERVER_BOX[0]._owner != os.getpid():
