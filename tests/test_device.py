@@ -198,6 +198,25 @@ class FakeBackend:
         self.log.append(("unregister", ptr))
         return self.registered.pop(ptr, None) is not None
 
+    # completion thread and device ring: off in this fake (its events are polled, and every
+    # batch gets fresh device tensors); test_device_completion's fake turns them on
+    def event_waiter(self) -> Any:
+        return None
+
+    def storage_users(self, tensor: torch.Tensor) -> int | None:
+        return None
+
+    def empty_device(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.full((nbytes,), 0xA5, dtype=torch.uint8)  # garbage until a copy runs
+
+    def copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.copies += 1
+        if self.copies == self.fail_copy_at:
+            raise RuntimeError("injected copy failure")
+        stream = self._current[-1]
+        stream.ops.append(lambda: dst.copy_(src))  # deferred, like a DMA
+        self.log.append(("copy", stream, src.data_ptr(), src.nbytes))
+
     # helpers for tests
     def fire_all(self) -> None:
         assert self.side is not None

@@ -86,8 +86,10 @@ PACKAGE_LEVELS: dict[str, dict[str, int]] = {
     "_shm": {"_segment": 0, "_descriptors": 0, "_attach": 1, "_pool": 1},
     "_device": {
         "_backend": 0,
+        "_completion": 0,
         "_leaves": 0,
         "_parse": 0,
+        "_ring": 0,
         "_staging": 0,
         "_transfer": 0,
         "_plan": 1,

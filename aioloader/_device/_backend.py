@@ -15,6 +15,13 @@ Sharp edges:
   error. :func:`_clear_last_cuda_error` reads (and so resets) it through the ``libcudart`` torch
   already loaded (``RTLD_NOLOAD``); a statically linked runtime cannot be reached.
 - ``torch.cuda.cudart()`` initialises CUDA: only the registration calls use it.
+- Events are made with ``blocking=True`` (``cudaEventBlockingSync``): the stage's completion
+  thread sleeps in ``synchronize()`` until the driver's interrupt, where a spinning wait would
+  burn a CPU core for as long as any copy is pending (nearly always, with copies queued ahead).
+  See :data:`BLOCKING_EVENTS` for the trade-off.
+- How many tensors use a storage is read with ``torch._C._storage_Use_Count``, torch's own
+  private test helper; :meth:`TorchCudaBackend.storage_users` is the one place that reads it,
+  and answers None where this torch lacks it (the device ring is then off).
 """
 
 from __future__ import annotations
@@ -22,16 +29,24 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["CudaBackend", "TorchCudaBackend"]
+__all__ = ["BLOCKING_EVENTS", "CudaBackend", "TorchCudaBackend", "storage_users"]
 
 # cudaHostRegister flags: cudaHostRegisterDefault. Registration happens with the stage's device
 # current, which is the device that later reads the memory.
 _HOST_REGISTER_FLAGS = 0
+
+#: Events wait by blocking sync (the thread sleeps until the driver's interrupt) rather than by
+#: spinning. Spinning wakes the completion thread a few microseconds sooner but keeps one CPU
+#: core busy whenever a copy is pending, a core the loader's workers and the training loop need;
+#: blocking sync was expected to wake it within tens of microseconds (to be measured on a GPU:
+#: ``benchmarks/gpu_transfer.py`` prints the wake latency).
+BLOCKING_EVENTS = True
 
 
 class CudaBackend(Protocol):
@@ -43,6 +58,14 @@ class CudaBackend(Protocol):
     ``alloc_pinned`` returns a 1-D uint8 page-locked tensor; ``pin`` returns a page-locked copy
     of a CPU tensor (or the tensor itself if it is already page-locked). ``host_register`` and
     ``host_unregister`` report failure by returning False.
+
+    ``event_waiter`` returns a function that blocks the *calling thread* until an event has
+    completed (never completing it itself), safe to call from a thread of its own; None where
+    events can only be polled (the stage then polls them with a back-off). ``empty_device``
+    returns a 1-D uint8 tensor on the device; ``copy_into`` enqueues a copy of a host tensor
+    into a device tensor of the same shape and dtype on the current stream. ``storage_users``
+    counts the tensors that share ``tensor``'s storage (None where it cannot tell: the stage
+    then allocates device memory per batch instead of reusing its ring).
     """
 
     def is_available(self) -> bool: ...
@@ -83,6 +106,14 @@ class CudaBackend(Protocol):
 
     def host_unregister(self, ptr: int) -> bool: ...
 
+    def event_waiter(self) -> Callable[[Any], None] | None: ...
+
+    def empty_device(self, nbytes: int, device: torch.device) -> torch.Tensor: ...
+
+    def copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+
+    def storage_users(self, tensor: torch.Tensor) -> int | None: ...
+
 
 class TorchCudaBackend:
     """:class:`CudaBackend` over ``torch.cuda``."""
@@ -106,7 +137,9 @@ class TorchCudaBackend:
         return torch.cuda.stream(stream)
 
     def new_event(self) -> torch.cuda.Event:
-        return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        return torch.cuda.Event(  # type: ignore[no-untyped-call]
+            enable_timing=True, blocking=BLOCKING_EVENTS
+        )
 
     def record_event(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
         event.record(stream)
@@ -152,6 +185,29 @@ class TorchCudaBackend:
             _clear_last_cuda_error()
             return False
         return True
+
+    def event_waiter(self) -> Callable[[torch.cuda.Event], None]:
+        # torch releases the GIL inside Event.synchronize (cudaEventSynchronize).
+        return self.synchronize_event
+
+    def empty_device(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def storage_users(self, tensor: torch.Tensor) -> int | None:
+        return storage_users(tensor)
+
+
+def storage_users(tensor: torch.Tensor) -> int | None:
+    """How many references the storage under ``tensor`` has (tensors and views sharing it),
+    or None where this torch cannot say. Only differences between two readings mean anything:
+    the reading itself holds one."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # pragma: no cover - every torch this package supports has it
+        return None
+    return int(use_count(tensor.untyped_storage()._cdata))
 
 
 def _cudart() -> Any:

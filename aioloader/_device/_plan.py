@@ -5,10 +5,15 @@ with :func:`plan_batch`, which gives every array leaf one of three routes:
 
 - ``keep``: already on the target device, or not numeric (strings, objects, datetimes);
 - ``direct``: copied to the device straight from where it lies: page-locked host memory (a range
-  registered with the stage, or a pinned tensor), or a tensor torch must copy itself (another
-  device, sparse, quantized);
+  registered with the stage, a pinned tensor, or a numpy array over pinned memory: a batch
+  collated straight into pinned memory on the loader's threads), or a tensor torch must copy
+  itself (another device, sparse, quantized);
 - ``stage``: pageable host memory, first copied into the batch's pinned staging buffer by
   :func:`stage_leaf`, at an offset :func:`plan_batch` laid out.
+
+Every leaf copied from contiguous host memory (staged, or direct from page-locked memory) also
+gets a place in the batch's device buffer (``device_offset``), a slot of the stage's device ring
+(:mod:`._ring`); the others get their own device tensor.
 
 Planning makes no CUDA call: the stage passes in how to find a registered range and how to ask
 whether a tensor is pinned.
@@ -50,6 +55,8 @@ class LeafPlan:
         nbytes: bytes copied to the device (0 for ``keep``).
         offset: where a ``stage`` leaf starts in the batch's staging buffer.
         range_base: the registered range a ``direct`` leaf is read from, if any.
+        device_offset: where the leaf lands in the batch's device buffer; None for a leaf
+            that gets a device tensor of its own (kept, or copied by torch itself).
     """
 
     kind: Literal["keep", "stage", "direct"]
@@ -57,6 +64,7 @@ class LeafPlan:
     nbytes: int = 0
     offset: int = 0
     range_base: int | None = None
+    device_offset: int | None = None
 
 
 def plan_leaf(
@@ -71,8 +79,8 @@ def plan_leaf(
             return LeafPlan("keep", leaf)
         if leaf.nbytes and leaf.flags.c_contiguous:
             base = registered_base(array_ptr(leaf), leaf.nbytes)
-            view = array_as_tensor_view(leaf) if base is not None else None
-            if view is not None:
+            view = array_as_tensor_view(leaf)
+            if view is not None and (base is not None or is_pinned(view)):
                 return LeafPlan("direct", view, leaf.nbytes, range_base=base)
         return LeafPlan("stage", leaf, leaf.nbytes)
     tensor: torch.Tensor = leaf.detach()
@@ -94,11 +102,13 @@ def plan_batch(
     device: torch.device,
     registered_base: RegisteredBase,
     is_pinned: Callable[[torch.Tensor], bool],
-) -> tuple[list[LeafPlan], int]:
-    """Plan every array leaf of ``batch``, in visiting order, and lay out the staged ones.
+) -> tuple[list[LeafPlan], int, int]:
+    """Plan every array leaf of ``batch``, in visiting order, and lay out the staged ones and
+    the ones that land in the batch's device buffer.
 
     Returns:
-        The plans, and the bytes of staging buffer the batch needs (0 if nothing is staged).
+        The plans, the bytes of staging buffer the batch needs (0 if nothing is staged), and
+        the bytes of device buffer it needs (0 if no leaf lands in one).
     """
     plans: list[LeafPlan] = []
 
@@ -107,12 +117,25 @@ def plan_batch(
         return leaf
 
     map_arrays(batch, collect)
-    total = 0
+    total = device_total = 0
     for plan in plans:
         if plan.kind == "stage":
             plan.offset = total
             total += align_up(plan.nbytes)
-    return plans, total
+        if plan.kind == "stage" or (plan.kind == "direct" and _from_host(plan.leaf)):
+            plan.device_offset = device_total
+            device_total += align_up(plan.nbytes)
+    return plans, total, device_total
+
+
+def _from_host(tensor: torch.Tensor) -> bool:
+    """Whether a ``direct`` leaf is a plain contiguous host tensor (one bytewise copy)."""
+    return (
+        tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and tensor.is_contiguous()
+    )
 
 
 def stage_leaf(lease: torch.Tensor, plan: LeafPlan) -> torch.Tensor:

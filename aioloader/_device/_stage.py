@@ -1,12 +1,30 @@
 """The device stage itself: plan each leaf's route, enqueue copies, complete and hand them over.
 
-:class:`DeviceStage` owns the side stream, the staging pool and the registry of page-locked host
-ranges. ``start()`` plans each leaf's route (kept, copied directly from page-locked memory, or
-staged: :mod:`._plan`), enqueues the copies on the side stream and records an event. The stage
-keeps a record of each copy (``_CopyRecord``, which implements
+:class:`DeviceStage` owns the side stream, the staging pool, the device ring, the completion
+thread and the registry of page-locked host ranges. ``start()`` plans each leaf's route (kept,
+copied directly from page-locked memory, or staged: :mod:`._plan`), takes a slot of the device
+ring (:mod:`._ring`) for the leaves that land in one, enqueues the copies on the side stream,
+records an event and gives it to the completion thread (:mod:`._completion`). The stage keeps a
+record of each copy (``_CopyRecord``, which implements
 :class:`~aioloader._device._transfer.Copy`) and returns a :class:`Transfer` over it; the
-transfer polls the record, which asks the stage to query the event, return the staging buffer
-and hand the batch over. Only this module touches a record's fields.
+transfer awaits the record's completion future, which the loop sets when the completion thread
+saw the event complete, then asks the stage to hand the batch over: the consumer's stream
+waits on the copy's event (``wait_event``: ordered on the device, no host wait). Only this
+module touches a record's fields.
+
+What the consumer's stream may rely on, and when a batch's memory is reused:
+
+- The hand-over orders the consumer's stream after the copy; ``wait()`` returns once the copy
+  has completed (the completion thread says so), so the batch is also complete for any other
+  stream or for the host.
+- Leaves copied from contiguous host memory land in a slot of the device ring, reused only once
+  nobody references the batch any more and the consumer's stream has run past a release event
+  recorded after that (the rule is in :mod:`._ring`): no ``record_stream``. Other leaves, and
+  every leaf of a batch that found no free slot, get fresh device tensors with
+  ``record_stream(consumer)``, as before.
+- Copies ahead: the stage enqueues whatever it is given at once; the loader starts
+  ``device_prefetch`` batches ahead of the one it hands over, so their copies run on the side
+  stream while the consumer's step runs, host syncs (``loss.item()``) included.
 
 Sharp edges:
 
@@ -21,22 +39,30 @@ Sharp edges:
 - A registered range must be unregistered before it is unmapped; the stage first waits for any
   copy still reading from it.
 - ``close()`` blocks until in-flight copies finish (it is cleanup that must run from
-  ``finally``); ``await drain()`` first to keep the loop free.
-- The stage is not thread-safe: call it from one thread (the event loop's).
+  ``finally``); ``await drain()`` first to keep the loop free. It then ends the completion
+  thread.
+- The stage is not thread-safe: call it from one thread (the event loop's). The completion
+  thread only stamps a record and asks the record's loop to complete it; the staging thread
+  only fills a record it was given. :meth:`DeviceStage.host_alloc` alone is for any thread.
 - A ``TransferError`` from ``start()`` keeps no reference to the host batch (the cause's frames
   are cleared), so the batch's shared-memory slot can be released.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import collections
 import concurrent.futures
 import contextlib
+import functools
+import math
+import threading
 import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -45,17 +71,29 @@ from .._errors import DeviceUnavailableWarning, TransferError
 from .._log import first_time
 from .._validate import is_int
 from ._backend import CudaBackend, TorchCudaBackend
+from ._completion import Completer
 from ._leaves import NUMERIC_KINDS, array_as_tensor_view, empty_like_leaf, map_arrays
 from ._parse import falls_back, parse_device
 from ._plan import LeafPlan, plan_batch, stage_leaf
+from ._ring import DeviceRing, Slot
 from ._staging import MAX_POOLED_STAGING_BYTES, StagingPool
-from ._transfer import CopyState, Transfer, until_done
+from ._transfer import CopyState, Transfer, until_copied
 
-__all__ = ["OFF_LOOP_STAGING_BYTES", "DeviceStage", "DeviceStats", "DeviceUnavailableWarning"]
+__all__ = [
+    "OFF_LOOP_STAGING_BYTES",
+    "WAKE_SAMPLES",
+    "DeviceStage",
+    "DeviceStats",
+    "DeviceUnavailableWarning",
+]
 
 # Smaller batches are staged inline: ~1 ms of the loop at most (on an H100 host, 4 MB inline cost
 # 0.2 ms of p99 loop lag and ran 3x faster than through the thread).
 OFF_LOOP_STAGING_BYTES = 8 << 20
+
+#: Wake latencies kept for the p50 / p99 in :class:`DeviceStats` (the newest): enough for a
+#: stable p99, bounded for a run of millions of batches.
+WAKE_SAMPLES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +105,23 @@ class DeviceStats:
         bytes_copied: bytes of those batches moved to the device (or into pinned memory).
         copy_seconds: device time of those copies (CUDA event elapsed time; wall time where
             events cannot time).
-        in_flight: transfers started whose copy has not completed yet.
+        in_flight: transfers started whose copy has not completed yet (copies in flight).
         staging_buffers: pinned staging buffers the stage owns (pooled and leased).
         pinned_bytes: bytes of those staging buffers.
         registered_bytes: bytes of host memory registered as page-locked by this stage.
+        staged_bytes: host bytes copied on the way to the device, by the host: the memcpy of
+            pageable leaves into staging (and, with only ``pin_memory``, into pinned memory).
+            0 for batches in registered shared memory or collated into pinned memory.
+        wait_seconds: time ``wait()`` calls were suspended for copies not complete yet (the
+            consumer waiting on a copy).
+        waits: ``wait()`` calls that were suspended.
+        wake_p50_s: median time from a copy's event completing (as the completion thread saw
+            it) to the awaiting task resuming; 0.0 before any.
+        wake_p99_s: its 99th percentile (over the newest :data:`WAKE_SAMPLES`).
+        wakes: waits woken by the completion thread.
+        ring_slots: device buffers of the ring (:mod:`aioloader._device._ring`).
+        ring_bytes: their bytes.
+        ring_fallbacks: batches that got fresh device tensors because no slot was free.
     """
 
     batches_copied: int
@@ -80,6 +131,20 @@ class DeviceStats:
     staging_buffers: int
     pinned_bytes: int
     registered_bytes: int
+    staged_bytes: int = 0
+    wait_seconds: float = 0.0
+    waits: int = 0
+    wake_p50_s: float = 0.0
+    wake_p99_s: float = 0.0
+    wakes: int = 0
+    ring_slots: int = 0
+    ring_bytes: int = 0
+    ring_fallbacks: int = 0
+
+    @property
+    def staged_bytes_per_batch(self) -> float:
+        """Host bytes copied per batch on the way to the device (see ``staged_bytes``)."""
+        return self.staged_bytes / self.batches_copied if self.batches_copied else 0.0
 
 
 @dataclass(eq=False, slots=True)
@@ -96,8 +161,17 @@ class _CopyRecord:
     state: CopyState = "pending"
     result: Any = None
     error: TransferError | None = None
-    # Device tensors of the result: each gets record_stream(consumer) at hand-over.
+    # Device tensors of the result outside the ring: record_stream(consumer) at hand-over.
     device_tensors: list[torch.Tensor] = field(default_factory=list)
+    # The ring slot the ring-placed leaves are views of (None: every leaf is its own tensor).
+    slot: Slot | None = None
+    # Host bytes memcpy'd into staging for this copy.
+    staged: int = 0
+    # The loop that started it, and its future set once the copy completed or failed.
+    loop: asyncio.AbstractEventLoop | None = None
+    future: asyncio.Future[None] | None = None
+    # When the completion thread saw the end event complete (perf_counter), if it did.
+    completed_at: float | None = None
     # Host tensors copied from directly: kept alive until the copy has completed.
     sources: list[torch.Tensor] = field(default_factory=list)
     # Bases of registered ranges this copy reads from.
@@ -120,6 +194,19 @@ class _CopyRecord:
 
     def host_work(self) -> concurrent.futures.Future[Any] | None:
         return self.fill  # the stage thread's job for this copy while it runs (see the protocol)
+
+    def completion(self) -> asyncio.Future[None] | None:
+        """The completion future, if the copy reports completion to the running loop."""
+        if self.future is None:
+            return None
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        return self.future if running is self.loop else None
+
+    def waited(self, seconds: float, *, woken: bool) -> None:
+        self.stage._waited(self, seconds, woken)
 
     def hand_over(self, stream: Any) -> Any:
         """The device batch, once ``stream`` is ordered after the copy (see the protocol)."""
@@ -153,6 +240,10 @@ class DeviceStage:
         TypeError: ``pin_memory`` is not a bool.
     """
 
+    #: Makes the backend of a stage made without one: the seam through which a loader's stage
+    #: can be given a fake CUDA (tests replace it; everything else leaves it alone).
+    default_backend: ClassVar[type[CudaBackend]] = TorchCudaBackend
+
     def __init__(
         self,
         device: torch.device | str | int | None,
@@ -163,7 +254,7 @@ class DeviceStage:
         if not isinstance(pin_memory, bool):
             raise TypeError(f"pin_memory={pin_memory!r} must be a bool")
         target = parse_device(device)
-        self._backend: CudaBackend = backend if backend is not None else TorchCudaBackend()
+        self._backend: CudaBackend = backend if backend is not None else self.default_backend()
         self._cuda = self._backend.is_available()
         self._closed = False
         self._device: torch.device | None = None
@@ -204,8 +295,26 @@ class DeviceStage:
         self._batches = 0
         self._bytes = 0
         self._seconds = 0.0
+        self._staged = 0
+        self._wait_s = 0.0
+        self._waits = 0
+        self._wakes = 0
+        self._wake_samples: collections.deque[float] = collections.deque(maxlen=WAKE_SAMPLES)
         # Stages and enqueues large pageable batches off the caller's thread (made on first use).
         self._stager: concurrent.futures.ThreadPoolExecutor | None = None
+        # Reports completed copies to the loop (no polling); None where events can only be
+        # polled. Events are recorded and pushed to it under one lock: in stream order.
+        self._completer: Completer | None = None
+        self._order = threading.Lock()
+        self._ring: DeviceRing | None = None
+        if self._device is not None:
+            waiter = self._backend.event_waiter()
+            if waiter is not None:
+                self._completer = Completer(waiter)
+            device = self._device
+            self._ring = DeviceRing(
+                lambda n: self._backend.empty_device(n, device), self._backend.storage_users
+            )
 
     @property
     def enabled(self) -> bool:
@@ -216,6 +325,27 @@ class DeviceStage:
     def device(self) -> torch.device | None:
         """The resolved target device (with its index), or None."""
         return self._device
+
+    @property
+    def pins_collation(self) -> bool:
+        """Whether batches made in this process should be collated into :meth:`host_alloc`
+        memory: the stage copies to a CUDA device, and pinned memory spares it the staging
+        memcpy."""
+        return self._device is not None and not self._closed
+
+    def host_alloc(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+        """A writable C-contiguous array of ``shape`` and ``dtype`` in page-locked memory.
+
+        The ``alloc`` a collate function writes a batch into when it is made in this process
+        (``num_workers=0``, ``thread_pool=True``): the stage then copies its leaves to the
+        device directly, with no staging memcpy. Safe from any thread. The memory comes from
+        torch's caching host allocator and goes back to it once the array (and every view of
+        it) is collected; the stage keeps a copy's source alive until the copy completed.
+        """
+        nbytes = math.prod(shape) * dtype.itemsize
+        buffer = self._backend.alloc_pinned(max(nbytes, 1))
+        # numpy keeps the tensor as the array's base: the memory lives as long as any view.
+        return buffer.numpy()[:nbytes].view(dtype).reshape(shape)
 
     def start(self, batch: Any, batch_id: int) -> Transfer:
         """Enqueue the copies of ``batch`` and return its :class:`Transfer`.
@@ -237,6 +367,10 @@ class DeviceStage:
             record.state = "copied"
             return transfer
         self._reap()
+        if self._completer is not None:
+            with contextlib.suppress(RuntimeError):  # no loop: done() is polled instead
+                record.loop = asyncio.get_running_loop()
+                record.future = record.loop.create_future()
         try:
             if self._pin_only:
                 self._pin(record, batch)
@@ -254,7 +388,7 @@ class DeviceStage:
     async def drain(self) -> None:
         """Await every copy in flight without blocking the loop (results stay with transfers)."""
         for record in list(self._in_flight.values()):
-            await until_done(record.done)
+            await until_copied(record)
         self._reap()
 
     def register_host_memory(self, ptr: int, nbytes: int) -> bool:
@@ -323,6 +457,10 @@ class DeviceStage:
             with contextlib.suppress(Exception):
                 self._backend.synchronize_event(event)
         self._retiring.clear()
+        if self._completer is not None:
+            self._completer.close()  # every copy it waits for is complete by now
+        if self._ring is not None:
+            self._ring.close(self._backend.record_stream)
         self._pool.clear()
         for ptr in list(self._registered):
             with contextlib.suppress(Exception):
@@ -334,6 +472,8 @@ class DeviceStage:
 
     def stats(self) -> DeviceStats:
         """A snapshot of counters and pool sizes."""
+        samples = sorted(self._wake_samples)
+        ring = self._ring
         return DeviceStats(
             batches_copied=self._batches,
             bytes_copied=self._bytes,
@@ -342,6 +482,15 @@ class DeviceStage:
             staging_buffers=self._pool.buffers,
             pinned_bytes=self._pool.nbytes,
             registered_bytes=sum(self._registered.values()),
+            staged_bytes=self._staged,
+            wait_seconds=self._wait_s,
+            waits=self._waits,
+            wake_p50_s=_percentile(samples, 0.5),
+            wake_p99_s=_percentile(samples, 0.99),
+            wakes=self._wakes,
+            ring_slots=ring.slots if ring is not None else 0,
+            ring_bytes=ring.nbytes if ring is not None else 0,
+            ring_fallbacks=ring.fallbacks if ring is not None else 0,
         )
 
     def __repr__(self) -> str:
@@ -367,8 +516,12 @@ class DeviceStage:
     def _copy(self, record: _CopyRecord, batch: Any) -> None:
         device = self._device
         assert device is not None
-        plans, total = plan_batch(batch, device, self._registered_base, self._backend.is_pinned)
+        plans, total, device_total = plan_batch(
+            batch, device, self._registered_base, self._backend.is_pinned
+        )
         lease = self._pool.acquire(total) if total else None
+        if self._ring is not None and device_total:
+            record.slot = self._ring.take(device_total)
         record.start_event, record.end_event = self._backend.new_event(), self._backend.new_event()
         if total >= OFF_LOOP_STAGING_BYTES:
             if self._stager is None:
@@ -394,10 +547,12 @@ class DeviceStage:
         """Stage the pageable leaves, enqueue every copy on the side stream; return the result.
 
         Runs on the caller's thread or the stage's thread: it touches only ``record`` (its
-        tensors, ranges and events) and the backend, never the stage's own bookkeeping.
+        tensors, ranges and events), the backend and the completion thread's queue, never the
+        stage's own bookkeeping.
         """
         device, backend = self._device, self._backend
         assert device is not None
+        slot = record.slot
         try:
             with backend.use_stream(self._side_stream):
                 backend.record_event(record.start_event, self._side_stream)
@@ -417,15 +572,24 @@ class DeviceStage:
                     else:
                         assert lease is not None
                         src = stage_leaf(lease, plan)
+                        record.staged += plan.nbytes
                     record.enqueued = True
+                    record.nbytes += plan.nbytes
+                    if slot is not None and plan.device_offset is not None:
+                        out = slot.view(plan.device_offset, src)
+                        backend.copy_into(out, src)
+                        return out
                     out = backend.to_device(src, device)
                     record.device_tensors.append(out)
-                    record.nbytes += plan.nbytes
                     return out
 
                 with torch.no_grad():
                     result = map_arrays(batch, move)
-                backend.record_event(record.end_event, self._side_stream)
+                with self._order:  # the completion thread's queue in the stream's order
+                    backend.record_event(record.end_event, self._side_stream)
+                    completer = self._completer
+                    if completer is not None and record.loop is not None:
+                        completer.push(record.end_event, functools.partial(self._notify, record))
         except BaseException:
             # Closures of this walk outlive their frames in the traceback (a frame keeps its
             # function, a function its cells): empty the plan so no host leaf stays reachable.
@@ -438,6 +602,7 @@ class DeviceStage:
     def _undo_start(self, record: _CopyRecord, lease: torch.Tensor | None) -> None:
         """After staging or enqueueing failed: give the lease back once nothing reads it."""
         record.lease = None
+        self._drop_slot(record)
         if record.enqueued:
             self._retire(lease, record.ranges)
         elif lease is not None:
@@ -465,6 +630,7 @@ class DeviceStage:
             record.result = None
             record.state = "failed"
             self._in_flight.pop(id(record), None)
+            _wake(record)
         return True
 
     def _pin(self, record: _CopyRecord, batch: Any) -> None:
@@ -502,6 +668,7 @@ class DeviceStage:
         record.state = "copied"
         self._batches += 1
         self._bytes += nbytes
+        self._staged += nbytes
         self._seconds += time.perf_counter() - started
 
     def _retire(self, lease: torch.Tensor | None, ranges: set[int]) -> None:
@@ -517,10 +684,12 @@ class DeviceStage:
         self._retiring.append((event, lease, set(ranges)))
 
     def _reap(self) -> None:
-        """Complete finished copies and free retired buffers; stops at the first pending one."""
+        """Complete finished copies, free retired buffers, move let-go ring slots on."""
         for record in list(self._in_flight.values()):
             if not record.done():
                 break
+        if self._ring is not None:
+            self._ring.reap(self._mark, self._backend.query_event)
         while self._retiring:
             event, lease, _ranges = self._retiring[0]
             try:
@@ -572,10 +741,14 @@ class DeviceStage:
         record.lease = None
         record.sources.clear()
         record.state = "copied"
+        if record.slot is not None and self._ring is not None:
+            self._ring.copied(record.slot)
         self._in_flight.pop(id(record), None)
         self._batches += 1
         self._bytes += record.nbytes
+        self._staged += record.staged
         self._seconds += seconds
+        _wake(record)
 
     def _fail(self, record: _CopyRecord, exc: Exception) -> None:
         error = TransferError(
@@ -588,24 +761,110 @@ class DeviceStage:
         record.lease = None
         record.sources.clear()
         record.device_tensors.clear()
+        self._drop_slot(record)
         record.result = None
         record.state = "failed"
         self._in_flight.pop(id(record), None)
+        _wake(record)
+
+    def _drop_slot(self, record: _CopyRecord) -> None:
+        """A failed copy's ring slot is never reused (the device may still write it)."""
+        if record.slot is not None and self._ring is not None:
+            self._ring.discard(record.slot)
+        record.slot = None
+
+    def _mark(self, stream: Any) -> Any:
+        """A new event recorded on ``stream`` now (a ring slot's release event)."""
+        event = self._backend.new_event()
+        self._backend.record_event(event, stream)
+        return event
+
+    def _notify(self, record: _CopyRecord, at: float, error: BaseException | None) -> None:
+        """On the completion thread: the end event of ``record`` completed (or waiting failed).
+        Stamps the record and asks its loop to complete it; nothing else."""
+        record.completed_at = at
+        loop = record.loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: close() settles it
+                loop.call_soon_threadsafe(self._completed, record, error)
+
+    def _completed(self, record: _CopyRecord, error: BaseException | None) -> None:
+        """On the record's loop: complete the copy the completion thread saw complete."""
+        if record.state == "pending":
+            fill = record.fill
+            if fill is not None and not fill.done():
+                # The staging thread pushed the event before its job's future was done: come
+                # back once it is (rare; the thread is returning).
+                loop = record.loop
+                assert loop is not None
+
+                def again(_: concurrent.futures.Future[Any]) -> None:
+                    with contextlib.suppress(RuntimeError):
+                        loop.call_soon_threadsafe(self._completed, record, error)
+
+                fill.add_done_callback(again)
+                return
+            self._collect_fill(record, block=False)
+        if record.state == "pending":
+            if isinstance(error, Exception):
+                self._fail(record, error)
+            else:
+                self._finish(record)
+        _wake(record)
+
+    def _waited(self, record: _CopyRecord, seconds: float, woken: bool) -> None:
+        """Statistics of a suspended ``wait()``; ``woken``: now is when the task resumed."""
+        self._wait_s += seconds
+        self._waits += 1
+        if woken and record.completed_at is not None:
+            self._wakes += 1
+            self._wake_samples.append(max(time.perf_counter() - record.completed_at, 0.0))
+            record.completed_at = None  # one sample per completion
 
     def _hand_over(self, record: _CopyRecord, stream: Any) -> None:
         """Order the consumer's stream after the copy and tell the allocator who uses the data."""
-        if self._device is None or not record.device_tensors:
+        if self._device is None or (not record.device_tensors and record.slot is None):
             return
         try:
             consumer = stream if stream is not None else self._backend.current_stream(self._device)
             self._backend.wait_event(consumer, record.end_event)
             for tensor in record.device_tensors:
                 self._backend.record_stream(tensor, consumer)
+            if record.slot is not None and self._ring is not None:
+                self._ring.handed(record.slot, consumer)
         except Exception as exc:
             raise TransferError(
                 f"batch {record.batch_id}: handing the batch over to the consumer's stream "
                 f"failed: {exc!r}"
             ) from exc
+
+
+def _wake(record: _CopyRecord) -> None:
+    """Set ``record``'s completion future, on its loop (from any thread)."""
+    future, loop = record.future, record.loop
+    if future is None or loop is None or future.done():
+        return
+    try:
+        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        _resolve(future)
+    else:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody awaits it
+            loop.call_soon_threadsafe(_resolve, future)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted samples (nearest rank); 0.0 for none."""
+    if not ordered:
+        return 0.0
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def _no_cuda_message(target: torch.device) -> str:

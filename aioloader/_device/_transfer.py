@@ -1,20 +1,27 @@
 """One batch on its way to the device, and how the event loop waits for it.
 
 A :class:`Transfer` is what :meth:`DeviceStage.start` returns: a handle on the stage's record of
-one copy, which it sees only through the small :class:`Copy` protocol. ``await wait()`` polls
-the copy with an ``asyncio.sleep`` back-off (:func:`until_done`), then asks it to hand the device
-batch over to the consumer's stream.
+one copy, which it sees only through the small :class:`Copy` protocol. ``await wait()`` awaits
+the copy (:func:`until_copied`), then asks it to hand the device batch over to the consumer's
+stream.
 
 The dependency goes one way: ``_stage`` drives the copies and imports this module; this module
 knows nothing of the stage, only the protocol it implements::
 
     DeviceStage.start(batch) ──▶ its record of the copy (implements Copy) ──▶ Transfer(record)
-    Transfer.wait() ──▶ until_done(record.done) ──▶ record.hand_over(stream) ──▶ device batch
+    Transfer.wait() ──▶ until_copied(record) ──▶ record.hand_over(stream) ──▶ device batch
+        until_copied: the host job that stages and enqueues it (a thread's future), then
+        the completion future the stage's completion thread sets (no timer), or, where
+        there is none, a poll of record.done() with a back-off (until_done)
 
 Sharp edges:
 
-- The loop never blocks on the device: ``wait()`` polls ``done()``, which queries the copy's
-  event; only the stage's cleanup paths (``close()``, unregistering memory) synchronize.
+- The loop never blocks on the device: the completion thread waits on the copy's event and
+  wakes the task through ``call_soon_threadsafe``; only the stage's cleanup paths
+  (``close()``, unregistering memory) synchronize on the loop's thread.
+- Polling (:func:`until_done`) is the fallback for a backend whose events cannot be waited
+  on from a thread, and for a ``wait()`` on another event loop than the one that started the
+  copy (its completion future belongs to that loop).
 - Cancelling ``wait()`` loses nothing: the copy carries on and a later ``wait()`` returns the
   batch.
 - The hand-over uses the *calling thread's* current stream unless ``wait(stream=...)`` names the
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
@@ -35,6 +43,7 @@ __all__ = [
     "Copy",
     "CopyState",
     "Transfer",
+    "until_copied",
     "until_done",
 ]
 
@@ -66,6 +75,16 @@ class Copy(Protocol):
         """The host-side job still staging and enqueueing the copy on a thread, if any."""
         ...
 
+    def completion(self) -> asyncio.Future[None] | None:
+        """A future of the running loop set once the copy completed or failed; None where
+        the copy's completion is not reported (then :meth:`done` is polled)."""
+        ...
+
+    def waited(self, seconds: float, *, woken: bool) -> None:
+        """Told how long a ``wait()`` was suspended for this copy, and whether the completion
+        future woke it (then, right now is when the task resumed): statistics."""
+        ...
+
     def hand_over(self, stream: Any) -> Any:
         """Order ``stream`` (``None``: the current one) after the copy; return the batch.
 
@@ -88,6 +107,37 @@ async def until_done(done: Callable[[], bool]) -> None:
     while not done():
         await asyncio.sleep(delay)
         delay = _next_delay(delay)
+
+
+async def until_copied(copy: Copy) -> None:
+    """Return once ``copy`` has completed or failed, without blocking the loop and, where the
+    copy reports its completion, without any timer. Cancelling it leaves the copy alone."""
+    work = copy.host_work()
+    if work is None and copy.done():
+        return
+    started = time.perf_counter()
+    woken = False
+    try:
+        if work is not None:
+            # Woken by the thread when it finishes, not by polling. asyncio.wait neither
+            # cancels the job when this wait is cancelled nor raises its error: done() turns
+            # that into a TransferError at the hand-over.
+            hosted = asyncio.wrap_future(work)
+            hosted.add_done_callback(_retrieve)
+            await asyncio.wait([hosted])
+            if copy.done():
+                return
+        completed = copy.completion()
+        if completed is not None:
+            # Set by the loop on the completion thread's word; asyncio.wait leaves the future
+            # alone when this wait is cancelled, so a later wait() finds it again.
+            await asyncio.wait([completed])
+            woken = True
+            copy.done()  # takes in the outcome, should the future have been set another way
+        else:
+            await until_done(copy.done)
+    finally:
+        copy.waited(time.perf_counter() - started, woken=woken)
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
@@ -127,15 +177,7 @@ class Transfer:
         Raises:
             TransferError: the copy failed on the device, naming the batch.
         """
-        work = self._copy.host_work()
-        if work is not None:
-            # Woken by the thread when it finishes, not by polling. asyncio.wait neither
-            # cancels the job when this wait is cancelled nor raises its error: done() turns
-            # that into the TransferError below.
-            woken = asyncio.wrap_future(work)
-            woken.add_done_callback(_retrieve)
-            await asyncio.wait([woken])
-        await until_done(self._copy.done)
+        await until_copied(self._copy)
         return self._copy.hand_over(stream)
 
     def __repr__(self) -> str:

@@ -86,7 +86,7 @@ from ._shared_pool import (
 )
 
 if TYPE_CHECKING:
-    from .._device import DeviceStage
+    from .._device import DeviceStage, DeviceStats
 
 __all__ = [
     "Resources",
@@ -238,11 +238,15 @@ class Resources:
                 self.runner = self.pool.attach(config, self.runner, self.device)
                 release_before_sigterm(close_all_at_exit)
             elif self.runner is None:
+                device = self.device
+                # Collated straight into pinned memory: no staging memcpy on the way.
+                pins = device is not None and device.pins_collation
                 self.runner = ThreadRunner(
                     batch_maker(config, dataset),
                     config.threads,
                     inline=skips_thread(config),
                     prefetch=config.prefetch,
+                    pinned=device.host_alloc if pins and device is not None else None,
                 )
             if isinstance(dataset, AsyncCloseable) and self.dataset_aclose is None:
                 self.dataset_aclose = dataset.aclose
@@ -476,6 +480,7 @@ class Resources:
         epoch = self.epoch
         runner = self.runner
         slots = runner.shm_stats() if runner is not None else None
+        device = self.device.stats() if self.device is not None else None
         return {
             "in_flight": epoch.reorder.pending if epoch is not None else 0,
             "waiting": epoch.reorder.waiting if epoch is not None else 0,
@@ -486,6 +491,7 @@ class Resources:
             "shm_bytes": slots.bytes_total if slots is not None else 0,
             "shm_fallbacks": runner.shm_fallbacks if runner is not None else 0,
             "worker_restarts": runner.restarts if runner is not None else 0,
+            **(_device_live(device) if device is not None else {}),
         }
 
     @property
@@ -495,6 +501,19 @@ class Resources:
         if self.pool is not None and not self.own_pool and self.pool.closed:
             return False
         return self.runner is not None or self.loop_thread is not None or self.pool is not None
+
+
+def _device_live(s: DeviceStats) -> dict[str, Any]:
+    """The device stage's part of :meth:`Resources.live`."""
+    return {
+        "device_batches": s.batches_copied,
+        "device_bytes": s.bytes_copied,
+        "device_staged_bytes": s.staged_bytes,
+        "device_copies_in_flight": s.in_flight,
+        "device_wait_s": s.wait_seconds,
+        "device_wake_p50_us": s.wake_p50_s * 1e6,
+        "device_wake_p99_us": s.wake_p99_s * 1e6,
+    }
 
 
 # How long closing waits for the thread that starts the workers early (it is at most amid one

@@ -815,6 +815,18 @@ class LoaderStatistics:
         collate_s: seconds spent collating, in threads or workers.
         transfer_s: seconds the consumer waited for device copies.
         consumer_wait_s: seconds the consumer waited for a batch that was not ready.
+        device_batches: batches the device stage copied to the device (or pinned), all epochs.
+        device_bytes: bytes of those batches.
+        device_staged_bytes: host bytes copied on the way to the device by a host memcpy
+            (pageable leaves into pinned staging): 0 for batches in registered shared memory
+            (process workers) or collated straight into pinned memory (threads,
+            ``num_workers=0``). Per batch: ``device_staged_bytes / device_batches``.
+        device_copies_in_flight: device copies started and not completed now.
+        device_wait_s: seconds ``wait()`` on device copies was suspended for copies not
+            complete yet (the part of ``transfer_s`` spent on the copy itself).
+        device_wake_p50_us: median microseconds from a copy's completion (as the stage's
+            completion thread saw its event) to the waiting task resuming.
+        device_wake_p99_us: the 99th percentile of the same.
         wall_s: seconds iterated, all epochs (see :class:`EpochStatistics`).
         epoch_stats: the current (or last) epoch's rates, shares and verdict.
         total: the same over every epoch.
@@ -852,6 +864,13 @@ class LoaderStatistics:
     collate_s: float = 0.0
     transfer_s: float = 0.0
     consumer_wait_s: float = 0.0
+    device_batches: int = 0
+    device_bytes: int = 0
+    device_staged_bytes: int = 0
+    device_copies_in_flight: int = 0
+    device_wait_s: float = 0.0
+    device_wake_p50_us: float = 0.0
+    device_wake_p99_us: float = 0.0
     wall_s: float = 0.0
     epoch_stats: EpochStatistics = field(default_factory=EpochStatistics)
     total: EpochStatistics = field(default_factory=EpochStatistics)
@@ -973,6 +992,13 @@ def format_table(s: LoaderStatistics) -> str:
         f"remote_retries={s.remote_retries} timeouts={s.timeouts} "
         f"skipped={s.skipped_count} shm_fallbacks={s.shm_fallbacks}"
     )
+    if s.device_batches:
+        lines.append(
+            f"device: batches={s.device_batches} staged_bytes/batch="
+            f"{s.device_staged_bytes / s.device_batches:.0f} "
+            f"copies_in_flight={s.device_copies_in_flight} copy_wait={s.device_wait_s:.3f}s "
+            f"wake_us p50={s.device_wake_p50_us:.0f} p99={s.device_wake_p99_us:.0f}"
+        )
     if e.bottleneck:
         lines.append(f"bottleneck: {e.bottleneck}: {e.hint}")
     return "\n".join(lines)

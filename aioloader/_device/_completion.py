@@ -1,0 +1,121 @@
+"""The completion thread: learns that copies finished, in start order, and says so at once.
+
+A copy to the device is finished when the event recorded after it completes. Polling the event
+from the loop rounds a 0.1 ms copy up to the loop's timer tick; synchronizing it on the loop
+blocks every other task. So each :class:`~aioloader._device._stage.DeviceStage` has one
+:class:`Completer`, a thread that blocks in the backend's ``event_waiter`` (CUDA's
+``cudaEventSynchronize``, the GIL released) on each copy's end event, in the order the copies
+were enqueued, and then calls that copy's ``on_done`` with the time it saw the event complete::
+
+    stage (loop thread, or its staging thread) ── push(end_event, on_done) ──▶ SimpleQueue
+        completion thread: event_waiter(end_event) ── returns ──▶ on_done(stamp, error)
+            on_done (the stage's): loop.call_soon_threadsafe(complete the copy, wake its task)
+
+No timer is on that path: the awaiting task is woken by the future the loop sets, and the
+latency from the event's completion to the task's resumption is measured (the stage's
+statistics report its p50 and p99).
+
+Sharp edges:
+
+- Start order is completion order: every copy of a stage runs on its one side stream, so the
+  event of copy *i* completes no later than copy *i + 1*'s. The stage pushes each event right
+  after recording it, under one lock, so the queue is in that order; waiting on a later event
+  first would only delay the earlier one's wake-up, never wake a copy early.
+- Only recorded events are pushed: CUDA reports an event that was never recorded as complete.
+- ``on_done`` runs on the completion thread: it must only hand over to the loop (it must not
+  touch the stage's bookkeeping, which belongs to the loop thread), and must not raise.
+- :meth:`Completer.close` lets the thread finish what it was given, then ends it. The stage
+  closes it only after it has itself waited for its copies, so that join is short; a device
+  that never completes an event leaves the (daemon) thread behind after
+  :data:`COMPLETER_JOIN_S` rather than hanging the program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["COMPLETER_JOIN_S", "Completer", "OnDone"]
+
+#: How long closing waits for the completion thread to end. It waits only for copies the stage
+#: has already waited for, so it ends at once unless the device hangs.
+COMPLETER_JOIN_S = 10.0
+
+#: Told when an event completed (or waiting for it failed): ``(perf_counter stamp, error)``.
+OnDone = Callable[[float, BaseException | None], None]
+
+_STOP = object()
+
+
+class Completer:
+    """One thread waiting on events in the order they were pushed (see the module docstring).
+
+    Args:
+        wait: blocks the calling thread until an event has completed (the backend's
+            ``event_waiter``).
+        name: the thread's name.
+    """
+
+    def __init__(self, wait: Callable[[Any], None], name: str = "aioloader-copy-done") -> None:
+        self._wait = wait
+        self._name = name
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self.pending = 0  # pushed, not yet reported (read for statistics; written by both)
+
+    def push(self, event: Any, on_done: OnDone) -> bool:
+        """Wait for ``event`` after those pushed before it, then call ``on_done``.
+
+        Returns False (and calls nothing) once closed.
+        """
+        with self._lock:
+            if self._closed:
+                return False
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self.pending += 1
+            self._queue.put((event, on_done))
+        return True
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread runs."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    def close(self, timeout: float = COMPLETER_JOIN_S) -> None:
+        """Let the thread finish what it was given, then end it. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+            if thread is not None:
+                self._queue.put(_STOP)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            event, on_done = item
+            error: BaseException | None = None
+            try:
+                self._wait(event)
+            except Exception as exc:  # a device fault: reported to the copy's owner
+                error = exc
+            stamp = time.perf_counter()
+            with self._lock:
+                self.pending -= 1
+            with contextlib.suppress(Exception):  # on_done is the stage's and does not raise
+                on_done(stamp, error)
+            del item, event, on_done
