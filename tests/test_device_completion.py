@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from device_fakes import ThreadedEvent, ThreadFake
-from test_device import assert_same_values, end_event, make_batch
+from test_device import FakeEvent, assert_same_values, end_event, make_batch
 
 from aioloader._device import DeviceStage
 from aioloader._errors import TransferError
@@ -27,7 +27,7 @@ def completion_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == COMPLETION_THREAD]
 
 
-def fire_later(event: ThreadedEvent, delay: float) -> threading.Thread:
+def fire_later(event: FakeEvent, delay: float) -> threading.Thread:
     """Complete ``event`` from another thread after ``delay`` seconds (no loop involved)."""
 
     def run() -> None:
