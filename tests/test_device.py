@@ -43,6 +43,10 @@ CUDA0 = torch.device("cuda", 0)
 # --- the fake backend -------------------------------------------------------------------------
 
 
+def _ran() -> None:
+    """A stream op that already ran."""
+
+
 class FakeStream:
     def __init__(self, name: str) -> None:
         self.name = name
@@ -53,6 +57,7 @@ class FakeStream:
     def run_until(self, mark: int) -> None:
         while self.done_upto < mark:
             self.ops[self.done_upto]()
+            self.ops[self.done_upto] = _ran  # as the device does, forget the copy's tensors
             self.done_upto += 1
 
     def __repr__(self) -> str:

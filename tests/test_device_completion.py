@@ -39,23 +39,23 @@ def fire_later(event: FakeEvent, delay: float) -> threading.Thread:
     return thread
 
 
-@pytest.fixture
-def no_timers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Forbid ``asyncio.sleep`` and the running loop's timers; returns what tried to use one."""
+def forbid_timers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Forbid ``asyncio.sleep`` and the running loop's timers (from inside a test's loop);
+    returns what tried to use one."""
     tried: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    def timer(*args: Any, **kwargs: Any) -> Any:
+        tried.append("timer")
+        raise AssertionError("a timer on the completion path")
 
     async def sleep(delay: float, result: Any = None) -> Any:
-        tried.append(f"asyncio.sleep({delay})")
+        tried.append(f"sleep({delay})")
         raise AssertionError("a timer on the completion path")
 
-    def call_later(*args: Any, **kwargs: Any) -> Any:
-        tried.append("call_later")
-        raise AssertionError("a timer on the completion path")
-
+    monkeypatch.setattr(loop, "call_later", timer)
+    monkeypatch.setattr(loop, "call_at", timer)
     monkeypatch.setattr(asyncio, "sleep", sleep)
-    loop = asyncio.get_event_loop_policy().get_event_loop()
-    monkeypatch.setattr(loop, "call_later", call_later)
-    monkeypatch.setattr(loop, "call_at", call_later)
     return tried
 
 
@@ -68,20 +68,7 @@ async def test_a_copy_completed_from_another_thread_wakes_the_task_without_any_t
     transfer = stage.start(batch, 0)
     end = end_event(backend)
     assert isinstance(end, ThreadedEvent)
-    tried: list[str] = []
-    loop = asyncio.get_running_loop()
-
-    def forbidden(*args: Any, **kwargs: Any) -> Any:
-        tried.append("timer")
-        raise AssertionError("a timer on the completion path")
-
-    async def no_sleep(delay: float, result: Any = None) -> Any:
-        tried.append(f"sleep({delay})")
-        raise AssertionError("a timer on the completion path")
-
-    monkeypatch.setattr(loop, "call_later", forbidden)
-    monkeypatch.setattr(loop, "call_at", forbidden)
-    monkeypatch.setattr(asyncio, "sleep", no_sleep)
+    tried = forbid_timers(monkeypatch)
     firing = fire_later(end, 0.05)
     started = time.perf_counter()
     result = await transfer.wait()
@@ -125,9 +112,8 @@ async def test_copies_complete_in_start_order_and_each_batch_is_its_own() -> Non
     firing.join()
     for batch, result in zip(batches, results, strict=True):
         assert_same_values(batch, result)
-    # The completion thread waited on the end events in start order.
+    stage.close()  # ends the completion thread once it has seen every event
     assert backend.waited_from == [COMPLETION_THREAD] * 5
-    stage.close()
 
 
 async def test_a_cancelled_wait_loses_nothing_and_a_later_wait_is_woken() -> None:
@@ -174,20 +160,16 @@ async def test_close_mid_copy_settles_it_ends_the_thread_and_the_batch_still_arr
 
 async def test_a_device_fault_seen_by_the_completion_thread_fails_that_batch() -> None:
     backend = ThreadFake()
-    end_holder: list[ThreadedEvent] = []
 
     def failing_waiter() -> Any:
         def wait(event: ThreadedEvent) -> None:
-            if event is end_holder[0]:
-                raise RuntimeError("injected device fault")
-            event.done.wait(5)
+            raise RuntimeError("injected device fault")
 
         return wait
 
     backend.event_waiter = failing_waiter  # type: ignore[method-assign]
     stage = DeviceStage("cuda", backend=backend)
     transfer = stage.start(make_batch(40), 7)
-    end_holder.append(end_event(backend))  # type: ignore[arg-type]
     with pytest.raises(TransferError, match=r"batch 7\b.*injected device fault"):
         await asyncio.wait_for(transfer.wait(), 5)
     stats = stage.stats()
@@ -198,14 +180,16 @@ async def test_a_device_fault_seen_by_the_completion_thread_fails_that_batch() -
     assert completion_threads() == []
 
 
-async def test_drain_is_woken_by_the_completion_thread(no_timers: list[str]) -> None:
+async def test_drain_is_woken_by_the_completion_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     backend = ThreadFake()
     stage = DeviceStage("cuda", backend=backend)
     transfers = [stage.start(make_batch(50 + i), i) for i in range(3)]
+    tried = forbid_timers(monkeypatch)
     firing = fire_later(end_event(backend), 0.02)  # the last: completes all three
     await stage.drain()
     firing.join()
-    assert no_timers == []
+    monkeypatch.undo()
+    assert tried == []
     assert all(t.done() for t in transfers)
     assert stage.stats().in_flight == 0
     stage.close()

@@ -92,15 +92,20 @@ class Completer:
 
     def close(self, timeout: float = COMPLETER_JOIN_S) -> None:
         """Let the thread finish what it was given, then end it. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            thread = self._thread
-            if thread is not None:
-                self._queue.put(_STOP)
+        thread = self.stop()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+
+    def stop(self) -> threading.Thread | None:
+        """Tell the thread to end once it has finished what it was given, without waiting
+        (for a stage collected unclosed); returns the thread, if it was started."""
+        with self._lock:
+            if self._closed:
+                return self._thread
+            self._closed = True
+            if self._thread is not None:
+                self._queue.put(_STOP)
+            return self._thread
 
     def _run(self) -> None:
         while True:

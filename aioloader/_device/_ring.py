@@ -55,8 +55,8 @@ __all__ = ["MAX_RING_BYTES", "MAX_RING_SLOTS", "RING_GRANULE", "DeviceRing", "Sl
 
 #: Slot sizes are multiples of this: batches of slightly different size share a size class.
 RING_GRANULE = 1 << 20
-#: A free slot is reused for a batch only if the batch fills at least this share of it: a small
-#: last batch does not take (and keep busy) a large slot.
+#: A free slot is reused for a batch only if the batch fills at least this share of it (or it is
+#: of the batch's own size class): a small last batch does not take (and keep busy) a large slot.
 _MIN_FILL = 0.5
 #: Slots a stage keeps at most. Steady state needs about ``device_prefetch + 3`` (copies ahead,
 #: the batch in use, the one whose release event is pending, one spare); more only helps a
@@ -125,10 +125,13 @@ class DeviceRing:
         """A slot of at least ``nbytes`` for a new copy ("copying"), or None (caps reached)."""
         if nbytes <= 0:
             return None
+        size = -(-nbytes // RING_GRANULE) * RING_GRANULE
         fits = [
             s
             for s in self._slots
-            if s.state == "free" and nbytes <= s.nbytes and nbytes >= _MIN_FILL * s.nbytes
+            if s.state == "free"
+            and nbytes <= s.nbytes
+            and (s.nbytes == size or nbytes >= _MIN_FILL * s.nbytes)
         ]
         if fits:
             slot = min(fits, key=lambda s: s.nbytes)
@@ -136,7 +139,6 @@ class DeviceRing:
             slot.consumers.clear()
             slot.release.clear()
             return slot
-        size = -(-nbytes // RING_GRANULE) * RING_GRANULE
         # Room first: drop free slots of other sizes (the smallest serve the fewest batches).
         while self._full(size):
             free = [s for s in self._slots if s.state == "free"]

@@ -61,6 +61,7 @@ import threading
 import time
 import traceback
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -147,7 +148,7 @@ class DeviceStats:
         return self.staged_bytes / self.batches_copied if self.batches_copied else 0.0
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, slots=True, weakref_slot=True)
 class _CopyRecord:
     """The stage's record of one batch's copy: what its :class:`Transfer` waits on.
 
@@ -311,6 +312,8 @@ class DeviceStage:
             waiter = self._backend.event_waiter()
             if waiter is not None:
                 self._completer = Completer(waiter)
+                # A stage collected unclosed ends its thread too (closing waits for it).
+                weakref.finalize(self, self._completer.stop)
             device = self._device
             self._ring = DeviceRing(
                 lambda n: self._backend.empty_device(n, device), self._backend.storage_users
@@ -589,7 +592,9 @@ class DeviceStage:
                     backend.record_event(record.end_event, self._side_stream)
                     completer = self._completer
                     if completer is not None and record.loop is not None:
-                        completer.push(record.end_event, functools.partial(self._notify, record))
+                        # A weak reference, as in _notify: a pending record is the stage's.
+                        notify = functools.partial(self._notify, weakref.ref(record))
+                        completer.push(record.end_event, notify)
         except BaseException:
             # Closures of this walk outlive their frames in the traceback (a frame keeps its
             # function, a function its cells): empty the plan so no host leaf stays reachable.
@@ -779,14 +784,27 @@ class DeviceStage:
         self._backend.record_event(event, stream)
         return event
 
-    def _notify(self, record: _CopyRecord, at: float, error: BaseException | None) -> None:
-        """On the completion thread: the end event of ``record`` completed (or waiting failed).
-        Stamps the record and asks its loop to complete it; nothing else."""
+    def _notify(
+        self, ref: weakref.ref[_CopyRecord], at: float, error: BaseException | None
+    ) -> None:
+        """On the completion thread: the end event of a record completed (or waiting failed).
+        Stamps the record and asks its loop to complete it; nothing else. A record already
+        completed (polled) and let go is gone: nothing to do."""
+        record = ref()
+        if record is None:
+            return
         record.completed_at = at
         loop = record.loop
         if loop is not None:
+            # A weak reference: a copy completed meanwhile (polled) and let go must not have
+            # its batch, and so its ring slot, held by this callback until the loop runs it.
             with contextlib.suppress(RuntimeError):  # the loop is closed: close() settles it
-                loop.call_soon_threadsafe(self._completed, record, error)
+                loop.call_soon_threadsafe(self._completed_weak, ref, error)
+
+    def _completed_weak(self, ref: weakref.ref[_CopyRecord], error: BaseException | None) -> None:
+        record = ref()
+        if record is not None:
+            self._completed(record, error)
 
     def _completed(self, record: _CopyRecord, error: BaseException | None) -> None:
         """On the record's loop: complete the copy the completion thread saw complete."""

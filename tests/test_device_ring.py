@@ -1,0 +1,157 @@
+"""The device ring: a slot is reused only once its batch was let go and the consumer ran past it.
+
+On the CPU with ``device_fakes.ThreadFake``: copies are deferred until an event after them
+completes, and the consumer's release events complete only when a test fires them, so a slot
+reused too early shows up as overwritten values or as a reuse the test forbade.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import numpy as np
+import torch
+from device_fakes import ThreadFake
+from test_device import FakeStream, assert_same_values, make_batch
+
+from aioloader._device import DeviceStage
+from aioloader._device._ring import MAX_RING_SLOTS
+
+
+def storage_of(out: Any) -> int:
+    return int(out["x"].untyped_storage().data_ptr())
+
+
+def host(seed: int) -> dict[str, Any]:
+    return {"x": torch.arange(1000, dtype=torch.float32) + seed, "y": np.arange(10) * seed}
+
+
+async def test_a_slot_is_reused_only_after_its_batch_was_let_go_and_the_release_completed() -> None:
+    backend = ThreadFake(consumer_done=False, auto_fire=True)
+    stage = DeviceStage("cuda", backend=backend)
+    out_a = await stage.start(host(1), 0).wait()
+    slot_a = storage_of(out_a)
+    # Ring leaves are views of the slot: no record_stream for them.
+    assert out_a["y"].untyped_storage().data_ptr() == slot_a
+    assert backend.entries("record_stream") == []
+    # Batch a is still referenced: b gets a slot of its own.
+    out_b = await stage.start(host(2), 1).wait()
+    assert storage_of(out_b) != slot_a
+    del out_a  # let go: at the next start its release event is recorded on the consumer stream
+    out_c = await stage.start(host(3), 2).wait()
+    assert storage_of(out_c) not in (slot_a, storage_of(out_b))
+    releases = backend.release_events()
+    assert len(releases) == 1
+    assert releases[0].stream is backend.default  # the stream it was handed to
+    assert not releases[0].completed
+    # Held incomplete, the release event keeps the slot from reuse.
+    out_d = await stage.start(host(4), 3).wait()
+    assert storage_of(out_d) != slot_a
+    assert stage.stats().ring_slots == 4
+    releases[0].fire()
+    out_e = await stage.start(host(5), 4).wait()
+    assert storage_of(out_e) == slot_a  # now, and only now, reused
+    assert_same_values(host(5), out_e)
+    for seed, out in ((2, out_b), (3, out_c), (4, out_d)):
+        assert_same_values(host(seed), out)
+    stage.close()
+
+
+async def test_a_view_the_user_keeps_is_never_overwritten() -> None:
+    backend = ThreadFake(consumer_done=True, auto_fire=True)
+    stage = DeviceStage("cuda", backend=backend)
+    out = await stage.start(host(7), 0).wait()
+    kept = out["x"][100:110]  # a view of the slot: the batch itself goes
+    del out
+    for i in range(3 * MAX_RING_SLOTS):
+        assert_same_values(host(10 + i), await stage.start(host(10 + i), 1 + i).wait())
+    assert torch.equal(kept, torch.arange(100, 110, dtype=torch.float32) + 7)
+    stats = stage.stats()
+    # The kept slot and about one more for the rest: reused, not one per batch.
+    assert stats.ring_slots <= 3
+    assert backend.device_allocs == stats.ring_slots
+    stage.close()
+
+
+async def test_a_pending_copy_keeps_its_slot() -> None:
+    backend = ThreadFake(consumer_done=True)
+    stage = DeviceStage("cuda", backend=backend)
+    first = stage.start(host(1), 0)
+    second = stage.start(host(2), 1)  # the first copy is pending: its slot is not free
+    assert stage.stats().ring_slots == 2
+    backend.fire_all()
+    assert_same_values(host(1), await first.wait())
+    assert_same_values(host(2), await second.wait())
+    stage.close()
+
+
+async def test_a_full_ring_falls_back_to_fresh_tensors_tied_by_record_stream() -> None:
+    backend = ThreadFake(consumer_done=True, auto_fire=True)
+    stage = DeviceStage("cuda", backend=backend)
+    held = [await stage.start(host(i), i).wait() for i in range(MAX_RING_SLOTS)]
+    assert backend.entries("record_stream") == []
+    extra = await stage.start(host(99), 99).wait()
+    assert_same_values(host(99), extra)
+    stats = stage.stats()
+    assert stats.ring_slots == MAX_RING_SLOTS
+    assert stats.ring_fallbacks == 1
+    recorded = {id(e[1]) for e in backend.entries("record_stream")}
+    assert recorded == {id(extra["x"]), id(extra["y"])}
+    for i, out in enumerate(held):
+        assert_same_values(host(i), out)
+    stage.close()
+
+
+async def test_the_release_event_goes_on_the_consumers_own_stream_and_close_ties_held_slots() -> (
+    None
+):
+    backend = ThreadFake(consumer_done=False, auto_fire=True)
+    stage = DeviceStage("cuda", backend=backend)
+    consumer = FakeStream("consumer")
+    out = await stage.start(host(1), 0).wait(stream=consumer)
+    assert backend.entries("wait_event")[-1][1] is consumer
+    del out
+    kept = await stage.start(host(2), 1).wait(stream=consumer)
+    assert [ev.stream for ev in backend.release_events()] == [consumer]
+    # Closed while the user holds a batch, and while the consumer's stream may still read the
+    # one let go (its release event is pending): both buffers are tied to the consumer's
+    # stream for the caching allocator, which frees them once nobody holds them.
+    stage.close()
+    tied = backend.entries("record_stream")
+    assert len(tied) == 2
+    assert all(entry[2] is consumer for entry in tied)
+    assert storage_of(kept) in {entry[1].untyped_storage().data_ptr() for entry in tied}
+    assert_same_values(host(2), kept)
+
+
+async def test_deep_pipeline_with_kept_batches_never_sees_a_slot_reused_early() -> None:
+    # Up to five copies in flight, events fired in random bursts, the consumer's release
+    # events completed at random, and a random third of the batches kept to the end.
+    backend = ThreadFake(consumer_done=False)
+    stage = DeviceStage("cuda", backend=backend)
+    rng = np.random.default_rng(3)
+    pending: collections.deque[tuple[dict[str, Any], Any]] = collections.deque()
+    kept: list[tuple[dict[str, Any], Any]] = []
+    for i in range(60):
+        batch = make_batch(200 + i)
+        pending.append((batch, stage.start(batch, i)))
+        if len(pending) > 4 or rng.random() < 0.3:
+            backend.fire_all()
+            while pending and (len(pending) > 1 or rng.random() < 0.5):
+                batch, transfer = pending.popleft()
+                out = await transfer.wait()
+                assert_same_values(batch, out)
+                if rng.random() < 0.3:
+                    kept.append((batch, out))
+        for event in backend.release_events():
+            if not event.completed and rng.random() < 0.5:
+                event.fire()
+    backend.fire_all()
+    while pending:
+        batch, transfer = pending.popleft()
+        assert_same_values(batch, await transfer.wait())
+    for batch, out in kept:
+        assert_same_values(batch, out)
+    assert stage.stats().batches_copied == 60
+    stage.close()
