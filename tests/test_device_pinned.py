@@ -1,0 +1,104 @@
+"""A loader with a CUDA device stage: how many host bytes each route copies on the way there.
+
+Batches made on the loader's threads (``num_workers=0``, ``thread_pool=True``) are collated
+straight into the stage's pinned memory, and worker processes' batches lie in shared memory the
+stage registered as page-locked: on both, no host memcpy into staging. A collate function that
+cannot write into given memory still pays it (the counter is not zero by construction). The
+stage's CUDA is ``device_fakes.ThreadFake``, given through ``DeviceStage.default_backend``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from device_fakes import ThreadFake
+
+from aioloader import DataLoader
+from aioloader._device import DeviceStage
+
+N = 40
+BATCH = 8
+ROW = 4096  # float32 values per sample: a batch (128 KiB) travels in shared memory
+
+
+class Rows:
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": np.full(ROW, i, dtype=np.float32), "i": i}
+
+
+def own_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """A collate function that takes no ``alloc``: its batches are pageable."""
+    return {
+        "x": torch.from_numpy(np.stack([s["x"] for s in samples])),
+        "i": torch.tensor([s["i"] for s in samples]),
+    }
+
+
+@pytest.fixture
+def fakes(monkeypatch: pytest.MonkeyPatch) -> list[ThreadFake]:
+    made: list[ThreadFake] = []
+
+    def backend() -> ThreadFake:
+        made.append(ThreadFake(auto_fire=True))
+        return made[-1]
+
+    monkeypatch.setattr(DeviceStage, "default_backend", staticmethod(backend))
+    return made
+
+
+async def read_all(loader: DataLoader) -> list[Any]:
+    out = []
+    async for batch in loader:
+        assert torch.equal(batch["x"][:, 0].long(), batch["i"])  # each row its sample
+        out.append(batch)
+    return out
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"num_workers": 0}, {"num_workers": 2, "thread_pool": True}, {"num_workers": 1}],
+    ids=["num_workers=0", "thread_pool", "processes"],
+)
+async def test_no_host_bytes_are_staged_on_the_way_to_the_device(
+    fakes: list[ThreadFake], kwargs: dict[str, Any]
+) -> None:
+    async with DataLoader(Rows(), batch_size=BATCH, device="cuda", **kwargs) as loader:
+        batches = await read_all(loader)
+        stats = loader.statistics()
+    assert sorted(int(i) for b in batches for i in b["i"]) == list(range(N))
+    assert stats.device_batches == N // BATCH
+    assert stats.device_bytes == N * (ROW * 4 + 8)
+    assert stats.device_staged_bytes == 0
+    assert stats.device_copies_in_flight == 0
+    assert "device: batches=5 staged_bytes/batch=0" in str(stats)
+    (backend,) = fakes
+    copies = backend.entries("copy")
+    assert len(copies) == 2 * (N // BATCH)
+    # Every copy read page-locked memory: pinned by the stage, or shared memory it registered
+    # (unregistered since, as the loader closed).
+    registered = [(e[1], e[2]) for e in backend.entries("register")]
+    assert all(
+        backend.staging_of(ptr) is not None
+        or any(base <= ptr < base + size for base, size in registered)
+        for _, _, ptr, _ in copies
+    )
+    assert bool(registered) == (kwargs["num_workers"] > 0 and "thread_pool" not in kwargs)
+    assert stats.as_dict()["device_staged_bytes"] == 0
+
+
+async def test_a_collate_function_without_alloc_is_staged_and_counted(
+    fakes: list[ThreadFake],
+) -> None:
+    async with DataLoader(
+        Rows(), batch_size=BATCH, device="cuda", num_workers=0, collate_fn=own_collate
+    ) as loader:
+        await read_all(loader)
+        stats = loader.statistics()
+    assert stats.device_batches == N // BATCH
+    assert stats.device_staged_bytes == stats.device_bytes == N * (ROW * 4 + 8)
