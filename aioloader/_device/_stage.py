@@ -522,10 +522,19 @@ class DeviceStage:
         plans, total, device_total = plan_batch(
             batch, device, self._registered_base, self._backend.is_pinned
         )
-        lease = self._pool.acquire(total) if total else None
         if self._ring is not None and device_total:
-            record.slot = self._ring.take(device_total)
-        record.start_event, record.end_event = self._backend.new_event(), self._backend.new_event()
+            # Allocated on the side stream, which writes it: should the ring ever drop it, the
+            # caching allocator reuses the block in that stream's order.
+            with self._backend.use_stream(self._side_stream):
+                record.slot = self._ring.take(device_total)
+        lease = None
+        try:
+            lease = self._pool.acquire(total) if total else None
+            record.start_event = self._backend.new_event()
+            record.end_event = self._backend.new_event()
+        except BaseException:
+            self._undo_start(record, lease)  # nothing enqueued: both go back at once
+            raise
         if total >= OFF_LOOP_STAGING_BYTES:
             if self._stager is None:
                 self._stager = concurrent.futures.ThreadPoolExecutor(
