@@ -4,32 +4,38 @@ This package is the only code that touches CUDA (streams, events, pinned memory,
 registration); no module outside it imports ``torch.cuda`` or the CUDA runtime. One batch
 flows through it like this::
 
-    host batch (views of a shared-memory slot, or any nested dict/list/tuple of
-    │           torch tensors and numpy arrays)
+    host batch (views of a shared-memory slot, memory collated into by host_alloc, or any
+    │           nested dict/list/tuple of torch tensors and numpy arrays)
     │  start(batch, batch_id)                 [sync, on the loop thread]
     ▼
     per leaf: already page-locked?  ── yes ──▶ copied from directly (zero extra copies)
-    │  no                                      (registered shm slot, or a pinned tensor)
+    │  no                                      (registered shm slot, pinned collation, a
+    │                                           pinned tensor)
     ▼
     memcpy into a pinned staging buffer (one per batch, leased from a pool)
     ▼
-    tensor.to(device, non_blocking=True) on the stage's side stream; then an event
+    copy into a slot of the device ring (or fresh device tensors when none is free), with
+    non_blocking=True on the stage's side stream; then an event, pushed to the completion
+    thread
     │  Transfer.wait()                        [async]
     ▼
-    poll event.query() with asyncio.sleep backoff (never synchronize() on the loop)
+    the completion thread blocks on the event (cudaEventSynchronize, GIL released), then
+    call_soon_threadsafe sets the copy's future: the task resumes, no timer involved
     ▼
     copy complete: staging buffer back to the pool, host references dropped
     ▼
-    hand-over: consumer_stream.wait_event(event); tensor.record_stream(consumer_stream)
+    hand-over: consumer_stream.wait_event(event); record_stream only for fresh tensors
     ▼
-    device batch returned to the consumer
+    device batch returned to the consumer; its ring slot is reused once nobody references it
+    and a release event recorded on the consumer's stream after that has completed
 
-Who owns what: :class:`DeviceStage` owns the side stream, the staging pool and the registry of
-page-locked host ranges; its record of each copy leases one staging buffer and keeps the host
-tensors it copies from *directly* alive until its event has completed. Tensors copied through
-staging are read synchronously inside ``start()``, so their host batch (and its shared-memory
-slot) can be released as soon as ``start()`` returns. A :class:`Transfer` is the consumer's
-handle on one such record, which it sees only through the ``Copy`` protocol.
+Who owns what: :class:`DeviceStage` owns the side stream, the staging pool, the device ring, the
+completion thread and the registry of page-locked host ranges; its record of each copy leases
+one staging buffer (and a ring slot) and keeps the host tensors it copies from *directly* alive
+until its event has completed. Tensors copied through staging are read synchronously inside
+``start()`` (or on the stage's staging thread, for large batches), so their host batch (and its
+shared-memory slot) can be released as soon as that is done. A :class:`Transfer` is the
+consumer's handle on one such record, which it sees only through the ``Copy`` protocol.
 
 One job per module, each with its sharp edges in its own docstring:
 
@@ -39,10 +45,13 @@ One job per module, each with its sharp edges in its own docstring:
 - ``_leaves``: mapping a batch's array leaves (on :mod:`aioloader._tree`) and viewing numpy
   leaves as tensors.
 - ``_staging``: the pool of pinned staging buffers.
+- ``_ring``: the device ring, reusable device buffers and the rule for when a slot is free.
+- ``_completion``: the completion thread, which waits on copies' events in start order.
 - ``_plan``: each leaf's route (kept, copied directly from page-locked memory, or staged) and
-  its place in the batch's staging buffer; no CUDA call.
+  its place in the batch's staging buffer and device buffer; no CUDA call.
 - ``_transfer``: :class:`Transfer`, the handle on one batch in flight, the ``Copy`` protocol it
-  sees the stage through, and the event-poll back-off. It imports nothing from ``_stage``.
+  sees the stage through, how a wait is woken (the completion future; the event-poll back-off
+  where there is none). It imports nothing from ``_stage``.
 - ``_stage``: :class:`DeviceStage`, which enqueues, completes and hands over copies.
 
 Imports go one way (``_stage`` uses the others; none of them uses ``_stage``) and no module
