@@ -6,12 +6,20 @@ For each batch size it measures, in GB/s:
   path), two batches in flight;
 - ``stage+reg``: the same from host memory registered with ``register_host_memory`` (the
   path of a registered shared-memory slot: no staging memcpy);
+- ``stage+pin``: the same from memory of the stage's ``host_alloc`` (the path of a batch
+  collated on the loader's threads, ``num_workers=0`` or ``thread_pool=True``, when a CUDA
+  device follows: no staging memcpy);
 - ``pinned .to``: a plain loop of ``pinned.to(device, non_blocking=True)`` (an upper bound);
 - ``pageable .to``: ``tensor.to(device)`` from pageable memory (what no pinning gives);
 
 and, for a training step made of matmuls (``--step-ms``), the fraction of the copy time that
 stays hidden behind the step with prefetch-style overlap (start the copy of batch i+1, run the
 step on batch i, then wait for batch i+1), against running copy and step one after the other.
+
+Beside them, the stage's own counters (:class:`aioloader._device.DeviceStats`) for each route:
+host bytes staged per batch (a memcpy on the host: 0 for the registered and the pinned
+routes), the wake latency from a copy's event completing to the awaiting task resuming (p50 and
+p99, microseconds: the completion thread's), and the device ring's slots and fallbacks.
 
 Usage::
 
@@ -42,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from aioloader._device import DeviceStage
 
 GB = 1e9
+F32 = np.dtype(np.float32)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,6 +118,25 @@ class LagProbe:
         if not self.lags:
             return float("nan")
         return float(np.percentile(np.asarray(self.lags), 99) * 1e3)
+
+
+def pinned_alloc(stage: DeviceStage) -> Callable[[int], torch.Tensor]:
+    """Float32 tensors in the stage's pinned memory, as the loader's threads collate into."""
+    return lambda n: torch.from_numpy(stage.host_alloc((n,), F32))
+
+
+def counters(stage: DeviceStage) -> dict[str, float]:
+    """The stage's counters worth a column: staged bytes per batch, wake latency, the ring."""
+    s = stage.stats()
+    return {
+        "staged_bytes_per_batch": s.staged_bytes_per_batch,
+        "wake_p50_us": s.wake_p50_s * 1e6,
+        "wake_p99_us": s.wake_p99_s * 1e6,
+        "wakes": s.wakes,
+        "wait_s": s.wait_seconds,
+        "ring_slots": s.ring_slots,
+        "ring_fallbacks": s.ring_fallbacks,
+    }
 
 
 async def stage_gbps(stage: DeviceStage, batch: dict[str, Any], n: int) -> tuple[float, float]:
@@ -209,19 +237,33 @@ async def run(args: argparse.Namespace) -> None:
     print(f"device: {name}; {args.batches} batches per cell", file=table)
     step = make_step(device, args.matmul_size, args.step_ms)
     header = (
-        f"{'batch MB':>9} {'stage':>8} {'stage+reg':>10} {'pinned .to':>11} {'pageable .to':>13}"
-        f" {'step ms':>8} {'copy ms':>8} {'hidden':>7} {'reg copy':>9} {'reg hid':>8}"
-        f" {'lag p99 ms':>11} {'reg lag':>8}"
+        f"{'batch MB':>9} {'stage':>8} {'stage+reg':>10} {'stage+pin':>10} {'pinned .to':>11}"
+        f" {'pageable .to':>13} {'step ms':>8} {'copy ms':>8} {'hidden':>7} {'reg copy':>9}"
+        f" {'reg hid':>8} {'lag p99 ms':>11} {'reg lag':>8}"
     )
-    rows, records = [], []
+    counter_header = (
+        f"{'batch MB':>9} {'route':>9} {'staged B/batch':>15} {'wake p50 us':>12}"
+        f" {'wake p99 us':>12} {'wakes':>6} {'ring slots':>11} {'ring fallbacks':>15}"
+    )
+    rows, records, counter_rows = [], [], []
     for mb in args.batch_mb:
         nbytes = int(mb * 1e6)
         pageable = make_batch(nbytes, args.leaves, lambda n: torch.empty(n))
         pinned = make_batch(nbytes, args.leaves, lambda n: torch.empty(n, pin_memory=True))
-        staged, lag = await stage_gbps(stage, pageable, args.batches)
+        page_stage = DeviceStage(device)  # one stage per route: its counters are the route's
+        staged, lag = await stage_gbps(page_stage, pageable, args.batches)
+        page_counters = counters(page_stage)
+        page_stage.close()
+        pin_stage = DeviceStage(device)
+        collated = make_batch(nbytes, args.leaves, pinned_alloc(pin_stage))
+        pinned_stage_gbps, _ = await stage_gbps(pin_stage, collated, args.batches)
+        pin_counters = counters(pin_stage)
+        del collated
+        pin_stage.close()
         reg_stage = DeviceStage(device)
         registered, region, base = registered_batch(reg_stage, nbytes, args.leaves)
         direct, reg_lag = await stage_gbps(reg_stage, registered, args.batches)
+        reg_counters = counters(reg_stage)
         compute_r, serial_r, overlapped_r = await overlap(reg_stage, registered, step, args.batches)
         reg_copy_s = max(serial_r - compute_r, 1e-9)
         reg_hidden = min(max((serial_r - overlapped_r) / reg_copy_s, 0.0), 1.0)
@@ -240,6 +282,7 @@ async def run(args: argparse.Namespace) -> None:
                 "batch_mb": mb,
                 "stage_gbps": staged,
                 "stage_registered_gbps": direct,
+                "stage_pinned_collation_gbps": pinned_stage_gbps,
                 "pinned_to_gbps": plain_pinned,
                 "pageable_to_gbps": plain_pageable,
                 "step_ms": compute * 1e3,
@@ -249,13 +292,29 @@ async def run(args: argparse.Namespace) -> None:
                 "registered_hidden": reg_hidden,
                 "loop_lag_p99_ms": lag,
                 "registered_loop_lag_p99_ms": reg_lag,
+                "counters": {
+                    "pageable": page_counters,
+                    "pinned_collation": pin_counters,
+                    "registered": reg_counters,
+                },
             }
         )
         rows.append(
-            f"{mb:>9.1f} {staged:>8.2f} {direct:>10.2f} {plain_pinned:>11.2f} "
-            f"{plain_pageable:>13.2f} {compute * 1e3:>8.2f} {copy_s * 1e3:>8.2f} {hidden:>7.0%}"
-            f" {reg_copy_s * 1e3:>9.2f} {reg_hidden:>8.0%} {lag:>11.2f} {reg_lag:>8.2f}"
+            f"{mb:>9.1f} {staged:>8.2f} {direct:>10.2f} {pinned_stage_gbps:>10.2f}"
+            f" {plain_pinned:>11.2f} {plain_pageable:>13.2f} {compute * 1e3:>8.2f}"
+            f" {copy_s * 1e3:>8.2f} {hidden:>7.0%} {reg_copy_s * 1e3:>9.2f} {reg_hidden:>8.0%}"
+            f" {lag:>11.2f} {reg_lag:>8.2f}"
         )
+        for route, c in (
+            ("pageable", page_counters),
+            ("pinned", pin_counters),
+            ("reg", reg_counters),
+        ):
+            counter_rows.append(
+                f"{mb:>9.1f} {route:>9} {c['staged_bytes_per_batch']:>15.0f}"
+                f" {c['wake_p50_us']:>12.1f} {c['wake_p99_us']:>12.1f} {c['wakes']:>6.0f}"
+                f" {c['ring_slots']:>11.0f} {c['ring_fallbacks']:>15.0f}"
+            )
     stage.close()
     print(
         "host-to-device GB/s; copy ms = (copy then step) - step; hidden = share of it overlapped"
@@ -266,6 +325,13 @@ async def run(args: argparse.Namespace) -> None:
     )
     print(header, file=table)
     print("\n".join(rows), file=table)
+    print(
+        "the stage's counters per route, over its throughput loop: host bytes staged per batch,"
+        " wake latency (copy's event complete -> awaiting task resumed), ring slots used",
+        file=table,
+    )
+    print(counter_header, file=table)
+    print("\n".join(counter_rows), file=table)
     if args.json:
         print(json.dumps({"benchmark": "gpu_transfer", "device": name, "rows": records}))
 
