@@ -17,8 +17,11 @@ so the check adds no host-device sync per step).
 
 Each epoch prints the loss, samples per second, the GPU busy share (the time the GPU spent
 in training steps, measured with CUDA events, over the epoch's wall time: how well the loader
-keeps the GPU fed) and the share of the epoch the loop waited for data. Without a CUDA device
-it trains on the CPU and says so.
+keeps the GPU fed) and the share of the epoch the loop waited for data. With CUDA, a second
+line gives the device stage's counters from ``statistics()``: host bytes staged per batch (0
+when batches come from registered shared memory), the time the loop waited on copies, and the
+wake latency from a copy's completion to the loop resuming (p50 and p99). Without a CUDA
+device it trains on the CPU and says so.
 """
 
 from __future__ import annotations
@@ -123,7 +126,8 @@ async def train(args: argparse.Namespace) -> int:
             busy = sum(b.elapsed_time(e) for b, e in events) / 1e3 / elapsed if cuda else None
             wrong = int(mismatches) + int((seen != 1).sum())
             bad += wrong
-            waited = loader.statistics().epoch_stats.wait_share
+            stats = loader.statistics()
+            waited = stats.epoch_stats.wait_share
             print(
                 f"epoch {epoch}: loss {float(loss_sum) / steps:.3f}, "
                 f"{samples / elapsed:,.0f} samples/s, "
@@ -131,6 +135,14 @@ async def train(args: argparse.Namespace) -> int:
                 + f"waited for data {waited:.0%}, wrong or missing samples {wrong}",
                 flush=True,
             )
+            if cuda and stats.device_batches:
+                print(
+                    f"  device stage (all epochs): staged "
+                    f"{stats.device_staged_bytes / stats.device_batches:,.0f} B/batch, "
+                    f"waited on copies {stats.device_wait_s:.3f} s, wake "
+                    f"p50 {stats.device_wake_p50_us:.0f} us p99 {stats.device_wake_p99_us:.0f} us",
+                    flush=True,
+                )
         print(f"loader: {loader.statistics().hint}")
     return 1 if bad else 0
 
