@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import mmap
+import threading
 from typing import Any
 
 import numpy as np
@@ -145,3 +146,79 @@ async def test_close_with_copies_in_flight_then_wait() -> None:
     for i, transfer in enumerate(transfers):
         out = await transfer.wait()
         assert bool((out["x"] == float(i)).all())
+
+
+# --- the completion thread, the device ring, pinned collation (this change: first GPU run) ---
+
+
+async def test_a_pending_copy_is_woken_by_the_completion_thread() -> None:
+    stage = DeviceStage("cuda")
+    host = torch.empty(1 << 26, dtype=torch.uint8).pin_memory()  # 64 MiB: a few ms to copy
+    transfer = stage.start({"x": host}, 0)
+    out = await transfer.wait()
+    assert out["x"].device == stage.device
+    stats = stage.stats()
+    assert stats.wakes == 1  # it was pending at wait(), and the thread woke it
+    assert 0.0 < stats.wake_p50_s < 0.05
+    assert stats.staged_bytes == 0  # pinned: copied directly
+    stage.close()
+    assert not [t for t in threading.enumerate() if t.name == "aioloader-copy-done"]
+
+
+async def test_batches_collated_into_host_alloc_memory_are_copied_without_staging() -> None:
+    stage = DeviceStage("cuda")
+    array = stage.host_alloc((256, 1024), np.dtype(np.float32))
+    array[:] = np.arange(array.size, dtype=np.float32).reshape(array.shape)
+    tensor = torch.from_numpy(array)
+    assert tensor.is_pinned()
+    out = await stage.start({"t": tensor, "a": array}, 0).wait()
+    assert torch.equal(out["t"].cpu(), tensor)
+    assert torch.equal(out["a"].cpu(), tensor)
+    stats = stage.stats()
+    assert stats.staged_bytes == 0
+    assert stats.staging_buffers == 0
+    stage.close()
+
+
+async def test_a_ring_slot_is_not_reused_while_the_consumer_still_reads_it() -> None:
+    # The consumer's stream spins, then reads batch i; batch i is dropped at once on the host.
+    # Its slot must not take batch i + 1 until the spin and the read have run: every batch
+    # read must hold its own value. No record_stream is involved for ring leaves.
+    stage = DeviceStage("cuda")
+    consumer = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    n = 1 << 20
+    kept: list[torch.Tensor] = []
+    for i in range(12):
+        dev = await stage.start({"x": torch.full((n,), float(i))}, i).wait(stream=consumer)
+        with torch.cuda.stream(consumer):
+            torch.cuda._sleep(BUSY_CYCLES)  # type: ignore[no-untyped-call]
+            kept.append(dev["x"].sum())
+        del dev
+    torch.cuda.synchronize()
+    for i, total in enumerate(kept):
+        assert float(total) == float(i) * n, f"batch {i} was overwritten"
+    stats = stage.stats()
+    assert 1 <= stats.ring_slots <= 8
+    assert stats.ring_fallbacks == 0 or stats.ring_slots == 8
+    stage.close()
+
+
+async def test_a_loader_on_threads_stages_no_host_bytes() -> None:
+    from aioloader import DataLoader
+
+    class Rows:
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> np.ndarray:
+            return np.full(4096, i, dtype=np.float32)
+
+    async with DataLoader(Rows(), batch_size=16, device="cuda") as loader:
+        seen = []
+        async for batch in loader:
+            assert batch.device.type == "cuda"
+            seen += batch[:, 0].long().tolist()
+        stats = loader.statistics()
+    assert sorted(seen) == list(range(64))
+    assert stats.device_batches == 4
+    assert stats.device_staged_bytes == 0
