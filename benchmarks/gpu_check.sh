@@ -10,10 +10,12 @@
 #      marker), this tree only;
 #   2. benchmarks/gpu_transfer.py at 4, 32 and 128 MB (--json);
 #   3. examples/train_gpu.py, sized to finish in about a minute;
+#   4. this tree only: gpu_transfer.py at 4 and 32 MB with --spin-events (events that spin
+#      instead of blocking: the wake latency of the other choice of BLOCKING_EVENTS);
 # then prints one summary: per batch size the stage's bandwidth over the plain pinned loop's
 # from pageable, registered and pinned-collated memory, the share of the copy hidden behind a
 # step, the wake latency and the staged bytes per batch; and train_gpu's GPU busy share.
-# The whole check stays under 8 minutes on an H100 (the step timeouts add up to 7.5).
+# The whole check stays under 8 minutes on an H100 (the step timeouts add up to 7 min 40 s).
 #
 # Environment: PYTHON (default: .venv/bin/python if present, else python3); OUT (default: a
 # fresh temporary directory) receives every log and JSON document.
@@ -40,9 +42,11 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 "$PY" -c 'import torch; print("gpu_check:", torch.cuda.get_device_name(0), "torch", torch.__version__)'
 
-TESTS_S=150
-TRANSFER_S=90
-TRAIN_S=90
+# Caps, not estimates: main 120 + 75 + 75 + 40, baseline 75 + 75 = 460 s at most.
+TESTS_S=120
+TRANSFER_S=75
+TRAIN_S=75
+SPIN_S=40
 
 run_tree() {  # $1: label, $2: tree
     local label="$1" tree="$2"
@@ -61,6 +65,10 @@ echo "== main: cuda tests"
     -p no:cacheprovider -q tests/ >"$OUT/main.tests.txt" 2>&1)
 echo "   cuda tests: rc=$? $(tail -n 1 "$OUT/main.tests.txt")"
 run_tree main "$HERE"
+(cd "$HERE" && PYTHONPATH="$HERE" timeout "$SPIN_S" "$PY" benchmarks/gpu_transfer.py \
+    --batch-mb 4 32 --batches 20 --spin-events --json >"$OUT/main-spin.transfer.json" \
+    2>"$OUT/main-spin.transfer.txt")
+echo "   gpu_transfer --spin-events: rc=$? ($OUT/main-spin.transfer.txt)"
 if [[ -n "$BASE" ]]; then
     run_tree baseline "$BASE"
 fi
@@ -88,7 +96,7 @@ def train(label):
 
 
 print("\n== summary (ratios are of the plain pinned .to() loop's GB/s, same run)")
-for label in ("baseline", "main"):
+for label in ("baseline", "main", "main-spin"):
     doc = transfer(label)
     text = train(label)
     if doc is None and not text:

@@ -62,6 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--matmul-size", type=int, default=4096)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", action="store_true", help="results as JSON on stdout")
+    parser.add_argument(
+        "--spin-events",
+        action="store_true",
+        help="events wait by spinning, not by blocking sync (compare the wake latency)",
+    )
     args = parser.parse_args(argv)
     if args.batches < 1 or args.leaves < 1 or any(mb <= 0 for mb in args.batch_mb):
         parser.error("--batches and --leaves must be >= 1 and every --batch-mb > 0")
@@ -230,6 +235,10 @@ async def overlap(
 
 async def run(args: argparse.Namespace) -> None:
     table = sys.stderr if args.json else sys.stdout
+    if args.spin_events:
+        from aioloader._device import _backend
+
+        _backend.BLOCKING_EVENTS = False  # read by each new event
     stage = DeviceStage(args.device)
     device = stage.device
     assert device is not None
@@ -333,7 +342,8 @@ async def run(args: argparse.Namespace) -> None:
     print(counter_header, file=table)
     print("\n".join(counter_rows), file=table)
     if args.json:
-        print(json.dumps({"benchmark": "gpu_transfer", "device": name, "rows": records}))
+        doc = {"benchmark": "gpu_transfer", "device": name, "rows": records}
+        print(json.dumps({**doc, "blocking_events": not args.spin_events}))
 
 
 def main(argv: list[str] | None = None) -> int:

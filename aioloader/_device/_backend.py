@@ -44,8 +44,8 @@ _HOST_REGISTER_FLAGS = 0
 #: Events wait by blocking sync (the thread sleeps until the driver's interrupt) rather than by
 #: spinning. Spinning wakes the completion thread a few microseconds sooner but keeps one CPU
 #: core busy whenever a copy is pending, a core the loader's workers and the training loop need;
-#: blocking sync was expected to wake it within tens of microseconds (to be measured on a GPU:
-#: ``benchmarks/gpu_transfer.py`` prints the wake latency).
+#: blocking sync is expected to wake it within tens of microseconds. Not measured yet:
+#: ``benchmarks/gpu_transfer.py`` prints the wake latency, ``--spin-events`` the other choice's.
 BLOCKING_EVENTS = True
 
 
