@@ -7,13 +7,15 @@ reused too early shows up as overwritten values or as a reuse the test forbade.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 from typing import Any
 
 import numpy as np
 import torch
 from device_fakes import ThreadFake
-from test_device import FakeStream, assert_same_values, make_batch
+from hypothesis import HealthCheck, given, settings
+from test_device import FakeStream, assert_same_values, make_batch, trees
 
 from aioloader._device import DeviceStage
 from aioloader._device._ring import MAX_RING_SLOTS
@@ -155,3 +157,23 @@ async def test_deep_pipeline_with_kept_batches_never_sees_a_slot_reused_early() 
         assert_same_values(batch, out)
     assert stage.stats().batches_copied == 60
     stage.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=trees)
+def test_any_batch_arrives_through_ring_slots_with_its_structure_and_values(batch: Any) -> None:
+    # Every dtype, shape (scalars, empty) and layout the stage accepts, carved out of one slot.
+    backend = ThreadFake(consumer_done=True)
+    stage = DeviceStage("cuda", backend=backend)
+
+    async def collect() -> list[Any]:
+        transfers = [stage.start(batch, i) for i in range(2)]  # two in flight share nothing
+        backend.fire_all()
+        return [await t.wait() for t in transfers]
+
+    try:
+        for result in asyncio.run(collect()):
+            assert_same_values(batch, result)
+        assert stage.stats().ring_fallbacks == 0
+    finally:
+        stage.close()
