@@ -9,6 +9,7 @@ stage's CUDA is ``device_fakes.ThreadFake``, given through ``DeviceStage.default
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -102,3 +103,33 @@ async def test_a_collate_function_without_alloc_is_staged_and_counted(
         stats = loader.statistics()
     assert stats.device_batches == N // BATCH
     assert stats.device_staged_bytes == stats.device_bytes == N * (ROW * 4 + 8)
+
+
+async def test_an_epoch_abandoned_with_copies_in_flight_leaves_nothing(
+    fakes: list[ThreadFake],
+) -> None:
+    async with DataLoader(
+        Rows(), batch_size=BATCH, device="cuda", num_workers=0, device_prefetch=3
+    ) as loader:
+        async for batch in loader:
+            assert int(batch["i"][0]) == 0
+            break
+        assert loader.statistics().device_batches >= 1
+    # Closed: the completion thread is gone (the suite's leak check also says so), and the
+    # stage dropped its ring and staging buffers.
+    assert not [t for t in threading.enumerate() if t.name == "aioloader-copy-done"]
+
+
+def test_a_sync_for_loop_gets_its_batches_through_the_completion_thread(
+    fakes: list[ThreadFake],
+) -> None:
+    # ``for`` runs the epoch on the loader's loop thread: the completion futures belong to it.
+    with DataLoader(Rows(), batch_size=BATCH, device="cuda", num_workers=0) as loader:
+        seen = [int(i) for batch in loader for i in batch["i"]]
+        stats = loader.statistics()
+    assert sorted(seen) == list(range(N))
+    assert stats.device_batches == N // BATCH
+    assert stats.device_staged_bytes == 0
+    (backend,) = fakes
+    assert backend.waited_from  # the completion thread waited on the copies' events
+    assert set(backend.waited_from) == {"aioloader-copy-done"}
