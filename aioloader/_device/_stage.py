@@ -603,7 +603,8 @@ class DeviceStage:
                     if completer is not None and record.loop is not None:
                         # A weak reference, as in _notify: a pending record is the stage's.
                         notify = functools.partial(self._notify, weakref.ref(record))
-                        completer.push(record.end_event, notify)
+                        if not completer.push(record.end_event, notify):
+                            record.future = None  # the thread was stopped: done() is polled
         except BaseException:
             # Closures of this walk outlive their frames in the traceback (a frame keeps its
             # function, a function its cells): empty the plan so no host leaf stays reachable.
