@@ -12,9 +12,9 @@ Sharp edges:
 - Only tensors and ndarrays are array leaves; anything else (numbers, strings) is kept as is.
 - Only numeric numpy arrays (:data:`NUMERIC_KINDS`) become device tensors (``torch.from_numpy``
   semantics); strings, objects and datetimes pass through unchanged.
-- ``torch.from_numpy`` refuses (or warns about) read-only, byte-swapped, non-contiguous and
-  misaligned arrays: :func:`array_as_tensor_view` returns ``None`` for them and the caller
-  copies them instead.
+- ``torch.from_numpy`` refuses (or warns about) read-only, byte-swapped, non-contiguous,
+  negatively strided (even the one-item arrays numpy calls contiguous) and misaligned arrays:
+  :func:`array_as_tensor_view` returns ``None`` for them and the caller copies them instead.
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ def array_as_tensor_view(arr: np.ndarray[Any, Any]) -> torch.Tensor | None:
         or not arr.dtype.isnative
         or not arr.flags.c_contiguous
         or not arr.flags.aligned
+        # numpy calls a reversed one-item array contiguous; torch refuses its negative stride
+        or any(stride < 0 for stride in arr.strides)
     ):
         return None
     return torch.from_numpy(arr)
