@@ -42,7 +42,14 @@ same batch ids, so rank 0's state says it for all). Loaded where only the world 
 follows from it differ (``num_replicas``, ``len(sampler)``, ``len(loader)``), the state is
 rebased (:meth:`EpochBook.check`): no batch taken yet, the sampler holding those positions, so
 that its ``iter()`` shares out the rest of the order over the new ranks. The next epochs are
-those of an uninterrupted run on the new ranks. Streams resume on the same ranks only.
+those of an uninterrupted run on the new ranks.
+
+A stream read in units (``TarDataset``, ``ParquetDataset``) resumes on another number of ranks
+(and workers) from every rank's state merged into one (:func:`merge_states`, exported as
+``aioloader.distributed.merge_states``): each rank's dataset state says which records that rank
+consumed (:mod:`aioloader.sources`' ``merge_stream_states`` replays it), and the merged state
+holds them all, no batch taken yet; each new rank's dataset deals the rest of the epoch out
+again. Any other stream resumes on the same ranks only.
 
 The format is versioned (``"version"``, :data:`STATE_VERSION`) and checked whole where it is
 loaded, never later at the first batch. A mid-epoch state counts the batches taken by id, and an
@@ -61,7 +68,7 @@ the loader by adding its layout.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._config import Sampling
@@ -76,8 +83,9 @@ from .._validate import (
     to_int,
     value_errors,
 )
+from ..sources import merge_stream_states
 
-__all__ = ["STATE_VERSION", "EpochBook"]
+__all__ = ["STATE_VERSION", "EpochBook", "merge_states"]
 
 #: The format :meth:`EpochBook.state_dict` writes. 0: no ``"version"`` key (a mid-epoch state
 #: recorded at most the batch size and dataset length, as ``"shape"``); 1: ``"version"`` and
@@ -565,6 +573,65 @@ class EpochBook:
                 f"the state was saved mid-epoch ({where}) but holds no stream positions (was "
                 f"it saved from a dataset that is not a ResumableStream?); {replay}"
             )
+
+
+# -- every rank's state, merged (elastic resume of streams) -----------------------------------
+
+
+def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One loader state of every rank's, saved at one step, that resumes on any number of
+    ranks and workers (see the module docstring).
+
+    For a ``TarDataset`` or ``ParquetDataset`` the merged state holds what every rank consumed
+    of the epoch (no batch taken yet: each new rank deals the rest out again). For map-style
+    data rank 0's state already says it for all: the states must agree, and it comes back.
+    Between epochs every rank's state is the same too.
+
+    Args:
+        states: ``loader.state_dict()`` of every rank (index = rank, or in any order), as
+            ``torch.distributed.all_gather_object`` gathers them.
+
+    Raises:
+        ValueError: the states are of different epochs or seeds, of a stream that is not read
+            in units (it resumes on the same ranks only), or not one of each rank.
+    """
+    if not states:
+        raise ValueError("merge_states needs the state of every rank, got none")
+    first = check_state_keys("merge_states", dict(states[0]), ("epoch", "done", "seed"))
+    for k, state in enumerate(states):
+        for key in ("epoch", "seed", "version"):
+            if state.get(key) != first.get(key):
+                raise ValueError(
+                    f"merge_states: state {k} has {key}={state.get(key)!r} and state 0 has "
+                    f"{key}={first.get(key)!r}: merge the states of one job, saved at one step"
+                )
+    streams = [state.get("streams") for state in states]
+    if all(saved is None for saved in streams):
+        for k, state in enumerate(states):
+            for key in ("done", "consumed"):
+                if state.get(key) != first.get(key):
+                    raise ValueError(
+                        f"merge_states: state {k}'s {key!r} differs from state 0's: a "
+                        "map-style epoch is shared out so that rank 0's state says it for all "
+                        "ranks, which these do not"
+                    )
+        return _copied(first)  # type: ignore[no-any-return]
+    positions = []
+    for k, saved in enumerate(streams):
+        if not isinstance(saved, Mapping) or saved.get("readers") != 1:
+            raise ValueError(
+                f"merge_states: state {k}'s stream positions ({saved!r}) are not of one reader "
+                "of an async stream read in units (TarDataset, ParquetDataset): a stream read "
+                "in worker processes resumes on the same ranks and workers only"
+            )
+        held = dict(saved["states"])
+        position = held.get(0, held.get("0"))
+        if not isinstance(position, Mapping):
+            raise ValueError(f"merge_states: state {k} holds no position of its stream")
+        positions.append(position)
+    merged = merge_stream_states(positions)
+    streams_state = {"readers": 1, "last": -1, "states": {0: merged}}
+    return {**_copied(first), "done": [], "streams": streams_state}
 
 
 # -- the state's format ---------------------------------------------------------------------

@@ -35,6 +35,7 @@ when it is made, and says which extra to install (``pip install 'aioloader[remot
 
 from __future__ import annotations
 
+from ._elastic import merge_stream_states as merge_stream_states  # (distributed.merge_states)
 from ._file import FileDataset as FileDataset
 from ._fsspec import FsspecDataset as FsspecDataset
 from ._http import HTTPDataset as HTTPDataset

@@ -74,8 +74,9 @@ from typing import Any
 from .._errors import ShardError
 from .._validate import boolean, callable_or_none, check_state_keys, non_negative_int, positive_int
 from ._base import as_names, byte_limit, too_large
+from ._elastic import epoch_mixer, rest_of
 from ._listing import alist_objects
-from ._mixing import Mixer, buffer_rng, shard_order
+from ._mixing import Mixer
 from ._parquetio import Storage, pyarrow_parquet, row_group_bytes
 from ._parquetio import rows as as_rows
 from ._readers import UnitStream, check_fits
@@ -402,18 +403,25 @@ class _RowGroups:
                         f"{resume[key]}, and the files have {value} now; the order of rows "
                         "would differ"
                     )
+        rest = rest_of("ParquetDataset", resume)
+        if rest is not None and rest.units != len(catalog.units):
+            raise ValueError(
+                f"ParquetDataset: the state being resumed was saved with {rest.units} row "
+                f"groups, and the files have {len(catalog.units)} now; the order of rows "
+                "would differ"
+            )
         rank, world = ds._rank
-        order = shard_order(
+        return epoch_mixer(
             len(catalog.units),
+            rest,
             shuffle=ds.shuffle,
             seed=ds.seed,
             epoch=epoch,
-            reader=rank,
-            readers=world,
+            rank=rank,
+            world=world,
+            slots=ds.row_groups_in_flight,
+            buffer=ds.shuffle_buffer if ds.shuffle else 0,
         )
-        size = ds.shuffle_buffer if ds.shuffle else 0
-        rng = buffer_rng(ds.seed, epoch, rank, world)
-        return Mixer(order, ds.row_groups_in_flight, size, rng)
 
     def where(self, unit: int) -> tuple[str, str]:
         assert self.catalog is not None

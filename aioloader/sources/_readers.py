@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from .._errors import ShardError
 from .._validate import non_negative_int, positive_int
+from ._elastic import Rest, rest_of, skipping
 from ._mixing import Mixer, SampleId, replay
 from ._redact import redact
 
@@ -104,6 +105,9 @@ class Epoch:
         self.units = units
         self.epoch = epoch
         self.resume = resume
+        # The rest of an epoch saved on other ranks (:mod:`._elastic`): its units' records
+        # less those consumed; positions count among the records left.
+        self.rest: Rest | None = rest_of(type(units).__name__, resume)
         self.in_flight = in_flight
         self.mixer: Mixer | None = None  # made when the iteration starts
         self.yielded = int(resume["yielded"]) if resume is not None else 0
@@ -162,7 +166,10 @@ class Epoch:
     def _start(self, unit: int, live_from: int | None, wanted: set[int]) -> _Reader:
         description, url = self.units.where(unit)
         name = f"aioloader-{self.units.kind}-{redact(url)}"  # tasks' reprs show it
-        reader = _Reader(self.units.records(unit), description, url, name, live_from, wanted)
+        records = self.units.records(unit)
+        if self.rest is not None:
+            records = skipping(records, list(self.rest.consumed.get(unit, ())))
+        reader = _Reader(records, description, url, name, live_from, wanted)
         if live_from is not None:
             self._readers[unit] = reader
         else:
@@ -317,16 +324,42 @@ class UnitStream:
 
     def _position(self, version: int) -> dict[str, Any]:
         """The common part of ``state_dict``: after what the current (or last) iteration
-        yielded; between iterations, or after one ran to its end, the next epoch's start."""
-        run = self._current
-        epoch, yielded, ended = run.position() if run and not run.finished else (self._epoch, 0, [])
-        return {"version": version, "epoch": epoch, "yielded": yielded, "ended": ended}
+        yielded; between iterations, or after one ran to its end, the next epoch's start; a
+        state loaded and not yet begun, that state's position."""
+        run, resume = self._current, self._resume
+        if resume is not None:  # loaded, not begun: saving again keeps it
+            epoch, yielded, ended, rest = (
+                resume["epoch"],
+                resume["yielded"],
+                resume["ended"],
+                resume.get("rest"),
+            )
+        elif run is not None and not run.finished:
+            epoch, yielded, ended = run.position()
+            rest = None if run.rest is None else run.rest.state()
+        else:
+            epoch, yielded, ended, rest = self._epoch, 0, [], None
+        return {
+            "version": version,
+            "epoch": epoch,
+            "yielded": yielded,
+            "ended": ended,
+            "rest": rest,
+        }
 
     def _resume_from(self, state: Mapping[str, Any]) -> None:
         """The common end of ``load_state_dict``, once the state was checked against this
         dataset: the next iteration continues from it."""
         self._epoch = non_negative_int("state 'epoch'", state["epoch"])
-        non_negative_int("state 'yielded'", state["yielded"])
+        yielded = non_negative_int("state 'yielded'", state["yielded"])
+        owner = type(self).__name__
+        rest_of(owner, state)  # checked here, not at the next iteration
+        if state.get("rank") is None and (yielded or state["ended"]):
+            raise ValueError(
+                f"{owner}.load_state_dict: the state says {yielded} records were yielded but "
+                "names no rank: a rank's own state names its rank, a merged one (of every "
+                "rank's, aioloader.distributed.merge_states) yields nothing yet"
+            )
         self._resume = dict(state)
 
     def _start(self, owner: str, units: Units, in_flight: int) -> AsyncIterator[Any]:
@@ -334,8 +367,17 @@ class UnitStream:
         checked against the rank the loader has told by now."""
         epoch = self._epoch
         resume, self._resume = self._resume, None
-        if resume is not None:
-            check_fits(owner, resume, {"rank": list(self._rank)})
+        if resume is not None and resume.get("rank") is not None:
+            # A rank's own state resumes that rank; every rank's, merged, resumes any ranks.
+            saved = list(resume["rank"])
+            if saved != list(self._rank):
+                raise ValueError(
+                    f"{owner}.load_state_dict: the state was saved with rank={saved!r}, this "
+                    f"dataset has rank={list(self._rank)!r}: a rank's own state resumes only "
+                    "that rank's share. To resume on another number of ranks, merge every "
+                    "rank's state into one (aioloader.distributed.merge_states) and load that "
+                    "on every new rank"
+                )
         self._epoch = epoch + 1
         run = Epoch(units, epoch, resume, in_flight)
         self._current = run

@@ -74,10 +74,11 @@ from .._validate import (
     positive_int,
 )
 from ._base import MAX_OBJECT_BYTES, byte_limit, too_large
+from ._elastic import epoch_mixer, rest_of
 from ._file import FileDataset
 from ._fsspec import FsspecDataset
 from ._http import HTTPDataset
-from ._mixing import Mixer, buffer_rng, shard_order
+from ._mixing import Mixer
 from ._readers import UnitStream, check_fits
 from ._redact import add_credential_parameters, parameters_state, redact
 from ._tarfmt import Grouper, MemberTooLargeError, TarFormatError, TarParser
@@ -291,14 +292,27 @@ class _Shards:
         self.dataset = dataset
 
     async def start(self, epoch: int, resume: Mapping[str, Any] | None) -> Mixer:
-        """The mixer of ``epoch``: this rank's shards in the epoch's order (no IO first)."""
+        """The mixer of ``epoch``: this rank's shards in the epoch's order, or its share of
+        the rest of an epoch saved on other ranks (no IO first)."""
         ds = self.dataset
         rank, world = ds._rank
-        order = shard_order(
-            len(ds.urls), shuffle=ds.shuffle, seed=ds.seed, epoch=epoch, reader=rank, readers=world
+        rest = rest_of("TarDataset", resume)
+        if rest is not None and rest.units != len(ds.urls):
+            raise ValueError(
+                f"TarDataset: the state being resumed has a rest of {rest.units} shards, and "
+                f"this dataset has {len(ds.urls)}; the order of samples would differ"
+            )
+        return epoch_mixer(
+            len(ds.urls),
+            rest,
+            shuffle=ds.shuffle,
+            seed=ds.seed,
+            epoch=epoch,
+            rank=rank,
+            world=world,
+            slots=ds.shards_in_flight,
+            buffer=ds.shuffle_buffer if ds.shuffle else 0,
         )
-        size = ds.shuffle_buffer if ds.shuffle else 0
-        return Mixer(order, ds.shards_in_flight, size, buffer_rng(ds.seed, epoch, rank, world))
 
     def where(self, unit: int) -> tuple[str, str]:
         url = self.dataset.urls[unit]

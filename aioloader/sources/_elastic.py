@@ -1,0 +1,393 @@
+"""The rest of an epoch of a stream read in units, dealt again over another number of ranks.
+
+A stream read in units (tar shards, Parquet row groups: :mod:`._readers`) saves, per rank,
+where its epoch stands: the epoch, the records it yielded, and how many records each unit that
+ended had. That is enough to recompute which records the rank consumed (:func:`consumed`
+replays its :class:`~._mixing.Mixer` without IO), but only for that rank, whose share of the
+units depends on the number of ranks. So, to resume on another number of ranks (elastic
+resume), every rank's state is merged into one (:func:`merge_stream_states`), which says
+*which records of which units were consumed*, whoever read them::
+
+    rank states (R of them)         merged state ("rest")            rank r' of R' resumes
+      (epoch, yielded, ended, r) ─▶ consumed: unit -> [[a, b], ...] ─▶ the epoch's unit order,
+      replayed: what r consumed     lengths:  unit -> its records      less units used up,
+                                                                       every R'-th from r' on
+                                                                       ─▶ each unit's records,
+                                                                       less those consumed
+
+The rest is dealt deterministically (:func:`rest_mixer`): the epoch's unit order (a pure
+function of ``(seed, epoch)``), less the units whose every record was consumed, unit ``k`` of
+it to new rank ``k mod R'``; a new rank mixes its units as any epoch does (slots, a shuffle
+buffer seeded by ``(seed, epoch, rank, world)``), reading each unit from its start and leaving
+out the records consumed (:func:`skipping`). So across the new ranks every record of the epoch
+not consumed comes out exactly once, and none consumed comes again. Positions in such a rest
+are positions among the records a unit has left (a unit's ``ended`` count is of those), so the
+rest itself resumes exactly on the same ranks, and its states merge again for yet other ranks
+(:func:`consumed` maps its positions back to the unit's own). The next epoch is an
+uninterrupted epoch of the new ranks: the rest applies to the epoch it was saved in.
+
+Costs, each deliberate: a unit consumed in part is read again from its start (its first bytes
+are read and left out: a tar shard cannot be entered in the middle); a merged state holds two
+small ranges per unit touched (whole units consumed are one range each), no record data.
+
+Everything here is pure: no IO, no loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._validate import check_state_keys, is_int, non_negative_int, positive_int
+from ._mixing import Mixer, buffer_rng, replay, shard_order
+
+__all__ = [
+    "Rest",
+    "consumed",
+    "epoch_mixer",
+    "merge_stream_states",
+    "skipping",
+]
+
+Ranges = list[tuple[int, int]]  # sorted, disjoint, non-adjacent [start, stop) ranges
+
+
+# -- ranges of positions ------------------------------------------------------------------------
+
+
+def _union(a: Ranges, b: Ranges) -> Ranges:
+    out: Ranges = []
+    for start, stop in sorted([*a, *b]):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((start, stop))
+    return out
+
+
+def _count(ranges: Ranges) -> int:
+    return sum(stop - start for start, stop in ranges)
+
+
+def _without(n: int, points: Iterable[int]) -> Ranges:
+    """The positions ``0 .. n-1`` less ``points``, as ranges."""
+    out: Ranges = []
+    start = 0
+    for p in sorted(set(points)):
+        if p >= n:
+            break
+        if p > start:
+            out.append((start, p))
+        start = p + 1
+    if n > start:
+        out.append((start, n))
+    return out
+
+
+def _own_ranges(gone: Ranges, virtual: Ranges) -> Ranges:
+    """A unit's own positions of the ``virtual`` ones, positions among its records left once
+    those at ``gone`` are left out: the ``v``-th record left lies in the ``k``-th gap between
+    the ranges of ``gone``, counted from the gap's start."""
+    gaps: list[tuple[int, int, int]] = []  # (own start, virtual start, virtual stop)
+    own, counted = 0, 0
+    for start, stop in gone:
+        if start > own:
+            gaps.append((own, counted, counted + start - own))
+            counted += start - own
+        own = stop
+    gaps.append((own, counted, -1))  # the last gap has no end
+    out: Ranges = []
+    for a, b in virtual:
+        for own_start, v_start, v_stop in gaps:
+            lo, hi = max(a, v_start), b if v_stop < 0 else min(b, v_stop)
+            if lo < hi:
+                out.append((own_start + lo - v_start, own_start + hi - v_start))
+    return _union(out, [])
+
+
+# -- the rest of an epoch ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Rest:
+    """What of an epoch was consumed, by every rank together: the state's ``"rest"``.
+
+    Attributes:
+        units: how many units the data has (all ranks').
+        consumed: unit -> the ranges of its positions consumed (its own positions).
+        lengths: unit -> its number of records, for the units known to have ended.
+    """
+
+    units: int
+    consumed: Mapping[int, Ranges]
+    lengths: Mapping[int, int]
+
+    def used_up(self, unit: int) -> bool:
+        """Whether every record of ``unit`` was consumed (it is not read again)."""
+        length = self.lengths.get(unit)
+        return length is not None and _count(list(self.consumed.get(unit, ()))) >= length
+
+    def deal(self, order: Sequence[int], rank: int, world: int) -> list[int]:
+        """Rank ``rank`` of ``world``'s units of the rest, from the epoch's whole ``order``."""
+        left = [unit for unit in order if not self.used_up(unit)]
+        return left[rank::world]
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "units": self.units,
+            "consumed": [[u, [list(r) for r in rs]] for u, rs in sorted(self.consumed.items())],
+            "lengths": [[u, n] for u, n in sorted(self.lengths.items())],
+        }
+
+    @classmethod
+    def from_state(cls, owner: str, state: object) -> Rest:
+        """A state's ``"rest"``, checked (each field named with its value)."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"{owner}: the state's 'rest' must be a dict, got {state!r}")
+        state = check_state_keys(f"{owner} (the state's 'rest')", dict(state), _REST_KEYS)
+        units = positive_int("the state's rest 'units'", state["units"])
+        consumed: dict[int, Ranges] = {}
+        for item in _pairs(owner, "consumed", state["consumed"]):
+            unit, ranges = _unit(owner, item[0], units), item[1]
+            checked: Ranges = []
+            if not isinstance(ranges, list | tuple):
+                raise ValueError(f"{owner}: the state's rest ranges of unit {unit}: {ranges!r}")
+            for r in ranges:
+                if (
+                    not isinstance(r, list | tuple)
+                    or len(r) != 2
+                    or not all(map(is_int, r))
+                    or not 0 <= int(r[0]) < int(r[1])
+                ):
+                    raise ValueError(
+                        f"{owner}: the state's rest 'consumed' of unit {unit} must hold [start, "
+                        f"stop] ranges with 0 <= start < stop, got {r!r}"
+                    )
+                checked.append((int(r[0]), int(r[1])))
+            consumed[unit] = _union(checked, [])
+        lengths = {
+            _unit(owner, item[0], units): non_negative_int(
+                f"the state's rest length of unit {item[0]}", item[1]
+            )
+            for item in _pairs(owner, "lengths", state["lengths"])
+        }
+        for unit, length in lengths.items():
+            ranges = consumed.get(unit, [])
+            if ranges and ranges[-1][1] > length:
+                raise ValueError(
+                    f"{owner}: the state's rest says unit {unit} has {length} records and that "
+                    f"its record {ranges[-1][1] - 1} was consumed"
+                )
+        return cls(units, consumed, lengths)
+
+
+_REST_KEYS = ("units", "consumed", "lengths")
+
+
+def _pairs(owner: str, key: str, value: object) -> list[Any]:
+    if not isinstance(value, list | tuple) or not all(
+        isinstance(item, list | tuple) and len(item) == 2 for item in value
+    ):
+        raise TypeError(f"{owner}: the state's rest {key!r} must be a list of pairs, got {value!r}")
+    return list(value)
+
+
+def _unit(owner: str, unit: object, units: int) -> int:
+    if not is_int(unit) or not 0 <= int(unit) < units:
+        raise ValueError(f"{owner}: the state's rest names unit {unit!r}, not one of {units}")
+    return int(unit)
+
+
+def rest_of(owner: str, state: Mapping[str, Any] | None) -> Rest | None:
+    """The :class:`Rest` a dataset state resumes (None: an uninterrupted epoch)."""
+    rest = None if state is None else state.get("rest")
+    return None if rest is None else Rest.from_state(owner, rest)
+
+
+def epoch_mixer(
+    units: int,
+    rest: Rest | None,
+    *,
+    shuffle: bool,
+    seed: int,
+    epoch: int,
+    rank: int,
+    world: int,
+    slots: int,
+    buffer: int,
+) -> Mixer:
+    """The mixer of rank ``rank`` of ``world`` in ``epoch``: its share of an uninterrupted
+    epoch, or (``rest``) its share of what the ranks that saved ``rest`` left of it."""
+    if rest is None:
+        order = shard_order(
+            units, shuffle=shuffle, seed=seed, epoch=epoch, reader=rank, readers=world
+        )
+    else:
+        whole = shard_order(units, shuffle=shuffle, seed=seed, epoch=epoch, reader=0, readers=1)
+        order = rest.deal(whole, rank, world)
+    return Mixer(order, slots, buffer, buffer_rng(seed, epoch, rank, world))
+
+
+async def skipping(records: AsyncGenerator[Any, None], gone: Ranges) -> AsyncGenerator[Any, None]:
+    """``records`` less those at the positions ``gone`` (a unit's records in a rest)."""
+    ranges = iter(gone)
+    current = next(ranges, None)
+    position = 0
+    async with contextlib.aclosing(records):
+        async for record in records:
+            while current is not None and position >= current[1]:
+                current = next(ranges, None)
+            if current is None or position < current[0]:
+                yield record
+            position += 1
+
+
+# -- what a rank consumed, and the merge -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What orders a stream's records, read from one of its states (tar or Parquet)."""
+
+    kind: str  # the dataset's class name, for messages
+    units: int | None
+    slots: int
+    buffer: int
+    shuffle: bool
+    seed: int
+
+
+def settings(state: Mapping[str, Any]) -> Settings:
+    """The settings a (TarDataset or ParquetDataset) state was saved with."""
+    if "shards" in state:
+        kind, units, slots = "TarDataset", state["shards"], state.get("shards_in_flight")
+    elif "row_groups_in_flight" in state:
+        kind, units = "ParquetDataset", state.get("row_groups")
+        slots = state["row_groups_in_flight"]
+    else:
+        raise ValueError(
+            "merge_states: a stream state that is neither a TarDataset's nor a "
+            f"ParquetDataset's (keys {sorted(state)}): only those resume on other ranks"
+        )
+    return Settings(
+        kind,
+        None if units is None else non_negative_int(f"{kind} state's units", units),
+        positive_int(f"{kind} state's units in flight", slots),
+        non_negative_int(f"{kind} state's shuffle_buffer", state.get("shuffle_buffer", 0)),
+        bool(state.get("shuffle")),
+        non_negative_int(f"{kind} state's seed", state.get("seed")),
+    )
+
+
+def consumed(state: Mapping[str, Any]) -> tuple[dict[int, Ranges], dict[int, int]]:
+    """What one rank consumed, by its state: unit -> ranges of its own positions, and the
+    lengths of the units that ended (replayed without IO, see :func:`~._mixing.replay`)."""
+    config = settings(state)
+    rest = rest_of(config.kind, state)
+    yielded = non_negative_int(f"{config.kind} state's 'yielded'", state["yielded"])
+    if yielded == 0 or config.units is None:
+        return {}, {}
+    rank, world = _rank(config.kind, state)
+    mixer = epoch_mixer(
+        config.units,
+        rest,
+        shuffle=config.shuffle,
+        seed=config.seed,
+        epoch=non_negative_int(f"{config.kind} state's 'epoch'", state["epoch"]),
+        rank=rank,
+        world=world,
+        slots=config.slots,
+        buffer=config.buffer,
+    )
+    counts = {int(unit): int(n) for unit, n in state["ended"]}
+    tail = replay(mixer, counts, yielded)
+    pending: dict[int, set[int]] = {}
+    for unit, position in [*mixer.buffer, *tail]:
+        pending.setdefault(unit, set()).add(position)
+    read = dict(mixer.ended)
+    read.update((unit, position) for unit, position in mixer.slots)
+    taken: dict[int, Ranges] = {}
+    lengths: dict[int, int] = {}
+    for unit, n in read.items():
+        gone = list(rest.consumed.get(unit, ())) if rest is not None else []
+        mine = _own_ranges(gone, _without(n, pending.get(unit, ())))
+        if mine:
+            taken[unit] = mine
+        if unit in mixer.ended:
+            lengths[unit] = n + _count(gone)
+    return taken, lengths
+
+
+def _rank(owner: str, state: Mapping[str, Any]) -> tuple[int, int]:
+    rank = state.get("rank")
+    if not isinstance(rank, list | tuple) or len(rank) != 2:
+        raise ValueError(
+            f"merge_states: a {owner} state's 'rank' must be [rank, world], got {rank!r}"
+        )
+    return int(rank[0]), int(rank[1])
+
+
+#: The keys of a stream state that say where it is, rather than how the stream is made.
+_WHERE = frozenset({"yielded", "ended", "rank", "rest"})
+#: Keys a ParquetDataset's state holds once its first iteration read the footers (None before).
+_LEARNT = ("row_groups", "rows")
+
+
+def merge_stream_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One state of every rank's (TarDataset or ParquetDataset) states, saved at one step:
+    the records all of them consumed (``"rest"``), resumable on any number of ranks.
+
+    Raises:
+        ValueError: the states are not one of each rank of one job, at one epoch, of one
+            dataset (naming what differs), or one of them is malformed.
+    """
+    if not states:
+        raise ValueError("merge_states needs the state of every rank, got none")
+    first = states[0]
+    same = {key: value for key, value in first.items() if key not in _WHERE}
+    for key in _LEARNT:  # a rank that read nothing yet may not know them
+        same[key] = next((s[key] for s in states if s.get(key) is not None), same.get(key))
+    config = settings(same)
+    for k, state in enumerate(states):
+        for key, value in same.items():
+            if key in _LEARNT and state.get(key) is None:
+                continue
+            if state.get(key) != value:
+                raise ValueError(
+                    f"merge_states: the states differ in {key!r} ({value!r} in the first, "
+                    f"{state.get(key)!r} in state {k}): they are not of one dataset at one epoch"
+                )
+        if state.get("rest") != first.get("rest"):
+            raise ValueError(
+                f"merge_states: state {k} resumes another rest of the epoch than the first: "
+                "merge the states of one job, saved at one step"
+            )
+    ranks = sorted(_rank(config.kind, s) for s in states)
+    world = ranks[0][1] if ranks else 0
+    if ranks != [(r, world) for r in range(world)]:
+        raise ValueError(
+            f"merge_states: the states are of ranks {[list(r) for r in ranks]}; they must be "
+            f"one of every rank of one job ([0, R] to [R - 1, R]), each once"
+        )
+    rest = rest_of(config.kind, first)
+    taken: dict[int, Ranges] = {u: list(r) for u, r in rest.consumed.items()} if rest else {}
+    lengths: dict[int, int] = dict(rest.lengths) if rest else {}
+    for state in states:
+        mine, ended = consumed(state)
+        for unit, ranges in mine.items():
+            before = taken.get(unit, [])
+            if _count(_union(before, ranges)) != _count(before) + _count(ranges):
+                raise ValueError(
+                    f"merge_states: two states consumed the same records of unit {unit}: they "
+                    "are not of one job at one step"
+                )
+            taken[unit] = _union(before, ranges)
+        lengths.update(ended)
+    merged = {**same, "yielded": 0, "ended": [], "rank": None, "rest": None}
+    if taken:
+        units = config.units if config.units is not None else rest.units if rest else None
+        assert units is not None  # a state that consumed records knows the units
+        merged["rest"] = Rest(units, taken, lengths).state()
+    return merged

@@ -1,0 +1,273 @@
+"""Elastic resume of streams read in units (``TarDataset``, ``ParquetDataset``): every rank's
+state, merged, resumes on any number of ranks (RELIABILITY.md row 35).
+
+Here each rank is a copy of the dataset in this process, told its rank as the loader tells it
+(``set_rank``), and iterated directly: the properties are the dataset's, whatever runs it. A
+real job of gloo ranks, through the loader with worker processes, is in
+``test_stream_elastic_job``.
+
+Invariants, for any cut of any rank (ranks may stop at different points), shuffled or not:
+
+- the merged state's rest, read by any number of new ranks, and what the old ranks took before
+  the cut, hold every record of the epoch exactly once;
+- a state saved in such a rest, merged again, resumes on yet other ranks with the same
+  guarantee;
+- a rank's own state in a rest resumes that rank exactly (the records the uninterrupted rest
+  would still have given, in order);
+- the next epoch of each new rank is that of an uninterrupted run on the new ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from datasets import parquet_bytes, tar_shard
+from helpers import assert_raises_naming
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aioloader.distributed import merge_states
+from aioloader.sources import ParquetDataset, TarDataset
+
+pytestmark = pytest.mark.usefixtures("baseline")
+
+#: Tar shards of 1 to 7 samples, and Parquet files of row groups of 3 rows (the last shorter).
+TAR_SIZES = (3, 7, 1, 5, 6, 2, 4, 7, 3)
+PARQUET_ROWS = (5, 7, 3, 9, 4)
+GROUP = 3
+
+_WRITTEN: dict[str, list[str]] = {}
+
+
+def data(kind: str, factory: pytest.TempPathFactory) -> list[str]:
+    """The files of ``kind``, written once per session for the Hypothesis examples."""
+    if kind not in _WRITTEN:
+        directory = factory.mktemp(kind)
+        paths = []
+        if kind == "tar":
+            for shard, size in enumerate(TAR_SIZES):
+                path = directory / f"s{shard:02d}.tar"
+                path.write_bytes(tar_shard(shard, size))
+                paths.append(str(path))
+        else:
+            for file, rows in enumerate(PARQUET_ROWS):
+                path = directory / f"part-{file:03d}.parquet"
+                path.write_bytes(parquet_bytes(file, rows, GROUP))
+                paths.append(str(path))
+        _WRITTEN[kind] = paths
+    return _WRITTEN[kind]
+
+
+def everything(kind: str) -> list[Any]:
+    if kind == "tar":
+        return [f"{s:03d}/{i:04d}" for s, n in enumerate(TAR_SIZES) for i in range(n)]
+    return [f * 1000 + i for f, n in enumerate(PARQUET_ROWS) for i in range(n)]
+
+
+def maker(kind: str, paths: list[str], shuffle: bool) -> Callable[[], Any]:
+    options: dict[str, Any] = {"seed": 7, "shuffle": shuffle, "shuffle_buffer": 4}
+    if kind == "tar":
+        return lambda: TarDataset(paths, shards_in_flight=2, **options)
+    return lambda: ParquetDataset(paths, row_groups_in_flight=2, **options)
+
+
+def key(record: dict[str, Any]) -> Any:
+    return record["__key__"] if "__key__" in record else int(record["id"])
+
+
+async def read(
+    make: Callable[[], Any],
+    rank: int,
+    world: int,
+    epoch: int,
+    state: dict[str, Any] | None = None,
+    cut: float | None = None,
+) -> tuple[list[Any], dict[str, Any] | None]:
+    """Rank ``rank`` of ``world``'s records of ``epoch`` (from ``state``, as the loader loads
+    it: the state, then the epoch and the rank); with ``cut``, only that share of them
+    (of its whole share) and its state then."""
+    ds = make()
+    if state is not None:
+        ds.load_state_dict(state)
+    ds.set_epoch(epoch)
+    ds.set_rank(rank, world)
+    records = [key(r) async for r in ds]
+    if cut is None:
+        return records, None
+    ds = make()
+    if state is not None:
+        ds.load_state_dict(state)
+    ds.set_epoch(epoch)
+    ds.set_rank(rank, world)
+    it = aiter(ds)
+    taken = [key(await anext(it)) for _ in range(int(cut * len(records)))]
+    saved = ds.state_dict()
+    await it.aclose()
+    return taken, saved
+
+
+def as_loader_state(dataset_state: dict[str, Any], epoch: int) -> dict[str, Any]:
+    """A loader's state holding ``dataset_state`` (an async stream's one reader)."""
+    streams = {"readers": 1, "last": 0, "states": {0: dataset_state}}
+    return {"version": 1, "epoch": epoch, "done": [0], "seed": 1, "streams": streams}
+
+
+def merged(states: list[dict[str, Any]], epoch: int) -> dict[str, Any]:
+    """Every rank's dataset state, merged as the loaders' states are."""
+    loader_state = merge_states([as_loader_state(s, epoch) for s in states])
+    assert loader_state["done"] == []  # no batch of the rest taken yet
+    result: dict[str, Any] = loader_state["streams"]["states"][0]
+    return result
+
+
+async def elastic(
+    make: Callable[[], Any], kind: str, cuts: list[float], middle: list[float], last: int
+) -> None:
+    epoch = 2
+    old = len(cuts)
+    head: list[Any] = []
+    states = []
+    for rank, cut in enumerate(cuts):
+        taken, state = await read(make, rank, old, epoch, cut=cut)
+        assert state is not None
+        head += taken
+        states.append(state)
+    rest_state = merged(states, epoch)
+    # On len(middle) ranks: each takes its share of the rest up to its cut, then is saved.
+    second: list[Any] = []
+    again = []
+    for rank, cut in enumerate(middle):
+        whole, _ = await read(make, rank, len(middle), epoch, rest_state)
+        taken, state = await read(make, rank, len(middle), epoch, rest_state, cut=cut)
+        assert state is not None
+        assert taken == whole[: len(taken)]
+        # The rank's own state in the rest resumes it exactly.
+        after, _ = await read(make, rank, len(middle), epoch, state)
+        assert taken + after == whole
+        second += taken
+        again.append(state)
+    last_state = merged(again, epoch)
+    rest: list[Any] = []
+    for rank in range(last):
+        records, _ = await read(make, rank, last, epoch, last_state)
+        rest += records
+        following, _ = await read(make, rank, last, epoch + 1, last_state)
+        fresh, _ = await read(make, rank, last, epoch + 1)
+        assert following == fresh  # the rest applies to its own epoch only
+    counts = Counter(head + second + rest)
+    assert counts == Counter(everything(kind)), (cuts, middle, last)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    kind=st.sampled_from(["tar", "parquet"]),
+    shuffle=st.booleans(),
+    cuts=st.lists(st.floats(0, 1), min_size=4, max_size=4),
+    middle=st.lists(st.floats(0, 1), min_size=1, max_size=5),
+    last=st.integers(1, 5),
+)
+def test_every_ranks_state_merged_resumes_exactly_on_any_number_of_ranks(
+    tmp_path_factory: pytest.TempPathFactory,
+    kind: str,
+    shuffle: bool,
+    cuts: list[float],
+    middle: list[float],
+    last: int,
+) -> None:
+    make = maker(kind, data(kind, tmp_path_factory), shuffle)
+    asyncio.run(elastic(make, kind, cuts, middle, last))
+
+
+def test_the_rest_is_dealt_so_that_each_new_rank_reads_its_own_units(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A unit left whole is read by one new rank; a unit the old ranks read in part is read
+    again (from its start, the consumed records left out) by one new rank only."""
+    make = maker("tar", data("tar", tmp_path_factory), shuffle=False)
+
+    async def run() -> None:
+        states = [(await read(make, r, 4, 0, cut=0.5))[1] for r in range(4)]
+        state = merged([s for s in states if s is not None], 0)
+        shares = [(await read(make, r, 3, 0, state))[0] for r in range(3)]
+        shards = [{k.split("/")[0] for k in share} for share in shares]
+        assert all(not (a & b) for i, a in enumerate(shards) for b in shards[i + 1 :])
+
+    asyncio.run(run())
+
+
+# -- what is refused ---------------------------------------------------------------------------
+
+
+def test_a_ranks_own_state_on_another_number_of_ranks_names_merge_states(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    make = maker("tar", data("tar", tmp_path_factory), shuffle=True)
+
+    async def run() -> None:
+        _, state = await read(make, 1, 4, 0, cut=0.5)
+        ds = make()
+        ds.load_state_dict(state)
+        ds.set_epoch(0)
+        ds.set_rank(1, 2)
+        refused = r"rank=\[1, 4\], this dataset has rank=\[1, 2\].*merge_states"
+        with pytest.raises(ValueError, match=refused):
+            async for _ in ds:
+                pass
+
+    asyncio.run(run())
+
+
+def test_merging_refuses_states_that_are_not_one_of_each_rank_at_one_epoch(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    make = maker("parquet", data("parquet", tmp_path_factory), shuffle=True)
+
+    async def run() -> list[dict[str, Any]]:
+        return [(await read(make, r, 2, 0, cut=0.5))[1] or {} for r in range(2)]
+
+    states = [as_loader_state(s, 0) for s in asyncio.run(run())]
+    assert_raises_naming(lambda: merge_states(states[:1]), ValueError, ["ranks", "[0, 2]"])
+    assert_raises_naming(lambda: merge_states([states[0], states[0]]), ValueError, ["ranks"])
+    other = {**states[1], "epoch": 1}
+    assert_raises_naming(lambda: merge_states([states[0], other]), ValueError, ["epoch=1"])
+    seeded = {**states[1]["streams"]["states"][0], "seed": 8}
+    edited = {**states[1], "streams": {**states[1]["streams"], "states": {0: seeded}}}
+    assert_raises_naming(lambda: merge_states([states[0], edited]), ValueError, ["'seed'"])
+    assert_raises_naming(lambda: merge_states([]), ValueError, ["every rank"])
+
+
+def test_a_stream_read_in_workers_is_not_merged() -> None:
+    state = as_loader_state({"position": 3}, 0)
+    state["streams"]["readers"] = 2
+    assert_raises_naming(lambda: merge_states([state]), ValueError, ["worker processes"])
+
+
+def test_map_style_states_merge_to_rank_zeros(tmp_path: Path) -> None:
+    state = {"version": 1, "epoch": 0, "done": [0, 1], "seed": 3, "consumed": [[0, 8]]}
+    assert merge_states([state, dict(state)]) == state
+    assert_raises_naming(
+        lambda: merge_states([state, {**state, "done": [0]}]), ValueError, ["'done'"]
+    )
+
+
+def test_a_malformed_rest_is_refused_where_it_is_loaded(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    make = maker("tar", data("tar", tmp_path_factory), shuffle=False)
+
+    async def run() -> dict[str, Any]:
+        states = [(await read(make, r, 2, 0, cut=0.5))[1] or {} for r in range(2)]
+        return merged(states, 0)
+
+    state = asyncio.run(run())
+    bad_unit = {**state, "rest": {**state["rest"], "consumed": [[99, [[0, 1]]]]}}
+    assert_raises_naming(lambda: make().load_state_dict(bad_unit), ValueError, ["unit 99"])
+    bad_range = {**state, "rest": {**state["rest"], "consumed": [[0, [[2, 1]]]]}}
+    assert_raises_naming(lambda: make().load_state_dict(bad_range), ValueError, ["[2, 1]"])
+    yielded = {**state, "yielded": 3}
+    assert_raises_naming(lambda: make().load_state_dict(yielded), ValueError, ["no rank"])
