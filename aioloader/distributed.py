@@ -22,6 +22,9 @@ With ``log=True`` the table is logged on the group's rank 0 (INFO, WARNING when 
 rank waited for more than a fifth of its time), once per loader and epoch: call it at the end
 of every epoch. Every rank of the group must call it, at the same step.
 
+:func:`merge_states` makes one resumable state of every rank's (``TarDataset`` and
+``ParquetDataset`` resume on another number of ranks from it; see docs/distributed.md).
+
 This module also re-exports what distributed training with aioloader names:
 :class:`~aioloader.DistributedSampler` lives in the facade.
 """
@@ -34,10 +37,11 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from ._epoch import merge_states as merge_states
 from ._log import distributed_log
 from ._stats import WAIT_SHARE_THRESHOLD
 
-__all__ = ["GatheredStatistics", "RankStatistics", "gather_statistics"]
+__all__ = ["GatheredStatistics", "RankStatistics", "gather_statistics", "merge_states"]
 
 
 @dataclass(frozen=True, slots=True)
