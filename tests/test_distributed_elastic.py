@@ -18,13 +18,16 @@ Invariants, for any epoch length, batch size, cut point and last-batch policy:
 
 from __future__ import annotations
 
+import json
+import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
-from datasets import Range
+from datasets import Range, parquet_bytes, tar_shard
 from helpers import as_lists, flat
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from aioloader import DataLoader, DistributedSampler
@@ -146,3 +149,103 @@ def test_the_same_ranks_resume_by_batch_ids_as_before() -> None:
     shares = whole_epoch(40, 4, 4, 1, drop_last=False)
     assert [share[8:] for share in shares] == rests
     assert sorted(took + flat(rests)) == list(range(40))
+
+
+# -- streams read in units, on real ranks (tests/scripts/elastic_streams.py) -----------------------
+
+STREAMS_SCRIPT = Path(__file__).resolve().parent / "scripts" / "elastic_streams.py"
+STREAMS_WORLD = 4
+STREAMS_LIMIT_S = 150.0
+#: Tar shards of 2 to 9 samples (ranks' shares of whole shards differ), Parquet files of row
+#: groups of 3 rows (the last of a file shorter).
+TAR_SIZES = (5, 9, 2, 7, 4, 8, 3, 6, 9, 5, 2, 7, 8, 4, 9, 6)
+PARQUET_ROWS = (10, 14, 7, 12, 9, 11, 13, 8)
+ROW_GROUP = 3
+
+
+def save_points() -> list[float]:
+    """Where the 4 ranks save, as fractions of the shortest share: a few points Hypothesis
+    chooses, with a fixed seed (the job runs once for all of them, not once per example)."""
+    chosen: list[float] = []
+
+    @settings(
+        max_examples=4, derandomize=True, database=None, deadline=None, phases=[Phase.generate]
+    )
+    @given(st.floats(0, 1, exclude_max=True))
+    def choose(fraction: float) -> None:
+        chosen.append(fraction)
+
+    choose()
+    return chosen
+
+
+@pytest.fixture(scope="module")
+def stream_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Each rank's report from one run of ``elastic_streams.py`` (index = rank)."""
+    from test_distributed import free_port, job_environment, run_job, segments_of
+
+    root = tmp_path_factory.mktemp("elastic-streams")
+    tar, parquet = [], []
+    for shard, size in enumerate(TAR_SIZES):
+        tar.append(str(root / f"s{shard:02d}.tar"))
+        Path(tar[-1]).write_bytes(tar_shard(shard, size))
+    for file, rows in enumerate(PARQUET_ROWS):
+        parquet.append(str(root / f"part-{file}.parquet"))
+        Path(parquet[-1]).write_bytes(parquet_bytes(file, rows, ROW_GROUP))
+    config = root / "config.json"
+    config.write_text(json.dumps({"tar": tar, "parquet": parquet, "cuts": save_points()}))
+    port = str(free_port())
+    commands = [
+        (
+            [sys.executable, str(STREAMS_SCRIPT), str(config), str(root / f"rank{rank}.json")],
+            job_environment(RANK=str(rank), WORLD_SIZE=str(STREAMS_WORLD), MASTER_PORT=port),
+        )
+        for rank in range(STREAMS_WORLD)
+    ]
+    finished = run_job(commands, STREAMS_LIMIT_S, root)
+    for rank, done in enumerate(finished):
+        assert done.returncode == 0, f"rank {rank} exited {done.returncode}:\n{done.output}"
+    reports = [json.loads((root / f"rank{r}.json").read_text()) for r in range(STREAMS_WORLD)]
+    pids = [r["pid"] for r in reports] + [p for r in reports for p in r["workers"]]
+    assert segments_of(pids) == [], "shared-memory segments left by the ranks"
+    assert any(r["workers"] for r in reports)  # worker processes took part
+    return reports
+
+
+def every_record(kind: str) -> list[Any]:
+    if kind == "tar":
+        return [f"{s:03d}/{i:04d}" for s, n in enumerate(TAR_SIZES) for i in range(n)]
+    return [f * 1000 + i for f, n in enumerate(PARQUET_ROWS) for i in range(n)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(STREAMS_LIMIT_S + 60)
+@pytest.mark.parametrize("kind", ["tar", "parquet"])
+def test_a_stream_saved_on_four_ranks_resumes_exactly_on_two_three_and_four(
+    stream_ranks: list[dict[str, Any]], kind: str
+) -> None:
+    """Saved on 4 ranks x 2 workers at steps Hypothesis chose, every rank's state merged,
+    resumed on 2 x 1, 3 x 2 and 4 x 0: across the new ranks the rest of the epoch exactly once
+    (with what was taken, every record of the epoch once), nothing taken again, and the next
+    epoch that of an uninterrupted run on the new ranks."""
+    reports = [r[kind] for r in stream_ranks]
+    for rank, report in enumerate(reports):
+        assert "error" not in report, f"rank {rank}:\n{report['error']}"
+    wholes = [r["whole"] for r in reports]
+    assert Counter(flat(wholes)) == Counter(every_record(kind))  # the uninterrupted epoch
+    steps = reports[0]["steps"]
+    assert steps
+    assert all(r["steps"] == steps for r in reports)
+    for step in map(str, steps):
+        heads = [r["cuts"][step]["head"] for r in reports]
+        for whole, head in zip(wholes, heads, strict=True):
+            assert len(head) == int(step) * 4  # full batches, as a DDP step takes
+            assert Counter(head) <= Counter(whole)
+        head = flat(heads)
+        for name, size in (("2x1", 2), ("3x2", 3), ("4x0", 4)):
+            runs = [r["cuts"][step][name] for r in reports[:size]]
+            rest = flat([run["rest"] for run in runs])
+            assert not set(head) & set(rest), (kind, step, name)  # nothing taken comes again
+            assert Counter(head + rest) == Counter(every_record(kind)), (kind, step, name)
+            for run in runs:
+                assert run["next"] == run["fresh"], (kind, step, name)
