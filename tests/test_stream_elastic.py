@@ -69,10 +69,11 @@ def everything(kind: str) -> list[Any]:
     return [f * 1000 + i for f, n in enumerate(PARQUET_ROWS) for i in range(n)]
 
 
-def maker(kind: str, paths: list[str], shuffle: bool) -> Callable[[], Any]:
+def maker(kind: str, paths: list[str], shuffle: bool, even: bool = False) -> Callable[[], Any]:
     options: dict[str, Any] = {"seed": 7, "shuffle": shuffle, "shuffle_buffer": 4}
+    options["even_shares"] = even
     if kind == "tar":
-        return lambda: TarDataset(paths, shards_in_flight=2, **options)
+        return lambda: TarDataset(paths, shards_in_flight=2, lengths=TAR_SIZES, **options)
     return lambda: ParquetDataset(paths, row_groups_in_flight=2, **options)
 
 
@@ -126,12 +127,21 @@ def merged(states: list[dict[str, Any]], epoch: int) -> dict[str, Any]:
 
 
 async def elastic(
-    make: Callable[[], Any], kind: str, cuts: list[float], middle: list[float], last: int
+    make: Callable[[], Any],
+    kind: str,
+    cuts: list[float],
+    middle: list[float],
+    last: int,
+    even: bool,
 ) -> None:
     epoch = 2
     old = len(cuts)
     head: list[Any] = []
     states = []
+    shares = [len((await read(make, rank, old, epoch))[0]) for rank in range(old)]
+    if even:  # evened up front: as many records on every rank, give or take the remainder
+        assert max(shares) - min(shares) <= 1, shares
+        assert sum(shares) == len(everything(kind))
     for rank, cut in enumerate(cuts):
         taken, state = await read(make, rank, old, epoch, cut=cut)
         assert state is not None
@@ -141,8 +151,10 @@ async def elastic(
     # On len(middle) ranks: each takes its share of the rest up to its cut, then is saved.
     second: list[Any] = []
     again = []
+    wholes = []
     for rank, cut in enumerate(middle):
         whole, _ = await read(make, rank, len(middle), epoch, rest_state)
+        wholes.append(len(whole))
         taken, state = await read(make, rank, len(middle), epoch, rest_state, cut=cut)
         assert state is not None
         assert taken == whole[: len(taken)]
@@ -151,6 +163,8 @@ async def elastic(
         assert taken + after == whole
         second += taken
         again.append(state)
+    if even:  # the rest is evened up too
+        assert max(wholes) - min(wholes) <= 1, wholes
     last_state = merged(again, epoch)
     rest: list[Any] = []
     for rank in range(last):
@@ -163,10 +177,11 @@ async def elastic(
     assert counts == Counter(everything(kind)), (cuts, middle, last)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     kind=st.sampled_from(["tar", "parquet"]),
     shuffle=st.booleans(),
+    even=st.booleans(),
     cuts=st.lists(st.floats(0, 1), min_size=4, max_size=4),
     middle=st.lists(st.floats(0, 1), min_size=1, max_size=5),
     last=st.integers(1, 5),
@@ -175,12 +190,13 @@ def test_every_ranks_state_merged_resumes_exactly_on_any_number_of_ranks(
     tmp_path_factory: pytest.TempPathFactory,
     kind: str,
     shuffle: bool,
+    even: bool,
     cuts: list[float],
     middle: list[float],
     last: int,
 ) -> None:
-    make = maker(kind, data(kind, tmp_path_factory), shuffle)
-    asyncio.run(elastic(make, kind, cuts, middle, last))
+    make = maker(kind, data(kind, tmp_path_factory), shuffle, even)
+    asyncio.run(elastic(make, kind, cuts, middle, last, even))
 
 
 def test_the_rest_is_dealt_so_that_each_new_rank_reads_its_own_units(
@@ -198,6 +214,53 @@ def test_the_rest_is_dealt_so_that_each_new_rank_reads_its_own_units(
         assert all(not (a & b) for i, a in enumerate(shards) for b in shards[i + 1 :])
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_shard_longer_than_its_length_gives_its_extra_samples_to_one_rank(
+    tmp_path: Path, world: int
+) -> None:
+    """``lengths`` comes from an index that may be stale: a shard with more samples than it
+    says still gives each sample to exactly one rank (the one with its last part)."""
+    paths = []
+    for shard, size in enumerate(TAR_SIZES):
+        paths.append(str(tmp_path / f"s{shard}.tar"))
+        Path(paths[-1]).write_bytes(tar_shard(shard, size + (3 if shard == 1 else 0)))
+    make = lambda: TarDataset(paths, lengths=TAR_SIZES, even_shares=True, seed=1)  # noqa: E731
+
+    async def run() -> list[Any]:
+        return [k for r in range(world) for k in (await read(make, r, world, 0))[0]]
+
+    got = asyncio.run(run())
+    assert Counter(got) == Counter([*everything("tar"), "001/0007", "001/0008", "001/0009"])
+
+
+def test_even_shares_needs_the_lengths_of_every_shard(tmp_path: Path) -> None:
+    path = str(tmp_path / "s.tar")
+    assert_raises_naming(
+        lambda: TarDataset([path], even_shares=True), ValueError, ["even_shares", "lengths"]
+    )
+    assert_raises_naming(
+        lambda: TarDataset([path, path], lengths=[3]), ValueError, ["lengths", "2 shards"]
+    )
+    assert_raises_naming(lambda: TarDataset([path], lengths=[-1]), ValueError, ["lengths[0]"])
+
+
+def test_a_state_of_even_shares_is_refused_by_a_dataset_without(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    paths = data("parquet", tmp_path_factory)
+
+    async def run() -> dict[str, Any]:
+        _, state = await read(maker("parquet", paths, True, even=True), 0, 2, 0, cut=0.5)
+        return state or {}
+
+    state = asyncio.run(run())
+    assert_raises_naming(
+        lambda: maker("parquet", paths, True)().load_state_dict(state),
+        ValueError,
+        ["even_shares=True", "even_shares=False"],
+    )
 
 
 # -- what is refused ---------------------------------------------------------------------------

@@ -44,10 +44,12 @@ from .._validate import check_state_keys, is_int, non_negative_int, positive_int
 from ._mixing import Mixer, buffer_rng, replay, shard_order
 
 __all__ = [
+    "Plan",
+    "Ranges",
     "Rest",
     "consumed",
-    "epoch_mixer",
     "merge_stream_states",
+    "plan",
     "skipping",
 ]
 
@@ -206,9 +208,20 @@ def rest_of(owner: str, state: Mapping[str, Any] | None) -> Rest | None:
     return None if rest is None else Rest.from_state(owner, rest)
 
 
-def epoch_mixer(
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One rank's epoch: the mixer over its units, and per unit the unit's own positions it
+    leaves out (consumed before a resume, or another rank's part of a unit split between
+    ranks); a unit's positions in the mixer count among the records it keeps."""
+
+    mixer: Mixer
+    gone: Mapping[int, Ranges]
+
+
+def plan(
     units: int,
     rest: Rest | None,
+    lengths: Sequence[int] | None,
     *,
     shuffle: bool,
     seed: int,
@@ -217,17 +230,71 @@ def epoch_mixer(
     world: int,
     slots: int,
     buffer: int,
-) -> Mixer:
-    """The mixer of rank ``rank`` of ``world`` in ``epoch``: its share of an uninterrupted
-    epoch, or (``rest``) its share of what the ranks that saved ``rest`` left of it."""
-    if rest is None:
-        order = shard_order(
-            units, shuffle=shuffle, seed=seed, epoch=epoch, reader=rank, readers=world
-        )
+) -> Plan:
+    """Rank ``rank`` of ``world``'s part of ``epoch``: of the whole epoch, or (``rest``) of what
+    the ranks that saved ``rest`` left of it.
+
+    Without ``lengths`` a rank reads whole units: every ``world``-th unit of the epoch's order
+    (of those with records left). With ``lengths`` (every unit's number of records: Parquet
+    footers, a tar index) the shares are evened up front: the records left, in the epoch's
+    unit order, are cut into ``world`` runs as long as each other (the first ``T mod world``
+    one record longer), so a unit may be split between two ranks, each keeping its part.
+    """
+    whole = shard_order(units, shuffle=shuffle, seed=seed, epoch=epoch, reader=0, readers=1)
+    consumed: Mapping[int, Ranges] = rest.consumed if rest is not None else {}
+    if lengths is not None:
+        order, gone = _even(whole, consumed, lengths, rank, world)
+    elif rest is None:
+        order, gone = whole[rank::world], {}
     else:
-        whole = shard_order(units, shuffle=shuffle, seed=seed, epoch=epoch, reader=0, readers=1)
         order = rest.deal(whole, rank, world)
-    return Mixer(order, slots, buffer, buffer_rng(seed, epoch, rank, world))
+        gone = {unit: list(consumed[unit]) for unit in order if unit in consumed}
+    return Plan(Mixer(order, slots, buffer, buffer_rng(seed, epoch, rank, world)), gone)
+
+
+def _even(
+    whole: Sequence[int],
+    consumed: Mapping[int, Ranges],
+    lengths: Sequence[int],
+    rank: int,
+    world: int,
+) -> tuple[list[int], dict[int, Ranges]]:
+    left = [(unit, lengths[unit] - _count(list(consumed.get(unit, ())))) for unit in whole]
+    total = sum(n for _, n in left)
+    size, longer = divmod(total, world)
+    start = rank * size + min(rank, longer)
+    stop = start + size + (rank < longer)
+    order: list[int] = []
+    gone: dict[int, Ranges] = {}
+    offset = 0  # where the unit's records left begin among all the records left
+    for unit, n in left:
+        lo, hi = max(start, offset), min(stop, offset + n)
+        if lo < hi:
+            before = list(consumed.get(unit, ()))
+            kept = _own_ranges(before, [(lo - offset, hi - offset)])
+            if hi == offset + n:  # its last part: records past the length said are its too
+                kept.append((lengths[unit], _NO_END))
+            order.append(unit)
+            gone[unit] = _without_ranges(_NO_END, kept)
+        offset += n
+    return order, {unit: ranges for unit, ranges in gone.items() if ranges}
+
+
+#: A position past any unit's end: "to the end" for a range of positions left out.
+_NO_END = 1 << 62
+
+
+def _without_ranges(n: int, kept: Ranges) -> Ranges:
+    """The positions ``0 .. n-1`` outside ``kept``."""
+    out: Ranges = []
+    start = 0
+    for a, b in kept:
+        if a > start:
+            out.append((start, a))
+        start = b
+    if n > start:
+        out.append((start, n))
+    return out
 
 
 async def skipping(records: AsyncGenerator[Any, None], gone: Ranges) -> AsyncGenerator[Any, None]:
@@ -290,9 +357,11 @@ def consumed(state: Mapping[str, Any]) -> tuple[dict[int, Ranges], dict[int, int
     if yielded == 0 or config.units is None:
         return {}, {}
     rank, world = _rank(config.kind, state)
-    mixer = epoch_mixer(
+    lengths = _lengths(config.kind, state)
+    planned = plan(
         config.units,
         rest,
+        lengths,
         shuffle=config.shuffle,
         seed=config.seed,
         epoch=non_negative_int(f"{config.kind} state's 'epoch'", state["epoch"]),
@@ -301,6 +370,7 @@ def consumed(state: Mapping[str, Any]) -> tuple[dict[int, Ranges], dict[int, int
         slots=config.slots,
         buffer=config.buffer,
     )
+    mixer = planned.mixer
     counts = {int(unit): int(n) for unit, n in state["ended"]}
     tail = replay(mixer, counts, yielded)
     pending: dict[int, set[int]] = {}
@@ -309,15 +379,27 @@ def consumed(state: Mapping[str, Any]) -> tuple[dict[int, Ranges], dict[int, int
     read = dict(mixer.ended)
     read.update((unit, position) for unit, position in mixer.slots)
     taken: dict[int, Ranges] = {}
-    lengths: dict[int, int] = {}
+    ended: dict[int, int] = {}
     for unit, n in read.items():
-        gone = list(rest.consumed.get(unit, ())) if rest is not None else []
+        gone = list(planned.gone.get(unit, ()))
         mine = _own_ranges(gone, _without(n, pending.get(unit, ())))
         if mine:
             taken[unit] = mine
-        if unit in mixer.ended:
-            lengths[unit] = n + _count(gone)
-    return taken, lengths
+        if lengths is not None:
+            ended[unit] = lengths[unit]
+        elif unit in mixer.ended:
+            ended[unit] = n + _count(gone)
+    return taken, ended
+
+
+def _lengths(owner: str, state: Mapping[str, Any]) -> list[int] | None:
+    """The units' lengths an even state's shares were cut by (None: whole units)."""
+    lengths = state.get("lengths")
+    if lengths is None:
+        return None
+    if not isinstance(lengths, list | tuple) or not all(map(is_int, lengths)):
+        raise ValueError(f"{owner}: the state's 'lengths' must be a list of ints, got {lengths!r}")
+    return [int(n) for n in lengths]
 
 
 def _rank(owner: str, state: Mapping[str, Any]) -> tuple[int, int]:
@@ -330,7 +412,7 @@ def _rank(owner: str, state: Mapping[str, Any]) -> tuple[int, int]:
 
 
 #: The keys of a stream state that say where it is, rather than how the stream is made.
-_WHERE = frozenset({"yielded", "ended", "rank", "rest"})
+_WHERE = frozenset({"yielded", "ended", "rank", "rest", "lengths"})
 #: Keys a ParquetDataset's state holds once its first iteration read the footers (None before).
 _LEARNT = ("row_groups", "rows")
 
@@ -385,6 +467,9 @@ def merge_stream_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 )
             taken[unit] = _union(before, ranges)
         lengths.update(ended)
+        known = _lengths(config.kind, state)  # an even state's: every unit's
+        if known is not None:
+            lengths.update(enumerate(known))
     merged = {**same, "yielded": 0, "ended": [], "rank": None, "rest": None}
     if taken:
         units = config.units if config.units is not None else rest.units if rest else None

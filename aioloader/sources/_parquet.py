@@ -74,9 +74,8 @@ from typing import Any
 from .._errors import ShardError
 from .._validate import boolean, callable_or_none, check_state_keys, non_negative_int, positive_int
 from ._base import as_names, byte_limit, too_large
-from ._elastic import epoch_mixer, rest_of
+from ._elastic import Plan, plan, rest_of
 from ._listing import alist_objects
-from ._mixing import Mixer
 from ._parquetio import Storage, pyarrow_parquet, row_group_bytes
 from ._parquetio import rows as as_rows
 from ._readers import UnitStream, check_fits
@@ -138,6 +137,7 @@ class _Catalog:
     units: tuple[tuple[int, int | None], ...]  # (file, row group); (file, None): a bad footer
     failures: Mapping[int, str]  # file -> why its footer failed
     rows: int
+    lengths: tuple[int, ...]  # rows per unit, from the footers (a bad footer's unit: 1 record)
 
 
 class ParquetDataset(UnitStream):
@@ -167,6 +167,10 @@ class ParquetDataset(UnitStream):
             (from its footer): a larger one fails before it is read (``ShardError`` naming the
             file, the row group, its size and this setting when decoded; skipped under
             ``on_error="skip"``). ``None``: no bound.
+        even_shares: even the ranks' shares up front by the footers' row counts: every rank
+            gets as many rows (the first ``rows mod R`` ranks one more), a row group split
+            between two ranks being read by both, each keeping its part. ``False``: each rank
+            reads whole row groups, and the shares differ in length.
 
     Raises:
         ImportError: pyarrow is not installed (the ``parquet`` extra).
@@ -187,6 +191,7 @@ class ParquetDataset(UnitStream):
         storage_options: Mapping[str, Any] | None = None,
         retry: RetryPolicy | None = None,
         max_row_group_bytes: int | None = MAX_ROW_GROUP_BYTES,
+        even_shares: bool = False,
     ) -> None:
         pyarrow_parquet()
         self._paths = as_names(paths, "paths", paths=True)
@@ -205,6 +210,7 @@ class ParquetDataset(UnitStream):
             raise TypeError(f"retry must be a RetryPolicy, got {retry!r}")
         self._retry = retry if retry is not None else RetryPolicy()
         self.max_row_group_bytes = byte_limit("max_row_group_bytes", max_row_group_bytes)
+        self.even_shares = boolean("even_shares", even_shares)
         self._epoch = 0
         self._rank = (0, 1)
         self._resume: dict[str, Any] | None = None
@@ -256,6 +262,7 @@ class ParquetDataset(UnitStream):
             "rank": list(self._rank),
             "row_groups": None if catalog is None else len(catalog.units),
             "rows": None if catalog is None else catalog.rows,
+            "lengths": list(catalog.lengths) if catalog and self.even_shares else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -267,7 +274,8 @@ class ParquetDataset(UnitStream):
                 groups are found when the iteration starts).
         """
         state = check_state_keys("ParquetDataset", state, ("epoch", "yielded", "ended", "seed"))
-        check_fits("ParquetDataset", state, self._fingerprint())
+        saved = {**state, "even_shares": state.get("even_shares", False)}  # (older states)
+        check_fits("ParquetDataset", saved, self._fingerprint())
         self._resume_from(state)
 
     def _fingerprint(self) -> dict[str, Any]:
@@ -276,6 +284,7 @@ class ParquetDataset(UnitStream):
             "shuffle_buffer": self.shuffle_buffer if self.shuffle else 0,
             "seed": self.seed,
             "row_groups_in_flight": self.row_groups_in_flight,
+            "even_shares": self.even_shares,
         }
 
     async def aclose(self) -> None:
@@ -360,12 +369,14 @@ def _catalog(
     files: tuple[str, ...], metadata: list[Any], columns: tuple[str, ...] | None
 ) -> _Catalog:
     units: list[tuple[int, int | None]] = []
+    lengths: list[int] = []
     failures: dict[int, str] = {}
     rows = 0
     for index, (url, meta) in enumerate(zip(files, metadata, strict=True)):
         if isinstance(meta, _Failed):
             failures[index] = meta.reason
             units.append((index, None))
+            lengths.append(1)  # its failure record
             continue
         if columns is not None:
             names = meta.schema.to_arrow_schema().names
@@ -376,8 +387,9 @@ def _catalog(
                     f"(its columns: {names})"
                 )
         units += [(index, group) for group in range(meta.num_row_groups)]
+        lengths += [meta.row_group(group).num_rows for group in range(meta.num_row_groups)]
         rows += meta.num_rows
-    return _Catalog(files, tuple(metadata), tuple(units), failures, rows)
+    return _Catalog(files, tuple(metadata), tuple(units), failures, rows, tuple(lengths))
 
 
 class _RowGroups:
@@ -390,7 +402,7 @@ class _RowGroups:
         self.catalog: _Catalog | None = None
         self.storage: Storage | None = None
 
-    async def start(self, epoch: int, resume: Mapping[str, Any] | None) -> Mixer:
+    async def start(self, epoch: int, resume: Mapping[str, Any] | None) -> Plan:
         """The mixer of ``epoch``, after the first iteration's listing and footers."""
         ds = self.dataset
         catalog, self.storage = await ds._catalogue()
@@ -411,9 +423,10 @@ class _RowGroups:
                 "would differ"
             )
         rank, world = ds._rank
-        return epoch_mixer(
+        return plan(
             len(catalog.units),
             rest,
+            catalog.lengths if ds.even_shares else None,
             shuffle=ds.shuffle,
             seed=ds.seed,
             epoch=epoch,

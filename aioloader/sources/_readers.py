@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 from .._errors import ShardError
 from .._validate import non_negative_int, positive_int
-from ._elastic import Rest, rest_of, skipping
+from ._elastic import Plan, Ranges, Rest, rest_of, skipping
 from ._mixing import Mixer, SampleId, replay
 from ._redact import redact
 
@@ -52,9 +52,10 @@ class Units(Protocol):
     #: Names the reader tasks: ``aioloader-{kind}-{url}``.
     kind: str
 
-    async def start(self, epoch: int, resume: Mapping[str, Any] | None) -> Mixer:
-        """The mixer of ``epoch`` (after any IO the dataset needs first, and checking that a
-        state being resumed fits the data)."""
+    async def start(self, epoch: int, resume: Mapping[str, Any] | None) -> Plan | Mixer:
+        """The plan of ``epoch``: its mixer, and what of each unit this rank leaves out (a
+        mixer alone: nothing), after any IO the dataset needs first, and checking that a state
+        being resumed fits the data."""
         ...
 
     def records(self, unit: int) -> AsyncGenerator[Any, None]:
@@ -108,6 +109,7 @@ class Epoch:
         # The rest of an epoch saved on other ranks (:mod:`._elastic`): its units' records
         # less those consumed; positions count among the records left.
         self.rest: Rest | None = rest_of(type(units).__name__, resume)
+        self._gone: Mapping[int, Ranges] = {}  # per unit, its records this rank leaves out
         self.in_flight = in_flight
         self.mixer: Mixer | None = None  # made when the iteration starts
         self.yielded = int(resume["yielded"]) if resume is not None else 0
@@ -123,7 +125,11 @@ class Epoch:
 
     async def samples(self) -> AsyncIterator[Any]:
         try:
-            mixer = self.mixer = await self.units.start(self.epoch, self.resume)
+            planned = await self.units.start(self.epoch, self.resume)
+            if isinstance(planned, Mixer):
+                planned = Plan(planned, {})
+            mixer = self.mixer = planned.mixer
+            self._gone = planned.gone
             tail = self._restore(mixer) if self.resume is not None else []
             self._prefetch(mixer)
             while (want := mixer.want()) is not None:
@@ -167,8 +173,9 @@ class Epoch:
         description, url = self.units.where(unit)
         name = f"aioloader-{self.units.kind}-{redact(url)}"  # tasks' reprs show it
         records = self.units.records(unit)
-        if self.rest is not None:
-            records = skipping(records, list(self.rest.consumed.get(unit, ())))
+        gone = self._gone.get(unit)
+        if gone:
+            records = skipping(records, list(gone))
         reader = _Reader(records, description, url, name, live_from, wanted)
         if live_from is not None:
             self._readers[unit] = reader

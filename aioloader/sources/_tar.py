@@ -74,11 +74,10 @@ from .._validate import (
     positive_int,
 )
 from ._base import MAX_OBJECT_BYTES, byte_limit, too_large
-from ._elastic import epoch_mixer, rest_of
+from ._elastic import Plan, plan, rest_of
 from ._file import FileDataset
 from ._fsspec import FsspecDataset
 from ._http import HTTPDataset
-from ._mixing import Mixer
 from ._readers import UnitStream, check_fits
 from ._redact import add_credential_parameters, parameters_state, redact
 from ._tarfmt import Grouper, MemberTooLargeError, TarFormatError, TarParser
@@ -154,6 +153,13 @@ class TarDataset(UnitStream):
             one ends its shard with a failure naming the member, its size and this setting
             (``ShardError`` when decoded; skipped under ``on_error="skip"``). ``None``: no
             bound. Whole shards are streamed and never bounded.
+        lengths: the number of samples of each shard (from the shards' index), for
+            ``even_shares``.
+        even_shares: even the ranks' shares up front by ``lengths``: every rank gets as many
+            samples (the first ``samples mod R`` ranks one more), a shard split between two
+            ranks being read by both, each keeping its part (a shard longer than its length
+            says gives its extra samples to the rank with its last part). ``False``: each rank
+            reads whole shards, and the shares differ in length.
 
     Raises:
         TypeError: an argument of the wrong type, naming it.
@@ -172,6 +178,8 @@ class TarDataset(UnitStream):
         storage_options: Mapping[str, Any] | None = None,
         source: Source | None = None,
         max_member_bytes: int | None = MAX_OBJECT_BYTES,
+        lengths: Iterable[int] | None = None,
+        even_shares: bool = False,
     ) -> None:
         if source is None:
             if urls is None:
@@ -194,6 +202,13 @@ class TarDataset(UnitStream):
         self.seed = non_negative_int("seed", seed)
         self.shards_in_flight = positive_int("shards_in_flight", shards_in_flight)
         self.max_member_bytes = byte_limit("max_member_bytes", max_member_bytes)
+        self.lengths = _lengths(lengths, len(self._urls))
+        self.even_shares = boolean("even_shares", even_shares)
+        if self.even_shares and self.lengths is None:
+            raise ValueError(
+                "TarDataset(even_shares=True) needs lengths= (the samples of each shard, from "
+                "the shards' index), got lengths=None"
+            )
         self._epoch = 0
         self._rank = (0, 1)
         self._resume: dict[str, Any] | None = None
@@ -236,10 +251,8 @@ class TarDataset(UnitStream):
 
         Between iterations (or after one ran to its end) it points at the next epoch's start.
         """
-        return {
-            **self._position(STATE_VERSION),
-            **self._fingerprint(),
-        }
+        lengths = list(self.lengths) if self.even_shares and self.lengths else None
+        return {**self._position(STATE_VERSION), **self._fingerprint(), "lengths": lengths}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next iteration continue from ``state`` (see the module docstring).
@@ -251,7 +264,8 @@ class TarDataset(UnitStream):
         state = check_state_keys("TarDataset", state, ("epoch", "yielded", "ended", "shards"))
         fingerprint = self._fingerprint()
         del fingerprint["rank"]  # the loader may tell the rank later: checked by __aiter__
-        check_fits("TarDataset", state, fingerprint)
+        saved = {**state, "even_shares": state.get("even_shares", False)}  # (older states)
+        check_fits("TarDataset", saved, fingerprint)
         self._resume_from(state)
 
     def _fingerprint(self) -> dict[str, Any]:
@@ -261,6 +275,7 @@ class TarDataset(UnitStream):
             "shuffle_buffer": self.shuffle_buffer if self.shuffle else 0,
             "seed": self.seed,
             "shards_in_flight": self.shards_in_flight,
+            "even_shares": self.even_shares,
             "rank": list(self._rank),
         }
 
@@ -291,7 +306,7 @@ class _Shards:
     def __init__(self, dataset: TarDataset) -> None:
         self.dataset = dataset
 
-    async def start(self, epoch: int, resume: Mapping[str, Any] | None) -> Mixer:
+    async def start(self, epoch: int, resume: Mapping[str, Any] | None) -> Plan:
         """The mixer of ``epoch``: this rank's shards in the epoch's order, or its share of
         the rest of an epoch saved on other ranks (no IO first)."""
         ds = self.dataset
@@ -302,9 +317,10 @@ class _Shards:
                 f"TarDataset: the state being resumed has a rest of {rest.units} shards, and "
                 f"this dataset has {len(ds.urls)}; the order of samples would differ"
             )
-        return epoch_mixer(
+        return plan(
             len(ds.urls),
             rest,
+            ds.lengths if ds.even_shares else None,
             shuffle=ds.shuffle,
             seed=ds.seed,
             epoch=epoch,
@@ -355,6 +371,19 @@ class _Shards:
             else:
                 reason = redact(f"{type(exc).__name__}: {exc}")
             yield BrokenShard(url, member, reason)
+
+
+def _lengths(lengths: Iterable[int] | None, shards: int) -> tuple[int, ...] | None:
+    if lengths is None:
+        return None
+    if isinstance(lengths, str) or not isinstance(lengths, Iterable):
+        raise TypeError(f"lengths must be a list of sample counts, one per shard, got {lengths!r}")
+    counts = tuple(non_negative_int(f"lengths[{i}]", n) for i, n in enumerate(lengths))
+    if len(counts) != shards:
+        raise ValueError(
+            f"lengths must give one sample count per shard ({shards} shards), got {len(counts)}"
+        )
+    return counts
 
 
 def _names(items: Any) -> tuple[str, ...]:
