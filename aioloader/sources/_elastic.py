@@ -15,16 +15,22 @@ resume), every rank's state is merged into one (:func:`merge_stream_states`), wh
                                                                        ─▶ each unit's records,
                                                                        less those consumed
 
-The rest is dealt deterministically (:func:`rest_mixer`): the epoch's unit order (a pure
-function of ``(seed, epoch)``), less the units whose every record was consumed, unit ``k`` of
-it to new rank ``k mod R'``; a new rank mixes its units as any epoch does (slots, a shuffle
-buffer seeded by ``(seed, epoch, rank, world)``), reading each unit from its start and leaving
-out the records consumed (:func:`skipping`). So across the new ranks every record of the epoch
-not consumed comes out exactly once, and none consumed comes again. Positions in such a rest
-are positions among the records a unit has left (a unit's ``ended`` count is of those), so the
-rest itself resumes exactly on the same ranks, and its states merge again for yet other ranks
+The rest is dealt deterministically (:func:`plan`): the epoch's unit order (a pure function
+of ``(seed, epoch)``), less the units whose every record was consumed, unit ``k`` of it to new
+rank ``k mod R'``; a new rank mixes its units as any epoch does (slots, a shuffle buffer seeded
+by ``(seed, epoch, rank, world)``), reading each unit from its start and leaving out the records
+consumed (:func:`skipping`). So across the new ranks every record of the epoch not consumed
+comes out exactly once, and none consumed comes again. Positions in such a rest are positions
+among the records a unit keeps (a unit's ``ended`` count is of those), so the rest itself
+resumes exactly on the same ranks, and its states merge again for yet other ranks
 (:func:`consumed` maps its positions back to the unit's own). The next epoch is an
 uninterrupted epoch of the new ranks: the rest applies to the epoch it was saved in.
+
+**Shares evened up front.** Where every unit's length is known (Parquet footers, a tar index),
+:func:`plan` may instead cut the records left, in the epoch's unit order, into one run per
+rank, as long as each other but for the remainder: every rank then has as many batches. A unit
+split between two ranks is read by both, each leaving out the other's part; to the mixer and
+to a state that is one more kind of record left out, so resume and merging are the same.
 
 Costs, each deliberate: a unit consumed in part is read again from its start (its first bytes
 are read and left out: a tar shard cannot be entered in the middle); a merged state holds two

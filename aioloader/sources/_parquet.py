@@ -30,11 +30,13 @@ nulls (embeddings) gives a 1-D numpy array per row; any other column gives what 
 shards: rank ``r`` of ``R`` reads row groups ``r, r + R, ...`` of the epoch's order (shuffled
 from ``(seed, epoch)`` with ``shuffle``, rows then mixed by a seeded buffer); worker processes
 only decode, so each row group is read once per epoch across ranks and workers.
-``state_dict()`` records the epoch, the rows yielded and how many rows each row group that
-ended gave; a resumed epoch yields exactly the rows, in exactly the order, that the
-uninterrupted one would still have yielded, under any ``num_workers`` (the loop is the one
-reader). The listing and footers are read again in a new process and must agree (the number of
-row groups and rows is checked).
+With ``even_shares`` the ranks get as many rows, cut by the footers' row counts (a row group
+split between two ranks is read by both, each keeping its part); every rank's states, merged,
+resume on any number of ranks (:mod:`._elastic`). ``state_dict()`` records the epoch, the rows
+yielded and how many rows each row group that ended gave; a resumed epoch yields exactly the
+rows, in exactly the order, that the uninterrupted one would still have yielded, under any
+``num_workers`` (the loop is the one reader). The listing and footers are read again in a new
+process and must agree (the number of row groups and rows is checked).
 
 **Failures.** A pattern that matches nothing fails the first iteration with a
 ``FileNotFoundError`` naming it (:class:`~aioloader.RemoteNotFoundError` for remote ones). A

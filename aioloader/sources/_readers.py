@@ -20,6 +20,11 @@ that point without IO (:func:`~._mixing.replay`), then reads again only what the
 and the open units from their positions on: it yields exactly the records, in exactly the
 order, that the uninterrupted epoch would still have yielded.
 
+**Other ranks.** An epoch may be a rank's part of the rest of an epoch saved on other ranks,
+or of an epoch whose shares were evened up front (:mod:`._elastic`): its plan then leaves out,
+per unit, the records consumed before or given to another rank, and positions count among the
+records a unit keeps, so all of the above holds as it is.
+
 **Failures.** A unit that fails yields one record saying so (the dataset's own type, whose
 ``decode`` raises) and ends; that is the generator's job. A generator that raises anyway (a
 bug) fails the epoch at that unit's turn, never a silent wait.

@@ -33,7 +33,10 @@ keeps the one of the last batch its consumer took, so batches in flight are not 
 **Ranks.** Shards, not samples, are split: rank ``r`` of ``R`` reads shards ``r, r + R, ...``
 of the epoch's shard order (the loader tells it its rank through :meth:`TarDataset.set_rank`);
 worker processes only decode, so each shard is read once per epoch across ranks and workers.
-Ranks may get different numbers of samples, as with any stream.
+Ranks may get different numbers of samples, as with any stream; with ``even_shares`` and the
+shards' ``lengths`` they get as many, a shard split between two ranks being read by both, each
+keeping its part (:mod:`._elastic`). A rank's state resumes that rank; every rank's states,
+merged (``aioloader.distributed.merge_states``), resume on any number of ranks.
 
 **Failures.** A shard that is corrupt, truncated, or cannot be read (after the source's
 retries) yields one record in place of its next sample and ends; decoding that record raises
