@@ -304,7 +304,8 @@ def _without_ranges(n: int, kept: Ranges) -> Ranges:
 
 
 async def skipping(records: AsyncGenerator[Any, None], gone: Ranges) -> AsyncGenerator[Any, None]:
-    """``records`` less those at the positions ``gone`` (a unit's records in a rest)."""
+    """``records`` less those at the positions ``gone`` (a unit's records in a rest, or
+    another rank's part of it); once all that is left is gone, the unit is not read further."""
     ranges = iter(gone)
     current = next(ranges, None)
     position = 0
@@ -314,6 +315,8 @@ async def skipping(records: AsyncGenerator[Any, None], gone: Ranges) -> AsyncGen
                 current = next(ranges, None)
             if current is None or position < current[0]:
                 yield record
+            elif current[1] >= _NO_END:
+                return  # the rest of the unit is another rank's
             position += 1
 
 
