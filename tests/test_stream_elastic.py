@@ -296,6 +296,14 @@ def test_merging_refuses_states_that_are_not_one_of_each_rank_at_one_epoch(
     states = [as_loader_state(s, 0) for s in asyncio.run(run())]
     assert_raises_naming(lambda: merge_states(states[:1]), ValueError, ["ranks", "[0, 2]"])
     assert_raises_naming(lambda: merge_states([states[0], states[0]]), ValueError, ["ranks"])
+    # Ranks that read one share (one model-parallel group under shard=dp_group) save one
+    # state: it counts once; the same rank saying two things is refused.
+    assert merge_states([*states, states[1]]) == merge_states(states)
+    moved = {**states[1]["streams"]["states"][0], "yielded": 0, "ended": []}
+    other_step = {**states[1], "streams": {**states[1]["streams"], "states": {0: moved}}}
+    assert_raises_naming(
+        lambda: merge_states([*states, other_step]), ValueError, ["rank [1, 2]", "different"]
+    )
     other = {**states[1], "epoch": 1}
     assert_raises_naming(lambda: merge_states([states[0], other]), ValueError, ["epoch=1"])
     seeded = {**states[1]["streams"]["states"][0], "seed": 8}

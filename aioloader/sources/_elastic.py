@@ -455,13 +455,23 @@ def merge_stream_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 f"merge_states: state {k} resumes another rest of the epoch than the first: "
                 "merge the states of one job, saved at one step"
             )
-    ranks = sorted(_rank(config.kind, s) for s in states)
+    # Ranks of one model-parallel group read one share (shard=dp_group): their states are one.
+    by_rank: dict[tuple[int, int], Mapping[str, Any]] = {}
+    for k, state in enumerate(states):
+        rank = _rank(config.kind, state)
+        if by_rank.setdefault(rank, state) != state:
+            raise ValueError(
+                f"merge_states: state {k} is of rank {list(rank)}, as an earlier one is, and "
+                "the two say different things: they are not of one job at one step"
+            )
+    ranks = sorted(by_rank)
     world = ranks[0][1] if ranks else 0
     if ranks != [(r, world) for r in range(world)]:
         raise ValueError(
             f"merge_states: the states are of ranks {[list(r) for r in ranks]}; they must be "
-            f"one of every rank of one job ([0, R] to [R - 1, R]), each once"
+            f"of every rank of one job ([0, R] to [R - 1, R])"
         )
+    states = list(by_rank.values())
     rest = rest_of(config.kind, first)
     taken: dict[int, Ranges] = {u: list(r) for u, r in rest.consumed.items()} if rest else {}
     lengths: dict[int, int] = dict(rest.lengths) if rest else {}
