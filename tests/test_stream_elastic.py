@@ -310,6 +310,7 @@ def test_merging_refuses_states_that_are_not_one_of_each_rank_at_one_epoch(
     edited = {**states[1], "streams": {**states[1]["streams"], "states": {0: seeded}}}
     assert_raises_naming(lambda: merge_states([states[0], edited]), ValueError, ["'seed'"])
     assert_raises_naming(lambda: merge_states([]), ValueError, ["every rank"])
+    assert_raises_naming(lambda: merge_states([states[0], {}]), ValueError, ["state 1", "epoch"])
 
 
 def test_a_stream_read_in_workers_is_not_merged() -> None:

@@ -597,7 +597,18 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """
     if not states:
         raise ValueError("merge_states needs the state of every rank, got none")
-    first = check_state_keys("merge_states", dict(states[0]), ("epoch", "done", "seed"))
+    for k, state in enumerate(states):
+        missing = [
+            key
+            for key in ("epoch", "done", "seed")
+            if not isinstance(state, Mapping) or key not in state
+        ]
+        if missing:
+            raise ValueError(
+                f"merge_states: state {k} is not a loader's state_dict() (it lacks {missing}): "
+                f"got {state!r}"
+            )
+    first = dict(states[0])
     for k, state in enumerate(states):
         for key in ("epoch", "seed", "version"):
             if state.get(key) != first.get(key):
