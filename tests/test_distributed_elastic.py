@@ -6,6 +6,11 @@ the ranks are loaders in this process, each with the rank's DistributedSampler (
 loader makes under a process group); a real job of four gloo ranks resuming on two, three and
 four is in ``test_distributed_lockstep`` (its ``elastic`` case).
 
+Tar shards and Parquet row groups (the last part): a real job of four gloo ranks
+(``tests/scripts/elastic_streams.py``, started once for the module) saves at steps Hypothesis
+chose, merges every rank's state and resumes on 2 ranks x 1 worker, 3 x 2 and 4 x 0; the
+properties, for any cut of any rank, are proven in this process in ``test_stream_elastic``.
+
 Invariants, for any epoch length, batch size, cut point and last-batch policy:
 
 - nothing taken before the cut comes again after it, on any new rank (on as many ranks, the
