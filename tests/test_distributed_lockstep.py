@@ -15,7 +15,7 @@ import threading
 from typing import Any
 
 import pytest
-from datasets import Stream
+from datasets import Range, Stream
 from helpers import assert_raises_naming
 from test_distributed import (
     JOB_TEST_TIMEOUT_S,
@@ -62,6 +62,25 @@ def test_equal_steps_true_needs_a_stream_read_in_shares() -> None:
         ValueError,
         ["equal_steps=True", "Stream", "shard=False"],
     )
+
+
+def test_equal_steps_true_on_map_style_data_is_refused_at_construction() -> None:
+    assert_raises_naming(
+        lambda: DataLoader(Range(8), equal_steps=True),
+        ValueError,
+        ["equal_steps=True", "Range", "map-style"],
+    )
+
+
+def test_equal_steps_true_without_a_process_group_is_refused_at_the_first_epoch() -> None:
+    # Built before init_process_group is allowed (the group may come later); an epoch begun
+    # with none cannot be read in shares, so True cannot apply.
+    with DataLoader(Stream(8), batch_size=4, equal_steps=True) as loader:
+        assert_raises_naming(
+            lambda: next(iter(loader)),
+            ValueError,
+            ["equal_steps=True", "Stream", "no process group"],
+        )
 
 
 def test_without_a_process_group_a_stream_is_read_as_before() -> None:
@@ -209,7 +228,9 @@ def test_an_uneven_stream_ends_every_epoch_at_the_same_step(ranks: list[dict[str
                 # What was read past the end comes first in the next epoch: nothing is lost.
                 following = mine[steps] if len(mine) > steps else mine[0]
                 assert run["epochs"][1][0] == following, (name, rank)
-                assert run["dropped_batches"] == 0
+                # Carried, up to prefetch batches (the rest counted as dropped: the capped
+                # case): so never all of what was read past an end.
+                assert run["dropped_batches"] < max(1, run["leftover_batches"]), (name, run)
             else:
                 assert run["epochs"][1][0] == mine[0], name  # a fresh epoch
                 assert (run["dropped_batches"], run["dropped_samples"]) == (
@@ -279,10 +300,69 @@ def test_an_epoch_left_early_ends_and_the_next_one_is_in_step(
 
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_a_second_open_epoch_of_one_loader_is_refused_and_the_first_is_whole(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for rank, report in enumerate(case(ranks, "zip_self")):
+        assert "second" not in report, report
+        for part in ("epoch 0", "still open", "equal_steps=False"):
+            assert part in report["refused"], report["refused"]
+        mine = list(range(rank, 40 + rank, WORLD))  # 10 items: 5 batches of 2
+        whole = [mine[i : i + 2] for i in range(0, len(mine), 2)]
+        assert [report["head"], *report["rest"]] == whole  # not cut short by the refused one
+        assert report["after"] == whole
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_a_loader_collected_unclosed_leaves_no_thread_group_or_batches(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for rank, report in enumerate(case(ranks, "collected")):
+        assert report["steps"] == 1, report  # the shortest share: 2 items, 1 batch of 2
+        assert len(report["threads_while_open"]) == 1, report
+        assert report["groups_while_open"] == 1, report
+        assert report["threads_after"] == [], (rank, report)
+        assert report["locksteps_after"] == 0, (rank, report)
+        assert report["groups_after"] == 0, (rank, report)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_what_is_carried_stays_within_prefetch_and_the_excess_is_counted_dropped(
+    ranks: list[dict[str, Any]],
+) -> None:
+    reports = case(ranks, "capped")
+    assert all(r["steps"] == [1] * 6 for r in reports), [r["steps"] for r in reports]
+    long = reports[0]
+    carried_at_close = long["dropped_closed"] - long["dropped_open"]
+    assert 0 < carried_at_close <= 3, long  # prefetch=3, not 5 more per epoch
+    assert long["dropped_open"] > 0, long  # the excess, counted while running
+    # Nothing unnamed: every batch read past an end was either handed first in a later epoch
+    # (one per epoch after the first) or counted as dropped.
+    assert long["leftover"] == long["dropped_closed"] + 5, long
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
 def test_a_stream_loader_on_one_rank_only_does_not_wait(ranks: list[dict[str, Any]]) -> None:
     report = case(ranks, "alone")[0]
     assert report["whole"] == list(range(10))  # shard=False: everything
     assert report["share"] == [0, 4, 8]  # equal_steps=False: its share, alone
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_a_sharded_stream_iterated_on_rank_0_only_fails_within_the_bound(
+    ranks: list[dict[str, Any]],
+) -> None:
+    report = case(ranks, "rank0_only")[0]
+    assert "batches" not in report, report  # it cannot agree with ranks that never come
+    kind, message = report["raised"]
+    assert kind == "RuntimeError"
+    for part in ("epoch 0", "equal_steps=False", "shard=False", "3 s"):
+        assert part in message, message
+    assert report["elapsed"] < 30, report  # the bound (3 s), not 30 minutes
 
 
 @pytest.mark.slow

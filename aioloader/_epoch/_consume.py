@@ -512,20 +512,29 @@ class Epoch:
         counters.leftover_batches += len(leftover)
         counters.leftover_samples += samples
         keep = self._lockstep.leftover == "carry"
-        if keep:
-            self._lockstep.carried = carried_before + leftover
-        else:
-            counters.dropped_batches += len(carried_before) + len(leftover)
-            counters.dropped_samples += samples + sum(item[1] for item in carried_before)
+        past = carried_before + leftover
+        # Invariant: at most ``prefetch`` batches are carried. A rank whose share is always
+        # longer reads ahead past every end; carrying all of it would grow without bound.
+        kept = past[: self.config.prefetch] if keep else []
+        excess = past[len(kept) :]
+        self._lockstep.carried = kept
+        counters.dropped_batches += len(excess)
+        counters.dropped_samples += sum(item[1] for item in excess)
         if leftover or carried_before or cut:
+            how = (
+                f"{len(kept)} carried into the next epoch, read first"
+                + (f", {len(excess)} dropped (prefetch={len(kept)} at most)" if excess else "")
+                if keep
+                else "dropped (leftover='drop')"
+            )
             distributed_log.info(
                 "epoch %d ends at step %d on every rank (the shortest share); this rank read "
                 "%d batches (%d samples) past it: %s%s",
                 self.epoch,
                 step,
-                len(leftover) + len(carried_before),
-                samples + sum(item[1] for item in carried_before),
-                "carried into the next epoch, read first" if keep else "dropped (leftover='drop')",
+                len(past),
+                sum(item[1] for item in past),
+                how,
                 "; the rest of its share was not read in this epoch" if cut else "",
             )
 

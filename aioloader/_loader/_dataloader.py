@@ -168,10 +168,12 @@ class DataLoader(SettingsView):
         equal_steps: a stream the loader shards ends its epoch at the same step on every rank
             (the shortest share): the ranks agree on the end a few batches ahead, one small
             collective per step on a thread and a gloo group of the loader's own, made at its
-            first epoch. None (default): on for a sharded stream; True: insist (an error
-            where the loader does not shard a stream); False: off, shares may end unevenly.
+            first epoch. None (default): on for a sharded stream; True: insist (a
+            ``ValueError`` for map-style data or ``shard=False`` at construction, for no
+            process group at the first epoch); False: off, shares may end unevenly.
         leftover: what a rank read past the agreed end: ``'carry'`` (default; handed first in
-            the next epoch) or ``'drop'``; counted in ``statistics()`` either way, and logged.
+            the next epoch, up to ``prefetch`` batches, the rest dropped) or ``'drop'``;
+            counted in ``statistics()`` either way, and logged.
         worker_seeding: worker ``k`` gets ``base + k`` (its ``get_worker_info().seed``), the base
             drawn from ``seed`` and the epoch; ``'batch'`` (default) then reseeds before each
             batch from (seed, epoch, batch id); ``'worker'`` does not, as torch.
@@ -325,7 +327,7 @@ class DataLoader(SettingsView):
         self._progress = progress_display(progress)
         self._res = Resources(pool=pool)
         self._closed = False
-        self._finalizer = weakref.finalize(self, finalize, self._res, type(self).__name__)
+        self._finalizer = self._watch()
         self._initialized = True
         self._res.start_early(config, dataset, device_spec=self._device_spec, context=self._context)
 
@@ -335,7 +337,13 @@ class DataLoader(SettingsView):
         stream = kind in ("iterable", "async_iterable")
         sharded = share is not None and share.replicas > 1
         later = later and process_group() is None
-        if self._equal_steps and stream and not sharded and not later:
+        if self._equal_steps and not stream:
+            raise ValueError(
+                f"equal_steps=True applies to a stream (an iterable dataset) only: dataset="
+                f"{type(self.dataset).__name__} is map-style, whose shares are already equal "
+                "(leave equal_steps=None)"
+            )
+        if self._equal_steps and not sharded and not later:
             raise ValueError(
                 f"equal_steps=True needs a stream the loader shards by rank: dataset="
                 f"{type(self.dataset).__name__} is not read in shares here (no process group "
@@ -346,6 +354,13 @@ class DataLoader(SettingsView):
         assert share is not None
         members = share.members if share.members is not None else tuple(range(share.replicas))
         return Lockstep(members, self._leftover)
+
+    def _watch(self) -> weakref.finalize[..., Any]:
+        """The finalizer of a loader collected unclosed: its lockstep first (the agreement
+        thread, its group, the carried batches), then its resources. Re-made when a lockstep
+        comes later (a process group that appeared after construction)."""
+        lockstep = self._lockstep.finalizer() if self._lockstep is not None else None
+        return weakref.finalize(self, _collected, self._res, type(self).__name__, lockstep)
 
     def _reconfigure(self, config: LoaderConfig) -> None:
         # Checked first: if it cannot be pickled, nothing changes. Workers take it with a copy.
@@ -393,6 +408,9 @@ class DataLoader(SettingsView):
         self._book.replace_sampling(self._sampling)
         self._reconfigure(dataclasses.replace(self._config, shard=share))
         self._lockstep = self._lockstep_for(self._config.kind, share)
+        if self._lockstep is not None:
+            self._finalizer.detach()
+            self._finalizer = self._watch()
 
     def __len__(self) -> int:
         self._shard_if_group_appeared()
@@ -416,12 +434,25 @@ class DataLoader(SettingsView):
 
     def _new_epoch(self) -> Epoch:
         self._shard_if_group_appeared()  # before the workers start: they get the share's config
+        if self._equal_steps and self._lockstep is None:  # deferred at construction: no group
+            self._lockstep_for(self._config.kind, self._config.shard)  # raises, naming why
         runner = self._ensure_resources()
         previous = self._res.epoch
         if previous is not None and previous.raised_last and not previous.finished:
             # Its consumer stopped at an error (a traceback keeps it alive): not a 2nd iterator.
             previous.close_nowait()
         alone = previous is None or previous.finished
+        if self._lockstep is not None and not alone:
+            assert previous is not None
+            # Equal steps pair the ranks' steps of one epoch at a time: a second epoch open
+            # beside it would cut the first short (zip(loader, loader)). Refused before
+            # anything changes; the open one goes on.
+            raise RuntimeError(
+                f"this DataLoader's epoch {previous.epoch} is still open in another iterator "
+                "(zip(loader, loader), another task or thread): under equal steps the ranks "
+                "agree on one epoch's steps at a time; finish or drop that iterator first, "
+                "make a second DataLoader, or pass equal_steps=False"
+            )
         if previous is not None and not previous.finished:
             # Another iterator is mid-epoch: both run a full epoch, as torch's do. The older
             # one's plan is read out first, before set_epoch moves the shared sampler on; a
@@ -571,7 +602,7 @@ class DataLoader(SettingsView):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _counters=Counters(), _res=Resources(), _closed=False)
         self._lockstep = self._lockstep_for(self._config.kind, self._config.shard)
-        self._finalizer = weakref.finalize(self, finalize, self._res, type(self).__name__)
+        self._finalizer = self._watch()
         if self._book.open:  # pickled mid-epoch: the copy resumes where this one was
             position = self._book.state_dict(self.seed)
             self._book.finished()
@@ -652,6 +683,14 @@ class DataLoader(SettingsView):
             return str(len(self))
         except TypeError:
             return "?"
+
+
+def _collected(resources: Resources, name: str, close_lockstep: Callable[[], None] | None) -> None:
+    """The loader was garbage collected unclosed: its lockstep is closed without waiting,
+    then its resources are released (warning if it was used)."""
+    if close_lockstep is not None:
+        close_lockstep()
+    finalize(resources, name)
 
 
 def weak_call(method: Callable[[int], None], arg: int) -> Callable[[], None]:

@@ -27,22 +27,33 @@ first job, with ``use_local_synchronization`` over the sharing ranks: a collecti
 never at construction, and only for a loader that shards by the group (every rank builds it:
 a loader made on some ranks only passes ``shard=False`` or ``equal_steps=False``). torch names
 a group by the order in which each rank makes its groups, so groups the user makes from another
-thread while the first epoch starts could pair wrongly: they are made before, in a setup. A
-rank that waits longer than :data:`AGREEMENT_TIMEOUT_S` gets torch's timeout error at that
-step.
+thread while the first epoch starts could pair wrongly: they are made before, in a setup.
+
+No wait is unbounded: the group's creation (torch's store-based barrier and gloo's connection
+to each peer, both bounded by ``new_group``'s ``timeout`` in torch 2.x) and each step's
+all-reduce give up after :data:`AGREEMENT_TIMEOUT_S`, and the epoch fails with a
+``RuntimeError`` naming the epoch, the step and the way out (``equal_steps=False`` or
+``shard=False``), its cause torch's error. A loader iterated on rank 0 only (an evaluation
+loader built without ``shard=False``) so fails within a minute instead of hanging.
 
 What each rank read past the agreed end (its ``leftover``) is counted and logged; with
-``leftover='carry'`` it is handed first in the next epoch (a step of that epoch), with
+``leftover='carry'`` it is handed first in the next epoch (a step of that epoch; at most
+``prefetch`` batches are carried, the rest counted as dropped), with
 ``'drop'`` it is released. What the rank had not read yet of its share is not read in this
 epoch: the log says so.
 
 The one thread is a daemon: a collective waiting for a rank that died must not hold the
-interpreter at its exit (torch's timeout ends the wait anyway).
+interpreter at its exit (the bound ends the wait anyway). Closing (the loader's ``close()``,
+or its finalizer when it is collected unclosed, which does not wait) gives up the open epoch,
+releases the carried batches, destroys the group after the last job, and ends the thread; the
+thread forgets each job once it ran, so an idle thread holds no epoch or batch.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import functools
 import queue
 import sys
 import threading
@@ -61,10 +72,14 @@ __all__ = [
     "resolve_leftover",
 ]
 
-#: How long one rank waits for the others in a step's agreement (and in making the group)
-#: before torch raises its timeout error: torch's default for gloo groups. Long, since a rank
-#: may legitimately be behind by a slow step (a checkpoint, an evaluation on rank 0).
-AGREEMENT_TIMEOUT_S = 1800.0
+#: How long one rank waits for the others in making the group and in a step's agreement
+#: before the epoch fails with an error naming the way out. The trade-off: long enough for a
+#: rank that is legitimately behind by a slow step (a checkpoint, a short evaluation on rank
+#: 0), short enough that a loader iterated on some ranks only (an evaluation loader made
+#: without ``shard=False``) fails within a minute instead of hanging for torch's 30 minutes.
+#: A job whose ranks drift apart by longer passes ``equal_steps=False`` and keeps in step
+#: itself. Read when a loader is built (a test lowers it before building one).
+AGREEMENT_TIMEOUT_S = 60.0
 
 #: What ``leftover=`` accepts: read first in the next epoch, or released (counted, logged).
 LEFTOVER_POLICIES = ("carry", "drop")
@@ -126,6 +141,9 @@ class _AgreementThread:
                 future.set_result(job())
             except BaseException as exc:  # handed to whoever awaits the verdict
                 future.set_exception(exc)
+            # The last job's closure holds its epoch, the lockstep and its carried batches:
+            # dropped here, or an idle thread would keep a collected loader's batches alive.
+            del item, job, future
 
     def close(self, wait_s: float) -> None:
         """Stop after the jobs already queued; wait up to ``wait_s`` for that."""
@@ -151,13 +169,13 @@ class Lockstep:
         self,
         members: tuple[int, ...],
         leftover: str,
-        timeout_s: float = AGREEMENT_TIMEOUT_S,
+        timeout_s: float | None = None,
         all_have: Callable[[int], int] | None = None,
     ) -> None:
         self.members = members
         self._collective = all_have if all_have is not None else self._all_have
         self.leftover = leftover
-        self._timeout_s = timeout_s
+        self._timeout_s = AGREEMENT_TIMEOUT_S if timeout_s is None else timeout_s
         self._thread: _AgreementThread | None = None
         self._group: Any = None
         self._lock = threading.Lock()
@@ -168,14 +186,15 @@ class Lockstep:
 
     def begin(self, epoch: int) -> EpochAgreement:
         """The agreement of epoch ``epoch``. An epoch still open gives up first (one epoch's
-        steps at a time: two interleaved would pair steps differently on each rank)."""
+        steps at a time: two interleaved would pair steps differently on each rank); the
+        loader refuses to begin one while another is open, so this is a backstop."""
         with self._lock:
             if self._thread is None:
                 self._thread = _AgreementThread(f"aioloader-equal-steps-{epoch}")
             previous, self._current = self._current, None
         if previous is not None:
             previous.give_up()
-        agreement = EpochAgreement(self._thread, self._collective, epoch)
+        agreement = EpochAgreement(self._thread, self._collective, epoch, self._timeout_s)
         self._current = agreement
         return agreement
 
@@ -194,21 +213,41 @@ class Lockstep:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
         return int(flag.item())
 
-    def close(self) -> None:
-        """Give up the open epoch (the others end at its next step) and stop the thread once
-        its queued jobs ran (waiting briefly: a job waits for the other ranks)."""
+    def close(self, wait_s: float | None = None) -> None:
+        """Give up the open epoch (the others end at its next step), release the carried
+        batches, and stop the thread once its queued jobs ran, destroying the group last.
+        Waits up to ``wait_s`` for the thread (a job may wait for the other ranks): a loader's
+        ``close()`` waits briefly, its finalizer (the garbage collector's thread) not at all.
+        Idempotent."""
         current, self._current = self._current, None
         if current is not None:
             current.give_up()
+        self.carried.clear()
         thread, self._thread = self._thread, None
         if thread is not None:
-            thread.close(wait_s=_CLOSE_WAIT_S)
-        self.carried.clear()
+            if self._group is not None:
+                group, self._group = self._group, None
+                thread.submit(functools.partial(_destroy_group, group))
+            thread.close(wait_s=_CLOSE_WAIT_S if wait_s is None else wait_s)
+
+    def finalizer(self) -> Callable[[], None]:
+        """What closes this lockstep without waiting and without holding its owner (a
+        loader's finalizer calls it)."""
+        return functools.partial(self.close, 0.0)
 
 
 # How long closing a loader waits for its agreement thread to finish the jobs it has: the
 # other ranks close too and answer in milliseconds; a rank that does not is left to the daemon.
 _CLOSE_WAIT_S = 5.0
+
+
+def _destroy_group(group: Any) -> None:
+    """On the thread, after the epoch's last collective: the group's sockets are released.
+    A job that is already gone (the default group destroyed first) has nothing to release."""
+    dist: Any = sys.modules["torch.distributed"]
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(group)
 
 
 class EpochAgreement:
@@ -222,9 +261,14 @@ class EpochAgreement:
     """
 
     def __init__(
-        self, thread: _AgreementThread, all_have: Callable[[int], int], epoch: int
+        self,
+        thread: _AgreementThread,
+        all_have: Callable[[int], int],
+        epoch: int,
+        timeout_s: float = AGREEMENT_TIMEOUT_S,
     ) -> None:
         self.epoch = epoch
+        self._timeout_s = timeout_s
         self._thread = thread
         self._all_have = all_have
         self._lock = threading.Lock()
@@ -268,8 +312,17 @@ class EpochAgreement:
             return False
         try:
             agreed = self._all_have(have) > 0
-        except BaseException:
+        except Exception as exc:
             self._ended = True  # the group is broken: no later step of it waits in vain
+            raise RuntimeError(
+                f"equal steps: epoch {self.epoch}, step {step}: the other ranks did not join "
+                f"this rank's agreement within {self._timeout_s:g} s (a loader iterated on "
+                "some ranks only, a rank that died or is far behind); a loader that is not "
+                "iterated on every rank of its group takes equal_steps=False (its rank's share, "
+                "no agreement) or shard=False (the whole stream)"
+            ) from exc
+        except BaseException:
+            self._ended = True
             raise
         if not agreed:
             self._ended = True

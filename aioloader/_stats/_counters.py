@@ -807,8 +807,9 @@ class LoaderStatistics:
             epoch of a stream (``equal_steps``), all epochs; ``leftover_samples`` their samples.
             With ``leftover='carry'`` they are handed first in the next epoch.
         leftover_samples: samples in ``leftover_batches``.
-        dropped_batches: leftover batches released (``leftover='drop'``, or carried batches
-            left when the loader closed); ``dropped_samples`` their samples.
+        dropped_batches: leftover batches released (``leftover='drop'``; under ``'carry'``
+            those beyond the ``prefetch`` batches an epoch may carry, and carried batches left
+            when the loader closed); ``dropped_samples`` their samples.
         dropped_samples: samples in ``dropped_batches``.
         fetch_s: seconds the event loop spent awaiting async dataset items (summed per batch).
         read_s: seconds spent reading samples (``dataset[i]``), in threads or workers.

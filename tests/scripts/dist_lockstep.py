@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -30,17 +33,22 @@ import torch.distributed as dist
 from datasets import AsyncStream, Range, Stream, TorchDraws, keep, tar_sample, tar_shard
 from torch.nn.parallel import DistributedDataParallel
 
+import aioloader._sampling._lockstep as lockstep_module
 from aioloader import DataLoader
+from aioloader._sampling import Lockstep
 from aioloader.distributed import gather_statistics
 from aioloader.sources import TarDataset
 
 # Bounds each collective of this rank (the agreement's own group has its own, longer bound:
 # a case that hangs there is ended by the test's limit on the whole job).
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)
+SHORT_AGREEMENT_S = 3.0  # the agreement's bound, lowered for the rank-0-only case
 
 #: The length of each rank's copy of the "uneven" stream: the loader keeps items r, r + 4, ...
 #: of it, so the shares are 10, 3, 6 and 2 items long (3, 1, 2 and 1 batches of 4).
 UNEVEN = (40, 13, 27, 8)
+CAP_PREFETCH, CAP_EPOCHS = 3, 6  # at most 3 batches carried across 6 epochs
+ZIP_ITEMS = 40  # rank r's copy has 40 + r items: a share of 10, five batches of 2, on each
 #: The elastic case: a map dataset's length, and the batches every rank takes before the cut.
 ELASTIC_N = 45
 CUTS = (1, 2)  # of the 3 batches of 4 each rank has (45 samples, 12 a rank)
@@ -126,6 +134,10 @@ def train(loader: DataLoader, epochs: int) -> dict[str, Any]:
     }
 
 
+def equal_steps_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if "equal-steps" in t.name]
+
+
 def case(reports: dict[str, Any], name: str, body: Callable[[dict[str, Any]], None]) -> None:
     report: dict[str, Any] = {}
     with observed(report):
@@ -190,6 +202,56 @@ def main() -> None:
             report["first"] = first
             report["after"] = train(loader, 1)["epochs"][0]
             reports["workers"].extend(loader.worker_pids)
+
+    def zip_self(report: dict[str, Any]) -> None:
+        # Two epochs of one loader open at once under equal steps: refused at once (never a
+        # first epoch silently cut short); the first goes on, and a later epoch is whole.
+        with DataLoader(Stream(ZIP_ITEMS + rank), batch_size=2) as loader:
+            first = iter(loader)
+            report["head"] = items(next(first))
+            try:
+                report["second"] = items(next(iter(loader)))
+            except RuntimeError as exc:
+                report["refused"] = str(exc)
+            report["rest"] = [items(b) for b in first]
+            report["after"] = train(loader, 1)["epochs"][0]
+
+    def collected(report: dict[str, Any]) -> None:
+        # A loader dropped without close() after an uneven epoch (some ranks carry batches):
+        # its finalizer closes the agreement (thread, group, carried batches); nothing of it
+        # stays alive.
+        def groups() -> int:
+            # The groups torch holds until destroyed (its registry: ProcessGroup objects are
+            # not tracked by gc, and get_pg_count() only counts up).
+            return len(dist.distributed_c10d._world.pg_map)
+
+        before = groups()
+        loader = DataLoader(Stream(UNEVEN[rank]), batch_size=2)
+        report["steps"] = sum(1 for _ in loader)
+        report["threads_while_open"] = equal_steps_threads()
+        report["groups_while_open"] = groups() - before
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)  # unclosed, on purpose
+            del loader
+            gc.collect()
+        deadline = time.monotonic() + 10
+        while equal_steps_threads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gc.collect()
+        report["threads_after"] = equal_steps_threads()
+        report["locksteps_after"] = sum(1 for o in gc.get_objects() if isinstance(o, Lockstep))
+        report["groups_after"] = groups() - before
+
+    def capped(report: dict[str, Any]) -> None:
+        # Rank 0's share is always longer (50 batches against 1): it reads ahead past every
+        # epoch's end; what it carries stays within prefetch, the excess counted as dropped.
+        loader = DataLoader(Stream(400 if rank == 0 else 8), batch_size=2, prefetch=CAP_PREFETCH)
+        report["steps"] = [sum(1 for _ in loader) for _ in range(CAP_EPOCHS)]
+        stats = loader.statistics()
+        report["leftover"] = stats.leftover_batches
+        report["dropped_open"] = stats.dropped_batches
+        loader.close()  # what is still carried is released now, counted as dropped
+        report["dropped_closed"] = loader.statistics().dropped_batches
 
     def alone(report: dict[str, Any]) -> None:
         # Loaders built on rank 0 only: nothing waits for the other ranks.
@@ -271,15 +333,33 @@ def main() -> None:
                 result[name] = {"rest": rest, "next": following, "fresh1": uninterrupted}
             report[str(taken)] = result
 
+    def rank0_only(report: dict[str, Any]) -> None:
+        # A sharded stream iterated on rank 0 only (an evaluation loader built without
+        # shard=False): the agreement's group never forms; rank 0 fails after the (lowered)
+        # bound, naming the way out, and does not hang. Last: rank 0's group count is ahead.
+        lockstep_module.AGREEMENT_TIMEOUT_S = SHORT_AGREEMENT_S
+        if rank == 0:
+            start = time.monotonic()
+            with DataLoader(Stream(20), batch_size=2) as loader:
+                try:
+                    report["batches"] = sum(1 for _ in loader)
+                except Exception as exc:
+                    report["raised"] = [type(exc).__name__, str(exc)]
+            report["elapsed"] = time.monotonic() - start
+
     for name, body in (
         ("elastic", elastic),
         ("uneven", uneven),
         ("async_uneven", async_uneven),
         ("tar", tar),
         ("left_early", left_early),
+        ("zip_self", zip_self),
+        ("collected", collected),
+        ("capped", capped),
         ("alone", alone),
         ("slow_rank", slow_rank),
         ("dp_groups", dp_groups),
+        ("rank0_only", rank0_only),
     ):
         case(reports, name, body)
         dist.barrier()
