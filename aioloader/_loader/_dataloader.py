@@ -65,7 +65,7 @@ from .._sampling import (
 )
 from .._stats import Counters, EpochProgress, LoaderStatistics, progress_display
 from .._threads import LoopThread, SyncIterator, off_loop
-from .._types import Runner, dataset_kind
+from .._types import Runner, Stateful, dataset_kind
 from .._validate import as_torch, boolean, to_int
 from .._workers import warn_more_workers_than_cpus
 from ._closing import closer_if_last
@@ -669,7 +669,8 @@ class DataLoader(SettingsView):
                 seed differs from an explicit ``seed=`` or must change mid-epoch, or it is
                 mid-epoch in a stream that cannot resume.
         """
-        saved = self._book.check(state, readers=self._config.stream_readers)["seed"]
+        checked = self._book.check(state, readers=self._config.stream_readers)
+        saved = checked["seed"]
         if saved != self.seed:
             if self._seed_given:
                 raise ValueError(
@@ -678,6 +679,12 @@ class DataLoader(SettingsView):
                 )
             self._adopt_seed(to_int("seed", saved))
         self._book.load(state)
+        batches = self._sampling.batches
+        if state.get("done") and not checked["done"] and isinstance(batches, Stateful):
+            # Saved on another number of ranks (rebased: the rest of the epoch is shared out
+            # here): the sampler takes its state now, as the epoch's start would, so that
+            # len(loader) counts the batches that epoch will have, not a whole epoch's.
+            batches.load_state_dict(checked["sampler"])
 
     def _adopt_seed(self, seed: int) -> None:
         """Use ``seed`` from now on (started worker processes go: they have the old one)."""
