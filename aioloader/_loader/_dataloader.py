@@ -51,6 +51,7 @@ from .._batch import default_collate, default_convert
 from .._config import LoaderConfig, batch_sampler_for, context_argument, resolve_seed
 from .._device import falls_back, parse_device
 from .._epoch import Epoch, EpochBook, EpochIterator, plan_for
+from .._log import distributed_log
 from .._sampling import (
     DEFAULT_SHARE_SEED,
     Lockstep,
@@ -652,8 +653,20 @@ class DataLoader(SettingsView):
         Exact for map-style datasets whose sampler is deterministic given its state (the
         built-in ones are; a ``generator``'s state is saved too), and for streams that are a
         :class:`ResumableStream`; another stream's mid-epoch state is refused when loaded.
+
+        Under equal steps, the batches this rank carries into its next epoch (read past the
+        last agreed end, ``leftover='carry'``) are in it too (``"equal_steps"``: this rank and
+        the batches), so a run resumed from this rank's state hands them first, as it would
+        have; loaded on another rank they are not handed there (logged).
         """
-        return self._book.state_dict(self.seed)
+        state = self._book.state_dict(self.seed)
+        lockstep, shard = self._lockstep, self._config.shard
+        if lockstep is not None and lockstep.carried and shard is not None:
+            state["equal_steps"] = {
+                "rank": shard.rank,
+                "carried": [list(item) for item in lockstep.carried],
+            }
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next iteration continues that epoch.
@@ -669,6 +682,10 @@ class DataLoader(SettingsView):
                 seed differs from an explicit ``seed=`` or must change mid-epoch, or it is
                 mid-epoch in a stream that cannot resume.
         """
+        carried = state.get("equal_steps") if isinstance(state, dict) else None
+        if carried is not None:
+            state = {key: value for key, value in state.items() if key != "equal_steps"}
+            carried = self._carried_from(carried)
         checked = self._book.check(state, readers=self._config.stream_readers)
         saved = checked["seed"]
         if saved != self.seed:
@@ -685,6 +702,43 @@ class DataLoader(SettingsView):
             # here): the sampler takes its state now, as the epoch's start would, so that
             # len(loader) counts the batches that epoch will have, not a whole epoch's.
             batches.load_state_dict(checked["sampler"])
+        if carried is not None and self._lockstep is not None:
+            self._lockstep.carried = carried
+
+    def _carried_from(self, saved: object) -> list[tuple[Any, int, int]] | None:
+        """The batches a state says this rank carries into its next epoch (see
+        :meth:`state_dict`); None, logged, where they are another rank's or this loader takes
+        no equal steps.
+
+        Raises:
+            ValueError: ``saved`` is malformed (named with its value).
+        """
+        items = saved.get("carried") if isinstance(saved, dict) else None
+        rank = saved.get("rank") if isinstance(saved, dict) else None
+        if (
+            not isinstance(rank, int)
+            or not isinstance(items, list)
+            or not all(isinstance(i, list | tuple) and len(i) == 3 for i in items)
+        ):
+            raise ValueError(
+                "state['equal_steps'] must be {'rank': int, 'carried': [[batch, samples, "
+                f"bytes], ...]}} (from state_dict()), got {saved!r}"
+            )
+        self._shard_if_group_appeared()
+        shard = self._config.shard
+        if self._lockstep is None or shard is None or shard.rank != rank:
+            where = f"rank {shard.rank}" if shard is not None else "no rank"
+            distributed_log.info(
+                "the state holds %d batches that rank %d carried into its next epoch (equal "
+                "steps); this loader (%s%s) does not hand them: load each rank's own state to "
+                "keep them",
+                len(items),
+                rank,
+                where,
+                "" if self._lockstep is not None else ", no equal steps",
+            )
+            return None
+        return [(batch, int(samples), int(nbytes)) for batch, samples, nbytes in items]
 
     def _adopt_seed(self, seed: int) -> None:
         """Use ``seed`` from now on (started worker processes go: they have the old one)."""
