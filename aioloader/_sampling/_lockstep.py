@@ -61,7 +61,11 @@ thread: nothing about the group is changed from another thread while jobs may st
 close that cleared it at once let a job queued before it make a second group on that rank
 only). Releasing the group is no collective: its sockets close, the others' last collective of
 it already returned. The thread forgets each job once it ran, so an idle thread holds no epoch
-or batch.
+or batch. At the interpreter's exit an ``atexit`` hook closes the agreements still open and
+waits (:data:`_EXIT_WAIT_S` in all) for their threads to release the groups: a gloo group left
+to the interpreter's teardown aborted the process (``terminate called without an active
+exception``). What it cannot help: a step still waiting for ranks that are gone when the wait
+is over is left to the daemon thread, and the process may still abort as it ends.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ import itertools
 import queue
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
@@ -305,8 +310,9 @@ class Lockstep:
 # other ranks close too and answer in milliseconds; a rank that does not is left to the daemon.
 _CLOSE_WAIT_S = 5.0
 
-# How long the interpreter's exit waits for each open agreement to end: its give-up step is
-# answered by the other ranks' next step (at once while they run; they end at that step).
+# How long the interpreter's exit waits for the open agreements to end, all together: a
+# give-up step is answered by the other ranks' next step (at once while they run; they end at
+# that step); ranks that are gone never answer, and the exit goes on without them.
 _EXIT_WAIT_S = 5.0
 
 # Locksteps whose thread was started, for the exit hook (weakly: a collected loader's goes).
@@ -320,8 +326,9 @@ def _finish_at_exit() -> None:
     took the process down with ``terminate called without an active exception`` (SIGABRT), on
     a rank that had read its epoch to the end and exited without closing its loader. The
     finalizers of collected loaders do not wait; this does, briefly."""
+    deadline = time.monotonic() + _EXIT_WAIT_S  # for all of them together
     for lockstep in list(_LIVE):
-        lockstep.finish_at_exit(_EXIT_WAIT_S)
+        lockstep.finish_at_exit(max(0.0, deadline - time.monotonic()))
 
 
 # The equal-steps keys of this process, one per stream loader built (see Lockstep.next_key).
