@@ -75,6 +75,7 @@ import concurrent.futures
 import contextlib
 import functools
 import itertools
+import os
 import queue
 import sys
 import threading
@@ -317,6 +318,11 @@ _EXIT_WAIT_S = 5.0
 
 # Locksteps whose thread was started, for the exit hook (weakly: a collected loader's goes).
 _LIVE: weakref.WeakSet[Lockstep] = weakref.WeakSet()
+
+
+# A forked child has none of the parent's agreement threads, and the parent's agreements are
+# not its to close: its exit hook leaves them alone.
+os.register_at_fork(after_in_child=_LIVE.clear)
 
 
 @atexit.register
