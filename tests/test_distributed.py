@@ -238,6 +238,31 @@ def test_stream_orders_warn_once_when_the_workers_saw_different_heads() -> None:
         orders.note(tuple(item_digest(i) for i in (5, 6)))  # told once: no second warning
 
 
+def test_len_after_a_resume_on_other_ranks_counts_the_epoch_it_resumes() -> None:
+    # Saved by rank 0 of 4 after one batch (the 4 ranks took 16 of 45 samples); loaded on
+    # rank 0 of 2, the rest (29) is shared out: 15 samples, 4 batches of 4, not a whole
+    # epoch's 6. len() is asked before the first batch, as Lightning's progress bar does.
+    def make(ranks: int) -> DataLoader:
+        sampler = DistributedSampler(45, num_replicas=ranks, rank=0, seed=1)
+        return DataLoader(Range(45), batch_size=4, sampler=sampler)
+
+    with make(4) as saver:
+        it = iter(saver)
+        next(it)
+        state = saver.state_dict()
+        del it
+    with make(2) as resumed:
+        assert len(resumed) == 6  # a whole epoch on 2 ranks
+        resumed.load_state_dict(state)
+        assert len(resumed) == 4
+        assert len(list(resumed)) == 4
+        assert len(resumed) == 6  # the next epoch is whole again
+    with make(4) as same:
+        same.load_state_dict(state)
+        assert len(same) == 3  # the same ranks: the whole epoch, one batch of it done
+        assert len(list(same)) == 2
+
+
 # -- real process groups: the harness -----------------------------------------------------------
 
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
-from datasets import Stream
+from datasets import Range, Stream
 from helpers import assert_raises_naming
 from test_distributed import (
     JOB_TEST_TIMEOUT_S,
@@ -31,8 +32,10 @@ from aioloader._sampling import EpochAgreement, Lockstep
 from aioloader.distributed import gather_statistics
 
 SCRIPT = ROOT / "tests" / "scripts" / "dist_lockstep.py"
+EXIT_SCRIPT = ROOT / "tests" / "scripts" / "dist_exit.py"
 WORLD = 4
 LIMIT_S = 240.0
+EXIT_LIMIT_S = 120.0
 
 
 # -- without a process group ----------------------------------------------------------------------
@@ -62,6 +65,25 @@ def test_equal_steps_true_needs_a_stream_read_in_shares() -> None:
         ValueError,
         ["equal_steps=True", "Stream", "shard=False"],
     )
+
+
+def test_equal_steps_true_on_map_style_data_is_refused_at_construction() -> None:
+    assert_raises_naming(
+        lambda: DataLoader(Range(8), equal_steps=True),
+        ValueError,
+        ["equal_steps=True", "Range", "map-style"],
+    )
+
+
+def test_equal_steps_true_without_a_process_group_is_refused_at_the_first_epoch() -> None:
+    # Built before init_process_group is allowed (the group may come later); an epoch begun
+    # with none cannot be read in shares, so True cannot apply.
+    with DataLoader(Stream(8), batch_size=4, equal_steps=True) as loader:
+        assert_raises_naming(
+            lambda: next(iter(loader)),
+            ValueError,
+            ["equal_steps=True", "Stream", "no process group"],
+        )
 
 
 def test_without_a_process_group_a_stream_is_read_as_before() -> None:
@@ -133,6 +155,29 @@ def test_a_short_share_offers_0_at_its_end_and_an_epoch_closed_early_gives_up() 
     assert verdict(nxt, 1) is False
     assert record.calls == [1, 1, 1, 0, 1, 0]
     lockstep.close()
+
+
+# -- a real job of two ranks that exit with their loaders open ----------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S)
+def test_a_rank_that_exits_with_its_stream_loader_open_exits_cleanly(tmp_path: Path) -> None:
+    """Rank 1 reads to the agreed end after rank 0 left, and exits without closing its
+    loader: the exit hook closes the agreement first; no SIGABRT at the interpreter's end."""
+    port = str(free_port())
+    commands = [
+        (
+            [sys.executable, str(EXIT_SCRIPT)],
+            job_environment(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_PORT=port),
+        )
+        for rank in range(2)
+    ]
+    finished = run_job(commands, EXIT_LIMIT_S, tmp_path)
+    for rank, done in enumerate(finished):
+        assert done.returncode == 0, f"rank {rank} exited {done.returncode}:\n{done.output}"
+        assert "terminate called" not in done.output, done.output
+    assert "rank 1 leaves, its loader open" in finished[1].output, finished[1].output
 
 
 # -- a real job of four ranks -------------------------------------------------------------------
@@ -209,7 +254,9 @@ def test_an_uneven_stream_ends_every_epoch_at_the_same_step(ranks: list[dict[str
                 # What was read past the end comes first in the next epoch: nothing is lost.
                 following = mine[steps] if len(mine) > steps else mine[0]
                 assert run["epochs"][1][0] == following, (name, rank)
-                assert run["dropped_batches"] == 0
+                # Carried, up to prefetch batches (the rest counted as dropped: the capped
+                # case): so never all of what was read past an end.
+                assert run["dropped_batches"] < max(1, run["leftover_batches"]), (name, run)
             else:
                 assert run["epochs"][1][0] == mine[0], name  # a fresh epoch
                 assert (run["dropped_batches"], run["dropped_samples"]) == (
@@ -279,10 +326,167 @@ def test_an_epoch_left_early_ends_and_the_next_one_is_in_step(
 
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_a_second_open_epoch_of_one_loader_is_refused_and_the_first_is_whole(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for rank, report in enumerate(case(ranks, "zip_self")):
+        assert "second" not in report, report
+        for part in ("epoch 0", "still open", "equal_steps=False"):
+            assert part in report["refused"], report["refused"]
+        mine = list(range(rank, 40 + rank, WORLD))  # 10 items: 5 batches of 2
+        whole = [mine[i : i + 2] for i in range(0, len(mine), 2)]
+        assert [report["head"], *report["rest"]] == whole  # not cut short by the refused one
+        assert report["after"] == whole
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_a_loader_collected_unclosed_leaves_no_thread_group_or_batches(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for rank, report in enumerate(case(ranks, "collected")):
+        assert report["steps"] == 1, report  # the shortest share: 2 items, 1 batch of 2
+        assert len(report["threads_while_open"]) == 1, report
+        assert report["connections_while_open"] >= WORLD - 1, report  # its gloo group's
+        assert report["threads_after"] == [], (rank, report)
+        assert report["locksteps_after"] == 0, (rank, report)
+        assert report["connections_after"] == 0, (rank, report)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_steps_queued_behind_a_close_use_its_group_and_the_next_loader_pairs(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """Rank 0 closes its loader while its agreement thread still has steps queued: they run
+    on that loader's group, not on a second one made on rank 0 alone (which shifted every
+    later group's pairing until each rendezvous timed out); the next loader agrees at once."""
+    reports = case(ranks, "closed_behind_jobs")
+    for rank, report in enumerate(reports):
+        assert report["head"] == [rank, rank + WORLD]
+        assert report["next"] == [[rank, rank + WORLD]], (rank, report)
+    # Rank 0 left after one batch: the others' epoch ended at a step it had offered.
+    assert all(len(r["rest"]) <= 3 for r in reports[1:]), [r["rest"] for r in reports[1:]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_two_loaders_whose_epochs_start_in_another_order_per_rank_never_cross(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """Loader ``a`` (shares of 3 batches) and ``b`` (1 batch), built in the same order on
+    every rank, their first epochs begun a -> b on even ranks and b -> a on odd ones: each
+    agrees with the same loader of the others (crossed, ``a`` would end at ``b``'s step)."""
+    for rank, report in enumerate(case(ranks, "crossed")):
+        mine_a = list(range(rank, 24, WORLD))
+        assert report["a"] == [mine_a[i : i + 2] for i in range(0, 6, 2)], (rank, report)
+        assert report["b"] == [[rank, rank + WORLD]], (rank, report)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_an_error_past_the_agreed_end_is_logged_not_swallowed(
+    ranks: list[dict[str, Any]],
+) -> None:
+    reports = case(ranks, "past_the_end")
+    assert [r["epoch"] for r in reports] == [[[rank, rank + WORLD]] for rank in range(WORLD)]
+    warned = [line for line in reports[0]["log"] if line.startswith("WARNING")]
+    assert len(warned) == 1, reports[0]["log"]
+    for part in ("epoch 0", "step 1", "batch 1", "OSError", "the stream broke at item 8"):
+        assert part in warned[0], warned
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_a_consumer_cancelled_at_the_agreed_end_loses_no_carried_batch(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """Rank 0's consumer is cancelled at the agreed end while the epoch closes (its stream
+    takes seconds to hang up): what it read past the end was settled first, so the next
+    ``anext`` ends the epoch and the next epoch begins with the carried batch."""
+    reports = case(ranks, "end_cancelled")
+    for rank, report in enumerate(reports):
+        assert report["head"] == [rank, rank + WORLD]
+        assert report.get("ended") is True, (rank, report)  # no batch past the end
+    long = reports[0]
+    assert long["settled_before_cancel"] is True, long
+    assert long["next"] == [[8, 12]], long  # carried: read first in the next epoch
+    assert long["leftover"] >= 2, long
+    # Everything read past either end was carried (prefetch batches) or counted as dropped.
+    assert long["cut_epochs"] == 2, long
+    assert [r["next"] for r in reports[1:]] == [[[r, r + WORLD]] for r in range(1, WORLD)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_carried_batches_are_in_the_state_and_a_resume_hands_them_first(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for rank, report in enumerate(case(ranks, "carried_resume")):
+        mine = batches(rank, 0)  # shares of 3, 1, 2 and 1 batches: the epoch ends at step 1
+        assert report["first"] == mine[:1]
+        if len(mine) > 1:
+            assert report["saved"] >= 1, report  # read past the end, carried, saved
+            assert report["next"] == [mine[1]], (rank, report)  # handed first after resume
+        else:
+            assert report["saved"] == 0, report
+            assert report["next"] == [mine[0]], (rank, report)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_the_unread_rest_of_a_longer_share_is_counted_and_logged(
+    ranks: list[dict[str, Any]],
+) -> None:
+    reports = case(ranks, "unread")
+    long = reports[0]
+    assert long["epoch"] == [[0, 4]]
+    assert long["cut_epochs"] == 1, long
+    # Its share of 100 samples: 2 handed over, the rest read past the end or not read.
+    assert long["unread_samples"] == long["share"] - 2 - long["leftover_samples"], long
+    assert long["unread_samples"] > 0, long
+    logged = [line for line in long["log"] if "ends at step 1" in line]
+    assert f"({long['unread_samples']} samples)" in logged[0], logged
+    for report in reports[1:]:  # read to their end
+        assert (report["cut_epochs"], report["unread_samples"]) == (0, 0), report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_what_is_carried_stays_within_prefetch_and_the_excess_is_counted_dropped(
+    ranks: list[dict[str, Any]],
+) -> None:
+    reports = case(ranks, "capped")
+    assert all(r["steps"] == [1] * 6 for r in reports), [r["steps"] for r in reports]
+    long = reports[0]
+    carried_at_close = long["dropped_closed"] - long["dropped_open"]
+    assert 0 < carried_at_close <= 3, long  # prefetch=3, not 5 more per epoch
+    assert long["dropped_open"] > 0, long  # the excess, counted while running
+    # Nothing unnamed: every batch read past an end was either handed first in a later epoch
+    # (one per epoch after the first) or counted as dropped.
+    assert long["leftover"] == long["dropped_closed"] + 5, long
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
 def test_a_stream_loader_on_one_rank_only_does_not_wait(ranks: list[dict[str, Any]]) -> None:
     report = case(ranks, "alone")[0]
     assert report["whole"] == list(range(10))  # shard=False: everything
     assert report["share"] == [0, 4, 8]  # equal_steps=False: its share, alone
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_a_sharded_stream_iterated_on_rank_0_only_fails_within_the_bound(
+    ranks: list[dict[str, Any]],
+) -> None:
+    report = case(ranks, "rank0_only")[0]
+    assert "batches" not in report, report  # it cannot agree with ranks that never come
+    kind, message = report["raised"]
+    assert kind == "RuntimeError"
+    for part in ("epoch 0", "equal_steps=False", "shard=False", "3 s"):
+        assert part in message, message
+    assert report["elapsed"] < 30, report  # the bound (3 s), not 30 minutes
 
 
 @pytest.mark.slow
@@ -342,3 +546,8 @@ def test_a_state_of_four_ranks_resumes_exactly_on_two_three_and_four(
             assert len({len(run["rest"]) for run in runs}) == 1  # as many on every rank
             for run in runs:
                 assert run["next"] == run["fresh1"], (taken, name)
+                # len(loader) right after the load counts the epoch it resumes: on other
+                # ranks, the rest shared out (its batches count from 0); on the same ranks,
+                # the whole epoch, of which `taken` batches are done.
+                done = int(taken) if size == WORLD else 0
+                assert run["len"] == run["rest_batches"] + done, (taken, name, run)

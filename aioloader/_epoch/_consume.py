@@ -33,11 +33,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
 from .._config import LoaderConfig
 from .._log import distributed_log, epoch_log, first_time
-from .._sampling import Lockstep
+from .._sampling import Lockstep, stream_items
 from .._stats import Capacity, Counters, EpochStatistics
 from .._threads import NOT_INLINE, epoch_makes
 from .._types import EMPTY_BATCH, END, Route, Runner, StreamPosition, StreamResume
@@ -135,7 +136,14 @@ class Epoch:
             lockstep.carried = []
         self._real_popped = 0
         self._carried_handed = 0
+        self._samples_handed = 0  # of this epoch's own batches (carried ones not counted)
         self._verdicts: dict[int, asyncio.Future[bool]] = {}
+        self._past: _Past | None = None  # taken out at the agreed end (_end_agreed)
+        self._share_len = (
+            _share_len(config, dataset)
+            if lockstep is not None and (stream_resume is None or stream_resume.first_id == 0)
+            else None
+        )
         self._producer = Producer(
             config,
             epoch,
@@ -198,6 +206,10 @@ class Epoch:
                 self._producer.leave_inline(self.plan.put_back)
             self._producer.start()
         while True:
+            if self._past is not None and not self._closed:
+                # A consumer cancelled at the agreed end: finish ending (nothing was lost).
+                end = self._agreement.end if self._agreement is not None else None
+                await self._end_agreed(end if end is not None else self._step())
             if self._closed:  # closed while we waited (a new epoch, the loader's close)
                 raise self.end_error()
             if self._carried:
@@ -390,7 +402,9 @@ class Epoch:
         return batch
 
     def _yielded(self, batch_id: int) -> None:
-        self._count_yield(*self._producer.taken(batch_id))
+        samples, nbytes = self._producer.taken(batch_id)
+        self._samples_handed += samples
+        self._count_yield(samples, nbytes)
         self._taken(batch_id)
 
     def _taken(self, batch_id: int) -> None:
@@ -480,54 +494,122 @@ class Epoch:
 
     async def _end_agreed(self, step: int) -> NoReturn:
         """Some rank has no batch ``step``: the epoch ends here on every rank. What this rank
-        read past it is its leftover: carried into the next epoch, or dropped."""
-        assert self._lockstep is not None
-        cut = not (self._producer.done and self.reorder.pending == 0)
-        carried_before = list(self._carried)
-        self._carried.clear()
-        leftover: list[tuple[Any, int, int]] = []
-        handing, self._handing = self._handing, []
-        for batch_id, transfer in handing:
-            size = self._producer.taken(batch_id)
-            with contextlib.suppress(Exception):  # an error past the end is no batch to keep
-                leftover.append((await transfer.wait(), *size))
-        for outcome in sorted(self.reorder.drain(), key=lambda o: o.batch_id):
-            if _real(outcome) and outcome.error is None:
-                leftover.append((outcome.value, *self._producer.taken(outcome.batch_id)))
-        await self.aclose()
-        self._finish()
-        self._settle_leftover(step, carried_before, leftover, cut)
+        read past it is its leftover: carried into the next epoch, or dropped.
+
+        Cancellation-safe: everything past the end is taken out of the epoch in one
+        synchronous step (:meth:`_take_past`), so a cancelled consumer loses none of it; the
+        device copies still crossing are awaited one by one, each kept until it is done (a
+        cancelled wait leaves it for the next ``__anext__``, which comes back here); the
+        leftover is settled (counted, carried, logged) before the epoch's close is awaited.
+        """
+        past = self._past
+        if past is None:
+            past = self._past = self._take_past()
+        while past.copies:
+            batch_id, transfer, size = past.copies[0]
+            try:
+                past.ready.append((await transfer.wait(), *size))
+            except asyncio.CancelledError:
+                raise  # the copy stays first in line: the next __anext__ waits for it again
+            except Exception as exc:
+                past.errors.append((batch_id, exc))
+            past.copies.pop(0)
+        self._settle_leftover(step, past)
+        try:
+            await self.aclose()
+        finally:
+            self._finish()
         raise StopAsyncIteration
 
-    def _settle_leftover(
-        self,
-        step: int,
-        carried_before: list[tuple[Any, int, int]],
-        leftover: list[tuple[Any, int, int]],
-        cut: bool,
-    ) -> None:
+    def _take_past(self) -> _Past:
+        """Everything this rank holds past the agreed end, out of the epoch at once: the batches
+        carried into it and not handed, the copies crossing to the device, and what is ready
+        in the reorder buffer (a failed batch kept with its error, to be named)."""
+        past = _Past(
+            cut=not (self._producer.done and self.reorder.pending == 0),
+            carried=list(self._carried),
+        )
+        self._carried.clear()
+        handing, self._handing = self._handing, []
+        past.copies = [(i, transfer, self._producer.taken(i)) for i, transfer in handing]
+        for outcome in sorted(self.reorder.drain(), key=lambda o: o.batch_id):
+            if not _real(outcome):
+                continue
+            size = self._producer.taken(outcome.batch_id)
+            if outcome.error is not None:
+                past.errors.append((outcome.batch_id, outcome.error))
+            else:
+                past.ready.append((outcome.value, *size))
+        return past
+
+    def _settle_leftover(self, step: int, past: _Past) -> None:
+        """Count, carry or drop, and log what was read past the end; once per epoch."""
+        if past.settled:
+            return
+        past.settled = True
         assert self._lockstep is not None
         counters = self._counters
+        leftover = past.ready
         samples = sum(item[1] for item in leftover)
         counters.leftover_batches += len(leftover)
         counters.leftover_samples += samples
         keep = self._lockstep.leftover == "carry"
-        if keep:
-            self._lockstep.carried = carried_before + leftover
-        else:
-            counters.dropped_batches += len(carried_before) + len(leftover)
-            counters.dropped_samples += samples + sum(item[1] for item in carried_before)
-        if leftover or carried_before or cut:
+        everything = past.carried + leftover
+        # Invariant: at most ``prefetch`` batches are carried. A rank whose share is always
+        # longer reads ahead past every end; carrying all of it would grow without bound.
+        kept = everything[: self.config.prefetch] if keep else []
+        excess = everything[len(kept) :]
+        self._lockstep.carried = kept
+        counters.dropped_batches += len(excess)
+        counters.dropped_samples += sum(item[1] for item in excess)
+        for batch_id, error in past.errors:
+            # A batch past the end that failed is no batch to carry, but its error is news.
+            distributed_log.warning(
+                "epoch %d ends at step %d on every rank; batch %d of this rank, read past it, "
+                "failed and is not handed over: %s: %s",
+                self.epoch,
+                step,
+                batch_id,
+                type(error).__name__,
+                error,
+                exc_info=error,
+            )
+        unread = self._unread_samples() if past.cut else None
+        if past.cut:
+            counters.cut_epochs += 1
+            counters.unread_samples += unread or 0
+        if leftover or past.carried or past.cut:
+            how = (
+                f"{len(kept)} carried into the next epoch, read first"
+                + (f", {len(excess)} dropped (prefetch={len(kept)} at most)" if excess else "")
+                if keep
+                else "dropped (leftover='drop')"
+            )
+            rest = (
+                ""
+                if not past.cut
+                else "; the rest of its share was not read in this epoch"
+                + (f" ({unread} samples)" if unread is not None else "")
+            )
             distributed_log.info(
                 "epoch %d ends at step %d on every rank (the shortest share); this rank read "
                 "%d batches (%d samples) past it: %s%s",
                 self.epoch,
                 step,
-                len(leftover) + len(carried_before),
-                samples + sum(item[1] for item in carried_before),
-                "carried into the next epoch, read first" if keep else "dropped (leftover='drop')",
-                "; the rest of its share was not read in this epoch" if cut else "",
+                len(everything),
+                sum(item[1] for item in everything),
+                how,
+                rest,
             )
+
+    def _unread_samples(self) -> int | None:
+        """How many samples of this rank's share the epoch neither handed over nor read past
+        its end, where the stream says its length (``len()``) and the epoch began at the
+        stream's start; None where that is not known."""
+        if self._share_len is None:
+            return None
+        read = self._samples_handed + sum(item[1] for item in (self._past or _Past()).ready)
+        return max(0, self._share_len - read)
 
     def _count_yield(self, samples: int, nbytes: int) -> None:
         counters = self._counters
@@ -614,6 +696,22 @@ class Epoch:
         """Drop every produced batch and wake a consumer still waiting, who then sees the epoch
         closed. Dropping a batch drops its views; its shared-memory slot returns to the pool
         when the last view is gone (the consumer may still hold some)."""
+        past = self._past
+        if past is not None and not past.settled:
+            # Closed while its end was being settled (a consumer cancelled at the agreed end,
+            # then the loader closed): what it held past the end is named as dropped.
+            past.settled = True
+            held = past.carried + past.ready + [(None, *size) for _, _, size in past.copies]
+            self._counters.dropped_batches += len(held)
+            self._counters.dropped_samples += sum(item[1] for item in held)
+            distributed_log.info(
+                "epoch %d closed at its agreed end before what this rank read past it was "
+                "settled: %d batches (%d samples) dropped",
+                self.epoch,
+                len(held),
+                sum(item[1] for item in held),
+            )
+            past.carried, past.ready, past.copies = [], [], []
         self.reorder.drain()
         self._handing.clear()
         self._ready.set()
@@ -671,6 +769,31 @@ class EpochIterator:
     def __del__(self) -> None:
         if self.epoch is not None:
             self.epoch.close_nowait()
+
+
+@dataclass(slots=True)
+class _Past:
+    """What a rank holds past the agreed end of an epoch (equal steps), taken out of the epoch
+    at once: ``carried`` (from the last epoch, not handed), ``copies`` still crossing to the
+    device ``(batch_id, transfer, (samples, nbytes))``, ``ready`` leftover batches
+    ``(batch, samples, nbytes)``, ``errors`` of failed batches ``(batch_id, error)``;
+    ``cut``: the share was not read to its end; ``settled``: counted and logged."""
+
+    cut: bool = False
+    carried: list[tuple[Any, int, int]] = field(default_factory=list)
+    copies: list[tuple[int, Transfer, tuple[int, int]]] = field(default_factory=list)
+    ready: list[tuple[Any, int, int]] = field(default_factory=list)
+    errors: list[tuple[int, BaseException]] = field(default_factory=list)
+    settled: bool = False
+
+
+def _share_len(config: LoaderConfig, dataset: Any) -> int | None:
+    """The samples of this rank's share of a stream that says its length, else None."""
+    try:
+        n = len(dataset)
+    except TypeError:
+        return None
+    return stream_items(config.shard, n) if isinstance(n, int) else None
 
 
 def _real(outcome: Outcome) -> bool:

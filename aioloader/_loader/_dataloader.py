@@ -51,6 +51,7 @@ from .._batch import default_collate, default_convert
 from .._config import LoaderConfig, batch_sampler_for, context_argument, resolve_seed
 from .._device import falls_back, parse_device
 from .._epoch import Epoch, EpochBook, EpochIterator, plan_for
+from .._log import distributed_log
 from .._sampling import (
     DEFAULT_SHARE_SEED,
     Lockstep,
@@ -65,7 +66,7 @@ from .._sampling import (
 )
 from .._stats import Counters, EpochProgress, LoaderStatistics, progress_display
 from .._threads import LoopThread, SyncIterator, off_loop
-from .._types import Runner, dataset_kind
+from .._types import Runner, Stateful, dataset_kind
 from .._validate import as_torch, boolean, to_int
 from .._workers import warn_more_workers_than_cpus
 from ._closing import closer_if_last
@@ -168,10 +169,12 @@ class DataLoader(SettingsView):
         equal_steps: a stream the loader shards ends its epoch at the same step on every rank
             (the shortest share): the ranks agree on the end a few batches ahead, one small
             collective per step on a thread and a gloo group of the loader's own, made at its
-            first epoch. None (default): on for a sharded stream; True: insist (an error
-            where the loader does not shard a stream); False: off, shares may end unevenly.
+            first epoch. None (default): on for a sharded stream; True: insist (a
+            ``ValueError`` for map-style data or ``shard=False`` at construction, for no
+            process group at the first epoch); False: off, shares may end unevenly.
         leftover: what a rank read past the agreed end: ``'carry'`` (default; handed first in
-            the next epoch) or ``'drop'``; counted in ``statistics()`` either way, and logged.
+            the next epoch, up to ``prefetch`` batches, the rest dropped) or ``'drop'``;
+            counted in ``statistics()`` either way, and logged.
         worker_seeding: worker ``k`` gets ``base + k`` (its ``get_worker_info().seed``), the base
             drawn from ``seed`` and the epoch; ``'batch'`` (default) then reseeds before each
             batch from (seed, epoch, batch id); ``'worker'`` does not, as torch.
@@ -250,6 +253,7 @@ class DataLoader(SettingsView):
         share = resolve_shard(shard, kind, sampler, batch_sampler, dataset)
         self._equal_steps = resolve_equal_steps(equal_steps)
         self._leftover = resolve_leftover(leftover)
+        self._lockstep_key = self._equal_steps_key(kind, share is not None or shard is None)
         self._lockstep = self._lockstep_for(kind, share, later=shard is None)
         pool = shared_pool(workers, num_workers=num_workers, thread_pool=thread_pool)
         self._config = config = LoaderConfig.build(
@@ -325,7 +329,7 @@ class DataLoader(SettingsView):
         self._progress = progress_display(progress)
         self._res = Resources(pool=pool)
         self._closed = False
-        self._finalizer = weakref.finalize(self, finalize, self._res, type(self).__name__)
+        self._finalizer = self._watch()
         self._initialized = True
         self._res.start_early(config, dataset, device_spec=self._device_spec, context=self._context)
 
@@ -335,7 +339,13 @@ class DataLoader(SettingsView):
         stream = kind in ("iterable", "async_iterable")
         sharded = share is not None and share.replicas > 1
         later = later and process_group() is None
-        if self._equal_steps and stream and not sharded and not later:
+        if self._equal_steps and not stream:
+            raise ValueError(
+                f"equal_steps=True applies to a stream (an iterable dataset) only: dataset="
+                f"{type(self.dataset).__name__} is map-style, whose shares are already equal "
+                "(leave equal_steps=None)"
+            )
+        if self._equal_steps and not sharded and not later:
             raise ValueError(
                 f"equal_steps=True needs a stream the loader shards by rank: dataset="
                 f"{type(self.dataset).__name__} is not read in shares here (no process group "
@@ -345,7 +355,25 @@ class DataLoader(SettingsView):
             return None
         assert share is not None
         members = share.members if share.members is not None else tuple(range(share.replicas))
-        return Lockstep(members, self._leftover)
+        return Lockstep(members, self._leftover, key=self._lockstep_key)
+
+    def _equal_steps_key(self, kind: str, may_shard: bool) -> int:
+        """This loader's equal-steps key, taken when it is built, with or without a process
+        group yet: loader ``k`` of each rank pairs with loader ``k`` of the others (see
+        ``_sampling._lockstep``). Every stream loader that may take equal steps takes one;
+        loaders that never will (map-style, ``shard=False``, ``equal_steps=False``) do not,
+        so a loader built on rank 0 only in one of those ways shifts nothing."""
+        stream = kind in ("iterable", "async_iterable")
+        if not stream or not may_shard or self._equal_steps is False:
+            return -1
+        return Lockstep.next_key()
+
+    def _watch(self) -> weakref.finalize[..., Any]:
+        """The finalizer of a loader collected unclosed: its lockstep first (the agreement
+        thread, its group, the carried batches), then its resources. Re-made when a lockstep
+        comes later (a process group that appeared after construction)."""
+        lockstep = self._lockstep.finalizer() if self._lockstep is not None else None
+        return weakref.finalize(self, _collected, self._res, type(self).__name__, lockstep)
 
     def _reconfigure(self, config: LoaderConfig) -> None:
         # Checked first: if it cannot be pickled, nothing changes. Workers take it with a copy.
@@ -393,6 +421,9 @@ class DataLoader(SettingsView):
         self._book.replace_sampling(self._sampling)
         self._reconfigure(dataclasses.replace(self._config, shard=share))
         self._lockstep = self._lockstep_for(self._config.kind, share)
+        if self._lockstep is not None:
+            self._finalizer.detach()
+            self._finalizer = self._watch()
 
     def __len__(self) -> int:
         self._shard_if_group_appeared()
@@ -416,12 +447,25 @@ class DataLoader(SettingsView):
 
     def _new_epoch(self) -> Epoch:
         self._shard_if_group_appeared()  # before the workers start: they get the share's config
+        if self._equal_steps and self._lockstep is None:  # deferred at construction: no group
+            self._lockstep_for(self._config.kind, self._config.shard)  # raises, naming why
         runner = self._ensure_resources()
         previous = self._res.epoch
         if previous is not None and previous.raised_last and not previous.finished:
             # Its consumer stopped at an error (a traceback keeps it alive): not a 2nd iterator.
             previous.close_nowait()
         alone = previous is None or previous.finished
+        if self._lockstep is not None and not alone:
+            assert previous is not None
+            # Equal steps pair the ranks' steps of one epoch at a time: a second epoch open
+            # beside it would cut the first short (zip(loader, loader)). Refused before
+            # anything changes; the open one goes on.
+            raise RuntimeError(
+                f"this DataLoader's epoch {previous.epoch} is still open in another iterator "
+                "(zip(loader, loader), another task or thread): under equal steps the ranks "
+                "agree on one epoch's steps at a time; finish or drop that iterator first, "
+                "make a second DataLoader, or pass equal_steps=False"
+            )
         if previous is not None and not previous.finished:
             # Another iterator is mid-epoch: both run a full epoch, as torch's do. The older
             # one's plan is read out first, before set_epoch moves the shared sampler on; a
@@ -570,8 +614,11 @@ class DataLoader(SettingsView):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _counters=Counters(), _res=Resources(), _closed=False)
+        # A copy is another loader: its own key, taken in the order the copies are made.
+        may_shard = self._config.shard is not None or self._group_unseen
+        self._lockstep_key = self._equal_steps_key(self._config.kind, may_shard)
         self._lockstep = self._lockstep_for(self._config.kind, self._config.shard)
-        self._finalizer = weakref.finalize(self, finalize, self._res, type(self).__name__)
+        self._finalizer = self._watch()
         if self._book.open:  # pickled mid-epoch: the copy resumes where this one was
             position = self._book.state_dict(self.seed)
             self._book.finished()
@@ -606,8 +653,20 @@ class DataLoader(SettingsView):
         Exact for map-style datasets whose sampler is deterministic given its state (the
         built-in ones are; a ``generator``'s state is saved too), and for streams that are a
         :class:`ResumableStream`; another stream's mid-epoch state is refused when loaded.
+
+        Under equal steps, the batches this rank carries into its next epoch (read past the
+        last agreed end, ``leftover='carry'``) are in it too (``"equal_steps"``: this rank and
+        the batches), so a run resumed from this rank's state hands them first, as it would
+        have; loaded on another rank they are not handed there (logged).
         """
-        return self._book.state_dict(self.seed)
+        state = self._book.state_dict(self.seed)
+        lockstep, shard = self._lockstep, self._config.shard
+        if lockstep is not None and lockstep.carried and shard is not None:
+            state["equal_steps"] = {
+                "rank": shard.rank,
+                "carried": [list(item) for item in lockstep.carried],
+            }
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next iteration continues that epoch.
@@ -623,7 +682,12 @@ class DataLoader(SettingsView):
                 seed differs from an explicit ``seed=`` or must change mid-epoch, or it is
                 mid-epoch in a stream that cannot resume.
         """
-        saved = self._book.check(state, readers=self._config.stream_readers)["seed"]
+        carried = state.get("equal_steps") if isinstance(state, dict) else None
+        if carried is not None:
+            state = {key: value for key, value in state.items() if key != "equal_steps"}
+            carried = self._carried_from(carried)
+        checked = self._book.check(state, readers=self._config.stream_readers)
+        saved = checked["seed"]
         if saved != self.seed:
             if self._seed_given:
                 raise ValueError(
@@ -632,6 +696,49 @@ class DataLoader(SettingsView):
                 )
             self._adopt_seed(to_int("seed", saved))
         self._book.load(state)
+        batches = self._sampling.batches
+        if state.get("done") and not checked["done"] and isinstance(batches, Stateful):
+            # Saved on another number of ranks (rebased: the rest of the epoch is shared out
+            # here): the sampler takes its state now, as the epoch's start would, so that
+            # len(loader) counts the batches that epoch will have, not a whole epoch's.
+            batches.load_state_dict(checked["sampler"])
+        if carried is not None and self._lockstep is not None:
+            self._lockstep.carried = carried
+
+    def _carried_from(self, saved: object) -> list[tuple[Any, int, int]] | None:
+        """The batches a state says this rank carries into its next epoch (see
+        :meth:`state_dict`); None, logged, where they are another rank's or this loader takes
+        no equal steps.
+
+        Raises:
+            ValueError: ``saved`` is malformed (named with its value).
+        """
+        items = saved.get("carried") if isinstance(saved, dict) else None
+        rank = saved.get("rank") if isinstance(saved, dict) else None
+        if (
+            not isinstance(rank, int)
+            or not isinstance(items, list)
+            or not all(isinstance(i, list | tuple) and len(i) == 3 for i in items)
+        ):
+            raise ValueError(
+                "state['equal_steps'] must be {'rank': int, 'carried': [[batch, samples, "
+                f"bytes], ...]}} (from state_dict()), got {saved!r}"
+            )
+        self._shard_if_group_appeared()
+        shard = self._config.shard
+        if self._lockstep is None or shard is None or shard.rank != rank:
+            where = f"rank {shard.rank}" if shard is not None else "no rank"
+            distributed_log.info(
+                "the state holds %d batches that rank %d carried into its next epoch (equal "
+                "steps); this loader (%s%s) does not hand them: load each rank's own state to "
+                "keep them",
+                len(items),
+                rank,
+                where,
+                "" if self._lockstep is not None else ", no equal steps",
+            )
+            return None
+        return [(batch, int(samples), int(nbytes)) for batch, samples, nbytes in items]
 
     def _adopt_seed(self, seed: int) -> None:
         """Use ``seed`` from now on (started worker processes go: they have the old one)."""
@@ -652,6 +759,14 @@ class DataLoader(SettingsView):
             return str(len(self))
         except TypeError:
             return "?"
+
+
+def _collected(resources: Resources, name: str, close_lockstep: Callable[[], None] | None) -> None:
+    """The loader was garbage collected unclosed: its lockstep is closed without waiting,
+    then its resources are released (warning if it was used)."""
+    if close_lockstep is not None:
+        close_lockstep()
+    finalize(resources, name)
 
 
 def weak_call(method: Callable[[int], None], arg: int) -> Callable[[], None]:

@@ -22,30 +22,65 @@ others' epoch there too.
 Why a thread and a group of its own: a blocking collective must not run on the event loop,
 and the training step's collectives (DDP's all-reduce) run on the default group from the
 training thread: ops of two threads on one group would be matched in whatever order each rank
-issued them. The group (gloo, so any default backend works) is made by the thread at the
-first job, with ``use_local_synchronization`` over the sharing ranks: a collective of theirs,
+issued them. Each loader has its own gloo group (so any default backend works), made by its
+thread at its first job: a rendezvous of the sharing ranks through the default group's store,
 never at construction, and only for a loader that shards by the group (every rank builds it:
-a loader made on some ranks only passes ``shard=False`` or ``equal_steps=False``). torch names
-a group by the order in which each rank makes its groups, so groups the user makes from another
-thread while the first epoch starts could pair wrongly: they are made before, in a setup. A
-rank that waits longer than :data:`AGREEMENT_TIMEOUT_S` gets torch's timeout error at that
-step.
+a loader made on some ranks only passes ``shard=False`` or ``equal_steps=False``).
+
+Which group pairs with which across ranks (the rule): a loader's group is keyed by its
+*equal-steps key*, the number of stream loaders this process built before it (a stream loader
+that may take equal steps: ``equal_steps`` not False, ``shard`` not False), and the sharing
+ranks. Every rank builds its loaders in the same order, as one training script does, so loader
+``k`` of each rank meets loader ``k`` of the others, whatever order their epochs start in, from
+whatever thread. The group is not made with ``torch.distributed.new_group``: torch names those
+by how many groups each process made so far, so two loaders whose first epochs start in
+another order on each rank would pair crossed, and a group made on one rank only (a job queued
+behind a close, say) would shift the names of every later group, the user's included, until
+each rendezvous times out. Ours touch no torch-wide count and are never registered with torch;
+the group is made once per loader and released by its thread after its last job; a job that
+would run after that fails instead of making another.
+
+No wait is unbounded: the group's rendezvous (the store's wait for the others' addresses and
+gloo's connection to each peer) and each step's all-reduce give up after
+:data:`AGREEMENT_TIMEOUT_S`, and the epoch fails with a ``RuntimeError`` naming the epoch, the
+step and the way out (``equal_steps=False`` or ``shard=False``), its cause torch's error. A
+loader iterated on rank 0 only (an evaluation loader built without ``shard=False``) so fails
+within a minute instead of hanging.
 
 What each rank read past the agreed end (its ``leftover``) is counted and logged; with
-``leftover='carry'`` it is handed first in the next epoch (a step of that epoch), with
+``leftover='carry'`` it is handed first in the next epoch (a step of that epoch; at most
+``prefetch`` batches are carried, the rest counted as dropped), with
 ``'drop'`` it is released. What the rank had not read yet of its share is not read in this
 epoch: the log says so.
 
 The one thread is a daemon: a collective waiting for a rank that died must not hold the
-interpreter at its exit (torch's timeout ends the wait anyway).
+interpreter at its exit (the bound ends the wait anyway). Closing (the loader's ``close()``,
+or its finalizer when it is collected unclosed, which does not wait) gives up the open epoch,
+releases the carried batches, and queues the group's release behind the last job, on the
+thread: nothing about the group is changed from another thread while jobs may still use it (a
+close that cleared it at once let a job queued before it make a second group on that rank
+only). Releasing the group is no collective: its sockets close, the others' last collective of
+it already returned. The thread forgets each job once it ran, so an idle thread holds no epoch
+or batch. At the interpreter's exit an ``atexit`` hook closes the agreements still open and
+waits (:data:`_EXIT_WAIT_S` in all) for their threads to release the groups: a gloo group left
+to the interpreter's teardown aborted the process (``terminate called without an active
+exception``). What it cannot help: a step still waiting for ranks that are gone when the wait
+is over is left to the daemon thread, and the process may still abort as it ends.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
+import contextlib
+import functools
+import itertools
+import os
 import queue
 import sys
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -61,10 +96,14 @@ __all__ = [
     "resolve_leftover",
 ]
 
-#: How long one rank waits for the others in a step's agreement (and in making the group)
-#: before torch raises its timeout error: torch's default for gloo groups. Long, since a rank
-#: may legitimately be behind by a slow step (a checkpoint, an evaluation on rank 0).
-AGREEMENT_TIMEOUT_S = 1800.0
+#: How long one rank waits for the others in making the group and in a step's agreement
+#: before the epoch fails with an error naming the way out. The trade-off: long enough for a
+#: rank that is legitimately behind by a slow step (a checkpoint, a short evaluation on rank
+#: 0), short enough that a loader iterated on some ranks only (an evaluation loader made
+#: without ``shard=False``) fails within a minute instead of hanging for torch's 30 minutes.
+#: A job whose ranks drift apart by longer passes ``equal_steps=False`` and keeps in step
+#: itself. Read when a loader is built (a test lowers it before building one).
+AGREEMENT_TIMEOUT_S = 60.0
 
 #: What ``leftover=`` accepts: read first in the next epoch, or released (counted, logged).
 LEFTOVER_POLICIES = ("carry", "drop")
@@ -106,12 +145,20 @@ class _AgreementThread:
         self._jobs: queue.SimpleQueue[
             tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None
         ] = queue.SimpleQueue()
+        self._closing = False
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, job: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Queue ``job``; after :meth:`close` its future fails at once (no job is left queued
+        behind the end, whose verdict nobody would ever give)."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._jobs.put((job, future))
+        with self._lock:
+            if not self._closing:
+                self._jobs.put((job, future))
+                return future
+        future.set_exception(RuntimeError("equal steps: this loader's agreement was closed"))
         return future
 
     def _run(self) -> None:
@@ -126,10 +173,23 @@ class _AgreementThread:
                 future.set_result(job())
             except BaseException as exc:  # handed to whoever awaits the verdict
                 future.set_exception(exc)
+            # The last job's closure holds its epoch, the lockstep and its carried batches:
+            # dropped here, or an idle thread would keep a collected loader's batches alive.
+            del item, job, future
+
+    def join(self, wait_s: float) -> bool:
+        """Wait up to ``wait_s`` for the thread to end; whether it did."""
+        if threading.current_thread() is not self._thread:
+            self._thread.join(wait_s)
+        return not self._thread.is_alive()
 
     def close(self, wait_s: float) -> None:
         """Stop after the jobs already queued; wait up to ``wait_s`` for that."""
-        self._jobs.put(None)
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self._jobs.put(None)
         if threading.current_thread() is not self._thread:
             self._thread.join(wait_s)
 
@@ -141,6 +201,8 @@ class Lockstep:
         members: the global ranks that share the data (the default group's, or the
             data-parallel group's); the agreement runs over them.
         leftover: ``'carry'`` or ``'drop'``.
+        key: the loader's equal-steps key (:meth:`next_key`, taken when it was built): the
+            ranks' loaders with the same key and members pair.
         timeout_s: how long a rank waits for the others in one agreement.
         all_have: the collective, run on the thread: the minimum of its argument over the
             members (default: an all-reduce over a gloo group of theirs, made at the first
@@ -151,14 +213,19 @@ class Lockstep:
         self,
         members: tuple[int, ...],
         leftover: str,
-        timeout_s: float = AGREEMENT_TIMEOUT_S,
+        key: int = 0,
+        timeout_s: float | None = None,
         all_have: Callable[[int], int] | None = None,
     ) -> None:
         self.members = members
+        self.key = key
         self._collective = all_have if all_have is not None else self._all_have
         self.leftover = leftover
-        self._timeout_s = timeout_s
+        self._timeout_s = AGREEMENT_TIMEOUT_S if timeout_s is None else timeout_s
         self._thread: _AgreementThread | None = None
+        self._stopping: _AgreementThread | None = None  # closed, perhaps still running jobs
+        # Touched on the thread only: None until the first job, then the group, then
+        # _RELEASED (after the last job): never made twice.
         self._group: Any = None
         self._lock = threading.Lock()
         #: Batches read past the agreed end of the last epoch, to be handed first in the next
@@ -166,49 +233,141 @@ class Lockstep:
         self.carried: list[tuple[Any, int, int]] = []
         self._current: EpochAgreement | None = None
 
+    @staticmethod
+    def next_key() -> int:
+        """The next equal-steps key of this process: taken by each stream loader when it is
+        built (the same count on every rank that builds the same loaders in the same order)."""
+        return next(_KEYS)
+
     def begin(self, epoch: int) -> EpochAgreement:
         """The agreement of epoch ``epoch``. An epoch still open gives up first (one epoch's
-        steps at a time: two interleaved would pair steps differently on each rank)."""
+        steps at a time: two interleaved would pair steps differently on each rank); the
+        loader refuses to begin one while another is open, so this is a backstop."""
         with self._lock:
             if self._thread is None:
-                self._thread = _AgreementThread(f"aioloader-equal-steps-{epoch}")
+                self._thread = _AgreementThread(f"aioloader-equal-steps-{self.key}")
+                _LIVE.add(self)
             previous, self._current = self._current, None
         if previous is not None:
             previous.give_up()
-        agreement = EpochAgreement(self._thread, self._collective, epoch)
+        agreement = EpochAgreement(self._thread, self._collective, epoch, self._timeout_s)
         self._current = agreement
         return agreement
 
     def _all_have(self, have: int) -> int:
         """On the thread: the minimum of ``have`` over the members (the group made first)."""
-        dist: Any = sys.modules["torch.distributed"]
         torch: Any = sys.modules["torch"]
+        dist: Any = sys.modules["torch.distributed"]
+        if self._group is _RELEASED:
+            raise RuntimeError("equal steps: this loader's agreement was closed")
         if self._group is None:
-            self._group = dist.new_group(
-                ranks=list(self.members),
-                backend="gloo",
-                timeout=timedelta(seconds=self._timeout_s),
-                use_local_synchronization=True,
-            )
+            self._group = _gloo_group(self.key, self.members, self._timeout_s)
         flag = torch.tensor([have], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self._group.allreduce([flag], options).wait()
         return int(flag.item())
 
-    def close(self) -> None:
-        """Give up the open epoch (the others end at its next step) and stop the thread once
-        its queued jobs ran (waiting briefly: a job waits for the other ranks)."""
+    def _release_group(self) -> None:
+        """On the thread, after the last job: the group's sockets are closed (no collective:
+        the others' last collective of it already returned)."""
+        group, self._group = self._group, _RELEASED
+        if group is not None and group is not _RELEASED:
+            # A group torch already tore down (the default one destroyed first): nothing more.
+            with contextlib.suppress(Exception):
+                group.shutdown()
+
+    def close(self, wait_s: float | None = None) -> None:
+        """Give up the open epoch (the others end at its next step), release the carried
+        batches, and stop the thread once its queued jobs ran, the group released last, on
+        the thread. Waits up to ``wait_s`` for the thread (a job may wait for the other
+        ranks): a loader's ``close()`` waits briefly, its finalizer (the garbage collector's
+        thread) not at all. Idempotent."""
         current, self._current = self._current, None
         if current is not None:
             current.give_up()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.close(wait_s=_CLOSE_WAIT_S)
         self.carried.clear()
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._stopping = thread
+            thread.submit(self._release_group)
+            thread.close(wait_s=_CLOSE_WAIT_S if wait_s is None else wait_s)
+
+    def finish_at_exit(self, wait_s: float) -> bool:
+        """At the interpreter's exit: close (if still open) and wait up to ``wait_s`` for the
+        thread to run its last jobs and release the group; whether it did."""
+        self.close(wait_s)
+        thread = self._stopping
+        return thread is None or thread.join(wait_s)
+
+    def finalizer(self) -> Callable[[], None]:
+        """What closes this lockstep without waiting and without holding its owner (a
+        loader's finalizer calls it)."""
+        return functools.partial(self.close, 0.0)
 
 
 # How long closing a loader waits for its agreement thread to finish the jobs it has: the
 # other ranks close too and answer in milliseconds; a rank that does not is left to the daemon.
 _CLOSE_WAIT_S = 5.0
+
+# How long the interpreter's exit waits for the open agreements to end, all together: a
+# give-up step is answered by the other ranks' next step (at once while they run; they end at
+# that step); ranks that are gone never answer, and the exit goes on without them.
+_EXIT_WAIT_S = 5.0
+
+# Locksteps whose thread was started, for the exit hook (weakly: a collected loader's goes).
+_LIVE: weakref.WeakSet[Lockstep] = weakref.WeakSet()
+
+
+# A forked child has none of the parent's agreement threads, and the parent's agreements are
+# not its to close: its exit hook leaves them alone.
+os.register_at_fork(after_in_child=_LIVE.clear)
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """Close every open agreement before the interpreter tears down: a gloo group still alive
+    then (its sockets, its store connection, the thread) was destroyed amid finalization and
+    took the process down with ``terminate called without an active exception`` (SIGABRT), on
+    a rank that had read its epoch to the end and exited without closing its loader. The
+    finalizers of collected loaders do not wait; this does, briefly."""
+    deadline = time.monotonic() + _EXIT_WAIT_S  # for all of them together
+    for lockstep in list(_LIVE):
+        lockstep.finish_at_exit(max(0.0, deadline - time.monotonic()))
+
+
+# The equal-steps keys of this process, one per stream loader built (see Lockstep.next_key).
+_KEYS = itertools.count()
+
+# What a lockstep's group is once released: a job after it fails, never makes another.
+_RELEASED = object()
+
+# Where the groups meet in the default group's store (under torch's own prefix of it).
+_STORE_PREFIX = "aioloader/equal-steps"
+
+
+def _gloo_group(key: int, members: tuple[int, ...], timeout_s: float) -> Any:
+    """A gloo group of ``members``, made by a rendezvous of theirs in the default group's
+    store under a prefix of the loader's key and members (see the module docstring: not
+    ``new_group``, whose names follow a count of every group the process made). The one place
+    that reads torch's private ``_get_default_store`` (stable since torch 1.x). Raises torch's
+    error if the others do not come within ``timeout_s``."""
+    dist: Any = sys.modules["torch.distributed"]
+    store = dist.distributed_c10d._get_default_store()
+    # A connection of its own: a store client serves one request at a time, and a rendezvous
+    # blocks in it until the others come. Two loaders meeting at once on one connection would
+    # each wait behind the other's wait (a crossed pair never forms). A store that cannot be
+    # cloned (torch < 2.3, a FileStore) is shared, as torch's own groups share it.
+    with contextlib.suppress(AttributeError, NotImplementedError, RuntimeError):
+        store = store.clone()
+    prefix = f"{_STORE_PREFIX}/{key}/{'-'.join(map(str, members))}/"
+    return dist.ProcessGroupGloo(
+        dist.PrefixStore(prefix, store),
+        members.index(dist.get_rank()),
+        len(members),
+        timedelta(seconds=timeout_s),
+    )
 
 
 class EpochAgreement:
@@ -222,9 +381,14 @@ class EpochAgreement:
     """
 
     def __init__(
-        self, thread: _AgreementThread, all_have: Callable[[int], int], epoch: int
+        self,
+        thread: _AgreementThread,
+        all_have: Callable[[int], int],
+        epoch: int,
+        timeout_s: float = AGREEMENT_TIMEOUT_S,
     ) -> None:
         self.epoch = epoch
+        self._timeout_s = timeout_s
         self._thread = thread
         self._all_have = all_have
         self._lock = threading.Lock()
@@ -268,8 +432,17 @@ class EpochAgreement:
             return False
         try:
             agreed = self._all_have(have) > 0
-        except BaseException:
+        except Exception as exc:
             self._ended = True  # the group is broken: no later step of it waits in vain
+            raise RuntimeError(
+                f"equal steps: epoch {self.epoch}, step {step}: the other ranks did not join "
+                f"this rank's agreement within {self._timeout_s:g} s (a loader iterated on "
+                "some ranks only, a rank that died or is far behind); a loader that is not "
+                "iterated on every rank of its group takes equal_steps=False (its rank's share, "
+                "no agreement) or shard=False (the whole stream)"
+            ) from exc
+        except BaseException:
+            self._ended = True
             raise
         if not agreed:
             self._ended = True

@@ -365,6 +365,8 @@ class Counters:
     leftover_samples: int = 0
     dropped_batches: int = 0  # of those, released (leftover='drop')
     dropped_samples: int = 0
+    cut_epochs: int = 0  # epochs that ended at the agreed step before this rank's share did
+    unread_samples: int = 0  # of those shares, samples not read (where a stream has a len())
     wall_s: float = 0.0  # of the epochs that ended
     capacity: Capacity = field(default_factory=Capacity)
     epoch_started: float | None = None  # perf_counter at the running epoch's start
@@ -807,9 +809,14 @@ class LoaderStatistics:
             epoch of a stream (``equal_steps``), all epochs; ``leftover_samples`` their samples.
             With ``leftover='carry'`` they are handed first in the next epoch.
         leftover_samples: samples in ``leftover_batches``.
-        dropped_batches: leftover batches released (``leftover='drop'``, or carried batches
-            left when the loader closed); ``dropped_samples`` their samples.
+        dropped_batches: leftover batches released (``leftover='drop'``; under ``'carry'``
+            those beyond the ``prefetch`` batches an epoch may carry, and carried batches left
+            when the loader closed); ``dropped_samples`` their samples.
         dropped_samples: samples in ``dropped_batches``.
+        cut_epochs: epochs that ended at the agreed step before this rank's share of the
+            stream did (the rest of the share is not read in that epoch; logged).
+        unread_samples: samples of those shares neither handed over nor read past the end,
+            counted where the stream has a ``len()`` (and the epoch began at its start).
         fetch_s: seconds the event loop spent awaiting async dataset items (summed per batch).
         read_s: seconds spent reading samples (``dataset[i]``), in threads or workers.
         collate_s: seconds spent collating, in threads or workers.
@@ -859,6 +866,8 @@ class LoaderStatistics:
     leftover_samples: int = 0
     dropped_batches: int = 0
     dropped_samples: int = 0
+    cut_epochs: int = 0
+    unread_samples: int = 0
     fetch_s: float = 0.0
     read_s: float = 0.0
     collate_s: float = 0.0
@@ -901,6 +910,8 @@ class LoaderStatistics:
             leftover_samples=c.leftover_samples,
             dropped_batches=c.dropped_batches,
             dropped_samples=c.dropped_samples,
+            cut_epochs=c.cut_epochs,
+            unread_samples=c.unread_samples,
             fetch_s=c.fetch_s,
             read_s=c.read_s,
             collate_s=c.collate_s,

@@ -15,35 +15,48 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 from datasets import AsyncStream, Range, Stream, TorchDraws, keep, tar_sample, tar_shard
 from torch.nn.parallel import DistributedDataParallel
 
+import aioloader._sampling._lockstep as lockstep_module
 from aioloader import DataLoader
+from aioloader._sampling import Lockstep
 from aioloader.distributed import gather_statistics
 from aioloader.sources import TarDataset
 
 # Bounds each collective of this rank (the agreement's own group has its own, longer bound:
 # a case that hangs there is ended by the test's limit on the whole job).
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)
+SHORT_AGREEMENT_S = 3.0  # the agreement's bound, lowered for the rank-0-only case
 
 #: The length of each rank's copy of the "uneven" stream: the loader keeps items r, r + 4, ...
 #: of it, so the shares are 10, 3, 6 and 2 items long (3, 1, 2 and 1 batches of 4).
 UNEVEN = (40, 13, 27, 8)
+CAP_PREFETCH, CAP_EPOCHS = 3, 6  # at most 3 batches carried across 6 epochs
+ZIP_ITEMS = 40  # rank r's copy has 40 + r items: a share of 10, five batches of 2, on each
 #: The elastic case: a map dataset's length, and the batches every rank takes before the cut.
 ELASTIC_N = 45
 CUTS = (1, 2)  # of the 3 batches of 4 each rank has (45 samples, 12 a rank)
+#: The "crossed" case: two loaders whose first epochs start in the opposite order on odd ranks;
+#: each rank's share of the first is 3 batches of 2, of the second 1.
+CROSSED = (24, 8)
+CLOSE_S = 4.0  # how long the "end_cancelled" case's stream takes to close when cut short
 #: Tar shards of 2 to 9 samples: each rank reads whole shards of its own, of unequal sizes.
 TAR_SHARDS = 9
 
@@ -62,6 +75,50 @@ class Timed(Range):
     def __getitem__(self, index: int) -> int:
         time.sleep(self.delay)
         return super().__getitem__(index)
+
+
+class Counted:
+    """A stream of ``0 .. n-1`` that says its length (read on threads only: not pickled)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.n))
+
+
+class SlowToClose:
+    """An async stream of ``0 .. n-1`` whose reader, when closed before its end, takes
+    ``CLOSE_S`` to hang up (a remote reader): closing an epoch cut short takes that long."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    async def __aiter__(self) -> Any:
+        try:
+            for i in range(self.n):
+                await asyncio.sleep(0)
+                yield i
+        except (GeneratorExit, asyncio.CancelledError):
+            await asyncio.shield(asyncio.sleep(CLOSE_S))
+            raise
+
+
+class Flag(logging.Handler):
+    """Sets ``event`` once a record whose message holds ``text`` is emitted (on the loop's
+    thread: the epoch logs from its consumer)."""
+
+    def __init__(self, text: str, event: asyncio.Event) -> None:
+        super().__init__(logging.DEBUG)
+        self.text = text
+        self.event = event
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
 
 
 class Records(logging.Handler):
@@ -124,6 +181,10 @@ def train(loader: DataLoader, epochs: int) -> dict[str, Any]:
         "dropped_batches": stats.dropped_batches,
         "dropped_samples": stats.dropped_samples,
     }
+
+
+def equal_steps_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if "equal-steps" in t.name]
 
 
 def case(reports: dict[str, Any], name: str, body: Callable[[dict[str, Any]], None]) -> None:
@@ -190,6 +251,175 @@ def main() -> None:
             report["first"] = first
             report["after"] = train(loader, 1)["epochs"][0]
             reports["workers"].extend(loader.worker_pids)
+
+    def zip_self(report: dict[str, Any]) -> None:
+        # Two epochs of one loader open at once under equal steps: refused at once (never a
+        # first epoch silently cut short); the first goes on, and a later epoch is whole.
+        with DataLoader(Stream(ZIP_ITEMS + rank), batch_size=2) as loader:
+            first = iter(loader)
+            report["head"] = items(next(first))
+            try:
+                report["second"] = items(next(iter(loader)))
+            except RuntimeError as exc:
+                report["refused"] = str(exc)
+            report["rest"] = [items(b) for b in first]
+            report["after"] = train(loader, 1)["epochs"][0]
+
+    def collected(report: dict[str, Any]) -> None:
+        # A loader dropped without close() after an uneven epoch (some ranks carry batches):
+        # its finalizer closes the agreement (thread, group, carried batches); nothing of it
+        # stays alive, its group's connections to the other ranks included.
+        def connections() -> int:
+            # The loader's gloo group is not torch's (never registered): count its sockets.
+            return sum(
+                1
+                for c in psutil.Process().net_connections(kind="tcp")
+                if c.status == psutil.CONN_ESTABLISHED
+            )
+
+        before = connections()
+        loader = DataLoader(Stream(UNEVEN[rank]), batch_size=2)
+        report["steps"] = sum(1 for _ in loader)
+        report["threads_while_open"] = equal_steps_threads()
+        report["connections_while_open"] = connections() - before
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)  # unclosed, on purpose
+            del loader
+            gc.collect()
+        deadline = time.monotonic() + 10
+        while equal_steps_threads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gc.collect()
+        report["threads_after"] = equal_steps_threads()
+        report["locksteps_after"] = sum(1 for o in gc.get_objects() if isinstance(o, Lockstep))
+        report["connections_after"] = connections() - before
+
+    def closed_behind_jobs(report: dict[str, Any]) -> None:
+        # Rank 0 leaves its first epoch after one batch and closes the loader while its
+        # agreement thread still has steps queued (the others' consumers are a second behind):
+        # those steps run on the loader's group after the close, never on a second group of
+        # this rank alone, so the next loader of every rank pairs with the others' next one.
+        with DataLoader(Stream(40), batch_size=2, prefetch=2) as first:
+            it = iter(first)
+            report["head"] = items(next(it))
+            if rank != 0:
+                time.sleep(1.0)
+                report["rest"] = [items(b) for b in it]
+            del it
+        with DataLoader(Stream(8), batch_size=2) as second:
+            report["next"] = [items(b) for b in second]
+
+    def crossed(report: dict[str, Any]) -> None:
+        # Two loaders built in the same order on every rank; their first epochs start in the
+        # opposite order on odd ranks (an evaluation loop begun before training there): each
+        # pairs with the same loader of the others, never crossed.
+        async def run() -> dict[str, list[list[int]]]:
+            async with (
+                DataLoader(Stream(CROSSED[0]), batch_size=2) as a,
+                DataLoader(Stream(CROSSED[1]), batch_size=2) as b,
+            ):
+
+                async def epoch(loader: DataLoader) -> list[list[int]]:
+                    return [items(batch) async for batch in loader]
+
+                order = (a, b) if rank % 2 == 0 else (b, a)
+                first = asyncio.ensure_future(epoch(order[0]))
+                await asyncio.sleep(0.5)  # its agreement has begun before the other's
+                second = asyncio.ensure_future(epoch(order[1]))
+                await asyncio.wait_for(asyncio.gather(first, second), 60)
+                got = {"a": first.result(), "b": second.result()}
+                if rank % 2:
+                    got = {"a": got["b"], "b": got["a"]}
+                return got
+
+        report.update(asyncio.run(run()))
+
+    def past_the_end(report: dict[str, Any]) -> None:
+        # Rank 0's stream breaks right after its first batch, the others' shares are one
+        # batch: the failed batch is past the agreed end (step 1). Its error is logged, not
+        # swallowed; the epoch ends at step 1 everywhere.
+        stream = Stream(40, fail_at=8) if rank == 0 else Stream(8)
+        with DataLoader(stream, batch_size=2) as loader:
+            report["epoch"] = [items(b) for b in loader]
+
+    def end_cancelled(report: dict[str, Any]) -> None:
+        # Rank 0's share is longer; its consumer is cancelled at the agreed end while the
+        # epoch closes (its stream takes CLOSE_S to hang up): what it read past the end is
+        # settled first, so it is carried (handed first in the next epoch), not lost.
+        logger = logging.getLogger("aioloader.distributed")
+
+        async def run() -> None:
+            settled = asyncio.Event()
+            flag = Flag("ends at step", settled)
+            logger.addHandler(flag)
+            try:
+                await epochs(settled)
+            finally:
+                logger.removeHandler(flag)
+
+        async def epochs(settled: asyncio.Event) -> None:
+            dataset = SlowToClose(40 if rank == 0 else 8)
+            async with DataLoader(dataset, batch_size=2) as loader:
+                it = aiter(loader)
+                report["head"] = items(await anext(it))
+                if rank == 0:
+                    ending = asyncio.ensure_future(anext(it))
+                    flagged = asyncio.ensure_future(settled.wait())
+                    # Cancelled once settled (then closing, for CLOSE_S), or at the latest
+                    # a second before it could have closed: before a settle that waited for it.
+                    await asyncio.wait([ending, flagged], timeout=CLOSE_S - 1)
+                    flagged.cancel()
+                    report["settled_before_cancel"] = settled.is_set()
+                    ending.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                        await ending
+                try:
+                    report["more"] = items(await anext(it))
+                except StopAsyncIteration:
+                    report["ended"] = True
+                report["next"] = [items(b) async for b in loader]
+                stats = loader.statistics()
+                report["leftover"] = stats.leftover_batches
+                report["dropped"] = stats.dropped_batches
+                report["cut_epochs"] = stats.cut_epochs
+                report["unread_samples"] = stats.unread_samples
+
+        asyncio.run(run())
+
+    def carried_resume(report: dict[str, Any]) -> None:
+        # Each rank saves its own state after an uneven epoch (some carry batches into the
+        # next) and resumes from it in a new loader: the carried batches come first there, as
+        # in the loader that saved it.
+        with DataLoader(Stream(UNEVEN[rank]), batch_size=4) as first:
+            report["first"] = [items(b) for b in first]
+            state = first.state_dict()
+        report["saved"] = len(state.get("equal_steps", {}).get("carried", []))
+        with DataLoader(Stream(UNEVEN[rank]), batch_size=4) as resumed:
+            resumed.load_state_dict(state)
+            report["next"] = [items(b) for b in resumed]
+
+    def unread(report: dict[str, Any]) -> None:
+        # A stream that knows its length: what a longer share leaves unread at the agreed end
+        # is counted (and logged).
+        n = 400 if rank == 0 else 8
+        with DataLoader(Counted(n), batch_size=2, prefetch=2) as loader:
+            report["epoch"] = [items(b) for b in loader]
+            stats = loader.statistics()
+            report["leftover_samples"] = stats.leftover_samples
+            report["cut_epochs"] = stats.cut_epochs
+            report["unread_samples"] = stats.unread_samples
+            report["share"] = len(range(rank, n, world))
+
+    def capped(report: dict[str, Any]) -> None:
+        # Rank 0's share is always longer (50 batches against 1): it reads ahead past every
+        # epoch's end; what it carries stays within prefetch, the excess counted as dropped.
+        loader = DataLoader(Stream(400 if rank == 0 else 8), batch_size=2, prefetch=CAP_PREFETCH)
+        report["steps"] = [sum(1 for _ in loader) for _ in range(CAP_EPOCHS)]
+        stats = loader.statistics()
+        report["leftover"] = stats.leftover_batches
+        report["dropped_open"] = stats.dropped_batches
+        loader.close()  # what is still carried is released now, counted as dropped
+        report["dropped_closed"] = loader.statistics().dropped_batches
 
     def alone(report: dict[str, Any]) -> None:
         # Loaders built on rank 0 only: nothing waits for the other ranks.
@@ -263,13 +493,35 @@ def main() -> None:
                     continue
                 with make(group, workers) as resumed:
                     resumed.load_state_dict(shared[0])
-                    rest = [i for b in resumed for i in items(b)]
+                    length = len(resumed)  # the batches this rank's rest of the epoch has
+                    rest_batches = [items(b) for b in resumed]
+                    rest = [i for b in rest_batches for i in b]
                     following = [i for b in resumed for i in items(b)]
                 with make(group, 0) as fresh:
                     fresh.set_epoch(1)
                     uninterrupted = [i for b in fresh for i in items(b)]
-                result[name] = {"rest": rest, "next": following, "fresh1": uninterrupted}
+                result[name] = {
+                    "rest": rest,
+                    "next": following,
+                    "fresh1": uninterrupted,
+                    "len": length,
+                    "rest_batches": len(rest_batches),
+                }
             report[str(taken)] = result
+
+    def rank0_only(report: dict[str, Any]) -> None:
+        # A sharded stream iterated on rank 0 only (an evaluation loader built without
+        # shard=False): the agreement's group never forms; rank 0 fails after the (lowered)
+        # bound, naming the way out, and does not hang. Last: rank 0's group count is ahead.
+        lockstep_module.AGREEMENT_TIMEOUT_S = SHORT_AGREEMENT_S
+        if rank == 0:
+            start = time.monotonic()
+            with DataLoader(Stream(20), batch_size=2) as loader:
+                try:
+                    report["batches"] = sum(1 for _ in loader)
+                except Exception as exc:
+                    report["raised"] = [type(exc).__name__, str(exc)]
+            report["elapsed"] = time.monotonic() - start
 
     for name, body in (
         ("elastic", elastic),
@@ -277,9 +529,19 @@ def main() -> None:
         ("async_uneven", async_uneven),
         ("tar", tar),
         ("left_early", left_early),
+        ("zip_self", zip_self),
+        ("collected", collected),
+        ("closed_behind_jobs", closed_behind_jobs),
+        ("crossed", crossed),
+        ("past_the_end", past_the_end),
+        ("end_cancelled", end_cancelled),
+        ("unread", unread),
+        ("carried_resume", carried_resume),
+        ("capped", capped),
         ("alone", alone),
         ("slow_rank", slow_rank),
         ("dp_groups", dp_groups),
+        ("rank0_only", rank0_only),
     ):
         case(reports, name, body)
         dist.barrier()

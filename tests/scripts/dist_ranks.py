@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import json
 import logging
 import os
@@ -49,6 +50,7 @@ from aioloader.sources import ParquetDataset, TarDataset
 # Bounds each collective (and so each case) of this rank: a rank that waits longer for its peer
 # fails instead of hanging. The test's own limit on the whole process is wider.
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+STACKS_AFTER_S = 50.0  # a rank waiting this long at a barrier dumps its threads' stacks
 
 #: Rows of the Parquet files of the "parquet" case (row groups of 3: 2, 3, 1 and 3 of them).
 PARQUET_ROWS = (5, 7, 3, 9)
@@ -362,7 +364,11 @@ def main() -> None:
         ("parquet", parquet),
     ):
         case(reports, name, body)
+        # A rank still waiting here near the barrier's timeout shows every thread's stack in
+        # its output (which the test prints when the job fails): where the other rank is stuck.
+        faulthandler.dump_traceback_later(STACKS_AFTER_S)
         dist.barrier()  # the next case starts together on every rank
+        faulthandler.cancel_dump_traceback_later()
     dist.destroy_process_group()
     with open(out, "w") as f:
         json.dump(reports, f)
