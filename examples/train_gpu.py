@@ -139,8 +139,9 @@ async def train(args: argparse.Namespace) -> int:
                 print(
                     f"  device stage (all epochs): staged "
                     f"{stats.device_staged_bytes / stats.device_batches:,.0f} B/batch, "
-                    f"waited on copies {stats.device_wait_s:.3f} s, wake "
-                    f"p50 {stats.device_wake_p50_us:.0f} us p99 {stats.device_wake_p99_us:.0f} us",
+                    f"waited on copies {stats.device_wait_s:.3f} s, hand-off "
+                    f"p50 {stats.device_handoff_p50_us:.0f} us "
+                    f"p99 {stats.device_handoff_p99_us:.0f} us",
                     flush=True,
                 )
         print(f"loader: {loader.statistics().hint}")

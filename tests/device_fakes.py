@@ -9,6 +9,11 @@ after it completes), so a slot reused too early shows up as wrong values.
 
 Events on streams other than the side stream (a ring slot's release events, recorded on the
 consumer's stream) complete at once with ``consumer_done=True``, or when a test fires them.
+
+Each thread has a current device, 0 until it calls ``set_thread_device`` (as in CUDA), and the
+waiter notes the thread and its current device at each wait. ``hold`` keeps the stage's
+staging thread at its first copy until a test sets it; ``fail_pinned`` makes that many
+pinned allocations fail as an exhausted page-locked pool does.
 """
 
 from __future__ import annotations
@@ -50,8 +55,36 @@ class ThreadFake(FakeBackend):
         self.consumer_done = consumer_done
         self.auto_fire = auto_fire
         self.waited_from: list[str] = []  # the threads the waiter ran on
+        self.waited_on: list[tuple[str, int]] = []  # (thread, its current device) per wait
         self.device_allocs = 0
         self.kept: list[torch.Tensor] = []
+        self.copied_on: list[tuple[str, int]] = []  # (thread, its device) per copy off the loop
+        self.hold: threading.Event | None = None
+        self.fail_pinned = 0
+        self._thread_device = threading.local()
+
+    def set_thread_device(self, device: torch.device) -> None:
+        super().set_thread_device(device)
+        self._thread_device.index = device.index
+
+    def thread_device(self) -> int:
+        """The calling thread's current device (0 until it set one, as in CUDA)."""
+        return int(getattr(self._thread_device, "index", 0))
+
+    def _held(self) -> None:
+        name = threading.current_thread().name
+        if name.startswith("aioloader"):
+            self.copied_on.append((name, self.thread_device()))
+        if self.hold is not None and name.startswith("aioloader-stage"):
+            assert self.hold.wait(WAITER_CAP_S), "the test never let the staging thread go"
+
+    def copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._held()
+        super().copy_into(dst, src)
+
+    def to_device(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        self._held()
+        return super().to_device(tensor, device)
 
     def new_event(self) -> ThreadedEvent:
         return ThreadedEvent()
@@ -66,6 +99,7 @@ class ThreadFake(FakeBackend):
     def event_waiter(self) -> Any:
         def wait(event: ThreadedEvent) -> None:
             self.waited_from.append(threading.current_thread().name)
+            self.waited_on.append((threading.current_thread().name, self.thread_device()))
             if not event.done.wait(WAITER_CAP_S):
                 raise RuntimeError("fake event never completed")
 
@@ -79,6 +113,9 @@ class ThreadFake(FakeBackend):
         return super().empty_device(nbytes, device)
 
     def alloc_pinned(self, nbytes: int) -> torch.Tensor:
+        if self.fail_pinned > 0:
+            self.fail_pinned -= 1
+            raise RuntimeError("CUDA error: out of memory (injected: page-locked memory)")
         buf = super().alloc_pinned(nbytes)
         self.kept.append(buf)  # never freed while the fake lives: no address taken twice
         return buf

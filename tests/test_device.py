@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
+import threading
 import time
 import warnings
 import weakref
@@ -110,6 +111,9 @@ class FakeBackend:
 
     def current_device(self) -> int:
         return 0
+
+    def set_thread_device(self, device: torch.device) -> None:
+        self.log.append(("set_device", threading.current_thread().name, device.index))
 
     # streams and events
     def new_stream(self, device: torch.device) -> FakeStream:

@@ -15,8 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from test_device_completion import forbid_timers
 
 from aioloader._device import DeviceStage
+from aioloader._device._ring import RING_MIN_LEAF_BYTES
 
 pytestmark = pytest.mark.cuda
 
@@ -151,15 +153,22 @@ async def test_close_with_copies_in_flight_then_wait() -> None:
 # --- the completion thread, the device ring, pinned collation (this change: first GPU run) ---
 
 
-async def test_a_pending_copy_is_woken_by_the_completion_thread() -> None:
+async def test_a_pending_copy_is_woken_by_the_completion_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     stage = DeviceStage("cuda")
     host = torch.empty(1 << 26, dtype=torch.uint8).pin_memory()  # 64 MiB: a few ms to copy
     transfer = stage.start({"x": host}, 0)
+    tried = forbid_timers(monkeypatch)  # woken by the completion thread, never by a timer
     out = await transfer.wait()
+    monkeypatch.undo()
+    assert tried == []
     assert out["x"].device == stage.device
     stats = stage.stats()
-    assert stats.wakes == 1  # it was pending at wait(), and the thread woke it
-    assert 0.0 < stats.wake_p50_s < 0.05
+    assert stats.handoffs == 1  # it was pending at wait(), and the thread woke it
+    # The hand-off (thread saw the event -> task resumed) is tens of microseconds; a timer
+    # tick, as the old poll's 1 ms back-off, would not fit.
+    assert 0.0 < stats.handoff_p50_s < 1e-3
     assert stats.staged_bytes == 0  # pinned: copied directly
     stage.close()
     assert not [t for t in threading.enumerate() if t.name == "aioloader-copy-done"]
@@ -222,3 +231,30 @@ async def test_a_loader_on_threads_stages_no_host_bytes() -> None:
     assert sorted(seen) == list(range(64))
     assert stats.device_batches == 4
     assert stats.device_staged_bytes == 0
+
+
+async def test_ring_leaves_take_part_in_autograd_in_place_and_a_kept_storage_keeps_its_slot() -> (
+    None
+):
+    stage = DeviceStage("cuda")
+    n = RING_MIN_LEAF_BYTES // 4
+    out = await stage.start({"x": torch.arange(n, dtype=torch.float32)}, 0).wait()
+    x = out["x"]
+    assert not x._is_view()
+    w = torch.full((n,), 2.0, device=stage.device, requires_grad=True)
+    x.mul_(w)  # refused for a view made under no_grad
+    x.sum().backward()
+    assert w.grad is not None
+    assert torch.equal(w.grad.cpu(), torch.arange(n, dtype=torch.float32))
+    storage = x.untyped_storage()
+    del out, x
+    torch.cuda.synchronize()
+    kept = torch.empty(0, dtype=torch.float32, device=stage.device).set_(storage, 0, (n,), (1,))
+    before = kept.clone()
+    del kept
+    for i in range(4):
+        await stage.start({"x": torch.full((n,), float(i))}, 1 + i).wait()
+    torch.cuda.synchronize()
+    kept = torch.empty(0, dtype=torch.float32, device=stage.device).set_(storage, 0, (n,), (1,))
+    assert torch.equal(kept, before), "a slot the user holds a storage of was overwritten"
+    stage.close()

@@ -10,6 +10,7 @@ stage's CUDA is ``device_fakes.ThreadFake``, given through ``DeviceStage.default
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from device_fakes import ThreadFake
 
 from aioloader import DataLoader
 from aioloader._device import DeviceStage
+from aioloader._device._ring import RING_GRANULE
 
 N = 40
 BATCH = 8
@@ -91,6 +93,13 @@ async def test_no_host_bytes_are_staged_on_the_way_to_the_device(
     )
     assert bool(registered) == (kwargs["num_workers"] > 0 and "thread_pool" not in kwargs)
     assert stats.as_dict()["device_staged_bytes"] == 0
+    # The device ring, in statistics(): each batch's 128 KiB of rows went into a slot, reused
+    # as the loop let batches go (read_all keeps them all here: one slot each, up to the cap).
+    assert 1 <= stats.device_ring_slots <= N // BATCH
+    assert stats.device_ring_bytes == stats.device_ring_slots * RING_GRANULE
+    assert stats.device_ring_fallbacks == 0
+    assert stats.device_pinned_fallbacks == 0
+    assert f"ring_slots={stats.device_ring_slots} ring_fallbacks=0" in str(stats)
 
 
 async def test_a_collate_function_without_alloc_is_staged_and_counted(
@@ -133,3 +142,33 @@ def test_a_sync_for_loop_gets_its_batches_through_the_completion_thread(
     (backend,) = fakes
     assert backend.waited_from  # the completion thread waited on the copies' events
     assert set(backend.waited_from) == {"aioloader-copy-done"}
+
+
+async def test_host_alloc_without_pinned_memory_falls_back_to_pageable_and_is_staged() -> None:
+    backend = ThreadFake(auto_fire=True)
+    stage = DeviceStage("cuda", backend=backend)
+    backend.fail_pinned = 2  # page-locked memory exhausted for the next two allocations
+    with pytest.warns(RuntimeWarning, match=r"pinned memory for a batch of 2048 bytes"):
+        first = stage.host_alloc((64, 8), np.dtype(np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per stage
+        second = stage.host_alloc((16,), np.dtype(np.int64))
+    assert first.shape == (64, 8)
+    assert first.dtype == np.float32
+    assert first.flags.c_contiguous
+    assert first.flags.writeable
+    assert not backend.is_pinned(torch.from_numpy(first))
+    first[:] = 1.5
+    second[:] = np.arange(16)
+    batch = {"a": first, "b": second}
+    out = await stage.start(batch, 0).wait()
+    assert torch.equal(out["a"], torch.from_numpy(first))
+    assert torch.equal(out["b"], torch.from_numpy(second))
+    stats = stage.stats()
+    assert stats.pinned_fallbacks == 2
+    assert stats.staged_bytes == first.nbytes + second.nbytes  # staged, and counted
+    # Pinned memory again: no fallback, nothing staged.
+    third = stage.host_alloc((8,), np.dtype(np.float32))
+    assert backend.is_pinned(torch.from_numpy(third))
+    assert stage.stats().pinned_fallbacks == 2
+    stage.close()

@@ -18,7 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from test_device import FakeStream, assert_same_values, make_batch, trees
 
 from aioloader._device import DeviceStage
-from aioloader._device._ring import MAX_RING_SLOTS
+from aioloader._device._ring import MAX_RING_SLOTS, RING_MIN_LEAF_BYTES
+
+# float32 values of a leaf just large enough to go into a ring slot
+N = RING_MIN_LEAF_BYTES // 4
 
 
 def storage_of(out: Any) -> int:
@@ -26,7 +29,8 @@ def storage_of(out: Any) -> int:
 
 
 def host(seed: int) -> dict[str, Any]:
-    return {"x": torch.arange(1000, dtype=torch.float32) + seed, "y": np.arange(10) * seed}
+    """Two leaves of RING_MIN_LEAF_BYTES each: both land in the batch's ring slot."""
+    return {"x": torch.arange(N, dtype=torch.float32) + seed, "y": np.arange(N // 2) * seed}
 
 
 async def test_a_slot_is_reused_only_after_its_batch_was_let_go_and_the_release_completed() -> None:
@@ -34,7 +38,7 @@ async def test_a_slot_is_reused_only_after_its_batch_was_let_go_and_the_release_
     stage = DeviceStage("cuda", backend=backend)
     out_a = await stage.start(host(1), 0).wait()
     slot_a = storage_of(out_a)
-    # Ring leaves are views of the slot: no record_stream for them.
+    # Ring leaves share the slot's storage: no record_stream for them.
     assert out_a["y"].untyped_storage().data_ptr() == slot_a
     assert backend.entries("record_stream") == []
     # Batch a is still referenced: b gets a slot of its own.
@@ -131,7 +135,7 @@ async def test_deep_pipeline_with_kept_batches_never_sees_a_slot_reused_early() 
     # Up to five copies in flight, events fired in random bursts, the consumer's release
     # events completed at random, and a random third of the batches kept to the end.
     backend = ThreadFake(consumer_done=False)
-    stage = DeviceStage("cuda", backend=backend)
+    stage = DeviceStage("cuda", backend=backend, ring_min_leaf_bytes=0)  # every leaf in a slot
     rng = np.random.default_rng(3)
     pending: collections.deque[tuple[dict[str, Any], Any]] = collections.deque()
     kept: list[tuple[dict[str, Any], Any]] = []
@@ -162,9 +166,10 @@ async def test_deep_pipeline_with_kept_batches_never_sees_a_slot_reused_early() 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batch=trees)
 def test_any_batch_arrives_through_ring_slots_with_its_structure_and_values(batch: Any) -> None:
-    # Every dtype, shape (scalars, empty) and layout the stage accepts, carved out of one slot.
+    # Every dtype, shape (scalars, empty) and layout the stage accepts, carved out of one slot
+    # (every leaf goes into the ring here, however small).
     backend = ThreadFake(consumer_done=True)
-    stage = DeviceStage("cuda", backend=backend)
+    stage = DeviceStage("cuda", backend=backend, ring_min_leaf_bytes=0)
 
     async def collect() -> list[Any]:
         transfers = [stage.start(batch, i) for i in range(2)]  # two in flight share nothing
@@ -177,3 +182,94 @@ def test_any_batch_arrives_through_ring_slots_with_its_structure_and_values(batc
         assert stage.stats().ring_fallbacks == 0
     finally:
         stage.close()
+
+
+# --- what a user may do with a ring batch ------------------------------------------------------
+
+
+async def test_a_ring_leaf_is_a_plain_tensor_that_takes_part_in_autograd_in_place() -> None:
+    backend = ThreadFake(consumer_done=True, auto_fire=True)
+    stage = DeviceStage("cuda", backend=backend)
+    out = await stage.start(host(1), 0).wait()
+    x = out["x"]
+    assert not x._is_view()
+    assert x.grad_fn is None
+    assert not x.requires_grad
+    # A view made under no_grad refuses this ("A view was created in no_grad mode and is
+    # being modified inplace with grad mode enabled"); a training step may well do it.
+    w = torch.full((N,), 2.0, requires_grad=True)
+    x.mul_(w)
+    x.sum().backward()
+    assert w.grad is not None
+    assert torch.equal(w.grad, host(1)["x"])
+    # A leaf made to require grad, updated in place outside autograd, then used.
+    z = (await stage.start(host(2), 1).wait())["x"]
+    z.requires_grad_()
+    with torch.no_grad():
+        z.add_(1.0)
+    (z * 3.0).sum().backward()
+    assert z.grad is not None
+    assert torch.equal(z.grad, torch.full((N,), 3.0))
+    assert torch.equal(z.detach(), host(2)["x"] + 1.0)
+    stage.close()
+
+
+async def test_a_small_leaf_the_user_keeps_has_a_tensor_of_its_own_and_keeps_no_slot() -> None:
+    backend = ThreadFake(consumer_done=True, auto_fire=True)
+    stage = DeviceStage("cuda", backend=backend)
+    consumer = FakeStream("consumer")
+    batch = {**host(1), "label": torch.tensor([4, 5, 6])}
+    out = await stage.start(batch, 0).wait(stream=consumer)
+    slot = storage_of(out)
+    label = out["label"]
+    assert label.untyped_storage().data_ptr() != slot
+    # Outside the ring, the small leaf is tied to the consumer's stream for the allocator.
+    tied = backend.entries("record_stream")
+    assert [(entry[1] is label, entry[2]) for entry in tied] == [(True, consumer)]
+    del out
+    out = await stage.start(host(2), 1).wait(stream=consumer)
+    assert storage_of(out) == slot  # reused: the kept label does not hold the slot
+    assert_same_values(host(2), out)
+    assert torch.equal(label, torch.tensor([4, 5, 6]))
+    stage.close()
+
+
+def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(storage).clone()
+
+
+async def test_a_storage_object_the_user_keeps_keeps_its_slot_from_reuse() -> None:
+    backend = ThreadFake(consumer_done=True, auto_fire=True)
+    stage = DeviceStage("cuda", backend=backend)
+    out = await stage.start(host(1), 0).wait()
+    storage = out["x"].untyped_storage()
+    before = storage_bytes(storage)
+    slot = storage_of(out)
+    del out  # no tensor of the batch is left, only the storage object
+    for i in range(3):
+        result = await stage.start(host(10 + i), 1 + i).wait()
+        assert storage_of(result) != slot
+        assert_same_values(host(10 + i), result)
+        del result
+    assert torch.equal(storage_bytes(storage), before)
+    del storage
+    result = await stage.start(host(20), 9).wait()
+    assert_same_values(host(20), result)
+    # Let go at last: the slot is free again (the one batch's slot plus one for the rest).
+    assert stage.stats().ring_slots == 2
+    stage.close()
+
+
+async def test_a_ring_batch_handed_over_after_close_is_tied_to_the_consumers_stream() -> None:
+    backend = ThreadFake(consumer_done=True)
+    stage = DeviceStage("cuda", backend=backend)
+    transfer = stage.start(host(1), 0)
+    stage.close()  # completes the copy; the ring forgets its slots
+    consumer = FakeStream("consumer")
+    out = await transfer.wait(stream=consumer)
+    assert_same_values(host(1), out)
+    # Nobody records a release event for a forgotten slot: the allocator must wait instead.
+    tied = backend.entries("record_stream")
+    assert len(tied) == 1
+    assert tied[0][2] is consumer
+    assert tied[0][1].untyped_storage().data_ptr() == storage_of(out)

@@ -14,9 +14,9 @@ flows through it like this::
     ▼
     memcpy into a pinned staging buffer (one per batch, leased from a pool)
     ▼
-    copy into a slot of the device ring (or fresh device tensors when none is free), with
-    non_blocking=True on the stage's side stream; then an event, pushed to the completion
-    thread
+    copy into a slot of the device ring (leaves of 64 KiB or more; smaller leaves, and every
+    leaf when no slot is free, into fresh device tensors), with non_blocking=True on the
+    stage's side stream; then an event, pushed to the completion thread
     │  Transfer.wait()                        [async]
     ▼
     the completion thread blocks on the event (cudaEventSynchronize, GIL released), then
@@ -24,7 +24,8 @@ flows through it like this::
     ▼
     copy complete: staging buffer back to the pool, host references dropped
     ▼
-    hand-over: consumer_stream.wait_event(event); record_stream only for fresh tensors
+    hand-over: consumer_stream.wait_event(event); record_stream only for fresh tensors (and
+    for a slot the ring forgot at close())
     ▼
     device batch returned to the consumer; its ring slot is reused once nobody references it
     and a release event recorded on the consumer's stream after that has completed
@@ -33,8 +34,10 @@ Who owns what: :class:`DeviceStage` owns the side stream, the staging pool, the 
 completion thread and the registry of page-locked host ranges; its record of each copy leases
 one staging buffer (and a ring slot) and keeps the host tensors it copies from *directly* alive
 until its event has completed. Tensors copied through staging are read synchronously inside
-``start()`` (or on the stage's staging thread, for large batches), so their host batch (and its
-shared-memory slot) can be released as soon as that is done. A :class:`Transfer` is the
+``start()`` (or on the stage's staging thread, for large batches and those started behind
+them), so their host batch (and its shared-memory slot) can be released as soon as that is
+done. The stage's own threads (completion, staging) make its device their current one before
+their first CUDA call. A :class:`Transfer` is the
 consumer's handle on one such record, which it sees only through the ``Copy`` protocol.
 
 One job per module, each with its sharp edges in its own docstring:

@@ -21,7 +21,14 @@ Sharp edges:
   See :data:`BLOCKING_EVENTS` for the trade-off.
 - How many tensors use a storage is read with ``torch._C._storage_Use_Count``, torch's own
   private test helper; :meth:`TorchCudaBackend.storage_users` is the one place that reads it,
-  and answers None where this torch lacks it (the device ring is then off).
+  and answers None where this torch lacks it (the device ring is then off). That count misses
+  a Python storage object the user keeps (``s = leaf.untyped_storage()``): torch keeps one
+  Python object per storage, and the reading itself goes through it, so the object's own
+  reference count is added (see :func:`storage_users`).
+- CUDA calls use the calling thread's current device, which is device 0 on a fresh thread: a
+  stage on another GPU would create a context (hundreds of MB) on GPU 0 from its completion
+  and staging threads. Each of those threads calls :meth:`CudaBackend.set_thread_device`
+  once, before its first CUDA call (as torch's pin-memory thread does).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
@@ -66,6 +74,8 @@ class CudaBackend(Protocol):
     into a device tensor of the same shape and dtype on the current stream. ``storage_users``
     counts the tensors that share ``tensor``'s storage (None where it cannot tell: the stage
     then allocates device memory per batch instead of reusing its ring).
+    ``set_thread_device`` makes ``device`` the calling thread's current device (each thread of
+    the stage calls it once, before its first CUDA call).
     """
 
     def is_available(self) -> bool: ...
@@ -73,6 +83,8 @@ class CudaBackend(Protocol):
     def device_count(self) -> int: ...
 
     def current_device(self) -> int: ...
+
+    def set_thread_device(self, device: torch.device) -> None: ...
 
     def new_stream(self, device: torch.device) -> Any: ...
 
@@ -126,6 +138,9 @@ class TorchCudaBackend:
 
     def current_device(self) -> int:
         return torch.cuda.current_device()
+
+    def set_thread_device(self, device: torch.device) -> None:
+        torch.cuda.set_device(device)
 
     def new_stream(self, device: torch.device) -> torch.cuda.Stream:
         return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
@@ -201,13 +216,20 @@ class TorchCudaBackend:
 
 
 def storage_users(tensor: torch.Tensor) -> int | None:
-    """How many references the storage under ``tensor`` has (tensors and views sharing it),
-    or None where this torch cannot say. Only differences between two readings mean anything:
-    the reading itself holds one."""
+    """How many references the storage under ``tensor`` has (tensors and views sharing it, and
+    Python storage objects a user keeps), or None where this torch cannot say. Only
+    differences between two readings mean anything: the reading itself holds some.
+
+    The storage's use count alone misses a kept ``leaf.untyped_storage()``: torch keeps one
+    Python object per storage, which holds one reference whether or not anybody else holds the
+    object, and the reading goes through that same object. So that object's Python reference
+    count is added: it is one higher for each reference the user keeps.
+    """
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     if use_count is None:  # pragma: no cover - every torch this package supports has it
         return None
-    return int(use_count(tensor.untyped_storage()._cdata))
+    storage = tensor.untyped_storage()
+    return int(use_count(storage._cdata)) + sys.getrefcount(storage)
 
 
 def _cudart() -> Any:

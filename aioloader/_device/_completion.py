@@ -11,17 +11,23 @@ were enqueued, and then calls that copy's ``on_done`` with the time it saw the e
         completion thread: event_waiter(end_event) ── returns ──▶ on_done(stamp, error)
             on_done (the stage's): loop.call_soon_threadsafe(complete the copy, wake its task)
 
-No timer is on that path: the awaiting task is woken by the future the loop sets, and the
-latency from the event's completion to the task's resumption is measured (the stage's
-statistics report its p50 and p99).
+No timer is on that path: the awaiting task is woken by the future the loop sets. The stage
+measures the hand-off, from the thread's stamp (taken when ``cudaEventSynchronize`` returned)
+to the task's resumption; the time from the event's completion on the device to that return is
+not visible here (``benchmarks/gpu_transfer.py`` measures the whole wake latency end to end).
 
 Sharp edges:
 
-- Start order is completion order: every copy of a stage runs on its one side stream, so the
-  event of copy *i* completes no later than copy *i + 1*'s. The stage pushes each event right
-  after recording it, under one lock, so the queue is in that order; waiting on a later event
-  first would only delay the earlier one's wake-up, never wake a copy early.
+- Queue order is completion order: every copy of a stage runs on its one side stream, and the
+  stage records each copy's end event and pushes it under one lock, so the queue holds the
+  events in the stream's order, in which they complete. The stage also enqueues its copies in
+  start order (while a batch is being staged on its staging thread, later batches go through
+  that thread too), so start order is completion order as well. Waiting on a later event first
+  would only delay an earlier one's wake-up, never wake a copy early.
 - Only recorded events are pushed: CUDA reports an event that was never recorded as complete.
+- The thread calls ``prepare`` once before its first wait: the stage makes its device the
+  thread's current one there (a fresh thread's is device 0, where ``cudaEventSynchronize``
+  would create a context). Should ``prepare`` fail, every copy pushed is told that error.
 - ``on_done`` runs on the completion thread: it must only hand over to the loop (it must not
   touch the stage's bookkeeping, which belongs to the loop thread), and must not raise.
 - :meth:`Completer.close` lets the thread finish what it was given, then ends it. The stage
@@ -57,17 +63,24 @@ class Completer:
     Args:
         wait: blocks the calling thread until an event has completed (the backend's
             ``event_waiter``).
+        prepare: called once on the thread before its first wait (the stage makes its device
+            the thread's current one).
         name: the thread's name.
     """
 
-    def __init__(self, wait: Callable[[Any], None], name: str = "aioloader-copy-done") -> None:
+    def __init__(
+        self,
+        wait: Callable[[Any], None],
+        prepare: Callable[[], None] | None = None,
+        name: str = "aioloader-copy-done",
+    ) -> None:
         self._wait = wait
+        self._prepare = prepare
         self._name = name
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self.pending = 0  # pushed, not yet reported (read for statistics; written by both)
 
     def push(self, event: Any, on_done: OnDone) -> bool:
         """Wait for ``event`` after those pushed before it, then call ``on_done``.
@@ -80,7 +93,6 @@ class Completer:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-            self.pending += 1
             self._queue.put((event, on_done))
         return True
 
@@ -108,19 +120,24 @@ class Completer:
             return self._thread
 
     def _run(self) -> None:
+        broken: BaseException | None = None
+        if self._prepare is not None:
+            try:
+                self._prepare()
+            except Exception as exc:  # the device cannot be made current: nothing can be waited
+                broken = exc
         while True:
             item = self._queue.get()
             if item is _STOP:
                 return
             event, on_done = item
-            error: BaseException | None = None
-            try:
-                self._wait(event)
-            except Exception as exc:  # a device fault: reported to the copy's owner
-                error = exc
+            error: BaseException | None = broken
+            if error is None:
+                try:
+                    self._wait(event)
+                except Exception as exc:  # a device fault: reported to the copy's owner
+                    error = exc
             stamp = time.perf_counter()
-            with self._lock:
-                self.pending -= 1
             with contextlib.suppress(Exception):  # on_done is the stage's and does not raise
                 on_done(stamp, error)
             del item, event, on_done

@@ -11,9 +11,10 @@ with :func:`plan_batch`, which gives every array leaf one of three routes:
 - ``stage``: pageable host memory, first copied into the batch's pinned staging buffer by
   :func:`stage_leaf`, at an offset :func:`plan_batch` laid out.
 
-Every leaf copied from contiguous host memory (staged, or direct from page-locked memory) also
-gets a place in the batch's device buffer (``device_offset``), a slot of the stage's device ring
-(:mod:`._ring`); the others get their own device tensor.
+Every leaf of ``ring_min_bytes`` or more copied from contiguous host memory (staged, or direct
+from page-locked memory) also gets a place in the batch's device buffer (``device_offset``), a
+slot of the stage's device ring (:mod:`._ring`); the others get their own device tensor (a
+small leaf kept by the user must not keep a whole slot).
 
 Planning makes no CUDA call: the stage passes in how to find a registered range and how to ask
 whether a tensor is pinned.
@@ -102,9 +103,10 @@ def plan_batch(
     device: torch.device,
     registered_base: RegisteredBase,
     is_pinned: Callable[[torch.Tensor], bool],
+    ring_min_bytes: int,
 ) -> tuple[list[LeafPlan], int, int]:
     """Plan every array leaf of ``batch``, in visiting order, and lay out the staged ones and
-    the ones that land in the batch's device buffer.
+    the ones that land in the batch's device buffer (those of ``ring_min_bytes`` or more).
 
     Returns:
         The plans, the bytes of staging buffer the batch needs (0 if nothing is staged), and
@@ -122,7 +124,9 @@ def plan_batch(
         if plan.kind == "stage":
             plan.offset = total
             total += align_up(plan.nbytes)
-        if plan.kind == "stage" or (plan.kind == "direct" and _from_host(plan.leaf)):
+        if plan.nbytes >= ring_min_bytes and (
+            plan.kind == "stage" or (plan.kind == "direct" and _from_host(plan.leaf))
+        ):
             plan.device_offset = device_total
             device_total += align_up(plan.nbytes)
     return plans, total, device_total

@@ -17,11 +17,14 @@ What the consumer's stream may rely on, and when a batch's memory is reused:
 - The hand-over orders the consumer's stream after the copy; ``wait()`` returns once the copy
   has completed (the completion thread says so), so the batch is also complete for any other
   stream or for the host.
-- Leaves copied from contiguous host memory land in a slot of the device ring, reused only once
-  nobody references the batch any more and the consumer's stream has run past a release event
-  recorded after that (the rule is in :mod:`._ring`): no ``record_stream``. Other leaves, and
-  every leaf of a batch that found no free slot, get fresh device tensors with
-  ``record_stream(consumer)``, as before.
+- Leaves of :data:`~aioloader._device._ring.RING_MIN_LEAF_BYTES` or more copied from
+  contiguous host memory land in a slot of the device ring, reused only once nobody references
+  the batch any more and the consumer's stream has run past a release event recorded after
+  that (the rule is in :mod:`._ring`): no ``record_stream``. They share the slot's storage:
+  to keep or ``torch.save`` one leaf on its own, ``clone()`` it. Other leaves, and every leaf
+  of a batch that found no free slot, get fresh device tensors with
+  ``record_stream(consumer)``, as before; so does a slot's buffer handed over after
+  ``close()`` (the ring no longer watches it).
 - Copies ahead: the stage enqueues whatever it is given at once; the loader starts
   ``device_prefetch`` batches ahead of the one it hands over, so their copies run on the side
   stream while the consumer's step runs, host syncs (``loss.item()``) included.
@@ -34,8 +37,15 @@ Sharp edges:
   ``record_stream`` the caching allocator could hand a freed batch's block to the next copy
   while the consumer's kernels still read it (the side-stream/free race).
 - A batch with :data:`OFF_LOOP_STAGING_BYTES` or more to stage is staged and enqueued on the
-  stage's one thread (in start order): inline, a 128 MB batch held the loop ~250 ms. Registered
-  shared memory is not staged at all (the loader registers its slots).
+  stage's one thread: inline, a 128 MB batch held the loop ~250 ms. While that thread has a
+  batch to enqueue, later batches go through it too, so copies are enqueued, and complete, in
+  start order. Registered shared memory is not staged at all (the loader registers its slots).
+- Every thread of the stage that makes CUDA calls (the completion thread, the staging thread)
+  first makes the stage's device its current one: on a fresh thread that is device 0, and a
+  stage on another GPU would create a context there.
+- :meth:`DeviceStage.host_alloc` falls back to pageable memory, with a warning once per
+  stage, when pinned memory cannot be had; such batches are then staged (and counted in
+  ``staged_bytes`` and ``pinned_fallbacks``).
 - A registered range must be unregistered before it is unmapped; the stage first waits for any
   copy still reading from it.
 - ``close()`` blocks until in-flight copies finish (it is cleanup that must run from
@@ -62,6 +72,7 @@ import time
 import traceback
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -76,7 +87,7 @@ from ._completion import Completer
 from ._leaves import NUMERIC_KINDS, array_as_tensor_view, empty_like_leaf, map_arrays
 from ._parse import falls_back, parse_device
 from ._plan import LeafPlan, plan_batch, stage_leaf
-from ._ring import DeviceRing, Slot
+from ._ring import RING_MIN_LEAF_BYTES, DeviceRing, Slot
 from ._staging import MAX_POOLED_STAGING_BYTES, StagingPool
 from ._transfer import CopyState, Transfer, until_copied
 
@@ -115,15 +126,19 @@ class DeviceStats:
             pageable leaves into staging (and, with only ``pin_memory``, into pinned memory).
             0 for batches in registered shared memory or collated into pinned memory.
         wait_seconds: time ``wait()`` calls were suspended for copies not complete yet (the
-            consumer waiting on a copy).
+            consumer waiting on a copy); ``drain()`` does not count.
         waits: ``wait()`` calls that were suspended.
-        wake_p50_s: median time from a copy's event completing (as the completion thread saw
-            it) to the awaiting task resuming; 0.0 before any.
-        wake_p99_s: its 99th percentile (over the newest :data:`WAKE_SAMPLES`).
-        wakes: waits woken by the completion thread.
+        handoff_p50_s: median hand-off latency: from the completion thread seeing a copy's
+            event complete (``cudaEventSynchronize`` returned) to the awaiting task resuming;
+            0.0 before any. The time from the event completing on the device to that return
+            is not in it (``benchmarks/gpu_transfer.py`` measures the wake latency end to end).
+        handoff_p99_s: its 99th percentile (over the newest :data:`WAKE_SAMPLES`).
+        handoffs: waits woken by the completion thread.
         ring_slots: device buffers of the ring (:mod:`aioloader._device._ring`).
         ring_bytes: their bytes.
         ring_fallbacks: batches that got fresh device tensors because no slot was free.
+        pinned_fallbacks: :meth:`DeviceStage.host_alloc` calls that got pageable memory
+            because pinned memory could not be had.
     """
 
     batches_copied: int
@@ -136,12 +151,13 @@ class DeviceStats:
     staged_bytes: int = 0
     wait_seconds: float = 0.0
     waits: int = 0
-    wake_p50_s: float = 0.0
-    wake_p99_s: float = 0.0
-    wakes: int = 0
+    handoff_p50_s: float = 0.0
+    handoff_p99_s: float = 0.0
+    handoffs: int = 0
     ring_slots: int = 0
     ring_bytes: int = 0
     ring_fallbacks: int = 0
+    pinned_fallbacks: int = 0
 
     @property
     def staged_bytes_per_batch(self) -> float:
@@ -235,9 +251,11 @@ class DeviceStage:
         pin_memory: with no device, return batches in pinned host memory. With a CUDA device
             copies always go through pinned memory and the flag changes nothing.
         backend: the CUDA operations to use; by default ``torch.cuda``.
+        ring_min_leaf_bytes: leaves of at least this many bytes land in a slot of the device
+            ring; smaller ones get device tensors of their own.
 
     Raises:
-        ValueError: the device index does not exist.
+        ValueError: the device index does not exist, or ``ring_min_leaf_bytes`` is negative.
         RuntimeError: a CUDA device was asked for (not ``"auto"``) and CUDA is not available.
         TypeError: ``pin_memory`` is not a bool.
     """
@@ -252,9 +270,15 @@ class DeviceStage:
         *,
         pin_memory: bool = False,
         backend: CudaBackend | None = None,
+        ring_min_leaf_bytes: int = RING_MIN_LEAF_BYTES,
     ) -> None:
         if not isinstance(pin_memory, bool):
             raise TypeError(f"pin_memory={pin_memory!r} must be a bool")
+        if not is_int(ring_min_leaf_bytes) or ring_min_leaf_bytes < 0:
+            raise ValueError(
+                f"ring_min_leaf_bytes={ring_min_leaf_bytes!r} must be a non-negative int"
+            )
+        self._ring_min = int(ring_min_leaf_bytes)
         target = parse_device(device)
         self._backend: CudaBackend = backend if backend is not None else self.default_backend()
         self._cuda = self._backend.is_available()
@@ -300,10 +324,15 @@ class DeviceStage:
         self._staged = 0
         self._wait_s = 0.0
         self._waits = 0
-        self._wakes = 0
-        self._wake_samples: collections.deque[float] = collections.deque(maxlen=WAKE_SAMPLES)
+        self._handoffs = 0
+        self._pinned_fallbacks = 0
+        self._pinned_warned = False
+        self._alloc_lock = threading.Lock()  # host_alloc runs on any thread
+        self._handoff_samples: collections.deque[float] = collections.deque(maxlen=WAKE_SAMPLES)
         # Stages and enqueues large pageable batches off the caller's thread (made on first use).
         self._stager: concurrent.futures.ThreadPoolExecutor | None = None
+        # The stager's newest job: while it runs, later batches queue behind it (start order).
+        self._last_fill: concurrent.futures.Future[Any] | None = None
         # Reports completed copies to the loop (no polling); None where events can only be
         # polled. Events are recorded and pushed to it under one lock: in stream order.
         self._completer: Completer | None = None
@@ -312,7 +341,7 @@ class DeviceStage:
         if self._device is not None:
             waiter = self._backend.event_waiter()
             if waiter is not None:
-                self._completer = Completer(waiter)
+                self._completer = Completer(waiter, prepare=self._enter_device())
                 # A stage collected unclosed ends its thread too (closing waits for it).
                 weakref.finalize(self, self._completer.stop)
             device = self._device
@@ -345,9 +374,30 @@ class DeviceStage:
         device directly, with no staging memcpy. Safe from any thread. The memory comes from
         torch's caching host allocator and goes back to it once the array (and every view of
         it) is collected; the stage keeps a copy's source alive until the copy completed.
+
+        Where pinned memory cannot be had (the allocation fails: page-locked memory is
+        exhausted or capped), the array is ordinary pageable memory instead, which the stage
+        then stages like any pageable batch (counted in ``staged_bytes`` and
+        ``pinned_fallbacks``); the first such fallback of a stage warns.
         """
         nbytes = math.prod(shape) * dtype.itemsize
-        buffer = self._backend.alloc_pinned(max(nbytes, 1))
+        try:
+            buffer = self._backend.alloc_pinned(max(nbytes, 1))
+        except (RuntimeError, MemoryError) as exc:  # a failed cudaHostAlloc, as torch raises it
+            with self._alloc_lock:
+                self._pinned_fallbacks += 1
+                warn = not self._pinned_warned
+                self._pinned_warned = True
+            if warn:
+                warnings.warn(
+                    f"pinned memory for a batch of {nbytes} bytes could not be allocated "
+                    f"({exc}); batches are collated into pageable memory and staged instead "
+                    "(slower; said once per loader). Free page-locked memory or raise the "
+                    "memlock limit (ulimit -l)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return np.empty(shape, dtype=dtype)
         # numpy keeps the tensor as the array's base: the memory lives as long as any view.
         return buffer.numpy()[:nbytes].view(dtype).reshape(shape)
 
@@ -390,9 +440,12 @@ class DeviceStage:
         return transfer
 
     async def drain(self) -> None:
-        """Await every copy in flight without blocking the loop (results stay with transfers)."""
+        """Await every copy in flight without blocking the loop (results stay with transfers).
+
+        Not a consumer's wait: it adds nothing to ``wait_seconds`` or the hand-off samples.
+        """
         for record in list(self._in_flight.values()):
-            await until_copied(record)
+            await until_copied(record, counted=False)
         self._reap()
 
     def register_host_memory(self, ptr: int, nbytes: int) -> bool:
@@ -476,7 +529,7 @@ class DeviceStage:
 
     def stats(self) -> DeviceStats:
         """A snapshot of counters and pool sizes."""
-        samples = sorted(self._wake_samples)
+        samples = sorted(self._handoff_samples)
         ring = self._ring
         return DeviceStats(
             batches_copied=self._batches,
@@ -489,12 +542,13 @@ class DeviceStage:
             staged_bytes=self._staged,
             wait_seconds=self._wait_s,
             waits=self._waits,
-            wake_p50_s=_percentile(samples, 0.5),
-            wake_p99_s=_percentile(samples, 0.99),
-            wakes=self._wakes,
+            handoff_p50_s=_percentile(samples, 0.5),
+            handoff_p99_s=_percentile(samples, 0.99),
+            handoffs=self._handoffs,
             ring_slots=ring.slots if ring is not None else 0,
             ring_bytes=ring.nbytes if ring is not None else 0,
             ring_fallbacks=ring.fallbacks if ring is not None else 0,
+            pinned_fallbacks=self._pinned_fallbacks,
         )
 
     def __repr__(self) -> str:
@@ -521,7 +575,7 @@ class DeviceStage:
         device = self._device
         assert device is not None
         plans, total, device_total = plan_batch(
-            batch, device, self._registered_base, self._backend.is_pinned
+            batch, device, self._registered_base, self._backend.is_pinned, self._ring_min
         )
         if self._ring is not None and device_total:
             # Allocated on the side stream, which writes it: should the ring ever drop it, the
@@ -536,13 +590,20 @@ class DeviceStage:
         except BaseException:
             self._undo_start(record, lease)  # nothing enqueued: both go back at once
             raise
-        if total >= OFF_LOOP_STAGING_BYTES:
+        behind = self._last_fill is not None and not self._last_fill.done()
+        if total >= OFF_LOOP_STAGING_BYTES or behind:
+            # Behind a batch the thread still enqueues: through the thread too, in start order
+            # (a job that is done has recorded its events, so an inline enqueue follows them).
             if self._stager is None:
                 self._stager = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="aioloader-stage"
+                    max_workers=1,
+                    thread_name_prefix="aioloader-stage",
+                    initializer=self._enter_device(),
                 )
             record.lease = lease
-            record.fill = self._stager.submit(self._enqueue, record, batch, plans, lease)
+            record.fill = self._last_fill = self._stager.submit(
+                self._enqueue, record, batch, plans, lease
+            )
             self._in_flight[id(record)] = record
             return
         try:
@@ -789,6 +850,13 @@ class DeviceStage:
             self._ring.discard(record.slot)
         record.slot = None
 
+    def _enter_device(self) -> Callable[[], None]:
+        """What a thread of the stage calls before its first CUDA call: makes the stage's
+        device the thread's current one (a fresh thread's is device 0). It holds the backend
+        and the device, not the stage: a stage collected unclosed ends its threads."""
+        assert self._device is not None
+        return functools.partial(self._backend.set_thread_device, self._device)
+
     def _mark(self, stream: Any) -> Any:
         """A new event recorded on ``stream`` now (a ring slot's release event)."""
         event = self._backend.new_event()
@@ -846,8 +914,8 @@ class DeviceStage:
         self._wait_s += seconds
         self._waits += 1
         if woken and record.completed_at is not None:
-            self._wakes += 1
-            self._wake_samples.append(max(time.perf_counter() - record.completed_at, 0.0))
+            self._handoffs += 1
+            self._handoff_samples.append(max(time.perf_counter() - record.completed_at, 0.0))
             record.completed_at = None  # one sample per completion
 
     def _hand_over(self, record: _CopyRecord, stream: Any) -> None:
@@ -859,8 +927,14 @@ class DeviceStage:
             self._backend.wait_event(consumer, record.end_event)
             for tensor in record.device_tensors:
                 self._backend.record_stream(tensor, consumer)
-            if record.slot is not None and self._ring is not None:
-                self._ring.handed(record.slot, consumer)
+            slot = record.slot
+            if slot is not None:
+                if slot.owned and self._ring is not None:
+                    self._ring.handed(slot, consumer)
+                else:
+                    # The ring forgot the slot (closed): nobody records a release event for
+                    # it, so the allocator must wait for the consumer's work before reuse.
+                    self._backend.record_stream(slot.buffer, consumer)
         except Exception as exc:
             raise TransferError(
                 f"batch {record.batch_id}: handing the batch over to the consumer's stream "

@@ -109,9 +109,13 @@ async def until_done(done: Callable[[], bool]) -> None:
         delay = _next_delay(delay)
 
 
-async def until_copied(copy: Copy) -> None:
+async def until_copied(copy: Copy, *, counted: bool = True) -> None:
     """Return once ``copy`` has completed or failed, without blocking the loop and, where the
-    copy reports its completion, without any timer. Cancelling it leaves the copy alone."""
+    copy reports its completion, without any timer. Cancelling it leaves the copy alone.
+
+    ``counted``: tell the copy how long this wait was suspended (:meth:`Copy.waited`); False
+    for waits that are not a consumer's (the stage's ``drain()``).
+    """
     work = copy.host_work()
     if work is None and copy.done():
         return
@@ -137,7 +141,8 @@ async def until_copied(copy: Copy) -> None:
         else:
             await until_done(copy.done)
     finally:
-        copy.waited(time.perf_counter() - started, woken=woken)
+        if counted:
+            copy.waited(time.perf_counter() - started, woken=woken)
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

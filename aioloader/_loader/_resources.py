@@ -511,8 +511,12 @@ def _device_live(s: DeviceStats) -> dict[str, Any]:
         "device_staged_bytes": s.staged_bytes,
         "device_copies_in_flight": s.in_flight,
         "device_wait_s": s.wait_seconds,
-        "device_wake_p50_us": s.wake_p50_s * 1e6,
-        "device_wake_p99_us": s.wake_p99_s * 1e6,
+        "device_handoff_p50_us": s.handoff_p50_s * 1e6,
+        "device_handoff_p99_us": s.handoff_p99_s * 1e6,
+        "device_ring_slots": s.ring_slots,
+        "device_ring_bytes": s.ring_bytes,
+        "device_ring_fallbacks": s.ring_fallbacks,
+        "device_pinned_fallbacks": s.pinned_fallbacks,
     }
 
 

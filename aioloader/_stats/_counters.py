@@ -831,9 +831,16 @@ class LoaderStatistics:
         device_copies_in_flight: device copies started and not completed now.
         device_wait_s: seconds ``wait()`` on device copies was suspended for copies not
             complete yet (the part of ``transfer_s`` spent on the copy itself).
-        device_wake_p50_us: median microseconds from a copy's completion (as the stage's
-            completion thread saw its event) to the waiting task resuming.
-        device_wake_p99_us: the 99th percentile of the same.
+        device_handoff_p50_us: median microseconds from the stage's completion thread seeing a
+            copy complete to the waiting task resuming (the hand-off; the wake latency end to
+            end is measured by ``benchmarks/gpu_transfer.py``).
+        device_handoff_p99_us: the 99th percentile of the same.
+        device_ring_slots: reusable device buffers the stage holds now.
+        device_ring_bytes: their bytes.
+        device_ring_fallbacks: batches that got fresh device tensors because no ring slot was
+            free, all epochs.
+        device_pinned_fallbacks: batches made on the loader's threads that got pageable memory
+            (then staged) because pinned memory could not be had, all epochs.
         wall_s: seconds iterated, all epochs (see :class:`EpochStatistics`).
         epoch_stats: the current (or last) epoch's rates, shares and verdict.
         total: the same over every epoch.
@@ -878,8 +885,12 @@ class LoaderStatistics:
     device_staged_bytes: int = 0
     device_copies_in_flight: int = 0
     device_wait_s: float = 0.0
-    device_wake_p50_us: float = 0.0
-    device_wake_p99_us: float = 0.0
+    device_handoff_p50_us: float = 0.0
+    device_handoff_p99_us: float = 0.0
+    device_ring_slots: int = 0
+    device_ring_bytes: int = 0
+    device_ring_fallbacks: int = 0
+    device_pinned_fallbacks: int = 0
     wall_s: float = 0.0
     epoch_stats: EpochStatistics = field(default_factory=EpochStatistics)
     total: EpochStatistics = field(default_factory=EpochStatistics)
@@ -1008,7 +1019,8 @@ def format_table(s: LoaderStatistics) -> str:
             f"device: batches={s.device_batches} staged_bytes/batch="
             f"{s.device_staged_bytes / s.device_batches:.0f} "
             f"copies_in_flight={s.device_copies_in_flight} copy_wait={s.device_wait_s:.3f}s "
-            f"wake_us p50={s.device_wake_p50_us:.0f} p99={s.device_wake_p99_us:.0f}"
+            f"handoff_us p50={s.device_handoff_p50_us:.0f} p99={s.device_handoff_p99_us:.0f} "
+            f"ring_slots={s.device_ring_slots} ring_fallbacks={s.device_ring_fallbacks}"
         )
     if e.bottleneck:
         lines.append(f"bottleneck: {e.bottleneck}: {e.hint}")
