@@ -123,6 +123,11 @@ for label in ("baseline", "main", "main-spin"):
             f"  lag p99 {r['loop_lag_p99_ms']:.2f} / {r['registered_loop_lag_p99_ms']:.2f} ms"
         )
         if wake:
+            if "handoff_p50_us" in wake:  # this tree: hand-off, and the wake end to end
+                line += (
+                    f"  hand-off p50/p99 {wake['handoff_p50_us']:.0f}/"
+                    f"{wake['handoff_p99_us']:.0f} us"
+                )
             line += (
                 f"  wake p50/p99 {wake['wake_p50_us']:.0f}/{wake['wake_p99_us']:.0f} us"
                 f"  staged B/batch pageable {c['pageable']['staged_bytes_per_batch']:.0f}"

@@ -18,8 +18,13 @@ step on batch i, then wait for batch i+1), against running copy and step one aft
 
 Beside them, the stage's own counters (:class:`aioloader._device.DeviceStats`) for each route:
 host bytes staged per batch (a memcpy on the host: 0 for the registered and the pinned
-routes), the wake latency from a copy's event completing to the awaiting task resuming (p50 and
-p99, microseconds: the completion thread's), and the device ring's slots and fallbacks.
+routes), the hand-off latency (the completion thread saw the copy's event complete -> the
+awaiting task resumed; p50 and p99, microseconds), and the device ring's slots and fallbacks;
+and the wake latency end to end, which the stage cannot see: one batch at a time is started on
+the idle side stream, so its copy begins as ``start()`` records the start event; the task
+resumes at ``t1``; the copy took ``elapsed`` on the device (event timing). Wake latency =
+``t1 - (t0 + elapsed)``, with ``t0`` taken just before ``start()`` (an upper bound: the
+planning before the start event is in it) and just after it returns (a lower bound).
 
 Usage::
 
@@ -131,16 +136,46 @@ def pinned_alloc(stage: DeviceStage) -> Callable[[int], torch.Tensor]:
 
 
 def counters(stage: DeviceStage) -> dict[str, float]:
-    """The stage's counters worth a column: staged bytes per batch, wake latency, the ring."""
+    """The stage's counters worth a column: staged bytes per batch, hand-off latency, the ring."""
     s = stage.stats()
     return {
         "staged_bytes_per_batch": s.staged_bytes_per_batch,
-        "wake_p50_us": s.wake_p50_s * 1e6,
-        "wake_p99_us": s.wake_p99_s * 1e6,
-        "wakes": s.wakes,
+        "handoff_p50_us": s.handoff_p50_s * 1e6,
+        "handoff_p99_us": s.handoff_p99_s * 1e6,
+        "handoffs": s.handoffs,
         "wait_s": s.wait_seconds,
         "ring_slots": s.ring_slots,
         "ring_fallbacks": s.ring_fallbacks,
+    }
+
+
+def _us(samples: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(samples), q) * 1e6) if samples else float("nan")
+
+
+async def wake_latency(stage: DeviceStage, batch: dict[str, Any], n: int) -> dict[str, float]:
+    """End-to-end wake latency (see the module docstring): copies started one at a time on an
+    idle side stream; resume time - (start + the copy's event elapsed time)."""
+    await stage.drain()  # adds nothing to the stage's wait counters
+    torch.cuda.synchronize()
+    upper: list[float] = []
+    lower: list[float] = []
+    for i in range(n):
+        copied = stage.stats().copy_seconds
+        before = time.perf_counter()
+        transfer = stage.start(batch, i)
+        after = time.perf_counter()
+        await transfer.wait()
+        resumed = time.perf_counter()
+        elapsed = stage.stats().copy_seconds - copied  # the copy's event elapsed time
+        upper.append(max(resumed - before - elapsed, 0.0))
+        lower.append(max(resumed - after - elapsed, 0.0))
+        del transfer
+    return {
+        "wake_p50_us": _us(upper, 50),
+        "wake_p99_us": _us(upper, 99),
+        "wake_p50_us_low": _us(lower, 50),
+        "wake_p99_us_low": _us(lower, 99),
     }
 
 
@@ -251,8 +286,9 @@ async def run(args: argparse.Namespace) -> None:
         f" {'reg hid':>8} {'lag p99 ms':>11} {'reg lag':>8}"
     )
     counter_header = (
-        f"{'batch MB':>9} {'route':>9} {'staged B/batch':>15} {'wake p50 us':>12}"
-        f" {'wake p99 us':>12} {'wakes':>6} {'ring slots':>11} {'ring fallbacks':>15}"
+        f"{'batch MB':>9} {'route':>9} {'staged B/batch':>15} {'handoff p50':>12}"
+        f" {'handoff p99':>12} {'wake p50 us':>16} {'wake p99 us':>16}"
+        f" {'ring slots':>11} {'ring fallbacks':>15}"
     )
     rows, records, counter_rows = [], [], []
     for mb in args.batch_mb:
@@ -262,17 +298,20 @@ async def run(args: argparse.Namespace) -> None:
         page_stage = DeviceStage(device)  # one stage per route: its counters are the route's
         staged, lag = await stage_gbps(page_stage, pageable, args.batches)
         page_counters = counters(page_stage)
+        page_counters |= await wake_latency(page_stage, pageable, args.batches)
         page_stage.close()
         pin_stage = DeviceStage(device)
         collated = make_batch(nbytes, args.leaves, pinned_alloc(pin_stage))
         pinned_stage_gbps, _ = await stage_gbps(pin_stage, collated, args.batches)
         pin_counters = counters(pin_stage)
+        pin_counters |= await wake_latency(pin_stage, collated, args.batches)
         del collated
         pin_stage.close()
         reg_stage = DeviceStage(device)
         registered, region, base = registered_batch(reg_stage, nbytes, args.leaves)
         direct, reg_lag = await stage_gbps(reg_stage, registered, args.batches)
         reg_counters = counters(reg_stage)
+        reg_counters |= await wake_latency(reg_stage, registered, args.batches)
         compute_r, serial_r, overlapped_r = await overlap(reg_stage, registered, step, args.batches)
         reg_copy_s = max(serial_r - compute_r, 1e-9)
         reg_hidden = min(max((serial_r - overlapped_r) / reg_copy_s, 0.0), 1.0)
@@ -321,7 +360,9 @@ async def run(args: argparse.Namespace) -> None:
         ):
             counter_rows.append(
                 f"{mb:>9.1f} {route:>9} {c['staged_bytes_per_batch']:>15.0f}"
-                f" {c['wake_p50_us']:>12.1f} {c['wake_p99_us']:>12.1f} {c['wakes']:>6.0f}"
+                f" {c['handoff_p50_us']:>12.1f} {c['handoff_p99_us']:>12.1f}"
+                f" {c['wake_p50_us_low']:>7.0f}-{c['wake_p50_us']:<8.0f}"
+                f" {c['wake_p99_us_low']:>7.0f}-{c['wake_p99_us']:<8.0f}"
                 f" {c['ring_slots']:>11.0f} {c['ring_fallbacks']:>15.0f}"
             )
     stage.close()
@@ -336,7 +377,8 @@ async def run(args: argparse.Namespace) -> None:
     print("\n".join(rows), file=table)
     print(
         "the stage's counters per route, over its throughput loop: host bytes staged per batch,"
-        " wake latency (copy's event complete -> awaiting task resumed), ring slots used",
+        " hand-off (completion thread saw the event -> task resumed), ring slots used; and the"
+        " wake latency end to end (copy done on the device -> task resumed; lower-upper bound)",
         file=table,
     )
     print(counter_header, file=table)
