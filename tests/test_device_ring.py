@@ -19,6 +19,7 @@ from test_device import FakeStream, assert_same_values, make_batch, trees
 
 from aioloader._device import DeviceStage
 from aioloader._device._ring import MAX_RING_SLOTS, RING_MIN_LEAF_BYTES
+from aioloader._device._stage import OFF_LOOP_STAGING_BYTES
 
 # float32 values of a leaf just large enough to go into a ring slot
 N = RING_MIN_LEAF_BYTES // 4
@@ -273,3 +274,18 @@ async def test_a_ring_batch_handed_over_after_close_is_tied_to_the_consumers_str
     assert len(tied) == 1
     assert tied[0][2] is consumer
     assert tied[0][1].untyped_storage().data_ptr() == storage_of(out)
+
+
+async def test_a_batch_staged_on_the_stages_thread_gives_its_slot_back_once_let_go() -> None:
+    backend = ThreadFake(consumer_done=True, auto_fire=True)
+    stage = DeviceStage("cuda", backend=backend)
+    big = OFF_LOOP_STAGING_BYTES // 4  # float32 values: staged on the stage's thread
+    slots = set()
+    for i in range(4):
+        out = await stage.start({"x": torch.full((big,), float(i))}, i).wait()
+        assert float(out["x"][0]) == float(i)
+        slots.add(storage_of(out))
+        del out
+    assert len(slots) == 1  # nothing of the stage's kept a let-go batch (and so its slot)
+    assert stage.stats().ring_slots == 1
+    stage.close()

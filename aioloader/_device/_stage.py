@@ -332,6 +332,7 @@ class DeviceStage:
         # Stages and enqueues large pageable batches off the caller's thread (made on first use).
         self._stager: concurrent.futures.ThreadPoolExecutor | None = None
         # The stager's newest job: while it runs, later batches queue behind it (start order).
+        # Dropped once collected, as record.fill is.
         self._last_fill: concurrent.futures.Future[Any] | None = None
         # Reports completed copies to the loop (no polling); None where events can only be
         # polled. Events are recorded and pushed to it under one lock: in stream order.
@@ -693,6 +694,8 @@ class DeviceStage:
         if not block and not fill.done():
             return False
         record.fill = None
+        if self._last_fill is fill:
+            self._last_fill = None  # its result is the batch: holding it would hold its slot
         try:
             record.result = fill.result()
         except BaseException as exc:
