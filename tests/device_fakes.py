@@ -10,15 +10,18 @@ after it completes), so a slot reused too early shows up as wrong values.
 Events on streams other than the side stream (a ring slot's release events, recorded on the
 consumer's stream) complete at once with ``consumer_done=True``, or when a test fires them.
 
-Each thread has a current device, 0 until it calls ``set_thread_device`` (as in CUDA), and the
-waiter notes the thread and its current device at each wait. ``hold`` keeps the stage's
+Each thread has a current device, 0 until it calls ``set_thread_device`` (as in CUDA) or
+while it is inside ``on_device``; the waiter notes the thread and its current device at each
+wait, and so do ``query_event`` and ``synchronize_event``. ``hold`` keeps the stage's
 staging thread at its first copy until a test sets it; ``fail_pinned`` makes that many
 pinned allocations fail as an exhausted page-locked pool does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -56,6 +59,7 @@ class ThreadFake(FakeBackend):
         self.auto_fire = auto_fire
         self.waited_from: list[str] = []  # the threads the waiter ran on
         self.waited_on: list[tuple[str, int]] = []  # (thread, its current device) per wait
+        self.queried_on: list[tuple[str, int]] = []  # (thread, its device) per query/sync
         self.device_allocs = 0
         self.kept: list[torch.Tensor] = []
         self.copied_on: list[tuple[str, int]] = []  # (thread, its device) per copy off the loop
@@ -66,6 +70,23 @@ class ThreadFake(FakeBackend):
     def set_thread_device(self, device: torch.device) -> None:
         super().set_thread_device(device)
         self._thread_device.index = device.index
+
+    @contextlib.contextmanager
+    def on_device(self, device: torch.device) -> Iterator[None]:
+        before = self.thread_device()
+        self._thread_device.index = device.index
+        try:
+            yield
+        finally:
+            self._thread_device.index = before
+
+    def query_event(self, event: FakeEvent) -> bool:
+        self.queried_on.append((threading.current_thread().name, self.thread_device()))
+        return super().query_event(event)
+
+    def synchronize_event(self, event: FakeEvent) -> None:
+        self.queried_on.append((threading.current_thread().name, self.thread_device()))
+        super().synchronize_event(event)
 
     def thread_device(self) -> int:
         """The calling thread's current device (0 until it set one, as in CUDA)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import gc
 import threading
 import time
@@ -114,6 +115,9 @@ class FakeBackend:
 
     def set_thread_device(self, device: torch.device) -> None:
         self.log.append(("set_device", threading.current_thread().name, device.index))
+
+    def on_device(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
 
     # streams and events
     def new_stream(self, device: torch.device) -> FakeStream:

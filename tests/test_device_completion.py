@@ -272,6 +272,37 @@ async def test_the_threads_of_a_stage_on_another_gpu_make_its_device_current_fir
     assert set_on == {(COMPLETION_THREAD, 1)} | {(name, 1) for name in threads}
 
 
+def test_a_stage_driven_from_a_thread_of_another_device_queries_its_events_on_its_own() -> None:
+    # A sync `for` drives the stage from the loader's loop thread, whose current device is 0
+    # (as any fresh thread's): querying or synchronizing a cuda:1 stage's events there would
+    # create a context on GPU 0. Each such call runs under the stage's device, and the thread's
+    # own device is left as it was.
+    backend = ThreadFake(auto_fire=True)
+    backend.devices = 2
+    stage = DeviceStage("cuda:1", backend=backend)
+    seen: dict[str, Any] = {}
+
+    async def drive() -> None:
+        batches = [make_batch(70 + i) for i in range(4)]
+        transfers = [stage.start(b, i) for i, b in enumerate(batches)]
+        for batch, transfer in zip(batches, transfers, strict=True):
+            assert_same_values(batch, await transfer.wait())
+        stage.close()
+
+    def run() -> None:
+        asyncio.run(drive())
+        seen["device_after"] = backend.thread_device()
+
+    thread = threading.Thread(target=run, name="driver")
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+    calls = [device for name, device in backend.queried_on if name == "driver"]
+    assert calls, backend.queried_on  # the driver did query (ring release events, close)
+    assert set(calls) == {1}, backend.queried_on
+    assert seen["device_after"] == 0
+
+
 async def test_a_batch_started_while_a_large_one_is_staged_on_the_thread_is_enqueued_after_it() -> (
     None
 ):

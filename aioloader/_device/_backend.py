@@ -75,7 +75,10 @@ class CudaBackend(Protocol):
     counts the tensors that share ``tensor``'s storage (None where it cannot tell: the stage
     then allocates device memory per batch instead of reusing its ring).
     ``set_thread_device`` makes ``device`` the calling thread's current device (each thread of
-    the stage calls it once, before its first CUDA call).
+    the stage calls it once, before its first CUDA call). ``on_device`` is a context in which
+    ``device`` is the calling thread's current device, restored after: the stage queries and
+    synchronizes events under it from threads that are not its own (the event loop's, the
+    loader's loop thread), whose current device may be another.
     """
 
     def is_available(self) -> bool: ...
@@ -85,6 +88,8 @@ class CudaBackend(Protocol):
     def current_device(self) -> int: ...
 
     def set_thread_device(self, device: torch.device) -> None: ...
+
+    def on_device(self, device: torch.device) -> AbstractContextManager[Any]: ...
 
     def new_stream(self, device: torch.device) -> Any: ...
 
@@ -141,6 +146,12 @@ class TorchCudaBackend:
 
     def set_thread_device(self, device: torch.device) -> None:
         torch.cuda.set_device(device)
+
+    def on_device(self, device: torch.device) -> AbstractContextManager[Any]:
+        # cudaEventQuery/cudaEventSynchronize run under no device guard of torch's: on a thread
+        # whose current device is another (a fresh thread's is 0) they would create a context
+        # there. The guard restores the thread's device after (it may be the user's thread).
+        return torch.cuda.device(device)
 
     def new_stream(self, device: torch.device) -> torch.cuda.Stream:
         return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]

@@ -491,7 +491,7 @@ class DeviceStage:
         for entry in list(self._retiring):
             if ptr in entry[2]:
                 with contextlib.suppress(Exception):
-                    self._backend.synchronize_event(entry[0])
+                    self._synchronize(entry[0])
                 self._retiring.remove(entry)
                 if entry[1] is not None:
                     self._pool.release(entry[1])
@@ -513,7 +513,7 @@ class DeviceStage:
             self._settle(record)
         for event, _buf, _ranges in self._retiring:
             with contextlib.suppress(Exception):
-                self._backend.synchronize_event(event)
+                self._synchronize(event)
         self._retiring.clear()
         if self._completer is not None:
             self._completer.close()  # every copy it waits for is complete by now
@@ -769,11 +769,11 @@ class DeviceStage:
             if not record.done():
                 break
         if self._ring is not None:
-            self._ring.reap(self._mark, self._backend.query_event)
+            self._ring.reap(self._mark, self._query)
         while self._retiring:
             event, lease, _ranges = self._retiring[0]
             try:
-                ready = self._backend.query_event(event)
+                ready = self._query(event)
             except Exception:
                 ready = True
                 lease_ok = False
@@ -788,11 +788,27 @@ class DeviceStage:
                 else:
                     self._pool.discard(lease)
 
+    def _query(self, event: Any) -> bool:
+        """Whether ``event`` completed; asked with the stage's device current on this thread
+        (the loop's, or the loader's loop thread: a fresh thread's device is 0)."""
+        with self._on_device():
+            return self._backend.query_event(event)
+
+    def _synchronize(self, event: Any) -> None:
+        """Block until ``event`` completed, with the stage's device current on this thread."""
+        with self._on_device():
+            self._backend.synchronize_event(event)
+
+    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
+        if self._device is None:
+            return contextlib.nullcontext()
+        return self._backend.on_device(self._device)
+
     def _poll(self, record: _CopyRecord) -> None:
         if not self._collect_fill(record, block=False) or record.state != "pending":
             return
         try:
-            ready = self._backend.query_event(record.end_event)
+            ready = self._query(record.end_event)
         except Exception as exc:
             self._fail(record, exc)
             return
@@ -805,7 +821,7 @@ class DeviceStage:
         if record.state != "pending":
             return
         try:
-            self._backend.synchronize_event(record.end_event)
+            self._synchronize(record.end_event)
         except Exception as exc:
             self._fail(record, exc)
             return
