@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from datasets import AsyncResumable, Resumable, keep, tar_keys, tar_sample, tar_shard
+from helpers import as_lists
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,10 +31,12 @@ from aioloader import (
     DataLoader,
     LoaderTimeoutError,
     RayWorkers,
+    WorkerCrashedError,
     WorkerInitError,
     get_worker_info,
     numpy_collate,
 )
+from aioloader.sources import TarDataset
 
 N = 24
 BATCH = 4
@@ -128,9 +132,19 @@ class Concurrent:
         return np.array([i, self.peak, os.getpid()])
 
 
-class Stream:
+class SlowResumable(Resumable):
+    """:class:`datasets.Resumable` whose every item takes ``delay`` seconds: an actor can be
+    killed while it reads."""
+
+    def __init__(self, n: int, delay: float = 0.0, *, self_sharded: bool = False) -> None:
+        super().__init__(n, self_sharded=self_sharded)
+        self.delay = delay
+
     def __iter__(self) -> Iterator[int]:
-        return iter(range(4))
+        for i in super().__iter__():
+            if self.delay:
+                time.sleep(self.delay)
+            yield i
 
 
 def indices(batches: list[Any]) -> list[int]:
@@ -205,18 +219,6 @@ def test_the_pool_decides_the_worker_count(workers: RayWorkers) -> None:
         DataLoader(Numbered(), batch_size=BATCH, num_workers=3, workers=workers)
     loader = DataLoader(Numbered(), batch_size=BATCH, workers=workers)
     assert loader.num_workers == 2
-    loader.close()
-
-
-def test_an_iterable_dataset_is_refused_at_once_with_the_reason(workers: RayWorkers) -> None:
-    with (
-        pytest.raises(TypeError, match="map-style datasets"),
-        DataLoader(Stream(), batch_size=2, workers=workers),
-    ):
-        pass
-    loader = DataLoader(Stream(), batch_size=2, workers=workers)
-    with pytest.raises(TypeError, match="map-style datasets"):
-        list(loader)
     loader.close()
 
 
@@ -444,6 +446,151 @@ def test_resume_at_any_cut_continues_exactly_into_actors_or_local_workers(
     draws = [b["draw"].tolist() for b in whole[cut:]]
     if into != "threads":  # threads share the process's generators: not reseeded per batch
         assert [b["draw"].tolist() for b in rest] == draws
+
+
+# -- streams (iterable datasets) ----------------------------------------------------------------
+
+STREAM_N = 30
+STREAM_BATCH = 3
+
+
+@pytest.mark.parametrize("self_sharded", [False, True], ids=["split-by-loader", "self-sharded"])
+def test_actors_read_a_stream_as_worker_processes_do(
+    workers: RayWorkers, self_sharded: bool
+) -> None:
+    """Each actor reads its share: split by the loader, or by the dataset itself from
+    ``get_worker_info()`` in the actor. The batches and their order are two local worker
+    processes' (round-robin over the readers); every item once."""
+
+    def loader(**how: Any) -> DataLoader:
+        dataset = Resumable(STREAM_N, self_sharded=self_sharded)
+        return DataLoader(dataset, batch_size=STREAM_BATCH, **how)
+
+    with loader(workers=workers) as remote:
+        got = as_lists(list(remote))
+        again = as_lists(list(remote))  # the next epoch opens the streams afresh
+    with loader(num_workers=2) as local:
+        expected = as_lists(list(local))
+    assert got == again == expected
+    assert sorted(i for b in got for i in b) == list(range(STREAM_N))
+
+
+@pytest.mark.parametrize(
+    ("saved_on", "resumed_on"),
+    [("actors", "local"), ("local", "actors"), ("actors", "actors")],
+)
+def test_a_stream_resumes_exactly_between_actors_and_worker_processes(
+    workers: RayWorkers, saved_on: str, resumed_on: str
+) -> None:
+    def loader(on: str) -> DataLoader:
+        how: dict[str, Any] = {"workers": workers} if on == "actors" else {"num_workers": 2}
+        return DataLoader(Resumable(STREAM_N), batch_size=STREAM_BATCH, **how)
+
+    with loader("actors") as whole:
+        expected = as_lists(list(whole))
+    with loader(saved_on) as first:
+        it = iter(first)
+        taken = as_lists([next(it) for _ in range(3)])  # readers 0, 1, 0: reader 1's turn
+        state = first.state_dict()
+        del it
+    assert state["streams"]["readers"] == 2
+    with loader(resumed_on) as resumed:
+        resumed.load_state_dict(state)
+        assert taken + as_lists(list(resumed)) == expected
+
+
+def take_until_error(it: Iterator[Any], most: int) -> tuple[list[list[int]], Exception | None]:
+    """The batches ``it`` yields (``most`` at most) before one raises, and that error."""
+    got: list[list[int]] = []
+    for _ in range(most):
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        except Exception as exc:
+            return got, exc
+        got += as_lists([batch])
+    return got, None
+
+
+def test_a_killed_actors_stream_ends_its_reader_and_its_state_resumes_it_exactly(
+    ray_cluster: str,
+) -> None:
+    """As with worker processes: the batch the actor was reading fails naming it (a stream is
+    never read twice), the other readers go on, and a ``state_dict()`` taken at the error
+    resumes the dead reader where its last batch taken left it: every item exactly once."""
+    dataset = SlowResumable(STREAM_N, delay=0.05)
+    with RayWorkers(2, num_cpus=0) as pool:
+        with DataLoader(dataset, batch_size=STREAM_BATCH, workers=pool) as loader:
+            expected = as_lists(list(loader))
+        with DataLoader(dataset, batch_size=STREAM_BATCH, workers=pool, prefetch=4) as loader:
+            it = iter(loader)
+            taken = as_lists([next(it)])
+            victim = pool.statistics().actors[0].pid
+            assert victim is not None
+            os.kill(victim, signal.SIGKILL)
+            more, error = take_until_error(it, len(expected))  # read before the kill
+            taken += more
+            assert isinstance(error, WorkerCrashedError), error
+            assert f"Ray actor 0 (pid {victim}" in str(error)
+            state = loader.state_dict()
+            del it
+        restarts = pool.statistics().actors[0].restarts
+    assert restarts == 1
+    with DataLoader(SlowResumable(STREAM_N), batch_size=STREAM_BATCH, num_workers=2) as resumed:
+        resumed.load_state_dict(state)
+        rest = as_lists(list(resumed))
+    assert taken + rest == expected
+
+
+def test_async_streams_and_tar_shards_are_decoded_in_the_actors_and_resume_exactly(
+    workers: RayWorkers, tmp_path: Path
+) -> None:
+    """An async iterable dataset is read on the training process's loop (one reader) and its
+    samples decoded and collated in the actors; ``TarDataset`` likewise, shuffled."""
+    with DataLoader(AsyncResumable(STREAM_N), batch_size=4, workers=workers) as loader:
+        it = iter(loader)
+        taken = as_lists([next(it) for _ in range(2)])
+        state = loader.state_dict()
+        del it
+    with DataLoader(AsyncResumable(STREAM_N), batch_size=4, workers=workers) as loader:
+        loader.load_state_dict(state)
+        rest = as_lists(list(loader))
+    assert taken + rest == [list(range(i, min(i + 4, STREAM_N))) for i in range(0, STREAM_N, 4)]
+
+    paths = []
+    for shard in range(4):
+        path = tmp_path / f"shard-{shard}.tar"
+        path.write_bytes(tar_shard(shard, 3 + shard))
+        paths.append(str(path))
+
+    def tar_loader(**how: Any) -> DataLoader:
+        ds = TarDataset(paths, decode=tar_sample, shuffle=True, shuffle_buffer=6, seed=9)
+        return DataLoader(ds, batch_size=3, collate_fn=keep, **how)
+
+    def keys(batches: list[Any]) -> list[str]:
+        return [sample["key"] for batch in batches for sample in batch]
+
+    async def read(state: dict[str, Any] | None, cut: int | None) -> tuple[list[Any], Any]:
+        # On a loop of its own (asyncio.run), whose file-reading threads end with it.
+        async with tar_loader(workers=workers) as loader:
+            if state is not None:
+                loader.load_state_dict(state)
+            it = aiter(loader)
+            if cut is None:
+                return [batch async for batch in it], None
+            head = [await anext(it) for _ in range(cut)]
+            saved = loader.state_dict()
+            await it.aclose()  # type: ignore[attr-defined]
+            return head, saved
+
+    with tar_loader(num_workers=0) as local:
+        full = keys(list(local))
+    head, state = asyncio.run(read(None, 2))
+    tail, _ = asyncio.run(read(state, None))
+    assert keys(head + tail) == full
+    assert sorted(full) == tar_keys(4, lambda shard: 3 + shard)
+    assert os.getpid() not in {s["pid"] for batch in head + tail for s in batch}  # in actors
 
 
 # -- async datasets in the actors -------------------------------------------------------------

@@ -160,12 +160,7 @@ class Fleet:
             raise self._not_started(record) from None
 
     def _not_started(self, record: ActorRecord) -> WorkerInitError:
-        import ray
-
-        try:
-            free = ray.available_resources()  # type: ignore[no-untyped-call]
-        except Exception:  # pragma: no cover - the cluster went away
-            free = "unknown"
+        free = _free()
         return WorkerInitError(
             f"Ray actor {record.slot} was not placed and started within start_timeout="
             f"{self.start_timeout} s; it asks for {self.options}, and the cluster has "
@@ -174,7 +169,9 @@ class Fleet:
         )
 
     def pick(self) -> ActorRecord:
-        """The live actor holding the fewest jobs (the lowest slot among equals)."""
+        """The live actor holding the fewest jobs (the lowest slot among equals), among those
+        that run if any does: a batch does not wait for a replacement to be placed and
+        started while another actor is up."""
         with self.lock:
             if self.closed:
                 raise RuntimeError("these RayWorkers are closed: their actors are gone")
@@ -184,7 +181,45 @@ class Fleet:
                     if record is None:
                         self.records[slot] = self._new(slot)
                 live = [r for r in self.records if r is not None and not r.dead]
-            return min(live, key=lambda r: (len(r.jobs), r.slot))
+            up = [r for r in live if r.pid is not None] or live
+            return min(up, key=lambda r: (len(r.jobs), r.slot))
+
+    def slot(self, slot: int) -> ActorRecord:
+        """The actor of ``slot`` now (made if it was not): a stream's reader is one slot."""
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("these RayWorkers are closed: their actors are gone")
+            record = self.records[slot]
+            if record is None:
+                record = self.records[slot] = self._new(slot)
+            return record
+
+    def unplaced(self, record: ActorRecord) -> str:
+        """Why ``record``'s actor is not up yet, for a batch that waited for it past its
+        deadline: what it asks for against what the cluster has free."""
+        free = _free()
+        asked = {"CPU": float(self.options.get("num_cpus", 1)), **self.options.get("resources", {})}
+        if self.options.get("num_gpus"):
+            asked["GPU"] = float(self.options["num_gpus"])
+        short = [
+            name
+            for name, amount in asked.items()
+            if amount > 0 and isinstance(free, dict) and free.get(name, 0.0) < amount
+        ]
+        which = "the replacement actor" if self.figures[record.slot].restarts else "the actor"
+        if not short:
+            return (
+                f"{which} {record.slot} is placed but not started yet (it asks for {asked}; "
+                f"the cluster has {free} free): its process is still starting. Give the "
+                "batch a larger timeout"
+            )
+        what = "no CPU" if short == ["CPU"] else f"not enough {' and '.join(short)}"
+        return (
+            f"{what} free to place {which} {record.slot}: it asks for {asked}, and the "
+            f"cluster has {free} free (the actors of other jobs hold the rest). Add nodes "
+            "with those resources, ask for less per actor (num_cpus=0 places it beside "
+            "others), or give the batch a larger timeout"
+        )
 
     def live(self) -> list[ActorRecord]:
         """The actors made and not dead."""
@@ -248,6 +283,16 @@ class Fleet:
         for record in records:
             if record is not None and ray.is_initialized():
                 ray.kill(record.handle, no_restart=True)
+
+
+def _free() -> dict[str, float] | str:
+    """What the cluster has free now (``ray.available_resources()``), or ``"unknown"``."""
+    import ray
+
+    try:
+        return dict(ray.available_resources())  # type: ignore[no-untyped-call]
+    except Exception:  # pragma: no cover - the cluster went away
+        return "unknown"
 
 
 def succeeded(future: asyncio.Future[Any]) -> bool:

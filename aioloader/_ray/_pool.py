@@ -16,9 +16,11 @@ rest (order, deadlines, retries, skips, resume, statistics) above the runner as 
 workers. Nothing of the process pool's (processes, slots, a forkserver) is made.
 
 Sharp edges:
-- Map-style datasets only (sync, and async: fetched inside the actors). An iterable dataset is
-  refused at the first epoch: its stream would live in one actor, and its resume state with
-  it; use a WorkerPool or threads for streams.
+- Every kind of dataset: map-style ones (an async one is fetched inside the actors), an
+  iterable one (each actor reads its share of the stream, as a worker process does; a dead
+  actor's reader ends for the epoch, and ``state_dict()`` resumes it exactly), and an async
+  iterable one (read on the training process's loop, its samples sent to the actors to
+  decode and collate).
 - The pool decides ``num_workers`` (its ``num_actors``), and ``multiprocessing_context``,
   ``shm_max_bytes`` and ``start_timeout`` of its loaders: leave them out.
 - Closing the pool kills its actors; closing a loader only makes them forget its copy. A
@@ -254,19 +256,11 @@ class RayWorkers(WorkerPool):
 
         Raises:
             RuntimeError: closed.
-            TypeError: an iterable dataset (map-style only, see the module docstring).
         """
         with self._state.lock:
             self._check_open()
             if current is not None:
                 return current
-            if config.kind not in ("map", "async_map"):
-                raise TypeError(
-                    f"RayWorkers run map-style datasets (sync or async), and this loader's "
-                    f"dataset is {config.kind.replace('_', ' ')}: a stream lives in one reader "
-                    "and its resume state with it. Use a WorkerPool, num_workers, or threads "
-                    "for streams"
-                )
             self._connect()
             self._state.fleet.start_all()
             copy_id = next(self._ids)
@@ -297,6 +291,7 @@ class RayWorkers(WorkerPool):
             config.io_concurrency,
             config.worker_seeding == "batch",
             ("torch",) if "torch" in sys.modules else (),
+            config.kind == "iterable",
         )
         try:
             return dumps_payload(copy, main_by_value=True)
