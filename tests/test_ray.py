@@ -275,6 +275,30 @@ def test_actors_on_a_preprocessing_node_send_batches_across_object_stores(
     assert stats.worker_restarts == 0
 
 
+def test_the_loaders_statistics_have_each_actors_figures_and_the_verdict_names_them(
+    workers: RayWorkers,
+) -> None:
+    """Slow samples: the actors are the bottleneck, and the loader's own ``statistics()``
+    says so per actor (batches, bytes, busy share, restarts), as the pool's does."""
+    with DataLoader(Numbered(delay=0.05), batch_size=BATCH, workers=workers) as loader:
+        got = list(loader)
+        stats = loader.statistics()
+    assert indices(got) == list(range(N))
+    figures = stats.workers
+    assert [w.id for w in figures] == [0, 1]
+    assert sum(w.batches for w in figures) == N // BATCH
+    assert sum(w.bytes for w in figures) == stats.bytes_yielded
+    assert all(w.node is not None and w.restarts == 0 for w in figures)
+    busy = [w for w in figures if w.batches]
+    assert busy
+    assert all(0 < w.busy_share <= 1 for w in busy)
+    assert all(w.busy_s >= BATCH * 0.05 * w.batches for w in busy)
+    assert stats.as_dict()["workers/0/batches"] == figures[0].batches
+    assert f"worker 0 (node {str(figures[0].node)[:12]}" in str(stats)
+    assert stats.bottleneck == "workers", stats.epoch_stats.hint
+    assert "per worker, busiest: worker" in stats.epoch_stats.hint
+
+
 def test_errors_keep_their_type_and_skips_are_named(workers: RayWorkers) -> None:
     with DataLoader(FailsOn(frozenset({5})), batch_size=BATCH, workers=workers) as loader:
         it = iter(loader)
@@ -408,6 +432,66 @@ def test_a_hung_actor_without_retries_times_out_naming_the_batch(
         ):
             next(iter(loader))
         assert pool.statistics().worker_restarts == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_lost_node_s_actors_are_replaced_and_an_unplaceable_one_times_out_naming_why(
+    ray_cluster: str,
+) -> None:
+    """A node of the cluster goes away mid-epoch (every process of it killed): its actors'
+    batches are re-run on replacements placed on the head, every sample once and in order;
+    a loader whose actor asked for what only that node had gets, within its ``timeout`` per
+    attempt, a timeout error that says no CPU is free to place the replacement actor."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from ray_cluster import EXTRA_NODE_CPUS, HEAD_RESOURCE, extra_node
+
+    head = ray.get_runtime_context().get_node_id()
+    with extra_node(ray_cluster) as (node, lose):
+        there = NodeAffinitySchedulingStrategy(node, soft=True)  # elsewhere once it is lost
+        with (
+            RayWorkers(
+                2, num_cpus=0, resources={HEAD_RESOURCE: 1}, scheduling_strategy=there
+            ) as movable,
+            RayWorkers(1, num_cpus=EXTRA_NODE_CPUS - 1) as stranded,  # fits that node alone
+            DataLoader(
+                Numbered(delay=0.05),
+                batch_size=BATCH,
+                workers=movable,
+                max_retries=2,
+                timeout=SLOW_BATCH_S / 3,
+            ) as loader,
+            DataLoader(
+                Numbered(delay=0.2),
+                batch_size=BATCH,
+                workers=stranded,
+                max_retries=1,
+                timeout=3,
+                prefetch=1,
+            ) as doomed,
+        ):
+            assert {a.node_id for a in movable.statistics().actors} == {node}
+            assert {a.node_id for a in stranded.statistics().actors} == {node}
+            it, lost_it = iter(loader), iter(doomed)
+            got = [next(it)]
+            assert indices([next(lost_it)]) == list(range(BATCH))
+            lose()
+            started = time.monotonic()
+            _, error = take_until_error(lost_it, N // BATCH)  # one made before it was lost
+            waited = time.monotonic() - started
+            got.extend(it)
+            movable.start()  # every replacement up (the last one may have had no batch left)
+            moved = movable.statistics()
+            del it, lost_it
+    assert indices(got) == list(range(N))  # in order, each sample once
+    assert {a.node_id for a in moved.actors} == {head}
+    assert all(a.restarts >= 1 for a in moved.actors)
+    assert isinstance(error, LoaderTimeoutError), error
+    message = str(error)
+    assert "no CPU free to place the replacement actor 0" in message
+    assert f"'CPU': {float(EXTRA_NODE_CPUS - 1)}" in message  # what it asks for
+    assert waited < SLOW_BATCH_S  # two attempts of 3 s each, and the death noticed
 
 
 # -- resume ---------------------------------------------------------------------------------
@@ -581,7 +665,7 @@ def test_async_streams_and_tar_shards_are_decoded_in_the_actors_and_resume_exact
                 return [batch async for batch in it], None
             head = [await anext(it) for _ in range(cut)]
             saved = loader.state_dict()
-            await it.aclose()  # type: ignore[attr-defined]
+            await it.aclose()
             return head, saved
 
     with tar_loader(num_workers=0) as local:

@@ -119,6 +119,10 @@ class RayWorkers(WorkerPool):
             for and what the cluster has free. None: 120 s.
         runtime_env: Ray's ``runtime_env`` for the actors (the packages and files they need
             where nodes differ from this one), or None.
+        scheduling_strategy: Ray's ``scheduling_strategy`` for the actors: ``"SPREAD"`` (one
+            per node, as far as they go), a ``NodeAffinitySchedulingStrategy`` (with
+            ``soft=True`` a replacement goes elsewhere once that node is lost), a placement
+            group's; None: Ray's default.
 
     Raises:
         TypeError: an argument of the wrong type (named).
@@ -135,6 +139,7 @@ class RayWorkers(WorkerPool):
         address: str | None = None,
         start_timeout: float | None = None,
         runtime_env: Mapping[str, Any] | None = None,
+        scheduling_strategy: Any = None,
     ) -> None:
         self.num_workers = self.num_actors = check.positive_int("num_actors", num_actors)
         self.num_cpus = check.finite_number("num_cpus", num_cpus, minimum=0)
@@ -157,6 +162,14 @@ class RayWorkers(WorkerPool):
             options["resources"] = dict(self.resources)
         if self.runtime_env is not None:
             options["runtime_env"] = self.runtime_env
+        if isinstance(scheduling_strategy, str) and scheduling_strategy not in _STRATEGIES:
+            raise ValueError(
+                f"scheduling_strategy must be one of {sorted(_STRATEGIES)}, a Ray scheduling "
+                f"strategy object, or None, got {scheduling_strategy!r}"
+            )
+        self.scheduling_strategy = scheduling_strategy
+        if scheduling_strategy is not None:
+            options["scheduling_strategy"] = scheduling_strategy
         timeout = DEFAULT_START_TIMEOUT_S if self.start_timeout is None else self.start_timeout
         self._state = _State(Fleet(self.num_actors, options, timeout))
         self._ids = itertools.count(1)
@@ -365,6 +378,9 @@ class _State:
             ray.shutdown()
             self.own_runtime = False
 
+
+#: The scheduling strategies Ray names by a string.
+_STRATEGIES = frozenset({"DEFAULT", "SPREAD"})
 
 #: Seconds to wait for a cluster's address to accept a connection before joining it. Ray's own
 #: join retries an unreachable address for minutes; this fails in seconds, naming it. Longer:

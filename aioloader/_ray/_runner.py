@@ -20,8 +20,9 @@
 Ordering, deadlines, retries, the skip budget, resume state and statistics stay above, in the
 epoch, as for local workers; this module only routes. A batch waiting for its actor to be
 placed and started (a replacement, when no other actor is up) counts as running: ``timeout``
-bounds that wait too, and the error says what the actor asks for and what is free. The deadline asks :meth:`is_running`
-(the oldest job an actor holds, see ``_fleet``) and :meth:`on_deadline` kills that actor.
+bounds that wait too, and the error says what the actor asks for and what is free. The
+deadline asks :meth:`is_running` (the oldest job an actor holds, see ``_fleet``) and
+:meth:`on_deadline` kills that actor.
 
 The dataset copy travels once per copy: pickled off the loop at the first job after
 :meth:`load`, put into the object store once, and loaded by each actor from there before its
@@ -43,11 +44,12 @@ from typing import Any
 from .._batch import MAX_OPEN_STREAMS
 from .._errors import WorkerCrashedError, WorkerInitError
 from .._log import workers_log
+from .._stats import WorkerFigures
 from .._threads import off_loop
 from .._types import BatchRequest, InlineMaking, Made, StreamRequest
 from ._actor import Failed
-from ._fleet import ActorRecord, Fleet, Job, actor_died, succeeded
-from ._wire import opened
+from ._fleet import ActorRecord, Fleet, Job, SlotFigures, actor_died, succeeded
+from ._wire import opened, wire_nbytes
 
 __all__ = ["MAX_START_DEATHS", "RayRunner"]
 
@@ -85,6 +87,7 @@ class RayRunner:
         self._causes: dict[int, str] = {}  # id(request) -> why its deadline passed (unplaced)
         # (stream, StreamRequest.key) -> that reading of actor ``stream``'s stream; oldest first
         self._readings: dict[tuple[int, tuple[int, int]], _Reading] = {}
+        self._figures = [SlotFigures() for _ in range(fleet.num_actors)]  # this loader's
 
     @property
     def streams(self) -> int:
@@ -313,11 +316,36 @@ class RayRunner:
         return result  # type: ignore[no-any-return]
 
     def _opened(self, record: ActorRecord, result: Made) -> Made:
+        busy = result.read_s + result.collate_s
         figures = self._fleet.figures[record.slot]
         figures.batches += 1
-        figures.busy_s += result.read_s + result.collate_s
+        figures.busy_s += busy
+        mine = self._figures[record.slot]
+        mine.batches += 1
+        mine.busy_s += busy
+        mine.bytes += wire_nbytes(result.batch)
         result.batch = opened(result.batch)
         return result
+
+    def worker_figures(self) -> tuple[WorkerFigures, ...]:
+        """Each actor's figures for this loader (``LoaderStatistics.workers``): its batches,
+        bytes and busy time for this loader, where it runs now and its restarts (the pool's:
+        a replacement serves every loader)."""
+        with self._fleet.lock:
+            records = list(self._fleet.records)
+        return tuple(
+            WorkerFigures(
+                id=slot,
+                node=None if record is None else record.node,
+                host=None if record is None else record.host,
+                pid=None if record is None else record.pid,
+                batches=mine.batches,
+                bytes=mine.bytes,
+                busy_s=mine.busy_s,
+                restarts=self._fleet.figures[slot].restarts,
+            )
+            for slot, (record, mine) in enumerate(zip(records, self._figures, strict=True))
+        )
 
     def _done(self, job: Job, future: Any) -> None:
         """A job's reference resolved (on Ray's thread): it leaves its actor's queue, unless
