@@ -280,13 +280,16 @@ def test_the_loaders_statistics_have_each_actors_figures_and_the_verdict_names_t
 ) -> None:
     """Slow samples: the actors are the bottleneck, and the loader's own ``statistics()``
     says so per actor (batches, bytes, busy share, restarts), as the pool's does."""
-    with DataLoader(Numbered(delay=0.05), batch_size=BATCH, workers=workers) as loader:
+    with DataLoader(
+        Numbered(delay=0.05), batch_size=BATCH, workers=workers, persistent_workers=True
+    ) as loader:
+        list(loader)  # the first epoch's wall time includes loading the copy in the actors
         got = list(loader)
         stats = loader.statistics()
     assert indices(got) == list(range(N))
     figures = stats.workers
     assert [w.id for w in figures] == [0, 1]
-    assert sum(w.batches for w in figures) == N // BATCH
+    assert sum(w.batches for w in figures) == 2 * N // BATCH
     assert sum(w.bytes for w in figures) == stats.bytes_yielded
     assert all(w.node is not None and w.restarts == 0 for w in figures)
     busy = [w for w in figures if w.batches]
@@ -436,11 +439,11 @@ def test_a_hung_actor_without_retries_times_out_naming_the_batch(
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_lost_node_s_actors_are_replaced_and_an_unplaceable_one_times_out_naming_why(
+def test_a_lost_node_s_actor_is_replaced_and_an_unplaceable_one_times_out_naming_why(
     ray_cluster: str,
 ) -> None:
-    """A node of the cluster goes away mid-epoch (every process of it killed): its actors'
-    batches are re-run on replacements placed on the head, every sample once and in order;
+    """A node of the cluster goes away mid-epoch (every process of it killed): its actor's
+    batches are re-run on its replacement, placed on the head, every sample once and in order;
     a loader whose actor asked for what only that node had gets, within its ``timeout`` per
     attempt, a timeout error that says no CPU is free to place the replacement actor."""
     import ray
@@ -452,7 +455,7 @@ def test_a_lost_node_s_actors_are_replaced_and_an_unplaceable_one_times_out_nami
         there = NodeAffinitySchedulingStrategy(node, soft=True)  # elsewhere once it is lost
         with (
             RayWorkers(
-                2, num_cpus=0, resources={HEAD_RESOURCE: 1}, scheduling_strategy=there
+                1, num_cpus=0, resources={HEAD_RESOURCE: 1}, scheduling_strategy=there
             ) as movable,
             RayWorkers(1, num_cpus=EXTRA_NODE_CPUS - 1) as stranded,  # fits that node alone
             DataLoader(
