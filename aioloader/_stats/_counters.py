@@ -774,7 +774,7 @@ _STAGE = {"workers": "reading and collating", "io": "fetching", "source": "the a
 @dataclass(frozen=True, slots=True)
 class WorkerFigures:
     """What one worker did for this loader, where its backend reports it (Ray actors: each
-    actor slot, every incarnation of it together).
+    actor slot, every incarnation of it together), in ``LoaderStatistics.workers``.
 
     Attributes:
         id: the worker id (``get_worker_info().id`` in it).
