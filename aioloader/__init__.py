@@ -41,6 +41,7 @@ from ._sampling import RandomSampler as RandomSampler
 from ._sampling import SequentialSampler as SequentialSampler
 from ._sampling import ShardedBatchSampler as ShardedBatchSampler
 from ._stats import LoaderStatistics as LoaderStatistics
+from ._stats import WorkerFigures as WorkerFigures
 from ._threads import run as run
 from ._types import AsyncDataset as AsyncDataset
 from ._types import AsyncIterableDataset as AsyncIterableDataset
@@ -92,6 +93,7 @@ __all__ = [
     "TransferError",
     "WorkerCrashedError",
     "WorkerError",
+    "WorkerFigures",
     "WorkerInfo",
     "WorkerInitError",
     "WorkerPool",

@@ -4,6 +4,7 @@ object store, started once per test session (``ray start``) and stopped at its e
 Batches of an actor on the second node really cross between two object stores on their way to
 the test process (the driver, on the head). The second node alone offers the custom resource
 ``preprocess``: actors that ask for it are placed there, as on a CPU-only preprocessing node.
+A test that loses a node starts one more of its own (:func:`extra_node`) and kills it.
 
 The nodes run with ``PYTHONPATH`` naming this checkout, the tests and the examples, so actors
 import the aioloader under test, the tests' own dataset classes and the example's actor.
@@ -25,7 +26,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,12 @@ START_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 60
 #: CPUs each node offers: small, so that the cluster fits beside the rest of the suite.
 NODE_CPUS = 2
+#: A custom resource the head offers (and a node started by :func:`extra_node`), the second
+#: node not: actors that ask for it run on the head once the extra node is lost.
+HEAD_RESOURCE = "loaders"
+#: CPUs the extra node offers: more than any other node, so an actor that asks for
+#: ``EXTRA_NODE_CPUS - 1`` of them fits there alone.
+EXTRA_NODE_CPUS = 4
 
 
 def _free_port() -> int:
@@ -104,6 +112,7 @@ def _start(env: dict[str, str]) -> tuple[str, str]:
                 f"--port={port}",
                 "--include-dashboard=false",
                 f"--temp-dir={temp}",
+                f'--resources={{"{HEAD_RESOURCE}": 100}}',
                 *common,
             ],
             env,
@@ -126,6 +135,82 @@ def _stop(env: dict[str, str], temp: str) -> None:
     shutil.rmtree(temp, ignore_errors=True)
 
 
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), str(TESTS), str(EXAMPLES), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    # A local ray.init() elsewhere on this machine (the benchmark's) leaves a token in
+    # ~/.ray/auth_token; this cluster's nodes and driver run without token authentication.
+    env["RAY_AUTH_MODE"] = "disabled"
+    # A lost node is noticed within about a second and a half (Ray's default: 15 s and
+    # more), so that a test that loses one sees its resources gone as soon as its actors'
+    # deaths. A node that is alive answers each check at once; it would have to stall for
+    # three checks in a row, each with Ray's 10 s timeout, to be taken for lost.
+    env["RAY_health_check_period_ms"] = "500"
+    env["RAY_health_check_failure_threshold"] = "3"
+    return env
+
+
+def _alive_nodes() -> set[str]:
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}  # type: ignore[no-untyped-call]
+
+
+@contextlib.contextmanager
+def extra_node(address: str) -> Iterator[tuple[str, Callable[[], None]]]:
+    """One more node joined to the cluster at ``address`` for one test, to be lost: its node id
+    and a ``lose()`` that kills every process of it (the ``ray start --block`` process, its
+    raylet, its actors) with SIGKILL, as a machine that goes away. Start-up is bounded
+    (:data:`START_TIMEOUT_S`); whatever of it is left is killed at the end, by pid: never
+    ``ray stop``, which would stop the shared cluster."""
+    import psutil
+
+    before = _alive_nodes()
+    node = subprocess.Popen(
+        [
+            _ray_cli(),
+            "start",
+            f"--address={address}",
+            "--node-ip-address=127.0.0.1",
+            f"--num-cpus={EXTRA_NODE_CPUS}",
+            f'--resources={{"{HEAD_RESOURCE}": 100}}',
+            "--disable-usage-stats",
+            "--block",
+        ],
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    tree: dict[int, psutil.Process] = {}
+
+    def lose() -> None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            tree.update({p.pid: p for p in psutil.Process(node.pid).children(recursive=True)})
+        node.kill()
+        for process in tree.values():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        node.wait(STOP_TIMEOUT_S)
+        psutil.wait_procs(list(tree.values()), timeout=STOP_TIMEOUT_S)
+
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            new = sorted(_alive_nodes() - before)
+            if new:
+                break
+            if node.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the extra Ray node did not start (exit {node.poll()})")
+            time.sleep(0.2)
+        yield new[0], lose
+    finally:
+        lose()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The address of the session's two-node cluster, this process joined to it.
@@ -137,15 +222,13 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'aioloader[ray]')")
     from filelock import FileLock
 
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), str(TESTS), str(EXAMPLES), *filter(None, [os.environ.get("PYTHONPATH")])]
-    )
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
-    # A local ray.init() elsewhere on this machine (the benchmark's) leaves a token in
-    # ~/.ray/auth_token; this cluster's nodes and driver run without token authentication.
-    env["RAY_AUTH_MODE"] = "disabled"
-    shared = tmp_path_factory.getbasetemp().parent  # the same for every xdist process of a run
+    env = _env()
+    # The run's own directory: under xdist the parent of each process's basetemp (the same
+    # for every process of the run), else the basetemp itself. (Its parent is then the
+    # user's pytest directory, shared by every run: a count left behind by a run killed in
+    # its teardown sent each later run to join a cluster long stopped.)
+    basetemp = tmp_path_factory.getbasetemp()
+    shared = basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp
     state_file = shared / "ray-cluster.json"
     with FileLock(str(shared / "ray-cluster.lock")):
         state = json.loads(state_file.read_text()) if state_file.exists() else {"users": 0}

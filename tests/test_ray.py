@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from datasets import AsyncResumable, Resumable, keep, tar_keys, tar_sample, tar_shard
+from helpers import as_lists
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,10 +31,12 @@ from aioloader import (
     DataLoader,
     LoaderTimeoutError,
     RayWorkers,
+    WorkerCrashedError,
     WorkerInitError,
     get_worker_info,
     numpy_collate,
 )
+from aioloader.sources import TarDataset
 
 N = 24
 BATCH = 4
@@ -128,9 +132,19 @@ class Concurrent:
         return np.array([i, self.peak, os.getpid()])
 
 
-class Stream:
+class SlowResumable(Resumable):
+    """:class:`datasets.Resumable` whose every item takes ``delay`` seconds: an actor can be
+    killed while it reads."""
+
+    def __init__(self, n: int, delay: float = 0.0, *, self_sharded: bool = False) -> None:
+        super().__init__(n, self_sharded=self_sharded)
+        self.delay = delay
+
     def __iter__(self) -> Iterator[int]:
-        return iter(range(4))
+        for i in super().__iter__():
+            if self.delay:
+                time.sleep(self.delay)
+            yield i
 
 
 def indices(batches: list[Any]) -> list[int]:
@@ -208,18 +222,6 @@ def test_the_pool_decides_the_worker_count(workers: RayWorkers) -> None:
     loader.close()
 
 
-def test_an_iterable_dataset_is_refused_at_once_with_the_reason(workers: RayWorkers) -> None:
-    with (
-        pytest.raises(TypeError, match="map-style datasets"),
-        DataLoader(Stream(), batch_size=2, workers=workers),
-    ):
-        pass
-    loader = DataLoader(Stream(), batch_size=2, workers=workers)
-    with pytest.raises(TypeError, match="map-style datasets"):
-        list(loader)
-    loader.close()
-
-
 # -- the batches ------------------------------------------------------------------------------
 
 
@@ -271,6 +273,33 @@ def test_actors_on_a_preprocessing_node_send_batches_across_object_stores(
     assert sum(a.batches for a in stats.actors) == N // BATCH
     assert all(a.busy_s > 0 for a in stats.actors if a.batches)
     assert stats.worker_restarts == 0
+
+
+def test_the_loaders_statistics_have_each_actors_figures_and_the_verdict_names_them(
+    workers: RayWorkers,
+) -> None:
+    """Slow samples: the actors are the bottleneck, and the loader's own ``statistics()``
+    says so per actor (batches, bytes, busy share, restarts), as the pool's does."""
+    with DataLoader(
+        Numbered(delay=0.05), batch_size=BATCH, workers=workers, persistent_workers=True
+    ) as loader:
+        list(loader)  # the first epoch's wall time includes loading the copy in the actors
+        got = list(loader)
+        stats = loader.statistics()
+    assert indices(got) == list(range(N))
+    figures = stats.workers
+    assert [w.id for w in figures] == [0, 1]
+    assert sum(w.batches for w in figures) == 2 * N // BATCH
+    assert sum(w.bytes for w in figures) == stats.bytes_yielded
+    assert all(w.node is not None and w.restarts == 0 for w in figures)
+    busy = [w for w in figures if w.batches]
+    assert busy
+    assert all(0 < w.busy_share <= 1 for w in busy)
+    assert all(w.busy_s >= BATCH * 0.05 * w.batches for w in busy)
+    assert stats.as_dict()["workers/0/batches"] == figures[0].batches
+    assert f"worker 0 (node {str(figures[0].node)[:12]}" in str(stats)
+    assert stats.bottleneck == "workers", stats.epoch_stats.hint
+    assert "per worker, busiest: worker" in stats.epoch_stats.hint
 
 
 def test_errors_keep_their_type_and_skips_are_named(workers: RayWorkers) -> None:
@@ -408,6 +437,66 @@ def test_a_hung_actor_without_retries_times_out_naming_the_batch(
         assert pool.statistics().worker_restarts == 1
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_lost_node_s_actor_is_replaced_and_an_unplaceable_one_times_out_naming_why(
+    ray_cluster: str,
+) -> None:
+    """A node of the cluster goes away mid-epoch (every process of it killed): its actor's
+    batches are re-run on its replacement, placed on the head, every sample once and in order;
+    a loader whose actor asked for what only that node had gets, within its ``timeout`` per
+    attempt, a timeout error that says no CPU is free to place the replacement actor."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from ray_cluster import EXTRA_NODE_CPUS, HEAD_RESOURCE, extra_node
+
+    head = ray.get_runtime_context().get_node_id()
+    with extra_node(ray_cluster) as (node, lose):
+        there = NodeAffinitySchedulingStrategy(node, soft=True)  # elsewhere once it is lost
+        with (
+            RayWorkers(
+                1, num_cpus=0, resources={HEAD_RESOURCE: 1}, scheduling_strategy=there
+            ) as movable,
+            RayWorkers(1, num_cpus=EXTRA_NODE_CPUS - 1) as stranded,  # fits that node alone
+            DataLoader(
+                Numbered(delay=0.05),
+                batch_size=BATCH,
+                workers=movable,
+                max_retries=2,
+                timeout=SLOW_BATCH_S / 3,
+            ) as loader,
+            DataLoader(
+                Numbered(delay=0.2),
+                batch_size=BATCH,
+                workers=stranded,
+                max_retries=1,
+                timeout=3,
+                prefetch=1,
+            ) as doomed,
+        ):
+            assert {a.node_id for a in movable.statistics().actors} == {node}
+            assert {a.node_id for a in stranded.statistics().actors} == {node}
+            it, lost_it = iter(loader), iter(doomed)
+            got = [next(it)]
+            assert indices([next(lost_it)]) == list(range(BATCH))
+            lose()
+            started = time.monotonic()
+            _, error = take_until_error(lost_it, N // BATCH)  # one made before it was lost
+            waited = time.monotonic() - started
+            got.extend(it)
+            movable.start()  # every replacement up (the last one may have had no batch left)
+            moved = movable.statistics()
+            del it, lost_it
+    assert indices(got) == list(range(N))  # in order, each sample once
+    assert {a.node_id for a in moved.actors} == {head}
+    assert all(a.restarts >= 1 for a in moved.actors)
+    assert isinstance(error, LoaderTimeoutError), error
+    message = str(error)
+    assert "no CPU free to place the replacement actor 0" in message
+    assert f"'CPU': {float(EXTRA_NODE_CPUS - 1)}" in message  # what it asks for
+    assert waited < SLOW_BATCH_S  # two attempts of 3 s each, and the death noticed
+
+
 # -- resume ---------------------------------------------------------------------------------
 
 
@@ -444,6 +533,151 @@ def test_resume_at_any_cut_continues_exactly_into_actors_or_local_workers(
     draws = [b["draw"].tolist() for b in whole[cut:]]
     if into != "threads":  # threads share the process's generators: not reseeded per batch
         assert [b["draw"].tolist() for b in rest] == draws
+
+
+# -- streams (iterable datasets) ----------------------------------------------------------------
+
+STREAM_N = 30
+STREAM_BATCH = 3
+
+
+@pytest.mark.parametrize("self_sharded", [False, True], ids=["split-by-loader", "self-sharded"])
+def test_actors_read_a_stream_as_worker_processes_do(
+    workers: RayWorkers, self_sharded: bool
+) -> None:
+    """Each actor reads its share: split by the loader, or by the dataset itself from
+    ``get_worker_info()`` in the actor. The batches and their order are two local worker
+    processes' (round-robin over the readers); every item once."""
+
+    def loader(**how: Any) -> DataLoader:
+        dataset = Resumable(STREAM_N, self_sharded=self_sharded)
+        return DataLoader(dataset, batch_size=STREAM_BATCH, **how)
+
+    with loader(workers=workers) as remote:
+        got = as_lists(list(remote))
+        again = as_lists(list(remote))  # the next epoch opens the streams afresh
+    with loader(num_workers=2) as local:
+        expected = as_lists(list(local))
+    assert got == again == expected
+    assert sorted(i for b in got for i in b) == list(range(STREAM_N))
+
+
+@pytest.mark.parametrize(
+    ("saved_on", "resumed_on"),
+    [("actors", "local"), ("local", "actors"), ("actors", "actors")],
+)
+def test_a_stream_resumes_exactly_between_actors_and_worker_processes(
+    workers: RayWorkers, saved_on: str, resumed_on: str
+) -> None:
+    def loader(on: str) -> DataLoader:
+        how: dict[str, Any] = {"workers": workers} if on == "actors" else {"num_workers": 2}
+        return DataLoader(Resumable(STREAM_N), batch_size=STREAM_BATCH, **how)
+
+    with loader("actors") as whole:
+        expected = as_lists(list(whole))
+    with loader(saved_on) as first:
+        it = iter(first)
+        taken = as_lists([next(it) for _ in range(3)])  # readers 0, 1, 0: reader 1's turn
+        state = first.state_dict()
+        del it
+    assert state["streams"]["readers"] == 2
+    with loader(resumed_on) as resumed:
+        resumed.load_state_dict(state)
+        assert taken + as_lists(list(resumed)) == expected
+
+
+def take_until_error(it: Iterator[Any], most: int) -> tuple[list[list[int]], Exception | None]:
+    """The batches ``it`` yields (``most`` at most) before one raises, and that error."""
+    got: list[list[int]] = []
+    for _ in range(most):
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        except Exception as exc:
+            return got, exc
+        got += as_lists([batch])
+    return got, None
+
+
+def test_a_killed_actors_stream_ends_its_reader_and_its_state_resumes_it_exactly(
+    ray_cluster: str,
+) -> None:
+    """As with worker processes: the batch the actor was reading fails naming it (a stream is
+    never read twice), the other readers go on, and a ``state_dict()`` taken at the error
+    resumes the dead reader where its last batch taken left it: every item exactly once."""
+    dataset = SlowResumable(STREAM_N, delay=0.05)
+    with RayWorkers(2, num_cpus=0) as pool:
+        with DataLoader(dataset, batch_size=STREAM_BATCH, workers=pool) as loader:
+            expected = as_lists(list(loader))
+        with DataLoader(dataset, batch_size=STREAM_BATCH, workers=pool, prefetch=4) as loader:
+            it = iter(loader)
+            taken = as_lists([next(it)])
+            victim = pool.statistics().actors[0].pid
+            assert victim is not None
+            os.kill(victim, signal.SIGKILL)
+            more, error = take_until_error(it, len(expected))  # read before the kill
+            taken += more
+            assert isinstance(error, WorkerCrashedError), error
+            assert f"Ray actor 0 (pid {victim}" in str(error)
+            state = loader.state_dict()
+            del it
+        restarts = pool.statistics().actors[0].restarts
+    assert restarts == 1
+    with DataLoader(SlowResumable(STREAM_N), batch_size=STREAM_BATCH, num_workers=2) as resumed:
+        resumed.load_state_dict(state)
+        rest = as_lists(list(resumed))
+    assert taken + rest == expected
+
+
+def test_async_streams_and_tar_shards_are_decoded_in_the_actors_and_resume_exactly(
+    workers: RayWorkers, tmp_path: Path
+) -> None:
+    """An async iterable dataset is read on the training process's loop (one reader) and its
+    samples decoded and collated in the actors; ``TarDataset`` likewise, shuffled."""
+    with DataLoader(AsyncResumable(STREAM_N), batch_size=4, workers=workers) as loader:
+        it = iter(loader)
+        taken = as_lists([next(it) for _ in range(2)])
+        state = loader.state_dict()
+        del it
+    with DataLoader(AsyncResumable(STREAM_N), batch_size=4, workers=workers) as loader:
+        loader.load_state_dict(state)
+        rest = as_lists(list(loader))
+    assert taken + rest == [list(range(i, min(i + 4, STREAM_N))) for i in range(0, STREAM_N, 4)]
+
+    paths = []
+    for shard in range(4):
+        path = tmp_path / f"shard-{shard}.tar"
+        path.write_bytes(tar_shard(shard, 3 + shard))
+        paths.append(str(path))
+
+    def tar_loader(**how: Any) -> DataLoader:
+        ds = TarDataset(paths, decode=tar_sample, shuffle=True, shuffle_buffer=6, seed=9)
+        return DataLoader(ds, batch_size=3, collate_fn=keep, **how)
+
+    def keys(batches: list[Any]) -> list[str]:
+        return [sample["key"] for batch in batches for sample in batch]
+
+    async def read(state: dict[str, Any] | None, cut: int | None) -> tuple[list[Any], Any]:
+        # On a loop of its own (asyncio.run), whose file-reading threads end with it.
+        async with tar_loader(workers=workers) as loader:
+            if state is not None:
+                loader.load_state_dict(state)
+            it = aiter(loader)
+            if cut is None:
+                return [batch async for batch in it], None
+            head = [await anext(it) for _ in range(cut)]
+            saved = loader.state_dict()
+            await it.aclose()
+            return head, saved
+
+    with tar_loader(num_workers=0) as local:
+        full = keys(list(local))
+    head, state = asyncio.run(read(None, 2))
+    tail, _ = asyncio.run(read(state, None))
+    assert keys(head + tail) == full
+    assert sorted(full) == tar_keys(4, lambda shard: 3 + shard)
+    assert os.getpid() not in {s["pid"] for batch in head + tail for s in batch}  # in actors
 
 
 # -- async datasets in the actors -------------------------------------------------------------

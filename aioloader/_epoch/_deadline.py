@@ -117,7 +117,12 @@ async def run_attempts(
             why = f"it passed its {policy.timeout} s deadline{killed}"
             _log_rerun(batch_id, tries, policy.max_retries, why)
             continue
-        raise timeout_error(batch_id, describe(), policy.clock() - started, policy.timeout, pid)
+        cause = getattr(runner, "deadline_cause", None)  # Ray actors: one not placed, say
+        known: str | None = cause(request) if cause is not None else None
+        advice = {} if known is None else {"advice": known}
+        raise timeout_error(
+            batch_id, describe(), policy.clock() - started, policy.timeout, pid, **advice
+        )
 
 
 def _log_rerun(batch_id: int, retry: int, retries: int, why: str) -> None:

@@ -474,9 +474,10 @@ class Resources:
         runner = self.runner if os.getpid() == self.pid else None
         return runner.worker_pids() if runner is not None else ()
 
-    def live(self, prefetch: int) -> dict[str, int]:
+    def live(self, prefetch: int) -> dict[str, Any]:
         """The statistics only these resources know: batches in flight and waiting, shared
-        memory, restarts and fallbacks (see :class:`aioloader.LoaderStatistics`)."""
+        memory, restarts and fallbacks, and each worker's figures where the runner reports
+        them (Ray actors' ``worker_figures``; see :class:`aioloader.LoaderStatistics`)."""
         epoch = self.epoch
         runner = self.runner
         slots = runner.shm_stats() if runner is not None else None
@@ -492,6 +493,7 @@ class Resources:
             "shm_fallbacks": runner.shm_fallbacks if runner is not None else 0,
             "worker_restarts": runner.restarts if runner is not None else 0,
             **(_device_live(device) if device is not None else {}),
+            "workers": getattr(runner, "worker_figures", tuple)(),
         }
 
     @property

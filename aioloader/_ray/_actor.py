@@ -10,6 +10,9 @@
                                             actor's loop, io_concurrency at once (many batches
                                             fetching together); then, one batch at a time, on a
                                             thread: seed, read / decode / transform, collate
+    pull.remote(copy_id, request, turn) ──▶ pull: an iterable dataset's next batch of this
+                                            actor's share of the stream (its turn in order),
+                                            read as a worker process reads it (read_stream)
     await ref ◀─── Made(batch=as_arrays(batch)) or Failed(exception) ───┘
 
 One actor stands for one worker process: its id (stable across replacements), its seeds
@@ -44,19 +47,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._batch import BatchMaker, annotate, not_an_exit
+from .._batch import MAX_OPEN_STREAMS, BatchMaker, annotate, not_an_exit
 from .._errors import WorkerInitError
-from .._types import BatchRequest, Made, SourceDataset
+from .._types import END, BatchRequest, Made, SourceDataset, StreamRequest
 from .._workers import (
+    WorkerCopy,
     WorkerInfo,
     get_worker_info,
     loads_payload,
     picklable,
     publish_worker_info,
+    read_stream,
     seed_everything,
     seed_on_import,
     seed_worker,
+    sharding_seen,
     torch_on_one_thread,
+    watch_sharding,
     worker_seed,
 )
 from ._wire import as_arrays
@@ -78,6 +85,8 @@ class ActorCopy:
         preload: modules to import as the copy loads (torch, where the training process has
             it): under the start deadline, not the first batch's (a fresh actor importing
             torch for its first collate took seconds of that batch's ``timeout``).
+        stream: the dataset is a (sync) iterable one: the actor reads its share of the stream
+            (:meth:`LoaderActor.pull`), as a worker process does.
     """
 
     maker: BatchMaker
@@ -86,6 +95,7 @@ class ActorCopy:
     io_concurrency: int = 64
     per_batch_seeds: bool = True
     preload: tuple[str, ...] = ()
+    stream: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +113,7 @@ class _Loaded:
     init_error: str | None = None
     io: asyncio.Semaphore | None = None
     fetch: Callable[[int], Any] | None = field(default=None)
+    stream: WorkerCopy | None = None  # an iterable dataset's: where its stream stands
 
 
 class LoaderActor:
@@ -119,6 +130,9 @@ class LoaderActor:
         self._copies: dict[int, _Loaded] = {}
         self._cpu: asyncio.Lock | None = None  # one batch's CPU work at a time
         self._active: int | None = None  # the copy whose WorkerInfo is published
+        # (copy id, StreamRequest.key) -> the next pull's turn (see pull); oldest first
+        self._turns: dict[tuple[int, tuple[int, int]], int] = {}
+        self._turned: asyncio.Condition | None = None
         # numpy.random and torch imported later (numpy imports numpy.random lazily) are seeded
         # with the seed in force the moment they arrive, as in a worker process.
         seed_on_import()
@@ -137,7 +151,9 @@ class LoaderActor:
     def _load(self, copy_id: int, payload: bytes, epoch: int, seed: int) -> None:
         publish_worker_info(None)
         self._active = None
-        self._copies.pop(copy_id, None)
+        previous = self._copies.pop(copy_id, None)
+        if previous is not None and previous.stream is not None:
+            previous.stream.release()  # its files and memory go now, as in a worker process
         try:
             copy: ActorCopy = loads_payload(payload)
         except BaseException as exc:  # reported by every batch of this copy, never a crash
@@ -156,6 +172,9 @@ class LoaderActor:
         torch_on_one_thread()  # as a local worker: the actor's CPUs are its own budget
         dataset = copy.maker.dataset if copy.fetch_from is None else copy.fetch_from
         loaded = _Loaded(copy, WorkerInfo(self._id, self._n, wseed, dataset), seed)
+        if copy.stream:
+            loaded.stream = WorkerCopy(self._id, self._n, seed, copy.per_batch_seeds)
+            loaded.stream.set_maker(copy.maker)
         if copy.fetch_from is not None:
             source = copy.fetch_from
             loaded.fetch = source.fetch if isinstance(source, SourceDataset) else source.__getitem__
@@ -166,25 +185,30 @@ class LoaderActor:
         publish_worker_info(loaded.info)
         self._active = copy_id
         if copy.init_fn is not None:
+            watch_sharding()  # a worker_init_fn that reads get_worker_info() shards the stream
             try:
                 copy.init_fn(self._id)
             except BaseException as exc:  # reported by every batch of this copy
                 loaded.init_error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            finally:
+                if loaded.stream is not None:
+                    loaded.stream.init_shards = sharding_seen()
+                else:
+                    sharding_seen()
 
     async def drop(self, copy_id: int) -> None:
         """Forget ``copy_id`` (its loader was closed)."""
-        if self._copies.pop(copy_id, None) is not None and self._active == copy_id:
+        loaded = self._copies.pop(copy_id, None)
+        if loaded is not None and loaded.stream is not None:
+            loaded.stream.release()
+        if loaded is not None and self._active == copy_id:
             publish_worker_info(None)
             self._active = None
 
     async def make(self, copy_id: int, request: BatchRequest) -> Made | Failed:
         """Make the batch of ``request`` with copy ``copy_id``."""
         try:
-            loaded = self._copies.get(copy_id)
-            if loaded is None:
-                raise WorkerInitError(f"{self._where()} has no dataset copy {copy_id}")
-            if loaded.init_error is not None:
-                raise WorkerInitError(f"{self._where()} failed to start: {loaded.init_error}")
+            loaded = self._loaded(copy_id)
             started = time.perf_counter()
             skipped: list[tuple[int, str]] = []
             if loaded.fetch is not None and request.raw is None:
@@ -202,10 +226,77 @@ class LoaderActor:
         except BaseException as exc:  # SystemExit from the dataset: not this actor's end
             return Failed(not_an_exit(exc, self._where(), request.batch_id))
 
-    def _make(self, copy_id: int, loaded: _Loaded, request: BatchRequest) -> Made:
+    async def pull(self, copy_id: int, request: StreamRequest, turn: int) -> Made | Failed:
+        """Make the next batch of this actor's share of copy ``copy_id``'s stream (``END`` once
+        it ran out), as a worker process does (``aioloader._workers.read_stream``).
+
+        ``turn`` numbers the pulls of one reading of the stream from 0 (its opening pull), in
+        the order the runner sent them: they run in that order whatever order Ray starts them
+        in (an async actor does not promise the order of its calls), since each takes the
+        stream's next samples.
+        """
+        key = (copy_id, request.key)
+        turned = self._turned_condition()
+        try:
+            async with turned:
+                if request.opens:
+                    self._turns.pop(key, None)  # the same reading opened again: afresh
+                    while len(self._turns) >= MAX_OPEN_STREAMS:
+                        del self._turns[next(iter(self._turns))]
+                await turned.wait_for(lambda: self._turns.get(key, 0) == turn)
+            try:  # from here on the next turn comes, whatever happens to this one
+                loaded = self._loaded(copy_id)
+                if loaded.stream is None:
+                    raise WorkerInitError(f"{self._where()} holds copy {copy_id} as map data")
+                async with self._lock():
+                    made = await asyncio.to_thread(self._pull, copy_id, loaded, request)
+            finally:
+                async with turned:
+                    self._turns[key] = turn + 1
+                    turned.notify_all()
+            made.batch = as_arrays(made.batch)
+            return made
+        except Exception as exc:
+            annotate(exc, f"in the stream of {self._where()}, making batch {request.batch_id}")
+            return Failed(picklable(exc))
+        except BaseException as exc:  # SystemExit from the dataset: not this actor's end
+            return Failed(not_an_exit(exc, f"the stream of {self._where()}", request.batch_id))
+
+    def _pull(self, copy_id: int, loaded: _Loaded, request: StreamRequest) -> Made:
+        stream = loaded.stream
+        assert stream is not None
+        self._publish(copy_id, loaded)
+        if loaded.copy.per_batch_seeds:
+            seed_everything(loaded.seed, request.epoch, request.batch_id)
+        started = time.perf_counter()
+        samples, position, order = read_stream(stream, request)
+        if samples is END:
+            return Made(batch=END, order=order)
+        pulled_s = time.perf_counter() - started
+        of_samples = BatchRequest(
+            request.epoch, request.batch_id, list(range(len(samples))), raw=samples
+        )
+        made = loaded.copy.maker.make(of_samples)
+        made.read_s += pulled_s
+        made.position = position
+        made.order = order
+        return made
+
+    def _loaded(self, copy_id: int) -> _Loaded:
+        loaded = self._copies.get(copy_id)
+        if loaded is None:
+            raise WorkerInitError(f"{self._where()} has no dataset copy {copy_id}")
+        if loaded.init_error is not None:
+            raise WorkerInitError(f"{self._where()} failed to start: {loaded.init_error}")
+        return loaded
+
+    def _publish(self, copy_id: int, loaded: _Loaded) -> None:
         if self._active != copy_id or get_worker_info() is not loaded.info:
             publish_worker_info(loaded.info)
             self._active = copy_id
+
+    def _make(self, copy_id: int, loaded: _Loaded, request: BatchRequest) -> Made:
+        self._publish(copy_id, loaded)
         if loaded.copy.per_batch_seeds:
             seed_everything(loaded.seed, request.epoch, request.batch_id)
         return loaded.copy.maker.make(request)
@@ -267,6 +358,11 @@ class LoaderActor:
         if request.sharded:
             return BatchRequest(request.epoch, request.batch_id, kept_indices, True, kept_raws)
         return BatchRequest(request.epoch, request.batch_id, kept_indices[0], False, kept_raws[0])
+
+    def _turned_condition(self) -> asyncio.Condition:
+        if self._turned is None:
+            self._turned = asyncio.Condition()
+        return self._turned
 
     def _lock(self) -> asyncio.Lock:
         if self._cpu is None:

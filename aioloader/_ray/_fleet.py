@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,12 @@ from typing import Any
 from .._errors import WorkerInitError
 from ._actor import LoaderActor
 
-__all__ = ["ActorRecord", "Fleet", "Job", "actor_died", "succeeded"]
+__all__ = ["ActorRecord", "Fleet", "Job", "SlotFigures", "actor_died", "succeeded"]
+
+
+#: Rounds of :meth:`Fleet.wait_ready` in which actors died while starting (a node lost
+#: under them) before it gives up: each round replaces the dead and waits again.
+MAX_START_ROUNDS = 3
 
 
 @dataclass(slots=True, eq=False)
@@ -76,11 +82,12 @@ def actor_died(exc: BaseException) -> bool:
 
 @dataclass(slots=True)
 class SlotFigures:
-    """What one slot's actors did, all incarnations together."""
+    """What one slot's actors did, all incarnations together (for all loaders, or for one)."""
 
     batches: int = 0
     busy_s: float = 0.0
     restarts: int = 0
+    bytes: int = 0
 
 
 class Fleet:
@@ -125,17 +132,38 @@ class Fleet:
                     self.records[slot] = self._new(slot)
 
     def wait_ready(self) -> None:
-        """Block until every actor runs (placed, started, imported), or the start deadline."""
+        """Block until every actor runs (placed, started, imported), or the start deadline.
+        One that died on the way (its node lost) is replaced and waited for in turn, up to
+        :data:`MAX_START_ROUNDS` rounds of deaths.
+
+        Raises:
+            WorkerInitError: an actor not up by the deadline, or dying round after round.
+        """
         import ray
 
-        self.start_all()
-        records = [r for r in self.records if r is not None]
-        refs = [r.ready_ref for r in records]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=self.start_timeout)
-        for record in records:
-            if record.ready_ref not in done:
-                raise self._not_started(record)
-            record.pid, record.node, record.host = ray.get(record.ready_ref)
+        deadline = time.monotonic() + self.start_timeout
+        for _ in range(MAX_START_ROUNDS):
+            self.start_all()
+            with self.lock:
+                records = [r for r in self.records if r is not None and r.pid is None]
+            if not records:
+                return
+            refs = [r.ready_ref for r in records]
+            left = max(0.0, deadline - time.monotonic())
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=left)
+            for record in records:
+                if record.ready_ref not in done:
+                    raise self._not_started(record)
+                try:
+                    record.pid, record.node, record.host = ray.get(record.ready_ref)
+                except Exception as exc:
+                    if not actor_died(exc):
+                        raise
+                    self.died(record)  # its replacement is waited for in the next round
+        raise WorkerInitError(
+            f"the actors of these RayWorkers died while starting, {MAX_START_ROUNDS} rounds "
+            f"in a row; they ask for {self.options}"
+        )
 
     async def ready(self, record: ActorRecord) -> None:
         """Wait (on the loop) until ``record``'s actor runs; its pid and node are known then.
@@ -160,12 +188,7 @@ class Fleet:
             raise self._not_started(record) from None
 
     def _not_started(self, record: ActorRecord) -> WorkerInitError:
-        import ray
-
-        try:
-            free = ray.available_resources()  # type: ignore[no-untyped-call]
-        except Exception:  # pragma: no cover - the cluster went away
-            free = "unknown"
+        free = _free()
         return WorkerInitError(
             f"Ray actor {record.slot} was not placed and started within start_timeout="
             f"{self.start_timeout} s; it asks for {self.options}, and the cluster has "
@@ -174,7 +197,9 @@ class Fleet:
         )
 
     def pick(self) -> ActorRecord:
-        """The live actor holding the fewest jobs (the lowest slot among equals)."""
+        """The live actor holding the fewest jobs (the lowest slot among equals), among those
+        that run if any does: a batch does not wait for a replacement to be placed and
+        started while another actor is up."""
         with self.lock:
             if self.closed:
                 raise RuntimeError("these RayWorkers are closed: their actors are gone")
@@ -184,7 +209,60 @@ class Fleet:
                     if record is None:
                         self.records[slot] = self._new(slot)
                 live = [r for r in self.records if r is not None and not r.dead]
-            return min(live, key=lambda r: (len(r.jobs), r.slot))
+            up = [r for r in live if r.pid is not None] or live
+            return min(up, key=lambda r: (len(r.jobs), r.slot))
+
+    def slot(self, slot: int) -> ActorRecord:
+        """The actor of ``slot`` now (made if it was not): a stream's reader is one slot."""
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("these RayWorkers are closed: their actors are gone")
+            record = self.records[slot]
+            if record is None:
+                record = self.records[slot] = self._new(slot)
+            return record
+
+    def unplaced(self, record: ActorRecord) -> str:
+        """Why ``record``'s actor is not up yet, for a batch that waited for it past its
+        deadline: what it asks for against what the cluster's nodes have free (an actor
+        needs it all on one node)."""
+        asked = {"CPU": float(self.options.get("num_cpus", 1)), **self.options.get("resources", {})}
+        if self.options.get("num_gpus"):
+            asked["GPU"] = float(self.options["num_gpus"])
+        wanted = {name: amount for name, amount in asked.items() if amount > 0}
+        nodes = _free_per_node()
+        free = _free()
+        which = "the replacement actor" if self.figures[record.slot].restarts else "the actor"
+        fits = nodes is None or any(
+            all(node.get(name, 0.0) >= amount for name, amount in wanted.items())
+            for node in nodes.values()
+        )
+        if fits:
+            return (
+                f"{which} {record.slot} is not up yet: it asks for {asked}, and a node "
+                f"reports that free ({free} in all): its process is still starting, or a "
+                "node just lost is still counted (Ray notices a lost node only after its "
+                "health checks fail). Give the batch a larger timeout"
+            )
+        assert nodes is not None
+        short = [
+            name
+            for name, amount in wanted.items()
+            if all(node.get(name, 0.0) < amount for node in nodes.values())
+        ]
+        if short == ["CPU"]:
+            what = "no CPU"
+        elif short:
+            what = f"not enough {' and '.join(short)}"
+        else:
+            what = "no node with all it asks for"
+        return (
+            f"{what} free to place {which} {record.slot}: it asks for {asked} on one node, "
+            f"and the cluster has {free} free in all (the actors of other jobs hold the "
+            "rest, or the node that had it was lost). Add nodes with those resources, ask "
+            "for less per actor (num_cpus=0 places it beside others), or give the batch a "
+            "larger timeout"
+        )
 
     def live(self) -> list[ActorRecord]:
         """The actors made and not dead."""
@@ -248,6 +326,29 @@ class Fleet:
         for record in records:
             if record is not None and ray.is_initialized():
                 ray.kill(record.handle, no_restart=True)
+
+
+def _free() -> dict[str, float] | str:
+    """What the cluster has free now (``ray.available_resources()``), or ``"unknown"``."""
+    import ray
+
+    try:
+        return dict(ray.available_resources())  # type: ignore[no-untyped-call]
+    except Exception:  # pragma: no cover - the cluster went away
+        return "unknown"
+
+
+def _free_per_node() -> dict[str, dict[str, float]] | None:
+    """What each live node has free, or None where Ray does not say (a private function of
+    Ray's, read here only: its public ``available_resources`` sums the nodes, and an actor
+    needs what it asks for on one node)."""
+    try:
+        from ray._private import state
+
+        per_node = state.available_resources_per_node()  # type: ignore[no-untyped-call]
+        return {str(node): dict(free) for node, free in per_node.items()}
+    except Exception:  # another Ray release, or the cluster went away
+        return None
 
 
 def succeeded(future: asyncio.Future[Any]) -> bool:

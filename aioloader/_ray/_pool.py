@@ -16,9 +16,11 @@ rest (order, deadlines, retries, skips, resume, statistics) above the runner as 
 workers. Nothing of the process pool's (processes, slots, a forkserver) is made.
 
 Sharp edges:
-- Map-style datasets only (sync, and async: fetched inside the actors). An iterable dataset is
-  refused at the first epoch: its stream would live in one actor, and its resume state with
-  it; use a WorkerPool or threads for streams.
+- Every kind of dataset: map-style ones (an async one is fetched inside the actors), an
+  iterable one (each actor reads its share of the stream, as a worker process does; a dead
+  actor's reader ends for the epoch, and ``state_dict()`` resumes it exactly), and an async
+  iterable one (read on the training process's loop, its samples sent to the actors to
+  decode and collate).
 - The pool decides ``num_workers`` (its ``num_actors``), and ``multiprocessing_context``,
   ``shm_max_bytes`` and ``start_timeout`` of its loaders: leave them out.
 - Closing the pool kills its actors; closing a loader only makes them forget its copy. A
@@ -117,6 +119,10 @@ class RayWorkers(WorkerPool):
             for and what the cluster has free. None: 120 s.
         runtime_env: Ray's ``runtime_env`` for the actors (the packages and files they need
             where nodes differ from this one), or None.
+        scheduling_strategy: Ray's ``scheduling_strategy`` for the actors: ``"SPREAD"`` (one
+            per node, as far as they go), a ``NodeAffinitySchedulingStrategy`` (with
+            ``soft=True`` a replacement goes elsewhere once that node is lost), a placement
+            group's; None: Ray's default.
 
     Raises:
         TypeError: an argument of the wrong type (named).
@@ -133,6 +139,7 @@ class RayWorkers(WorkerPool):
         address: str | None = None,
         start_timeout: float | None = None,
         runtime_env: Mapping[str, Any] | None = None,
+        scheduling_strategy: Any = None,
     ) -> None:
         self.num_workers = self.num_actors = check.positive_int("num_actors", num_actors)
         self.num_cpus = check.finite_number("num_cpus", num_cpus, minimum=0)
@@ -155,6 +162,14 @@ class RayWorkers(WorkerPool):
             options["resources"] = dict(self.resources)
         if self.runtime_env is not None:
             options["runtime_env"] = self.runtime_env
+        if isinstance(scheduling_strategy, str) and scheduling_strategy not in _STRATEGIES:
+            raise ValueError(
+                f"scheduling_strategy must be one of {sorted(_STRATEGIES)}, a Ray scheduling "
+                f"strategy object, or None, got {scheduling_strategy!r}"
+            )
+        self.scheduling_strategy = scheduling_strategy
+        if scheduling_strategy is not None:
+            options["scheduling_strategy"] = scheduling_strategy
         timeout = DEFAULT_START_TIMEOUT_S if self.start_timeout is None else self.start_timeout
         self._state = _State(Fleet(self.num_actors, options, timeout))
         self._ids = itertools.count(1)
@@ -254,19 +269,11 @@ class RayWorkers(WorkerPool):
 
         Raises:
             RuntimeError: closed.
-            TypeError: an iterable dataset (map-style only, see the module docstring).
         """
         with self._state.lock:
             self._check_open()
             if current is not None:
                 return current
-            if config.kind not in ("map", "async_map"):
-                raise TypeError(
-                    f"RayWorkers run map-style datasets (sync or async), and this loader's "
-                    f"dataset is {config.kind.replace('_', ' ')}: a stream lives in one reader "
-                    "and its resume state with it. Use a WorkerPool, num_workers, or threads "
-                    "for streams"
-                )
             self._connect()
             self._state.fleet.start_all()
             copy_id = next(self._ids)
@@ -297,6 +304,7 @@ class RayWorkers(WorkerPool):
             config.io_concurrency,
             config.worker_seeding == "batch",
             ("torch",) if "torch" in sys.modules else (),
+            config.kind == "iterable",
         )
         try:
             return dumps_payload(copy, main_by_value=True)
@@ -370,6 +378,9 @@ class _State:
             ray.shutdown()
             self.own_runtime = False
 
+
+#: The scheduling strategies Ray names by a string.
+_STRATEGIES = frozenset({"DEFAULT", "SPREAD"})
 
 #: Seconds to wait for a cluster's address to accept a connection before joining it. Ray's own
 #: join retries an unreachable address for minutes; this fails in seconds, naming it. Longer:

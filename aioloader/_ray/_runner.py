@@ -12,9 +12,17 @@
                                it under max_retries); one only queued there: sent to another
                                actor at once, as it was never made
 
+    epoch ── StreamRequest(stream k) ──▶ pull: always actor k, the one whose copy holds the
+        stream; sent in the order asked, each with its turn (LoaderActor.pull keeps it); k's
+        actor dead: this pull and those after it fail (WorkerCrashedError), never sent to
+        the replacement, which would read the stream afresh (samples twice)
+
 Ordering, deadlines, retries, the skip budget, resume state and statistics stay above, in the
-epoch, as for local workers; this module only routes. The deadline asks :meth:`is_running`
-(the oldest job an actor holds, see ``_fleet``) and :meth:`on_deadline` kills that actor.
+epoch, as for local workers; this module only routes. A batch waiting for its actor to be
+placed and started (a replacement, when no other actor is up) counts as running: ``timeout``
+bounds that wait too, and the error says what the actor asks for and what is free. The
+deadline asks :meth:`is_running` (the oldest job an actor holds, see ``_fleet``) and
+:meth:`on_deadline` kills that actor.
 
 The dataset copy travels once per copy: pickled off the loop at the first job after
 :meth:`load`, put into the object store once, and loaded by each actor from there before its
@@ -30,15 +38,18 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from .._batch import MAX_OPEN_STREAMS
 from .._errors import WorkerCrashedError, WorkerInitError
 from .._log import workers_log
+from .._stats import WorkerFigures
 from .._threads import off_loop
 from .._types import BatchRequest, InlineMaking, Made, StreamRequest
 from ._actor import Failed
-from ._fleet import ActorRecord, Fleet, Job, actor_died, succeeded
-from ._wire import opened
+from ._fleet import ActorRecord, Fleet, Job, SlotFigures, actor_died, succeeded
+from ._wire import opened, wire_nbytes
 
 __all__ = ["MAX_START_DEATHS", "RayRunner"]
 
@@ -71,6 +82,12 @@ class RayRunner:
         self._seed = 0
         self._put: asyncio.Future[Any] | None = None  # the copy's ObjectRef, once put
         self._attempts: dict[int, Job] = {}  # id(request) -> its attempt under way
+        # id(request) -> the actor its attempt waits for (placed, started, loading the copy)
+        self._placing: dict[int, ActorRecord] = {}
+        self._causes: dict[int, str] = {}  # id(request) -> why its deadline passed (unplaced)
+        # (stream, StreamRequest.key) -> that reading of actor ``stream``'s stream; oldest first
+        self._readings: dict[tuple[int, tuple[int, int]], _Reading] = {}
+        self._figures = [SlotFigures() for _ in range(fleet.num_actors)]  # this loader's
 
     @property
     def streams(self) -> int:
@@ -112,10 +129,13 @@ class RayRunner:
     def start_make(self, request: BatchRequest) -> asyncio.Future[Made]:
         return asyncio.ensure_future(self._run(request))
 
-    async def pull(self, request: StreamRequest, stream: int) -> Made:
-        raise TypeError("RayWorkers run map-style datasets only")  # refused at attach
-
     def is_running(self, request: BatchRequest | StreamRequest) -> bool:
+        """Whether an actor works on the batch of ``request`` now, or the batch waits for its
+        own actor to be placed and started (a replacement; no other actor was up): that wait
+        is the batch's time too, so ``timeout`` bounds it."""
+        placing = self._placing.get(id(request))
+        if placing is not None:
+            return placing.pid is None and not placing.dead
         job = self._attempts.get(id(request))
         if job is None or job.record.dead:
             return False
@@ -123,7 +143,13 @@ class RayRunner:
         return bool(jobs) and jobs[0] is job
 
     def on_deadline(self, request: BatchRequest | StreamRequest) -> int | None:
-        """Kill the actor running the batch of ``request`` (it hung); returns its pid."""
+        """Kill the actor running the batch of ``request`` (it hung); returns its pid. An actor
+        not placed yet is left to come up (killing it would not place another sooner): the
+        cause is kept for :meth:`deadline_cause`."""
+        placing = self._placing.get(id(request))
+        if placing is not None and placing.pid is None:
+            self._causes[id(request)] = self._fleet.unplaced(placing)
+            return None
         job = self._attempts.get(id(request))
         if job is None or not self.is_running(request):
             return None
@@ -136,6 +162,12 @@ class RayRunner:
         )
         return pid
 
+    def deadline_cause(self, request: BatchRequest | StreamRequest) -> str | None:
+        """Why the batch of ``request`` passed its deadline, where the runner knows better than
+        "its worker hung" (its actor could not be placed); asked once, after
+        :meth:`on_deadline`."""
+        return self._causes.pop(id(request), None)
+
     def stop_if_idle(self) -> bool:
         return False  # the actors are closed off the loop
 
@@ -145,12 +177,78 @@ class RayRunner:
         if on_close is not None:
             on_close()
 
-    # -- one job -----------------------------------------------------------------------------
+    # -- one job ---------------------------------------------------------------------------
 
     async def _run(self, request: BatchRequest) -> Made:
+        while True:
+            record = await self._placed(self._fleet.pick, request, reopen=True)
+            job, awaited = self._submit(record, request, "make", request)
+            try:
+                result = await self._result(record, job, awaited, request)
+            except _Innocent:
+                continue  # only queued on a dead actor: never made, so made elsewhere now
+            return self._opened(record, result)
+
+    async def pull(self, request: StreamRequest, stream: int) -> Made:
+        """Make the next batch of actor ``stream``'s stream (``Made.batch is END`` at its end).
+
+        A stream's batch is never sent to another actor, nor to the replacement of a dead one:
+        only the actor that opened the stream knows where it stands (as with worker
+        processes, the epoch ends that reader; a resumed epoch continues it exactly)."""
+        reading = self._reading(request, stream)
+        previous, sent = reading.sent, asyncio.get_running_loop().create_future()
+        reading.sent = sent
+        try:
+            if previous is not None:
+                await asyncio.shield(previous)  # sent in the order the epoch asked
+            if reading.record is None:  # the opening pull: the slot's actor, as it is now
+                record = await self._placed(lambda: self._fleet.slot(stream), request, True)
+                reading.record = record
+            else:
+                record = reading.record
+                if record.dead:
+                    raise self._lost_stream(record, request)
+                await self._placed(lambda: record, request, reopen=False)
+            job, awaited = self._submit(record, request, "pull", request, reading.turns)
+            reading.turns += 1
+        finally:
+            if not sent.done():
+                sent.set_result(None)
+        try:
+            result = await self._result(record, job, awaited, request)
+        except _Innocent:
+            raise self._lost_stream(record, request) from None
+        return self._opened(record, result)
+
+    def _reading(self, request: StreamRequest, stream: int) -> _Reading:
+        key = (stream, request.key)
+        reading = self._readings.get(key)
+        if reading is None or request.opens:
+            self._readings.pop(key, None)
+            while len(self._readings) >= MAX_OPEN_STREAMS * self._fleet.num_actors:
+                del self._readings[next(iter(self._readings))]
+            reading = self._readings[key] = _Reading()
+        return reading
+
+    def _lost_stream(self, record: ActorRecord, request: StreamRequest) -> WorkerCrashedError:
+        return WorkerCrashedError(
+            f"{record.describe()} died, and with it where its stream stood: batch "
+            f"{request.batch_id}, queued behind its batch, is lost (a stream's batch is never "
+            "read again: its reader ends for this epoch; a state_dict() taken now resumes it)",
+            pid=record.pid,
+        )
+
+    async def _placed(
+        self, choose: Callable[[], ActorRecord], request: Any, reopen: bool
+    ) -> ActorRecord:
+        """An actor from ``choose``, placed, started and holding this loader's copy. The wait
+        for a replacement's placement is the batch's own time (see :meth:`is_running`); an
+        actor that dies meanwhile is replaced and, if ``reopen``, ``choose`` asked again."""
+        self._causes.pop(id(request), None)  # an earlier attempt's, which was re-run
         start_deaths = 0
         while True:
-            record = self._fleet.pick()
+            record = choose()
+            self._placing[id(request)] = record
             try:
                 await self._loaded(record)
             except Exception as exc:
@@ -158,45 +256,96 @@ class RayRunner:
                     raise
                 self._fleet.died(record)
                 start_deaths += 1
-                if start_deaths >= MAX_START_DEATHS:
+                if not reopen or start_deaths >= MAX_START_DEATHS:
                     raise WorkerInitError(
-                        f"{record.describe()} died {start_deaths} times in a row while "
-                        f"loading the dataset copy: {exc}"
+                        f"{record.describe()} died {start_deaths} time(s) while loading the "
+                        f"dataset copy: {exc}"
                     ) from exc
                 continue
-            job = Job(record)
-            with self._fleet.lock:
-                record.jobs.append(job)
-            self._attempts[id(request)] = job
-            try:
-                ref = record.handle.make.remote(self.copy_id, request)
-                future = ref.future()
-                future.add_done_callback(functools.partial(self._done, job))
-                awaited = asyncio.wrap_future(future)
-                awaited.add_done_callback(_retrieve)  # also once its awaiting task is gone
-                result = await asyncio.shield(awaited)
-            except Exception as exc:
-                if not actor_died(exc):
-                    self._fleet.finished(job)  # never sent, or Ray failed it: not running
-                    raise
-                self._fleet.died(record)
-                if record.culprit is not job:
-                    continue  # only queued there: never made, so made elsewhere now
-                raise WorkerCrashedError(
-                    f"{record.describe()} died while making batch {request.batch_id}: "
-                    f"{type(exc).__name__}: {exc}",
-                    pid=record.pid,
-                ) from exc
             finally:
-                if self._attempts.get(id(request)) is job:
-                    del self._attempts[id(request)]
-            if isinstance(result, Failed):
-                raise result.error
-            figures = self._fleet.figures[record.slot]
-            figures.batches += 1
-            figures.busy_s += result.read_s + result.collate_s
-            result.batch = opened(result.batch)
-            return result  # type: ignore[no-any-return]
+                if self._placing.get(id(request)) is record:
+                    del self._placing[id(request)]
+            return record
+
+    def _submit(
+        self, record: ActorRecord, request: Any, method: str, *args: Any
+    ) -> tuple[Job, asyncio.Future[Any]]:
+        """Send the job to ``record``'s actor (synchronously: the call order is the order
+        Ray delivers them in); the future of its result."""
+        job = Job(record)
+        with self._fleet.lock:
+            record.jobs.append(job)
+        self._attempts[id(request)] = job
+        try:
+            ref = getattr(record.handle, method).remote(self.copy_id, *args)
+            future = ref.future()
+        except BaseException:
+            self._fleet.finished(job)  # never sent: not running
+            if self._attempts.get(id(request)) is job:
+                del self._attempts[id(request)]
+            raise
+        future.add_done_callback(functools.partial(self._done, job))
+        awaited = asyncio.wrap_future(future)
+        awaited.add_done_callback(_retrieve)  # also once its awaiting task is gone
+        return job, awaited
+
+    async def _result(
+        self, record: ActorRecord, job: Job, awaited: asyncio.Future[Any], request: Any
+    ) -> Made:
+        """The job's :class:`Made`; the user's error raised as it is; a dead actor's culprit
+        job as ``WorkerCrashedError``, one only queued there as :class:`_Innocent`."""
+        try:
+            result = await asyncio.shield(awaited)
+        except Exception as exc:
+            if not actor_died(exc):
+                self._fleet.finished(job)  # Ray failed it: not running
+                raise
+            self._fleet.died(record)
+            if record.culprit is not job:
+                raise _Innocent from exc
+            raise WorkerCrashedError(
+                f"{record.describe()} died while making batch {request.batch_id}: "
+                f"{type(exc).__name__}: {exc}",
+                pid=record.pid,
+            ) from exc
+        finally:
+            if self._attempts.get(id(request)) is job:
+                del self._attempts[id(request)]
+        if isinstance(result, Failed):
+            raise result.error
+        return result  # type: ignore[no-any-return]
+
+    def _opened(self, record: ActorRecord, result: Made) -> Made:
+        busy = result.read_s + result.collate_s
+        figures = self._fleet.figures[record.slot]
+        figures.batches += 1
+        figures.busy_s += busy
+        mine = self._figures[record.slot]
+        mine.batches += 1
+        mine.busy_s += busy
+        mine.bytes += wire_nbytes(result.batch)
+        result.batch = opened(result.batch)
+        return result
+
+    def worker_figures(self) -> tuple[WorkerFigures, ...]:
+        """Each actor's figures for this loader (``LoaderStatistics.workers``): its batches,
+        bytes and busy time for this loader, where it runs now and its restarts (the pool's:
+        a replacement serves every loader)."""
+        with self._fleet.lock:
+            records = list(self._fleet.records)
+        return tuple(
+            WorkerFigures(
+                id=slot,
+                node=None if record is None else record.node,
+                host=None if record is None else record.host,
+                pid=None if record is None else record.pid,
+                batches=mine.batches,
+                bytes=mine.bytes,
+                busy_s=mine.busy_s,
+                restarts=self._fleet.figures[slot].restarts,
+            )
+            for slot, (record, mine) in enumerate(zip(records, self._figures, strict=True))
+        )
 
     def _done(self, job: Job, future: Any) -> None:
         """A job's reference resolved (on Ray's thread): it leaves its actor's queue, unless
@@ -256,6 +405,20 @@ class RayRunner:
             put = self._put = asyncio.ensure_future(off_loop(lambda: _put(make())))
             put.add_done_callback(_retrieve)
         return await asyncio.shield(put)
+
+
+class _Innocent(Exception):
+    """A job only queued on an actor that died: it was never made."""
+
+
+@dataclass(slots=True, eq=False)
+class _Reading:
+    """One reading of one actor's stream: the actor that opened it, the pulls sent to it (each
+    pull's turn, see ``LoaderActor.pull``), and the last pull's sending."""
+
+    record: ActorRecord | None = None
+    turns: int = 0
+    sent: asyncio.Future[None] | None = None
 
 
 def _put(data: bytes) -> Any:

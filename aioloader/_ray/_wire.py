@@ -33,7 +33,7 @@ import numpy as np
 
 from .._tree import map_tree
 
-__all__ = ["TensorLeaf", "as_arrays", "opened"]
+__all__ = ["TensorLeaf", "as_arrays", "opened", "wire_nbytes"]
 
 
 class TensorLeaf:
@@ -79,3 +79,19 @@ def opened(batch: Any) -> Any:
         return torch.from_numpy(array)
 
     return map_tree(batch, leaf)
+
+
+def wire_nbytes(batch: Any) -> int:
+    """Bytes of the arrays of ``batch`` as it arrived (before :func:`opened`), for statistics."""
+    total = 0
+
+    def leaf(value: Any) -> Any:
+        nonlocal total
+        if isinstance(value, TensorLeaf):
+            total += value.array.nbytes
+        elif isinstance(value, np.ndarray):
+            total += value.nbytes
+        return value
+
+    map_tree(batch, leaf)
+    return total

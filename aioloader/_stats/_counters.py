@@ -61,6 +61,7 @@ __all__ = [
     "CpuSample",
     "EpochStatistics",
     "LoaderStatistics",
+    "WorkerFigures",
     "cpus_available",
     "current_counters",
     "process_tree_cpu",
@@ -771,6 +772,35 @@ _STAGE = {"workers": "reading and collating", "io": "fetching", "source": "the a
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerFigures:
+    """What one worker did for this loader, where its backend reports it (Ray actors: each
+    actor slot, every incarnation of it together), in ``LoaderStatistics.workers``.
+
+    Attributes:
+        id: the worker id (``get_worker_info().id`` in it).
+        node: the node it runs on now (a Ray node id), None before it started.
+        host: that node's host name.
+        pid: its process id now (on its node).
+        batches: batches it made for this loader.
+        bytes: bytes of the arrays and tensors in those batches.
+        busy_s: seconds it spent reading, fetching and collating them.
+        busy_share: ``busy_s`` over the loader's wall time (all epochs): how much of the
+            time it was busy for this loader.
+        restarts: times it was replaced (a death, a kill at a deadline, a lost node).
+    """
+
+    id: int
+    node: str | None = None
+    host: str | None = None
+    pid: int | None = None
+    batches: int = 0
+    bytes: int = 0
+    busy_s: float = 0.0
+    busy_share: float = 0.0
+    restarts: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class LoaderStatistics:
     """A snapshot of the loader's state and where its time went.
 
@@ -844,6 +874,9 @@ class LoaderStatistics:
         wall_s: seconds iterated, all epochs (see :class:`EpochStatistics`).
         epoch_stats: the current (or last) epoch's rates, shares and verdict.
         total: the same over every epoch.
+        workers: each worker's :class:`WorkerFigures`, where the backend reports them (Ray
+            actors); empty otherwise. Where the workers are the bottleneck, the verdict's
+            hint names the busiest and the idlest of them.
     """
 
     epoch: int = 0
@@ -894,14 +927,21 @@ class LoaderStatistics:
     wall_s: float = 0.0
     epoch_stats: EpochStatistics = field(default_factory=EpochStatistics)
     total: EpochStatistics = field(default_factory=EpochStatistics)
+    workers: tuple[WorkerFigures, ...] = ()
 
     @classmethod
     def build(cls, counters: Counters, **now: Any) -> LoaderStatistics:
         """A snapshot of ``counters``; ``now`` gives the fields only the loader knows (in
-        flight, shared memory, restarts)."""
+        flight, shared memory, restarts, each worker's figures)."""
         c = counters
         clock = time.perf_counter()
         total = c.measure_total(clock)
+        workers = tuple(
+            replace(w, busy_share=_share(w.busy_s, total.wall_s)) for w in now.pop("workers", ())
+        )
+        epoch_stats = c.measure(clock)
+        if workers and epoch_stats.bottleneck == "workers":
+            epoch_stats = replace(epoch_stats, hint=f"{epoch_stats.hint}; {_per_worker(workers)}")
         return cls(
             epoch=c.epoch,
             batches_yielded=c.batches_yielded,
@@ -929,8 +969,9 @@ class LoaderStatistics:
             transfer_s=c.transfer_s,
             consumer_wait_s=c.consumer_wait_s,
             wall_s=total.wall_s,
-            epoch_stats=c.measure(clock),
+            epoch_stats=epoch_stats,
             total=total,
+            workers=workers,
             **now,
         )
 
@@ -955,6 +996,9 @@ class LoaderStatistics:
             if isinstance(value, EpochStatistics):
                 prefix = "epoch" if f.name == "epoch_stats" else f.name
                 out.update({f"{prefix}/{k}": v for k, v in value.as_dict().items()})
+            elif f.name == "workers":
+                for w in value:
+                    out.update({f"workers/{w.id}/{k}": v for k, v in asdict(w).items()})
             elif f.name != "skipped":
                 out[f.name] = value
         out["bottleneck"] = self.bottleneck
@@ -1022,9 +1066,30 @@ def format_table(s: LoaderStatistics) -> str:
             f"handoff_us p50={s.device_handoff_p50_us:.0f} p99={s.device_handoff_p99_us:.0f} "
             f"ring_slots={s.device_ring_slots} ring_fallbacks={s.device_ring_fallbacks}"
         )
+    for w in s.workers:
+        where = f"node {w.node[:12]}" if w.node else "not started"
+        lines.append(
+            f"worker {w.id} ({where}, pid {w.pid}): {w.batches} batches, "
+            f"{w.bytes / 1e6:.1f} MB, busy {w.busy_share:.0%}, restarts {w.restarts}"
+        )
     if e.bottleneck:
         lines.append(f"bottleneck: {e.bottleneck}: {e.hint}")
     return "\n".join(lines)
+
+
+def _per_worker(workers: tuple[WorkerFigures, ...]) -> str:
+    """The busiest and the idlest worker, for a verdict that names the workers: one far
+    busier than the others is a straggler (its node is slower, or busy with other work)."""
+    busiest = max(workers, key=lambda w: (w.busy_share, -w.id))
+    idlest = min(workers, key=lambda w: (w.busy_share, w.id))
+
+    def named(w: WorkerFigures) -> str:
+        where = f" on node {w.node[:12]}" if w.node else ""
+        return f"worker {w.id}{where} {w.busy_share:.0%} ({w.batches} batches)"
+
+    if busiest is idlest:
+        return f"per worker: {named(busiest)}"
+    return f"per worker, busiest: {named(busiest)}; idlest: {named(idlest)}"
 
 
 def _plus(a: _Cpu, b: _Cpu) -> _Cpu:

@@ -95,6 +95,8 @@ from ._info import seed_everything as seed_everything
 from ._info import seed_on_import as seed_on_import
 from ._info import seed_worker as seed_worker
 from ._info import torch_on_one_thread as torch_on_one_thread
+from ._info import unwatch as sharding_seen
+from ._info import watch as watch_sharding
 from ._info import worker_seed as worker_seed
 from ._payload import dumps as dumps_payload
 from ._payload import dumps_copy as dumps_copy
@@ -106,12 +108,15 @@ from ._pool import starts_through_pythons_forkserver as starts_through_pythons_f
 from ._pool import warn_more_workers_than_cpus as warn_more_workers_than_cpus
 from ._records import Payload as Payload
 from ._runner import ProcessRunner as ProcessRunner
+from ._worker import WorkerCopy as WorkerCopy
+from ._worker import read_stream as read_stream
 from ._zygote import is_zygote as is_zygote
 
 __all__ = [
     "DEFAULT_START_TIMEOUT_S",
     "Payload",
     "ProcessRunner",
+    "WorkerCopy",
     "WorkerInfo",
     "WorkerPool",
     "dumps_copy",
@@ -124,12 +129,15 @@ __all__ = [
     "pickles_main_by_value",
     "preload_pickler",
     "publish_worker_info",
+    "read_stream",
     "resolve_context",
     "seed_everything",
     "seed_on_import",
     "seed_worker",
+    "sharding_seen",
     "starts_early",
     "starts_through_pythons_forkserver",
     "torch_on_one_thread",
+    "watch_sharding",
     "worker_seed",
 ]

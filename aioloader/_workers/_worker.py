@@ -101,9 +101,11 @@ from ._zygote import SHED_SIGNALS, Held, name_process, shed_parent_state
 __all__ = [
     "STACK_SIGNAL",
     "WATCHDOG_INTERVAL_S",
+    "WorkerCopy",
     "drop_copy",
     "init_worker",
     "load_copy",
+    "read_stream",
     "run_map_job",
     "run_stream_job",
     "run_worker",
@@ -121,9 +123,10 @@ STACK_SIGNAL = signal.SIGUSR1
 
 
 @dataclass(slots=True)
-class _Copy:
+class WorkerCopy:
     """One dataset copy a worker makes batches with: its loader's (a shared pool's workers hold
-    one per loader, see :mod:`aioloader._loader._shared_pool`). Set by :func:`load_copy`."""
+    one per loader, see :mod:`aioloader._loader._shared_pool`). Set by :func:`load_copy`; a
+    Ray actor keeps one per loader of an iterable dataset, for its stream."""
 
     worker_id: int
     num_workers: int
@@ -143,6 +146,13 @@ class _Copy:
 
     def __post_init__(self) -> None:
         self.stream = StreamCursor(self._open_stream, self._position)
+
+    def set_maker(self, maker: BatchMaker) -> None:
+        """Make batches with ``maker`` (the unpickled copy); where readers split a stream,
+        read it under the random state every reader shares (see ``_info.StreamRandom``)."""
+        self.maker = maker
+        if stream_share(maker.shard, 0, self.num_workers)[1] > 1:  # readers split the stream
+            self.stream_random = _info.StreamRandom(maker.stream_seed)
 
     def release(self) -> None:
         """Let go of the dataset and its streams now, not at the next garbage collection (the
@@ -205,7 +215,7 @@ class _WorkerState:
     loading: Any  # time.monotonic() a copy's load began, 0.0 when none
     pipes: tuple[Connection, Connection]  # this worker's (requests, replies)
     stacks: Connection  # where STACK_SIGNAL's handler writes the stacks (kept open for it)
-    copies: dict[int, _Copy] = field(default_factory=dict)  # by copy id (0: the only one)
+    copies: dict[int, WorkerCopy] = field(default_factory=dict)  # by copy id (0: the only one)
     active: int | None = None  # the copy whose worker info is published now
 
 
@@ -309,7 +319,7 @@ def _load(state: _WorkerState, job: LoadJob) -> None:
     previous = state.copies.pop(job.copy_id, None)
     if previous is not None:
         previous.release()
-    copy = state.copies[job.copy_id] = _Copy(
+    copy = state.copies[job.copy_id] = WorkerCopy(
         state.worker_id,
         state.num_workers,
         state.seed if job.seed is None else job.seed,
@@ -322,9 +332,7 @@ def _load(state: _WorkerState, job: LoadJob) -> None:
     except BaseException as exc:  # reported by the jobs, not as a silent crash
         copy.init_error, copy.init_tb = exc, traceback.format_exc()
         return
-    copy.maker = maker
-    if stream_share(maker.shard, 0, state.num_workers)[1] > 1:  # readers split the stream
-        copy.stream_random = _info.StreamRandom(maker.stream_seed)
+    copy.set_maker(maker)
     # After unpickling: the dataset's modules are imported now, torch among them if it uses it.
     _info.seed_worker(seed, every_device=not copy.per_batch_seeds)
     _info.torch_on_one_thread()  # each copy starts as torch's fresh workers do
@@ -412,11 +420,9 @@ def run_stream_job(job: StreamJob) -> Packed[Made]:
     try:
         started = time.perf_counter()
         try:
-            with _stream_random(copy, request):
-                samples, position = copy.stream.next_samples(request)
+            samples, position, order = read_stream(copy, request)
         except BaseException as exc:
             raise _worker_side(exc, state, request.batch_id, "the stream of ") from None
-        order = copy.take_order() if request.opens else None
         if samples is END:
             return Packed(pack_result(Made(batch=inline(END), order=order)))
         pulled_s = time.perf_counter() - started
@@ -432,7 +438,21 @@ def run_stream_job(job: StreamJob) -> Packed[Made]:
         state.current[state.worker_id] = 0
 
 
-def _stream_random(copy: _Copy, request: StreamRequest) -> contextlib.AbstractContextManager[None]:
+def read_stream(
+    copy: WorkerCopy, request: StreamRequest
+) -> tuple[Any, Any, tuple[int, ...] | None]:
+    """The samples of the next batch of ``copy``'s stream (or ``END``), the stream's position
+    after them, and on an epoch's first request the digests of its first items (see
+    :attr:`~aioloader._types.Made.order`). A Ray actor reads its stream with it too."""
+    with _stream_random(copy, request):
+        samples, position = copy.stream.next_samples(request)
+    order = copy.take_order() if request.opens else None
+    return samples, position, order
+
+
+def _stream_random(
+    copy: WorkerCopy, request: StreamRequest
+) -> contextlib.AbstractContextManager[None]:
     """Where readers split the stream: pull it under its own random state, the same in every
     worker (each reads the whole stream and keeps its share: exact only if every copy orders
     it alike), and give the batch its state back after (reseeded, with per-batch seeds)."""
@@ -448,7 +468,7 @@ def _stream_random(copy: _Copy, request: StreamRequest) -> contextlib.AbstractCo
     )
 
 
-def _state(copy_id: int) -> tuple[_WorkerState, _Copy]:
+def _state(copy_id: int) -> tuple[_WorkerState, WorkerCopy]:
     state = _STATE
     assert state is not None, "worker job run outside a worker"
     copy = state.copies.get(copy_id)
@@ -463,7 +483,10 @@ def _state(copy_id: int) -> tuple[_WorkerState, _Copy]:
 
 
 def _begin(
-    state: _WorkerState, copy: _Copy, job: MapJob | StreamJob, request: BatchRequest | StreamRequest
+    state: _WorkerState,
+    copy: WorkerCopy,
+    job: MapJob | StreamJob,
+    request: BatchRequest | StreamRequest,
 ) -> None:
     """Publish the job this worker now runs (first: a deadline asks for it), the worker info
     of its copy (another loader's ran before it, on a shared pool), then seed."""
@@ -477,7 +500,7 @@ def _begin(
 
 
 def _make(
-    state: _WorkerState, copy: _Copy, request: BatchRequest, slot: Slot | OwnSlot | None
+    state: _WorkerState, copy: WorkerCopy, request: BatchRequest, slot: Slot | OwnSlot | None
 ) -> Made:
     """Read, collate (into ``slot``, if any) and pack the batch of ``request``."""
     try:
