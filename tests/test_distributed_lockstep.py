@@ -551,3 +551,53 @@ def test_a_state_of_four_ranks_resumes_exactly_on_two_three_and_four(
                 # the whole epoch, of which `taken` batches are done.
                 done = int(taken) if size == WORLD else 0
                 assert run["len"] == run["rest_batches"] + done, (taken, name, run)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_loaders_of_two_subgroups_one_after_the_other_each_agree_over_their_group(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """Ranks 0-1 read a stream of ``new_group([0, 1])``, then ranks 0-2 one of
+    ``new_group([0, 1, 2])``: each ends at its group's shortest share, at once (rank 2's
+    first loader of that group pairs with the others' though they built one more before)."""
+    reports = case(ranks, "subgroups")
+    for name, streams in (("two", (20, 7)), ("three", (24, 10, 17))):
+        size = len(streams)
+        shares = [list(range(r, streams[r], size)) for r in range(size)]
+        steps = min(-(-len(share) // 2) for share in shares)
+        for rank in range(size):
+            mine = [shares[rank][i : i + 2] for i in range(0, len(shares[rank]), 2)]
+            assert reports[rank][name] == mine[:steps], (name, rank, reports[rank])
+        assert all(name not in r for r in reports[size:]), name
+    # The bound of the agreement's making is 60 s: the groups met at once instead.
+    assert all(r["elapsed"] < 30 for r in reports), [r["elapsed"] for r in reports]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_a_forked_childs_epoch_under_its_parents_group_refuses_at_once(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """Each rank forks after an epoch under equal steps: the child's epoch of its copy of the
+    loader fails at once naming both processes (never a wait for an agreement thread the
+    child does not have), the child exits normally (its copy of the parent's group is never
+    destroyed there, which waited forever), and the parent's next epoch is in step."""
+    for rank, report in enumerate(case(ranks, "forked")):
+        assert report["child_status"] == 0, (rank, report)  # -14: SIGALRM, it hung
+        child = report["child"]
+        assert "batches" not in child, child
+        kind, message = child["raised"]
+        assert kind == "RuntimeError", child
+        for part in (
+            f"process {child['pid']}",
+            f"forked from process {ranks[rank]['pid']}",
+            "init_process_group",
+            "equal_steps=False",
+            "shard=False",
+        ):
+            assert part in message, message
+        assert child["elapsed"] < 5, child
+        mine = batches(rank, 0)  # shares of 3, 1, 2 and 1 batches: every epoch ends at step 1
+        assert len(report["before"]) == len(report["after"]) == 1, report
+        assert report["before"] == mine[:1], report

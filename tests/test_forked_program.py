@@ -295,6 +295,108 @@ def test_a_forked_child_runs_sync_and_async_epochs_of_its_own(settings: dict[str
         loader.close()
 
 
+def test_an_async_iterator_inherited_mid_epoch_refuses_at_once_in_the_child() -> None:
+    # As the sync iterator: the epoch's tasks, loop and workers are the parent's. The child's
+    # `await it.__anext__()` (under an asyncio.run of its own) refuses at once, naming both
+    # processes; its own `async for` gets a whole epoch; the parent's epoch goes on whole.
+    loader = _loader(None)
+    loop = asyncio.new_event_loop()
+    it = loader.__aiter__()
+
+    async def rest() -> list[int]:
+        return [i async for batch in it for i in fd.batch_indices(batch)]
+
+    try:
+        first = fd.batch_indices(loop.run_until_complete(it.__anext__()))
+
+        def run() -> dict[str, Any]:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(CHILD_LIMIT_S)
+
+            async def child() -> dict[str, Any]:
+                started = time.monotonic()
+                try:
+                    await it.__anext__()
+                    inherited = "no error"
+                except RuntimeError as exc:
+                    inherited = str(exc)
+                elapsed = time.monotonic() - started
+                mine = [i async for batch in loader for i in fd.batch_indices(batch)]
+                return {"inherited": inherited, "inherited_s": elapsed, "indices": mine}
+
+            report = asyncio.run(child())
+            report["workers"] = list(loader.worker_pids)
+            loader.close()
+            return report
+
+        report = _by_os_fork(run)
+        assert "error" not in report, report["error"]
+        assert report["inherited_s"] < 1.0, report
+        assert "forked from it mid-epoch" in report["inherited"], report["inherited"]
+        assert f"began in process {os.getpid()}" in report["inherited"], report
+        assert "async for batch in loader" in report["inherited"], report
+        assert sorted(report["indices"]) == list(range(SAMPLES)), report
+        assert not set(report["workers"]) & set(loader.worker_pids), report
+        assert first + loop.run_until_complete(rest()) == list(range(SAMPLES))
+    finally:
+        loop.run_until_complete(it.aclose())
+        loader.close()
+        loop.close()
+
+
+def verdict(agreement: Any, step: int) -> bool:
+    """Whether every rank has a batch ``step`` in ``agreement``, once its thread agreed (a
+    bounded wait: a step no thread runs raises ``TimeoutError``)."""
+    future = agreement.verdict(step)
+    assert future is not None, f"step {step} was not offered"
+    return bool(future.result(timeout=10))
+
+
+def test_a_forked_childs_equal_steps_agreement_starts_fresh_on_a_thread_of_its_own() -> None:
+    # The parent's agreement has a thread, an epoch open with steps offered, and a batch
+    # carried: in the child none of them is its own. Its next epoch agrees on a thread of its
+    # own (here over a stand-in for the collective: a process group needs other ranks, which
+    # tests/test_distributed_lockstep.py has), and starts with nothing carried; the parent's
+    # open epoch goes on on its thread.
+    from aioloader._sampling import Lockstep
+
+    lockstep = Lockstep((0, 1), "carry", all_have=lambda have: have)  # the others have as much
+    open_epoch = lockstep.begin(0)
+    open_epoch.offer(2, complete=False)
+    assert [verdict(open_epoch, step) for step in (0, 1)] == [True, True]
+    lockstep.carried = [("a batch of the parent's", 4, 16)]
+
+    def run() -> dict[str, Any]:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(CHILD_LIMIT_S)
+        carried = len(lockstep.carried)
+        started = time.monotonic()
+        agreement = lockstep.begin(1)
+        agreement.offer(3, complete=True)
+        verdicts = [verdict(agreement, step) for step in range(4)]  # none: TimeoutError
+        threads = [t.name for t in threading.enumerate() if "equal-steps" in t.name]
+        lockstep.close()
+        return {
+            "carried": carried,
+            "verdicts": verdicts,
+            "elapsed": time.monotonic() - started,
+            "threads": threads,
+        }
+
+    try:
+        report = _by_os_fork(run)
+        assert "error" not in report, report["error"]
+        assert report["carried"] == 0, report  # the parent's batch is the parent's
+        assert report["verdicts"] == [True, True, True, False], report
+        assert report["elapsed"] < 5, report
+        assert len(report["threads"]) == 1, report  # its own, not the parent's copy
+        open_epoch.offer(3, complete=True)  # the parent's epoch goes on on its thread
+        assert [verdict(open_epoch, step) for step in (2, 3)] == [True, False]
+        assert lockstep.carried == [("a batch of the parent's", 4, 16)]
+    finally:
+        lockstep.close()
+
+
 def test_a_child_of_a_child_gets_workers_of_its_own_too() -> None:
     # The child's resources are its own, so its own fork passes them on likewise.
     with _loader(None) as loader:

@@ -23,6 +23,10 @@ Cancellation edges:
 - closing an epoch wakes a consumer that waits on it: it gets ``StopAsyncIteration``, or a
   ``RuntimeError`` where the loader was closed under an epoch not over (:meth:`Epoch.interrupt`):
   a training loop must not take an epoch cut short for a whole one.
+
+A forked child's copy of an epoch is its parent's (its tasks, loop, permits and workers are
+there): its ``__anext__`` refuses at once, naming both processes, as the sync iterator does,
+and its closing touches nothing (the parent's epoch goes on).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -40,7 +45,7 @@ from .._config import LoaderConfig
 from .._log import distributed_log, epoch_log, first_time
 from .._sampling import Lockstep, stream_items
 from .._stats import Capacity, Counters, EpochStatistics
-from .._threads import NOT_INLINE, epoch_makes
+from .._threads import NOT_INLINE, epoch_makes, forked_mid_epoch
 from .._types import EMPTY_BATCH, END, Route, Runner, StreamPosition, StreamResume
 from ._plan import Plan
 from ._produce import BUSY, Producer
@@ -115,6 +120,7 @@ class Epoch:
         # Closed until fully made: __del__ of an epoch whose __init__ was interrupted (a
         # Ctrl-C, a producer that could not be made) has nothing to close.
         self._closed = True
+        self._pid = os.getpid()  # the process whose epoch this is (a forked child's copy is not)
         self.config = config
         self.epoch = epoch
         self._counters = counters
@@ -196,6 +202,8 @@ class Epoch:
         return self
 
     async def __anext__(self) -> Any:
+        if self._pid != os.getpid():  # forked from the process it runs in (see the docstring)
+            raise forked_mid_epoch(self._pid, "async for batch in loader")
         if self._closed:
             raise self.end_error()
         if self._loop is None:
@@ -624,7 +632,7 @@ class Epoch:
 
     async def aclose(self) -> None:
         """Cancel everything in flight, wait for it, release what was produced. Idempotent."""
-        if self._closed:
+        if self._closed or self._pid != os.getpid():  # (a forked child's copy: the parent's)
             return
         self._closed = True
         if self._agreement is not None:
@@ -662,7 +670,7 @@ class Epoch:
     def close_nowait(self) -> None:
         """Cancel the tasks and release what was produced, without waiting (from ``__del__``, a
         new epoch, another thread's close), on the loop that alone touches tasks and buffer."""
-        if self._closed:
+        if self._closed or self._pid != os.getpid():  # (a forked child's copy: the parent's)
             return
         self._closed = True
         loop = self._loop

@@ -253,7 +253,7 @@ class DataLoader(SettingsView):
         share = resolve_shard(shard, kind, sampler, batch_sampler, dataset)
         self._equal_steps = resolve_equal_steps(equal_steps)
         self._leftover = resolve_leftover(leftover)
-        self._lockstep_key = self._equal_steps_key(kind, share is not None or shard is None)
+        self._lockstep_key = self._equal_steps_key(kind, share is not None or shard is None, share)
         self._lockstep = self._lockstep_for(kind, share, later=shard is None)
         pool = shared_pool(workers, num_workers=num_workers, thread_pool=thread_pool)
         self._config = config = LoaderConfig.build(
@@ -357,16 +357,17 @@ class DataLoader(SettingsView):
         members = share.members if share.members is not None else tuple(range(share.replicas))
         return Lockstep(members, self._leftover, key=self._lockstep_key)
 
-    def _equal_steps_key(self, kind: str, may_shard: bool) -> int:
+    def _equal_steps_key(self, kind: str, may_shard: bool, share: Shard | None) -> str:
         """This loader's equal-steps key, taken when it is built, with or without a process
-        group yet: loader ``k`` of each rank pairs with loader ``k`` of the others (see
-        ``_sampling._lockstep``). Every stream loader that may take equal steps takes one;
-        loaders that never will (map-style, ``shard=False``, ``equal_steps=False``) do not,
-        so a loader built on rank 0 only in one of those ways shifts nothing."""
+        group yet: loader ``k`` of a scope (the default group, or the data-parallel group
+        given as ``shard``) on each rank pairs with loader ``k`` of that scope on the others
+        (see ``_sampling._lockstep``). Every stream loader that may take equal steps takes
+        one; loaders that never will (map-style, ``shard=False``, ``equal_steps=False``) do
+        not, so a loader built on rank 0 only in one of those ways shifts nothing."""
         stream = kind in ("iterable", "async_iterable")
         if not stream or not may_shard or self._equal_steps is False:
-            return -1
-        return Lockstep.next_key()
+            return ""
+        return Lockstep.next_key(share.members if share is not None and share.given else None)
 
     def _watch(self) -> weakref.finalize[..., Any]:
         """The finalizer of a loader collected unclosed: its lockstep first (the agreement
@@ -449,6 +450,8 @@ class DataLoader(SettingsView):
         self._shard_if_group_appeared()  # before the workers start: they get the share's config
         if self._equal_steps and self._lockstep is None:  # deferred at construction: no group
             self._lockstep_for(self._config.kind, self._config.shard)  # raises, naming why
+        if self._lockstep is not None:
+            self._lockstep.check_usable()  # a forked child under its parent's group: at once
         runner = self._ensure_resources()
         previous = self._res.epoch
         if previous is not None and previous.raised_last and not previous.finished:
@@ -616,7 +619,7 @@ class DataLoader(SettingsView):
         self.__dict__.update(state, _counters=Counters(), _res=Resources(), _closed=False)
         # A copy is another loader: its own key, taken in the order the copies are made.
         may_shard = self._config.shard is not None or self._group_unseen
-        self._lockstep_key = self._equal_steps_key(self._config.kind, may_shard)
+        self._lockstep_key = self._equal_steps_key(self._config.kind, may_shard, self._config.shard)
         self._lockstep = self._lockstep_for(self._config.kind, self._config.shard)
         self._finalizer = self._watch()
         if self._book.open:  # pickled mid-epoch: the copy resumes where this one was

@@ -28,17 +28,22 @@ never at construction, and only for a loader that shards by the group (every ran
 a loader made on some ranks only passes ``shard=False`` or ``equal_steps=False``).
 
 Which group pairs with which across ranks (the rule): a loader's group is keyed by its
-*equal-steps key*, the number of stream loaders this process built before it (a stream loader
-that may take equal steps: ``equal_steps`` not False, ``shard`` not False), and the sharing
-ranks. Every rank builds its loaders in the same order, as one training script does, so loader
-``k`` of each rank meets loader ``k`` of the others, whatever order their epochs start in, from
-whatever thread. The group is not made with ``torch.distributed.new_group``: torch names those
-by how many groups each process made so far, so two loaders whose first epochs start in
-another order on each rank would pair crossed, and a group made on one rank only (a job queued
-behind a close, say) would shift the names of every later group, the user's included, until
-each rendezvous times out. Ours touch no torch-wide count and are never registered with torch;
-the group is made once per loader and released by its thread after its last job; a job that
-would run after that fails instead of making another.
+*equal-steps key*: its *scope* (the default group, or the ranks of the data-parallel group it
+was given as ``shard``) and the number of stream loaders this process built before it in that
+scope (a stream loader that may take equal steps: ``equal_steps`` not False, ``shard`` not
+False). Every rank of a scope builds that scope's loaders in the same order, as one training
+script does, so loader ``k`` of a scope meets loader ``k`` of the scope on the other ranks,
+whatever order their epochs start in, from whatever thread. Counted per scope, because a
+subgroup's loader is built on its members only: counted across scopes, ranks 0-2 of a loader
+of ``new_group([0, 1, 2])`` built after one of ``new_group([0, 1])`` held different counts
+(rank 2 had not built the first) and met nobody. The group is not made with
+``torch.distributed.new_group``: torch names those by how many groups each process made so
+far, so two loaders whose first epochs start in another order on each rank would pair
+crossed, and a group made on one rank only (a job queued behind a close, say) would shift the
+names of every later group, the user's included, until each rendezvous times out. Ours touch
+no torch-wide count and are never registered with torch; the group is made once per loader
+and released by its thread after its last job; a job that would run after that fails instead
+of making another.
 
 No wait is unbounded: the group's rendezvous (the store's wait for the others' addresses and
 gloo's connection to each peer) and each step's all-reduce give up after
@@ -66,6 +71,18 @@ waits (:data:`_EXIT_WAIT_S` in all) for their threads to release the groups: a g
 to the interpreter's teardown aborted the process (``terminate called without an active
 exception``). What it cannot help: a step still waiting for ranks that are gone when the wait
 is over is left to the daemon thread, and the process may still abort as it ends.
+
+A forked child (``os.fork()``, ``multiprocessing`` under 'fork') has none of the parent's
+agreement threads, and the parent's groups are not its own: their connections are the
+parent's, and destroying a copy of one in the child waits forever for gloo threads that exist
+in the parent only (the child hung where it collected its loader, or at its exit). So at the
+fork every lockstep of the child lets go of its parent's thread, open epoch and carried
+batches (they are the parent's, read by the parent), and its group is kept alive, untouched,
+for the child's life. The child's next epoch starts fresh, on a thread of its own, as the
+rest of its loader does: it makes a group of its own if this process has a process group of
+its own (``init_process_group`` called in the child); under the process group it inherited
+(the parent's connections) it refuses at once, naming both processes and the way out, never
+waiting for a verdict that no thread would give.
 """
 
 from __future__ import annotations
@@ -73,6 +90,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import contextlib
+import ctypes
 import functools
 import itertools
 import os
@@ -213,7 +231,7 @@ class Lockstep:
         self,
         members: tuple[int, ...],
         leftover: str,
-        key: int = 0,
+        key: str = "world#0",
         timeout_s: float | None = None,
         all_have: Callable[[int], int] | None = None,
     ) -> None:
@@ -232,17 +250,63 @@ class Lockstep:
         #: (``leftover='carry'``): each ``(batch, samples, nbytes)``.
         self.carried: list[tuple[Any, int, int]] = []
         self._current: EpochAgreement | None = None
+        self._pid = os.getpid()  # the process whose thread and group these are
+        self._forked_from: int | None = None  # set in a forked child (_forked)
+        _ALL.add(self)
 
     @staticmethod
-    def next_key() -> int:
-        """The next equal-steps key of this process: taken by each stream loader when it is
-        built (the same count on every rank that builds the same loaders in the same order)."""
-        return next(_KEYS)
+    def next_key(scope: tuple[int, ...] | None = None) -> str:
+        """The next equal-steps key of this process in ``scope``: the default group's (None)
+        or the data-parallel group's of these global ranks (a ``shard=group``). Taken by each
+        stream loader when it is built: the same on every rank of the scope that builds the
+        scope's loaders in the same order (see the module docstring)."""
+        name = "world" if scope is None else "group-" + "-".join(map(str, scope))
+        counter = _KEYS.setdefault(name, itertools.count())
+        return f"{name}#{next(counter)}"
+
+    def check_usable(self) -> None:
+        """Refuse at once where the ranks cannot agree in this process: a forked child under
+        the process group it inherited (its connections are the parent's; see the module
+        docstring). Called before an epoch starts (and by :meth:`begin`).
+
+        Raises:
+            RuntimeError: naming this process, the one the group was made in, and the way out.
+        """
+        if self._collective != self._all_have or not _inherited_group():
+            return
+        made_in = f"process {self._forked_from}" if self._forked_from else "a parent process"
+        raise RuntimeError(
+            f"equal steps: this is process {os.getpid()}, forked from {made_in} with its "
+            "process group: that group's connections are the parent's, so this loader's "
+            "ranks cannot agree on its steps here (its epoch would wait for a verdict that "
+            "never comes). Call torch.distributed.init_process_group in this process for a "
+            "group of its own, or iterate a loader made with equal_steps=False (this rank's "
+            "share, no agreement) or shard=False (the whole stream) here"
+        )
+
+    def _forked(self) -> None:
+        """In a forked child, right after the fork (one thread runs): let go of the parent's
+        thread, open epoch and carried batches, and keep its group alive untouched (see the
+        module docstring); the next epoch starts fresh, with a thread and group of its own."""
+        self._lock = threading.Lock()  # a parent's thread may have held it at the fork
+        self._forked_from, self._pid = self._pid, os.getpid()
+        group, self._group = self._group, None
+        if group is not None and group is not _RELEASED:
+            _keep_forever(group)
+        self._thread = self._stopping = None
+        self._current = None
+        self.carried = []
 
     def begin(self, epoch: int) -> EpochAgreement:
         """The agreement of epoch ``epoch``. An epoch still open gives up first (one epoch's
         steps at a time: two interleaved would pair steps differently on each rank); the
-        loader refuses to begin one while another is open, so this is a backstop."""
+        loader refuses to begin one while another is open, so this is a backstop.
+
+        Raises:
+            RuntimeError: in a forked child under its parent's process group
+                (:meth:`check_usable`).
+        """
+        self.check_usable()
         with self._lock:
             if self._thread is None:
                 self._thread = _AgreementThread(f"aioloader-equal-steps-{self.key}")
@@ -320,9 +384,51 @@ _EXIT_WAIT_S = 5.0
 _LIVE: weakref.WeakSet[Lockstep] = weakref.WeakSet()
 
 
-# A forked child has none of the parent's agreement threads, and the parent's agreements are
-# not its to close: its exit hook leaves them alone.
-os.register_at_fork(after_in_child=_LIVE.clear)
+# Every lockstep of this process, for the fork hook (weakly).
+_ALL: weakref.WeakSet[Lockstep] = weakref.WeakSet()
+
+# The default process group when this process was forked (None: none then, or not forked):
+# a group made in another process, whose connections are that process's.
+_FORKED_UNDER: Any = None
+
+# Groups of the parent's, kept alive in a forked child (see _keep_forever).
+_KEPT: list[Any] = []
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of the parent's agreement threads, and the parent's agreements
+    are not its to close: its exit hook leaves them alone, and each lockstep lets go of them
+    (:meth:`Lockstep._forked`)."""
+    global _FORKED_UNDER
+    _LIVE.clear()
+    for lockstep in list(_ALL):
+        lockstep._forked()
+    _FORKED_UNDER = _default_group()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _default_group() -> Any:
+    """The initialised default process group, or None (torch is not imported for this)."""
+    dist: Any = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.group.WORLD
+
+
+def _inherited_group() -> bool:
+    """Whether this process runs under a default process group it inherited by a fork."""
+    return _FORKED_UNDER is not None and _default_group() is _FORKED_UNDER
+
+
+def _keep_forever(group: Any) -> None:
+    """Keep a parent's gloo group alive in a forked child to its very end: its destructor joins
+    the group's threads, which exist in the parent only, and waited forever (where the child
+    collected its loader, or at its exit, when the interpreter clears the modules). One
+    reference more than the interpreter will ever drop (``Py_IncRef``, public C API)."""
+    _KEPT.append(group)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 @atexit.register
@@ -337,8 +443,9 @@ def _finish_at_exit() -> None:
         lockstep.finish_at_exit(max(0.0, deadline - time.monotonic()))
 
 
-# The equal-steps keys of this process, one per stream loader built (see Lockstep.next_key).
-_KEYS = itertools.count()
+# The equal-steps keys of this process: a count per scope, one per stream loader built in it
+# (see Lockstep.next_key).
+_KEYS: dict[str, itertools.count[int]] = {}
 
 # What a lockstep's group is once released: a job after it fails, never makes another.
 _RELEASED = object()
@@ -347,7 +454,7 @@ _RELEASED = object()
 _STORE_PREFIX = "aioloader/equal-steps"
 
 
-def _gloo_group(key: int, members: tuple[int, ...], timeout_s: float) -> Any:
+def _gloo_group(key: str, members: tuple[int, ...], timeout_s: float) -> Any:
     """A gloo group of ``members``, made by a rendezvous of theirs in the default group's
     store under a prefix of the loader's key and members (see the module docstring: not
     ``new_group``, whose names follow a count of every group the process made). The one place

@@ -33,6 +33,7 @@ from __future__ import annotations
 from ._loop import NOT_INLINE as NOT_INLINE
 from ._loop import LoopThread as LoopThread
 from ._loop import SyncIterator as SyncIterator
+from ._loop import forked_mid_epoch as forked_mid_epoch
 from ._offloop import off_loop as off_loop
 from ._routes import RoutePolicy as RoutePolicy
 from ._routes import epoch_makes as epoch_makes

@@ -30,7 +30,14 @@ from typing import Any, Final, TypeVar
 
 from .._errors import out_of_descriptors_note
 
-__all__ = ["NOT_INLINE", "LoopThread", "SyncIterator", "mark_loader_thread", "new_event_loop"]
+__all__ = [
+    "NOT_INLINE",
+    "LoopThread",
+    "SyncIterator",
+    "forked_mid_epoch",
+    "mark_loader_thread",
+    "new_event_loop",
+]
 
 T = TypeVar("T")
 
@@ -201,12 +208,7 @@ class SyncIterator:
             self._pid = os.getpid()
             self._epoch = self._start()
         elif self._pid != os.getpid():  # forked mid-epoch: its threads and workers are not here
-            raise RuntimeError(
-                f"this iterator's epoch began in process {self._pid}, and this is process "
-                f"{os.getpid()}, forked from it mid-epoch: the epoch cannot go on here (the "
-                "parent's goes on). Start a new one in this process (`for batch in loader`): "
-                "it gets workers of its own"
-            )
+            raise forked_mid_epoch(self._pid, "for batch in loader")
         # Read once: close() from another thread may clear self._epoch meanwhile.
         epoch = self._epoch
         if epoch is None:  # closed from another thread
@@ -281,6 +283,18 @@ class SyncIterator:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def forked_mid_epoch(began_in: int, restart: str) -> RuntimeError:
+    """What an iterator inherited mid-epoch by a forked child raises there, at once (sync and
+    async alike): its epoch's threads, loop and workers are the parent's, which goes on.
+    ``restart``: how this process starts an epoch of its own (``for batch in loader``)."""
+    return RuntimeError(
+        f"this iterator's epoch began in process {began_in}, and this is process "
+        f"{os.getpid()}, forked from it mid-epoch: the epoch cannot go on here (the "
+        f"parent's goes on). Start a new one in this process (`{restart}`): it gets workers "
+        "of its own"
+    )
 
 
 async def _step(epoch: Any) -> tuple[bool, Any]:

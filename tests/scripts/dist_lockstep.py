@@ -19,6 +19,7 @@ import gc
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -59,6 +60,10 @@ CROSSED = (24, 8)
 CLOSE_S = 4.0  # how long the "end_cancelled" case's stream takes to close when cut short
 #: Tar shards of 2 to 9 samples: each rank reads whole shards of its own, of unequal sizes.
 TAR_SHARDS = 9
+#: The "subgroups" case: each rank's copy of the stream of the loader of ranks 0-1 (shares of
+#: 5 and 2 batches of 2), then of the loader of ranks 0-2 (shares of 4, 2 and 3 batches of 2).
+SUBGROUP_STREAMS = ((20, 7), (24, 10, 17))
+FORK_ALARM_S = 20  # the forked child's alarm: a hang there ends it with SIGALRM, reported
 
 
 def tar_size(shard: int) -> int:
@@ -509,6 +514,70 @@ def main() -> None:
                 }
             report[str(taken)] = result
 
+    def subgroups(report: dict[str, Any]) -> None:
+        # Stream loaders of two data-parallel groups one after the other: ranks 0-1 read one
+        # of new_group([0, 1]), then ranks 0-2 one of new_group([0, 1, 2]), which rank 2
+        # builds as its first of that group while ranks 0-1 built one of another group before
+        # it. Each agrees over its own group (it sat in the agreement's making until the
+        # bound when the loaders were keyed by one count across groups).
+        two, three = dist.new_group([0, 1]), dist.new_group([0, 1, 2])
+        start = time.monotonic()
+        for name, group, streams in (
+            ("two", two, SUBGROUP_STREAMS[0]),
+            ("three", three, SUBGROUP_STREAMS[1]),
+        ):
+            if rank < len(streams):
+                with DataLoader(Stream(streams[rank]), batch_size=2, shard=group) as loader:
+                    report[name] = [items(b) for b in loader]
+            dist.barrier()
+        report["elapsed"] = time.monotonic() - start
+
+    def forked(report: dict[str, Any]) -> None:
+        # Each rank forks after an epoch of a stream loader under equal steps (its agreement's
+        # thread and group exist): the child's epoch of its copy refuses at once, naming both
+        # processes (its process group is the parent's); closing the copy and exiting
+        # normally there do not wait on the parent's group; the parent's next epoch agrees
+        # with the other ranks as before.
+        with DataLoader(Stream(UNEVEN[rank]), batch_size=4) as loader:
+            report["before"] = [items(b) for b in loader]
+            read_fd, write_fd = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(FORK_ALARM_S)
+                os.close(read_fd)
+                started = time.monotonic()
+                child: dict[str, Any]
+                try:
+                    child = {"batches": sum(1 for _ in loader)}
+                except Exception as exc:
+                    child = {"raised": [type(exc).__name__, str(exc)]}
+                child["elapsed"] = time.monotonic() - started
+                child["pid"] = os.getpid()
+                with os.fdopen(write_fd, "w") as pipe:
+                    json.dump(child, pipe)
+                loader.close()
+                del loader
+                gc.collect()
+                sys.exit(0)  # a normal exit: the interpreter clears what it holds
+            os.close(write_fd)
+            with os.fdopen(read_fd) as pipe:
+                text = pipe.read()  # until the child closes its end (its alarm bounds it)
+            deadline = time.monotonic() + FORK_ALARM_S + 5
+            status = None
+            while status is None and time.monotonic() < deadline:
+                done, code = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    status = os.waitstatus_to_exitcode(code)
+                else:
+                    time.sleep(0.05)
+            if status is None:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            report["child"] = json.loads(text) if text else None
+            report["child_status"] = status
+            report["after"] = [items(b) for b in loader]
+
     def rank0_only(report: dict[str, Any]) -> None:
         # A sharded stream iterated on rank 0 only (an evaluation loader built without
         # shard=False): the agreement's group never forms; rank 0 fails after the (lowered)
@@ -541,6 +610,8 @@ def main() -> None:
         ("alone", alone),
         ("slow_rank", slow_rank),
         ("dp_groups", dp_groups),
+        ("subgroups", subgroups),
+        ("forked", forked),
         ("rank0_only", rank0_only),
     ):
         case(reports, name, body)

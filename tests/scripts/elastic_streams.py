@@ -87,17 +87,17 @@ def main() -> None:
     }
 
     def make(kind: str, group: Any, workers: int) -> DataLoader:
-        if kind == "parquet_even" and group is None:
-            # Shares evened up front by the footers, under equal steps on all 4 ranks (the
-            # agreement runs, bounded by its own timeout): every rank as many steps; the
-            # remainder (fewer records than ranks) is dropped, and counted. (On the smaller
-            # groups the shares are read whole, below: their evenness is what is checked.)
+        if kind == "parquet_even":
+            # Shares evened up front by the footers, under equal steps on every topology (4
+            # ranks, and the groups of 2 and 3: the agreement runs over each, bounded by its
+            # own timeout): every rank as many steps; the remainder (fewer records than
+            # ranks) is dropped, and counted.
             return DataLoader(
                 datasets[kind](),
                 batch_size=BATCH,
                 num_workers=workers,
                 seed=SEED,
-                shard=True,
+                shard=True if group is None else group,
                 leftover="drop",
             )
         # equal_steps=False: each rank reads its whole share, so that the epoch's records can
@@ -138,9 +138,8 @@ def main() -> None:
             report["workers"].extend(first.worker_pids)
         result["cuts"] = {str(step): {"head": heads[step]} for step in steps}
         for name, group, size, workers in topologies:
-            # One topology at a time, the other ranks waiting: a loader under equal steps
-            # makes its agreement's group at its first epoch, a collective of its members
-            # that must not interleave with another group's making on the same ranks.
+            # One topology at a time, the other ranks waiting: a rank outside this one's group
+            # would otherwise wait in the next topology's agreement while this one runs.
             dist.barrier()
             if rank >= size:
                 continue
