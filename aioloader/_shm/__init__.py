@@ -112,6 +112,7 @@ from ._segment import map_private as map_private
 from ._segment import new_name as new_name
 from ._segment import page_round as page_round
 from ._segment import shm_available as shm_available
+from ._segment import turn as turn
 from ._segment import unlink as unlink
 
 __all__ = [
@@ -143,5 +144,6 @@ __all__ = [
     "new_name",
     "page_round",
     "shm_available",
+    "turn",
     "unlink",
 ]
