@@ -97,9 +97,11 @@ from ._pool import BUDGET_FRACTION as BUDGET_FRACTION
 from ._pool import BUDGET_MAX as BUDGET_MAX
 from ._pool import GROWTH as GROWTH
 from ._pool import MIN_SLOT_BYTES as MIN_SLOT_BYTES
+from ._pool import SLACK_BYTES as SLACK_BYTES
 from ._pool import ShmStats as ShmStats
 from ._pool import SlotPool as SlotPool
 from ._pool import budget as budget
+from ._pool import slot_size as slot_size
 from ._segment import SHM_DIR as SHM_DIR
 from ._segment import SHM_PREFIX as SHM_PREFIX
 from ._segment import Slot as Slot
@@ -125,6 +127,7 @@ __all__ = [
     "MIN_SLOT_BYTES",
     "SHM_DIR",
     "SHM_PREFIX",
+    "SLACK_BYTES",
     "ArrayRef",
     "Encoded",
     "ShmStats",
@@ -144,6 +147,7 @@ __all__ = [
     "new_name",
     "page_round",
     "shm_available",
+    "slot_size",
     "turn",
     "unlink",
 ]
