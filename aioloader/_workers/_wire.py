@@ -58,7 +58,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -150,11 +149,7 @@ class Packer:
         nbytes = batch_nbytes(batch)
         if nbytes < INLINE_MAX_BYTES or not _shm.shm_available():
             return inline(batch)
-        # The pool's headroom (alignment, a batch a little larger next time), as it sizes its
-        # own; the exact size where only that fits the reservation.
-        roomy = _shm.page_round(max(math.ceil(nbytes * _shm.GROWTH), _shm.MIN_SLOT_BYTES))
-        exact = _shm.page_round(max(nbytes, _shm.MIN_SLOT_BYTES))
-        size = roomy if roomy <= own.limit else exact
+        size = _shm.slot_size(nbytes)  # as the pool sizes a first slot: the batch, no headroom
         name = own.name
         why, kind = "", ""
         if size > own.limit:
