@@ -89,6 +89,7 @@ from ._attach import attach as attach
 from ._attach import attached as attached
 from ._attach import detach_all as detach_all
 from ._descriptors import ALIGN as ALIGN
+from ._descriptors import BYTES_IN_SLOT_MIN as BYTES_IN_SLOT_MIN
 from ._descriptors import INLINE_MAX_BYTES as INLINE_MAX_BYTES
 from ._descriptors import ArrayRef as ArrayRef
 from ._descriptors import Encoded as Encoded
@@ -122,6 +123,7 @@ __all__ = [
     "ATTACH_CACHE_MAX",
     "BUDGET_FRACTION",
     "BUDGET_MAX",
+    "BYTES_IN_SLOT_MIN",
     "GROWTH",
     "INLINE_MAX_BYTES",
     "MIN_SLOT_BYTES",
