@@ -366,11 +366,14 @@ def from_wire(batch: Any) -> Any:
 
 
 def batch_nbytes(batch: Any) -> int:
-    """Bytes of the numpy arrays and tensors in a (nested) batch."""
+    """Bytes of the numpy arrays and tensors in a (nested) batch, and of the ``bytes`` leaves
+    that travel in a slot too (:data:`aioloader._shm.BYTES_IN_SLOT_MIN`)."""
     torch = sys.modules.get("torch")  # a batch can hold tensors only once torch is imported
     total = 0
     for leaf in iter_leaves(batch):
-        if isinstance(leaf, np.ndarray):
+        if type(leaf) is bytes and len(leaf) >= _shm.BYTES_IN_SLOT_MIN:
+            total += len(leaf)
+        elif isinstance(leaf, np.ndarray):
             total += int(leaf.nbytes)
         elif torch is not None and isinstance(leaf, torch.Tensor):
             total += int(leaf.element_size() * leaf.nelement())
