@@ -30,20 +30,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
 import numpy as np
-
-# Sampling PSS reads /proc/PID/smaps_rollup of every process: cheap at this interval, but at
-# 20 ms it took a visible share of the 2 CPUs from the loaders being measured.
-PSS_INTERVAL_S = 0.1
+from harness import PeakPss
 
 #: The loaders this script knows; torch and aioloader always run.
 LOADERS = ("torch", "aioloader", "torchdata", "spdl", "seqtools")
@@ -107,45 +102,6 @@ class Tiny:
 
 def make_dataset(kind: str, n: int) -> Any:
     return {"large": LargeImages, "cpu": CpuHeavy, "tiny": Tiny}[kind](n)
-
-
-class PeakPss:
-    """Samples the PSS of this process and its children until stopped."""
-
-    enabled = True  # --no-memory turns sampling off, for the least disturbed throughput
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _sample(self) -> None:
-        import psutil
-
-        me = psutil.Process()
-        total = 0
-        for p in [me, *me.children(recursive=True)]:
-            with contextlib.suppress(psutil.Error, AttributeError):
-                total += p.memory_full_info().pss
-        self.peak = max(self.peak, total)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            self._stop.wait(PSS_INTERVAL_S)
-
-    def __enter__(self) -> PeakPss:
-        if self.enabled:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self.enabled:
-            self._thread.join()
-            # A run shorter than the thread's first turn (torch's inline tiny epochs hold the
-            # GIL throughout) would otherwise report no memory at all.
-            self._sample()
 
 
 def run_torch(kind: str, n: int, batch: int, workers: int, epochs: int) -> dict[str, float]:

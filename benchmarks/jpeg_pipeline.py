@@ -36,7 +36,6 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -310,16 +309,9 @@ def ceiling(paths: list[str], seconds: float) -> dict[str, Any]:
 
 
 def run_child(argv: list[str], timeout: float) -> dict[str, Any]:
-    result = subprocess.run(
-        [sys.executable, __file__, *argv],
-        stdout=subprocess.PIPE,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    if result.returncode != 0:
-        raise SystemExit(f"jpeg: {' '.join(argv)} failed with exit status {result.returncode}")
-    document: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    import harness
+
+    document: dict[str, Any] = harness.run_child(__file__, argv, f"jpeg: {' '.join(argv)}", timeout)
     return document
 
 

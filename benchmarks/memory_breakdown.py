@@ -1,8 +1,11 @@
 """Where the memory of a loader's process tree goes: PSS per process and per kind of mapping.
 
-torch's ``DataLoader`` and aioloader's, 2 workers, after two epochs of a large-batch case
+torch's ``DataLoader`` (its default start method, ``fork`` on Linux) and aioloader's (its
+default), 2 workers, ``persistent_workers=True`` both, two epochs of a large-batch case
 (64 x 3x224x224 uint8: 9.6 MB a batch) and a tiny one (Python ints, batch 256), each in a fresh
-interpreter. For every process of the tree (the training process, the worker server, the
+interpreter. The peak PSS of the whole tree is sampled during the epochs every 100 ms
+(``harness.PeakPss``: batches in flight count, torch's in its fresh segments, aioloader's in
+its slots); after them, for every process of the tree (the training process, the worker server, the
 workers, the resource tracker) it reports the PSS, split into anonymous memory (the heap:
 Python objects, numpy and torch allocations, shared copy-on-write with the parent that forked
 it), shared libraries (``.so`` files, shared with every process that maps them) and
@@ -22,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,8 +33,12 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from harness import run_child  # noqa: E402  (benchmarks/ is not a package)
+
 CASES = {"large": 64, "tiny": 256}  # case: batch size
-LENGTH = {"large": 640, "tiny": 256 * 40}
+# Long enough for the peak sampler (every 100 ms) to see each epoch several times.
+LENGTH = {"large": 64 * 40, "tiny": 256 * 400}
+EPOCHS = 2
 
 
 def breakdown() -> list[dict[str, Any]]:
@@ -88,6 +94,7 @@ def breakdown() -> list[dict[str, Any]]:
 def child(loader: str, case: str) -> dict[str, Any]:
     import bench_loader
     import torch
+    from harness import PeakPss
 
     torch.set_num_threads(1)
     dataset = bench_loader.make_dataset(case, LENGTH[case])
@@ -96,22 +103,28 @@ def child(loader: str, case: str) -> dict[str, Any]:
         from torch.utils.data import DataLoader
 
         tl = DataLoader(dataset, batch_size=batch, num_workers=2, persistent_workers=True)
-        for _ in range(2):
-            for _b in tl:
-                pass
+        with PeakPss() as peak:
+            for _ in range(EPOCHS):
+                for _b in tl:
+                    pass
         rows = breakdown()
     else:
         import aioloader
 
-        with aioloader.DataLoader(dataset, batch_size=batch, num_workers=2) as al:
-            for _ in range(2):
-                for _b in al:
-                    pass
+        with aioloader.DataLoader(
+            dataset, batch_size=batch, num_workers=2, persistent_workers=True
+        ) as al:
+            with PeakPss() as peak:
+                for _ in range(EPOCHS):
+                    for _b in al:
+                        pass
             rows = breakdown()
             stats = al.statistics()
             slots = {"live_shm_slots": stats.live_shm_slots, "shm_mb": stats.shm_bytes / 2**20}
     doc: dict[str, Any] = {"loader": loader, "case": case, "processes": rows}
     doc["total_pss_mb"] = sum(r["pss_mb"] for r in rows)
+    doc["peak_pss_mb"] = peak.peak / 2**20
+    doc["peak_own_mb"] = peak.peak_own / 2**20
     if loader == "aioloader":
         doc.update(slots)
     return doc
@@ -132,16 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         for loader in ("torch", "aioloader"):
             print(f"memory: {loader}, {case} ...", file=sys.stderr, flush=True)
-            result = subprocess.run(
-                [sys.executable, __file__, "--child", loader, case],
-                stdout=subprocess.PIPE,
-                text=True,
-                timeout=600,
-                check=False,
-            )
-            if result.returncode != 0:
-                raise SystemExit(f"memory: {loader} {case} failed ({result.returncode})")
-            docs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+            docs.append(run_child(__file__, ["--child", loader, case], f"memory: {loader} {case}"))
     document = {"benchmark": "memory", "rows": docs}
     print(table(document), file=sys.stderr if args.json else sys.stdout)
     if args.json:
@@ -168,6 +172,10 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(
             f"| {d['case']} | {d['loader']} | **tree**{extra} "
             f"| **{d['total_pss_mb']:.0f}** | | | | | | |"
+        )
+        lines.append(
+            f"| {d['case']} | {d['loader']} | **tree, peak during the epochs** "
+            f"| **{d['peak_pss_mb']:.0f}** | **{d['peak_own_mb']:.0f}** anon + shm | | | | | |"
         )
     return "\n".join(lines)
 

@@ -3,8 +3,10 @@
 A map-style dataset object that holds 16, 64 or 128 MiB of Python ``bytes`` objects (64 KiB
 each: the case where pickling the dataset for each worker is the cost, unlike numpy arrays,
 which pickle as one buffer), read by 1, 2, 4 or 8 worker processes started with ``forkserver``
-or ``spawn``; each sample is a few bytes of one object, batch 4. Measured, in a fresh
-interpreter for each case: seconds from the loader's construction to its first batch, for
+or ``spawn``, or each loader's ``default`` (``multiprocessing_context`` not given: ``fork`` for
+torch on Linux, aioloader's worker server forked from the training process); each sample is a
+few bytes of one object, batch 4. Measured, in a fresh interpreter for each case, both loaders'
+modules imported first: seconds from the loader's construction to its first batch, for
 torch's ``DataLoader`` and aioloader's, and the PSS of the process tree at the first batch (read
 once then: sampling it all along, every 100 ms, reads the memory maps of processes holding
 hundreds of MB, and slowed the start-up it measured by seconds).
@@ -13,6 +15,7 @@ CPUs is the point of the 8-worker case: aioloader warns about it, once.
 
     python benchmarks/startup_size.py                       # every case (a few minutes)
     python benchmarks/startup_size.py --mib 128 --workers 8 --methods spawn
+    python benchmarks/startup_size.py --mib 16 128 --workers 1 8 --methods default forkserver
     python benchmarks/startup_size.py --quick               # the smoke test: 4 MiB, 1 worker
 """
 
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 import warnings
@@ -30,6 +32,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
+
+from harness import run_child, tree_pss_mb  # noqa: E402  (benchmarks/ is not a package)
 
 LOADERS = ("torch", "aioloader")
 CHUNK = 64 * 1024
@@ -48,41 +52,28 @@ class HeavyDataset:
         return self.chunks[index][0]
 
 
-def tree_pss_mb() -> float:
-    """The PSS of this process and every descendant, now."""
-    import contextlib
-
-    import psutil
-
-    me = psutil.Process()
-    total = 0
-    for p in [me, *me.children(recursive=True)]:
-        with contextlib.suppress(psutil.Error):
-            total += p.memory_full_info().pss
-    return total / 2**20
-
-
 def child(loader: str, mib: int, workers: int, method: str) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
     dataset = HeavyDataset(mib)
+    context = None if method == "default" else method
+    if loader == "aioloader":
+        import aioloader  # before the clock, as torch is
     started = time.perf_counter()
     if loader == "torch":
         from torch.utils.data import DataLoader
 
-        tl = DataLoader(dataset, batch_size=4, num_workers=workers, multiprocessing_context=method)
+        tl = DataLoader(dataset, batch_size=4, num_workers=workers, multiprocessing_context=context)
         first = next(iter(tl))
         first_s = time.perf_counter() - started
         pss = tree_pss_mb()
         del tl
     else:
-        import aioloader
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # more workers than CPUs: on purpose
             al = aioloader.DataLoader(
-                dataset, batch_size=4, num_workers=workers, multiprocessing_context=method
+                dataset, batch_size=4, num_workers=workers, multiprocessing_context=context
             )
         with al:
             first = next(iter(al))
@@ -103,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--methods", nargs="+", default=["forkserver", "spawn"])
+    parser.add_argument("--methods", nargs="+", default=["default", "forkserver", "spawn"])
     parser.add_argument("--loaders", default=",".join(LOADERS))
     parser.add_argument("--quick", action="store_true", help="the smoke test: 4 MiB, 1 worker")
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
@@ -112,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.mib, args.workers, args.methods = [4], [1], ["forkserver"]
     for method in args.methods:
-        if method not in ("forkserver", "spawn"):
-            parser.error(f"--methods: forkserver or spawn, got {method!r}")
+        if method not in ("default", "forkserver", "spawn"):
+            parser.error(f"--methods: default, forkserver or spawn, got {method!r}")
     if args.child:
         loader, mib, workers, method = args.child
         print(json.dumps(child(loader, int(mib), int(workers), method)))
@@ -132,16 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
                     argv_ = ["--child", loader, str(mib), str(workers), method]
-                    result = subprocess.run(
-                        [sys.executable, __file__, *argv_],
-                        stdout=subprocess.PIPE,
-                        text=True,
-                        timeout=600,
-                        check=False,
-                    )
-                    if result.returncode != 0:
-                        raise SystemExit(f"startup: {' '.join(argv_)} failed")
-                    rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
+                    rows.append(run_child(__file__, argv_, f"startup: {' '.join(argv_)}"))
     document = {"benchmark": "startup", "rows": rows}
     print(table(document), file=sys.stderr if args.json else sys.stdout)
     if args.json:

@@ -35,7 +35,6 @@ import json
 import multiprocessing
 import pickle
 import resource
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -45,6 +44,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
+
+from harness import run_child, tree_pss_mb  # noqa: E402  (benchmarks/ is not a package)
 
 LOADERS = ("pipe", "torch", "aioloader", "spdl")
 KINDS = ("bytes", "numpy", "torch")
@@ -160,20 +161,6 @@ def consumer_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def tree_pss_mb() -> float:
-    """The PSS of this process and every descendant, now."""
-    import contextlib
-
-    import psutil
-
-    me = psutil.Process()
-    total = 0
-    for p in [me, *me.children(recursive=True)]:
-        with contextlib.suppress(psutil.Error):
-            total += p.memory_full_info().pss
-    return total / MiB
-
-
 def child(loader: str, kind: str, sizes: list[int], total: int) -> list[dict[str, Any]]:
     """One loader, one payload kind, each size: one warm-up epoch, then one timed."""
     import torch
@@ -250,16 +237,9 @@ def main(argv: list[str] | None = None) -> int:
             if loader in skipped:
                 continue
             print(f"transport: {loader}, {kind} ...", file=sys.stderr, flush=True)
-            result = subprocess.run(
-                [sys.executable, __file__, *common, "--child", loader, kind],
-                stdout=subprocess.PIPE,
-                text=True,
-                timeout=600,
-                check=False,
+            rows += run_child(
+                __file__, [*common, "--child", loader, kind], f"transport: {loader} {kind}"
             )
-            if result.returncode != 0:
-                raise SystemExit(f"transport: {loader} {kind} failed ({result.returncode})")
-            rows += json.loads(result.stdout.strip().splitlines()[-1])
     document = {"benchmark": "transport", "skipped": skipped, "rows": rows}
     print(table(document), file=sys.stderr if args.json else sys.stdout)
     if args.json:

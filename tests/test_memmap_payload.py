@@ -22,6 +22,7 @@ import torch
 
 from aioloader import DataLoader, WorkerInitError, _shm
 from aioloader._workers._payload import dumps_copy, loads
+from aioloader._workers._records import Payload
 
 pytestmark = pytest.mark.usefixtures("baseline")
 
@@ -173,10 +174,13 @@ def test_a_file_removed_before_the_pickling_is_copied_as_before(token_file: str)
     dataset = TokenWindows(token_file)
     os.remove(token_file)  # this process still maps it: the bytes go with the copy
     payload = dumps_copy(dataset, main_by_value=False)
-    assert len(payload.data) > TOKENS
-    copy = loads(payload)
-    assert np.array_equal(copy.tokens, dataset.tokens)
-    assert np.array_equal(copy.view, dataset.view)
+    try:
+        assert stream_bytes(payload) > TOKENS
+        copy = loads(payload)
+        assert np.array_equal(copy.tokens, dataset.tokens)
+        assert np.array_equal(copy.view, dataset.view)
+    finally:
+        payload.release()
 
 
 def test_a_copy_on_write_memmap_goes_by_reference_until_this_process_changes_it(
@@ -192,8 +196,16 @@ def test_a_copy_on_write_memmap_goes_by_reference_until_this_process_changes_it(
     assert np.fromfile(token_file, dtype=np.uint16, count=1)[0] == 0
     private[1] = 12345  # changed here: only a copy carries that, as fork would
     payload = dumps_copy(private, main_by_value=False)
-    assert len(payload.data) > TOKENS
-    assert loads(payload)[1] == 12345
+    try:
+        assert stream_bytes(payload) > TOKENS
+        assert loads(payload)[1] == 12345
+    finally:
+        payload.release()
+
+
+def stream_bytes(payload: Payload) -> int:
+    """The length of ``payload``'s pickle stream, in the job or (large) in its segment."""
+    return payload.stream[1] if payload.stream is not None else len(payload.data)
 
 
 class Tensors:

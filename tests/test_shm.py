@@ -385,11 +385,13 @@ def test_reuse_and_the_cap() -> None:
 def test_free_slots_too_small_are_dropped_to_make_room() -> None:
     p = SlotPool(16 * PAGE, min_slot_bytes=PAGE)
     try:
-        small = [p.lease(PAGE) for _ in range(6)]  # 2 pages each, with headroom
+        # 2 pages each: the batch's one, and one of room for its arrays' alignment
+        small = [p.lease(PAGE) for _ in range(6)]
         assert all(s is not None and s.size == 2 * PAGE for s in small)
         for s in small:
             p.release(s)  # type: ignore[arg-type]
-        big = p.lease(7 * PAGE)  # gets 9 pages: 3 small ones must go, no more
+        # Larger than every slot made: sizes vary, so headroom: 9 pages; 3 small ones must go.
+        big = p.lease(7 * PAGE)
         assert big is not None
         assert big.size == _shm.page_round(math.ceil(7 * PAGE * _shm.GROWTH))
         gone = {s.name for s in small if s is not None} - _mine()
@@ -397,11 +399,11 @@ def test_free_slots_too_small_are_dropped_to_make_room() -> None:
         stats = p.stats()
         assert (stats.slots, stats.free, stats.leased) == (4, 3, 1)
         assert stats.bytes_total == 15 * PAGE <= p.max_bytes
-        # When the headroom does not fit under the cap, the exact size still may.
+        # When the headroom does not fit under the cap, the batch's own size still may.
         p.release(big)
         exact = p.lease(15 * PAGE)
         assert exact is not None
-        assert exact.size == 15 * PAGE
+        assert exact.size == _shm.slot_size(15 * PAGE, min_slot_bytes=PAGE) == 16 * PAGE
         assert p.stats().slots == 1
     finally:
         p.close()
@@ -533,7 +535,7 @@ def test_new_segments_have_their_pages_reserved(pool: SlotPool) -> None:
     assert st_.st_size == slot.size
     assert st_.st_blocks * 512 >= slot.size
     assert slot.size % PAGE == 0
-    assert slot.size >= (3 << 20) * _shm.GROWTH
+    assert slot.size == _shm.slot_size(3 << 20) >= 3 << 20
 
 
 def test_full_shm_raises_a_clear_error(pool: SlotPool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -541,7 +543,7 @@ def test_full_shm_raises_a_clear_error(pool: SlotPool, monkeypatch: pytest.Monke
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "posix_fallocate", no_room)
-    asked = _shm.page_round(math.ceil((3 << 20) * _shm.GROWTH))
+    asked = _shm.slot_size(3 << 20)
     with pytest.raises(SharedMemoryError) as info:
         pool.lease(3 << 20)
     message = str(info.value)

@@ -89,6 +89,7 @@ from ._attach import attach as attach
 from ._attach import attached as attached
 from ._attach import detach_all as detach_all
 from ._descriptors import ALIGN as ALIGN
+from ._descriptors import BYTES_IN_SLOT_MIN as BYTES_IN_SLOT_MIN
 from ._descriptors import INLINE_MAX_BYTES as INLINE_MAX_BYTES
 from ._descriptors import ArrayRef as ArrayRef
 from ._descriptors import Encoded as Encoded
@@ -97,9 +98,11 @@ from ._pool import BUDGET_FRACTION as BUDGET_FRACTION
 from ._pool import BUDGET_MAX as BUDGET_MAX
 from ._pool import GROWTH as GROWTH
 from ._pool import MIN_SLOT_BYTES as MIN_SLOT_BYTES
+from ._pool import SLACK_BYTES as SLACK_BYTES
 from ._pool import ShmStats as ShmStats
 from ._pool import SlotPool as SlotPool
 from ._pool import budget as budget
+from ._pool import slot_size as slot_size
 from ._segment import SHM_DIR as SHM_DIR
 from ._segment import SHM_PREFIX as SHM_PREFIX
 from ._segment import Slot as Slot
@@ -112,6 +115,7 @@ from ._segment import map_private as map_private
 from ._segment import new_name as new_name
 from ._segment import page_round as page_round
 from ._segment import shm_available as shm_available
+from ._segment import turn as turn
 from ._segment import unlink as unlink
 
 __all__ = [
@@ -119,11 +123,13 @@ __all__ = [
     "ATTACH_CACHE_MAX",
     "BUDGET_FRACTION",
     "BUDGET_MAX",
+    "BYTES_IN_SLOT_MIN",
     "GROWTH",
     "INLINE_MAX_BYTES",
     "MIN_SLOT_BYTES",
     "SHM_DIR",
     "SHM_PREFIX",
+    "SLACK_BYTES",
     "ArrayRef",
     "Encoded",
     "ShmStats",
@@ -143,5 +149,7 @@ __all__ = [
     "new_name",
     "page_round",
     "shm_available",
+    "slot_size",
+    "turn",
     "unlink",
 ]

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALIGN",
+    "BYTES_IN_SLOT_MIN",
     "INLINE_MAX_BYTES",
     "ArrayRef",
     "Encoded",
@@ -69,6 +70,14 @@ ALIGN = 64
 # about as much as a lease, a mapping and a finalizer.
 INLINE_MAX_BYTES = 64 << 10
 
+# A ``bytes`` leaf at least this large travels in the slot like an array: copied in by the
+# worker, and out into a new ``bytes`` by the main process (two copies; pickled, it cost a copy
+# into the pickle, the kernel's two through a 64 KiB pipe with dozens of wake-ups of both
+# processes per MiB, and one out of the pickle). Smaller ones stay in the pickled tree, where
+# their own record costs less. Lower: more small leaves copied twice for little; higher: more
+# large ones through the pipe.
+BYTES_IN_SLOT_MIN = 64 << 10
+
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
@@ -82,7 +91,8 @@ class ArrayRef:
         offset: byte offset from the start of the segment.
         dtype: numpy dtype string of the bytes (``'<f4'``).
         shape: the array's shape.
-        kind: ``'numpy'`` or ``'torch'``: what :meth:`SlotPool.open` gives back.
+        kind: ``'numpy'`` or ``'torch'``: what :meth:`SlotPool.open` gives back (a view), or
+            ``'bytes'``: a ``bytes`` leaf, given back as new ``bytes`` copied out of the slot.
         torch_dtype: for torch dtypes numpy lacks (``'bfloat16'``, float8, ...), the bytes are
             stored as a same-width integer ``dtype`` and reinterpreted as this torch dtype.
     """
@@ -90,7 +100,7 @@ class ArrayRef:
     offset: int
     dtype: str
     shape: tuple[int, ...]
-    kind: Literal["numpy", "torch"]
+    kind: Literal["numpy", "torch", "bytes"]
     torch_dtype: str | None = None
 
 
@@ -176,7 +186,8 @@ class SlotWriter:
 
         Walks the batch's containers (:mod:`aioloader._tree`). numpy arrays and CPU torch
         tensors become :class:`ArrayRef` leaves: arrays already in the slot (from
-        :meth:`alloc`) without a copy, others (non-contiguous ones too) copied once. Other leaves
+        :meth:`alloc`) without a copy, others (non-contiguous ones too) copied once; so do
+        ``bytes`` leaves of :data:`BYTES_IN_SLOT_MIN` or more (copied once). Other leaves
         (numbers, strings, None, object arrays, sparse or CUDA tensors) stay as they are and are
         pickled. Tensors lose ``requires_grad``; torch dtypes numpy lacks (bfloat16) travel as raw
         bytes and come back as the same dtype.
@@ -262,8 +273,11 @@ _RAW_INT = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 def _as_numpy(
     x: Any,
-) -> tuple[npt.NDArray[Any], Literal["numpy", "torch"], str | None] | None:
-    """The bytes of an array leaf as numpy (sharing memory), its kind, and a raw torch dtype."""
+) -> tuple[npt.NDArray[Any], Literal["numpy", "torch", "bytes"], str | None] | None:
+    """The bytes of an array leaf as numpy (sharing memory), its kind, and a raw torch dtype;
+    a large ``bytes`` leaf too (:data:`BYTES_IN_SLOT_MIN`)."""
+    if type(x) is bytes:
+        return (np.frombuffer(x, np.uint8), "bytes", None) if len(x) >= BYTES_IN_SLOT_MIN else None
     if type(x) is np.ndarray or isinstance(x, np.memmap):
         return (x, "numpy", None) if _storable_dtype(x.dtype) else None
     torch_mod = sys.modules.get("torch")  # no torch imported: no tensor can be a leaf
@@ -308,6 +322,8 @@ def view_leaf(root: npt.NDArray[np.uint8], leaf: Any, torch_mod: Any) -> Any:
     arr = root[leaf.offset : end].view(dt).reshape(leaf.shape)
     if leaf.kind == "numpy":
         return arr
+    if leaf.kind == "bytes":
+        return arr.tobytes()  # its own memory: it does not keep the slot
     tensor = torch_mod.from_numpy(arr)
     if leaf.torch_dtype is not None:
         tensor = tensor.view(getattr(torch_mod, leaf.torch_dtype))

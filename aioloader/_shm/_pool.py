@@ -37,7 +37,7 @@ from enum import Enum
 from typing import Any
 
 from .._tree import iter_leaves, map_tree
-from ._descriptors import ArrayRef, Encoded, import_torch, ref_end, view_leaf
+from ._descriptors import ALIGN, ArrayRef, Encoded, import_torch, ref_end, view_leaf
 from ._segment import (
     SHM_DIR,
     SegmentMapping,
@@ -58,15 +58,26 @@ __all__ = [
     "IDLE_GRACE_S",
     "KEEP_SPARE",
     "MIN_SLOT_BYTES",
+    "SLACK_BYTES",
     "ShmStats",
     "SlotPool",
     "budget",
+    "slot_size",
 ]
 
-# A new segment gets this much headroom over the batch that asked for it, so batches that vary
-# a little in size (variable-length samples) reuse the slot instead of re-creating it. Higher
-# wastes /dev/shm; lower re-creates segments (slow first writes: page faults) more often.
+# A new segment is the size of the batch that asked for it (whole pages), until a batch larger
+# than every slot made before asks: batch sizes vary (variable-length samples), and from then on
+# a new segment gets this much headroom, so that batches a little larger still reuse it instead
+# of re-creating it. With default collation of fixed-shape samples every batch has one size,
+# and headroom made from the start was never used: 25% more of every slot, in /dev/shm and in
+# the PSS of every process that maps it. Higher wastes /dev/shm once sizes vary; lower
+# re-creates segments (slow first writes: page faults) more often.
 GROWTH = 1.25
+
+# Room for the alignment of the arrays in a slot (:data:`ALIGN`: up to 63 bytes before each):
+# a page, enough for 64 arrays. A batch of more arrays whose padding does not fit comes back
+# inline once (with the bytes it needs), and its next slot is made for that.
+SLACK_BYTES = 64 * ALIGN
 
 # The smallest segment created. Larger wastes memory on small batches; smaller creates more
 # segments while batch sizes are still being learned.
@@ -91,6 +102,15 @@ IDLE_GRACE_S = 5.0
 # it again at the next, its pages faulted in afresh: a quarter of the large-batch rate. More:
 # a burst leaves more behind; fewer: that churn.
 KEEP_SPARE = 2
+
+
+def slot_size(nbytes: int, *, headroom: bool = False, min_slot_bytes: int = MIN_SLOT_BYTES) -> int:
+    """The size of a new segment for a batch of ``nbytes`` array bytes: whole pages, at least
+    ``min_slot_bytes``, with room for the arrays' alignment (:data:`SLACK_BYTES`), and with
+    :data:`GROWTH` of headroom where ``headroom`` (batch sizes vary). The one rule, for the
+    pool's segments and those a worker makes for a loader's first batches."""
+    wanted = math.ceil(nbytes * GROWTH) if headroom else nbytes + SLACK_BYTES
+    return page_round(max(wanted, min_slot_bytes))
 
 
 def budget(max_bytes: int | None, free: int | None = None) -> int:
@@ -226,6 +246,7 @@ class SlotPool:
         self._on_unmap = on_unmap
         self._clock = clock
         self.keep = 1  # the most slots ever leased at once (see _trim)
+        self._largest = 0  # the largest size a segment was made for: past it, headroom (GROWTH)
         self._keep_spare = keep_spare
         # Invariant: every segment is FREE, LEASED to a worker, or HELD by a live batch, and the
         # sizes of all segments plus _reserved sum to at most max_bytes.
@@ -260,8 +281,9 @@ class SlotPool:
     def lease(self, nbytes: int) -> Slot | None:
         """Lease a slot of at least ``nbytes`` for one batch.
 
-        Prefers the smallest free slot that fits; otherwise creates a segment with headroom
-        (:data:`GROWTH`), first unlinking free slots that are too small if the cap requires.
+        Prefers the smallest free slot that fits; otherwise creates a segment of ``nbytes``
+        (whole pages; with headroom, :data:`GROWTH`, once a batch larger than every slot made
+        before asked), first unlinking free slots that are too small if the cap requires.
         Creating blocks while the segment's pages are reserved and mapped (a fraction of a
         second per GB; call it from a thread if that matters).
 
@@ -306,9 +328,13 @@ class SlotPool:
         )
         busy = sum(s.size for s in self._segments.values()) - sum(s.size for s in free)
         busy += self._reserved
-        exact = page_round(max(nbytes, self.min_slot_bytes))
-        roomy = page_round(max(math.ceil(nbytes * GROWTH), self.min_slot_bytes))
-        size = next((n for n in (roomy, exact) if busy + n <= self.max_bytes), None)
+        exact = slot_size(nbytes, min_slot_bytes=self.min_slot_bytes)
+        roomy = slot_size(nbytes, headroom=True, min_slot_bytes=self.min_slot_bytes)
+        bare = page_round(max(nbytes, self.min_slot_bytes))  # under a tight cap, no slack even
+        grew = 0 < self._largest < nbytes  # sizes vary: leave room for the next ones
+        self._largest = max(self._largest, nbytes)
+        sizes = (roomy, exact, bare) if grew else (exact, bare)
+        size = next((n for n in sizes if busy + n <= self.max_bytes), None)
         if size is None:
             return None
         total = busy + sum(s.size for s in free)
@@ -380,6 +406,7 @@ class SlotPool:
                 raise RuntimeError("SlotPool is closed")
             seg = _Segment(name, size, mapping, _State.LEASED, next(self._lease_ids))
             self._segments[name] = seg
+            self._largest = max(self._largest, size)
             self._count_leased()
         if self._on_map is not None:
             with contextlib.suppress(Exception):

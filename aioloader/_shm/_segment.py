@@ -17,6 +17,7 @@ import os
 import secrets
 import sys
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 
@@ -27,6 +28,7 @@ from .._errors import SharedMemoryError
 
 if sys.platform != "win32":
     import _posixshmem  # type: ignore[import-not-found]  # CPython's, without stubs
+    import fcntl
     import resource
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "page_round",
     "segment_exists",
     "shm_available",
+    "turn",
     "unlink",
     "vanished_message",
 ]
@@ -174,9 +177,7 @@ def as_bytes(mapping: SegmentMapping, count: int) -> npt.NDArray[np.uint8]:
 # -- the owner's side: create and unlink ----------------------------------------------------
 
 
-def create_segment(
-    size: int, shm_dir: str, name: str | None = None
-) -> tuple[str, SegmentMapping]:
+def create_segment(size: int, shm_dir: str, name: str | None = None) -> tuple[str, SegmentMapping]:
     """Create a segment of ``size`` bytes under a fresh name, reserve its pages and map it.
 
     The segment is registered with the resource tracker before anything can fail, so a crash
@@ -328,6 +329,45 @@ def map_private(name: str, size: int) -> npt.NDArray[np.uint8]:
         return as_bytes(_map(fd, size, flags), size)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def turn(name: str, turns: int) -> Iterator[None]:
+    """Hold one of ``turns`` turns on segment ``name`` while in the block: a byte-range lock
+    on its file (byte ``k`` for turn ``k``), so that at most ``turns`` processes are in such a
+    block at once. Workers that all unpickle one large dataset copy at once, more of them than
+    there are CPUs, only slow each other: the first to finish (the first batch) finishes
+    later, the last no sooner. A turn ends with the block, or with the process (the kernel
+    drops a dead process's locks), so a worker killed mid-load holds nobody up.
+
+    Where the lock cannot be had (the segment is gone, no descriptor left, a file system
+    without record locks) the block runs without a turn. POSIX record locks belong to the
+    process and go when *any* descriptor of the file is closed: take the turn after mapping
+    the segment (:func:`map_private` opens and closes one), and open no other descriptor of
+    it in the block.
+    """
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            _take_turn(fd, max(1, turns))
+        yield
+    finally:
+        os.close(fd)  # the turn with it
+
+
+def _take_turn(fd: int, turns: int) -> None:
+    for k in range(turns):  # a free turn, if there is one
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, k)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
+    fcntl.lockf(fd, fcntl.LOCK_EX, 1, os.getpid() % turns)  # else wait for one
 
 
 def vanished_message(name: str) -> str:

@@ -150,13 +150,15 @@ def new_cells(n: int) -> Cells:
 @dataclass(frozen=True, slots=True)
 class Payload:
     """A pickled dataset copy (:func:`._payload.dumps_copy`): the stream, and the segment that
-    holds its large buffers.
+    holds its large buffers (and a large stream itself).
 
     Attributes:
-        data: the pickle stream (both pickles of :func:`._payload.dumps`).
+        data: the pickle stream (both pickles of :func:`._payload.dumps`), or ``b""`` when it
+            lies in the segment (``stream``).
         segment: the shared-memory segment of the out-of-band buffers, or None.
         size: the segment's size.
         spans: ``(offset, length)`` of each out-of-band buffer in it, in pickling order.
+        stream: ``(offset, length)`` of the pickle stream in the segment, or None (in ``data``).
         keep: what must stay alive here while a worker may load the copy: the storages of
             tensors in torch's shared memory, which travel as this process's descriptors of
             them (a swapped tensor's descriptor would close, and its number be reused, before
@@ -168,9 +170,11 @@ class Payload:
     size: int = 0
     spans: tuple[tuple[int, int], ...] = ()
     keep: tuple[Any, ...] = field(default=(), compare=False, repr=False)
+    stream: tuple[int, int] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return Payload, (self.data, self.segment, self.size, self.spans)  # without ``keep``
+        # Without ``keep``.
+        return Payload, (self.data, self.segment, self.size, self.spans, (), self.stream)
 
     def release(self) -> None:
         """Unlink the segment (the owner's side, once no worker will load this copy again)."""

@@ -58,7 +58,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -150,11 +149,7 @@ class Packer:
         nbytes = batch_nbytes(batch)
         if nbytes < INLINE_MAX_BYTES or not _shm.shm_available():
             return inline(batch)
-        # The pool's headroom (alignment, a batch a little larger next time), as it sizes its
-        # own; the exact size where only that fits the reservation.
-        roomy = _shm.page_round(max(math.ceil(nbytes * _shm.GROWTH), _shm.MIN_SLOT_BYTES))
-        exact = _shm.page_round(max(nbytes, _shm.MIN_SLOT_BYTES))
-        size = roomy if roomy <= own.limit else exact
+        size = _shm.slot_size(nbytes)  # as the pool sizes a first slot: the batch, no headroom
         name = own.name
         why, kind = "", ""
         if size > own.limit:
@@ -371,11 +366,14 @@ def from_wire(batch: Any) -> Any:
 
 
 def batch_nbytes(batch: Any) -> int:
-    """Bytes of the numpy arrays and tensors in a (nested) batch."""
+    """Bytes of the numpy arrays and tensors in a (nested) batch, and of the ``bytes`` leaves
+    that travel in a slot too (:data:`aioloader._shm.BYTES_IN_SLOT_MIN`)."""
     torch = sys.modules.get("torch")  # a batch can hold tensors only once torch is imported
     total = 0
     for leaf in iter_leaves(batch):
-        if isinstance(leaf, np.ndarray):
+        if type(leaf) is bytes and len(leaf) >= _shm.BYTES_IN_SLOT_MIN:
+            total += len(leaf)
+        elif isinstance(leaf, np.ndarray):
             total += int(leaf.nbytes)
         elif torch is not None and isinstance(leaf, torch.Tensor):
             total += int(leaf.element_size() * leaf.nelement())

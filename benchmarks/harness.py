@@ -1,0 +1,115 @@
+"""What the benchmarks share: the memory of a process tree, and each case in a fresh interpreter.
+
+- :func:`tree_pss_mb`: the PSS of this process and every descendant, read once (what a table
+  reports "at the first batch" or "after the epoch");
+- :class:`PeakPss`: the largest such sum, sampled by a thread every :data:`PSS_INTERVAL_S`
+  (what a table reports as "peak");
+- :func:`run_child`: one case run by the benchmark's own script in a fresh interpreter (so one
+  loader's workers and memory do not colour the next), its result the JSON document on the
+  last line of its stdout.
+
+Not a benchmark itself: ``run_all.py`` does not run it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import threading
+from typing import Any
+
+# Sampling PSS reads /proc/PID/smaps_rollup of every process: cheap at this interval, but at
+# 20 ms it took a visible share of the 2 CPUs from the loaders being measured.
+PSS_INTERVAL_S = 0.1
+
+
+def tree_pss_bytes(*, without_files: bool = False) -> int:
+    """The PSS of this process and every descendant, now, in bytes; ``without_files``: only
+    anonymous memory and shared memory (``Pss_Anon + Pss_Shmem``), without file-backed pages
+    (shared libraries above all: the same code for every loader, whose share of the pages
+    depends on what else runs on the machine, which moved the totals by 200 MB here)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0
+    for p in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(OSError, psutil.Error):
+            rollup = _rollup(p.pid)
+            if without_files:
+                total += rollup.get("Pss_Anon", 0) + rollup.get("Pss_Shmem", 0)
+            else:
+                total += rollup.get("Pss", 0)
+    return total
+
+
+def _rollup(pid: int) -> dict[str, int]:
+    """``/proc/PID/smaps_rollup`` as bytes by field."""
+    fields = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            value = rest.split()
+            if len(value) == 2 and value[1] == "kB":
+                fields[key] = int(value[0]) * 1024
+    return fields
+
+
+def tree_pss_mb(*, without_files: bool = False) -> float:
+    """:func:`tree_pss_bytes` in MiB."""
+    return tree_pss_bytes(without_files=without_files) / 2**20
+
+
+class PeakPss:
+    """Samples the PSS of this process and its children until stopped: the largest sum
+    (:attr:`peak`, bytes) and the largest without file-backed pages (:attr:`peak_own`)."""
+
+    enabled = True  # --no-memory turns sampling off, for the least disturbed throughput
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self.peak_own = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        self.peak = max(self.peak, tree_pss_bytes())
+        self.peak_own = max(self.peak_own, tree_pss_bytes(without_files=True))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(PSS_INTERVAL_S)
+
+    def __enter__(self) -> PeakPss:
+        if self.enabled:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self.enabled:
+            self._thread.join()
+            # A run shorter than the thread's first turn (torch's inline tiny epochs hold the
+            # GIL throughout) would otherwise report no memory at all.
+            self._sample()
+
+
+def run_child(script: str, argv: list[str], what: str, timeout: float = 600) -> Any:
+    """Run ``python script *argv`` in a fresh interpreter and return the JSON document on the
+    last line of its stdout (its stderr passes through, for progress and errors).
+
+    Raises:
+        SystemExit: naming ``what`` and the exit status, if the child failed.
+    """
+    result = subprocess.run(
+        [sys.executable, script, *argv],
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise SystemExit(f"{what} failed ({result.returncode})")
+    return json.loads(result.stdout.strip().splitlines()[-1])

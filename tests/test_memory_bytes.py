@@ -1,0 +1,82 @@
+"""Large ``bytes`` leaves of a batch travel in its shared-memory slot, not pickled through the
+worker's pipe: the worker copies each in, the main process copies it out into new ``bytes``
+(the type the batch had), so the slot is free again at once when nothing else of the batch
+lies in it. Small ``bytes`` stay in the pickled tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from aioloader import DataLoader, _shm
+
+BIG = _shm.BYTES_IN_SLOT_MIN * 4
+
+
+@pytest.fixture
+def pool() -> Iterator[_shm.SlotPool]:
+    p = _shm.SlotPool(1 << 26)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def round_trip(pool: _shm.SlotPool, batch: object) -> tuple[_shm.Encoded, object]:
+    slot = pool.lease(4 * BIG)
+    assert slot is not None
+    encoded = _shm.SlotWriter(_shm.attach(slot)).encode(batch)
+    assert not encoded.inline
+    return encoded, pool.open(slot, encoded.tree)
+
+
+def test_large_bytes_go_in_the_slot_and_come_back_as_equal_bytes(pool: _shm.SlotPool) -> None:
+    raw = bytes(range(256)) * (BIG // 256)
+    small = b"label"
+    pixels = np.arange(BIG // 8, dtype=np.int64)
+    batch = {"raw": raw, "small": small, "pixels": pixels}
+    encoded, opened = round_trip(pool, batch)
+    assert isinstance(encoded.tree["raw"], _shm.ArrayRef)
+    assert encoded.tree["raw"].kind == "bytes"
+    assert encoded.tree["small"] == small  # under BYTES_IN_SLOT_MIN: in the pickled tree
+    assert isinstance(opened, dict)
+    assert type(opened["raw"]) is bytes
+    assert opened["raw"] == raw
+    assert opened["small"] == small
+    assert np.array_equal(opened["pixels"], pixels)
+    assert pool.stats().held == 1  # the array is a view of the slot: it keeps it
+
+
+def test_a_batch_of_bytes_only_frees_its_slot_at_once(pool: _shm.SlotPool) -> None:
+    items = [bytes([i]) * BIG for i in range(3)]
+    _, opened = round_trip(pool, items)
+    assert opened == items
+    assert isinstance(opened, list)
+    assert all(type(item) is bytes for item in opened)
+    stats = pool.stats()
+    assert (stats.held, stats.leased, stats.free) == (0, 0, 1)
+
+
+class Blobs:
+    """Each item a 1 MiB ``bytes`` object, as a dataset of raw files is."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> bytes:
+        return bytes([index]) * (1 << 20)
+
+
+def test_a_loader_hands_large_bytes_over_through_shared_memory() -> None:
+    with DataLoader(Blobs(), batch_size=None, num_workers=1) as loader:
+        for _ in range(2):
+            items = list(loader)
+            assert all(type(item) is bytes for item in items)
+            assert items == [Blobs()[i] for i in range(12)]
+        stats = loader.statistics()
+    # Pickled through the pipe they would have needed no slot at all.
+    assert stats.live_shm_slots >= 1
+    assert stats.held_shm_slots == 0  # every item is its own bytes: no slot is held
