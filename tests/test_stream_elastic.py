@@ -199,6 +199,33 @@ def test_every_ranks_state_merged_resumes_exactly_on_any_number_of_ranks(
     asyncio.run(elastic(make, kind, cuts, middle, last, even))
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    said=st.lists(st.integers(0, 9), min_size=len(TAR_SIZES), max_size=len(TAR_SIZES)),
+    shuffle=st.booleans(),
+    cuts=st.lists(st.floats(0, 1), min_size=4, max_size=4),
+    middle=st.lists(st.floats(0, 1), min_size=1, max_size=5),
+    last=st.integers(1, 5),
+)
+def test_shares_evened_by_a_stale_index_resume_exactly_on_any_number_of_ranks(
+    tmp_path_factory: pytest.TempPathFactory,
+    said: list[int],
+    shuffle: bool,
+    cuts: list[float],
+    middle: list[float],
+    last: int,
+) -> None:
+    """``lengths=`` from an index that is wrong (shards longer or shorter than it says, or
+    said empty): the shares are uneven, but merged and resumed on any number of ranks, every
+    sample of the epoch still comes out exactly once, and none of a state is refused."""
+    paths = data("tar", tmp_path_factory)
+    options: dict[str, Any] = {"seed": 7, "shuffle": shuffle, "shuffle_buffer": 4}
+    make = lambda: TarDataset(  # noqa: E731
+        paths, shards_in_flight=2, lengths=said, even_shares=True, **options
+    )
+    asyncio.run(elastic(make, "tar", cuts, middle, last, even=False))
+
+
 def test_the_rest_is_dealt_so_that_each_new_rank_reads_its_own_units(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
@@ -343,3 +370,41 @@ def test_a_malformed_rest_is_refused_where_it_is_loaded(
     assert_raises_naming(lambda: make().load_state_dict(bad_range), ValueError, ["[2, 1]"])
     yielded = {**state, "yielded": 3}
     assert_raises_naming(lambda: make().load_state_dict(yielded), ValueError, ["no rank"])
+
+
+@pytest.mark.parametrize("taken", [2, 4, 6, 7])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_shard_longer_than_its_length_resumes_exactly_when_merged(
+    tmp_path: Path, taken: int, world: int
+) -> None:
+    """The index says 4 and 4 samples, shard 1 really has 7: rank 1 (shard 1, its extra
+    samples too) stops after ``taken`` of them, rank 0 halfway; the merged state loads, and
+    the rest on any number of ranks holds every sample not taken exactly once (none lost past
+    the length said, none refused)."""
+    sizes = (4, 7)
+    paths = [str(tmp_path / f"s{shard}.tar") for shard in range(2)]
+    for shard, size in enumerate(sizes):
+        Path(paths[shard]).write_bytes(tar_shard(shard, size))
+
+    def make() -> TarDataset:
+        return TarDataset(paths, lengths=[4, 4], even_shares=True)
+
+    every = [f"{s:03d}/{i:04d}" for s, n in enumerate(sizes) for i in range(n)]
+
+    async def run() -> list[Any]:
+        head: list[Any] = []
+        states = []
+        for rank, count in enumerate([2, taken]):
+            share, _ = await read(make, rank, 2, 0)
+            assert len(share) == sizes[rank]  # rank 1 reads shard 1 to its real end
+            got, state = await read(make, rank, 2, 0, cut=count / len(share))
+            assert len(got) == count
+            assert state is not None
+            head += got
+            states.append(state)
+        rest_state = merged(states, 0)
+        make().load_state_dict(rest_state)  # never refused for records past the length said
+        rest = [k for r in range(world) for k in (await read(make, r, world, 0, rest_state))[0]]
+        return head + rest
+
+    assert Counter(asyncio.run(run())) == Counter(every)

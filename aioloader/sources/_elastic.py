@@ -28,9 +28,16 @@ uninterrupted epoch of the new ranks: the rest applies to the epoch it was saved
 
 **Shares evened up front.** Where every unit's length is known (Parquet footers, a tar index),
 :func:`plan` may instead cut the records left, in the epoch's unit order, into one run per
-rank, as long as each other but for the remainder: every rank then has as many batches. A unit
-split between two ranks is read by both, each leaving out the other's part; to the mixer and
-to a state that is one more kind of record left out, so resume and merging are the same.
+rank, as long as each other but for the remainder: the first ``T mod R`` ranks get one record
+more, so the ranks' batch counts differ by at most one (where a run's length is a multiple of
+``batch_size`` plus one record, that record is a batch of its own on those ranks only; under
+equal steps it is the leftover). A unit split between two ranks is read by both, each leaving
+out the other's part; to the mixer and to a state that is one more kind of record left out,
+so resume and merging are the same. A tar index may be stale: a unit may have more records
+than it says (the rank with the unit's last part reads them, to the unit's real end) or fewer.
+So a length said is only a plan: a merged state knows a unit's length only from the rank that
+read it to its end, plans with that (or else with the length said, or the last record
+consumed, whichever is further), and never refuses records consumed past a length said.
 
 Costs, each deliberate: a unit consumed in part is read again from its start (its first bytes
 are read and left out: a tar shard cannot be entered in the middle); a merged state holds two
@@ -125,7 +132,9 @@ class Rest:
     Attributes:
         units: how many units the data has (all ranks').
         consumed: unit -> the ranges of its positions consumed (its own positions).
-        lengths: unit -> its number of records, for the units known to have ended.
+        lengths: unit -> its number of records, for the units a rank read to their end
+            (at most that many: a unit that ended inside a part another rank left out may
+            have had fewer; never fewer than it has, so that no record is lost).
     """
 
     units: int
@@ -244,12 +253,14 @@ def plan(
     (of those with records left). With ``lengths`` (every unit's number of records: Parquet
     footers, a tar index) the shares are evened up front: the records left, in the epoch's
     unit order, are cut into ``world`` runs as long as each other (the first ``T mod world``
-    one record longer), so a unit may be split between two ranks, each keeping its part.
+    one record longer), so a unit may be split between two ranks, each keeping its part; a
+    unit's records past its length said go to the rank with its last part (see :func:`_even`).
     """
     whole = shard_order(units, shuffle=shuffle, seed=seed, epoch=epoch, reader=0, readers=1)
     consumed: Mapping[int, Ranges] = rest.consumed if rest is not None else {}
     if lengths is not None:
-        order, gone = _even(whole, consumed, lengths, rank, world)
+        ended: Mapping[int, int] = rest.lengths if rest is not None else {}
+        order, gone = _even(whole, consumed, ended, lengths, rank, world)
     elif rest is None:
         order, gone = whole[rank::world], {}
     else:
@@ -261,11 +272,21 @@ def plan(
 def _even(
     whole: Sequence[int],
     consumed: Mapping[int, Ranges],
+    ended: Mapping[int, int],
     lengths: Sequence[int],
     rank: int,
     world: int,
 ) -> tuple[list[int], dict[int, Ranges]]:
-    left = [(unit, lengths[unit] - _count(list(consumed.get(unit, ())))) for unit in whole]
+    """Rank ``rank``'s run of the records left, and per unit the positions it leaves out.
+
+    A unit is planned as long as the rest knows it to be (``ended``: a rank read it to its
+    end), else as its length said (``lengths``, an index that may be stale) or its last record
+    consumed, whichever is further. Past a length not known to be the end, a unit may have
+    more records: they go to the rank whose run holds the unit's last record left (or the
+    point where the unit stands, if it has none left), which reads the unit to its real end.
+    """
+    planned = {unit: _planned(unit, consumed, ended, lengths) for unit in whole}
+    left = [(unit, planned[unit] - _count(list(consumed.get(unit, ())))) for unit in whole]
     total = sum(n for _, n in left)
     size, longer = divmod(total, world)
     start = rank * size + min(rank, longer)
@@ -275,15 +296,27 @@ def _even(
     offset = 0  # where the unit's records left begin among all the records left
     for unit, n in left:
         lo, hi = max(start, offset), min(stop, offset + n)
-        if lo < hi:
+        end = offset + n  # the unit's tail, if it may have one, is the owner of this point's
+        tail = unit not in ended and (start < end <= stop if end else rank == 0)
+        if lo < hi or tail:
             before = list(consumed.get(unit, ()))
-            kept = _own_ranges(before, [(lo - offset, hi - offset)])
-            if hi == offset + n:  # its last part: records past the length said are its too
-                kept.append((lengths[unit], _NO_END))
+            kept = _own_ranges(before, [(lo - offset, hi - offset)]) if lo < hi else []
+            if tail:  # records past the length planned are this rank's too
+                kept.append((planned[unit], _NO_END))
             order.append(unit)
             gone[unit] = _without_ranges(_NO_END, kept)
         offset += n
     return order, {unit: ranges for unit, ranges in gone.items() if ranges}
+
+
+def _planned(
+    unit: int, consumed: Mapping[int, Ranges], ended: Mapping[int, int], lengths: Sequence[int]
+) -> int:
+    """The records of ``unit`` an even plan counts (see :func:`_even`)."""
+    if unit in ended:
+        return ended[unit]
+    ranges = consumed.get(unit, ())
+    return max(lengths[unit], ranges[-1][1] if ranges else 0)
 
 
 #: A position past any unit's end: "to the end" for a range of positions left out.
@@ -394,9 +427,12 @@ def consumed(state: Mapping[str, Any]) -> tuple[dict[int, Ranges], dict[int, int
         mine = _own_ranges(gone, _without(n, pending.get(unit, ())))
         if mine:
             taken[unit] = mine
-        if lengths is not None:
-            ended[unit] = lengths[unit]
-        elif unit in mixer.ended:
+        # A unit's length is known only where this rank read it to its real end: the unit
+        # ended here, and no part of it past this rank's is another's (an even share's
+        # length said is an index's, which may be stale). Its records are then the positions
+        # read and those left out, or fewer (it may have ended inside a part left out: a
+        # length too long costs a read, one too short would lose records).
+        if unit in mixer.ended and not (gone and gone[-1][1] >= _NO_END):
             ended[unit] = n + _count(gone)
     return taken, ended
 
@@ -485,10 +521,8 @@ def merge_stream_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                     "are not of one job at one step"
                 )
             taken[unit] = _union(before, ranges)
-        lengths.update(ended)
-        known = _lengths(config.kind, state)  # an even state's: every unit's
-        if known is not None:
-            lengths.update(enumerate(known))
+        for unit, n in ended.items():
+            lengths[unit] = min(n, lengths.get(unit, n))
     merged = {**same, "yielded": 0, "ended": [], "rank": None, "rest": None}
     if taken:
         units = config.units if config.units is not None else rest.units if rest else None
