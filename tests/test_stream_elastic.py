@@ -340,6 +340,77 @@ def test_merging_refuses_states_that_are_not_one_of_each_rank_at_one_epoch(
     assert_raises_naming(lambda: merge_states([states[0], {}]), ValueError, ["state 1", "epoch"])
 
 
+async def parquet_state(paths: list[str], rank: int, world: int, taken: int) -> dict[str, Any]:
+    """Rank ``rank`` of ``world``'s ParquetDataset state after ``taken`` records (a failed
+    row group's record counts as one)."""
+    ds = ParquetDataset(paths, row_groups_in_flight=2, seed=7)
+    ds.set_epoch(0)
+    ds.set_rank(rank, world)
+    it: Any = aiter(ds)
+    for _ in range(taken):
+        await anext(it)
+    state = ds.state_dict()
+    await it.aclose()
+    return state
+
+
+def test_merging_refuses_ranks_whose_footers_differed(tmp_path: Path) -> None:
+    """Each rank reads the footers itself: a footer that fails on one rank only (the file
+    changed, a transient error past the retries) makes that rank's row groups other than the
+    others'; the merge names the ranks rather than resume shares that overlap."""
+    paths = []
+    for file, rows in enumerate((6, 3, 6)):
+        paths.append(str(tmp_path / f"part-{file}.parquet"))
+        Path(paths[-1]).write_bytes(parquet_bytes(file, rows, GROUP))
+
+    saved = [asyncio.run(parquet_state(paths, rank, 3, 1)) for rank in range(2)]
+    Path(paths[1]).write_bytes(b"not a footer")  # rank 2 lists it, and its footer fails
+    saved.append(asyncio.run(parquet_state(paths, 2, 3, 1)))
+    states = [as_loader_state(s, 0) for s in saved]
+    assert_raises_naming(
+        lambda: merge_states(states), ValueError, ["ranks 0, 1:", "rank 2:", "footer"]
+    )
+
+
+def test_merging_refuses_ranks_whose_listings_differed(tmp_path: Path) -> None:
+    """Two ranks listed other files of the same shape (as many row groups and rows): their
+    shares were planned from different data, so the merge refuses, naming both ranks."""
+    paths = []
+    for file in range(3):
+        paths.append(str(tmp_path / f"part-{file}.parquet"))
+        Path(paths[-1]).write_bytes(parquet_bytes(file, 6, GROUP))
+
+    async def run() -> list[dict[str, Any]]:
+        return [
+            await parquet_state([paths[0], paths[1]], 0, 2, 2),
+            await parquet_state([paths[0], paths[2]], 1, 2, 2),
+        ]
+
+    states = [as_loader_state(s, 0) for s in asyncio.run(run())]
+    assert_raises_naming(lambda: merge_states(states), ValueError, ["rank 0:", "rank 1:"])
+
+
+def test_merging_refuses_even_shares_cut_by_other_lengths(tmp_path: Path) -> None:
+    """Tar ranks given other ``lengths=`` (an index that differed) cut other shares."""
+    paths = [str(tmp_path / f"s{shard}.tar") for shard in range(2)]
+    for shard, path in enumerate(paths):
+        Path(path).write_bytes(tar_shard(shard, 4))
+
+    async def run() -> list[dict[str, Any]]:
+        states = []
+        for rank, lengths in enumerate(([4, 4], [4, 5])):
+            make = lambda lengths=lengths: TarDataset(  # noqa: E731
+                paths, lengths=lengths, even_shares=True
+            )
+            states.append((await read(make, rank, 2, 0, cut=0.5))[1] or {})
+        return states
+
+    states = [as_loader_state(s, 0) for s in asyncio.run(run())]
+    assert_raises_naming(
+        lambda: merge_states(states), ValueError, ["rank 0: [4, 4]", "rank 1: [4, 5]"]
+    )
+
+
 def test_a_stream_read_in_workers_is_not_merged() -> None:
     state = as_loader_state({"position": 3}, 0)
     state["streams"]["readers"] = 2

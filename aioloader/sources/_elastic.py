@@ -459,7 +459,49 @@ def _rank(owner: str, state: Mapping[str, Any]) -> tuple[int, int]:
 #: The keys of a stream state that say where it is, rather than how the stream is made.
 _WHERE = frozenset({"yielded", "ended", "rank", "rest", "lengths"})
 #: Keys a ParquetDataset's state holds once its first iteration read the footers (None before).
-_LEARNT = ("row_groups", "rows")
+_LEARNT = ("row_groups", "rows", "catalog")
+
+
+def _check_same_data(kind: str, states: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse states of ranks that planned their shares from different data: each Parquet
+    rank lists the files and reads the footers itself (``"catalog"``: a digest of what it
+    found), and an even share is cut by the lengths the rank was given (``"lengths"``).
+    Their shares may then overlap or leave records out, which no merge can tell apart."""
+    for key, what, why in (
+        (
+            "catalog",
+            "files, row groups and rows",
+            "a footer that failed on some ranks only, where it counts as one record, or a "
+            "listing that differed",
+        ),
+        ("lengths", "lengths", "the index the lengths came from differed"),
+    ):
+        seen: dict[str, list[int]] = {}
+        for state in states:
+            if state.get(key) is not None:
+                seen.setdefault(_seen(key, state), []).append(_rank(kind, state)[0])
+        if len(seen) > 1:
+            groups = "; ".join(
+                f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(set(ranks))))}: "
+                f"{value}"
+                for value, ranks in sorted(seen.items(), key=lambda item: min(item[1]))
+            )
+            raise ValueError(
+                f"merge_states: the {kind} ranks planned their shares from different {what} "
+                f"({groups}): their shares may overlap or leave records out, so no merged "
+                f"state can say what was consumed. Likely {why}: make every rank see the same "
+                "data, and resume from a checkpoint saved before the difference"
+            )
+
+
+def _seen(key: str, state: Mapping[str, Any]) -> str:
+    """What a rank planned with, as a message shows it (see :func:`_check_same_data`)."""
+    if key == "catalog":
+        return (
+            f"{state.get('row_groups')} row groups, {state.get('rows')} rows, digest {state[key]}"
+        )
+    text = repr(state[key])
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def merge_stream_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -477,6 +519,7 @@ def merge_stream_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for key in _LEARNT:  # a rank that read nothing yet may not know them
         same[key] = next((s[key] for s in states if s.get(key) is not None), same.get(key))
     config = settings(same)
+    _check_same_data(config.kind, states)
     for k, state in enumerate(states):
         for key, value in same.items():
             if key in _LEARNT and state.get(key) is None:

@@ -36,7 +36,11 @@ resume on any number of ranks (:mod:`._elastic`). ``state_dict()`` records the e
 yielded and how many rows each row group that ended gave; a resumed epoch yields exactly the
 rows, in exactly the order, that the uninterrupted one would still have yielded, under any
 ``num_workers`` (the loop is the one reader). The listing and footers are read again in a new
-process and must agree (the number of row groups and rows is checked).
+process and must agree (the number of row groups and rows is checked). Each rank lists and
+reads the footers itself, so a footer that fails on one rank only (it counts as one record
+there) or a listing that changed between ranks gives them different row groups: a state
+records a digest of the files, row groups and rows it planned with (``"catalog"``), and
+merging the ranks' states refuses ones that differ, naming the ranks.
 
 **Failures.** A pattern that matches nothing fails the first iteration with a
 ``FileNotFoundError`` naming it (:class:`~aioloader.RemoteNotFoundError` for remote ones). A
@@ -67,6 +71,8 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
+import json
 import os
 import posixpath
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
@@ -140,6 +146,14 @@ class _Catalog:
     failures: Mapping[int, str]  # file -> why its footer failed
     rows: int
     lengths: tuple[int, ...]  # rows per unit, from the footers (a bad footer's unit: 1 record)
+
+    def digest(self) -> str:
+        """A short digest of the files, their row groups and rows (a state's ``"catalog"``):
+        every rank lists and reads the footers itself, so ranks that saw different data (a
+        footer that failed on one rank only, a listing that changed) differ in it, and
+        ``merge_states`` refuses their states, naming them."""
+        seen = json.dumps([self.files, self.units, self.lengths], separators=(",", ":"))
+        return hashlib.sha256(seen.encode()).hexdigest()[:16]
 
 
 class ParquetDataset(UnitStream):
@@ -265,6 +279,7 @@ class ParquetDataset(UnitStream):
             "row_groups": None if catalog is None else len(catalog.units),
             "rows": None if catalog is None else catalog.rows,
             "lengths": list(catalog.lengths) if catalog and self.even_shares else None,
+            "catalog": None if catalog is None else catalog.digest(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
