@@ -20,6 +20,7 @@ Invariants, for any cut of any rank (ranks may stop at different points), shuffl
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -409,6 +410,44 @@ def test_merging_refuses_even_shares_cut_by_other_lengths(tmp_path: Path) -> Non
     assert_raises_naming(
         lambda: merge_states(states), ValueError, ["rank 0: [4, 4]", "rank 1: [4, 5]"]
     )
+
+
+def carrying(state: dict[str, Any], rank: int, samples: list[int]) -> dict[str, Any]:
+    """``state`` as a loader under equal steps saves it on ``rank`` when that rank carries
+    batches of ``samples`` samples each into its next epoch."""
+    carried = [[list(range(n)), n, 8 * n] for n in samples]
+    return {**state, "equal_steps": {"rank": rank, "carried": carried}}
+
+
+def test_every_ranks_carried_batches_are_counted_and_logged_as_dropped_when_merged(
+    tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under equal steps each rank's state holds the batches it carries into its next epoch,
+    which a merged state (loaded on any ranks) cannot hand: none of them is in it (rank 0's
+    would be handed on new rank 0 alone, the others' lost unnamed), and all of them, every
+    rank's, are counted and logged as dropped; a rank's repeated state counts once."""
+    make = maker("tar", data("tar", tmp_path_factory), shuffle=False)
+
+    async def run() -> list[dict[str, Any]]:
+        return [(await read(make, r, 3, 0, cut=0.5))[1] or {} for r in range(3)]
+
+    streams = [as_loader_state(s, 0) for s in asyncio.run(run())]
+    between = {"version": 1, "epoch": 1, "done": [], "seed": 1, "sampler": None}
+    for states in (streams, [dict(between) for _ in range(3)]):
+        states[0] = carrying(states[0], 0, [4, 4])
+        states[2] = carrying(states[2], 2, [3])
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="aioloader.distributed"):
+            merged_state = merge_states([*states, states[2]])
+        assert "equal_steps" not in merged_state
+        assert merged_state == merge_states([{**s, "equal_steps": None} for s in states])
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1
+        text = warned[0].getMessage()
+        for part in ("3 batches (11 samples)", "rank 0: 2 (8 samples)", "rank 2: 1 (3 samples)"):
+            assert part in text, text
+        assert "dropped" in text
+        assert "rank 1" not in text
 
 
 def test_a_stream_read_in_workers_is_not_merged() -> None:

@@ -49,7 +49,10 @@ A stream read in units (``TarDataset``, ``ParquetDataset``) resumes on another n
 ``aioloader.distributed.merge_states``): each rank's dataset state says which records that rank
 consumed (:mod:`aioloader.sources`' ``merge_stream_states`` replays it), and the merged state
 holds them all, no batch taken yet; each new rank's dataset deals the rest of the epoch out
-again. Any other stream resumes on the same ranks only.
+again. Any other stream resumes on the same ranks only. What a rank carries into its next
+epoch under equal steps (``"equal_steps"``, beside the book's state) is that rank's own: a
+merged state holds none of it, and :func:`merge_states` counts and logs every rank's as
+dropped.
 
 The format is versioned (``"version"``, :data:`STATE_VERSION`) and checked whole where it is
 loaded, never later at the first batch. A mid-epoch state counts the batches taken by id, and an
@@ -72,6 +75,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._config import Sampling
+from .._log import distributed_log
 from .._sampling import DistributedSampler, RandomSampler, consumed_positions
 from .._types import ResumableStream, Stateful, StreamPosition, StreamResume, check_readers
 from .._validate import (
@@ -585,7 +589,15 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     For a ``TarDataset`` or ``ParquetDataset`` the merged state holds what every rank consumed
     of the epoch (no batch taken yet: each new rank deals the rest out again). For map-style
     data rank 0's state already says it for all: the states must agree, and it comes back.
-    Between epochs every rank's state is the same too.
+    Between epochs the states agree on the epoch, the seed and the samplers, and rank 0's
+    comes back too.
+
+    What the states do not share is each rank's own: under equal steps, the batches a rank
+    read past the last agreed end and carries into its next epoch (``"equal_steps"``, which a
+    loader hands only on the rank that saved them). A merged state is loaded on ranks that
+    need not be those, so it holds none of them: the carried batches of every rank are
+    counted and logged as dropped (WARNING on ``aioloader.distributed``), never silently
+    lost. Load each rank's own state, on the same ranks, to keep them.
 
     Args:
         states: ``loader.state_dict()`` of every rank (index = rank, or in any order), as
@@ -593,7 +605,8 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
     Raises:
         ValueError: the states are of different epochs or seeds, of a stream that is not read
-            in units (it resumes on the same ranks only), or not one of each rank.
+            in units (it resumes on the same ranks only), not one of each rank, or of ranks
+            that read different data (a Parquet footer that failed on some ranks only).
     """
     if not states:
         raise ValueError("merge_states needs the state of every rank, got none")
@@ -626,7 +639,8 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                         "map-style epoch is shared out so that rank 0's state says it for all "
                         "ranks, which these do not"
                     )
-        return _copied(first)  # type: ignore[no-any-return]
+        _drop_carried(states)
+        return _own_dropped(first)
     positions = []
     for k, saved in enumerate(streams):
         if not isinstance(saved, Mapping) or saved.get("readers") != 1:
@@ -641,8 +655,45 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"merge_states: state {k} holds no position of its stream")
         positions.append(position)
     merged = merge_stream_states(positions)
+    _drop_carried(states)
     streams_state = {"readers": 1, "last": -1, "states": {0: merged}}
-    return {**_copied(first), "done": [], "streams": streams_state}
+    return {**_own_dropped(first), "done": [], "streams": streams_state}
+
+
+def _own_dropped(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``state`` without what is its rank's own (see :func:`merge_states`)."""
+    return {key: _copied(value) for key, value in state.items() if key != "equal_steps"}
+
+
+def _drop_carried(states: Sequence[Mapping[str, Any]]) -> None:
+    """Count and log the batches the ranks carry into their next epoch, which a merged state
+    does not hold (see :func:`merge_states`); a rank's are counted once, however many of its
+    states there are (the ranks of one model-parallel group read one share)."""
+    carried: dict[int, tuple[int, int]] = {}
+    for state in states:
+        saved = state.get("equal_steps")
+        if not isinstance(saved, Mapping):
+            continue
+        items, rank = saved.get("carried"), saved.get("rank")
+        if not isinstance(items, list | tuple) or not items:
+            continue
+        samples = sum(int(i[1]) for i in items if isinstance(i, list | tuple) and is_int(i[1]))
+        carried[int(rank) if is_int(rank) else -1] = (len(items), samples)
+    if not carried:
+        return
+    batches = sum(n for n, _ in carried.values())
+    samples = sum(n for _, n in carried.values())
+    ranks = ", ".join(f"rank {r}: {n} ({k} samples)" for r, (n, k) in sorted(carried.items()))
+    distributed_log.warning(
+        "merge_states: %d batch%s (%d samples) that the ranks read past the last agreed end "
+        "carry into their next epoch (equal steps; %s); the merged state resumes on any ranks "
+        "and holds no rank's own batches, so these are dropped. Load each rank's own state on "
+        "the same ranks to keep them",
+        batches,
+        "" if batches == 1 else "es",
+        samples,
+        ranks,
+    )
 
 
 # -- the state's format ---------------------------------------------------------------------
