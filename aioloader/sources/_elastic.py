@@ -133,8 +133,8 @@ class Rest:
         units: how many units the data has (all ranks').
         consumed: unit -> the ranges of its positions consumed (its own positions).
         lengths: unit -> its number of records, for the units a rank read to their end
-            (at most that many: a unit that ended inside a part another rank left out may
-            have had fewer; never fewer than it has, so that no record is lost).
+            (or a bound above it: a unit that ended inside a part another rank left out may
+            have had fewer; never one below it, which would lose records).
     """
 
     units: int
@@ -296,7 +296,7 @@ def _even(
     offset = 0  # where the unit's records left begin among all the records left
     for unit, n in left:
         lo, hi = max(start, offset), min(stop, offset + n)
-        end = offset + n  # the unit's tail, if it may have one, is the owner of this point's
+        end = offset + n  # records past the planned length go to the run that reaches here
         tail = unit not in ended and (start < end <= stop if end else rank == 0)
         if lo < hi or tail:
             before = list(consumed.get(unit, ()))
