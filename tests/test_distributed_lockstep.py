@@ -9,9 +9,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import sys
 import threading
+import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +31,7 @@ from test_distributed import (
     segments_of,
 )
 
-from aioloader import DataLoader
+from aioloader import DataLoader, LoaderTimeoutError
 from aioloader._sampling import EpochAgreement, Lockstep
 from aioloader.distributed import gather_statistics
 
@@ -102,17 +106,25 @@ def test_gather_statistics_needs_a_process_group() -> None:
 
 
 class Recorded:
-    """Stands in for the all-reduce: records each step's contribution; the "others" have
-    ``others`` batches."""
+    """Stands in for the all-reduce: records each step's ``have``; the "others" have
+    ``others`` batches, and are at the same epoch and step (or at ``drift`` steps on)."""
 
-    def __init__(self, others: int) -> None:
+    def __init__(self, others: int, drift: int = 0) -> None:
         self.others = others
+        self.drift = drift
         self.calls: list[int] = []
 
-    def __call__(self, have: int) -> int:
+    def __call__(self, values: list[int]) -> list[int]:
+        have, epoch, _, step, _ = values
         self.calls.append(have)
-        step = len(self.calls) - 1
-        return min(have, int(step < self.others))
+        theirs = step + self.drift
+        return [
+            min(have, int(step < self.others)),
+            epoch,
+            -epoch,
+            min(step, theirs),
+            -max(step, theirs),
+        ]
 
 
 def verdict(agreement: EpochAgreement, step: int) -> bool:
@@ -123,7 +135,7 @@ def verdict(agreement: EpochAgreement, step: int) -> bool:
 
 
 def agreement_with(record: Recorded) -> tuple[Lockstep, EpochAgreement]:
-    lockstep = Lockstep((0, 1), "carry", all_have=record)
+    lockstep = Lockstep((0, 1), "carry", all_min=record)
     return lockstep, lockstep.begin(0)
 
 
@@ -155,6 +167,163 @@ def test_a_short_share_offers_0_at_its_end_and_an_epoch_closed_early_gives_up() 
     assert verdict(nxt, 1) is False
     assert record.calls == [1, 1, 1, 0, 1, 0]
     lockstep.close()
+
+
+def test_a_step_paired_with_another_step_fails_and_every_later_one_with_its_cause() -> None:
+    # The others run a step ahead (their iterations drifted): the first pairing fails,
+    # naming both steps; the agreement is broken: a later step, of this epoch or the next,
+    # fails at once with that error as its cause and runs no collective.
+    record = Recorded(others=9, drift=1)
+    lockstep, agreement = agreement_with(record)
+    agreement.offer(2, complete=False)
+    with pytest.raises(RuntimeError) as first:
+        verdict(agreement, 0)
+    for part in ("epoch 0, step 0", "epochs 0, steps 0 to 1", "drifted apart", "equal_steps=False"):
+        assert part in str(first.value), str(first.value)
+    nxt = lockstep.begin(1)
+    nxt.offer(1, complete=False)
+    for later in ((agreement, 1), (nxt, 0)):
+        with pytest.raises(RuntimeError, match="broke earlier") as again:
+            verdict(*later)
+        assert again.value.__cause__ is first.value
+    assert record.calls == [1]
+    lockstep.close()
+
+
+def test_a_collective_that_fails_at_once_is_not_reported_as_a_timeout() -> None:
+    calls = []
+
+    def closed_by_peer(values: list[int]) -> list[int]:
+        calls.append(values)
+        raise ConnectionResetError("Connection closed by peer [127.0.0.1]:4242")
+
+    lockstep = Lockstep((0, 1), "carry", timeout_s=60, all_min=closed_by_peer)
+    agreement = lockstep.begin(0)
+    agreement.offer(1, complete=False)
+    with pytest.raises(RuntimeError) as info:
+        verdict(agreement, 0)
+    message = str(info.value)
+    assert "did not join" not in message, message
+    for part in ("failed after 0.", "60 s", "ConnectionResetError", "closed by peer"):
+        assert part in message, message
+    assert isinstance(info.value.__cause__, ConnectionResetError)
+    # Never retried: the next epoch fails at once, with the first failure as its cause.
+    nxt = lockstep.begin(1)
+    nxt.offer(1, complete=False)
+    with pytest.raises(RuntimeError, match="broke earlier") as again:
+        verdict(nxt, 0)
+    assert again.value.__cause__ is info.value
+    assert len(calls) == 1
+    lockstep.close()
+
+
+def test_a_collective_that_ran_out_its_bound_is_reported_as_a_timeout() -> None:
+    def timed_out(values: list[int]) -> list[int]:
+        time.sleep(0.05)  # the bound, as torch's own timeout would take it
+        raise RuntimeError("[gloo] Timed out waiting 50ms for recv operation to complete")
+
+    lockstep = Lockstep((0, 1), "carry", timeout_s=0.05, all_min=timed_out)
+    agreement = lockstep.begin(3)
+    agreement.offer(1, complete=False)
+    with pytest.raises(RuntimeError) as info:
+        verdict(agreement, 0)
+    for part in ("epoch 3, step 0", "did not join", "within 0.05 s", "equal_steps=False"):
+        assert part in str(info.value), str(info.value)
+    lockstep.close()
+
+
+def test_the_consumer_waits_for_a_verdict_at_most_the_bound_plus_the_margin() -> None:
+    # The thread is stuck in its collective (past its own bound): the consumer's wait ends
+    # at the deadline with an error naming the epoch, the step and the bound. The deadline is
+    # already over (bound 0 + margin 0): no time is waited for it.
+    release = threading.Event()
+
+    def stuck(values: list[int]) -> list[int]:
+        release.wait(10)
+        return values
+
+    lockstep = Lockstep((0, 1), "carry", timeout_s=0.0, all_min=stuck, margin_s=0.0)
+    agreement = lockstep.begin(2)
+    agreement.offer(1, complete=False)
+
+    async def consumer() -> None:
+        offered = agreement.verdict(0)
+        assert offered is not None
+        await agreement.wait(0, asyncio.wrap_future(offered), time.monotonic())
+
+    try:
+        with pytest.raises(LoaderTimeoutError) as info:
+            asyncio.run(consumer())
+        assert isinstance(info.value, TimeoutError)
+        assert isinstance(info.value, RuntimeError)
+        for part in ("epoch 2, step 0", "no verdict", "within 0 s", "equal_steps=False"):
+            assert part in str(info.value), str(info.value)
+        assert lockstep.broken is info.value
+    finally:
+        release.set()
+        lockstep.close()
+
+
+def test_a_verdict_within_the_deadline_is_waited_for() -> None:
+    lockstep = Lockstep((0, 1), "carry", all_min=Recorded(others=9))
+    agreement = lockstep.begin(0)
+    agreement.offer(1, complete=False)
+
+    async def consumer() -> bool:
+        offered = agreement.verdict(0)
+        assert offered is not None
+        future = asyncio.wrap_future(offered)
+        await agreement.wait(0, future, time.monotonic())
+        return future.result()
+
+    assert asyncio.run(consumer()) is True
+    assert lockstep.broken is None
+    lockstep.close()
+
+
+def test_the_rendezvous_reaches_the_store_within_the_bound() -> None:
+    # The store's server is gone (its rank died); the store's own timeout is 30 s, the
+    # agreement's 2 s: the rendezvous fails at once (refused), not after 30 s.
+    import torch.distributed as dist
+
+    TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
+
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    del server
+    gc.collect()
+    lockstep = Lockstep((0, 1), "carry", timeout_s=2.0, store=client)
+    agreement = lockstep.begin(0)
+    agreement.offer(1, complete=False)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        verdict(agreement, 0)
+    assert time.monotonic() - started < 10, "waited under the store's own timeout"
+    assert "ConnectionRefusedError" in str(info.value), str(info.value)
+    assert isinstance(info.value.__cause__, ConnectionRefusedError)
+    lockstep.close()
+
+
+def test_the_exit_hook_waits_once_for_everything_up_to_its_deadline() -> None:
+    # A step that never returns: closing waits for the thread, then the hook joins it; both
+    # waits together end at the one deadline (they took twice the wait before).
+    release = threading.Event()
+
+    def stuck(values: list[int]) -> list[int]:
+        release.wait(10)
+        return values
+
+    lockstep = Lockstep((0, 1), "carry", all_min=stuck)
+    lockstep.begin(0).offer(1, complete=False)
+    wait_s = 1.0
+    started = time.monotonic()
+    try:
+        assert lockstep.finish_at_exit(started + wait_s) is False  # the thread is still stuck
+        elapsed = time.monotonic() - started
+    finally:
+        release.set()
+    assert wait_s * 0.9 <= elapsed < wait_s * 1.5, elapsed
 
 
 # -- a real job of two ranks that exit with their loaders open ----------------------------------
@@ -484,9 +653,17 @@ def test_a_sharded_stream_iterated_on_rank_0_only_fails_within_the_bound(
     assert "batches" not in report, report  # it cannot agree with ranks that never come
     kind, message = report["raised"]
     assert kind == "RuntimeError"
-    for part in ("epoch 0", "equal_steps=False", "shard=False", "3 s"):
+    for part in ("epoch 0", "did not join", "equal_steps=False", "shard=False", "3 s"):
         assert part in message, message
     assert report["elapsed"] < 30, report  # the bound (3 s), not 30 minutes
+    # Never retried under the same keys: the next epoch fails at once, with that cause.
+    assert "batches_again" not in report, report
+    kind, again, cause = report["again"]
+    assert kind == "RuntimeError"
+    assert "broke earlier" in again, again
+    assert cause == message
+    assert report["again_elapsed"] < 2, report
+    assert report["keys_added"] == 0, report  # its rendezvous key deleted after the failure
 
 
 @pytest.mark.slow
@@ -576,6 +753,14 @@ def test_loaders_of_two_subgroups_one_after_the_other_each_agree_over_their_grou
 
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_the_rendezvous_leaves_no_key_in_the_store(ranks: list[dict[str, Any]]) -> None:
+    for rank, report in enumerate(case(ranks, "store_keys")):
+        assert report["steps"] == [1, 1], report
+        assert report["keys_added"] == 0, (rank, report)  # one a rank before: 4 left
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
 def test_a_forked_childs_epoch_under_its_parents_group_refuses_at_once(
     ranks: list[dict[str, Any]],
 ) -> None:
@@ -601,3 +786,48 @@ def test_a_forked_childs_epoch_under_its_parents_group_refuses_at_once(
         mine = batches(rank, 0)  # shares of 3, 1, 2 and 1 batches: every epoch ends at step 1
         assert len(report["before"]) == len(report["after"]) == 1, report
         assert report["before"] == mine[:1], report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_an_extra_epoch_on_one_rank_fails_when_it_pairs_another_epoch(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """Rank 0 peeks (``next(iter(loader))``), then every rank runs epochs 0 and 1 by
+    ``set_epoch``: rank 0's epoch 0 meets the others' epoch 1. Every rank fails there, naming
+    both epochs; rank 0's next epoch fails at once with that error as its cause."""
+    reports = case(ranks, "peeked")
+    assert reports[0]["peek"] == [0, WORLD]
+    first, after = reports[0]["epochs"]
+    assert first["batches"] == [], first  # its first step is the mismatch
+    for part in ("this rank's epoch 0, step 0", "epochs 0 to 1", "drifted apart"):
+        assert part in first["error"], first
+    assert "broke earlier" in after["error"], after
+    assert after["cause"] == first["error"], after
+    assert after["elapsed"] < 5, after  # at once, not after the bound
+    for rank, report in enumerate(reports[1:], start=1):
+        paired, failed = report["epochs"]
+        assert "error" not in paired, (rank, paired)  # paired with rank 0's peek: no drift yet
+        assert failed["batches"] == [], (rank, failed)
+        for part in ("this rank's epoch 1, step 0", "epochs 0 to 1", "drifted apart"):
+            assert part in failed["error"], (rank, failed)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TEST_TIMEOUT_S + 60)
+def test_a_mid_epoch_state_holds_the_carried_batches_not_handed_yet(
+    ranks: list[dict[str, Any]],
+) -> None:
+    reports = case(ranks, "carried_mid_epoch")
+    long = reports[0]
+    assert long["epoch0"] == [[0, WORLD]], long
+    carried = long["between"]
+    assert len(carried) >= 2, long  # read past the end (a full read-ahead: 4)
+    assert len(carried) <= 4, long  # prefetch
+    assert long["head1"] == carried[0], long  # handed first in epoch 1
+    assert long["mid"] == carried[1:], long  # the rest, not the one handed
+    assert long["loaded"] == carried[1:], long
+    handed = [batch for epoch in long["resumed"] for batch in epoch]
+    assert handed[0] == carried[1], long  # the resumed loader hands them first
+    for report in reports[1:]:  # one batch each, nothing read past an end
+        assert (report["between"], report["mid"], report["loaded"]) == ([], [], []), report

@@ -360,7 +360,7 @@ def test_a_forked_childs_equal_steps_agreement_starts_fresh_on_a_thread_of_its_o
     # open epoch goes on on its thread.
     from aioloader._sampling import Lockstep
 
-    lockstep = Lockstep((0, 1), "carry", all_have=lambda have: have)  # the others have as much
+    lockstep = Lockstep((0, 1), "carry", all_min=lambda values: values)  # the others: the same
     open_epoch = lockstep.begin(0)
     open_epoch.offer(2, complete=False)
     assert [verdict(open_epoch, step) for step in (0, 1)] == [True, True]

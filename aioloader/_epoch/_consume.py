@@ -144,6 +144,7 @@ class Epoch:
         self._carried_handed = 0
         self._samples_handed = 0  # of this epoch's own batches (carried ones not counted)
         self._verdicts: dict[int, asyncio.Future[bool]] = {}
+        self._verdict_asked = 0.0  # when the consumer first asked for the newest verdict
         self._past: _Past | None = None  # taken out at the agreed end (_end_agreed)
         self._share_len = (
             _share_len(config, dataset)
@@ -475,18 +476,34 @@ class Epoch:
             assert offered is not None, f"step {step} handed before it was offered"
             self._verdicts.pop(step - 1, None)
             verdict = self._verdicts[step] = asyncio.wrap_future(offered)
+            self._verdict_asked = time.monotonic()  # the deadline of its wait counts from here
         if not verdict.done():
             started = time.perf_counter()
             try:
-                # Shielded: a cancelled consumer must not cancel the step's job (every rank
-                # runs every step's collective); the next __anext__ waits for it again.
-                await asyncio.shield(verdict)
+                # Shielded and bounded (see EpochAgreement.wait): a cancelled consumer does
+                # not cancel the step's job; the next __anext__ waits again, same deadline.
+                await self._agreement.wait(step, verdict, self._verdict_asked)
             finally:
                 self._counters.consumer_wait_s += time.perf_counter() - started
             return False
         if verdict.result():
             return True
         await self._end_agreed(step)
+
+    def carried_unhanded(self) -> list[tuple[Any, int, int]]:
+        """The batches carried into this epoch (equal steps) that it has not handed over: a
+        state taken mid-epoch holds them, so a resume hands them first (and not those already
+        handed, which it would hand again). At the agreed end, before its leftover is settled
+        (a consumer cancelled there), what it will carry. None once closed (an epoch left
+        early drops them; a settled one gave them back to the lockstep)."""
+        if self._closed or self._lockstep is None:
+            return []
+        past = self._past
+        if past is None:
+            return list(self._carried)
+        if past.settled or self._lockstep.leftover != "carry":
+            return []
+        return (past.carried + past.ready)[: self.config.prefetch]
 
     async def _hand_carried(self) -> Any:
         """The next batch carried from the last epoch (its device copy first, if any)."""

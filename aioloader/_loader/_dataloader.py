@@ -659,15 +659,21 @@ class DataLoader(SettingsView):
 
         Under equal steps, the batches this rank carries into its next epoch (read past the
         last agreed end, ``leftover='carry'``) are in it too (``"equal_steps"``: this rank and
-        the batches), so a run resumed from this rank's state hands them first, as it would
-        have; loaded on another rank they are not handed there (logged).
+        the batches; mid-epoch, those carried into the open epoch that it has not handed
+        yet), so a run resumed from this rank's state hands them first, as it would have;
+        loaded on another rank they are not handed there (logged).
         """
         state = self._book.state_dict(self.seed)
-        lockstep, shard = self._lockstep, self._config.shard
-        if lockstep is not None and lockstep.carried and shard is not None:
+        lockstep, shard, epoch = self._lockstep, self._config.shard, self._res.epoch
+        if lockstep is None or shard is None:
+            return state
+        # Mid-epoch, the carried batches are the open epoch's (moved into it when it began):
+        # those it has not handed yet; between epochs, the lockstep's.
+        carried = (epoch.carried_unhanded() if epoch is not None else []) + lockstep.carried
+        if carried:
             state["equal_steps"] = {
                 "rank": shard.rank,
-                "carried": [list(item) for item in lockstep.carried],
+                "carried": [list(item) for item in carried],
             }
         return state
 

@@ -7,8 +7,9 @@ others wait for it forever. Under ``equal_steps`` the ranks agree on the epoch's
     consumer (Epoch, event loop)            agreement thread (one per loader)
       a batch ready, or the stream ended ──▶ job(step, have) ── all_reduce(MIN) over a gloo
       (offered as soon as it is known,        (in step order,       group of the sharing
-       a few batches ahead of the consumer)    one at a time)       ranks, made at the first job
-      before handing batch ``step`` over ◀── verdict: every rank has a batch ``step``?
+       a few batches ahead of the consumer)    one at a time)       ranks, made at the first job:
+      before handing batch ``step`` over ◀── verdict: every rank    [have, epoch, -epoch,
+      (waits at most the bound + a margin)     has a batch ``step``? step, -step]
 
 Each rank offers step ``s`` as soon as it knows whether it has an ``s``-th batch (the batch
 arrived in the reorder buffer, or its stream ended before it), and the thread runs the
@@ -18,6 +19,15 @@ minimum is 0 ends the epoch on every rank; jobs queued behind it skip their coll
 every rank runs the same collectives, ``0 .. n``, and ends at the same step ``n``, the
 shortest share; an epoch closed early (a ``break``) offers 0 at its next step, which ends the
 others' epoch there too.
+
+Each step's all-reduce carries the epoch and the step beside ``have`` (``MIN`` of ``x`` and of
+``-x`` gives the least and the greatest), so ranks whose iterations of one loader drifted
+apart (an extra iteration on one rank, ``next(iter(loader))`` to peek, then ``set_epoch``; a
+failure that hit one rank only) fail at the first step that pairs another epoch or step, on
+every rank of it, naming both; never pair silently. After any failure (a mismatch, a timeout,
+a peer gone) the agreement is *broken*: every later step, of this epoch or a later one, fails
+at once with that first error as its cause; the ranks' steps can no longer be paired, so
+nothing is retried (a second rendezvous under the same keys would meet stale ones).
 
 Why a thread and a group of its own: a blocking collective must not run on the event loop,
 and the training step's collectives (DDP's all-reduce) run on the default group from the
@@ -43,14 +53,22 @@ crossed, and a group made on one rank only (a job queued behind a close, say) wo
 names of every later group, the user's included, until each rendezvous times out. Ours touch
 no torch-wide count and are never registered with torch; the group is made once per loader
 and released by its thread after its last job; a job that would run after that fails instead
-of making another.
+of making another. The store keys of the rendezvous (one a
+rank, holding its addresses: O(world) bytes each) are deleted by their own rank once the first
+step's all-reduce returned (every rank made its group then, so every rank read every key), or
+once its rendezvous failed: a job that builds a loader an epoch leaves nothing growing in the
+store.
 
-No wait is unbounded: the group's rendezvous (the store's wait for the others' addresses and
-gloo's connection to each peer) and each step's all-reduce give up after
-:data:`AGREEMENT_TIMEOUT_S`, and the epoch fails with a ``RuntimeError`` naming the epoch, the
-step and the way out (``equal_steps=False`` or ``shard=False``), its cause torch's error. A
-loader iterated on rank 0 only (an evaluation loader built without ``shard=False``) so fails
-within a minute instead of hanging.
+No wait is unbounded: the group's rendezvous (the connection of its own to the store, the
+store's wait for the others' addresses, gloo's connection to each peer) and each step's
+all-reduce give up after :data:`AGREEMENT_TIMEOUT_S`, and the epoch fails with a
+``RuntimeError`` naming the epoch, the step and the way out (``equal_steps=False`` or
+``shard=False``), its cause torch's error: "did not join within ..." where the bound ran out,
+"failed after ... s" with the cause's type and message where it did not (a peer that closed
+its group, a store gone). The consumer waits for a verdict at most the bound plus
+:data:`VERDICT_MARGIN_S` (a thread stuck past its own bound, say in torch), then fails naming
+the epoch and step it waited for. A loader iterated on rank 0 only (an evaluation loader built
+without ``shard=False``) so fails within a minute instead of hanging.
 
 What each rank read past the agreed end (its ``leftover``) is counted and logged; with
 ``leftover='carry'`` it is handed first in the next epoch (a step of that epoch; at most
@@ -69,8 +87,9 @@ it already returned. The thread forgets each job once it ran, so an idle thread 
 or batch. At the interpreter's exit an ``atexit`` hook closes the agreements still open and
 waits (:data:`_EXIT_WAIT_S` in all) for their threads to release the groups: a gloo group left
 to the interpreter's teardown aborted the process (``terminate called without an active
-exception``). What it cannot help: a step still waiting for ranks that are gone when the wait
-is over is left to the daemon thread, and the process may still abort as it ends.
+exception``). The hook's wait is one deadline for everything it waits on. What it cannot
+help: a step still waiting for ranks that are gone when the wait is over is left to the
+daemon thread, and the process may still abort as it ends.
 
 A forked child (``os.fork()``, ``multiprocessing`` under 'fork') has none of the parent's
 agreement threads, and the parent's groups are not its own: their connections are the
@@ -87,6 +106,7 @@ waiting for a verdict that no thread would give.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import concurrent.futures
 import contextlib
@@ -95,6 +115,7 @@ import functools
 import itertools
 import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -103,11 +124,13 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from .._errors import LoaderTimeoutError
 from .._validate import boolean
 
 __all__ = [
     "AGREEMENT_TIMEOUT_S",
     "LEFTOVER_POLICIES",
+    "VERDICT_MARGIN_S",
     "EpochAgreement",
     "Lockstep",
     "resolve_equal_steps",
@@ -122,6 +145,13 @@ __all__ = [
 #: A job whose ranks drift apart by longer passes ``equal_steps=False`` and keeps in step
 #: itself. Read when a loader is built (a test lowers it before building one).
 AGREEMENT_TIMEOUT_S = 60.0
+
+#: How much longer than :data:`AGREEMENT_TIMEOUT_S` the consumer waits for a step's verdict
+#: before it fails naming the step: the thread gives up on its own within the bound; this
+#: covers the steps queued before it (a previous epoch's last one) and a rendezvous whose
+#: parts each took most of the bound. A wait past it means the thread is stuck (in torch).
+#: Read when a loader is built.
+VERDICT_MARGIN_S = 30.0
 
 #: What ``leftover=`` accepts: read first in the next epoch, or released (counted, logged).
 LEFTOVER_POLICIES = ("carry", "drop")
@@ -222,9 +252,12 @@ class Lockstep:
         key: the loader's equal-steps key (:meth:`next_key`, taken when it was built): the
             ranks' loaders with the same key and members pair.
         timeout_s: how long a rank waits for the others in one agreement.
-        all_have: the collective, run on the thread: the minimum of its argument over the
-            members (default: an all-reduce over a gloo group of theirs, made at the first
-            call). A seam for tests of the sequencing.
+        all_min: the collective, run on the thread: the element-wise minimum of its argument
+            (``[have, epoch, -epoch, step, -step]``) over the members (default: an all-reduce
+            over a gloo group of theirs, made at the first call). A seam for tests of the
+            sequencing.
+        store: where the group's rendezvous meets (default: the default group's store).
+        margin_s: how much longer than ``timeout_s`` the consumer waits for a verdict.
     """
 
     def __init__(
@@ -233,19 +266,28 @@ class Lockstep:
         leftover: str,
         key: str = "world#0",
         timeout_s: float | None = None,
-        all_have: Callable[[int], int] | None = None,
+        all_min: Callable[[list[int]], list[int]] | None = None,
+        store: Any = None,
+        margin_s: float | None = None,
     ) -> None:
         self.members = members
         self.key = key
-        self._collective = all_have if all_have is not None else self._all_have
+        self._collective = all_min if all_min is not None else self._all_min
+        self._store = store
         self.leftover = leftover
-        self._timeout_s = AGREEMENT_TIMEOUT_S if timeout_s is None else timeout_s
+        self.timeout_s = AGREEMENT_TIMEOUT_S if timeout_s is None else timeout_s
+        #: How long the consumer waits for one verdict before it fails.
+        self.verdict_wait_s = self.timeout_s + (VERDICT_MARGIN_S if margin_s is None else margin_s)
         self._thread: _AgreementThread | None = None
         self._stopping: _AgreementThread | None = None  # closed, perhaps still running jobs
         # Touched on the thread only: None until the first job, then the group, then
-        # _RELEASED (after the last job): never made twice.
+        # _RELEASED (after the last job) or _FAILED (its rendezvous failed): never made twice.
         self._group: Any = None
+        self._keys: Callable[[], None] | None = None  # deletes this rank's rendezvous keys
         self._lock = threading.Lock()
+        #: The first failure of this agreement (a mismatch, a timeout, a peer gone, a consumer
+        #: that waited past its bound): every later step fails with it as its cause.
+        self.broken: BaseException | None = None
         #: Batches read past the agreed end of the last epoch, to be handed first in the next
         #: (``leftover='carry'``): each ``(batch, samples, nbytes)``.
         self.carried: list[tuple[Any, int, int]] = []
@@ -272,7 +314,7 @@ class Lockstep:
         Raises:
             RuntimeError: naming this process, the one the group was made in, and the way out.
         """
-        if self._collective != self._all_have or not _inherited_group():
+        if self._collective != self._all_min or not _inherited_group():
             return
         made_in = f"process {self._forked_from}" if self._forked_from else "a parent process"
         raise RuntimeError(
@@ -291,8 +333,12 @@ class Lockstep:
         self._lock = threading.Lock()  # a parent's thread may have held it at the fork
         self._forked_from, self._pid = self._pid, os.getpid()
         group, self._group = self._group, None
-        if group is not None and group is not _RELEASED:
+        if group is not None and group is not _RELEASED and group is not _FAILED:
             _keep_forever(group)
+        # The parent's rendezvous keys are the parent's to delete; its failure is not this
+        # process's (its next group is its own, made afresh).
+        self._keys = None
+        self.broken = None
         self._thread = self._stopping = None
         self._current = None
         self.carried = []
@@ -314,29 +360,51 @@ class Lockstep:
             previous, self._current = self._current, None
         if previous is not None:
             previous.give_up()
-        agreement = EpochAgreement(self._thread, self._collective, epoch, self._timeout_s)
+        agreement = EpochAgreement(self._thread, self, epoch)
         self._current = agreement
         return agreement
 
-    def _all_have(self, have: int) -> int:
-        """On the thread: the minimum of ``have`` over the members (the group made first)."""
+    def break_with(self, error: BaseException) -> None:
+        """The agreement failed: the first failure is kept; every later step raises it."""
+        if self.broken is None:
+            self.broken = error
+
+    def collective(self, values: list[int]) -> list[int]:
+        """On the thread: the element-wise minimum of ``values`` over the members."""
+        return self._collective(values)
+
+    def _all_min(self, values: list[int]) -> list[int]:
+        """On the thread: the element-wise minimum of ``values`` over the members (the group
+        made first; this rank's rendezvous keys deleted after its first all-reduce)."""
         torch: Any = sys.modules["torch"]
         dist: Any = sys.modules["torch.distributed"]
         if self._group is _RELEASED:
             raise RuntimeError("equal steps: this loader's agreement was closed")
+        if self._group is _FAILED:
+            raise RuntimeError("equal steps: this loader's group could not be made")
         if self._group is None:
-            self._group = _gloo_group(self.key, self.members, self._timeout_s)
-        flag = torch.tensor([have], dtype=torch.int32)
+            self._group = _FAILED  # never a second rendezvous under the same keys
+            store = self._store if self._store is not None else _default_store()
+            self._group, self._keys = _gloo_group(self.key, self.members, self.timeout_s, store)
+        flags = torch.tensor(values, dtype=torch.int64)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
-        self._group.allreduce([flag], options).wait()
-        return int(flag.item())
+        self._group.allreduce([flags], options).wait()
+        self._delete_keys()  # every rank made its group: every key was read
+        return [int(v) for v in flags.tolist()]
+
+    def _delete_keys(self) -> None:
+        keys, self._keys = self._keys, None
+        if keys is not None:
+            keys()
 
     def _release_group(self) -> None:
         """On the thread, after the last job: the group's sockets are closed (no collective:
         the others' last collective of it already returned)."""
         group, self._group = self._group, _RELEASED
-        if group is not None and group is not _RELEASED:
+        with contextlib.suppress(Exception):  # the store may be gone with the default group
+            self._delete_keys()
+        if group is not None and group is not _RELEASED and group is not _FAILED:
             # A group torch already tore down (the default one destroyed first): nothing more.
             with contextlib.suppress(Exception):
                 group.shutdown()
@@ -358,12 +426,13 @@ class Lockstep:
             thread.submit(self._release_group)
             thread.close(wait_s=_CLOSE_WAIT_S if wait_s is None else wait_s)
 
-    def finish_at_exit(self, wait_s: float) -> bool:
-        """At the interpreter's exit: close (if still open) and wait up to ``wait_s`` for the
-        thread to run its last jobs and release the group; whether it did."""
-        self.close(wait_s)
+    def finish_at_exit(self, deadline: float) -> bool:
+        """At the interpreter's exit: close (if still open) and wait until ``deadline`` (of
+        :func:`time.monotonic`) at the latest, all waits together, for the thread to run its
+        last jobs and release the group; whether it did."""
+        self.close(max(0.0, deadline - time.monotonic()))
         thread = self._stopping
-        return thread is None or thread.join(wait_s)
+        return thread is None or thread.join(max(0.0, deadline - time.monotonic()))
 
     def finalizer(self) -> Callable[[], None]:
         """What closes this lockstep without waiting and without holding its owner (a
@@ -440,7 +509,7 @@ def _finish_at_exit() -> None:
     finalizers of collected loaders do not wait; this does, briefly."""
     deadline = time.monotonic() + _EXIT_WAIT_S  # for all of them together
     for lockstep in list(_LIVE):
-        lockstep.finish_at_exit(max(0.0, deadline - time.monotonic()))
+        lockstep.finish_at_exit(deadline)
 
 
 # The equal-steps keys of this process: a count per scope, one per stream loader built in it
@@ -450,31 +519,95 @@ _KEYS: dict[str, itertools.count[int]] = {}
 # What a lockstep's group is once released: a job after it fails, never makes another.
 _RELEASED = object()
 
+# What a lockstep's group is once its rendezvous failed: never tried again (the keys of the
+# failed one may still be in the store, the other ranks' among them).
+_FAILED = object()
+
 # Where the groups meet in the default group's store (under torch's own prefix of it).
 _STORE_PREFIX = "aioloader/equal-steps"
 
 
-def _gloo_group(key: str, members: tuple[int, ...], timeout_s: float) -> Any:
-    """A gloo group of ``members``, made by a rendezvous of theirs in the default group's
-    store under a prefix of the loader's key and members (see the module docstring: not
-    ``new_group``, whose names follow a count of every group the process made). The one place
-    that reads torch's private ``_get_default_store`` (stable since torch 1.x). Raises torch's
-    error if the others do not come within ``timeout_s``."""
+def _default_store() -> Any:
+    """The default group's store: the one place that reads torch's private
+    ``_get_default_store`` (there since torch 1.x, with no public twin).
+
+    Raises:
+        RuntimeError: this torch has none, naming its version and the way out.
+    """
+    torch: Any = sys.modules["torch"]
     dist: Any = sys.modules["torch.distributed"]
-    store = dist.distributed_c10d._get_default_store()
-    # A connection of its own: a store client serves one request at a time, and a rendezvous
-    # blocks in it until the others come. Two loaders meeting at once on one connection would
-    # each wait behind the other's wait (a crossed pair never forms). A store that cannot be
-    # cloned (torch < 2.3, a FileStore) is shared, as torch's own groups share it.
-    with contextlib.suppress(AttributeError, NotImplementedError, RuntimeError):
-        store = store.clone()
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except AttributeError as exc:
+        raise RuntimeError(
+            "equal steps meet in the default process group's store, which torch "
+            f"{torch.__version__} does not give (torch.distributed.distributed_c10d."
+            "_get_default_store is missing): pass equal_steps=False (and keep the ranks' "
+            "steps equal yourself, e.g. DDP's model.join())"
+        ) from exc
+
+
+def _own_connection(store: Any, timeout_s: float) -> Any:
+    """A connection of its own to ``store`` (a clone), made within ``timeout_s``.
+
+    A store client serves one request at a time, and a rendezvous blocks in it until the
+    others come: two loaders meeting at once on one connection would each wait behind the
+    other's wait (a crossed pair never forms). A clone connects under the store's own timeout
+    (the default group's: 30 minutes by default), so the store's server is reached first
+    within ``timeout_s`` (a server gone refuses at once, or the probe times out); the clone
+    then connects to a server that answers. A store that cannot be cloned (torch < 2.3, a
+    FileStore) is shared, as torch's own groups share it; one with no server to reach (a
+    FileStore, a HashStore) has no connection to wait for.
+
+    Raises:
+        OSError: the store's server cannot be reached within ``timeout_s`` (``TimeoutError``
+            where the time ran out).
+    """
+    base = store
+    while hasattr(base, "underlying_store"):  # PrefixStores around the TCPStore
+        base = base.underlying_store
+    host, port = getattr(base, "host", None), getattr(base, "port", None)
+    if isinstance(host, str) and isinstance(port, int):
+        with socket.create_connection((host, port), timeout=max(timeout_s, 0.001)):
+            pass
+    try:
+        return store.clone()
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return store
+
+
+def _gloo_group(
+    key: str, members: tuple[int, ...], timeout_s: float, store: Any
+) -> tuple[Any, Callable[[], None]]:
+    """A gloo group of ``members``, made by a rendezvous of theirs in ``store`` under a prefix
+    of the loader's key and members (see the module docstring: not ``new_group``, whose names
+    follow a count of every group the process made), and what deletes this rank's keys of it.
+    Raises torch's error if the others do not come within ``timeout_s`` (this rank's keys
+    deleted first)."""
+    dist: Any = sys.modules["torch.distributed"]
     prefix = f"{_STORE_PREFIX}/{key}/{'-'.join(map(str, members))}/"
-    return dist.ProcessGroupGloo(
-        dist.PrefixStore(prefix, store),
-        members.index(dist.get_rank()),
-        len(members),
-        timedelta(seconds=timeout_s),
-    )
+    meeting = dist.PrefixStore(prefix, _own_connection(store, timeout_s))
+    rank = members.index(dist.get_rank())
+
+    def delete_keys() -> None:
+        # Gloo's rendezvous: each rank sets "<device>/<rank>" (its addresses, O(world) bytes)
+        # under the prefix, one for each of its devices (0, 1, ...: GLOO_SOCKET_IFNAME may
+        # name several interfaces).
+        for device in range(_MAX_GLOO_DEVICES):
+            if not meeting.delete_key(f"{device}/{rank}"):
+                return
+
+    try:
+        group = dist.ProcessGroupGloo(meeting, rank, len(members), timedelta(seconds=timeout_s))
+    except BaseException:
+        with contextlib.suppress(Exception):  # the store itself may be what failed
+            delete_keys()
+        raise
+    return group, delete_keys
+
+
+# The most gloo devices (network interfaces) whose rendezvous keys a rank deletes.
+_MAX_GLOO_DEVICES = 64
 
 
 class EpochAgreement:
@@ -482,22 +615,16 @@ class EpochAgreement:
 
     Invariant: steps are submitted in order, each once; after a 0 is submitted (the stream
     ended, or the epoch gave up) nothing more is; a job after the first 0 result skips its
-    collective, so every rank runs collectives ``0 .. n`` for the same ``n``. Offers come from
-    the event loop; a give-up may come from another thread (a new epoch started from the
+    collective, so every rank runs collectives ``0 .. n`` for the same ``n``; a step that
+    pairs another epoch or step of some rank fails on every rank of it. Offers come from the
+    event loop; a give-up may come from another thread (a new epoch started from the
     consumer's), hence the lock around submitting.
     """
 
-    def __init__(
-        self,
-        thread: _AgreementThread,
-        all_have: Callable[[int], int],
-        epoch: int,
-        timeout_s: float = AGREEMENT_TIMEOUT_S,
-    ) -> None:
+    def __init__(self, thread: _AgreementThread, lockstep: Lockstep, epoch: int) -> None:
         self.epoch = epoch
-        self._timeout_s = timeout_s
         self._thread = thread
-        self._all_have = all_have
+        self._lockstep = lockstep
         self._lock = threading.Lock()
         self._submitted = 0
         self._open = True  # no 0 submitted yet
@@ -527,6 +654,36 @@ class EpochAgreement:
         with self._lock:
             return self._verdicts.pop(step, None)
 
+    async def wait(self, step: int, verdict: asyncio.Future[bool], since: float) -> None:
+        """Wait for ``verdict`` (of ``step``, first awaited at ``since``, of
+        :func:`time.monotonic`) until the lockstep's ``verdict_wait_s`` from then. Shielded: a
+        cancelled consumer must not cancel the step's job (every rank runs every step's
+        collective); its next ``__anext__`` waits again, within the same deadline.
+
+        Raises:
+            LoaderTimeoutError: (a ``RuntimeError`` and a ``TimeoutError``) no verdict by the
+                deadline, naming the epoch, the step and the bound; the agreement is broken
+                from then on.
+        """
+        bound = self._lockstep.verdict_wait_s
+        remaining = since + bound - time.monotonic()
+        try:
+            async with asyncio.timeout(max(0.0, remaining)):
+                await asyncio.shield(verdict)
+        except TimeoutError:
+            if verdict.done():
+                return
+            error = LoaderTimeoutError(
+                f"equal steps: epoch {self.epoch}, step {step}: no verdict from this loader's "
+                f"agreement thread within {bound:g} s (the agreement's bound, "
+                f"{self._lockstep.timeout_s:g} s, plus a margin): whether every rank has a "
+                "batch at this step is unknown, so none is handed over; the thread is stuck "
+                "(in torch's rendezvous or all-reduce). Pass equal_steps=False to iterate "
+                "without the agreement"
+            )
+            self._lockstep.break_with(error)
+            raise error from None
+
     def _submit(self, have: int) -> None:
         step = self._submitted
         self._submitted += 1
@@ -535,23 +692,74 @@ class EpochAgreement:
         self._verdicts[step] = self._thread.submit(lambda: self._agree(step, have))
 
     def _agree(self, step: int, have: int) -> bool:
-        if self._ended:
+        lockstep = self._lockstep
+        if self._ended and lockstep.broken is None:
             return False
+        if lockstep.broken is not None:
+            self._ended = True
+            raise RuntimeError(
+                f"equal steps: epoch {self.epoch}, step {step}: this loader's agreement broke "
+                f"earlier ({lockstep.broken}); its ranks' steps can no longer be paired: make "
+                "a new DataLoader on every rank, or pass equal_steps=False"
+            ) from lockstep.broken
+        started = time.monotonic()
         try:
-            agreed = self._all_have(have) > 0
+            low = lockstep.collective([have, self.epoch, -self.epoch, step, -step])
         except Exception as exc:
             self._ended = True  # the group is broken: no later step of it waits in vain
-            raise RuntimeError(
-                f"equal steps: epoch {self.epoch}, step {step}: the other ranks did not join "
-                f"this rank's agreement within {self._timeout_s:g} s (a loader iterated on "
-                "some ranks only, a rank that died or is far behind); a loader that is not "
-                "iterated on every rank of its group takes equal_steps=False (its rank's share, "
-                "no agreement) or shard=False (the whole stream)"
-            ) from exc
-        except BaseException:
+            error = self._failure(step, exc, time.monotonic() - started)
+            lockstep.break_with(error)
+            raise error from exc
+        except BaseException as exc:
             self._ended = True
+            lockstep.break_with(exc)
             raise
+        epochs, steps = (low[1], -low[2]), (low[3], -low[4])
+        if epochs != (self.epoch, self.epoch) or steps != (step, step):
+            self._ended = True
+            error = RuntimeError(
+                f"equal steps: this rank's epoch {self.epoch}, step {step} was paired with "
+                f"epochs {_span(epochs)}, steps {_span(steps)} of the ranks: their iterations "
+                "of this loader drifted apart (an extra iteration on some ranks, such as "
+                "next(iter(loader)) to peek, or set_epoch() with other numbers; an earlier "
+                "failure on one rank only). Iterate it alike on every rank (the same epochs, "
+                "each read to its end or left at the same step), or pass equal_steps=False"
+            )
+            lockstep.break_with(error)
+            raise error
+        agreed = low[0] > 0
         if not agreed:
             self._ended = True
             self.end = step
         return agreed
+
+    def _failure(self, step: int, exc: Exception, elapsed: float) -> RuntimeError:
+        """The error of a step whose collective (or its group's rendezvous) raised: a timeout
+        where the bound ran out, else what broke, with the time it took."""
+        timeout_s = self._lockstep.timeout_s
+        way_out = (
+            "a loader that is not iterated on every rank of its group takes equal_steps=False "
+            "(its rank's share, no agreement) or shard=False (the whole stream)"
+        )
+        where = f"equal steps: epoch {self.epoch}, step {step}"
+        if elapsed >= timeout_s * _TIMED_OUT or isinstance(exc, TimeoutError):
+            return RuntimeError(
+                f"{where}: the other ranks did not join this rank's agreement within "
+                f"{timeout_s:g} s (a loader iterated on some ranks only, a rank that died or "
+                f"is far behind); {way_out}"
+            )
+        return RuntimeError(
+            f"{where}: the agreement failed after {elapsed:.1f} s, before its {timeout_s:g} s "
+            f"bound: {type(exc).__name__}: {exc} (a rank that closed this loader or left its "
+            f"process group, a rank that died, the store gone); {way_out}"
+        )
+
+
+# A collective that raised after this share of its bound timed out (torch's timeout errors
+# have no type of their own across versions and stores: the time tells).
+_TIMED_OUT = 0.9
+
+
+def _span(values: tuple[int, int]) -> str:
+    low, high = values
+    return str(low) if low == high else f"{low} to {high}"

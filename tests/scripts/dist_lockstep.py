@@ -32,7 +32,16 @@ from typing import Any
 import psutil
 import torch
 import torch.distributed as dist
-from datasets import AsyncStream, Range, Stream, TorchDraws, keep, tar_sample, tar_shard
+from datasets import (
+    AsyncStream,
+    Range,
+    Resumable,
+    Stream,
+    TorchDraws,
+    keep,
+    tar_sample,
+    tar_shard,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 import aioloader._sampling._lockstep as lockstep_module
@@ -57,6 +66,8 @@ CUTS = (1, 2)  # of the 3 batches of 4 each rank has (45 samples, 12 a rank)
 #: The "crossed" case: two loaders whose first epochs start in the opposite order on odd ranks;
 #: each rank's share of the first is 3 batches of 2, of the second 1.
 CROSSED = (24, 8)
+PEEK_ITEMS = 32  # the "peeked" case: a share of 8 items, 4 batches of 2, on every rank
+MID_PREFETCH = 4  # the "carried_mid_epoch" case: rank 0 carries up to 4 batches
 CLOSE_S = 4.0  # how long the "end_cancelled" case's stream takes to close when cut short
 #: Tar shards of 2 to 9 samples: each rank reads whole shards of its own, of unequal sizes.
 TAR_SHARDS = 9
@@ -578,19 +589,93 @@ def main() -> None:
             report["child_status"] = status
             report["after"] = [items(b) for b in loader]
 
+    def store_keys(report: dict[str, Any]) -> None:
+        # Each rank deletes its rendezvous key once the group formed: a loader leaves nothing
+        # in the default store (the keys hold every rank's addresses: O(world^2) a loader).
+        store = dist.distributed_c10d._get_default_store()
+        before = store.num_keys()
+        dist.barrier()
+        with DataLoader(Stream(UNEVEN[rank]), batch_size=4) as loader:
+            report["steps"] = [sum(1 for _ in loader) for _ in range(2)]
+        dist.barrier()
+        report["keys_added"] = store.num_keys() - before
+
+    def peeked(report: dict[str, Any]) -> None:
+        # Rank 0 peeks at a batch (next(iter(loader)), the iterator dropped: an extra epoch 0
+        # on rank 0 only), then every rank runs epochs 0 and 1 with set_epoch: rank 0's epoch 0
+        # meets the others' epoch 1. That pairing fails on every rank, naming both epochs,
+        # and a later epoch fails at once with it as its cause (never pairs wrongly again).
+        with DataLoader(Stream(PEEK_ITEMS), batch_size=2) as loader:
+            if rank == 0:
+                report["peek"] = items(next(iter(loader)))
+            outcomes: list[dict[str, Any]] = []
+            for epoch in range(2):
+                loader.set_epoch(epoch)
+                got: list[list[int]] = []
+                outcome: dict[str, Any] = {"batches": got}
+                started = time.monotonic()
+                try:
+                    for batch in loader:
+                        got.append(items(batch))
+                except RuntimeError as exc:
+                    outcome["error"] = str(exc)
+                    outcome["cause"] = str(exc.__cause__) if exc.__cause__ else None
+                outcome["elapsed"] = time.monotonic() - started
+                outcomes.append(outcome)
+            report["epochs"] = outcomes
+
+    def carried_mid_epoch(report: dict[str, Any]) -> None:
+        # Rank 0's share is long, the others' one batch (they start a second late, so rank 0
+        # has read ahead): rank 0 carries up to prefetch batches into epoch 1. After one batch
+        # of epoch 1 its state holds those it has not handed yet (not the one it has); a
+        # loader resumed from it hands them first.
+        def make() -> DataLoader:
+            return DataLoader(
+                Resumable(400 if rank == 0 else 8), batch_size=2, prefetch=MID_PREFETCH
+            )
+
+        def carried(state: dict[str, Any]) -> list[list[int]]:
+            return [items(c[0]) for c in state.get("equal_steps", {}).get("carried", [])]
+
+        with make() as first:
+            if rank != 0:
+                time.sleep(1.0)
+            report["epoch0"] = [items(b) for b in first]
+            report["between"] = carried(first.state_dict())
+            it = iter(first)
+            report["head1"] = items(next(it))
+            mid = first.state_dict()
+            report["mid"] = carried(mid)
+            del it
+        with make() as resumed:
+            resumed.load_state_dict(mid)
+            report["loaded"] = carried(resumed.state_dict())
+            report["resumed"] = [[items(b) for b in resumed] for _ in range(2)]
+
     def rank0_only(report: dict[str, Any]) -> None:
         # A sharded stream iterated on rank 0 only (an evaluation loader built without
         # shard=False): the agreement's group never forms; rank 0 fails after the (lowered)
         # bound, naming the way out, and does not hang. Last: rank 0's group count is ahead.
+        # Its next epoch fails at once with that cause (no second rendezvous under the same
+        # keys), and rank 0's rendezvous key is deleted.
         lockstep_module.AGREEMENT_TIMEOUT_S = SHORT_AGREEMENT_S
         if rank == 0:
+            store = dist.distributed_c10d._get_default_store()
+            before = store.num_keys()
             start = time.monotonic()
             with DataLoader(Stream(20), batch_size=2) as loader:
                 try:
                     report["batches"] = sum(1 for _ in loader)
                 except Exception as exc:
                     report["raised"] = [type(exc).__name__, str(exc)]
-            report["elapsed"] = time.monotonic() - start
+                report["elapsed"] = time.monotonic() - start
+                again = time.monotonic()
+                try:
+                    report["batches_again"] = sum(1 for _ in loader)
+                except Exception as exc:
+                    report["again"] = [type(exc).__name__, str(exc), str(exc.__cause__)]
+                report["again_elapsed"] = time.monotonic() - again
+            report["keys_added"] = store.num_keys() - before
 
     for name, body in (
         ("elastic", elastic),
@@ -608,6 +693,9 @@ def main() -> None:
         ("carried_resume", carried_resume),
         ("capped", capped),
         ("alone", alone),
+        ("store_keys", store_keys),
+        ("peeked", peeked),
+        ("carried_mid_epoch", carried_mid_epoch),
         ("slow_rank", slow_rank),
         ("dp_groups", dp_groups),
         ("subgroups", subgroups),
