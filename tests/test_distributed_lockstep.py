@@ -159,13 +159,28 @@ def test_a_short_share_offers_0_at_its_end_and_an_epoch_closed_early_gives_up() 
     agreement.offer(3, complete=True)
     assert [verdict(agreement, s) for s in range(4)] == [True] * 3 + [False]
     assert record.calls == [1, 1, 1, 0]
-    # The next epoch is closed after one batch: it offers 0 at its next step, once.
+    # The next epoch is closed after one batch: it offers -1 ("left") at its next step, once.
     nxt = lockstep.begin(1)
     nxt.offer(1, complete=False)
     nxt.give_up()
     nxt.give_up()
     assert verdict(nxt, 1) is False
-    assert record.calls == [1, 1, 1, 0, 1, 0]
+    assert record.calls == [1, 1, 1, 0, 1, -1]
+    assert (agreement.left_elsewhere, nxt.left_elsewhere) == (False, False)  # it left itself
+    lockstep.close()
+
+
+def test_an_epoch_ended_by_another_rank_that_left_it_says_so() -> None:
+    def others_left_at_step_1(values: list[int]) -> list[int]:
+        have, epoch, _, step, _ = values
+        return [min(have, -1 if step == 1 else 1), epoch, -epoch, step, -step]
+
+    lockstep = Lockstep((0, 1), "carry", all_min=others_left_at_step_1)
+    agreement = lockstep.begin(0)
+    agreement.offer(3, complete=True)
+    assert [verdict(agreement, s) for s in range(3)] == [True, False, False]
+    assert agreement.end == 1
+    assert agreement.left_elsewhere is True
     lockstep.close()
 
 
@@ -534,8 +549,13 @@ def test_steps_queued_behind_a_close_use_its_group_and_the_next_loader_pairs(
     for rank, report in enumerate(reports):
         assert report["head"] == [rank, rank + WORLD]
         assert report["next"] == [[rank, rank + WORLD]], (rank, report)
-    # Rank 0 left after one batch: the others' epoch ended at a step it had offered.
+    # Rank 0 left after one batch: the others' epoch ended at a step it had offered, and
+    # they say that another rank left it (at WARNING: how a peek on one rank looks).
     assert all(len(r["rest"]) <= 3 for r in reports[1:]), [r["rest"] for r in reports[1:]]
+    for rank, report in enumerate(reports[1:], start=1):
+        warned = [line for line in report["log"] if line.startswith("WARNING")]
+        assert any("because another rank left it" in line for line in warned), (rank, warned)
+    assert not any("another rank left" in line for line in reports[0]["log"])
 
 
 @pytest.mark.slow

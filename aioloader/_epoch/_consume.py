@@ -599,6 +599,14 @@ class Epoch:
                 error,
                 exc_info=error,
             )
+        if self._agreement is not None and self._agreement.left_elsewhere:
+            distributed_log.warning(
+                "epoch %d ends at step %d on every rank because another rank left it there "
+                "(a break, a dropped iterator such as next(iter(loader)) to peek, a close) "
+                "while this rank had not: leave every rank's loop at the same step",
+                self.epoch,
+                step,
+            )
         unread = self._unread_samples() if past.cut else None
         if past.cut:
             counters.cut_epochs += 1

@@ -17,8 +17,9 @@ all-reduces one after the other, ahead of the consumer as far as prefetching all
 consumer waits for a verdict only when the thread has not got there yet. The first step whose
 minimum is 0 ends the epoch on every rank; jobs queued behind it skip their collective. So
 every rank runs the same collectives, ``0 .. n``, and ends at the same step ``n``, the
-shortest share; an epoch closed early (a ``break``) offers 0 at its next step, which ends the
-others' epoch there too.
+shortest share; an epoch closed early (a ``break``) offers -1 at its next step, which ends the
+others' epoch there too, and tells them why (the least of 1, 0 and -1 is -1): they log it at
+WARNING, since a loop left on one rank only is how an extra iteration (a peek) looks.
 
 Each step's all-reduce carries the epoch and the step beside ``have`` (``MIN`` of ``x`` and of
 ``-x`` gives the least and the greatest), so ranks whose iterations of one loader drifted
@@ -632,6 +633,9 @@ class EpochAgreement:
         self._verdicts: dict[int, concurrent.futures.Future[bool]] = {}
         #: The step whose minimum was 0 (known once its job ran): the agreed end.
         self.end: int | None = None
+        #: Whether the end came from another rank that left the epoch early (a ``break``, a
+        #: dropped iterator, a close) while this one had a batch or its stream's end there.
+        self.left_elsewhere = False
 
     def offer(self, have: int, complete: bool) -> None:
         """This rank has ``have`` batches in this epoch so far (handed or known ready);
@@ -643,10 +647,11 @@ class EpochAgreement:
                 self._submit(0)
 
     def give_up(self) -> None:
-        """The epoch ends here on this rank (closed early): offer 0 at the next step."""
+        """The epoch ends here on this rank (closed early): offer "no more" at the next step
+        (-1, below a stream's end, 0: the others learn that a rank left, see ``left_elsewhere``)."""
         with self._lock:
             if self._open:
-                self._submit(0)
+                self._submit(_LEFT)
 
     def verdict(self, step: int) -> concurrent.futures.Future[bool] | None:
         """Whether every rank has a batch ``step`` (None: the step was not offered yet).
@@ -687,7 +692,7 @@ class EpochAgreement:
     def _submit(self, have: int) -> None:
         step = self._submitted
         self._submitted += 1
-        if not have:
+        if have <= 0:
             self._open = False
         self._verdicts[step] = self._thread.submit(lambda: self._agree(step, have))
 
@@ -731,6 +736,7 @@ class EpochAgreement:
         if not agreed:
             self._ended = True
             self.end = step
+            self.left_elsewhere = low[0] == _LEFT and have != _LEFT
         return agreed
 
     def _failure(self, step: int, exc: Exception, elapsed: float) -> RuntimeError:
@@ -753,6 +759,10 @@ class EpochAgreement:
             f"bound: {type(exc).__name__}: {exc} (a rank that closed this loader or left its "
             f"process group, a rank that died, the store gone); {way_out}"
         )
+
+
+# What an epoch closed early offers at its next step: below 0 (its stream ended) and 1.
+_LEFT = -1
 
 
 # A collective that raised after this share of its bound timed out (torch's timeout errors
