@@ -285,19 +285,21 @@ def main() -> None:
         # A loader dropped without close() after an uneven epoch (some ranks carry batches):
         # its finalizer closes the agreement (thread, group, carried batches); nothing of it
         # stays alive, its group's connections to the other ranks included.
-        def connections() -> int:
-            # The loader's gloo group is not torch's (never registered): count its sockets.
-            return sum(
-                1
+        def connections() -> set[tuple[Any, Any]]:
+            # The loader's gloo group is not torch's (never registered): its sockets, each by
+            # its two ends. Compared as sets: a count went negative where a connection of an
+            # earlier case (another rank's, closing late) was still there at the start.
+            return {
+                (c.laddr, c.raddr)
                 for c in psutil.Process().net_connections(kind="tcp")
                 if c.status == psutil.CONN_ESTABLISHED
-            )
+            }
 
         before = connections()
         loader = DataLoader(Stream(UNEVEN[rank]), batch_size=2)
         report["steps"] = sum(1 for _ in loader)
         report["threads_while_open"] = equal_steps_threads()
-        report["connections_while_open"] = connections() - before
+        report["connections_while_open"] = len(connections() - before)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)  # unclosed, on purpose
             del loader
@@ -308,7 +310,7 @@ def main() -> None:
         gc.collect()
         report["threads_after"] = equal_steps_threads()
         report["locksteps_after"] = sum(1 for o in gc.get_objects() if isinstance(o, Lockstep))
-        report["connections_after"] = connections() - before
+        report["connections_after"] = len(connections() - before)
 
     def closed_behind_jobs(report: dict[str, Any]) -> None:
         # Rank 0 leaves its first epoch after one batch and closes the loader while its
