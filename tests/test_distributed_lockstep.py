@@ -847,6 +847,7 @@ def test_a_mid_epoch_state_holds_the_carried_batches_not_handed_yet(
     assert long["head1"] == carried[0], long  # handed first in epoch 1
     assert long["mid"] == carried[1:], long  # the rest, not the one handed
     assert long["loaded"] == carried[1:], long
+    assert long["after_break"] == carried[1:], long  # an epoch left early loses none of them
     handed = [batch for epoch in long["resumed"] for batch in epoch]
     assert handed[0] == carried[1], long  # the resumed loader hands them first
     for report in reports[1:]:  # one batch each, nothing read past an end

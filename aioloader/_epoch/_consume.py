@@ -745,6 +745,16 @@ class Epoch:
                 sum(item[1] for item in held),
             )
             past.carried, past.ready, past.copies = [], [], []
+        if past is None and self._carried and self._lockstep is not None:
+            # Left before its end (a break, a close): the batches carried into it and not
+            # handed go back to be read first in the next epoch (and into state_dict()),
+            # within the same prefetch cap as any carry; what is past it is counted dropped.
+            everything = list(self._carried) + self._lockstep.carried
+            self._carried.clear()
+            self._lockstep.carried = everything[: self.config.prefetch]
+            excess = everything[self.config.prefetch :]
+            self._counters.dropped_batches += len(excess)
+            self._counters.dropped_samples += sum(item[1] for item in excess)
         self.reorder.drain()
         self._handing.clear()
         self._ready.set()

@@ -648,7 +648,8 @@ def main() -> None:
             report["head1"] = items(next(it))
             mid = first.state_dict()
             report["mid"] = carried(mid)
-            del it
+            del it  # left after one batch: the carried ones not handed are kept for the next
+            report["after_break"] = carried(first.state_dict())
         with make() as resumed:
             resumed.load_state_dict(mid)
             report["loaded"] = carried(resumed.state_dict())
