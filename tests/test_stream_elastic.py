@@ -20,7 +20,6 @@ Invariants, for any cut of any rank (ranks may stop at different points), shuffl
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +31,7 @@ from helpers import assert_raises_naming
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from aioloader._epoch import deal_carried
 from aioloader.distributed import merge_states
 from aioloader.sources import ParquetDataset, TarDataset
 
@@ -413,19 +413,20 @@ def test_merging_refuses_even_shares_cut_by_other_lengths(tmp_path: Path) -> Non
 
 
 def carrying(state: dict[str, Any], rank: int, samples: list[int]) -> dict[str, Any]:
-    """``state`` as a loader under equal steps saves it on ``rank`` when that rank carries
-    batches of ``samples`` samples each into its next epoch."""
-    carried = [[list(range(n)), n, 8 * n] for n in samples]
-    return {**state, "equal_steps": {"rank": rank, "carried": carried}}
+    """``state`` as a loader under equal steps on 3 ranks saves it on ``rank`` when that rank
+    carries batches of ``samples`` samples each into its next epoch (a batch: its samples'
+    values, ``rank * 100 + i``)."""
+    carried = [[[rank * 100 + i] * n, n, 8 * n] for i, n in enumerate(samples)]
+    return {**state, "equal_steps": {"rank": rank, "world": 3, "carried": carried}}
 
 
-def test_every_ranks_carried_batches_are_counted_and_logged_as_dropped_when_merged(
-    tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture
+def test_every_ranks_carried_batches_are_in_the_merged_state_and_dealt_to_the_new_ranks(
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """Under equal steps each rank's state holds the batches it carries into its next epoch,
-    which a merged state (loaded on any ranks) cannot hand: none of them is in it (rank 0's
-    would be handed on new rank 0 alone, the others' lost unnamed), and all of them, every
-    rank's, are counted and logged as dropped; a rank's repeated state counts once."""
+    """Under equal steps each rank's state holds the batches it carries into its next epoch.
+    The merged state holds every rank's (a rank's repeated state once): on as many ranks as
+    saved them each takes its own, on another number they are dealt out in rank order, so
+    across the new ranks each carried batch is handed exactly once."""
     make = maker("tar", data("tar", tmp_path_factory), shuffle=False)
 
     async def run() -> list[dict[str, Any]]:
@@ -436,18 +437,31 @@ def test_every_ranks_carried_batches_are_counted_and_logged_as_dropped_when_merg
     for states in (streams, [dict(between) for _ in range(3)]):
         states[0] = carrying(states[0], 0, [4, 4])
         states[2] = carrying(states[2], 2, [3])
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="aioloader.distributed"):
-            merged_state = merge_states([*states, states[2]])
-        assert "equal_steps" not in merged_state
-        assert merged_state == merge_states([{**s, "equal_steps": None} for s in states])
-        warned = [r for r in caplog.records if r.levelno == logging.WARNING]
-        assert len(warned) == 1
-        text = warned[0].getMessage()
-        for part in ("3 batches (11 samples)", "rank 0: 2 (8 samples)", "rank 2: 1 (3 samples)"):
-            assert part in text, text
-        assert "dropped" in text
-        assert "rank 1" not in text
+        merged_state = merge_states([*states, states[2]])
+        assert merge_states(states) == merged_state
+        without = merge_states([{k: v for k, v in s.items() if k != "equal_steps"} for s in states])
+        assert {k: v for k, v in merged_state.items() if k != "equal_steps"} == without
+        saved = merged_state["equal_steps"]
+        own = [
+            carrying({}, 0, [4, 4])["equal_steps"]["carried"],
+            [],
+            carrying({}, 2, [3])["equal_steps"]["carried"],
+        ]
+        # The same 3 ranks: each its own, in its order.
+        assert [deal_carried(saved, r, 3) for r in range(3)] == own
+        every = [tuple(map(str, item)) for items in own for item in items]
+        for world in (1, 2, 4, 5):
+            parts = [deal_carried(saved, r, world) for r in range(world)]
+            handed = [tuple(map(str, item)) for part in parts for item in part or []]
+            assert sorted(handed) == sorted(every), (world, parts)  # each once, none lost
+            sizes = [len(part or []) for part in parts]
+            assert max(sizes) - min(sizes) <= 1, (world, sizes)  # dealt evenly
+    assert deal_carried({"rank": 0, "carried": []}, 0, 2) is None  # a rank's own state
+    assert_raises_naming(
+        lambda: deal_carried({"by_rank": [[0, "nope"]], "world": 3}, 0, 2),
+        ValueError,
+        ["by_rank", "nope"],
+    )
 
 
 def test_a_stream_read_in_workers_is_not_merged() -> None:

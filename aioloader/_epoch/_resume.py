@@ -89,7 +89,7 @@ from .._validate import (
 )
 from ..sources import merge_stream_states
 
-__all__ = ["STATE_VERSION", "EpochBook", "merge_states"]
+__all__ = ["STATE_VERSION", "EpochBook", "deal_carried", "merge_states"]
 
 #: The format :meth:`EpochBook.state_dict` writes. 0: no ``"version"`` key (a mid-epoch state
 #: recorded at most the batch size and dataset length, as ``"shape"``); 1: ``"version"`` and
@@ -593,11 +593,10 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     comes back too.
 
     What the states do not share is each rank's own: under equal steps, the batches a rank
-    read past the last agreed end and carries into its next epoch (``"equal_steps"``, which a
-    loader hands only on the rank that saved them). A merged state is loaded on ranks that
-    need not be those, so it holds none of them: the carried batches of every rank are
-    counted and logged as dropped (WARNING on ``aioloader.distributed``), never silently
-    lost. Load each rank's own state, on the same ranks, to keep them.
+    read past the last agreed end and carries into its next epoch (``"equal_steps"``). The
+    merged state holds every rank's (a rank's once, however many of its states there are),
+    and each loader that loads it takes its part (:func:`deal_carried`): on as many ranks as
+    saved them, each rank its own; on another number, all of them dealt out in rank order.
 
     Args:
         states: ``loader.state_dict()`` of every rank (index = rank, or in any order), as
@@ -639,8 +638,7 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                         "map-style epoch is shared out so that rank 0's state says it for all "
                         "ranks, which these do not"
                     )
-        _drop_carried(states)
-        return _own_dropped(first)
+        return _with_carried(_own_dropped(first), states)
     positions = []
     for k, saved in enumerate(streams):
         if not isinstance(saved, Mapping) or saved.get("readers") != 1:
@@ -655,9 +653,8 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"merge_states: state {k} holds no position of its stream")
         positions.append(position)
     merged = merge_stream_states(positions)
-    _drop_carried(states)
     streams_state = {"readers": 1, "last": -1, "states": {0: merged}}
-    return {**_own_dropped(first), "done": [], "streams": streams_state}
+    return _with_carried({**_own_dropped(first), "done": [], "streams": streams_state}, states)
 
 
 def _own_dropped(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -665,35 +662,77 @@ def _own_dropped(state: Mapping[str, Any]) -> dict[str, Any]:
     return {key: _copied(value) for key, value in state.items() if key != "equal_steps"}
 
 
-def _drop_carried(states: Sequence[Mapping[str, Any]]) -> None:
-    """Count and log the batches the ranks carry into their next epoch, which a merged state
-    does not hold (see :func:`merge_states`); a rank's are counted once, however many of its
-    states there are (the ranks of one model-parallel group read one share)."""
-    carried: dict[int, tuple[int, int]] = {}
+def _with_carried(merged: dict[str, Any], states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``merged`` with the batches every rank carries into its next epoch (see
+    :func:`merge_states`), a rank's once however many of its states there are (the ranks of
+    one model-parallel group read one share)."""
+    by_rank: dict[int, list[Any]] = {}
+    worlds = set()
     for state in states:
         saved = state.get("equal_steps")
         if not isinstance(saved, Mapping):
             continue
         items, rank = saved.get("carried"), saved.get("rank")
-        if not isinstance(items, list | tuple) or not items:
-            continue
-        samples = sum(int(i[1]) for i in items if isinstance(i, list | tuple) and is_int(i[1]))
-        carried[int(rank) if is_int(rank) else -1] = (len(items), samples)
-    if not carried:
-        return
-    batches = sum(n for n, _ in carried.values())
-    samples = sum(n for _, n in carried.values())
-    ranks = ", ".join(f"rank {r}: {n} ({k} samples)" for r, (n, k) in sorted(carried.items()))
-    distributed_log.warning(
-        "merge_states: %d batch%s (%d samples) that the ranks read past the last agreed end "
-        "carry into their next epoch (equal steps; %s); the merged state resumes on any ranks "
-        "and holds no rank's own batches, so these are dropped. Load each rank's own state on "
-        "the same ranks to keep them",
+        if not is_int(rank) or not isinstance(items, list | tuple):
+            raise ValueError(
+                "merge_states: a state's 'equal_steps' must be {'rank': int, 'world': int, "
+                f"'carried': [[batch, samples, bytes], ...]}} (from state_dict()), got {saved!r}"
+            )
+        if items:
+            by_rank[int(rank)] = [_copied(item) for item in items]
+        if is_int(saved.get("world")):
+            worlds.add(int(saved["world"]))
+    if not by_rank:
+        return merged
+    batches = sum(len(items) for items in by_rank.values())
+    distributed_log.info(
+        "merge_states: %d batch%s that %d rank%s read past the last agreed end (equal steps) "
+        "are in the merged state, handed first in the next epoch by the ranks that load it",
         batches,
         "" if batches == 1 else "es",
-        samples,
-        ranks,
+        len(by_rank),
+        "" if len(by_rank) == 1 else "s",
     )
+    merged["equal_steps"] = {
+        "by_rank": [[rank, by_rank[rank]] for rank in sorted(by_rank)],
+        "world": worlds.pop() if len(worlds) == 1 else None,
+    }
+    return merged
+
+
+def deal_carried(saved: object, rank: int, replicas: int) -> list[Any] | None:
+    """This rank's part of the carried batches a merged state holds (``saved``: its
+    ``"equal_steps"``; see :func:`merge_states`): on as many ranks as saved them, rank
+    ``rank``'s own; on another number, every rank's in rank order, dealt ``rank::replicas``.
+    None where ``saved`` is a single rank's (``state_dict()``'s own form: the loader checks
+    its rank).
+
+    Raises:
+        ValueError: ``saved`` is malformed (named with its value).
+    """
+    if not isinstance(saved, Mapping) or "by_rank" not in saved:
+        return None
+    by_rank, world = saved.get("by_rank"), saved.get("world")
+    if (
+        not isinstance(by_rank, list | tuple)
+        or not all(
+            isinstance(entry, list | tuple)
+            and len(entry) == 2
+            and is_int(entry[0])
+            and isinstance(entry[1], list | tuple)
+            for entry in by_rank
+        )
+        or not (world is None or is_int(world))
+    ):
+        raise ValueError(
+            "state['equal_steps'] of a merged state must be {'by_rank': [[rank, [[batch, "
+            "samples, bytes], ...]], ...], 'world': int or None} (from merge_states), got "
+            f"{saved!r}"
+        )
+    if world == replicas:
+        return next((list(items) for r, items in by_rank if r == rank), [])
+    everything = [item for _, items in sorted(by_rank, key=lambda e: e[0]) for item in items]
+    return everything[rank::replicas]
 
 
 # -- the state's format ---------------------------------------------------------------------

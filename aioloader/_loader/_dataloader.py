@@ -50,7 +50,7 @@ from typing import Any
 from .._batch import default_collate, default_convert
 from .._config import LoaderConfig, batch_sampler_for, context_argument, resolve_seed
 from .._device import falls_back, parse_device
-from .._epoch import Epoch, EpochBook, EpochIterator, plan_for
+from .._epoch import Epoch, EpochBook, EpochIterator, deal_carried, plan_for
 from .._log import distributed_log
 from .._sampling import (
     DEFAULT_SHARE_SEED,
@@ -673,6 +673,7 @@ class DataLoader(SettingsView):
         if carried:
             state["equal_steps"] = {
                 "rank": shard.rank,
+                "world": shard.replicas,
                 "carried": [list(item) for item in carried],
             }
         return state
@@ -722,6 +723,19 @@ class DataLoader(SettingsView):
         Raises:
             ValueError: ``saved`` is malformed (named with its value).
         """
+        self._shard_if_group_appeared()
+        shard = self._config.shard
+        # A merged state's (every rank's, see merge_states): this rank's part of them.
+        dealt = deal_carried(saved, 0 if shard is None else shard.rank, _replicas(shard))
+        if dealt is not None:
+            if self._lockstep is None or shard is None:
+                distributed_log.info(
+                    "the merged state holds batches the ranks carried into their next epoch "
+                    "(equal steps); this loader (%s) takes no equal steps and does not hand them",
+                    "no rank" if shard is None else f"rank {shard.rank}",
+                )
+                return None
+            return [(batch, int(samples), int(nbytes)) for batch, samples, nbytes in dealt]
         items = saved.get("carried") if isinstance(saved, dict) else None
         rank = saved.get("rank") if isinstance(saved, dict) else None
         if (
@@ -733,8 +747,6 @@ class DataLoader(SettingsView):
                 "state['equal_steps'] must be {'rank': int, 'carried': [[batch, samples, "
                 f"bytes], ...]}} (from state_dict()), got {saved!r}"
             )
-        self._shard_if_group_appeared()
-        shard = self._config.shard
         if self._lockstep is None or shard is None or shard.rank != rank:
             where = f"rank {shard.rank}" if shard is not None else "no rank"
             distributed_log.info(
@@ -789,3 +801,7 @@ def weak_call(method: Callable[[int], None], arg: int) -> Callable[[], None]:
             bound(arg)
 
     return call
+
+
+def _replicas(shard: Shard | None) -> int:
+    return 1 if shard is None else shard.replicas
