@@ -595,7 +595,7 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     What the states do not share is each rank's own: under equal steps, the batches a rank
     read past the last agreed end and carries into its next epoch (``"equal_steps"``). The
     merged state holds every rank's (a rank's once, however many of its states there are),
-    and each loader that loads it takes its part (:func:`deal_carried`): on as many ranks as
+    and each loader that loads it takes its part (``deal_carried``): on as many ranks as
     saved them, each rank its own; on another number, all of them dealt out in rank order.
 
     Args:
