@@ -385,7 +385,7 @@ async def test_a_copy_whose_segment_vanished_is_pickled_again_for_the_next_job()
         job = await copy.job()
         gone = job.payload.segment
         assert gone is not None
-        _shm.unlink(gone)  # ours: as a cleanup of /dev/shm would remove it
+        os.unlink(os.path.join(_shm.SHM_DIR, gone))  # ours: as a cleanup of /dev/shm would
         again = await copy.job()
         assert again.payload.segment not in (None, gone)
         assert loads(again.payload).chunks == dataset.chunks
@@ -393,3 +393,38 @@ async def test_a_copy_whose_segment_vanished_is_pickled_again_for_the_next_job()
     finally:
         copy.release()
     assert again.payload.segment not in os.listdir(_shm.SHM_DIR)
+
+
+class KillsItsWorkerOnce(Chunks):
+    """Kills the worker that reads ``index`` the first time (a marker file says it did)."""
+
+    def __init__(self, n: int, index: int, marker: Path) -> None:
+        super().__init__(n)
+        self.index, self.marker = index, str(marker)
+
+    def __getitem__(self, index: int) -> int:
+        if index == self.index:
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(index)
+
+
+def test_a_replacement_worker_starts_after_the_copys_segment_was_removed(tmp_path: Path) -> None:
+    dataset = KillsItsWorkerOnce(COUNT, COUNT - 8, tmp_path / "killed")
+    mine = f"{_shm.SHM_PREFIX}{os.getpid()}_"
+    before = {n for n in os.listdir(_shm.SHM_DIR) if n.startswith(mine)}
+    with DataLoader(dataset, batch_size=4, num_workers=1, prefetch=2, max_retries=1) as loader:
+        values: list[int] = []
+        for batch in loader:
+            if not values:  # the worker has loaded the copy: /dev/shm is emptied of it
+                copies = {n for n in os.listdir(_shm.SHM_DIR) if n.startswith(mine)} - before
+                assert copies  # the copy's stream is in a segment of this process
+                for name in copies:  # as a cleanup script would: the loader unregisters it
+                    os.unlink(os.path.join(_shm.SHM_DIR, name))
+            values.extend(int(v) for v in batch)
+    assert (tmp_path / "killed").exists()  # the worker was killed, and replaced
+    assert values == [i % 251 for i in range(COUNT)]
