@@ -82,9 +82,16 @@ def test_without_room_in_shared_memory_a_large_stream_goes_through_the_pipe(
 
 def test_workers_load_a_large_stream_from_shared_memory_and_every_sample_is_right() -> None:
     dataset = Chunks(COUNT)
+    mine = f"{_shm.SHM_PREFIX}{os.getpid()}_"
+    before = {n for n in os.listdir(_shm.SHM_DIR) if n.startswith(mine)}
     with DataLoader(dataset, batch_size=4, num_workers=2) as loader:
         for _ in range(2):  # the second epoch loads a fresh copy
-            values = [int(v) for batch in loader for v in batch]
+            values: list[int] = []
+            for batch in loader:
+                if not values:  # batches of ints travel inline: a segment now is the copy's
+                    now = {n for n in os.listdir(_shm.SHM_DIR) if n.startswith(mine)}
+                    assert now - before
+                values.extend(int(v) for v in batch)
             assert values == [i % 251 for i in range(COUNT)]
 
 

@@ -340,7 +340,8 @@ def map_private(name: str, size: int) -> npt.NDArray[np.uint8]:
     try:
         fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, 0)
     except FileNotFoundError as exc:
-        raise FileNotFoundError(exc.errno, vanished_message(name), f"{SHM_DIR}/{name}") from exc
+        why = vanished_message(name, "a dataset copy")
+        raise FileNotFoundError(exc.errno, why, f"{SHM_DIR}/{name}") from exc
     except OSError as exc:
         if (error := _out_of_fds(exc, "attach", size)) is None:
             raise
@@ -454,10 +455,10 @@ def _take_turn(
             waiting(False)
 
 
-def vanished_message(name: str) -> str:
-    """Why segment ``name`` of a live pool may be missing from ``/dev/shm``, and what to do."""
+def vanished_message(name: str, of: str = "a live batch slot") -> str:
+    """Why segment ``name`` (``of`` what) may be missing from ``/dev/shm``, and what to do."""
     return (
-        f"shared-memory segment {name} of a live batch slot is gone from {SHM_DIR}: something "
+        f"shared-memory segment {name} of {of} is gone from {SHM_DIR}: something "
         "other than this loader removed it. Likely: systemd-logind's RemoveIPC=yes (the "
         "default) when the last session of the user ends (run the job under a system user, or "
         "set RemoveIPC=no in /etc/systemd/logind.conf), a cleanup script or tmp cleaner that "
