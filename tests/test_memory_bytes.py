@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 
 from aioloader import DataLoader, _shm
+from aioloader._types import Made
+from aioloader._workers._records import OwnSlot
+from aioloader._workers._wire import Packer, Receiver, batch_nbytes
 
 BIG = _shm.BYTES_IN_SLOT_MIN * 4
 
@@ -80,3 +83,42 @@ def test_a_loader_hands_large_bytes_over_through_shared_memory() -> None:
     # Pickled through the pipe they would have needed no slot at all.
     assert stats.live_shm_slots >= 1
     assert stats.held_shm_slots == 0  # every item is its own bytes: no slot is held
+
+
+# A first batch of many leaves: 256 bytes objects of 100,000 bytes (collate_fn=list), each
+# at an aligned offset in the slot: the writer needs 25,608,160 bytes, more than their bytes
+# and the page of slack a slot once had (25,604,096).
+MANY, EACH = 256, 100_000
+
+
+def test_a_batch_of_many_leaves_fits_the_slot_made_for_its_size() -> None:
+    batch = [bytes([i]) * EACH for i in range(MANY)]
+    nbytes = batch_nbytes(batch)
+    assert nbytes == _shm.in_slot_bytes([EACH] * MANY) == 25_608_192
+    parcel = Packer(OwnSlot(_shm.new_name(), 1 << 30)).pack(batch)
+    assert parcel.own_slot is not None
+    try:
+        assert parcel.in_slot  # in the worker's segment, sized as the pool sizes a first slot
+        assert parcel.own_slot.size == _shm.slot_size(nbytes)
+        assert not parcel.slot_error
+    finally:
+        _shm.unlink(parcel.own_slot.name)
+
+
+def test_a_batch_larger_than_its_slot_travels_inline_and_is_counted(
+    pool: _shm.SlotPool,
+) -> None:
+    slot = pool.lease(2 * BIG)
+    assert slot is not None
+    batch = [bytes([i]) * BIG for i in range(2 * slot.size // BIG)]  # twice what it holds
+    try:
+        parcel = Packer(slot).pack(batch)
+    finally:
+        _shm.detach_all()
+    assert not parcel.in_slot
+    assert parcel.fallback == "fit"
+    assert str(slot.size) in parcel.slot_error
+    receiver = Receiver(pool, prefetch=1)
+    made = receiver.open(Made(parcel), slot)
+    assert made.batch == batch
+    assert receiver.fallbacks == 1  # counted (shm_fallbacks)

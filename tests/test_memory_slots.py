@@ -35,9 +35,10 @@ def test_slots_for_batches_of_one_size_are_that_size(pool: _shm.SlotPool) -> Non
     slots = [pool.lease(nbytes) for _ in range(4)]
     assert all(s is not None for s in slots)
     sizes = {s.size for s in slots if s is not None}
-    # The batch's pages, and one page of room for its arrays' alignment: no headroom.
-    assert sizes == {_shm.slot_size(nbytes, min_slot_bytes=PAGE)} == {12 * PAGE}
-    assert pool.stats().bytes_total == 4 * 12 * PAGE
+    # The batch's pages (its bytes in a slot, alignment counted: _shm.in_slot_bytes), no
+    # headroom and no slack beside them.
+    assert sizes == {_shm.slot_size(nbytes, min_slot_bytes=PAGE)} == {11 * PAGE}
+    assert pool.stats().bytes_total == 4 * 11 * PAGE
 
 
 def test_headroom_comes_once_a_larger_batch_asks(pool: _shm.SlotPool) -> None:

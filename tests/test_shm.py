@@ -385,8 +385,8 @@ def test_reuse_and_the_cap() -> None:
 def test_free_slots_too_small_are_dropped_to_make_room() -> None:
     p = SlotPool(16 * PAGE, min_slot_bytes=PAGE)
     try:
-        # 2 pages each: the batch's one, and one of room for its arrays' alignment
-        small = [p.lease(PAGE) for _ in range(6)]
+        # 2 pages each: the batch's (its alignment counted in its size), no slack
+        small = [p.lease(2 * PAGE) for _ in range(6)]
         assert all(s is not None and s.size == 2 * PAGE for s in small)
         for s in small:
             p.release(s)  # type: ignore[arg-type]
@@ -403,7 +403,7 @@ def test_free_slots_too_small_are_dropped_to_make_room() -> None:
         p.release(big)
         exact = p.lease(15 * PAGE)
         assert exact is not None
-        assert exact.size == _shm.slot_size(15 * PAGE, min_slot_bytes=PAGE) == 16 * PAGE
+        assert exact.size == _shm.slot_size(15 * PAGE, min_slot_bytes=PAGE) == 15 * PAGE
         assert p.stats().slots == 1
     finally:
         p.close()

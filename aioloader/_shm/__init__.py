@@ -94,26 +94,29 @@ from ._descriptors import INLINE_MAX_BYTES as INLINE_MAX_BYTES
 from ._descriptors import ArrayRef as ArrayRef
 from ._descriptors import Encoded as Encoded
 from ._descriptors import SlotWriter as SlotWriter
+from ._descriptors import in_slot_bytes as in_slot_bytes
 from ._pool import BUDGET_FRACTION as BUDGET_FRACTION
 from ._pool import BUDGET_MAX as BUDGET_MAX
 from ._pool import GROWTH as GROWTH
 from ._pool import MIN_SLOT_BYTES as MIN_SLOT_BYTES
-from ._pool import SLACK_BYTES as SLACK_BYTES
 from ._pool import ShmStats as ShmStats
 from ._pool import SlotPool as SlotPool
 from ._pool import budget as budget
 from ._pool import slot_size as slot_size
 from ._segment import SHM_DIR as SHM_DIR
 from ._segment import SHM_PREFIX as SHM_PREFIX
+from ._segment import TURN_WAIT_S as TURN_WAIT_S
 from ._segment import Slot as Slot
 from ._segment import as_bytes as as_bytes
 from ._segment import create_segment as create_segment
 from ._segment import discard as discard
+from ._segment import drop_pages as drop_pages
 from ._segment import free_bytes as free_bytes
 from ._segment import janitor as janitor
 from ._segment import map_private as map_private
 from ._segment import new_name as new_name
 from ._segment import page_round as page_round
+from ._segment import segment_exists as segment_exists
 from ._segment import shm_available as shm_available
 from ._segment import turn as turn
 from ._segment import unlink as unlink
@@ -129,7 +132,7 @@ __all__ = [
     "MIN_SLOT_BYTES",
     "SHM_DIR",
     "SHM_PREFIX",
-    "SLACK_BYTES",
+    "TURN_WAIT_S",
     "ArrayRef",
     "Encoded",
     "ShmStats",
@@ -143,11 +146,14 @@ __all__ = [
     "create_segment",
     "detach_all",
     "discard",
+    "drop_pages",
     "free_bytes",
+    "in_slot_bytes",
     "janitor",
     "map_private",
     "new_name",
     "page_round",
+    "segment_exists",
     "shm_available",
     "slot_size",
     "turn",

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -58,6 +59,7 @@ __all__ = [
     "Encoded",
     "SlotWriter",
     "import_torch",
+    "in_slot_bytes",
     "ref_end",
     "view_leaf",
 ]
@@ -81,6 +83,14 @@ BYTES_IN_SLOT_MIN = 64 << 10
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def in_slot_bytes(sizes: Iterable[int]) -> int:
+    """The bytes leaves of ``sizes`` bytes take in a slot, each at its aligned offset
+    (:data:`ALIGN`): at most what :class:`SlotWriter` lays them out in, in any order. The
+    one count of a batch's size in a slot, for the batch's and its slot's (however many
+    leaves: a fixed slack covered only so many)."""
+    return sum(_align(n) for n in sizes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +157,11 @@ class SlotWriter:
         self._offset = 0  # bump pointer; may pass _size once an alloc has overflowed
         self._spilled: list[npt.NDArray[Any]] = []  # allocs that did not fit (plain memory)
         self._encoded = False
+
+    @property
+    def size(self) -> int:
+        """Bytes of the slot."""
+        return self._size
 
     @property
     def needed_bytes(self) -> int:

@@ -37,7 +37,7 @@ from enum import Enum
 from typing import Any
 
 from .._tree import iter_leaves, map_tree
-from ._descriptors import ALIGN, ArrayRef, Encoded, import_torch, ref_end, view_leaf
+from ._descriptors import ArrayRef, Encoded, import_torch, ref_end, view_leaf
 from ._segment import (
     SHM_DIR,
     SegmentMapping,
@@ -58,7 +58,6 @@ __all__ = [
     "IDLE_GRACE_S",
     "KEEP_SPARE",
     "MIN_SLOT_BYTES",
-    "SLACK_BYTES",
     "ShmStats",
     "SlotPool",
     "budget",
@@ -73,11 +72,6 @@ __all__ = [
 # the PSS of every process that maps it. Higher wastes /dev/shm once sizes vary; lower
 # re-creates segments (slow first writes: page faults) more often.
 GROWTH = 1.25
-
-# Room for the alignment of the arrays in a slot (:data:`ALIGN`: up to 63 bytes before each):
-# a page, enough for 64 arrays. A batch of more arrays whose padding does not fit comes back
-# inline once (with the bytes it needs), and its next slot is made for that.
-SLACK_BYTES = 64 * ALIGN
 
 # The smallest segment created. Larger wastes memory on small batches; smaller creates more
 # segments while batch sizes are still being learned.
@@ -105,11 +99,11 @@ KEEP_SPARE = 2
 
 
 def slot_size(nbytes: int, *, headroom: bool = False, min_slot_bytes: int = MIN_SLOT_BYTES) -> int:
-    """The size of a new segment for a batch of ``nbytes`` array bytes: whole pages, at least
-    ``min_slot_bytes``, with room for the arrays' alignment (:data:`SLACK_BYTES`), and with
-    :data:`GROWTH` of headroom where ``headroom`` (batch sizes vary). The one rule, for the
-    pool's segments and those a worker makes for a loader's first batches."""
-    wanted = math.ceil(nbytes * GROWTH) if headroom else nbytes + SLACK_BYTES
+    """The size of a new segment for a batch of ``nbytes`` bytes in a slot, its alignment
+    counted (:func:`in_slot_bytes` of its leaves): whole pages, at least ``min_slot_bytes``,
+    and with :data:`GROWTH` of headroom where ``headroom`` (batch sizes vary). The one rule,
+    for the pool's segments and those a worker makes for a loader's first batches."""
+    wanted = math.ceil(nbytes * GROWTH) if headroom else nbytes
     return page_round(max(wanted, min_slot_bytes))
 
 

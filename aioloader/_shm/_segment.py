@@ -16,8 +16,9 @@ import mmap
 import os
 import secrets
 import sys
+import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 
@@ -34,11 +35,14 @@ if sys.platform != "win32":
 __all__ = [
     "SHM_DIR",
     "SHM_PREFIX",
+    "TURN_POLL_S",
+    "TURN_WAIT_S",
     "SegmentMapping",
     "Slot",
     "as_bytes",
     "create_segment",
     "discard",
+    "drop_pages",
     "free_bytes",
     "janitor",
     "janitor_once",
@@ -139,6 +143,8 @@ if sys.platform != "win32":
     )
     _libc.munmap.restype = ctypes.c_int
     _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    _libc.madvise.restype = ctypes.c_int
+    _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 # A mapped segment: a ctypes byte array at the mapping's address, which numpy views can share.
@@ -167,6 +173,21 @@ def _map(fd: int, size: int, flags: int = _MAP_FLAGS) -> SegmentMapping:
         _libc.munmap(address, size)
         raise
     return buf
+
+
+def drop_pages(view: npt.NDArray[np.uint8], start: int) -> None:
+    """Give back this process's pages of a private mapping (:func:`map_private`) from byte
+    ``start`` (rounded up to a page) to the end of ``view``, the mapping's bytes from its
+    first: they leave its resident memory (a later read maps them in again, as the owner
+    wrote them). For the part of a mapping that was read once while the rest stays in use (a
+    dataset copy's stream beside the buffers its arrays live on). Best effort: no-op where
+    ``madvise`` is missing or refuses."""
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    first = page_round(start)
+    if advice is None or sys.platform == "win32" or first >= view.nbytes:
+        return
+    address = view.__array_interface__["data"][0]
+    _libc.madvise(address + first, view.nbytes - first, advice)
 
 
 def as_bytes(mapping: SegmentMapping, count: int) -> npt.NDArray[np.uint8]:
@@ -319,7 +340,8 @@ def map_private(name: str, size: int) -> npt.NDArray[np.uint8]:
     try:
         fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, 0)
     except FileNotFoundError as exc:
-        raise FileNotFoundError(exc.errno, vanished_message(name), f"{SHM_DIR}/{name}") from exc
+        why = vanished_message(name, "a dataset copy")
+        raise FileNotFoundError(exc.errno, why, f"{SHM_DIR}/{name}") from exc
     except OSError as exc:
         if (error := _out_of_fds(exc, "attach", size)) is None:
             raise
@@ -331,8 +353,26 @@ def map_private(name: str, size: int) -> npt.NDArray[np.uint8]:
         os.close(fd)
 
 
+#: How long a process waits for a turn (:func:`turn`) before it goes on without one. A holder
+#: that hangs is killed at its own start deadline, which frees its turn; this bounds the wait
+#: where nothing kills it (no deadline set). Longer: a hung holder delays the others longer
+#: where nothing kills it; shorter: more processes at once than turns after a slow load.
+TURN_WAIT_S = 60.0
+#: How often a waiting process tries every turn again. Shorter: a freed turn is taken sooner,
+#: for more wake-ups while waiting; longer: the reverse.
+TURN_POLL_S = 0.005
+
+
 @contextlib.contextmanager
-def turn(name: str, turns: int) -> Iterator[None]:
+def turn(
+    name: str,
+    turns: int,
+    *,
+    wait_s: float = TURN_WAIT_S,
+    waiting: Callable[[bool], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Iterator[bool]:
     """Hold one of ``turns`` turns on segment ``name`` while in the block: a byte-range lock
     on its file (byte ``k`` for turn ``k``), so that at most ``turns`` processes are in such a
     block at once. Workers that all unpickle one large dataset copy at once, more of them than
@@ -340,40 +380,85 @@ def turn(name: str, turns: int) -> Iterator[None]:
     later, the last no sooner. A turn ends with the block, or with the process (the kernel
     drops a dead process's locks), so a worker killed mid-load holds nobody up.
 
-    Where the lock cannot be had (the segment is gone, no descriptor left, a file system
-    without record locks) the block runs without a turn. POSIX record locks belong to the
-    process and go when *any* descriptor of the file is closed: take the turn after mapping
-    the segment (:func:`map_private` opens and closes one), and open no other descriptor of
-    it in the block.
+    A process that finds every turn taken tries all of them again every :data:`TURN_POLL_S`
+    (whichever comes free first is its own, not one byte it waits on behind a holder that
+    may hang), for at most ``wait_s`` seconds; past that it goes on without a turn, so one
+    hung holder delays the others by a bound, never forever. Where the lock cannot be had at
+    all (the segment is gone, no descriptor left, a file system without record locks) the
+    block runs without a turn at once. POSIX record locks belong to the process and go when
+    *any* descriptor of the file is closed: take the turn after mapping the segment
+    (:func:`map_private` opens and closes one), and open no other descriptor of it in the
+    block.
+
+    Args:
+        name: the segment.
+        turns: how many processes may hold a turn at once (at least 1).
+        wait_s: the longest wait for a turn.
+        waiting: told ``True`` when this process must wait (every turn taken), ``False`` when
+            the wait ends (a turn held, or given up): a worker's start clock stops meanwhile,
+            so that a worker is not blamed for the time another one holds the turns.
+        clock, sleep: the time, for tests.
+
+    Yields:
+        Whether a turn is held.
     """
     try:
         fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0)
     except OSError:
-        yield
-        return
+        fd = -1
     try:
-        with contextlib.suppress(OSError):
-            _take_turn(fd, max(1, turns))
-        yield
+        held = False
+        if fd >= 0:
+            held = _take_turn(fd, max(1, turns), wait_s, waiting, clock, sleep)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
+    try:
+        # Outside any except clause: an error in the block is not chained to ours.
+        yield held
     finally:
-        os.close(fd)  # the turn with it
+        if fd >= 0:
+            os.close(fd)  # the turn with it
 
 
-def _take_turn(fd: int, turns: int) -> None:
-    for k in range(turns):  # a free turn, if there is one
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, k)
-            return
-        except OSError as exc:
-            if exc.errno not in (errno.EACCES, errno.EAGAIN):
-                raise
-    fcntl.lockf(fd, fcntl.LOCK_EX, 1, os.getpid() % turns)  # else wait for one
+def _take_turn(
+    fd: int,
+    turns: int,
+    wait_s: float,
+    waiting: Callable[[bool], None] | None,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+) -> bool:
+    """A free turn of ``fd``, trying every byte without blocking until one comes free or
+    ``wait_s`` passed; whether one was taken."""
+    deadline: float | None = None
+    try:
+        while True:
+            for k in range(turns):
+                try:
+                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, k)
+                    return True
+                except OSError as exc:
+                    if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                        return False  # no record locks here: no turns
+            now = clock()
+            if deadline is None:
+                deadline = now + wait_s
+                if waiting is not None:
+                    waiting(True)
+            if now >= deadline:
+                return False
+            sleep(min(TURN_POLL_S, deadline - now))
+    finally:
+        if deadline is not None and waiting is not None:
+            waiting(False)
 
 
-def vanished_message(name: str) -> str:
-    """Why segment ``name`` of a live pool may be missing from ``/dev/shm``, and what to do."""
+def vanished_message(name: str, of: str = "a live batch slot") -> str:
+    """Why segment ``name`` (``of`` what) may be missing from ``/dev/shm``, and what to do."""
     return (
-        f"shared-memory segment {name} of a live batch slot is gone from {SHM_DIR}: something "
+        f"shared-memory segment {name} of {of} is gone from {SHM_DIR}: something "
         "other than this loader removed it. Likely: systemd-logind's RemoveIPC=yes (the "
         "default) when the last session of the user ends (run the job under a system user, or "
         "set RemoveIPC=no in /etc/systemd/logind.conf), a cleanup script or tmp cleaner that "

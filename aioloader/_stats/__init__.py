@@ -26,6 +26,7 @@ from ._counters import Counters as Counters
 from ._counters import EpochStatistics as EpochStatistics
 from ._counters import LoaderStatistics as LoaderStatistics
 from ._counters import WorkerFigures as WorkerFigures
+from ._counters import cpus_available as cpus_available
 from ._counters import current_counters as current_counters
 from ._progress import EpochProgress as EpochProgress
 from ._progress import progress_display as progress_display

@@ -6,6 +6,12 @@ and pickled from then on (:meth:`DatasetCopy.start`), while the workers start an
 jobs are queued, rather than when the first worker asks for it. The pickling runs in a thread
 of its own, tied to no event loop, so a large dataset never stalls the loop, and every worker
 waits on the one result.
+
+A copy whose buffers or stream lie in a shared-memory segment depends on that segment for as
+long as a worker may load it (a replacement worker loads it again mid-epoch). If something
+removed it behind our back (systemd-logind's ``RemoveIPC``, a script emptying ``/dev/shm``),
+the next job pickles the copy afresh (:meth:`DatasetCopy.job`), so a replacement worker
+still starts; the vanished segment is forgotten.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import concurrent.futures
 import threading
 from collections.abc import Callable
 
+from .. import _shm
 from ._records import LoadJob, Payload
 
 __all__ = ["DatasetCopy"]
@@ -45,6 +52,8 @@ class DatasetCopy:
         self.copy_id = copy_id
         self._seeds = (seed, per_batch_seeds)
         self._make: Callable[[], Payload] | None = make
+        self._remake = make  # for a copy whose segment vanished
+        self._remaking = threading.Lock()  # one re-pickling at a time
         self._lock = threading.Lock()
         self._done: concurrent.futures.Future[Payload] = concurrent.futures.Future()
         self._released = False
@@ -71,7 +80,27 @@ class DatasetCopy:
             payload = await asyncio.shield(asyncio.wrap_future(self._done))
         except TypeError as exc:
             raise TypeError(str(exc)) from exc
+        if payload.segment is not None and not _shm.segment_exists(payload.segment):
+            payload = await asyncio.to_thread(self._fresh, payload)
         return LoadJob(payload, self.epoch, self.copy_id, *self._seeds)
+
+    def _fresh(self, vanished: Payload) -> Payload:
+        """The copy pickled again in place of ``vanished``, whose segment is gone (once, for
+        every job that found it gone). Blocking: call it off the loop."""
+        with self._remaking:
+            current = self._done.result()
+            if current is vanished:
+                payload = self._remake()
+                with self._lock:
+                    released = self._released
+                    if not released:
+                        self._done = concurrent.futures.Future()
+                        self._done.set_result(payload)
+                vanished.release()  # tells the resource tracker; the segment is gone
+                if released:
+                    payload.release()
+                current = payload
+            return current
 
     def _run(self, make: Callable[[], Payload]) -> None:
         try:

@@ -37,10 +37,19 @@ holding its samples as many of them) makes the stream itself large. A stream of
 gets names where: instead of the main process writing it into every worker's pipe (128 MiB x 8
 workers: seconds, and a copy of the job per worker in its heap meanwhile) and every worker
 holding the received stream while it unpickles, each worker reads it from its mapping (one
-copy, into the objects it makes; the mapping goes when the load ends). The workers unpickle in
-turns, as many at once as there are CPUs (:func:`aioloader._shm.turn`): more at once only slow
-each other, so the first worker's load, and the first batch, would end last. Measured with 128
-MiB of 64 KiB ``bytes`` and 8 workers on 2 CPUs: first batch 2.4-5.3 s before, 0.5-0.9 s after.
+copy, into the objects it makes; the mapping goes when the load ends, or where the copy's
+arrays live on it, the stream's pages leave the worker's memory). The workers unpickle in
+turns, as many at once as the CPUs they may use (:func:`aioloader._stats.cpus_available`: the
+affinity, lowered by a cgroup quota; :func:`aioloader._shm.turn`): more at once only slow each
+other, so the first worker's load, and the first batch, would end last. A worker waiting for a
+turn has not begun its load: its start deadline counts from when it holds one, so a hang in
+another worker's load never gets it killed, and the wait is bounded
+(:data:`aioloader._shm.TURN_WAIT_S`, then it loads without a turn). Measured with 128 MiB of 64
+KiB ``bytes`` and 8 workers on 2 CPUs: first batch 2.4-5.3 s before, 0.5-0.9 s after. Where
+shared memory has room for the buffers but not for the stream beside them (a container's 64
+MB ``/dev/shm``), the buffers alone go there and the stream through the pipes: an array through
+every pipe would be a copy of it in every worker. If the segment is removed behind the loader's
+back, the next worker to load the copy gets it pickled afresh (:mod:`._copy`).
 
 An ``np.memmap`` or a tensor whose bytes lie in a memory-mapped file (a token file, a
 ``torch.load(path, mmap=True)``) is neither: it travels as a reference to the file, which the
@@ -66,10 +75,12 @@ import contextlib
 import copyreg
 import functools
 import io
+import math
 import os
 import pickle
 import sys
 import threading
+import traceback
 import types
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -79,6 +90,7 @@ import numpy as np
 
 from .. import _shm
 from .._errors import SharedMemoryError
+from .._stats import cpus_available
 from ._cpython import module_locks
 from ._mapped import Finder
 from ._records import Payload
@@ -180,18 +192,35 @@ def dumps_copy(obj: Any, *, main_by_value: bool) -> Payload:
         return Payload(data, keep=keep)
     parts = [buffer.raw() for buffer in buffers]
     if large_stream:
-        parts.append(memoryview(data))
+        payload = _in_segment([*parts, memoryview(data)], data, keep, stream=True)
+        if payload is not None:
+            return payload
+    if buffers:
+        # No room for both (a tight /dev/shm): the buffers alone, the stream through the
+        # pipes, as before streams went into segments; an array through every pipe is a
+        # copy of it in every worker.
+        payload = _in_segment(parts, data, keep, stream=False)
+        if payload is not None:
+            return payload
+        # No room at all: every byte in the stream, through the pipe.
+        return Payload(dumps(obj, main_by_value=main_by_value, files=files), keep=keep)
+    return Payload(data, keep=keep)
+
+
+def _in_segment(
+    parts: list[memoryview], data: bytes, keep: tuple[Any, ...], *, stream: bool
+) -> Payload | None:
+    """The payload with ``parts`` in a new segment, the last of them the stream ``data``
+    where ``stream``; None if no segment could be had (see :func:`_segment_of`)."""
     spans, offset = [], 0
     for part in parts:
         spans.append((offset, part.nbytes))
         offset = -(-(offset + part.nbytes) // _shm.ALIGN) * _shm.ALIGN
     size = _shm.page_round(max(offset, 1))
     name = _segment_of(parts, spans, size)
-    if name is None and buffers:  # no room: every byte in the stream, through the pipe
-        return Payload(dumps(obj, main_by_value=main_by_value, files=files), keep=keep)
     if name is None:
-        return Payload(data, keep=keep)
-    if large_stream:
+        return None
+    if stream:
         return Payload(b"", name, size, tuple(spans[:-1]), keep, spans[-1])
     return Payload(data, name, size, tuple(spans), keep)
 
@@ -212,13 +241,20 @@ def _segment_of(parts: list[memoryview], spans: list[tuple[int, int]], size: int
     return name
 
 
-def loads(payload: Payload | bytes) -> Any:
+def loads(payload: Payload | bytes, *, waiting: Callable[[bool], None] | None = None) -> Any:
     """The object :func:`dumps` or :func:`dumps_copy` pickled; what ``__main__`` defined is set
     on this process's ``__main__`` under the same names (in a worker, the parent's
     ``__main__`` is not here). Out-of-band buffers are mapped copy-on-write, not copied; a
-    stream in the segment is read from the mapping, which goes once this returns unless
-    buffers of the object use it; the files that memory-mapped arrays refer to are mapped
-    again (:mod:`._mapped`).
+    stream in the segment is read from the mapping in a turn (:func:`aioloader._shm.turn`),
+    and its pages leave this process's memory once it is read (the mapping itself goes once
+    this returns unless buffers of the object use it); the files that memory-mapped arrays
+    refer to are mapped again (:mod:`._mapped`). A failed load keeps no view of the segment
+    in its traceback.
+
+    Args:
+        payload: what to load.
+        waiting: told ``True`` while this process waits for a turn (others hold them all),
+            ``False`` when the wait ends (see :func:`aioloader._shm.turn`).
 
     Raises:
         FileNotFoundError: the segment of the buffers is gone, or a file a memory-mapped array
@@ -227,22 +263,13 @@ def loads(payload: Payload | bytes) -> Any:
     """
     if isinstance(payload, bytes):
         payload = Payload(payload)
-    buffers = None
-    stream: io.BytesIO | _ViewReader = io.BytesIO(payload.data)
-    if payload.segment is not None:
-        view = _shm.map_private(payload.segment, payload.size).data
-        buffers = [view[start : start + length] for start, length in payload.spans]
-        if payload.stream is not None:
-            start, length = payload.stream
-            stream = _ViewReader(view[start : start + length])
-        del view
-    turn: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-    if payload.segment is not None and payload.stream is not None:
-        turn = _shm.turn(payload.segment, _cpus())
-    with turn:
-        unpickler = pickle.Unpickler(stream, buffers=buffers)
-        obj = unpickler.load()
-        table: dict[str, Any] = unpickler.load()
+    try:
+        obj, table = _unpickle(payload, waiting)
+    except BaseException as exc:
+        # The frames below hold the mapping (the stream's reader, the buffers): a worker keeps
+        # the error to report it, and with it the traceback's frames. Their lines stay.
+        traceback.clear_frames(exc.__traceback__)
+        raise
     if table:
         main = sys.modules["__main__"]
         for name, value in table.items():
@@ -250,13 +277,36 @@ def loads(payload: Payload | bytes) -> Any:
     return obj
 
 
-def _cpus() -> int:
-    """The CPUs this process may run on: as many workers unpickle a large stream at once
-    (:func:`aioloader._shm.turn`)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 1
+def _unpickle(payload: Payload, waiting: Callable[[bool], None] | None) -> tuple[Any, Any]:
+    buffers = None
+    stream: io.BytesIO | _ViewReader = io.BytesIO(payload.data)
+    view = None
+    if payload.segment is not None:
+        view = _shm.map_private(payload.segment, payload.size)
+        data = view.data
+        buffers = [data[start : start + length] for start, length in payload.spans]
+        if payload.stream is not None:
+            start, length = payload.stream
+            stream = _ViewReader(data[start : start + length])
+        del data
+    turn: contextlib.AbstractContextManager[bool | None] = contextlib.nullcontext()
+    if payload.segment is not None and payload.stream is not None:
+        turn = _shm.turn(payload.segment, _turns(), waiting=waiting)
+    with turn:
+        unpickler = pickle.Unpickler(stream, buffers=buffers)
+        obj = unpickler.load()
+        table: dict[str, Any] = unpickler.load()
+    if view is not None and payload.stream is not None and payload.spans:
+        # The buffers' arrays keep the mapping alive: the stream's pages, read once, go (it
+        # lies after the buffers, so its pages are its own from its first whole page on).
+        _shm.drop_pages(view, payload.stream[0])
+    return obj, table
+
+
+def _turns() -> int:
+    """As many workers unpickle a large stream at once as this process has CPUs (its
+    affinity, lowered by a cgroup quota: :func:`aioloader._stats.cpus_available`)."""
+    return max(1, math.ceil(cpus_available()))
 
 
 class _ViewReader:

@@ -264,12 +264,13 @@ class Parcel:
             the largest seen.
         slot_error: why a batch too large to travel inline came inline all the same ("" if
             it did not): the segment vanished or descriptors ran out (the worker could not map
-            the job's slot), or the worker could not make one (:class:`OwnSlot`).
+            the job's slot), the worker could not make one (:class:`OwnSlot`), or the batch
+            did not fit its slot.
         slot_vanished: the slot's segment no longer exists (someone removed it): the pool must
             stop leasing it.
         own_slot: the segment the worker made for it (:class:`OwnSlot`).
         fallback: the kind of that reason, for the log (said once per kind): "vanished",
-            "attach", "cap" or "room"; "" means "vanished" or "attach" by ``slot_vanished``.
+            "attach", "cap", "room" or "fit"; "" means "vanished" or "attach" by ``slot_vanished``.
     """
 
     tree: Any

@@ -136,9 +136,10 @@ class Packer:
                 return self._in_own_slot(batch, self._own)
             return inline(batch)
         nbytes = batch_nbytes(batch)
+        size = self._writer.size
         encoded = self._writer.encode(batch, inline_below=INLINE_MAX_BYTES)
         if encoded.inline:  # tiny, or did not fit: inline now, a big enough slot next time
-            return Parcel(to_wire(encoded.tree), False, max(nbytes, encoded.needed_bytes))
+            return _not_in_slot(encoded, nbytes, size)
         return Parcel(encoded.tree, True, nbytes)
 
     @staticmethod
@@ -172,10 +173,20 @@ class Packer:
         encoded = _shm.SlotWriter(_shm.as_bytes(mapping, size)).encode(
             batch, inline_below=INLINE_MAX_BYTES
         )
-        if encoded.inline:  # cannot happen for a batch sized as this: but never lose it
+        if encoded.inline:  # sized for it, so it cannot happen: but never lose it, say it
             _shm.unlink(name)
-            return Parcel(to_wire(encoded.tree), False, max(nbytes, encoded.needed_bytes))
+            return _not_in_slot(encoded, nbytes, size)
         return Parcel(encoded.tree, True, nbytes, own_slot=_shm.Slot(name, size))
+
+
+def _not_in_slot(encoded: _shm.Encoded, nbytes: int, size: int) -> Parcel:
+    """The parcel of a batch the slot writer sent inline: tiny, or larger than its slot of
+    ``size`` bytes, which is a fallback, said and counted (the next slot is made for it)."""
+    needed = max(nbytes, encoded.needed_bytes)
+    if encoded.needed_bytes <= size:  # tiny
+        return Parcel(to_wire(encoded.tree), False, needed)
+    why = f"a batch of {encoded.needed_bytes} bytes did not fit its slot of {size} bytes"
+    return Parcel(to_wire(encoded.tree), False, needed, slot_error=why, fallback="fit")
 
 
 class Receiver:
@@ -261,7 +272,8 @@ class Receiver:
         segment, no descriptor in a worker) is logged at INFO: one warning per loader."""
         self.fallbacks += 1
         if kind not in self._said:
-            level = logging.INFO if self._said else logging.WARNING
+            # A batch larger than its slot is INFO only: the next slot is made for it.
+            level = logging.INFO if self._said - {"fit"} or kind == "fit" else logging.WARNING
             self._said.add(kind)
             _log.log(level, "batches travel inline (pickled) instead: %s", why)
 
@@ -366,15 +378,17 @@ def from_wire(batch: Any) -> Any:
 
 
 def batch_nbytes(batch: Any) -> int:
-    """Bytes of the numpy arrays and tensors in a (nested) batch, and of the ``bytes`` leaves
-    that travel in a slot too (:data:`aioloader._shm.BYTES_IN_SLOT_MIN`)."""
+    """Bytes a (nested) batch takes in a slot: its numpy arrays and tensors, and its ``bytes``
+    leaves that travel in a slot too (:data:`aioloader._shm.BYTES_IN_SLOT_MIN`), each at its
+    aligned offset (:func:`aioloader._shm.in_slot_bytes`), so that a slot of this size holds
+    it however many leaves it has."""
     torch = sys.modules.get("torch")  # a batch can hold tensors only once torch is imported
-    total = 0
+    sizes = []
     for leaf in iter_leaves(batch):
         if type(leaf) is bytes and len(leaf) >= _shm.BYTES_IN_SLOT_MIN:
-            total += len(leaf)
+            sizes.append(len(leaf))
         elif isinstance(leaf, np.ndarray):
-            total += int(leaf.nbytes)
+            sizes.append(int(leaf.nbytes))
         elif torch is not None and isinstance(leaf, torch.Tensor):
-            total += int(leaf.element_size() * leaf.nelement())
-    return total
+            sizes.append(int(leaf.element_size() * leaf.nelement()))
+    return _shm.in_slot_bytes(sizes)

@@ -218,6 +218,13 @@ class _WorkerState:
     copies: dict[int, WorkerCopy] = field(default_factory=dict)  # by copy id (0: the only one)
     active: int | None = None  # the copy whose worker info is published now
 
+    def waiting_for_turn(self, waiting: bool) -> None:
+        """While this worker waits for a turn to unpickle a large copy (``_shm.turn``: the
+        other workers hold them all), its load has not begun: its start clock stops (0.0, as
+        before a load) and starts afresh once it holds a turn, so that another worker's hang
+        in its load never gets this one killed. The wait is bounded (``_shm.TURN_WAIT_S``)."""
+        self.loading[self.worker_id] = 0.0 if waiting else time.monotonic()
+
 
 _STATE: _WorkerState | None = None
 
@@ -328,7 +335,7 @@ def _load(state: _WorkerState, job: LoadJob) -> None:
     seed = _info.worker_seed(copy.seed, job.epoch, state.worker_id)
     init_fn: Callable[[int], Any] | None = None
     try:
-        maker, init_fn = _payload.loads(job.payload)
+        maker, init_fn = _payload.loads(job.payload, waiting=state.waiting_for_turn)
     except BaseException as exc:  # reported by the jobs, not as a silent crash
         copy.init_error, copy.init_tb = exc, traceback.format_exc()
         return
