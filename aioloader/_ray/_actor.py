@@ -43,12 +43,13 @@ import os
 import socket
 import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .._batch import MAX_OPEN_STREAMS, BatchMaker, annotate, not_an_exit
-from .._errors import WorkerInitError
+from .._errors import WorkerError, WorkerInitError
 from .._types import END, BatchRequest, Made, SourceDataset, StreamRequest
 from .._workers import (
     WorkerCopy,
@@ -68,7 +69,7 @@ from .._workers import (
 )
 from ._wire import as_arrays
 
-__all__ = ["ActorCopy", "Failed", "LoaderActor"]
+__all__ = ["ActorCopy", "Failed", "LoaderActor", "TurnTable"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +115,84 @@ class _Loaded:
     io: asyncio.Semaphore | None = None
     fetch: Callable[[int], Any] | None = field(default=None)
     stream: WorkerCopy | None = None  # an iterable dataset's: where its stream stands
+    turns: TurnTable = field(default_factory=lambda: TurnTable())  # its readings' pull order
+
+
+#: Readings whose eviction a :class:`TurnTable` remembers, so that a late pull of one fails at
+#: once instead of waiting for a turn that never comes (a few dozen keys: bytes).
+REMEMBERED_GONE = 64
+
+
+class TurnTable:
+    """Which pull of each reading of one dataset copy's stream runs next (a pure state
+    machine; :meth:`LoaderActor.pull` drives it under its condition).
+
+    One table per copy, so the readings of one loader never push out another's (a training
+    and a validation loader on one pool each keep theirs), and it goes with its copy
+    (:meth:`LoaderActor.drop`, or the next copy loaded). It holds at most ``keep`` readings,
+    as the copy's stream cursor keeps that many streams open
+    (:data:`~aioloader._batch.MAX_OPEN_STREAMS`): opening one more evicts a reading whose
+    stream ended, else the least recently pulled. A pull of an evicted reading, or of a turn
+    already taken, can never run: :meth:`ready` raises at once instead of letting it wait.
+
+    Invariant: a key is in at most one of the live table and the remembered evictions.
+    """
+
+    def __init__(self, keep: int = MAX_OPEN_STREAMS, remember: int = REMEMBERED_GONE) -> None:
+        self._keep = keep
+        self._remember = remember
+        # reading key -> its next turn; least recently pulled first
+        self._next: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._ended: set[tuple[int, int]] = set()  # live readings whose stream ended
+        self._gone: OrderedDict[tuple[int, int], None] = OrderedDict()  # evicted, oldest first
+
+    def __len__(self) -> int:
+        return len(self._next)
+
+    def open(self, key: tuple[int, int]) -> None:
+        """A reading's opening pull arrived: it starts afresh at turn 0."""
+        self._next.pop(key, None)
+        self._ended.discard(key)
+        self._gone.pop(key, None)
+        while len(self._next) >= self._keep:
+            ended = next((k for k in self._next if k in self._ended), None)
+            evicted = ended if ended is not None else next(iter(self._next))
+            del self._next[evicted]
+            self._ended.discard(evicted)
+            self._gone[evicted] = None
+            while len(self._gone) > self._remember:
+                self._gone.popitem(last=False)
+        self._next[key] = 0
+
+    def ready(self, key: tuple[int, int], turn: int) -> bool:
+        """Whether pull ``turn`` of reading ``key`` runs now (False: an earlier one, or the
+        reading's opening pull, has not run yet).
+
+        Raises:
+            WorkerError: that turn can never come: the reading was evicted, or the turn taken.
+        """
+        if key in self._gone:
+            raise WorkerError(
+                f"pull {turn} of stream reading {key} (reading, epoch) can never run: the "
+                f"reading was dropped to keep at most {self._keep} open per loader (more "
+                "iterators of one loader at once than that)"
+            )
+        next_turn = self._next.get(key)
+        if next_turn is not None and turn < next_turn:
+            raise WorkerError(
+                f"pull {turn} of stream reading {key} (reading, epoch) can never run: turn "
+                f"{next_turn} is next (the same pull sent twice)"
+            )
+        return next_turn == turn
+
+    def done(self, key: tuple[int, int], turn: int, *, ended: bool) -> None:
+        """Pull ``turn`` of ``key`` ran (``ended``: its stream is over, or failed for good)."""
+        if key not in self._next:
+            return  # evicted meanwhile
+        self._next[key] = turn + 1
+        self._next.move_to_end(key)
+        if ended:
+            self._ended.add(key)
 
 
 class LoaderActor:
@@ -130,8 +209,6 @@ class LoaderActor:
         self._copies: dict[int, _Loaded] = {}
         self._cpu: asyncio.Lock | None = None  # one batch's CPU work at a time
         self._active: int | None = None  # the copy whose WorkerInfo is published
-        # (copy id, StreamRequest.key) -> the next pull's turn (see pull); oldest first
-        self._turns: dict[tuple[int, tuple[int, int]], int] = {}
         self._turned: asyncio.Condition | None = None
         # numpy.random and torch imported later (numpy imports numpy.random lazily) are seeded
         # with the seed in force the moment they arrive, as in a worker process.
@@ -147,6 +224,7 @@ class LoaderActor:
         """Make batches of ``copy_id`` with this copy from now on (drops the one before)."""
         async with self._lock():
             await asyncio.to_thread(self._load, copy_id, payload, epoch, seed)
+        await self._wake()  # pulls waiting on the copy before: theirs can never come
 
     def _load(self, copy_id: int, payload: bytes, epoch: int, seed: int) -> None:
         publish_worker_info(None)
@@ -204,6 +282,12 @@ class LoaderActor:
         if loaded is not None and self._active == copy_id:
             publish_worker_info(None)
             self._active = None
+        await self._wake()  # pulls waiting on its turns: theirs can never come
+
+    async def _wake(self) -> None:
+        turned = self._turned_condition()
+        async with turned:
+            turned.notify_all()
 
     async def make(self, copy_id: int, request: BatchRequest) -> Made | Failed:
         """Make the batch of ``request`` with copy ``copy_id``."""
@@ -235,24 +319,35 @@ class LoaderActor:
         in (an async actor does not promise the order of its calls), since each takes the
         stream's next samples.
         """
-        key = (copy_id, request.key)
+        key = request.key
         turned = self._turned_condition()
         try:
+            table = self._turn_table(copy_id)
             async with turned:
                 if request.opens:
-                    self._turns.pop(key, None)  # the same reading opened again: afresh
-                    while len(self._turns) >= MAX_OPEN_STREAMS:
-                        del self._turns[next(iter(self._turns))]
-                await turned.wait_for(lambda: self._turns.get(key, 0) == turn)
+                    table.open(key)  # the same reading opened again: afresh
+
+                def my_turn() -> bool:
+                    now = self._copies.get(copy_id)
+                    if now is None or now.turns is not table:
+                        raise WorkerInitError(
+                            f"{self._where()} dropped dataset copy {copy_id} while pull "
+                            f"{turn} of its stream waited for its turn"
+                        )
+                    return table.ready(key, turn)
+
+                await turned.wait_for(my_turn)
+            ended = True  # unless it returns a batch: a failed stream is over for good
             try:  # from here on the next turn comes, whatever happens to this one
                 loaded = self._loaded(copy_id)
                 if loaded.stream is None:
                     raise WorkerInitError(f"{self._where()} holds copy {copy_id} as map data")
                 async with self._lock():
                     made = await asyncio.to_thread(self._pull, copy_id, loaded, request)
+                ended = made.batch is END
             finally:
                 async with turned:
-                    self._turns[key] = turn + 1
+                    table.done(key, turn, ended=ended)
                     turned.notify_all()
             made.batch = as_arrays(made.batch)
             return made
@@ -358,6 +453,12 @@ class LoaderActor:
         if request.sharded:
             return BatchRequest(request.epoch, request.batch_id, kept_indices, True, kept_raws)
         return BatchRequest(request.epoch, request.batch_id, kept_indices[0], False, kept_raws[0])
+
+    def _turn_table(self, copy_id: int) -> TurnTable:
+        loaded = self._copies.get(copy_id)
+        if loaded is None:
+            raise WorkerInitError(f"{self._where()} has no dataset copy {copy_id}")
+        return loaded.turns
 
     def _turned_condition(self) -> asyncio.Condition:
         if self._turned is None:

@@ -1,0 +1,119 @@
+"""The actor of :class:`aioloader.RayWorkers` without Ray (``LoaderActor`` is a plain class that
+Ray makes an actor): the order of a stream's pulls, and how the readings of several loaders on
+one actor keep their turns.
+
+Ray's own behaviour (placement, deaths, the object store) is tested on a real cluster in
+``tests/test_ray.py``; what these check runs inside one actor's event loop, so a plain loop
+stands in for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aioloader import WorkerError, numpy_collate
+from aioloader._batch import BatchMaker
+from aioloader._ray._actor import ActorCopy, Failed, LoaderActor, TurnTable
+from aioloader._types import END, Made, StreamRequest
+from aioloader._workers import dumps_payload
+
+BATCH = 2
+#: Seconds a pull may take at most here (a bound against a hang; they take milliseconds).
+PULL_S = 10
+
+
+class Counting:
+    """An iterable dataset: 0, 1, ... n - 1."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[np.ndarray[Any, Any]]:
+        return (np.array([i]) for i in range(self.n))
+
+
+def stream_payload(n: int = 100) -> bytes:
+    copy = ActorCopy(BatchMaker(Counting(n), numpy_collate), None, stream=True)
+    return dumps_payload(copy, main_by_value=True)
+
+
+def request(epoch: int, batch_id: int, *, opens: bool = False) -> StreamRequest:
+    return StreamRequest(epoch, batch_id, BATCH, False, opens=opens)
+
+
+async def pull(actor: LoaderActor, copy_id: int, req: StreamRequest, turn: int) -> Any:
+    made = await asyncio.wait_for(actor.pull(copy_id, req, turn), PULL_S)
+    if isinstance(made, Failed):
+        raise made.error
+    assert isinstance(made, Made)
+    return made.batch if made.batch is END else np.asarray(made.batch).ravel().tolist()
+
+
+async def test_pulls_run_in_their_turns_whatever_order_they_arrive_in() -> None:
+    actor = LoaderActor(0, 1)
+    await actor.load(1, stream_payload(), 0, 0)
+    # Sent 2, 1, 0: each waits for the one before (a stream's next samples are the next turn's).
+    tasks = [
+        asyncio.ensure_future(pull(actor, 1, request(0, turn, opens=turn == 0), turn))
+        for turn in (2, 1, 0)
+    ]
+    got = await asyncio.gather(*tasks)
+    assert got == [[4, 5], [2, 3], [0, 1]]
+
+
+async def test_other_loaders_readings_never_push_out_a_live_one() -> None:
+    """A training and a validation loader share one actor: after many validation epochs, the
+    training epoch's next pull still runs (its turn entry was evicted, and it waited for
+    ever)."""
+    actor = LoaderActor(0, 1)
+    await actor.load(1, stream_payload(), 0, 0)  # training
+    await actor.load(2, stream_payload(), 0, 0)  # validation
+    assert await pull(actor, 1, request(0, 0, opens=True), 0) == [0, 1]
+    for epoch in range(6):
+        assert await pull(actor, 2, request(epoch, 0, opens=True), 0) == [0, 1]
+    assert await pull(actor, 1, request(0, 1), 1) == [2, 3]
+
+
+async def test_a_pull_whose_turn_can_never_come_fails_at_once() -> None:
+    actor = LoaderActor(0, 1)
+    await actor.load(1, stream_payload(), 0, 0)
+    assert await pull(actor, 1, request(0, 0, opens=True), 0) == [0, 1]
+    with pytest.raises(WorkerError, match="the same pull sent twice"):
+        await pull(actor, 1, request(0, 0), 0)
+    # More readings of one loader at once than are kept: the oldest is dropped, and its late
+    # pull says so instead of waiting.
+    for epoch in range(1, 5):
+        await pull(actor, 1, request(epoch, 0, opens=True), 0)
+    with pytest.raises(WorkerError, match="was dropped to keep at most 4 open"):
+        await pull(actor, 1, request(0, 1), 1)
+    # A pull waiting for its turn when its loader's copy is dropped fails then.
+    waiting = asyncio.ensure_future(pull(actor, 1, request(4, 2), 2))
+    for _ in range(10):  # it reaches its wait
+        await asyncio.sleep(0)
+    assert not waiting.done()
+    await actor.drop(1)
+    with pytest.raises(WorkerError, match="dropped dataset copy 1"):
+        await waiting
+
+
+def test_the_turn_table_evicts_ended_readings_first_then_the_least_recently_pulled() -> None:
+    table = TurnTable(keep=2)
+    table.open((0, 0))
+    table.open((0, 1))
+    table.done((0, 0), 0, ended=False)  # (0, 0) pulled last: (0, 1) is the least recent
+    table.open((0, 2))
+    assert table.ready((0, 0), 1)
+    with pytest.raises(WorkerError, match="dropped"):
+        table.ready((0, 1), 1)
+    table.done((0, 2), 0, ended=True)  # its stream is over: it goes first
+    table.open((0, 3))
+    assert table.ready((0, 0), 1)
+    assert table.ready((0, 3), 0)
+    with pytest.raises(WorkerError, match="dropped"):
+        table.ready((0, 2), 1)
+    assert not table.ready((0, 3), 1)  # turn 0 has not run yet: it waits
