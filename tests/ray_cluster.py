@@ -9,8 +9,12 @@ A test that loses a node starts one more of its own (:func:`extra_node`) and kil
 The nodes run with ``PYTHONPATH`` naming this checkout, the tests and the examples, so actors
 import the aioloader under test, the tests' own dataset classes and the example's actor.
 Start-up is bounded (:data:`START_TIMEOUT_S` per node), nothing of the dashboard runs, and
-``ray stop`` ends every process of the cluster at the end, even when start-up failed half-way.
-Under pytest-xdist the test processes share the one cluster (see :func:`ray_cluster`).
+every process of the cluster is ended at the end, even when start-up failed half-way. Each
+node is a ``ray start --block`` in a session of its own (:func:`_spawn`): its end kills the
+processes of those sessions, found by session id, and nothing else. (``ray stop`` is never
+used: it finds Ray's processes by name, and would end every Ray cluster on the machine,
+other users' and other test runs' included.) Under pytest-xdist the test processes share the
+one cluster (see :func:`ray_cluster`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,14 +62,6 @@ def _free_port() -> int:
 
 def _ray_cli() -> str:
     return str(Path(sys.executable).with_name("ray"))
-
-
-def _run(args: list[str], env: dict[str, str], timeout: float) -> None:
-    result = subprocess.run(
-        [_ray_cli(), *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"ray {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
 
 
 def _warm_up() -> None:
@@ -97,41 +95,96 @@ def _warm_up() -> None:
     ray.kill(echo)
 
 
-def _start(env: dict[str, str]) -> tuple[str, str]:
-    """Start the head and the second node; returns the address and the head's temp dir."""
+def _spawn(args: list[str], env: dict[str, str], log: Path) -> int:
+    """Run ``ray start --block`` with ``args`` in a session of its own, not a child of this
+    process (the tests' leak checks list this process's descendants); returns the session id,
+    by which :func:`_kill_session` finds every process of that node (its raylet, its object
+    store, its actors' workers) and nothing else. Returns once Ray says the node runs (what
+    ``ray start`` without ``--block`` waits for too), within :data:`START_TIMEOUT_S`."""
+    shell = subprocess.run(
+        ["sh", "-c", '"$@" >"$0" 2>&1 </dev/null & echo $$', str(log), _ray_cli(), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_S,
+        check=True,
+        start_new_session=True,  # the shell leads a new session; the node stays in it
+    )
+    session = int(shell.stdout.strip())
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while "Ray runtime started" not in log.read_text(errors="replace"):
+        if not _session_processes(session) or time.monotonic() > deadline:
+            _kill_session(session)
+            raise RuntimeError(f"ray {' '.join(args)} did not start:\n{log.read_text()}")
+        time.sleep(0.2)
+    return session
+
+
+def _session_processes(session: int) -> list[Any]:
+    import psutil
+
+    found = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(OSError, psutil.Error):
+            if os.getsid(process.pid) == session:
+                found.append(process)
+    return found
+
+
+def _kill_session(session: int) -> None:
+    """End every process of ``session`` (SIGTERM: Ray's processes stop cleanly; then SIGKILL
+    what is left), and wait until none is left, within :data:`STOP_TIMEOUT_S`."""
+    import psutil
+
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, STOP_TIMEOUT_S)):
+        processes = _session_processes(session)
+        if not processes:
+            return
+        for process in processes:
+            with contextlib.suppress(psutil.Error):
+                process.send_signal(sig)
+        psutil.wait_procs(processes, timeout=wait)
+    if left := _session_processes(session):
+        raise RuntimeError(f"Ray processes of the test cluster outlived SIGKILL: {left}")
+
+
+def _start(env: dict[str, str]) -> tuple[str, str, list[int]]:
+    """Start the head and the second node; returns the address, the head's temp dir and the
+    nodes' session ids."""
     port = _free_port()
     address = f"127.0.0.1:{port}"
     # Short: Ray's socket paths live under it, and a Unix socket path has 107 bytes at most.
     temp = tempfile.mkdtemp(prefix="aiol-ray-", dir="/tmp")
-    common = ["--node-ip-address=127.0.0.1", f"--num-cpus={NODE_CPUS}", "--disable-usage-stats"]
+    common = [
+        "--node-ip-address=127.0.0.1",
+        f"--num-cpus={NODE_CPUS}",
+        "--disable-usage-stats",
+        "--block",
+    ]
+    sessions: list[int] = []
     try:
-        _run(
-            [
-                "start",
-                "--head",
-                f"--port={port}",
-                "--include-dashboard=false",
-                f"--temp-dir={temp}",
-                f'--resources={{"{HEAD_RESOURCE}": 100}}',
-                *common,
-            ],
-            env,
-            START_TIMEOUT_S,
-        )
-        _run(
-            ["start", f"--address={address}", '--resources={"preprocess": 2}', *common],
-            env,
-            START_TIMEOUT_S,
-        )
+        head = [
+            "start",
+            "--head",
+            f"--port={port}",
+            "--include-dashboard=false",
+            f"--temp-dir={temp}",
+            f'--resources={{"{HEAD_RESOURCE}": 100}}',
+            *common,
+        ]
+        sessions.append(_spawn(head, env, Path(temp) / "head.log"))
+        node = ["start", f"--address={address}", '--resources={"preprocess": 2}', *common]
+        sessions.append(_spawn(node, env, Path(temp) / "node.log"))
     except BaseException:
-        _stop(env, temp)
+        _stop(temp, sessions)
         raise
-    return address, temp
+    return address, temp, sessions
 
 
-def _stop(env: dict[str, str], temp: str) -> None:
-    with contextlib.suppress(Exception):
-        _run(["stop", "--force"], env, STOP_TIMEOUT_S)
+def _stop(temp: str, sessions: list[int]) -> None:
+    """End the cluster's nodes (the second first, then the head), by their session ids only."""
+    for session in reversed(sessions):
+        _kill_session(session)
     shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -233,7 +286,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with FileLock(str(shared / "ray-cluster.lock")):
         state = json.loads(state_file.read_text()) if state_file.exists() else {"users": 0}
         if state["users"] == 0:
-            state["address"], state["temp"] = _start(env)
+            state["address"], state["temp"], state["sessions"] = _start(env)
         state["users"] += 1
         state_file.write_text(json.dumps(state))
     auth_mode = os.environ.get("RAY_AUTH_MODE")
@@ -253,5 +306,5 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             state = json.loads(state_file.read_text())
             state["users"] -= 1
             if state["users"] == 0:
-                _stop(env, state["temp"])
+                _stop(state["temp"], state["sessions"])
             state_file.write_text(json.dumps(state))
