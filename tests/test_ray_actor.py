@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aioloader import WorkerError, numpy_collate
+from aioloader import WorkerError, WorkerInitError, numpy_collate
 from aioloader._batch import BatchMaker
 from aioloader._ray._actor import ActorCopy, Failed, LoaderActor, TurnTable
+from aioloader._ray._fleet import ActorRecord, Fleet
 from aioloader._types import END, Made, StreamRequest
 from aioloader._workers import dumps_payload
 
@@ -117,3 +118,30 @@ def test_the_turn_table_evicts_ended_readings_first_then_the_least_recently_pull
     with pytest.raises(WorkerError, match="dropped"):
         table.ready((0, 2), 1)
     assert not table.ready((0, 3), 1)  # turn 0 has not run yet: it waits
+
+
+# -- the fleet's bookkeeping, without Ray --------------------------------------------------------
+
+
+class ReadyRef:
+    """Stands for an actor's ``ready`` reference: awaitable again and again (each await is a
+    fresh wait, as with a Ray ObjectRef), resolved when the actor comes up."""
+
+    def __init__(self) -> None:
+        self.up: asyncio.Future[tuple[int, str, str]] = asyncio.get_running_loop().create_future()
+
+    def __await__(self) -> Any:
+        return asyncio.shield(self.up).__await__()
+
+
+async def test_an_actor_not_up_by_the_start_deadline_is_waited_for_again_by_the_next_job() -> None:
+    """A failed start wait is not kept: once the actor comes up (a node with room joined), the
+    slot's next job finds it (it failed at once, for ever)."""
+    fleet = Fleet(1, {}, start_timeout=0.01)
+    ref = ReadyRef()
+    record = ActorRecord(0, handle=None, ready_ref=ref)
+    with pytest.raises(WorkerInitError, match="not placed and started within start_timeout"):
+        await fleet.ready(record)
+    ref.up.set_result((1234, "node", "host"))
+    await fleet.ready(record)
+    assert (record.pid, record.node, record.host) == (1234, "node", "host")

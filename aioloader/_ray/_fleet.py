@@ -36,7 +36,15 @@ from typing import Any
 from .._errors import WorkerInitError
 from ._actor import LoaderActor
 
-__all__ = ["ActorRecord", "Fleet", "Job", "SlotFigures", "actor_died", "succeeded"]
+__all__ = [
+    "ActorRecord",
+    "Fleet",
+    "Job",
+    "SlotFigures",
+    "actor_died",
+    "result_lost",
+    "succeeded",
+]
 
 
 #: Rounds of :meth:`Fleet.wait_ready` in which actors died while starting (a node lost
@@ -74,10 +82,23 @@ class ActorRecord:
 
 
 def actor_died(exc: BaseException) -> bool:
-    """Whether ``exc`` (from a job's reference) says its actor is gone."""
+    """Whether ``exc`` (from a job's reference) says its actor is gone, or took the job's
+    result with it (:func:`result_lost`)."""
     from ray import exceptions
 
-    return isinstance(exc, exceptions.RayActorError | exceptions.WorkerCrashedError)
+    return result_lost(exc) or isinstance(
+        exc, exceptions.RayActorError | exceptions.WorkerCrashedError
+    )
+
+
+def result_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` says a finished job's result is gone (``ObjectLostError`` and its kinds:
+    ``OwnerDiedError``, ``ObjectReconstructionFailedError``...): the object store that held it
+    went with its node. An actor's result cannot be made again by Ray (its actor is not
+    restarted), so the job is the actor's death's, re-run under ``max_retries``."""
+    from ray import exceptions
+
+    return isinstance(exc, exceptions.ObjectLostError)
 
 
 @dataclass(slots=True)
@@ -133,8 +154,9 @@ class Fleet:
 
     def wait_ready(self) -> None:
         """Block until every actor runs (placed, started, imported), or the start deadline.
-        One that died on the way (its node lost) is replaced and waited for in turn, up to
-        :data:`MAX_START_ROUNDS` rounds of deaths.
+        One that died on the way (its node lost) is replaced and waited for in turn: it
+        returns after a round without deaths, and gives up after :data:`MAX_START_ROUNDS`
+        rounds with deaths.
 
         Raises:
             WorkerInitError: an actor not up by the deadline, or dying round after round.
@@ -142,7 +164,8 @@ class Fleet:
         import ray
 
         deadline = time.monotonic() + self.start_timeout
-        for _ in range(MAX_START_ROUNDS):
+        rounds_with_deaths = 0
+        while rounds_with_deaths < MAX_START_ROUNDS:
             self.start_all()
             with self.lock:
                 records = [r for r in self.records if r is not None and r.pid is None]
@@ -151,6 +174,7 @@ class Fleet:
             refs = [r.ready_ref for r in records]
             left = max(0.0, deadline - time.monotonic())
             done, _ = ray.wait(refs, num_returns=len(refs), timeout=left)
+            deaths = 0
             for record in records:
                 if record.ready_ref not in done:
                     raise self._not_started(record)
@@ -160,6 +184,10 @@ class Fleet:
                     if not actor_died(exc):
                         raise
                     self.died(record)  # its replacement is waited for in the next round
+                    deaths += 1
+            if not deaths:
+                return  # every actor of this round is up, and none before it was missing
+            rounds_with_deaths += 1
         raise WorkerInitError(
             f"the actors of these RayWorkers died while starting, {MAX_START_ROUNDS} rounds "
             f"in a row; they ask for {self.options}"
@@ -185,6 +213,11 @@ class Fleet:
             async with asyncio.timeout(self.start_timeout):
                 record.pid, record.node, record.host = await record.ready_ref
         except TimeoutError:
+            # Not kept: the next job waits for it again, with a start deadline of its own (a
+            # node with room may have come meanwhile); a kept failure failed every later job
+            # of this slot at once, for ever.
+            if record.ready_task is asyncio.current_task():
+                record.ready_task = None
             raise self._not_started(record) from None
 
     def _not_started(self, record: ActorRecord) -> WorkerInitError:

@@ -11,6 +11,8 @@
             the actor died ──▶ the batch it was running: WorkerCrashedError (the epoch re-runs
                                it under max_retries); one only queued there: sent to another
                                actor at once, as it was never made
+            its result lost with its node (ObjectLostError) ──▶ the actor's death for that
+                               batch too: WorkerCrashedError, re-run under max_retries
 
     epoch ── StreamRequest(stream k) ──▶ pull: always actor k, the one whose copy holds the
         stream; sent in the order asked, each with its turn (LoaderActor.pull keeps it); k's
@@ -48,7 +50,7 @@ from .._stats import WorkerFigures
 from .._threads import off_loop
 from .._types import BatchRequest, InlineMaking, Made, StreamRequest
 from ._actor import Failed
-from ._fleet import ActorRecord, Fleet, Job, SlotFigures, actor_died, succeeded
+from ._fleet import ActorRecord, Fleet, Job, SlotFigures, actor_died, result_lost, succeeded
 from ._wire import opened, wire_nbytes
 
 __all__ = ["MAX_START_DEATHS", "RayRunner"]
@@ -301,6 +303,13 @@ class RayRunner:
                 self._fleet.finished(job)  # Ray failed it: not running
                 raise
             self._fleet.died(record)
+            if result_lost(exc):  # made, then lost with its node's object store
+                raise WorkerCrashedError(
+                    f"batch {request.batch_id}, made by {record.describe()}, was lost with "
+                    f"the object store that held it (its node is gone): "
+                    f"{type(exc).__name__}: {exc}",
+                    pid=record.pid,
+                ) from exc
             if record.culprit is not job:
                 raise _Innocent from exc
             raise WorkerCrashedError(
