@@ -145,3 +145,21 @@ async def test_an_actor_not_up_by_the_start_deadline_is_waited_for_again_by_the_
     ref.up.set_result((1234, "node", "host"))
     await fleet.ready(record)
     assert (record.pid, record.node, record.host) == (1234, "node", "host")
+
+
+async def test_a_batch_takes_whichever_actor_comes_up_first() -> None:
+    """No actor is up (replacements being placed): a map batch waits for the first of them to
+    come up, not for the one it was first given (which may never be placed)."""
+    fleet = Fleet(2, {}, start_timeout=60)
+    refs = [ReadyRef(), ReadyRef()]
+    fleet.records = [ActorRecord(slot, None, refs[slot]) for slot in range(2)]
+    first = fleet.pick()
+    assert first.slot == 0
+    picked = asyncio.ensure_future(fleet.first_up(first))
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert not picked.done()
+    refs[1].up.set_result((2, "node", "host"))  # slot 1 comes up; slot 0 never does
+    record = await asyncio.wait_for(picked, PULL_S)
+    assert (record.slot, record.pid) == (1, 2)
+    refs[0].up.cancel()  # (its wait, left running in the fleet, ends)

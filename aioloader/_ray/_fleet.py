@@ -245,6 +245,29 @@ class Fleet:
             up = [r for r in live if r.pid is not None] or live
             return min(up, key=lambda r: (len(r.jobs), r.slot))
 
+    async def first_up(self, record: ActorRecord) -> ActorRecord:
+        """For a map batch that :meth:`pick` gave ``record`` while no actor was up: wait until
+        whichever live actor comes up first, then pick again (it prefers actors that are up),
+        so the batch never waits on one unplaced replacement while another comes up. One that
+        fails to come up ends the wait: the caller waits on its pick, and meets the failure
+        there. ``record`` as it is when it is the only one on its way up."""
+        while record.pid is None and not record.dead:
+            waiting = [r for r in self.live() if r.pid is None]
+            if record not in waiting or len(waiting) < 2:
+                return record
+            tasks = [asyncio.ensure_future(self.ready(r)) for r in waiting]
+            for task in tasks:
+                task.add_done_callback(_retrieve)
+            try:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in tasks:
+                    task.cancel()  # (each actor's own wait goes on, shielded in ready())
+            if not any(succeeded(task) for task in done):
+                return record
+            record = self.pick()
+        return record
+
     def slot(self, slot: int) -> ActorRecord:
         """The actor of ``slot`` now (made if it was not): a stream's reader is one slot."""
         with self.lock:

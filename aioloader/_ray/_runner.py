@@ -245,13 +245,20 @@ class RayRunner:
     ) -> ActorRecord:
         """An actor from ``choose``, placed, started and holding this loader's copy. The wait
         for a replacement's placement is the batch's own time (see :meth:`is_running`); an
-        actor that dies meanwhile is replaced and, if ``reopen``, ``choose`` asked again."""
+        actor that dies meanwhile is replaced and, if ``reopen``, ``choose`` asked again.
+
+        With ``reopen`` (a map batch, which any actor makes), a batch whose chosen actor is not
+        up waits for whichever live actor comes up first and chooses again: it never waits on
+        one unplaced replacement while another comes up. (A stream's pull stays on its slot.)"""
         self._causes.pop(id(request), None)  # an earlier attempt's, which was re-run
         start_deaths = 0
         while True:
             record = choose()
             self._placing[id(request)] = record
             try:
+                if reopen and record.pid is None:
+                    record = await self._fleet.first_up(record)
+                    self._placing[id(request)] = record
                 await self._loaded(record)
             except Exception as exc:
                 if not actor_died(exc):
