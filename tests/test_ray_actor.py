@@ -19,7 +19,7 @@ import pytest
 from aioloader import WorkerError, WorkerInitError, numpy_collate
 from aioloader._batch import BatchMaker
 from aioloader._ray._actor import ActorCopy, Failed, LoaderActor, TurnTable
-from aioloader._ray._fleet import ActorRecord, Fleet
+from aioloader._ray._fleet import ActorRecord, Fleet, SlotFigures
 from aioloader._types import END, Made, StreamRequest
 from aioloader._workers import dumps_payload
 
@@ -163,3 +163,19 @@ async def test_a_batch_takes_whichever_actor_comes_up_first() -> None:
     record = await asyncio.wait_for(picked, PULL_S)
     assert (record.slot, record.pid) == (1, 2)
     refs[0].up.cancel()  # (its wait, left running in the fleet, ends)
+
+
+def test_an_actors_busy_time_never_exceeds_the_wall_time() -> None:
+    """Batches of an async dataset fetch together on one actor: each took 3 s of the same 4 s,
+    and the slot was busy 4 s, not 9 (a busy share over 100%). One batch alone keeps its own
+    time (its actor's reading and collating, less than its time in flight)."""
+    figures = SlotFigures()
+    for now in (0.0, 0.5, 1.0):
+        figures.started(now)
+    for now in (3.0, 3.5, 4.0):
+        figures.add_batch(3.0, figures.ended(now))
+    assert figures.busy_s == pytest.approx(4.0)
+    figures.started(10.0)
+    figures.add_batch(0.2, figures.ended(10.5))
+    assert figures.busy_s == pytest.approx(4.2)
+    assert figures.batches == 4

@@ -103,12 +103,41 @@ def result_lost(exc: BaseException) -> bool:
 
 @dataclass(slots=True)
 class SlotFigures:
-    """What one slot's actors did, all incarnations together (for all loaders, or for one)."""
+    """What one slot's actors did, all incarnations together (for all loaders, or for one).
+
+    ``busy_s`` never exceeds the wall time: a batch adds its actor's reading and collating
+    time, but no more than the time since the last batch ended or, if later, since the slot
+    last went from no batch in progress to one (:meth:`started`, :meth:`ended`). The batches
+    of an async dataset fetch together on one actor; their times summed counted the same
+    seconds several times (a busy share over 100%)."""
 
     batches: int = 0
     busy_s: float = 0.0
     restarts: int = 0
     bytes: int = 0
+    in_progress: int = 0  # jobs sent and not over
+    busy_since: float = 0.0  # when in_progress last went from 0 to 1
+    claimed: float = 0.0  # the end of the busy time batches took so far
+
+    def started(self, now: float) -> None:
+        """A job was sent to the slot's actor at ``now``."""
+        if self.in_progress == 0:
+            self.busy_since = now
+        self.in_progress += 1
+
+    def ended(self, now: float) -> float:
+        """A job of the slot's is over at ``now``: the busy time no batch took yet, which a
+        batch made by it may take (at most)."""
+        self.in_progress = max(0, self.in_progress - 1)
+        fresh = max(0.0, now - max(self.claimed, self.busy_since))
+        self.claimed = now
+        return fresh
+
+    def add_batch(self, busy: float, fresh: float) -> None:
+        """Count a made batch that took ``busy`` seconds of actor time; ``fresh`` from
+        :meth:`ended`."""
+        self.batches += 1
+        self.busy_s += min(busy, fresh)
 
 
 class Fleet:

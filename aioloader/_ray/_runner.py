@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -186,10 +187,9 @@ class RayRunner:
             record = await self._placed(self._fleet.pick, request, reopen=True)
             job, awaited = self._submit(record, request, "make", request)
             try:
-                result = await self._result(record, job, awaited, request)
+                return await self._result(record, job, awaited, request)
             except _Innocent:
                 continue  # only queued on a dead actor: never made, so made elsewhere now
-            return self._opened(record, result)
 
     async def pull(self, request: StreamRequest, stream: int) -> Made:
         """Make the next batch of actor ``stream``'s stream (``Made.batch is END`` at its end).
@@ -217,10 +217,9 @@ class RayRunner:
             if not sent.done():
                 sent.set_result(None)
         try:
-            result = await self._result(record, job, awaited, request)
+            return await self._result(record, job, awaited, request)
         except _Innocent:
             raise self._lost_stream(record, request) from None
-        return self._opened(record, result)
 
     def _reading(self, request: StreamRequest, stream: int) -> _Reading:
         key = (stream, request.key)
@@ -282,14 +281,20 @@ class RayRunner:
         """Send the job to ``record``'s actor (synchronously: the call order is the order
         Ray delivers them in); the future of its result."""
         job = Job(record)
+        now = time.perf_counter()
         with self._fleet.lock:
             record.jobs.append(job)
+            self._fleet.figures[record.slot].started(now)
+            self._figures[record.slot].started(now)
         self._attempts[id(request)] = job
         try:
             ref = getattr(record.handle, method).remote(self.copy_id, *args)
             future = ref.future()
         except BaseException:
             self._fleet.finished(job)  # never sent: not running
+            with self._fleet.lock:
+                self._fleet.figures[record.slot].ended(now)
+                self._figures[record.slot].ended(now)
             if self._attempts.get(id(request)) is job:
                 del self._attempts[id(request)]
             raise
@@ -301,8 +306,9 @@ class RayRunner:
     async def _result(
         self, record: ActorRecord, job: Job, awaited: asyncio.Future[Any], request: Any
     ) -> Made:
-        """The job's :class:`Made`; the user's error raised as it is; a dead actor's culprit
-        job as ``WorkerCrashedError``, one only queued there as :class:`_Innocent`."""
+        """The job's :class:`Made`, opened and counted; the user's error raised as it is; a dead
+        actor's culprit job as ``WorkerCrashedError``, one only queued there as
+        :class:`_Innocent`."""
         try:
             result = await asyncio.shield(awaited)
         except Exception as exc:
@@ -327,18 +333,20 @@ class RayRunner:
         finally:
             if self._attempts.get(id(request)) is job:
                 del self._attempts[id(request)]
+            now = time.perf_counter()
+            with self._fleet.lock:
+                fresh = self._fleet.figures[record.slot].ended(now)
+                mine_fresh = self._figures[record.slot].ended(now)
         if isinstance(result, Failed):
             raise result.error
-        return result  # type: ignore[no-any-return]
+        return self._opened(record, result, fresh, mine_fresh)
 
-    def _opened(self, record: ActorRecord, result: Made) -> Made:
+    def _opened(self, record: ActorRecord, result: Made, fresh: float, mine_fresh: float) -> Made:
         busy = result.read_s + result.collate_s
-        figures = self._fleet.figures[record.slot]
-        figures.batches += 1
-        figures.busy_s += busy
         mine = self._figures[record.slot]
-        mine.batches += 1
-        mine.busy_s += busy
+        with self._fleet.lock:
+            self._fleet.figures[record.slot].add_batch(busy, fresh)
+            mine.add_batch(busy, mine_fresh)
         mine.bytes += wire_nbytes(result.batch)
         result.batch = opened(result.batch)
         return result
