@@ -171,6 +171,7 @@ class Producer:
         # Each reader's requests on their way, by batch id (stream epochs): a reader that
         # failed ends them (see _end_reader).
         self._pulls: dict[int, dict[int, asyncio.Future[Any]]] = {}
+        self._failed_at: dict[int, int] = {}  # reader -> the batch id its stream failed at
         self._reorder = reorder
         self._permits = permits
         self._wake = wake
@@ -541,6 +542,21 @@ class Producer:
         if outcome.value is END or outcome.error is not None:
             ended.add(stream)
         if outcome.error is not None:
+            # One failure (a Ray actor's death) can fail several requests of a reader at once,
+            # in any order: the reader ends once, at its earliest failed batch; the outcomes
+            # of its later requests are the end of it (END), not more errors.
+            earlier = [
+                task
+                for batch_id, task in self._pulls.get(stream, {}).items()
+                if batch_id < request.batch_id and not task.done()
+            ]
+            if earlier:
+                await asyncio.wait(earlier)
+            failed_at = self._failed_at.get(stream)
+            if failed_at is not None and failed_at < request.batch_id:
+                self._store(Outcome(request.batch_id, value=END))
+                return
+            self._failed_at[stream] = request.batch_id
             if isinstance(outcome.error, LoaderTimeoutError):
                 annotate(
                     outcome.error,
