@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -132,20 +131,19 @@ def _session_processes(session: int) -> list[Any]:
 
 
 def _kill_session(session: int) -> None:
-    """End every process of ``session`` (SIGTERM: Ray's processes stop cleanly; then SIGKILL
-    what is left), and wait until none is left, within :data:`STOP_TIMEOUT_S`."""
+    """SIGKILL every process of ``session`` (as ``ray stop --force`` did, but only these), a
+    few rounds (a raylet may start a worker between the listing and its kill), and wait
+    until none is left, within :data:`STOP_TIMEOUT_S`."""
     import psutil
 
-    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, STOP_TIMEOUT_S)):
-        processes = _session_processes(session)
-        if not processes:
-            return
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while processes := _session_processes(session):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"Ray processes of the test cluster outlived SIGKILL: {processes}")
         for process in processes:
             with contextlib.suppress(psutil.Error):
-                process.send_signal(sig)
-        psutil.wait_procs(processes, timeout=wait)
-    if left := _session_processes(session):
-        raise RuntimeError(f"Ray processes of the test cluster outlived SIGKILL: {left}")
+                process.kill()
+        psutil.wait_procs(processes, timeout=max(0.1, deadline - time.monotonic()))
 
 
 def _start(env: dict[str, str]) -> tuple[str, str, list[int]]:
