@@ -10,6 +10,7 @@ stands in for it.
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 from aioloader import WorkerError, WorkerInitError, numpy_collate
 from aioloader._batch import BatchMaker
 from aioloader._ray._actor import ActorCopy, Failed, LoaderActor, TurnTable
-from aioloader._ray._fleet import ActorRecord, Fleet, SlotFigures
+from aioloader._ray._fleet import MAX_START_ROUNDS, ActorRecord, Fleet, SlotFigures
 from aioloader._types import END, Made, StreamRequest
 from aioloader._workers import dumps_payload
 
@@ -179,3 +180,73 @@ def test_an_actors_busy_time_never_exceeds_the_wall_time() -> None:
     figures.add_batch(0.2, figures.ended(10.5))
     assert figures.busy_s == pytest.approx(4.2)
     assert figures.batches == 4
+
+
+class StartingRay:
+    """Stands for the ``ray`` module in :meth:`Fleet.wait_ready`, to inject deaths: the actors
+    made for the first ``deaths`` times die while starting (a node lost under them), the next
+    comes up. Every reference is ready at once."""
+
+    def __init__(self, deaths: int) -> None:
+        from ray import exceptions
+
+        self.exceptions = exceptions
+        self.deaths = deaths
+        self.made = 0
+        self.killed = 0
+
+    def remote(self, cls: type) -> Any:
+        ray = self
+
+        class Handle:
+            def __init__(self) -> None:
+                ray.made += 1
+                self.dies = ray.made <= ray.deaths
+                self.ready = self
+
+            def remote(self, *args: Any) -> Any:
+                return self  # (ready.remote(): the reference is the handle itself)
+
+        class Made:
+            @staticmethod
+            def options(**options: Any) -> Any:
+                return Made
+
+            @staticmethod
+            def remote(*args: Any) -> Handle:
+                return Handle()
+
+        return Made
+
+    def wait(
+        self, refs: list[Any], num_returns: int, timeout: float
+    ) -> tuple[list[Any], list[Any]]:
+        return list(refs), []
+
+    def get(self, ref: Any) -> tuple[int, str, str]:
+        if ref.dies:
+            raise self.exceptions.RayActorError()
+        return 42, "node", "host"
+
+    def kill(self, handle: Any, no_restart: bool = True) -> None:
+        self.killed += 1
+
+
+@pytest.mark.parametrize("deaths", [1, 2])
+def test_wait_ready_returns_once_a_round_has_no_deaths(
+    deaths: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Actors that die while starting are replaced and waited for again: a round without deaths
+    is a start, also after two rounds with them (it raised then, although every actor was up)."""
+    ray = StartingRay(deaths)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    fleet = Fleet(1, {}, start_timeout=60)
+    fleet.wait_ready()
+    assert fleet.pids() == (42,)
+    assert (ray.made, ray.killed, fleet.restarts) == (deaths + 1, deaths, deaths)
+
+
+def test_wait_ready_gives_up_after_rounds_of_deaths(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", StartingRay(MAX_START_ROUNDS))
+    with pytest.raises(WorkerInitError, match=f"died while starting, {MAX_START_ROUNDS} rounds"):
+        Fleet(1, {}, start_timeout=60).wait_ready()
