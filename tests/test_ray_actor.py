@@ -1,27 +1,31 @@
-"""The actor of :class:`aioloader.RayWorkers` without Ray (``LoaderActor`` is a plain class that
-Ray makes an actor): the order of a stream's pulls, and how the readings of several loaders on
-one actor keep their turns.
+"""The Ray backend's own logic without a Ray cluster: the actor (``LoaderActor`` is a plain
+class that Ray makes an actor), the order of a stream's pulls and how the readings of several
+loaders on one actor keep their turns; the fleet's and the runner's bookkeeping (start waits,
+the first actor up, busy time, a result lost with its node).
 
 Ray's own behaviour (placement, deaths, the object store) is tested on a real cluster in
-``tests/test_ray.py``; what these check runs inside one actor's event loop, so a plain loop
-stands in for it.
+``tests/test_ray.py``. Here a plain event loop stands in for an actor's, and where Ray must
+fail in a way a cluster cannot be made to on cue (an actor dying while it starts, a result lost
+with its node), a stand-in for the ``ray`` module injects that fault.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-from aioloader import WorkerError, WorkerInitError, numpy_collate
+from aioloader import WorkerCrashedError, WorkerError, WorkerInitError, numpy_collate
 from aioloader._batch import BatchMaker
 from aioloader._ray._actor import ActorCopy, Failed, LoaderActor, TurnTable
 from aioloader._ray._fleet import MAX_START_ROUNDS, ActorRecord, Fleet, SlotFigures
-from aioloader._types import END, Made, StreamRequest
+from aioloader._ray._runner import RayRunner
+from aioloader._types import END, BatchRequest, Made, StreamRequest
 from aioloader._workers import dumps_payload
 
 BATCH = 2
@@ -250,3 +254,94 @@ def test_wait_ready_gives_up_after_rounds_of_deaths(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(sys.modules, "ray", StartingRay(MAX_START_ROUNDS))
     with pytest.raises(WorkerInitError, match=f"died while starting, {MAX_START_ROUNDS} rounds"):
         Fleet(1, {}, start_timeout=60).wait_ready()
+
+
+class LosingRay:
+    """Stands for the ``ray`` module under :class:`RayRunner`, to inject a lost result: the
+    first actor's batch is made, then lost with its node's object store (``ObjectLostError``);
+    its replacement's batch arrives."""
+
+    def __init__(self) -> None:
+        from ray import exceptions
+
+        self.exceptions = exceptions
+        self.made = 0
+        self.killed = 0
+
+    def remote(self, cls: type) -> Any:
+        ray = self
+
+        class Call:
+            def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
+                self.value, self.error = value, error
+
+            def __await__(self) -> Any:
+                if self.error is not None:
+                    raise self.error
+                return self.value
+                yield  # (a generator: awaitable)
+
+            def future(self) -> concurrent.futures.Future[Any]:
+                future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+                if self.error is not None:
+                    future.set_exception(self.error)
+                else:
+                    future.set_result(self.value)
+                return future
+
+        class Method:
+            def __init__(self, call: Callable[..., Call]) -> None:
+                self.remote = call
+
+        class Handle:
+            def __init__(self) -> None:
+                ray.made += 1
+                self.number = ray.made
+                self.ready = Method(lambda: Call((100 + self.number, "node", "host")))
+                self.load = Method(lambda *args: Call())
+                self.make = Method(self._make)
+
+            def _make(self, copy_id: int, request: BatchRequest) -> Call:
+                if self.number == 1:
+                    lost = ray.exceptions.ObjectLostError("ab" * 14, None, "make")
+                    return Call(error=lost)
+                return Call(Made(batch=np.array(request.indices), samples=2))
+
+        class Made_:
+            @staticmethod
+            def options(**options: Any) -> Any:
+                return Made_
+
+            @staticmethod
+            def remote(*args: Any) -> Handle:
+                return Handle()
+
+        return Made_
+
+    def put(self, data: bytes) -> bytes:
+        return data
+
+    def kill(self, handle: Any, no_restart: bool = True) -> None:
+        self.killed += 1
+
+
+async def test_a_batch_lost_with_its_node_is_its_actors_death_and_runs_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch made, then lost with its node's object store, fails as its actor's death
+    (``WorkerCrashedError``, which the epoch re-runs under ``max_retries``), and the actor is
+    replaced: the batch is made again by the replacement (it was a bare Ray error, not
+    retried)."""
+    ray = LosingRay()
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    fleet = Fleet(1, {}, start_timeout=60)
+    runner = RayRunner(fleet, 1, lambda: None)
+    runner.load(lambda: b"copy", 0, 0)
+    request = BatchRequest(0, 0, [0, 1])
+    with pytest.raises(WorkerCrashedError, match="lost with the object store") as lost:
+        await asyncio.wait_for(runner.start_make(request), PULL_S)
+    assert isinstance(lost.value.__cause__, ray.exceptions.ObjectLostError)
+    assert (ray.killed, fleet.restarts) == (1, 1)
+    made = await asyncio.wait_for(runner.start_make(request), PULL_S)
+    assert np.asarray(made.batch).tolist() == [0, 1]
+    assert fleet.pids() == (102,)
