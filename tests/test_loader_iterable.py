@@ -329,3 +329,28 @@ async def test_abandoned_async_stream_is_closed_and_the_next_epoch_is_complete()
             break
         assert await collect(loader) == chunks(list(range(30)), 2)
     assert dataset.closed == 2  # the abandoned stream's generator was closed too
+
+
+def test_a_reading_closed_to_make_room_fails_its_next_request_rather_than_repeat_samples() -> None:
+    # One reader keeps MAX_OPEN_STREAMS readings open; opening one more closes the oldest. A
+    # later request of the closed one used to open the stream again from its start and hand
+    # samples it had already given; it fails instead, naming why, and an epoch that opens
+    # that reading afresh reads it whole.
+    from aioloader._batch._make import MAX_OPEN_STREAMS, StreamCursor
+    from aioloader._types import StreamRequest
+
+    cursor = StreamCursor(lambda resume: iter(range(10)))
+
+    def ask(reading: int, opens: bool) -> Any:
+        request = StreamRequest(
+            epoch=0, batch_id=0, batch_size=2, drop_last=False, opens=opens, reading=reading
+        )
+        return cursor.next_samples(request)[0]
+
+    assert ask(0, True) == [0, 1]
+    for reading in range(1, MAX_OPEN_STREAMS + 1):  # the last one closes reading 0
+        assert ask(reading, True) == [0, 1]
+    assert ask(1, False) == [2, 3]  # still open: goes on
+    with pytest.raises(RuntimeError, match=r"closed to make room.*repeat the samples"):
+        ask(0, False)
+    assert ask(0, True) == [0, 1]  # opened afresh: a new epoch of it, whole

@@ -379,8 +379,11 @@ def _through(stack: Prestack | None, samples: list[Any], item: Any) -> Any:
 
 # Streams one cursor keeps open at once, one per epoch being read: two iterators of one loader
 # (``zip(loader, loader)``) read two epochs at once. More: more concurrent iterators before the
-# oldest stream is dropped (it then ends early); each open stream holds its dataset iterator.
+# oldest stream is closed (its next request then fails, naming why: reopened, it would repeat
+# its samples); each open stream holds its dataset iterator.
 MAX_OPEN_STREAMS = 4
+#: How many closed readings a :class:`StreamCursor` remembers, to refuse their requests.
+EVICTED_KEPT = 64
 
 
 class StreamCursor:
@@ -410,16 +413,31 @@ class StreamCursor:
         self._position = position
         # StreamRequest.key -> [iterator, error still to raise]; oldest first
         self._streams: dict[tuple[int, int], list[Any]] = {}
+        # Keys of readings closed to make room (the newest EVICTED_KEPT): a later request of
+        # one must fail, since opening it again would repeat the samples it already gave.
+        self._evicted: dict[tuple[int, int], None] = {}
 
     def next_samples(self, request: StreamRequest) -> tuple[list[Any] | Any, Any]:
         """The samples of the next batch (or :data:`END`), and the stream's position after
         them; raises the stream's error in turn."""
         key = request.key
         stream = self._streams.get(key)
+        if stream is None and not request.opens and key in self._evicted:
+            raise RuntimeError(
+                f"the stream's reading of epoch {request.epoch} was closed to make room: more "
+                f"than {MAX_OPEN_STREAMS} epochs of it were read at once by one reader (open "
+                "iterators of one loader); reading it again would repeat the samples it gave, "
+                "so that epoch ends here. Finish or close an iterator before starting another"
+            )
         if stream is None or request.opens:
             self._streams.pop(key, None)  # the same reading opened again: afresh
+            self._evicted.pop(key, None)
             while len(self._streams) >= MAX_OPEN_STREAMS:
-                del self._streams[next(iter(self._streams))]
+                oldest = next(iter(self._streams))
+                del self._streams[oldest]
+                self._evicted[oldest] = None
+                while len(self._evicted) > EVICTED_KEPT:
+                    del self._evicted[next(iter(self._evicted))]
             try:
                 opened = self._open(request.resume)
             except BaseException:
