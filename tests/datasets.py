@@ -654,6 +654,19 @@ def parquet_row(raw: dict[str, Any]) -> dict[str, Any]:
     return {"id": int(raw["id"]), "pid": os.getpid()}
 
 
+class Counted:
+    """A stream of ``0 .. n-1`` that says its length (read on threads only: not pickled)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.n))
+
+
 class Resumable:
     """Yields ``0 .. n-1`` and continues where it stood (an :class:`aioloader.ResumableStream`):
     its state is the position after the last item yielded. ``self_sharded`` reads only its

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from datasets import (
     AsyncStream,
+    Counted,
     Range,
     Resumable,
     Stream,
@@ -91,19 +92,6 @@ class Timed(Range):
     def __getitem__(self, index: int) -> int:
         time.sleep(self.delay)
         return super().__getitem__(index)
-
-
-class Counted:
-    """A stream of ``0 .. n-1`` that says its length (read on threads only: not pickled)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.n))
 
 
 class SlowToClose:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.utils.data as tud
 from datasets import (
     AsyncStream,
+    Counted,
     Range,
     SelfSharded,
     ShuffledStream,
@@ -54,19 +55,6 @@ STACKS_AFTER_S = 50.0  # a rank waiting this long at a barrier dumps its threads
 
 #: Rows of the Parquet files of the "parquet" case (row groups of 3: 2, 3, 1 and 3 of them).
 PARQUET_ROWS = (5, 7, 3, 9)
-
-
-class Counted:
-    """A stream of ``0 .. n-1`` that knows its length (read on threads only: not pickled)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.n))
 
 
 class Records(logging.Handler):

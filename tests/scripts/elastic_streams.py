@@ -58,6 +58,17 @@ def main() -> None:
     topologies = (("2x1", two, 2, 1), ("3x2", three, 3, 2), ("4x0", None, 4, 0))
     report: dict[str, Any] = {"pid": os.getpid(), "rank": rank, "world": world, "workers": []}
 
+    def parquet(*, even_shares: bool) -> ParquetDataset:
+        return ParquetDataset(
+            config["parquet"],
+            columns=["id"],
+            shuffle=True,
+            shuffle_buffer=4,
+            seed=3,
+            row_groups_in_flight=2,
+            even_shares=even_shares,
+        )
+
     datasets: dict[str, Callable[[], Any]] = {
         "tar": lambda: TarDataset(
             config["tar"],
@@ -67,23 +78,8 @@ def main() -> None:
             seed=3,
             shards_in_flight=2,
         ),
-        "parquet": lambda: ParquetDataset(
-            config["parquet"],
-            columns=["id"],
-            shuffle=True,
-            shuffle_buffer=4,
-            seed=3,
-            row_groups_in_flight=2,
-        ),
-        "parquet_even": lambda: ParquetDataset(
-            config["parquet"],
-            columns=["id"],
-            shuffle=True,
-            shuffle_buffer=4,
-            seed=3,
-            row_groups_in_flight=2,
-            even_shares=True,
-        ),
+        "parquet": lambda: parquet(even_shares=False),
+        "parquet_even": lambda: parquet(even_shares=True),
     }
 
     def make(kind: str, group: Any, workers: int) -> DataLoader:
