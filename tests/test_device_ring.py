@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from device_fakes import ThreadFake
 from hypothesis import HealthCheck, given, settings
@@ -274,6 +276,36 @@ async def test_a_ring_batch_handed_over_after_close_is_tied_to_the_consumers_str
     assert len(tied) == 1
     assert tied[0][2] is consumer
     assert tied[0][1].untyped_storage().data_ptr() == storage_of(out)
+
+
+async def test_the_stage_threads_finished_job_keeps_no_batch_while_its_thread_lingers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The thread that ran a job drops its work item (the job's arguments, its future) only a
+    # moment after the waiter woke: under load the next start came first, and a work item that
+    # held the batch (or the record that holds it) kept its slot from reuse.
+    import concurrent.futures.thread as pool_thread
+
+    run = pool_thread._WorkItem.run
+
+    def lingering(self: Any) -> None:
+        run(self)
+        time.sleep(0.05)  # the waiter is awake; this thread still holds the work item
+
+    monkeypatch.setattr(pool_thread._WorkItem, "run", lingering)
+    backend = ThreadFake(consumer_done=True, auto_fire=True)
+    stage = DeviceStage("cuda", backend=backend)
+    big = OFF_LOOP_STAGING_BYTES // 4  # float32 values: staged on the stage's thread
+    slots = set()
+    try:
+        for i in range(3):
+            out = await stage.start({"x": torch.full((big,), float(i))}, i).wait()
+            assert float(out["x"][0]) == float(i)
+            slots.add(storage_of(out))
+            del out
+        assert len(slots) == 1
+    finally:
+        stage.close()
 
 
 async def test_a_batch_staged_on_the_stages_thread_gives_its_slot_back_once_let_go() -> None:

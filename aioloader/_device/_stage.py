@@ -602,8 +602,11 @@ class DeviceStage:
                     initializer=self._enter_device(),
                 )
             record.lease = lease
+            # The job holds its record weakly and leaves the result in it: the thread's work
+            # item outlives the job by a moment, and through a strong reference (or the
+            # future's result) it would keep a batch the user let go, and so its ring slot.
             record.fill = self._last_fill = self._stager.submit(
-                self._enqueue, record, batch, plans, lease
+                _enqueue_into, weakref.ref(record), self._enqueue, batch, plans, lease
             )
             self._in_flight[id(record)] = record
             return
@@ -697,7 +700,7 @@ class DeviceStage:
         if self._last_fill is fill:
             self._last_fill = None  # its result is the batch: holding it would hold its slot
         try:
-            record.result = fill.result()
+            fill.result()  # the job left the batch in record.result (see _enqueue_into)
         except BaseException as exc:
             lease = record.lease
             self._undo_start(record, lease)
@@ -959,6 +962,20 @@ class DeviceStage:
                 f"batch {record.batch_id}: handing the batch over to the consumer's stream "
                 f"failed: {exc!r}"
             ) from exc
+
+
+def _enqueue_into(
+    ref: weakref.ref[_CopyRecord],
+    enqueue: Callable[[_CopyRecord, Any, list[LeafPlan], torch.Tensor | None], Any],
+    batch: Any,
+    plans: list[LeafPlan],
+    lease: torch.Tensor | None,
+) -> None:
+    """The stage thread's job: enqueue ``batch``'s copies and leave the result in its record
+    (alive while in flight: the stage holds it)."""
+    record = ref()
+    if record is not None:
+        record.result = enqueue(record, batch, plans, lease)
 
 
 def _wake(record: _CopyRecord) -> None:
