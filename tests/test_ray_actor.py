@@ -186,6 +186,18 @@ def test_an_actors_busy_time_never_exceeds_the_wall_time() -> None:
     assert figures.batches == 4
 
 
+def test_batches_made_one_after_another_count_in_full_however_late_their_results_arrive() -> None:
+    # Two batches queued on one actor, made one after the other (0.2 s each): the first's
+    # result reached the training process late (a busy loop), 0.06 s before the second's.
+    # Both count their 0.2 s: the actor was busy 0.4 s of the 0.41 s.
+    figures = SlotFigures()
+    figures.started(0.0)
+    figures.started(0.0)
+    figures.add_batch(0.2, figures.ended(0.35))
+    figures.add_batch(0.2, figures.ended(0.41))
+    assert figures.busy_s == pytest.approx(0.4)
+
+
 class StartingRay:
     """Stands for the ``ray`` module in :meth:`Fleet.wait_ready`, to inject deaths: the actors
     made for the first ``deaths`` times die while starting (a node lost under them), the next

@@ -105,39 +105,40 @@ def result_lost(exc: BaseException) -> bool:
 class SlotFigures:
     """What one slot's actors did, all incarnations together (for all loaders, or for one).
 
-    ``busy_s`` never exceeds the wall time: a batch adds its actor's reading and collating
-    time, but no more than the time since the last batch ended or, if later, since the slot
-    last went from no batch in progress to one (:meth:`started`, :meth:`ended`). The batches
-    of an async dataset fetch together on one actor; their times summed counted the same
-    seconds several times (a busy share over 100%)."""
+    ``busy_s`` never exceeds the wall time: over each stretch of time in which the slot had a
+    job in progress (:meth:`started` to the last :meth:`ended`), it counts the actor's reading
+    and collating time of the stretch's batches, but no more than the stretch lasted. The
+    batches of an async dataset fetch together on one actor, and their times summed counted
+    the same seconds several times (a busy share over 100%); batches made one after another
+    count in full, however late their results reach the training process."""
 
     batches: int = 0
     busy_s: float = 0.0
     restarts: int = 0
     bytes: int = 0
     in_progress: int = 0  # jobs sent and not over
-    busy_since: float = 0.0  # when in_progress last went from 0 to 1
-    claimed: float = 0.0  # the end of the busy time batches took so far
+    busy_since: float = 0.0  # when the current stretch began (in_progress went from 0 to 1)
+    stretch_work: float = 0.0  # the actor time of the current stretch's batches
+    before_s: float = 0.0  # busy_s of the stretches before the current one
 
     def started(self, now: float) -> None:
         """A job was sent to the slot's actor at ``now``."""
         if self.in_progress == 0:
-            self.busy_since = now
+            self.before_s, self.busy_since, self.stretch_work = self.busy_s, now, 0.0
         self.in_progress += 1
 
     def ended(self, now: float) -> float:
-        """A job of the slot's is over at ``now``: the busy time no batch took yet, which a
-        batch made by it may take (at most)."""
+        """A job of the slot's is over at ``now``: how long its stretch has lasted, which
+        bounds what the stretch's batches count (:meth:`add_batch`)."""
         self.in_progress = max(0, self.in_progress - 1)
-        fresh = max(0.0, now - max(self.claimed, self.busy_since))
-        self.claimed = now
-        return fresh
+        return max(0.0, now - self.busy_since)
 
-    def add_batch(self, busy: float, fresh: float) -> None:
-        """Count a made batch that took ``busy`` seconds of actor time; ``fresh`` from
+    def add_batch(self, busy: float, lasted: float) -> None:
+        """Count a made batch that took ``busy`` seconds of actor time; ``lasted`` from
         :meth:`ended`."""
         self.batches += 1
-        self.busy_s += min(busy, fresh)
+        self.stretch_work += busy
+        self.busy_s = self.before_s + min(self.stretch_work, lasted)
 
 
 class Fleet:
