@@ -609,15 +609,14 @@ loader.close()
 """
 
 
-@pytest.mark.parametrize("child", ["iterates", "idle"])
-def test_a_child_that_exits_normally_leaves_the_parents_workers_alone(
-    tmp_path: Path, child: str
-) -> None:
-    script = tmp_path / "exiting_child.py"
-    script.write_text(textwrap.dedent(_EXITING_CHILD))
+def _run_program(script: Path, source: str, *argv: str) -> tuple[dict[str, Any], str]:
+    """Run ``source`` as a program of its own (its own session, killed whole past
+    CHILD_LIMIT_S); the JSON report on its last line of output, once it exited with 0, and
+    what it wrote to stderr."""
+    script.write_text(textwrap.dedent(source))
     env = {**os.environ, "PYTHONPATH": child_pythonpath(), "PYTHONFAULTHANDLER": "1"}
     with subprocess.Popen(
-        [sys.executable, str(script), child],
+        [sys.executable, str(script), *argv],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -630,14 +629,22 @@ def test_a_child_that_exits_normally_leaves_the_parents_workers_alone(
             out, err = program.communicate()
             pytest.fail(f"the program overran {CHILD_LIMIT_S} s:\n{err.decode()[-3000:]}")
     assert program.returncode == 0, err.decode()[-3000:]
-    report = json.loads(out.decode().strip().splitlines()[-1])
+    report: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+    return report, err.decode()
+
+
+@pytest.mark.parametrize("child", ["iterates", "idle"])
+def test_a_child_that_exits_normally_leaves_the_parents_workers_alone(
+    tmp_path: Path, child: str
+) -> None:
+    report, err = _run_program(tmp_path / "exiting_child.py", _EXITING_CHILD, child)
     assert report["child"] == 0, report
     # The epoch in flight at the fork, and the next, whole and in order, from the same workers.
     assert report["epoch"] == list(range(SAMPLES)), report
     assert report["again"] == list(range(SAMPLES)), report
     assert report["after"] == report["workers"], report
     assert len(report["workers"]) == 2, report
-    assert "WorkerCrashedError" not in err.decode(), err.decode()[-3000:]
+    assert "WorkerCrashedError" not in err, err[-3000:]
 
 
 # -- 'fork' whose fallback is Python's forkserver ------------------------------------------
@@ -708,24 +715,7 @@ loader.close()
 def test_fork_falling_back_to_pythons_forkserver_is_refused_in_a_forked_child(
     tmp_path: Path,
 ) -> None:
-    script = tmp_path / "fork_fallback.py"
-    script.write_text(textwrap.dedent(_FORK_FALLBACK))
-    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "PYTHONFAULTHANDLER": "1"}
-    with subprocess.Popen(
-        [sys.executable, str(script)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    ) as program:
-        try:
-            out, err = program.communicate(timeout=CHILD_LIMIT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(program.pid, signal.SIGKILL)
-            out, err = program.communicate()
-            pytest.fail(f"the program overran {CHILD_LIMIT_S} s:\n{err.decode()[-3000:]}")
-    assert program.returncode == 0, err.decode()[-3000:]
-    report = json.loads(out.decode().strip().splitlines()[-1])
+    report, _ = _run_program(tmp_path / "fork_fallback.py", _FORK_FALLBACK)
     assert report["parent"] == report["again"] == list(range(16)), report
     refused = report["True"]  # a thread of the child's own runs: the fallback would be used
     assert refused["said"].startswith("RuntimeError: "), refused
