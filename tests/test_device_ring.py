@@ -308,6 +308,46 @@ async def test_the_stage_threads_finished_job_keeps_no_batch_while_its_thread_li
         stage.close()
 
 
+async def test_a_copy_seen_done_before_its_staging_job_returned_keeps_no_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The completion thread can see a copy's event complete before the staging thread's job
+    # has returned (its future not yet done): the stage then comes back once the future is
+    # done, through a callback the future keeps. That callback, and the thread's work item that
+    # still holds the future, must not keep the batch (and so its ring slot) once let go.
+    import concurrent.futures.thread as pool_thread
+
+    import aioloader._device._stage as stage_module
+
+    enqueue_into = stage_module._enqueue_into
+
+    def slow_return(*args: Any) -> None:
+        enqueue_into(*args)
+        time.sleep(0.05)  # the event is pushed (and fired): the completion thread goes first
+
+    run = pool_thread._WorkItem.run
+
+    def lingering(self: Any) -> None:
+        run(self)
+        time.sleep(0.05)  # the waiter is awake; this thread still holds the work item
+
+    monkeypatch.setattr(stage_module, "_enqueue_into", slow_return)
+    monkeypatch.setattr(pool_thread._WorkItem, "run", lingering)
+    backend = ThreadFake(consumer_done=True, auto_fire=True)
+    stage = DeviceStage("cuda", backend=backend)
+    big = OFF_LOOP_STAGING_BYTES // 4  # float32 values: staged on the stage's thread
+    slots = set()
+    try:
+        for i in range(3):
+            out = await stage.start({"x": torch.full((big,), float(i))}, i).wait()
+            assert float(out["x"][0]) == float(i)
+            slots.add(storage_of(out))
+            del out
+        assert len(slots) == 1
+    finally:
+        stage.close()
+
+
 async def test_a_batch_staged_on_the_stages_thread_gives_its_slot_back_once_let_go() -> None:
     backend = ThreadFake(consumer_done=True, auto_fire=True)
     stage = DeviceStage("cuda", backend=backend)

@@ -913,13 +913,16 @@ class DeviceStage:
             fill = record.fill
             if fill is not None and not fill.done():
                 # The staging thread pushed the event before its job's future was done: come
-                # back once it is (rare; the thread is returning).
+                # back once it is (the thread is returning). Weakly: the future keeps its
+                # callbacks, and the thread's work item (alive a moment longer) the future,
+                # so a strong reference here would keep a let-go batch and its ring slot.
                 loop = record.loop
                 assert loop is not None
+                ref = weakref.ref(record)
 
                 def again(_: concurrent.futures.Future[Any]) -> None:
                     with contextlib.suppress(RuntimeError):
-                        loop.call_soon_threadsafe(self._completed, record, error)
+                        loop.call_soon_threadsafe(self._completed_weak, ref, error)
 
                 fill.add_done_callback(again)
                 return
