@@ -7,6 +7,7 @@ tiny one travels inline, and nothing is made for it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pathlib
 import time
@@ -157,6 +158,44 @@ async def test_a_shared_pool_leaves_none_of_a_closed_loaders_first_segments(
     finally:
         await pool.aclose()
     assert own_segments() == set()
+
+
+async def test_segments_workers_made_for_batches_nobody_read_are_unlinked_at_close(
+    tmp_path: pathlib.Path,
+) -> None:
+    # A SIGTERM stops the main thread's loop in the handler, which releases the loader from a
+    # thread of its own: the workers made the first batches' segments and sent them, but the
+    # loop never read those parcels, so nothing took the segments in. The release unlinks
+    # them once the workers are stopped (it left one to the resource tracker, which warned).
+    import threading
+
+    from aioloader import _signals
+
+    loader = DataLoader(SlowTiles(64, str(tmp_path)), batch_size=8, num_workers=2, prefetch=4)
+    first = asyncio.ensure_future(anext(aiter(loader)))
+    for _ in range(200):  # bounded: 10 s
+        if len(os.listdir(tmp_path)) >= 2:
+            break
+        await asyncio.sleep(0.05)
+    assert len(os.listdir(tmp_path)) >= 2  # both workers are making a batch
+    # From here the loop runs nothing, as in the handler: no parcel is read.
+    deadline = time.monotonic() + 10.0
+    while not own_segments() and time.monotonic() < deadline:
+        time.sleep(0.02)  # noqa: ASYNC251 - the loop must not run: no parcel is read
+    assert own_segments(), "no worker made a segment in 10 s"
+    _signals.terminating.set()
+    try:
+        release = threading.Thread(target=loader._res.close)
+        release.start()
+        release.join(30.0)
+        assert not release.is_alive()
+    finally:
+        _signals.terminating.clear()
+    assert own_segments() == set()
+    first.cancel()
+    with contextlib.suppress(BaseException):
+        await first
+    await loader.aclose()
 
 
 # -- the cap before the batch size is known: reservations ---------------------------------------

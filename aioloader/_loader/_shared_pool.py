@@ -147,9 +147,10 @@ class SharedRunner(ProcessRunner):
         config: the loader's settings (prefetch, seed, worker seeding).
         copy_id: this loader's copy id in the workers.
         on_close: called once when the runner is closed (the pool forgets the loader).
-        abandoned_own: the pool's set of segment names to sweep once its workers are stopped
+        unclaimed_own: the pool's set of segment names to sweep once its workers are stopped
             (closing one loader leaves the workers running: what they make for its given-up
-            jobs is unlinked when they are done, or else when the pool closes).
+            jobs is unlinked when they are done, or else when the pool closes; what they made
+            for batches nobody read, a SIGTERM having stopped the loop, when the pool closes).
     """
 
     def __init__(
@@ -159,7 +160,7 @@ class SharedRunner(ProcessRunner):
         config: LoaderConfig,
         copy_id: int,
         on_close: Callable[[], None],
-        abandoned_own: set[str],
+        unclaimed_own: set[str],
         *,
         no_room: bool = False,
     ) -> None:
@@ -168,7 +169,7 @@ class SharedRunner(ProcessRunner):
             slots,
             config.prefetch,
             copy_id=copy_id,
-            abandoned_own=abandoned_own,
+            unclaimed_own=unclaimed_own,
             no_room=no_room,
             timeout=config.timeout,
         )
@@ -207,9 +208,10 @@ class _Held:
     no_room: bool = False  # no slot pool for want of room in /dev/shm (not shm_max_bytes=0)
     loop_thread: LoopThread | None = None
     attached: set[int] = field(default_factory=set)  # copy ids of the loaders attached now
-    # Segment names of every loader's jobs given up while a worker may still make them: the
-    # workers' channels let them go at close before the workers are stopped (ProcessRunner).
-    abandoned_own: set[str] = field(default_factory=set)
+    # Segment names every loader's workers were told to make whose batch was not taken in
+    # (given up while a worker may still make it, or never read): swept at close once the
+    # workers are stopped (ProcessRunner).
+    unclaimed_own: set[str] = field(default_factory=set)
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     closed: bool = False  # nothing new is started from now on
     released: bool = False  # every step of close() done
@@ -272,9 +274,9 @@ class _Held:
         self.processes.close()
         if self.let_go_server is not None:
             self.let_go_server()
-        for name in list(self.abandoned_own):  # the workers are stopped: none makes one now
+        for name in list(self.unclaimed_own):  # the workers are stopped: none makes one now
             _shm.discard(name)
-        self.abandoned_own.clear()
+        self.unclaimed_own.clear()
         if slots is not None:
             slots.close()
             self.slots = None
@@ -557,7 +559,7 @@ class WorkerPool:
                 config,
                 copy_id,
                 functools.partial(held.detach, copy_id),
-                held.abandoned_own,
+                held.unclaimed_own,
                 no_room=held.no_room,
             )
 

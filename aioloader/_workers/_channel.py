@@ -215,6 +215,8 @@ class Channel:
         self._watching: set[asyncio.AbstractEventLoop] = set()  # loops that may watch the fds
         self._broken: str | None = None
         self._closed = False
+        self._fd_lock = threading.Lock()  # the pipes are closed once, by whoever is last
+        self._fds_closed = False
         self.corrupt: str | None = None  # why the reply stream cannot be trusted any more
 
     @property
@@ -307,16 +309,24 @@ class Channel:
             _call_on(self._loop, lambda: self._fail_pending("the worker pool was closed"))
         for loop in list(self._watching):
             _call_on(loop, functools.partial(self._unwatch, loop))
-        if self._watching:
-            # A loop that did not let go in time may still poll these descriptors: closing
-            # them now could make it act on whatever reuses their numbers. Leave them open.
-            return
-        if not self._outbox:  # best effort: a full pipe means the worker is busy or gone
-            with contextlib.suppress(OSError):
-                os.write(self._wfd, HEADER.pack(0, 0, STOP))
-        for fd in (self._rfd, self._wfd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        # A loop that did not let go in time may still poll these descriptors: closing them
+        # now could make it act on whatever reuses their numbers. They stay open until that
+        # loop lets go (_unwatch), if it ever runs again.
+        self._close_fds_unwatched()
+
+    def _close_fds_unwatched(self) -> None:
+        """Once closed and no loop watches the pipes: tell the worker to stop and close both
+        ends, once (close() and a loop letting go late may both get here, on two threads)."""
+        with self._fd_lock:
+            if not self._closed or self._watching or self._fds_closed:
+                return
+            self._fds_closed = True
+            if not self._outbox:  # best effort: a full pipe means the worker is busy or gone
+                with contextlib.suppress(OSError):
+                    os.write(self._wfd, HEADER.pack(0, 0, STOP))
+            for fd in (self._rfd, self._wfd):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def _fail_pending(self, reason: str) -> None:
         pending, self._pending = self._pending, {}
@@ -368,13 +378,14 @@ class Channel:
         """Stop ``loop`` watching the pipes; on ``loop``'s thread (or with it stopped)."""
         if loop not in self._watching:
             return
-        self._watching.discard(loop)
-        if loop.is_closed():
-            return
-        with contextlib.suppress(OSError, ValueError, RuntimeError):
-            loop.remove_reader(self._rfd)
-        with contextlib.suppress(OSError, ValueError, RuntimeError):
-            loop.remove_writer(self._wfd)
+        if not loop.is_closed():
+            with contextlib.suppress(OSError, ValueError, RuntimeError):
+                loop.remove_reader(self._rfd)
+            with contextlib.suppress(OSError, ValueError, RuntimeError):
+                loop.remove_writer(self._wfd)
+        with self._fd_lock:
+            self._watching.discard(loop)
+        self._close_fds_unwatched()  # closed while this loop was busy: the pipes go now
 
     def _write(self, *parts: bytes) -> None:
         """Write ``parts`` now as far as the pipe takes them; the rest waits in the outbox

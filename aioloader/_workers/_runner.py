@@ -26,7 +26,7 @@ from .._types import BatchRequest, InlineMaking, Made, StreamRequest
 from ._frames import Packed
 from ._pool import WorkerPool
 from ._raw import Sender
-from ._records import MapJob, OwnSlot, Payload, RawSlotError, StreamJob, running_tag
+from ._records import MapJob, Payload, RawSlotError, StreamJob, running_tag
 from ._wire import Receiver
 from ._worker import run_map_job, run_stream_job
 
@@ -43,9 +43,9 @@ class ProcessRunner:
         prefetch: batches in flight at once (to check /dev/shm for that many slots).
         copy_id: the workers' dataset copy this runner's jobs use: 0 for a loader's own
             workers, one per loader on a shared pool (see ``aioloader._loader._shared_pool``).
-        abandoned_own: where to note the segment names of jobs given up while a worker may
-            still make them (see ``__init__``); the runner's own set when None. A shared
-            pool passes its set, which it sweeps when it stops the workers.
+        unclaimed_own: the names of segments workers were told to make (``OwnSlot``) whose
+            batch was not taken in yet (see ``__init__``); the runner's own set when None. A
+            shared pool passes its set, which it sweeps when it stops the workers.
         timeout: the batch deadline; a job given up while it runs past it has its worker
             killed (``WorkerPool.submit``'s ``hang_after``).
     """
@@ -59,7 +59,7 @@ class ProcessRunner:
         prefetch: int = 1,
         *,
         copy_id: int = 0,
-        abandoned_own: set[str] | None = None,
+        unclaimed_own: set[str] | None = None,
         no_room: bool = False,
         timeout: float | None = None,
     ) -> None:
@@ -67,10 +67,12 @@ class ProcessRunner:
         self.timeout = timeout
         self.slots = slots
         self.copy_id = copy_id
-        self._receiver = Receiver(slots, prefetch, no_room=no_room)
-        # Names of segments workers make (OwnSlot) for jobs given up while they ran: a pool
-        # that closes lets them go before their worker is done, which may still make one.
-        self._abandoned_own: set[str] = set() if abandoned_own is None else abandoned_own
+        # Names of segments workers were told to make (OwnSlot), from the lease until their
+        # batch is taken in: a job given up while it ran (a pool that closes lets them go
+        # before their worker is done), or one whose parcel was never read (a SIGTERM stops
+        # the loop that reads it), may still leave one, unlinked once the workers are stopped.
+        self._unclaimed_own: set[str] = set() if unclaimed_own is None else unclaimed_own
+        self._receiver = Receiver(slots, prefetch, no_room=no_room, unclaimed=self._unclaimed_own)
         self._sender = Sender(slots)
         self._restarts_logged = pool.rebuilds  # worker replacements said in the log so far
         # Each attempt at a batch has a tag of its own (see _records.running_tag). The deadline
@@ -178,8 +180,7 @@ class ProcessRunner:
                 hang_after=self.timeout,
             )
         except BaseException as exc:
-            if isinstance(slot, OwnSlot):  # unlinked again at close (see __init__)
-                self._abandoned_own.add(slot.name)
+            # An OwnSlot's name stays unclaimed: unlinked again at close (see __init__).
             if isinstance(exc, asyncio.CancelledError):
                 raise  # on_abandon releases the slot once the worker is done with the job
             if not isinstance(exc, RawSlotError):
@@ -230,6 +231,6 @@ class ProcessRunner:
     def close(self) -> None:
         """Stop every worker (blocking), then unlink what they made for abandoned jobs."""
         self.pool.close()
-        for name in self._abandoned_own:
+        for name in self._unclaimed_own:
             _shm.discard(name)
-        self._abandoned_own.clear()
+        self._unclaimed_own.clear()

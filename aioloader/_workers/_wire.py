@@ -199,10 +199,18 @@ class Receiver:
             the pool's cap for the segment its worker makes.
         no_room: ``slots`` is None because ``/dev/shm`` had no room for a pool (not by the
             user's choice): every batch too large to travel inline is then a fallback.
+        unclaimed: where each :class:`OwnSlot`'s name is kept from its lease until its batch
+            is opened; whoever stops the workers unlinks what is left there (a worker may
+            have made the segment of a job whose parcel nobody read).
     """
 
     def __init__(
-        self, slots: _shm.SlotPool | None, prefetch: int, *, no_room: bool = False
+        self,
+        slots: _shm.SlotPool | None,
+        prefetch: int,
+        *,
+        no_room: bool = False,
+        unclaimed: set[str] | None = None,
     ) -> None:
         self._slots = slots
         self._prefetch = prefetch
@@ -214,6 +222,7 @@ class Receiver:
         # What each OwnSlot out now holds of the pool's cap, by name: given back once, when
         # its batch is opened or its job is given up.
         self._reserved: dict[str, int] = {}
+        self._unclaimed: set[str] = set() if unclaimed is None else unclaimed
 
     async def lease(self, at_least: int = 0) -> _shm.Slot | OwnSlot | None:
         """A slot for the next batch (and for ``at_least`` bytes of fetched samples on their
@@ -230,6 +239,7 @@ class Receiver:
             limit = self._slots.reserve(self._slots.max_bytes // (self._prefetch + 1))
             if limit:
                 self._reserved[name] = limit
+            self._unclaimed.add(name)
             return OwnSlot(name, limit)
         size = max(self._batch_bytes, at_least)
         if self._slots is None or size < INLINE_MAX_BYTES:
@@ -304,6 +314,8 @@ class Receiver:
         parcel: Parcel = made.batch
         self._batch_bytes = max(self._batch_bytes, parcel.nbytes)
         slot = leased if isinstance(leased, _shm.Slot) else None
+        if isinstance(leased, OwnSlot):
+            self._unclaimed.discard(leased.name)  # taken in: adopted or discarded below
         if isinstance(leased, OwnSlot) and parcel.own_slot is None:
             # Inline after all; a worker that made the segment and died (the job ran again
             # elsewhere, which found the name taken) left it behind.
