@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import json
 import multiprocessing
 import os
@@ -33,6 +34,7 @@ import fault_datasets as fd
 import psutil
 import pytest
 from framework_data import child_pythonpath, gloo_environment
+from helpers import BOUND_S
 
 import aioloader
 
@@ -75,7 +77,10 @@ def _in_child(
     """What the child does and sees: the inherited iterator's next() (refused at once), a
     whole epoch of its own, its workers, and what of it is left after ``close``."""
     signal.signal(signal.SIGALRM, signal.SIG_DFL)  # not the test runner's handler
-    signal.alarm(CHILD_LIMIT_S)  # a hang kills the child; the parent says so
+    # A hang kills the child, its threads' stacks written to stderr first (the test's
+    # captured output shows them); the parent says so.
+    faulthandler.register(signal.SIGALRM, file=sys.__stderr__, all_threads=True, chain=True)
+    signal.alarm(CHILD_LIMIT_S)
     report: dict[str, Any] = {"pid": os.getpid()}
     if inherited is not None:
         started = time.monotonic()
@@ -805,3 +810,41 @@ def test_lightning_ddp_fork_with_workers_finishes(tmp_path: Path) -> None:
         assert not set(rank["workers"]) & seen, ranks
         seen |= set(rank["workers"])
     assert _gone([*seen, *parent["workers"]]) == []
+
+
+def test_a_child_forked_while_a_thread_registers_a_segment_can_make_segments() -> None:
+    # The resource tracker's lock held by a parent's thread (as the loader's leasing thread
+    # holds it while it registers a new slot) as the process forks: the child made a segment
+    # of its own and waited on that lock forever.
+    from multiprocessing import resource_tracker
+
+    from aioloader import _shm
+
+    resource_tracker.ensure_running()
+    tracker_lock = resource_tracker._resource_tracker._lock
+    held, forked = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with tracker_lock:
+            held.set()
+            forked.wait(BOUND_S)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(BOUND_S)
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(int(BOUND_S))  # a hang kills the child: the parent says so
+                name, _ = _shm.create_segment(1 << 16, _shm.SHM_DIR)
+                _shm.unlink(name)
+                code = 0
+            finally:
+                os._exit(code)
+    finally:
+        forked.set()
+        holder.join(BOUND_S)
+    assert _reap_bounded(pid) == 0  # -14: SIGALRM, the child hung on the lock

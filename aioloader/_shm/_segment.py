@@ -198,6 +198,21 @@ def as_bytes(mapping: SegmentMapping, count: int) -> npt.NDArray[np.uint8]:
 # -- the owner's side: create and unlink ----------------------------------------------------
 
 
+def _free_tracker_lock_in_child() -> None:
+    # Python 3.11's resource tracker guards its connection with a lock that nothing frees in
+    # a forked child: a parent's thread registering a segment (a slot leased off the loop) as
+    # the program forked left the child's first register() waiting forever (its first epoch
+    # hung). The child inherits the connection, which stays valid; only the lock is remade.
+    lock = getattr(getattr(resource_tracker, "_resource_tracker", None), "_lock", None)
+    reinit = getattr(lock, "_at_fork_reinit", None)
+    if reinit is not None:
+        reinit()
+
+
+if sys.platform != "win32":
+    os.register_at_fork(after_in_child=_free_tracker_lock_in_child)
+
+
 def create_segment(size: int, shm_dir: str, name: str | None = None) -> tuple[str, SegmentMapping]:
     """Create a segment of ``size`` bytes under a fresh name, reserve its pages and map it.
 
