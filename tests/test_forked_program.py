@@ -79,6 +79,7 @@ def _in_child(
     signal.signal(signal.SIGALRM, signal.SIG_DFL)  # not the test runner's handler
     # A hang kills the child, its threads' stacks written to stderr first (the test's
     # captured output shows them); the parent says so.
+    assert sys.__stderr__ is not None
     faulthandler.register(signal.SIGALRM, file=sys.__stderr__, all_threads=True, chain=True)
     signal.alarm(CHILD_LIMIT_S)
     report: dict[str, Any] = {"pid": os.getpid()}
@@ -821,7 +822,7 @@ def test_a_child_forked_while_a_thread_registers_a_segment_can_make_segments() -
     from aioloader import _shm
 
     resource_tracker.ensure_running()
-    tracker_lock = resource_tracker._resource_tracker._lock
+    tracker_lock = resource_tracker._resource_tracker._lock  # type: ignore[attr-defined]
     held, forked = threading.Event(), threading.Event()
 
     def hold() -> None:
