@@ -263,6 +263,9 @@ def test_jpeg_pipeline_smoke_reports_rates_cpu_memory_and_the_ceiling(tmp_path: 
     )
     assert len(list((tmp_path / "jpeg-v1").glob("*.jpg"))) == 24  # the folder, made once
     assert doc["ceiling_img_s"] > 0
+    # As many processes as CPUs decoding at once: each measured, their rates summed.
+    assert doc["all_cores_img_s"] > 0
+    assert all(c["all_cores_cpu_ms"] > 0 for c in doc["ceiling"])
     assert [(r["loader"], r["batch"], r["images"]) for r in doc["rows"]] == [
         ("torch", 8, 24),
         ("aioloader", 8, 24),
@@ -275,6 +278,7 @@ def test_jpeg_pipeline_smoke_reports_rates_cpu_memory_and_the_ceiling(tmp_path: 
     assert doc["rows"][1]["verdict"]  # aioloader's own verdict on its warm epoch
     assert "| 8 | aioloader |" in table
     assert "warm / ceiling" in table
+    assert "warm / all cores" in table
 
 
 def test_jpeg_crop_follows_torchvisions_random_resized_crop(
