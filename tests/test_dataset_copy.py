@@ -99,6 +99,10 @@ def test_workers_read_the_copy_through_shared_memory_and_each_epoch_gets_a_fresh
             # Every value as the main process holds it: no worker's scribbles reached another
             # worker, the next epoch, or this process.
             assert sorted(values) == list(range(64))
+            # Both workers answered a job after loading this epoch's copy: the one before it
+            # is nobody's to load any more, and went then; this one stays (a replacement
+            # worker would load it), until every worker has loaded the next epoch's.
+            assert len(own_segments()) == 1
     assert np.array_equal(dataset.data[:64], np.arange(64))
     # Batches this small travel inline: the segments are the copies'. The current one, and
     # at most the previous epoch's (a worker may still have its load queued); the first is

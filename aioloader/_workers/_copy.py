@@ -57,6 +57,17 @@ class DatasetCopy:
         self._lock = threading.Lock()
         self._done: concurrent.futures.Future[Payload] = concurrent.futures.Future()
         self._released = False
+        # Per worker slot (its id): the generation of its process known to have loaded this
+        # copy (it answered a job after loading it). The pool's loop thread keeps it.
+        self._loaded: dict[int, int] = {}
+
+    def loaded_by(self, worker: int, generation: int) -> None:
+        """Note that ``worker``'s process of ``generation`` has loaded this copy."""
+        self._loaded[worker] = generation
+
+    def was_loaded_by(self, worker: int, generation: int) -> bool:
+        """Whether ``worker``'s process of ``generation`` is known to have loaded this copy."""
+        return self._loaded.get(worker) == generation
 
     def start(self) -> None:
         """Start pickling the copy, in its own thread, if nobody did yet."""

@@ -334,6 +334,25 @@ class WorkerPool:
                 with contextlib.suppress(BrokenProcessPool):  # dead: the copy went with it
                     w.channel.post(drop_copy, copy_id)
 
+    def _loaded_everywhere(self, w: Worker, copy_id: int, copy: DatasetCopy) -> None:
+        """Worker ``w`` answered a job after loading ``copy``: once every worker running has,
+        none can still have a load of the copy before it queued, which is released now (its
+        segment unlinked) rather than at the next :meth:`load`. ``copy`` itself stays: a
+        replacement worker loads that snapshot of the epoch's dataset again."""
+        copy.loaded_by(id(w), w.generation)
+        if copy_id not in self._retired:
+            return
+        if not all(
+            x.process is None or copy.was_loaded_by(id(x), x.generation) for x in self._workers
+        ):
+            return
+        with self._launch_lock:
+            retired = self._retired.get(copy_id)
+            if retired is None or self._copies.get(copy_id) is not copy:
+                return
+            del self._retired[copy_id]
+        retired.release()
+
     def pids(self) -> list[int]:
         """Pids of the worker processes started so far."""
         return [w.process.pid for w in self._workers if w.process is not None]
@@ -419,6 +438,8 @@ class WorkerPool:
                 if w.generation == generation:
                     w.served = True
                     w.failed_starts = 0
+                    if copy is not None and w.loaded.get(copy_id) is copy:
+                        self._loaded_everywhere(w, copy_id, copy)
                 return result
             except BrokenProcessPool as exc:
                 if self._closed:
