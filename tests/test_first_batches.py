@@ -96,6 +96,72 @@ def test_a_job_that_failed_after_its_worker_made_a_segment_leaves_none() -> None
     assert own.name not in own_segments()
 
 
+def test_a_swept_name_is_neither_adopted_nor_unlinked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The pool's close sweeps the names of segments workers were told to make while the loop
+    # still holds the reply of one (a training step between reading and opening it): the
+    # sweep unlinks it; opening the reply then must not adopt or unlink it again (a second
+    # unregister makes Python's resource tracker print a KeyError traceback).
+    from multiprocessing import resource_tracker
+
+    from aioloader._types import Made
+    from aioloader._workers._wire import Packer, sweep_unclaimed
+
+    told: list[str] = []
+    unregister = resource_tracker.unregister
+
+    def spy(name: str, rtype: str) -> None:
+        told.append(name)
+        unregister(name, rtype)
+
+    monkeypatch.setattr(resource_tracker, "unregister", spy)
+    unclaimed: set[str] = set()
+    slots = SlotPool(8 << 20)
+    receiver = Receiver(slots, prefetch=2, unclaimed=unclaimed)
+    own = asyncio.run(receiver.lease())
+    assert isinstance(own, OwnSlot)
+    assert unclaimed == {own.name}
+    parcel = Packer(own).pack(np.ones((64, 64, 16), dtype=np.uint8))  # as the worker does
+    assert parcel.own_slot is not None
+    sweep_unclaimed(unclaimed)  # the pool closes: its workers are stopped
+    assert own.name not in own_segments()
+    with pytest.raises(RuntimeError, match="closed"):
+        receiver.open(Made(batch=parcel), own)
+    assert told.count("/" + own.name) == 1
+    assert slots.stats().slots == 0
+    slots.close()
+    release = receiver.releaser(own)
+    assert release is not None
+    release()  # and a late release does not unlink it either
+    assert told.count("/" + own.name) == 1
+
+
+def test_names_of_segments_for_failed_first_batches_are_let_go() -> None:
+    # Batches without array bytes (lists of ints) never tell the loader their size, so every
+    # one leases an OwnSlot; a batch that fails ends its job: its name goes then, not at the
+    # pool's close (a long run's failed batches piled their names up).
+    from datasets import FailAt
+
+    bad = {0, 8, 16, 24, 32, 40, 48, 56}
+    with DataLoader(FailAt(64, bad), batch_size=4, num_workers=2, collate_fn=list) as loader:
+        for _ in range(2):
+            made, failed = 0, 0
+            it = iter(loader)
+            for _ in range(64):  # bounded: 16 batches
+                try:
+                    next(it)
+                    made += 1
+                except StopIteration:
+                    break
+                except KeyError:
+                    failed += 1
+            assert (made, failed) == (8, 8)
+        runner = loader._res.runner
+        assert runner is not None
+        assert runner._unclaimed_own == set()  # type: ignore[attr-defined]
+
+
 class SlowTiles(Tiles):
     """Tiles that take 50 ms each, and say in ``marker_dir`` that a worker began one."""
 
@@ -167,6 +233,8 @@ async def test_segments_workers_made_for_batches_nobody_read_are_unlinked_at_clo
     # thread of its own: the workers made the first batches' segments and sent them, but the
     # loop never read those parcels, so nothing took the segments in. The release unlinks
     # them once the workers are stopped (it left one to the resource tracker, which warned).
+    # The loop let go of the workers' pipes only after the close: they are closed then (the
+    # baseline fixture finds none left open).
     import threading
 
     from aioloader import _signals
@@ -177,7 +245,7 @@ async def test_segments_workers_made_for_batches_nobody_read_are_unlinked_at_clo
         if len(os.listdir(tmp_path)) >= 2:
             break
         await asyncio.sleep(0.05)
-    assert len(os.listdir(tmp_path)) >= 2  # both workers are making a batch
+    assert len(os.listdir(tmp_path)) >= 2  # workers are making batches
     # From here the loop runs nothing, as in the handler: no parcel is read.
     deadline = time.monotonic() + 10.0
     while not own_segments() and time.monotonic() < deadline:

@@ -91,6 +91,7 @@ from .._workers import (
     preload_pickler,
     resolve_context,
     starts_through_pythons_forkserver,
+    sweep_unclaimed,
     warn_more_workers_than_cpus,
 )
 from .._workers import WorkerPool as Processes
@@ -274,9 +275,7 @@ class _Held:
         self.processes.close()
         if self.let_go_server is not None:
             self.let_go_server()
-        for name in list(self.unclaimed_own):  # the workers are stopped: none makes one now
-            _shm.discard(name)
-        self.unclaimed_own.clear()
+        sweep_unclaimed(self.unclaimed_own)  # the workers are stopped: none makes one now
         if slots is not None:
             slots.close()
             self.slots = None

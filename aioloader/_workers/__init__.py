@@ -108,6 +108,7 @@ from ._pool import starts_through_pythons_forkserver as starts_through_pythons_f
 from ._pool import warn_more_workers_than_cpus as warn_more_workers_than_cpus
 from ._records import Payload as Payload
 from ._runner import ProcessRunner as ProcessRunner
+from ._wire import sweep_unclaimed as sweep_unclaimed
 from ._worker import WorkerCopy as WorkerCopy
 from ._worker import read_stream as read_stream
 from ._zygote import is_zygote as is_zygote
@@ -137,6 +138,7 @@ __all__ = [
     "sharding_seen",
     "starts_early",
     "starts_through_pythons_forkserver",
+    "sweep_unclaimed",
     "torch_on_one_thread",
     "watch_sharding",
     "worker_seed",

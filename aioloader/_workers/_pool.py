@@ -353,6 +353,12 @@ class WorkerPool:
             del self._retired[copy_id]
         retired.release()
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` began: jobs still running fail then, their workers not
+        yet stopped."""
+        return self._closed
+
     def pids(self) -> list[int]:
         """Pids of the worker processes started so far."""
         return [w.process.pid for w in self._workers if w.process is not None]

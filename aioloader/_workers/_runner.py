@@ -26,8 +26,8 @@ from .._types import BatchRequest, InlineMaking, Made, StreamRequest
 from ._frames import Packed
 from ._pool import WorkerPool
 from ._raw import Sender
-from ._records import MapJob, Payload, RawSlotError, StreamJob, running_tag
-from ._wire import Receiver
+from ._records import MapJob, OwnSlot, Payload, RawSlotError, StreamJob, running_tag
+from ._wire import Receiver, sweep_unclaimed
 from ._worker import run_map_job, run_stream_job
 
 __all__ = ["ProcessRunner"]
@@ -180,12 +180,17 @@ class ProcessRunner:
                 hang_after=self.timeout,
             )
         except BaseException as exc:
-            # An OwnSlot's name stays unclaimed: unlinked again at close (see __init__).
+            # An OwnSlot's name stays unclaimed until release() (now, or for a job given up,
+            # once its worker is done with it) or the close's sweep (see __init__).
             if isinstance(exc, asyncio.CancelledError):
                 raise  # on_abandon releases the slot once the worker is done with the job
             if not isinstance(exc, RawSlotError):
                 if release is not None:
                     release()
+                if isinstance(slot, OwnSlot) and not self.pool.closed:
+                    # Its worker answered or died: nothing to sweep. (Failed by a close, the
+                    # worker may still make it before it is stopped: the sweep's then.)
+                    self._receiver.settled(slot.name)
                 self._log_restarts(exc)
                 raise
             # The worker could not map the slot: the same request again, pickled.
@@ -231,6 +236,4 @@ class ProcessRunner:
     def close(self) -> None:
         """Stop every worker (blocking), then unlink what they made for abandoned jobs."""
         self.pool.close()
-        for name in self._unclaimed_own:
-            _shm.discard(name)
-        self._unclaimed_own.clear()
+        sweep_unclaimed(self._unclaimed_own)

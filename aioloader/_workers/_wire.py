@@ -78,6 +78,7 @@ __all__ = [
     "batch_nbytes",
     "from_wire",
     "inline",
+    "sweep_unclaimed",
     "to_wire",
 ]
 
@@ -298,9 +299,26 @@ class Receiver:
 
     def _drop_own(self, name: str) -> None:
         """An :class:`OwnSlot`'s job was given up: unlink what its worker may have made, and
-        give its reservation back."""
+        give its reservation back. The name stays unclaimed (a worker may still make it: the
+        close's sweep unlinks it then); unlinking twice is harmless (``discard`` tells the
+        tracker only of a segment it removed)."""
         _shm.discard(name)
         self._unreserve(name)
+
+    def settled(self, name: str) -> None:
+        """The job of :class:`OwnSlot` ``name`` is over and its worker done with it (it
+        answered, or died): after its release, the name need not be swept."""
+        self._unclaimed.discard(name)
+
+    def _claim(self, name: str) -> bool:
+        """Take ``name`` out of the unclaimed names; False if a sweep took it first (that
+        sweep unlinks the segment: only one of the two may, or the resource tracker is told
+        twice). Safe beside a sweep on another thread (``set.remove`` is one step)."""
+        try:
+            self._unclaimed.remove(name)
+        except KeyError:
+            return False
+        return True
 
     def _unreserve(self, name: str) -> int:
         reserved = self._reserved.pop(name, 0)
@@ -314,14 +332,19 @@ class Receiver:
         parcel: Parcel = made.batch
         self._batch_bytes = max(self._batch_bytes, parcel.nbytes)
         slot = leased if isinstance(leased, _shm.Slot) else None
-        if isinstance(leased, OwnSlot):
-            self._unclaimed.discard(leased.name)  # taken in: adopted or discarded below
+        # Taken in here (adopted or unlinked below), unless the pool's close swept the name
+        # first: the segment is gone then, and so is this batch's pool.
+        claimed = isinstance(leased, OwnSlot) and self._claim(leased.name)
         if isinstance(leased, OwnSlot) and parcel.own_slot is None:
             # Inline after all; a worker that made the segment and died (the job ran again
             # elsewhere, which found the name taken) left it behind.
-            _shm.discard(leased.name)
+            if claimed:
+                _shm.discard(leased.name)
             self._unreserve(leased.name)
         if parcel.own_slot is not None:
+            if not claimed:
+                self._unreserve(parcel.own_slot.name)
+                raise RuntimeError("the worker pool was closed")
             if self._slots is None:  # pragma: no cover - an OwnSlot is sent only with a pool
                 _shm.unlink(parcel.own_slot.name)
                 raise RuntimeError("a worker's segment came back to a loader without a pool")
@@ -362,6 +385,18 @@ class Receiver:
 
 # torch dtypes numpy has no equivalent for: such tensors travel as tensors.
 _NO_NUMPY = {"torch.bfloat16", "torch.float8_e4m3fn", "torch.float8_e5m2", "torch.complex32"}
+
+
+def sweep_unclaimed(names: set[str]) -> None:
+    """Unlink the segments named in ``names`` (a :class:`Receiver`'s unclaimed names), taking
+    each out first, so that a ``Receiver`` on another thread that would take one in or drop it
+    finds it gone and leaves it alone. Call it once the workers are stopped."""
+    while True:
+        try:
+            name = names.pop()
+        except KeyError:
+            return
+        _shm.discard(name)
 
 
 def to_wire(batch: Any) -> Any:
