@@ -323,7 +323,14 @@ async def test_a_copy_seen_done_before_its_staging_job_returned_keeps_no_batch(
 
     def slow_return(*args: Any) -> None:
         enqueue_into(*args)
-        time.sleep(0.05)  # the event is pushed (and fired): the completion thread goes first
+        time.sleep(0.2)  # the event is pushed (and fired): the completion thread goes first
+
+    completed_weak = stage_module.DeviceStage._completed_weak
+    calls = []
+
+    def counted(self: Any, *args: Any) -> None:
+        calls.append(1)
+        completed_weak(self, *args)
 
     run = pool_thread._WorkItem.run
 
@@ -332,6 +339,7 @@ async def test_a_copy_seen_done_before_its_staging_job_returned_keeps_no_batch(
         time.sleep(0.05)  # the waiter is awake; this thread still holds the work item
 
     monkeypatch.setattr(stage_module, "_enqueue_into", slow_return)
+    monkeypatch.setattr(stage_module.DeviceStage, "_completed_weak", counted)
     monkeypatch.setattr(pool_thread._WorkItem, "run", lingering)
     backend = ThreadFake(consumer_done=True, auto_fire=True)
     stage = DeviceStage("cuda", backend=backend)
@@ -344,6 +352,9 @@ async def test_a_copy_seen_done_before_its_staging_job_returned_keeps_no_batch(
             slots.add(storage_of(out))
             del out
         assert len(slots) == 1
+        # At least one copy took that way: completed once on the notice, and again through
+        # the staging job's callback (once per copy otherwise).
+        assert len(calls) > 3
     finally:
         stage.close()
 
