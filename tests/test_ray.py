@@ -21,7 +21,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-from datasets import AsyncResumable, Resumable, keep, tar_keys, tar_sample, tar_shard
+from datasets import (
+    AsyncResumable,
+    Resumable,
+    keep,
+    parquet_bytes,
+    parquet_row,
+    tar_keys,
+    tar_sample,
+    tar_shard,
+)
 from helpers import as_lists
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -36,7 +45,7 @@ from aioloader import (
     get_worker_info,
     numpy_collate,
 )
-from aioloader.sources import TarDataset
+from aioloader.sources import ParquetDataset, TarDataset
 
 N = 24
 BATCH = 4
@@ -684,6 +693,51 @@ def test_async_streams_and_tar_shards_are_decoded_in_the_actors_and_resume_exact
     assert keys(head + tail) == full
     assert sorted(full) == tar_keys(4, lambda shard: 3 + shard)
     assert os.getpid() not in {s["pid"] for batch in head + tail for s in batch}  # in actors
+
+
+def test_parquet_rows_are_decoded_in_the_actors_in_local_workers_order_and_resume_there(
+    workers: RayWorkers, tmp_path: Path
+) -> None:
+    """A ``ParquetDataset`` (an async iterable one, shuffled): every row once, in the order two
+    local worker processes give; a state taken mid-epoch on actors resumes in local workers
+    with exactly the rest."""
+    rows = (5, 7, 3)
+    paths = []
+    for file, count in enumerate(rows):
+        path = tmp_path / f"part-{file}.parquet"
+        path.write_bytes(parquet_bytes(file, count, 3))  # row groups of 3 rows
+        paths.append(str(path))
+
+    def loader(**how: Any) -> DataLoader:
+        ds = ParquetDataset(paths, decode=parquet_row, shuffle=True, shuffle_buffer=4, seed=5)
+        return DataLoader(ds, batch_size=2, collate_fn=keep, **how)
+
+    def ids(batches: list[Any]) -> list[int]:
+        return [row["id"] for batch in batches for row in batch]
+
+    with loader(num_workers=2) as local:
+        expected = ids(list(local))
+    assert sorted(expected) == [f * 1000 + i for f, n in enumerate(rows) for i in range(n)]
+
+    async def on_actors(cut: int | None) -> tuple[list[Any], Any]:
+        # On a loop of its own (asyncio.run), whose file-reading threads end with it (the
+        # pool's own loop, that `for` would use, keeps them as long as the pool).
+        async with loader(workers=workers) as remote:
+            it = aiter(remote)
+            if cut is None:
+                return [batch async for batch in it], None
+            head = [await anext(it) for _ in range(cut)]
+            state = remote.state_dict()
+            await it.aclose()
+            return head, state
+
+    whole, _ = asyncio.run(on_actors(None))
+    head, state = asyncio.run(on_actors(3))
+    assert ids(whole) == expected
+    assert os.getpid() not in {row["pid"] for batch in whole + head for row in batch}
+    with loader(num_workers=2) as resumed:
+        resumed.load_state_dict(state)
+        assert ids(head) + ids(list(resumed)) == expected
 
 
 # -- async datasets in the actors -------------------------------------------------------------
