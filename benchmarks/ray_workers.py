@@ -7,12 +7,18 @@ collated into batches of about 1 MB (16 x 1x128x128) and 9.6 MB (16 x 3x224x224)
 - ``local``: ``DataLoader(num_workers=W)``: worker processes, batches in shared memory;
 - ``ray``: ``DataLoader(workers=RayWorkers(W))``: Ray actors, batches through the object store;
 - ``ray data``: ``ray.data.range(n).map_batches(...).iter_torch_batches(...)``, the tool a Ray
-  user would pick instead (unordered, and no resume; ``W`` tasks of ``--num-cpus`` each).
+  user would pick instead (unordered, and no resume; ``W`` tasks of ``--num-cpus`` each);
+- ``bare ray``: ``W`` plain Ray actors, one call per batch returning it (a numpy array, copied
+  out of the object store as the loader copies a tensor), two calls in flight per actor (the
+  loader's default prefetch), results taken in order: what one Ray call per batch costs
+  without the loader (no order kept across failures, no retries, no deadlines, no resume).
 
 Reported per batch size: samples/s of each (the best of ``--repeat`` epochs, after one warm-up
 epoch), the ratios ray/local and ray/ray-data, and the added p50 latency of one batch: the wall
 time per batch with one batch in flight at a time (``prefetch=1``, so nothing overlaps), ray's
-p50 minus local's.
+p50 minus local's. Then where the CPU went during the timed epochs of ``local`` and ``ray``, in
+ms per batch: the training process, the workers (worker processes or actors), and Ray's own
+processes (raylet with its object store, GCS, agents) on this machine.
 
     python benchmarks/ray_workers.py                 # a local Ray, started for the run
     python benchmarks/ray_workers.py --address host:6379 --workers 8
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -31,6 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+import psutil
 
 from aioloader import DataLoader, RayWorkers
 
@@ -78,6 +86,10 @@ class Row:
     data_sps: float
     local_p50_ms: float
     ray_p50_ms: float
+    bare_sps: float = 0.0
+    local_cpu_ms: dict[str, float] | None = None  # per batch: "main", "workers", "ray"
+    ray_cpu_ms: dict[str, float] | None = None
+    bare_cpu_ms: dict[str, float] | None = None
 
     @property
     def vs_local(self) -> float:
@@ -88,17 +100,76 @@ class Row:
         return self.ray_sps / self.data_sps
 
 
-def timed_epochs(batches: Callable[[], Iterable[Any]], repeat: int) -> float:
-    """Samples/s of the best of ``repeat`` epochs, after one warm-up epoch."""
+def timed_epochs(
+    batches: Callable[[], Iterable[Any]], repeat: int, cpu: CpuProbe | None = None
+) -> float:
+    """Samples/s of the best of ``repeat`` epochs, after one warm-up epoch; ``cpu`` measures
+    the timed epochs."""
     best = 0.0
     for attempt in range(repeat + 1):
+        if attempt == 1 and cpu is not None:
+            cpu.begin()
         started, samples = time.perf_counter(), 0
         for batch in batches():
             samples += len(batch)
+            if cpu is not None and attempt:
+                cpu.batches += 1
         rate = samples / (time.perf_counter() - started)
         if attempt:
             best = max(best, rate)
+    if cpu is not None:
+        cpu.end()
     return best
+
+
+#: Names of Ray's own processes (besides its workers, whose titles begin with ``ray::``).
+RAY_PROCESSES = ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py", "runtime_env")
+
+
+class CpuProbe:
+    """CPU seconds (user + system) of this process, of the workers (``workers()``'s pids, or
+    this process's descendants that are not Ray's), and of Ray's processes on this machine,
+    between :meth:`begin` and :meth:`end`, per batch counted in ``batches``."""
+
+    def __init__(self, workers: Callable[[], Iterable[int]] | None = None) -> None:
+        self._workers = workers
+        self._start: dict[int, tuple[str, float]] = {}
+        self.batches = 0
+        self.ms_per_batch: dict[str, float] = {}
+
+    def _snapshot(self) -> dict[int, tuple[str, float]]:
+        me = psutil.Process()
+        workers = set(self._workers()) if self._workers is not None else set()
+        kids = {child.pid for child in me.children(recursive=True)}
+        out: dict[int, tuple[str, float]] = {}
+        for proc in psutil.process_iter(["pid", "name", "cmdline"]):
+            try:
+                pid, name = proc.info["pid"], proc.info["name"] or ""
+                cmd = " ".join(proc.info["cmdline"] or ())
+                if pid == me.pid:
+                    kind = "main"
+                elif pid in workers:
+                    kind = "workers"
+                elif name.startswith("ray::") or any(n in cmd for n in RAY_PROCESSES):
+                    kind = "ray"
+                elif pid in kids and self._workers is None:
+                    kind = "workers"
+                else:
+                    continue
+                times = proc.cpu_times()
+                out[pid] = (kind, times.user + times.system)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return out
+
+    def begin(self) -> None:
+        self._start, self.batches = self._snapshot(), 0
+
+    def end(self) -> None:
+        spent = {"main": 0.0, "workers": 0.0, "ray": 0.0}
+        for pid, (kind, seconds) in self._snapshot().items():
+            spent[kind] += seconds - self._start.get(pid, (kind, 0.0))[1]
+        self.ms_per_batch = {k: v / max(1, self.batches) * 1e3 for k, v in spent.items()}
 
 
 def p50_batch_ms(loader: DataLoader, batches: int) -> float:
@@ -120,9 +191,10 @@ def run_size(name: str, args: argparse.Namespace, pool: RayWorkers) -> Row:
     dataset = Images(args.samples, shape, args.work)
     local = DataLoader(dataset, batch_size=BATCH, num_workers=args.workers, persistent_workers=True)
     remote = DataLoader(dataset, batch_size=BATCH, workers=pool, persistent_workers=True)
+    local_cpu, ray_cpu = CpuProbe(), CpuProbe(lambda: pool.worker_pids)
     with local, remote:
-        local_sps = timed_epochs(lambda: local, args.repeat)
-        ray_sps = timed_epochs(lambda: remote, args.repeat)
+        local_sps = timed_epochs(lambda: local, args.repeat, local_cpu)
+        ray_sps = timed_epochs(lambda: remote, args.repeat, ray_cpu)
     one_local = DataLoader(
         Images(BATCH * (args.latency_batches + 2), shape, args.work),
         batch_size=BATCH,
@@ -152,21 +224,90 @@ def run_size(name: str, args: argparse.Namespace, pool: RayWorkers) -> Row:
             yield batch["x"]
 
     data_sps = timed_epochs(data_batches, args.repeat)
-    return Row(name, local_sps, ray_sps, data_sps, local_p50, ray_p50)
+
+    bare = [
+        ray.remote(num_cpus=args.num_cpus)(Bare).remote(shape, work)  # type: ignore[attr-defined]
+        for _ in range(args.workers)
+    ]
+    bare_pids = ray.get([actor.ready.remote() for actor in bare])
+
+    def bare_batches() -> Iterable[Any]:
+        starts = iter(range(0, n - n % BATCH, BATCH))
+        pending: list[Any] = []
+        while True:
+            while len(pending) < 2 * len(bare):
+                start = next(starts, None)
+                if start is None:
+                    break
+                actor = bare[start // BATCH % len(bare)]
+                pending.append(actor.make.remote(start, BATCH))
+            if not pending:
+                return
+            yield np.array(ray.get(pending.pop(0)))  # a copy of its own, as the loader's tensor
+
+    bare_cpu = CpuProbe(lambda: bare_pids)
+    bare_sps = timed_epochs(bare_batches, args.repeat, bare_cpu)
+    for actor in bare:
+        ray.kill(actor)
+    return Row(
+        name,
+        local_sps,
+        ray_sps,
+        data_sps,
+        local_p50,
+        ray_p50,
+        bare_sps,
+        local_cpu.ms_per_batch,
+        ray_cpu.ms_per_batch,
+        bare_cpu.ms_per_batch,
+    )
+
+
+class Bare:
+    """A plain Ray actor making the same batches, one call per batch (the ``bare ray`` run)."""
+
+    def __init__(self, shape: tuple[int, ...], work: int) -> None:
+        self.shape = shape
+        self.work = work
+
+    def ready(self) -> int:
+        """Placed and started: its pid."""
+        return os.getpid()
+
+    def make(self, start: int, size: int) -> np.ndarray[Any, Any]:
+        return np.stack([make_sample(i, self.shape, self.work) for i in range(start, start + size)])
 
 
 def table(rows: list[Row], workers: int) -> str:
     lines = [
         f"| batch | local workers={workers} (samples/s) | ray actors={workers} | ray / local | "
-        "ray data | ray / ray data | p50 per batch, local | added by ray |",
-        "|---|---|---|---|---|---|---|---|",
+        "ray data | ray / ray data | bare ray | bare ray / local | p50 per batch, local | "
+        "added by ray |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.size} | {r.local_sps:.0f} | {r.ray_sps:.0f} | {r.vs_local:.2f}x | "
-            f"{r.data_sps:.0f} | {r.vs_data:.2f}x | {r.local_p50_ms:.1f} ms | "
+            f"{r.data_sps:.0f} | {r.vs_data:.2f}x | {r.bare_sps:.0f} | "
+            f"{r.bare_sps / r.local_sps:.2f}x | {r.local_p50_ms:.1f} ms | "
             f"{r.ray_p50_ms - r.local_p50_ms:+.1f} ms |"
         )
+    lines += [
+        "",
+        "| batch | CPU ms per batch | training process | workers | Ray's processes | in all |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for what, cpu in (
+            ("local workers", r.local_cpu_ms),
+            ("ray actors", r.ray_cpu_ms),
+            ("bare ray", r.bare_cpu_ms),
+        ):
+            if cpu:
+                lines.append(
+                    f"| {r.size} | {what} | {cpu['main']:.1f} | {cpu['workers']:.1f} | "
+                    f"{cpu['ray']:.1f} | {sum(cpu.values()):.1f} |"
+                )
     return "\n".join(lines)
 
 
@@ -193,7 +334,10 @@ def main() -> None:
     if not ray.is_initialized():
         init: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
         if args.address is None:
-            init["num_cpus"] = max(args.workers, 1) * max(args.num_cpus, 1) + 1
+            # Logical CPUs for the pool's actors, Ray Data's tasks and the bare actors at once
+            # (each run uses only its own; the others idle), and one for the driver's tasks.
+            # Fewer left Ray Data one task at a time while the pool's actors held theirs.
+            init["num_cpus"] = 3 * max(args.workers, 1) * max(args.num_cpus, 1) + 1
             init["include_dashboard"] = False
         ray.init(address=args.address, **init)
     ray.data.DataContext.get_current().enable_progress_bars = False
