@@ -225,10 +225,8 @@ def run_size(name: str, args: argparse.Namespace, pool: RayWorkers) -> Row:
 
     data_sps = timed_epochs(data_batches, args.repeat)
 
-    bare = [
-        ray.remote(num_cpus=args.num_cpus)(Bare).remote(shape, work)  # type: ignore[attr-defined]
-        for _ in range(args.workers)
-    ]
+    bare_actor: Any = ray.remote(num_cpus=args.num_cpus)(Bare)
+    bare: list[Any] = [bare_actor.remote(shape, work) for _ in range(args.workers)]
     bare_pids = ray.get([actor.ready.remote() for actor in bare])
 
     def bare_batches() -> Iterable[Any]:
