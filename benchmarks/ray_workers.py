@@ -1,6 +1,6 @@
-"""Ray actors as workers against local worker processes, and against Ray Data, in one run.
+"""Ray actors as workers against local worker processes, Ray Data and bare Ray, in one run.
 
-The same pipeline three ways, at the same worker count (``--workers``): samples of float32
+The same pipeline four ways, at the same worker count (``--workers``): samples of float32
 images made by a CPU-bound per-sample transform (a decode stand-in, normalisation and a blur),
 collated into batches of about 1 MB (16 x 1x128x128) and 9.6 MB (16 x 3x224x224):
 
@@ -8,17 +8,19 @@ collated into batches of about 1 MB (16 x 1x128x128) and 9.6 MB (16 x 3x224x224)
 - ``ray``: ``DataLoader(workers=RayWorkers(W))``: Ray actors, batches through the object store;
 - ``ray data``: ``ray.data.range(n).map_batches(...).iter_torch_batches(...)``, the tool a Ray
   user would pick instead (unordered, and no resume; ``W`` tasks of ``--num-cpus`` each);
-- ``bare ray``: ``W`` plain Ray actors, one call per batch returning it (a numpy array, copied
-  out of the object store as the loader copies a tensor), two calls in flight per actor (the
-  loader's default prefetch), results taken in order: what one Ray call per batch costs
-  without the loader (no order kept across failures, no retries, no deadlines, no resume).
+- ``bare ray``: ``W`` plain (threaded) Ray actors, one call per batch returning it (a numpy
+  array, copied out of the object store as the loader copies a tensor), two calls in flight
+  per actor (the loader's default prefetch), results taken in order: what one Ray call per
+  batch costs without the loader (no retries, no deadlines, no resume, no statistics).
 
 Reported per batch size: samples/s of each (the best of ``--repeat`` epochs, after one warm-up
-epoch), the ratios ray/local and ray/ray-data, and the added p50 latency of one batch: the wall
-time per batch with one batch in flight at a time (``prefetch=1``, so nothing overlaps), ray's
-p50 minus local's. Then where the CPU went during the timed epochs of ``local`` and ``ray``, in
-ms per batch: the training process, the workers (worker processes or actors), and Ray's own
-processes (raylet with its object store, GCS, agents) on this machine.
+epoch), the ratios ray/local, ray/ray-data and bare-ray/local, and the added p50 latency of one
+batch: the wall time per batch with one batch in flight at a time (``prefetch=1``, so nothing
+overlaps), ray's p50 minus local's. Then where the CPU went during the timed epochs of
+``local``, ``ray`` and ``bare ray``, in ms per batch: the training process, the workers (worker
+processes or actors), and Ray's own processes (raylet with its object store, GCS, agents) on
+this machine. On a machine whose cores all run the batches, the ratio of samples/s cannot beat
+the inverse ratio of CPU per batch.
 
     python benchmarks/ray_workers.py                 # a local Ray, started for the run
     python benchmarks/ray_workers.py --address host:6379 --workers 8
@@ -225,7 +227,8 @@ def run_size(name: str, args: argparse.Namespace, pool: RayWorkers) -> Row:
 
     data_sps = timed_epochs(data_batches, args.repeat)
 
-    bare_actor: Any = ray.remote(num_cpus=args.num_cpus)(Bare)
+    # No logical CPU asked: they run beside the pool's idle actors, which hold theirs.
+    bare_actor: Any = ray.remote(num_cpus=0)(Bare)
     bare: list[Any] = [bare_actor.remote(shape, work) for _ in range(args.workers)]
     bare_pids = ray.get([actor.ready.remote() for actor in bare])
 
@@ -332,10 +335,11 @@ def main() -> None:
     if not ray.is_initialized():
         init: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
         if args.address is None:
-            # Logical CPUs for the pool's actors, Ray Data's tasks and the bare actors at once
-            # (each run uses only its own; the others idle), and one for the driver's tasks.
-            # Fewer left Ray Data one task at a time while the pool's actors held theirs.
-            init["num_cpus"] = 3 * max(args.workers, 1) * max(args.num_cpus, 1) + 1
+            # The pool's actors hold theirs for the whole run, so Ray Data runs in the one
+            # left. Given more logical CPUs (7 for 2 workers) it ran more tasks at once on
+            # the same cores and was slower (775-816 against 1194-1302 samples/s at 1 MB in
+            # alternating runs): this keeps its better setting.
+            init["num_cpus"] = max(args.workers, 1) * max(args.num_cpus, 1) + 1
             init["include_dashboard"] = False
         ray.init(address=args.address, **init)
     ray.data.DataContext.get_current().enable_progress_bars = False
