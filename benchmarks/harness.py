@@ -2,8 +2,9 @@
 
 - :func:`tree_pss_mb`: the PSS of this process and every descendant, read once (what a table
   reports "at the first batch" or "after the epoch");
-- :class:`PeakPss`: the largest such sum, sampled by a thread every :data:`PSS_INTERVAL_S`
-  (what a table reports as "peak");
+- :class:`PeakPss`: the largest such sum, sampled by a thread every :data:`PSS_INTERVAL_S` or
+  less often, so that the sampling takes at most :data:`PSS_CPU_SHARE` of a CPU from the loader
+  being measured (what a table reports as "peak");
 - :func:`run_child`: one case run by the benchmark's own script in a fresh interpreter (so one
   loader's workers and memory do not colour the next), its result the JSON document on the
   last line of its stdout.
@@ -18,11 +19,16 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
-# Sampling PSS reads /proc/PID/smaps_rollup of every process: cheap at this interval, but at
-# 20 ms it took a visible share of the 2 CPUs from the loaders being measured.
+# Sampling PSS reads /proc/PID/smaps_rollup of every process, which walks the page tables of
+# all its mappings: 12-15 ms a process once torch is imported (~560 mappings). Sampled every
+# 100 ms regardless, twice over (with and without files), it took 77 ms of CPU per 100 ms: 0.4
+# of a core, from the loaders being measured on 2 cores. Now one read per process a sample,
+# and the interval grows so the sampler takes at most PSS_CPU_SHARE of a CPU.
 PSS_INTERVAL_S = 0.1
+PSS_CPU_SHARE = 0.05
 
 
 def tree_pss_bytes(*, without_files: bool = False) -> int:
@@ -30,18 +36,23 @@ def tree_pss_bytes(*, without_files: bool = False) -> int:
     anonymous memory and shared memory (``Pss_Anon + Pss_Shmem``), without file-backed pages
     (shared libraries above all: the same code for every loader, whose share of the pages
     depends on what else runs on the machine, which moved the totals by 200 MB here)."""
+    whole, own = tree_pss_both()
+    return own if without_files else whole
+
+
+def tree_pss_both() -> tuple[int, int]:
+    """``(PSS, PSS without file-backed pages)`` of this process and every descendant, in
+    bytes, from one read of each process's ``smaps_rollup``."""
     import psutil
 
     me = psutil.Process()
-    total = 0
+    whole = own = 0
     for p in [me, *me.children(recursive=True)]:
         with contextlib.suppress(OSError, psutil.Error):
             rollup = _rollup(p.pid)
-            if without_files:
-                total += rollup.get("Pss_Anon", 0) + rollup.get("Pss_Shmem", 0)
-            else:
-                total += rollup.get("Pss", 0)
-    return total
+            whole += rollup.get("Pss", 0)
+            own += rollup.get("Pss_Anon", 0) + rollup.get("Pss_Shmem", 0)
+    return whole, own
 
 
 def _rollup(pid: int) -> dict[str, int]:
@@ -70,17 +81,26 @@ class PeakPss:
     def __init__(self) -> None:
         self.peak = 0
         self.peak_own = 0
+        self.samples = 0
+        self.cpu_s = 0.0  # CPU the sampling took (its thread's)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _sample(self) -> None:
-        self.peak = max(self.peak, tree_pss_bytes())
-        self.peak_own = max(self.peak_own, tree_pss_bytes(without_files=True))
+    def _sample(self) -> float:
+        """Take a sample; returns the CPU seconds it took."""
+        started = time.thread_time()
+        whole, own = tree_pss_both()
+        self.peak = max(self.peak, whole)
+        self.peak_own = max(self.peak_own, own)
+        self.samples += 1
+        spent = time.thread_time() - started
+        self.cpu_s += spent
+        return spent
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._sample()
-            self._stop.wait(PSS_INTERVAL_S)
+            spent = self._sample()
+            self._stop.wait(max(PSS_INTERVAL_S, spent / PSS_CPU_SHARE))
 
     def __enter__(self) -> PeakPss:
         if self.enabled:
