@@ -162,6 +162,47 @@ def test_names_of_segments_for_failed_first_batches_are_let_go() -> None:
         assert runner._unclaimed_own == set()  # type: ignore[attr-defined]
 
 
+def test_a_sweep_interrupted_midway_leaves_its_name_for_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A second Ctrl-C lands in the close's sweep: a close called again (as the loader's is)
+    # must still unlink what the interrupted one had taken out of the names.
+    from aioloader._workers import _wire
+
+    name, _ = _shm.create_segment(1 << 16, _shm.SHM_DIR)
+    names = {name}
+    discard = _shm.discard
+    interrupted: list[str] = []
+
+    def once(n: str) -> None:
+        if not interrupted:
+            interrupted.append(n)
+            raise KeyboardInterrupt
+        discard(n)
+
+    monkeypatch.setattr(_shm, "discard", once)  # the module _wire calls it through
+    with pytest.raises(KeyboardInterrupt):
+        _wire.sweep_unclaimed(names)
+    assert names == {name}
+    _wire.sweep_unclaimed(names)  # the close, called again
+    assert names == set()
+    assert name not in own_segments()
+
+
+def test_names_of_first_batches_given_up_are_let_go_once_their_workers_are_done() -> None:
+    # Batches without array bytes lease an OwnSlot each; breaking out of an epoch gives up
+    # the ones in flight. Their workers finish them, and then the names go (they piled up
+    # until the pool closed, epoch after epoch).
+    with DataLoader(Range(64), batch_size=4, num_workers=2, collate_fn=list) as loader:
+        it = iter(loader)
+        next(it)
+        del it  # given up with batches in flight
+        assert sum(len(b) for b in loader) == 64  # the workers answered those jobs first
+        runner = loader._res.runner
+        assert runner is not None
+        assert runner._unclaimed_own == set()  # type: ignore[attr-defined]
+
+
 class SlowTiles(Tiles):
     """Tiles that take 50 ms each, and say in ``marker_dir`` that a worker began one."""
 

@@ -433,12 +433,20 @@ class WorkerPool:
                 if w.drops:
                     self._drop_released(w)
                 copy = self._copies.get(copy_id)
-                if copy is not None and w.loaded.get(copy_id) is not copy:
+                while copy is not None and w.loaded.get(copy_id) is not copy:
                     load = await copy.job()  # raises the TypeError of an unpicklable copy
+                    current = self._copies.get(copy_id)
+                    if current is not copy:
+                        # A newer copy was given while this one was pickled: that one, the
+                        # current, is what the job runs with (the older may be released).
+                        # Bounded: a copy is given once an epoch.
+                        copy = current
+                        continue
                     if w.loaded.get(copy_id) is not copy and w.generation == generation:
                         # Ahead of the job; its failures show in it, its hang in _reply.
                         w.load_job = channel.post(load_copy, load)
                         w.loaded[copy_id] = w.last_load = copy
+                    break
                 job_id, future = channel.send(fn, job)
                 result: R = await self._reply(w, generation, future)
                 if w.generation == generation:

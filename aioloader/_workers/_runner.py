@@ -15,6 +15,7 @@ carried fetched samples is the job's slot: the same rules hold for it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -152,6 +153,9 @@ class ProcessRunner:
             plan = self._sender.plan(request)  # fetched samples' bytes to send in the slot
         slot = await self._receiver.lease(plan.nbytes if plan is not None else 0)
         release = self._receiver.releaser(slot)
+        on_abandon = release
+        if isinstance(slot, OwnSlot) and release is not None:
+            on_abandon = functools.partial(self._abandoned_own, release, slot.name)
         tag = running_tag(self.copy_id, next(self._numbers))
         job: MapJob | StreamJob
         if isinstance(request, BatchRequest):
@@ -173,7 +177,7 @@ class ProcessRunner:
                 job,
                 batch_id=request.batch_id,
                 worker=worker,
-                on_abandon=release,
+                on_abandon=on_abandon,
                 resubmit_innocent=worker is None,
                 copy_id=self.copy_id,
                 tag=tag,
@@ -187,9 +191,11 @@ class ProcessRunner:
             if not isinstance(exc, RawSlotError):
                 if release is not None:
                     release()
-                if isinstance(slot, OwnSlot) and not self.pool.closed:
+                answered = isinstance(exc, Exception) and not self.pool.closed
+                if isinstance(slot, OwnSlot) and answered:
                     # Its worker answered or died: nothing to sweep. (Failed by a close, the
-                    # worker may still make it before it is stopped: the sweep's then.)
+                    # worker may still make it before it is stopped; interrupted here (Ctrl-C,
+                    # the coroutine closed), it may still run: the sweep's then.)
                     self._receiver.settled(slot.name)
                 self._log_restarts(exc)
                 raise
@@ -203,6 +209,14 @@ class ProcessRunner:
         if self.pool.rebuilds > self._restarts_logged:  # a worker died with nothing of ours
             self._log_restarts(None)
         return self._receiver.open(made, slot)
+
+    def _abandoned_own(self, release: Callable[[], None], name: str) -> None:
+        """A given-up job's OwnSlot, its worker done with it (``on_abandon``): unlinked, and
+        its name need not be swept, unless the pool is closing (then the channel lets the job
+        go before its worker is done, and the worker may still make the segment)."""
+        release()
+        if not self.pool.closed:
+            self._receiver.settled(name)
 
     def _log_restarts(self, error: BaseException | None) -> None:
         """Log worker replacements not logged yet, with the cause where it is known."""

@@ -396,7 +396,11 @@ def sweep_unclaimed(names: set[str]) -> None:
             name = names.pop()
         except KeyError:
             return
-        _shm.discard(name)
+        try:
+            _shm.discard(name)
+        except BaseException:  # interrupted (a second Ctrl-C): the next close sweeps it again
+            names.add(name)
+            raise
 
 
 def to_wire(batch: Any) -> Any:
