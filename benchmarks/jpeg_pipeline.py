@@ -23,7 +23,7 @@ two cores the decode is the bound, so each loader's rate is also shown as a shar
 The folder is made once (photo-like content: smooth colour fields with grain, 400-640 x 300-480
 px, ~100 KB at quality 90) under ``--cache`` (default ``~/.cache/aioloader-bench``).
 
-    python benchmarks/jpeg_pipeline.py                      # 1,024 files, ~3 minutes on 2 cores
+    python benchmarks/jpeg_pipeline.py                      # 1,024 files, ~1.5 minutes on 2 cores
     python benchmarks/jpeg_pipeline.py --files 4096 --epochs 3
     python benchmarks/jpeg_pipeline.py --quick              # the smoke test: tiny, seconds
 """
