@@ -67,8 +67,14 @@ def _warm_up() -> None:
     """Start the driver's lazily made threads now (an actor, a put, a reference awaited on a
     loop), before any test records its baseline of threads."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    @ray.remote(num_cpus=0)
+    # On this driver's own node: a test in another test process may have joined a node of
+    # its own and be killing it (the lost-node test), and an actor placed there died with it,
+    # failing this whole process's session (seen under load).
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+    @ray.remote(num_cpus=0, scheduling_strategy=here)  # type: ignore[call-overload]
     class Echo:
         async def echo(self, x: int) -> int:
             return x
