@@ -347,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=2, help="epochs per loader (>= 2)")
     parser.add_argument("--loaders", default=",".join(LOADERS))
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "aioloader-bench")
+    parser.add_argument(
+        "--ceiling-s",
+        type=float,
+        default=4.0,
+        help="seconds of decoding alone (and on every core) per ceiling measure (default 4)",
+    )
     parser.add_argument("--quick", action="store_true", help="the smoke test: 64 files, batch 16")
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
     parser.add_argument("--child", nargs=2, metavar=("LOADER", "BATCH"), help=argparse.SUPPRESS)
@@ -355,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         args.files, args.batch, args.epochs = 64, [16], 2
     if args.files < 1 or args.epochs < 2:
         parser.error(f"--files must be >= 1 and --epochs >= 2, got {args.files}, {args.epochs}")
+    if not args.ceiling_s > 0:
+        parser.error(f"--ceiling-s must be > 0, got {args.ceiling_s}")
     paths = ensure_folder(args.cache, args.files)
     if args.child:
         name, batch = args.child
@@ -374,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in chosen
         if n in MODULES and not installed(MODULES[n])
     }
-    ceil_s = "1" if args.quick else "4"
+    ceil_s = "1" if args.quick else str(args.ceiling_s)
     before = run_child([*common, "--child", "ceiling", ceil_s], 120)
     rows: list[dict[str, Any]] = []
     for batch in args.batch:

@@ -259,7 +259,7 @@ def test_jpeg_pipeline_smoke_reports_rates_cpu_memory_and_the_ceiling(tmp_path: 
     doc, table = run_json(
         "jpeg_pipeline.py",
         *("--files", "24", "--batch", "8", "--epochs", "2", "--cache", str(tmp_path)),
-        *("--loaders", "torch,aioloader"),
+        *("--loaders", "torch,aioloader", "--ceiling-s", "0.5"),
     )
     assert len(list((tmp_path / "jpeg-v1").glob("*.jpg"))) == 24  # the folder, made once
     assert doc["ceiling_img_s"] > 0

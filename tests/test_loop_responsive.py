@@ -2,14 +2,16 @@
 
 A dataset whose ``__getitem__`` blocks (``time.sleep``, standing in for a slow disk or a decoder)
 is loaded while a ticker coroutine on the same loop sleeps 5 ms at a time and records how late
-each wake-up is. All blocking work must happen off the loop (the helper thread, a thread pool),
-so the ticker's lag stays at scheduling noise: a single 50 ms read on the loop would show as a
-50 ms lag.
+each wake-up is. All blocking work must happen off the loop (the helper thread, a thread pool):
+no read runs on the loop's thread (the dataset records the threads it is read on), and the
+ticker keeps its pace (a 50 ms read on the loop would show as a 50 ms lag).
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
+import threading
 import time
 from typing import Any
 
@@ -20,11 +22,24 @@ from aioloader import DataLoader
 
 READ_S = 0.05  # each sample blocks its reader this long
 TICK_S = 0.005  # the ticker's period
-# Half a read: a read on the loop lags the ticker by a whole READ_S, and 20 of them would put
-# about a tenth of the ~200 ticks there, far above p99. Below it is scheduling noise, which on a
-# shared 2-core machine under load reaches ~20 ms (a 10 ms bound failed there, nothing blocking).
-MAX_P99_LAG_S = READ_S / 2
+# Half a read. Reads on the loop would block it for most of the ~1 s the reads take, so most
+# ticks would lag by about READ_S. The ticks' p99 is no measure of that here: on a shared
+# 2-core machine under load, scheduling alone put it at 40-54 ms with nothing on the loop
+# (fresh-clone CI runs); the median stays at scheduling noise.
+MAX_MEDIAN_LAG_S = READ_S / 2
 BOUND_S = 20.0
+
+
+class ReadOn(Slow):
+    """:class:`Slow`, recording the thread of every read (in this process: threads only)."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        super().__init__(n, delay)
+        self.threads: set[int] = set()
+
+    def __getitem__(self, index: int) -> int:
+        self.threads.add(threading.get_ident())
+        return super().__getitem__(index)
 
 
 def p99(values: list[float]) -> float:
@@ -67,9 +82,14 @@ async def _load_while_ticking(
 async def test_blocking_reads_never_block_the_loop(
     n: int, batch_size: int, kwargs: dict[str, Any]
 ) -> None:
-    items, lags = await _load_while_ticking(Slow(n, READ_S), batch_size, **kwargs)
+    dataset = ReadOn(n, READ_S)
+    items, lags = await _load_while_ticking(dataset, batch_size, **kwargs)
     assert items == list(range(n))
+    assert threading.get_ident() not in dataset.threads  # no read ran on the loop's thread
     # Blocking reads take n * READ_S / threads seconds; the ticker must have run all along.
     threads = kwargs.get("num_workers", 0) or 1
     assert len(lags) >= 0.5 * (n * READ_S / threads) / TICK_S
-    assert p99(lags) < MAX_P99_LAG_S, f"p99 lag {p99(lags) * 1e3:.1f} ms, max {max(lags) * 1e3:.1f}"
+    median = statistics.median(lags)
+    assert median < MAX_MEDIAN_LAG_S, (
+        f"median lag {median * 1e3:.1f} ms, p99 {p99(lags) * 1e3:.1f}, max {max(lags) * 1e3:.1f}"
+    )
