@@ -278,12 +278,9 @@ async def test_a_ring_batch_handed_over_after_close_is_tied_to_the_consumers_str
     assert tied[0][1].untyped_storage().data_ptr() == storage_of(out)
 
 
-async def test_the_stage_threads_finished_job_keeps_no_batch_while_its_thread_lingers(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # The thread that ran a job drops its work item (the job's arguments, its future) only a
-    # moment after the waiter woke: under load the next start came first, and a work item that
-    # held the batch (or the record that holds it) kept its slot from reuse.
+def linger_after_each_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pool threads hold their work item (the job's arguments, its future) 50 ms after each
+    job, past the moment its waiter woke."""
     import concurrent.futures.thread as pool_thread
 
     run = pool_thread._WorkItem.run
@@ -293,6 +290,11 @@ async def test_the_stage_threads_finished_job_keeps_no_batch_while_its_thread_li
         time.sleep(0.05)  # the waiter is awake; this thread still holds the work item
 
     monkeypatch.setattr(pool_thread._WorkItem, "run", lingering)
+
+
+async def slots_of_three_staged_batches() -> set[int]:
+    """Three large batches staged on the stage's thread one after another, each let go before
+    the next: the storages of the ring slots they got."""
     backend = ThreadFake(consumer_done=True, auto_fire=True)
     stage = DeviceStage("cuda", backend=backend)
     big = OFF_LOOP_STAGING_BYTES // 4  # float32 values: staged on the stage's thread
@@ -303,9 +305,19 @@ async def test_the_stage_threads_finished_job_keeps_no_batch_while_its_thread_li
             assert float(out["x"][0]) == float(i)
             slots.add(storage_of(out))
             del out
-        assert len(slots) == 1
     finally:
         stage.close()
+    return slots
+
+
+async def test_the_stage_threads_finished_job_keeps_no_batch_while_its_thread_lingers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The thread that ran a job drops its work item (the job's arguments, its future) only a
+    # moment after the waiter woke: under load the next start came first, and a work item that
+    # held the batch (or the record that holds it) kept its slot from reuse.
+    linger_after_each_job(monkeypatch)
+    assert len(await slots_of_three_staged_batches()) == 1
 
 
 async def test_a_copy_seen_done_before_its_staging_job_returned_keeps_no_batch(
@@ -315,8 +327,6 @@ async def test_a_copy_seen_done_before_its_staging_job_returned_keeps_no_batch(
     # has returned (its future not yet done): the stage then comes back once the future is
     # done, through a callback the future keeps. That callback, and the thread's work item that
     # still holds the future, must not keep the batch (and so its ring slot) once let go.
-    import concurrent.futures.thread as pool_thread
-
     import aioloader._device._stage as stage_module
 
     enqueue_into = stage_module._enqueue_into
@@ -332,31 +342,13 @@ async def test_a_copy_seen_done_before_its_staging_job_returned_keeps_no_batch(
         calls.append(1)
         completed_weak(self, *args)
 
-    run = pool_thread._WorkItem.run
-
-    def lingering(self: Any) -> None:
-        run(self)
-        time.sleep(0.05)  # the waiter is awake; this thread still holds the work item
-
     monkeypatch.setattr(stage_module, "_enqueue_into", slow_return)
     monkeypatch.setattr(stage_module.DeviceStage, "_completed_weak", counted)
-    monkeypatch.setattr(pool_thread._WorkItem, "run", lingering)
-    backend = ThreadFake(consumer_done=True, auto_fire=True)
-    stage = DeviceStage("cuda", backend=backend)
-    big = OFF_LOOP_STAGING_BYTES // 4  # float32 values: staged on the stage's thread
-    slots = set()
-    try:
-        for i in range(3):
-            out = await stage.start({"x": torch.full((big,), float(i))}, i).wait()
-            assert float(out["x"][0]) == float(i)
-            slots.add(storage_of(out))
-            del out
-        assert len(slots) == 1
-        # At least one copy took that way: completed once on the notice, and again through
-        # the staging job's callback (once per copy otherwise).
-        assert len(calls) > 3
-    finally:
-        stage.close()
+    linger_after_each_job(monkeypatch)
+    assert len(await slots_of_three_staged_batches()) == 1
+    # At least one copy took that way: completed once on the notice, and again through the
+    # staging job's callback (once per copy otherwise).
+    assert len(calls) > 3
 
 
 async def test_a_batch_staged_on_the_stages_thread_gives_its_slot_back_once_let_go() -> None:
