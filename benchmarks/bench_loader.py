@@ -13,7 +13,7 @@ Each case runs one warm-up epoch (workers start, shared memory is faulted in), t
 epochs; the best of ``--repeat`` interleaved runs counts. Both run with
 ``persistent_workers=True``: torch's workers start once, and aioloader's (which always stay)
 keep their dataset copy instead of loading a new one each epoch, as torch's would. Peak memory
-is the largest sum of PSS over the process and its children, sampled every 100 ms in a separate
+is the largest sum of PSS over the process and its children, sampled every 0.1-0.5 s in a separate
 one-epoch run (sampling costs CPU, so throughput runs do not sample).
 
 Other loaders run beside them with ``--loaders`` (``benchmarks/other_loaders.py``: torchdata,

@@ -2,9 +2,10 @@
 
 - :func:`tree_pss_mb`: the PSS of this process and every descendant, read once (what a table
   reports "at the first batch" or "after the epoch");
-- :class:`PeakPss`: the largest such sum, sampled by a thread every :data:`PSS_INTERVAL_S` or
-  less often, so that the sampling takes at most :data:`PSS_CPU_SHARE` of a CPU from the loader
-  being measured (what a table reports as "peak");
+- :class:`PeakPss`: the largest such sum, sampled by a thread every :data:`PSS_INTERVAL_S` to
+  :data:`PSS_MAX_INTERVAL_S`, spaced so that sampling takes about :data:`PSS_CPU_SHARE` of a
+  CPU from the loader being measured (what a table reports as "peak"); call
+  :meth:`PeakPss.sample` before closing a loader, so that its workers count at least once;
 - :func:`run_child`: one case run by the benchmark's own script in a fresh interpreter (so one
   loader's workers and memory do not colour the next), its result the JSON document on the
   last line of its stdout.
@@ -26,9 +27,11 @@ from typing import Any
 # all its mappings: 12-15 ms a process once torch is imported (~560 mappings). Sampled every
 # 100 ms regardless, twice over (with and without files), it took 77 ms of CPU per 100 ms: 0.4
 # of a core, from the loaders being measured on 2 cores. Now one read per process a sample,
-# and the interval grows so the sampler takes at most PSS_CPU_SHARE of a CPU.
+# and the interval grows so the sampler takes about PSS_CPU_SHARE of a CPU, up to
+# PSS_MAX_INTERVAL_S (so that a run of a few seconds is still sampled several times).
 PSS_INTERVAL_S = 0.1
-PSS_CPU_SHARE = 0.05
+PSS_MAX_INTERVAL_S = 0.5
+PSS_CPU_SHARE = 0.1
 
 
 def tree_pss_bytes(*, without_files: bool = False) -> int:
@@ -86,8 +89,9 @@ class PeakPss:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _sample(self) -> float:
-        """Take a sample; returns the CPU seconds it took."""
+    def sample(self) -> float:
+        """Take a sample now (before closing a loader: its workers and slots count); returns
+        the CPU seconds it took."""
         started = time.thread_time()
         whole, own = tree_pss_both()
         self.peak = max(self.peak, whole)
@@ -99,8 +103,8 @@ class PeakPss:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            spent = self._sample()
-            self._stop.wait(max(PSS_INTERVAL_S, spent / PSS_CPU_SHARE))
+            spent = self.sample()
+            self._stop.wait(min(PSS_MAX_INTERVAL_S, max(PSS_INTERVAL_S, spent / PSS_CPU_SHARE)))
 
     def __enter__(self) -> PeakPss:
         if self.enabled:
@@ -113,7 +117,7 @@ class PeakPss:
             self._thread.join()
             # A run shorter than the thread's first turn (torch's inline tiny epochs hold the
             # GIL throughout) would otherwise report no memory at all.
-            self._sample()
+            self.sample()
 
 
 def run_child(script: str, argv: list[str], what: str, timeout: float = 600) -> Any:

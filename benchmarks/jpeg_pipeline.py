@@ -274,8 +274,10 @@ def child(loader: str, paths: list[str], batch: int, epochs: int) -> dict[str, A
             stats = closer.statistics().epoch_stats
             result["verdict"] = f"{stats.bottleneck}: {stats.knob or 'no knob'}"
             result["hint"] = stats.hint
+        memory.sample()  # the workers and the batches' memory, before they go
         if closer is not None:
             closer.close()
+    result["pss_samples"] = memory.samples
     result["cold_img_s"] = images / cold_s
     result["warm_img_s"] = max(warm) if warm else None
     result["cold_cpu_ms"] = (cpu1 - cpu0) / images * 1e3
@@ -351,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         "--ceiling-s",
         type=float,
         default=4.0,
-        help="seconds of decoding alone (and on every core) per ceiling measure (default 4)",
+        help="seconds of decoding alone (and on every core) per ceiling measure (default 4; "
+        "--quick: 1)",
     )
     parser.add_argument("--quick", action="store_true", help="the smoke test: 64 files, batch 16")
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
@@ -382,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in chosen
         if n in MODULES and not installed(MODULES[n])
     }
-    ceil_s = "1" if args.quick else str(args.ceiling_s)
+    ceil_s = str(args.ceiling_s) if not args.quick or "--ceiling-s" in (argv or sys.argv) else "1"
     before = run_child([*common, "--child", "ceiling", ceil_s], 120)
     rows: list[dict[str, Any]] = []
     for batch in args.batch:

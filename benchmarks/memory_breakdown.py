@@ -3,7 +3,7 @@
 torch's ``DataLoader`` (its default start method, ``fork`` on Linux) and aioloader's (its
 default), 2 workers, ``persistent_workers=True`` both, two epochs of a large-batch case
 (64 x 3x224x224 uint8: 9.6 MB a batch) and a tiny one (Python ints, batch 256), each in a fresh
-interpreter. The peak PSS of the whole tree is sampled during the epochs every 100 ms
+interpreter. The peak PSS of the whole tree is sampled during the epochs every 0.1-0.5 s
 (``harness.PeakPss``: batches in flight count, torch's in its fresh segments, aioloader's in
 its slots); after them, for every process of the tree (the training process, the worker server, the
 workers, the resource tracker) it reports the PSS, split into anonymous memory (the heap:
@@ -36,7 +36,7 @@ if str(HERE) not in sys.path:
 from harness import run_child  # noqa: E402  (benchmarks/ is not a package)
 
 CASES = {"large": 64, "tiny": 256}  # case: batch size
-# Long enough for the peak sampler (every 100 ms) to see each epoch several times.
+# Long enough for the peak sampler (every 0.1-0.5 s) to see each epoch several times.
 LENGTH = {"large": 64 * 40, "tiny": 256 * 400}
 EPOCHS = 2
 

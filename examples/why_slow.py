@@ -5,9 +5,11 @@
     python examples/why_slow.py --case consumer    # the training step is slow: not the loader
     python examples/why_slow.py --case cpu         # the CPUs are full: no knob helps
 
-Each case runs one epoch with a setting that is too small, prints ``loader.statistics()`` (a
-table of the epoch and the total, then the bottleneck verdict), and runs the epoch again with
-the knob the verdict names turned up (``--no-fix`` skips that). With logging configured
+Each case runs one epoch with a setting that is too small (two for ``consumer`` and ``cpu``,
+whose verdict is of the second: the first one's start would weigh too much in so short an
+epoch), prints ``loader.statistics()`` (a table of the last epoch and the total, then the
+bottleneck verdict), and runs again with the knob the verdict names turned up (``--no-fix``
+skips that). With logging configured
 (``--log``), the loader also logs each epoch's verdict itself (``aioloader.epoch``, at INFO: an
 epoch this short is never a WARNING, see the README's Logging section).
 
@@ -111,7 +113,7 @@ def case_settings(case: str, n: int, fixed: bool) -> tuple[Any, dict[str, Any], 
 
 
 async def run(case: str, n: int, *, fixed: bool) -> aioloader.LoaderStatistics:
-    """One epoch of ``case``; its statistics."""
+    """One epoch of ``case`` (two for ``consumer`` and ``cpu``); the loader's statistics."""
     dataset, settings, step_s = case_settings(case, n, fixed)
     # The cpu case measures a second, warm epoch: the first one's start (workers importing
     # torch) would weigh more than its 10 ms per sample. So does the consumer case: its first

@@ -10,7 +10,6 @@ ticker keeps its pace (a 50 ms read on the loop would show as a 50 ms lag).
 from __future__ import annotations
 
 import asyncio
-import statistics
 import threading
 import time
 from typing import Any
@@ -22,11 +21,13 @@ from aioloader import DataLoader
 
 READ_S = 0.05  # each sample blocks its reader this long
 TICK_S = 0.005  # the ticker's period
-# Half a read. Reads on the loop would block it for most of the ~1 s the reads take, so most
-# ticks would lag by about READ_S. The ticks' p99 is no measure of that here: on a shared
-# 2-core machine under load, scheduling alone put it at 40-54 ms with nothing on the loop
-# (fresh-clone CI runs); the median stays at scheduling noise.
-MAX_MEDIAN_LAG_S = READ_S / 2
+# A tick that spans a 50 ms block of the loop lags by 45-50 ms: one such tick per block (the
+# ticker does not run meanwhile). A fixed bound on the ticks' p99 failed on a shared 2-core
+# machine under load with nothing on the loop (40-54 ms, fresh-clone CI runs): the ticks that
+# lag this long are counted instead, against the ticker alone just before, on the same
+# machine at the same moment, with two to spare (as a p99 of ~200 ticks allowed).
+BLOCKED_LAG_S = 0.8 * READ_S
+SPARE_TICKS = 2
 BOUND_S = 20.0
 
 
@@ -45,6 +46,21 @@ class ReadOn(Slow):
 def p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+async def _tick_alone(seconds: float) -> list[float]:
+    """The ticker's lags with nothing else on the loop, for ``seconds``."""
+    lags: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        started = time.perf_counter()
+        await asyncio.sleep(TICK_S)
+        lags.append(time.perf_counter() - started - TICK_S)
+    return lags
+
+
+def _blocked(lags: list[float]) -> int:
+    return sum(lag > BLOCKED_LAG_S for lag in lags)
 
 
 async def _load_while_ticking(
@@ -82,14 +98,19 @@ async def _load_while_ticking(
 async def test_blocking_reads_never_block_the_loop(
     n: int, batch_size: int, kwargs: dict[str, Any]
 ) -> None:
+    threads = kwargs.get("num_workers", 0) or 1
+    reads_s = n * READ_S / threads  # the blocking reads' time, spread over the threads
+    alone = await _tick_alone(reads_s)
     dataset = ReadOn(n, READ_S)
     items, lags = await _load_while_ticking(dataset, batch_size, **kwargs)
     assert items == list(range(n))
+    assert dataset.threads  # this very object was read (not a copy of it)
     assert threading.get_ident() not in dataset.threads  # no read ran on the loop's thread
-    # Blocking reads take n * READ_S / threads seconds; the ticker must have run all along.
-    threads = kwargs.get("num_workers", 0) or 1
-    assert len(lags) >= 0.5 * (n * READ_S / threads) / TICK_S
-    median = statistics.median(lags)
-    assert median < MAX_MEDIAN_LAG_S, (
-        f"median lag {median * 1e3:.1f} ms, p99 {p99(lags) * 1e3:.1f}, max {max(lags) * 1e3:.1f}"
+    assert len(lags) >= 0.5 * reads_s / TICK_S  # the ticker ran all along
+    # No stall of the loop (a read, or any blocking wait of the loader's own) beyond what the
+    # machine's scheduling alone gave the ticker a moment before.
+    assert _blocked(lags) <= _blocked(alone) + SPARE_TICKS, (
+        f"{_blocked(lags)} ticks lagged over {BLOCKED_LAG_S * 1e3:.0f} ms loading, "
+        f"{_blocked(alone)} with the ticker alone; p99 {p99(lags) * 1e3:.1f} ms, "
+        f"max {max(lags) * 1e3:.1f}"
     )

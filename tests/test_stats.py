@@ -586,8 +586,9 @@ def test_statistics_before_any_epoch_are_empty() -> None:
     ],
 )
 def test_the_why_slow_example_names_each_case(case: str, verdict: str) -> None:
-    # 128 samples: the consumer case's 16 steps of 20 ms dwarf the wait for its first batch (a
-    # helper thread starting), which at 8 steps was near a fifth of a loaded machine's epoch.
+    # 128 samples, 16 steps of 20 ms in the consumer case, whose verdict is of its second
+    # epoch: the first batch of the first waits for the loader's thread to start (a quarter
+    # of the epoch on a loaded machine, which then looked like too little prefetch).
     script = Path(__file__).resolve().parent.parent / "examples" / "why_slow.py"
     result = subprocess.run(
         [sys.executable, str(script), "--case", case, "--samples", "128", "--no-fix"],
