@@ -351,6 +351,27 @@ async def test_a_copy_seen_done_before_its_staging_job_returned_keeps_no_batch(
     assert len(calls) > 3
 
 
+async def test_the_completion_thread_keeps_no_batch_while_it_lingers_after_the_hand_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The completion thread hands a finished copy to the loop and returns: descheduled in
+    # between (under load), it still held the copy's record, and so the batch and its ring
+    # slot, while the loop had already woken the task and the user had let the batch go.
+    import threading
+
+    loop = asyncio.get_running_loop()
+    schedule = loop.call_soon_threadsafe
+
+    def then_linger(*args: Any, **kwargs: Any) -> Any:
+        handle = schedule(*args, **kwargs)
+        if threading.current_thread().name.startswith("aioloader-copy-done"):
+            time.sleep(0.1)  # the loop runs the callback meanwhile
+        return handle
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", then_linger)
+    assert len(await slots_of_three_staged_batches()) == 1
+
+
 async def test_a_batch_staged_on_the_stages_thread_gives_its_slot_back_once_let_go() -> None:
     backend = ThreadFake(consumer_done=True, auto_fire=True)
     stage = DeviceStage("cuda", backend=backend)

@@ -896,6 +896,10 @@ class DeviceStage:
             return
         record.completed_at = at
         loop = record.loop
+        # Let go of it before handing over: the loop may complete the copy, wake its task and
+        # the user drop the batch while this thread is still here (descheduled under load), and
+        # a strong reference held meanwhile kept the batch's ring slot from reuse.
+        del record
         if loop is not None:
             # A weak reference: a copy completed meanwhile (polled) and let go must not have
             # its batch, and so its ring slot, held by this callback until the loop runs it.
