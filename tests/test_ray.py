@@ -89,13 +89,28 @@ def init_worker(worker_id: int) -> None:
     _INIT["value"] = 100 + worker_id
 
 
+#: int64 values per sample of a large one: 64 KiB, so that a batch of :data:`BATCH` (256
+#: KiB) is past what travels inline, and an actor on this machine hands it over in a slot.
+LARGE = 8192
+
+
+class Large(Numbered):
+    """:class:`Numbered` with an ``image`` of 64 KiB per sample, all ``i``."""
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        sample = super().__getitem__(i)
+        sample["image"] = np.full(LARGE, i, dtype=np.int64)
+        return sample
+
+
 class HangsOnce:
     """Sample ``hang_at`` hangs for ever the first time it is read anywhere (a marker file says
-    it was), and reads at once after that."""
+    it was), and reads at once after that. Sample ``i`` is ``width`` times ``i``."""
 
-    def __init__(self, marker: str, hang_at: int) -> None:
+    def __init__(self, marker: str, hang_at: int, width: int = 1) -> None:
         self.marker = marker
         self.hang_at = hang_at
+        self.width = width
 
     def __len__(self) -> int:
         return N
@@ -104,7 +119,7 @@ class HangsOnce:
         if i == self.hang_at and not os.path.exists(self.marker):
             Path(self.marker).write_text("hung")
             time.sleep(3600)
-        return np.array([i])
+        return np.full(self.width, i)
 
 
 class FailsOn:
@@ -267,21 +282,76 @@ def test_actors_on_a_preprocessing_node_send_batches_across_object_stores(
     ray_cluster: str,
 ) -> None:
     """Actors that ask for the second node's resource run there only; their batches cross to
-    the head's object store, whole and in order; statistics name each actor's node."""
+    the head's object store, whole and in order; statistics name each actor's node. (Both
+    nodes run on this machine, so large batches would come in its shared memory: here they
+    may not, ``shm_max_bytes=0``.)"""
     import ray
 
     head = ray.get_runtime_context().get_node_id()
-    with RayWorkers(2, num_cpus=0, resources={"preprocess": 1}) as pool:
-        with DataLoader(Numbered(), batch_size=BATCH, workers=pool, in_order=True) as loader:
+    with RayWorkers(2, num_cpus=0, resources={"preprocess": 1}, shm_max_bytes=0) as pool:
+        with DataLoader(Large(), batch_size=BATCH, workers=pool, in_order=True) as loader:
             got = list(loader)
         stats = pool.statistics()
     assert indices(got) == list(range(N))
+    assert [b["image"][:, 0].tolist() for b in got] == [b["index"][:, 0].tolist() for b in got]
+    assert stats.live_shm_slots == 0
     nodes = {a.node_id for a in stats.actors}
     assert len(nodes) == 1
     assert head not in nodes
     assert sum(a.batches for a in stats.actors) == N // BATCH
     assert all(a.busy_s > 0 for a in stats.actors if a.batches)
     assert stats.worker_restarts == 0
+
+
+def test_actors_on_this_machine_hand_large_batches_over_in_its_shared_memory(
+    ray_cluster: str,
+) -> None:
+    """Once a batch's size is known, the actors (this machine's) collate into slots of the
+    training process's shared memory, as local workers do: the batches sent before the first
+    came back travel through the object store, every later one lives in a slot while the
+    consumer holds it; nothing falls back, no slot stays leased. The batches are local
+    workers' own; tensors are writable, numpy arrays read-only as from the object store."""
+    common: dict[str, Any] = {"batch_size": BATCH, "shuffle": True, "seed": 3, "prefetch": 2}
+    with DataLoader(Large(), num_workers=2, **common) as loader:
+        local = [list(loader) for _ in range(2)]
+    with (
+        RayWorkers(2, num_cpus=0) as pool,
+        DataLoader(Large(), workers=pool, persistent_workers=True, **common) as loader,
+    ):
+        for epoch in range(2):
+            got = list(loader)
+            held = pool.statistics().held_shm_slots
+            assert held >= len(got) - (2 if epoch == 0 else 0), (epoch, held)
+            for a, b in zip(got, local[epoch], strict=True):
+                for key in ("index", "draw", "image"):
+                    assert a[key].tolist() == b[key].tolist(), key
+            got[-1]["image"] += 1  # a tensor: writable
+            del got
+        stats = loader.statistics()
+        assert stats.shm_fallbacks == 0
+        after = pool.statistics()
+        assert after.leased_shm_slots == 0
+        with DataLoader(Large(), batch_size=BATCH, collate_fn=numpy_collate, workers=pool) as ld:
+            arrays = [b["image"] for b in ld]
+        assert pool.statistics().held_shm_slots >= len(arrays) - ld.prefetch
+        assert not any(a.flags.writeable for a in arrays)
+        with pytest.raises(ValueError, match="read-only"):
+            arrays[-1] += 1
+
+
+def test_shared_memory_can_be_left_out_and_batches_use_the_object_store(
+    ray_cluster: str,
+) -> None:
+    with pytest.raises(ValueError, match="shm_max_bytes"):
+        RayWorkers(1, shm_max_bytes=-1)
+    with (
+        RayWorkers(1, num_cpus=0, shm_max_bytes=0) as pool,
+        DataLoader(Large(), batch_size=BATCH, workers=pool) as loader,
+    ):
+        got = list(loader)
+        stats = pool.statistics()
+    assert indices(got) == list(range(N))
+    assert (stats.live_shm_slots, stats.shm_max_bytes) == (0, 0)
 
 
 def test_the_loaders_statistics_have_each_actors_figures_and_the_verdict_names_them(
@@ -387,13 +457,16 @@ def test_one_loader_iterated_with_for_then_async_for(workers: RayWorkers) -> Non
 # -- faults -----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("dataset", [Numbered, Large], ids=["object-store", "shared-memory"])
 def test_an_actor_killed_by_its_pid_mid_epoch_is_replaced_and_nothing_is_lost(
-    ray_cluster: str,
+    ray_cluster: str, dataset: type[Numbered]
 ) -> None:
+    """Also when its batch was being collated into a slot of this process's shared memory:
+    the slot comes back to the pool (none stays leased), and the batch is made again."""
     # No CPU reservation, as in the hung-actor test: the replacement is placed at once.
     with RayWorkers(2, num_cpus=0) as pool:
         loader = DataLoader(
-            Numbered(delay=0.05),
+            dataset(delay=0.05),
             batch_size=BATCH,
             workers=pool,
             max_retries=2,
@@ -409,15 +482,19 @@ def test_an_actor_killed_by_its_pid_mid_epoch_is_replaced_and_nothing_is_lost(
             stats = loader.statistics()
         after = pool.statistics()
     assert indices(got) == list(range(N))  # in order, each sample once
+    assert after.leased_shm_slots == 0
     assert stats.worker_restarts >= 1
     assert after.actors[0].restarts >= 1
     assert after.actors[0].pid != victim.pid
 
 
+@pytest.mark.parametrize("width", [1, LARGE], ids=["object-store", "shared-memory"])
 def test_a_hung_actor_is_killed_at_the_deadline_and_its_batch_re_run(
-    ray_cluster: str, tmp_path: Path
+    ray_cluster: str, tmp_path: Path, width: int
 ) -> None:
-    dataset = HangsOnce(str(tmp_path / "hung"), hang_at=9)
+    """Batch 4 hangs: it was sent once batch 0 came back, so large batches' went into a slot,
+    which comes back to the pool once the hung actor is killed."""
+    dataset = HangsOnce(str(tmp_path / "hung"), hang_at=17, width=width)
     # No CPU reservation: the replacement is placed at once even while the other test
     # processes' actors hold the shared cluster's CPUs (else it waits for one, up to its 120 s
     # start deadline, past this test's time limit, on a busy machine).
@@ -425,9 +502,12 @@ def test_a_hung_actor_is_killed_at_the_deadline_and_its_batch_re_run(
         RayWorkers(2, num_cpus=0) as pool,
         DataLoader(dataset, batch_size=BATCH, workers=pool, timeout=3, max_retries=1) as loader,
     ):
-        got = [int(i) for b in loader for i in b.ravel()]
+        got = [int(i) for b in loader for i in b[:, 0]]
         stats = loader.statistics()
+        after = pool.statistics()
     assert got == list(range(N))
+    assert after.leased_shm_slots == 0
+    assert (after.live_shm_slots > 0) == (width == LARGE)
     assert stats.timeouts == 1
     assert stats.retries == 1
     assert stats.worker_restarts == 1

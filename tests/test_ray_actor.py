@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,8 +26,10 @@ from aioloader._batch import BatchMaker
 from aioloader._ray._actor import ActorCopy, Failed, LoaderActor, TurnTable
 from aioloader._ray._fleet import MAX_START_ROUNDS, ActorRecord, Fleet, SlotFigures
 from aioloader._ray._runner import RayRunner
+from aioloader._ray._wire import in_parcel, shm_key
+from aioloader._shm import Slot, SlotPool
 from aioloader._types import END, BatchRequest, Made, StreamRequest
-from aioloader._workers import dumps_payload
+from aioloader._workers import Packer, dumps_payload
 
 BATCH = 2
 #: Seconds a pull may take at most here (a bound against a hang; they take milliseconds).
@@ -133,7 +136,8 @@ class ReadyRef:
     fresh wait, as with a Ray ObjectRef), resolved when the actor comes up."""
 
     def __init__(self) -> None:
-        self.up: asyncio.Future[tuple[int, str, str]] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self.up: asyncio.Future[tuple[int, str, str, str | None]] = loop.create_future()
 
     def __await__(self) -> Any:
         return asyncio.shield(self.up).__await__()
@@ -147,7 +151,7 @@ async def test_an_actor_not_up_by_the_start_deadline_is_waited_for_again_by_the_
     record = ActorRecord(0, handle=None, ready_ref=ref)
     with pytest.raises(WorkerInitError, match="not placed and started within start_timeout"):
         await fleet.ready(record)
-    ref.up.set_result((1234, "node", "host"))
+    ref.up.set_result((1234, "node", "host", None))
     await fleet.ready(record)
     assert (record.pid, record.node, record.host) == (1234, "node", "host")
 
@@ -164,7 +168,7 @@ async def test_a_batch_takes_whichever_actor_comes_up_first() -> None:
     for _ in range(10):
         await asyncio.sleep(0)
     assert not picked.done()
-    refs[1].up.set_result((2, "node", "host"))  # slot 1 comes up; slot 0 never does
+    refs[1].up.set_result((2, "node", "host", None))  # slot 1 comes up; slot 0 never does
     record = await asyncio.wait_for(picked, PULL_S)
     assert (record.slot, record.pid) == (1, 2)
     refs[0].up.cancel()  # (its wait, left running in the fleet, ends)
@@ -239,10 +243,10 @@ class StartingRay:
     ) -> tuple[list[Any], list[Any]]:
         return list(refs), []
 
-    def get(self, ref: Any) -> tuple[int, str, str]:
+    def get(self, ref: Any) -> tuple[int, str, str, str | None]:
         if ref.dies:
             raise self.exceptions.RayActorError()
-        return 42, "node", "host"
+        return 42, "node", "host", None
 
     def kill(self, handle: Any, no_restart: bool = True) -> None:
         self.killed += 1
@@ -309,11 +313,11 @@ class LosingRay:
             def __init__(self) -> None:
                 ray.made += 1
                 self.number = ray.made
-                self.ready = Method(lambda: Call((100 + self.number, "node", "host")))
+                self.ready = Method(lambda: Call((100 + self.number, "node", "host", None)))
                 self.load = Method(lambda *args: Call())
                 self.make = Method(self._make)
 
-            def _make(self, copy_id: int, request: BatchRequest) -> Call:
+            def _make(self, copy_id: int, request: BatchRequest, slot: None) -> Call:
                 if self.number == 1:
                     lost = ray.exceptions.ObjectLostError("ab" * 14, None, "make")
                     return Call(error=lost)
@@ -357,3 +361,164 @@ async def test_a_batch_lost_with_its_node_is_its_actors_death_and_runs_again(
     made = await asyncio.wait_for(runner.start_make(request), PULL_S)
     assert np.asarray(made.batch).tolist() == [0, 1]
     assert fleet.pids() == (102,)
+
+
+# -- batches in this machine's shared memory -------------------------------------------------
+
+#: A batch's values: 128 KiB of int64, past what travels inline, so a slot is leased for it.
+SLOT_BATCH = 16384
+
+
+class SlotRay:
+    """Stands for the ``ray`` module under :class:`RayRunner`: one actor on this machine (its
+    ``ready`` gives this process's ``/dev/shm`` key), whose ``make`` hands each call's future
+    to ``answer(request, slot, future)`` to complete; ``slots`` records the slot of each call."""
+
+    def __init__(self, answer: Callable[[BatchRequest, Any, concurrent.futures.Future[Any]], None]):
+        self.answer = answer
+        self.slots: list[Any] = []
+
+    def remote(self, cls: type) -> Any:
+        ray = self
+
+        class Call:
+            def __init__(self, future: concurrent.futures.Future[Any]) -> None:
+                self._future = future
+
+            def __await__(self) -> Any:
+                return asyncio.wrap_future(self._future).__await__()
+
+            def future(self) -> concurrent.futures.Future[Any]:
+                return self._future
+
+        def done(value: Any) -> Call:
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            future.set_result(value)
+            return Call(future)
+
+        class Method:
+            def __init__(self, call: Callable[..., Call]) -> None:
+                self.remote = call
+
+        class Handle:
+            def __init__(self) -> None:
+                self.ready = Method(lambda: done((4242, "node", "host", shm_key())))
+                self.load = Method(lambda *args: done(None))
+                self.make = Method(self._make)
+
+            def _make(self, copy_id: int, request: BatchRequest, slot: Any) -> Call:
+                ray.slots.append(slot)
+                future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+                ray.answer(request, slot, future)
+                return Call(future)
+
+        class Made_:
+            @staticmethod
+            def options(**options: Any) -> Any:
+                return Made_
+
+            @staticmethod
+            def remote(*args: Any) -> Handle:
+                return Handle()
+
+        return Made_
+
+    def put(self, data: bytes) -> bytes:
+        return data
+
+
+def slot_batch(request: BatchRequest) -> np.ndarray[Any, Any]:
+    return np.full(SLOT_BATCH, request.batch_id, dtype=np.int64)
+
+
+@pytest.fixture
+def slot_pool() -> Iterator[SlotPool]:
+    pool = SlotPool(64 << 20)
+    yield pool
+    pool.close()
+
+
+async def test_an_actor_that_cannot_map_this_machines_slots_sends_its_batches_through_the_store(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, slot_pool: SlotPool
+) -> None:
+    """An actor whose ``/dev/shm`` looked like this process's but is another (it cannot map a
+    slot that exists here): that batch comes inline, whole; a warning names the actor; its
+    later batches are sent without a slot; the slot stays in the pool, free (not forgotten as
+    a vanished segment would be)."""
+
+    def answer(request: BatchRequest, slot: Any, future: concurrent.futures.Future[Any]) -> None:
+        if slot is None:
+            future.set_result(Made(batch=slot_batch(request)))
+            return
+        elsewhere = Packer(Slot(f"{slot.name}_elsewhere", slot.size))  # not in its /dev/shm
+        future.set_result(Made(batch=in_parcel(elsewhere.pack(slot_batch(request)))))
+
+    ray = SlotRay(answer)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    runner = RayRunner(Fleet(1, {}, start_timeout=60), 1, lambda: None, slots=slot_pool)
+    runner.load(lambda: b"copy", 0, 0)
+    with caplog.at_level(logging.WARNING, logger="aioloader"):
+        for batch_id in range(3):
+            request = BatchRequest(0, batch_id, [batch_id])
+            made = await asyncio.wait_for(runner.start_make(request), PULL_S)
+            assert np.array_equal(made.batch, slot_batch(request))
+    assert [slot is None for slot in ray.slots] == [True, False, True]
+    assert "cannot map this process's shared memory" in caplog.text
+    assert "Ray actor 0 (pid 4242" in caplog.text
+    stats = slot_pool.stats()
+    assert (stats.slots, stats.free, stats.leased) == (1, 1, 0)
+    assert runner.shm_fallbacks == 0  # the slot was there: not a fallback of the pool's
+
+
+async def test_a_given_up_batchs_slot_goes_back_once_its_actor_answered(
+    monkeypatch: pytest.MonkeyPatch, slot_pool: SlotPool
+) -> None:
+    """The task waiting for a batch is cancelled (a deadline, a closed epoch) while its actor
+    collates into the slot: the slot stays leased until the actor answers, then goes back;
+    the next batch is opened from a slot, zero-copy, read-only numpy."""
+    pending: list[tuple[BatchRequest, Any, concurrent.futures.Future[Any]]] = []
+
+    def answer(request: BatchRequest, slot: Any, future: concurrent.futures.Future[Any]) -> None:
+        if slot is None:
+            future.set_result(Made(batch=slot_batch(request)))
+        else:
+            pending.append((request, slot, future))
+
+    def collate_into(
+        request: BatchRequest, slot: Any, future: concurrent.futures.Future[Any]
+    ) -> None:
+        packer = Packer(slot)
+        future.set_result(Made(batch=in_parcel(packer.pack(slot_batch(request)))))
+
+    monkeypatch.setitem(sys.modules, "ray", SlotRay(answer))
+    runner = RayRunner(Fleet(1, {}, start_timeout=60), 1, lambda: None, slots=slot_pool)
+    runner.load(lambda: b"copy", 0, 0)
+    await asyncio.wait_for(runner.start_make(BatchRequest(0, 0, [0])), PULL_S)
+    given_up = runner.start_make(BatchRequest(0, 1, [1]))
+    for _ in range(100):
+        if pending:
+            break
+        await asyncio.sleep(0.01)
+    assert len(pending) == 1
+    given_up.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await given_up
+    assert slot_pool.stats().leased == 1  # the actor may still write into it
+    collate_into(*pending.pop())
+    for _ in range(100):
+        if slot_pool.stats().leased == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert (slot_pool.stats().leased, slot_pool.stats().free) == (0, 1)
+    kept = runner.start_make(BatchRequest(0, 2, [2]))
+    for _ in range(100):
+        if pending:
+            break
+        await asyncio.sleep(0.01)
+    collate_into(*pending.pop())
+    made = await asyncio.wait_for(kept, PULL_S)
+    assert np.array_equal(made.batch, np.full(SLOT_BATCH, 2))
+    assert not made.batch.flags.writeable
+    assert slot_pool.stats().held == 1
+    del made, kept  # (the task keeps its result)
+    assert slot_pool.stats().held == 0

@@ -27,6 +27,7 @@ from __future__ import annotations
 from ._consume import Epoch as Epoch
 from ._consume import EpochIterator as EpochIterator
 from ._plan import plan_for as plan_for
+from ._produce import nbytes_of as nbytes_of
 from ._resume import EpochBook as EpochBook
 from ._resume import deal_carried as deal_carried
 from ._resume import merge_states as merge_states

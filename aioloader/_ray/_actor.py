@@ -50,8 +50,10 @@ from typing import Any
 
 from .._batch import MAX_OPEN_STREAMS, BatchMaker, annotate, not_an_exit
 from .._errors import WorkerError, WorkerInitError
+from .._shm import Slot
 from .._types import END, BatchRequest, Made, SourceDataset, StreamRequest
 from .._workers import (
+    Packer,
     WorkerCopy,
     WorkerInfo,
     get_worker_info,
@@ -67,7 +69,7 @@ from .._workers import (
     watch_sharding,
     worker_seed,
 )
-from ._wire import as_arrays
+from ._wire import as_arrays, in_parcel, shm_key
 
 __all__ = ["ActorCopy", "Failed", "LoaderActor", "TurnTable"]
 
@@ -214,11 +216,14 @@ class LoaderActor:
         # with the seed in force the moment they arrive, as in a worker process.
         seed_on_import()
 
-    async def ready(self) -> tuple[int, str, str]:
-        """This actor's pid, node id and host name (for errors and statistics)."""
+    async def ready(self) -> tuple[int, str, str, str | None]:
+        """This actor's pid, node id and host name (for errors and statistics), and its
+        ``/dev/shm``'s :func:`~._wire.shm_key` (the same as the training process's: batches
+        may come back in its shared memory)."""
         import ray
 
-        return os.getpid(), ray.get_runtime_context().get_node_id(), socket.gethostname()
+        node = ray.get_runtime_context().get_node_id()
+        return os.getpid(), node, socket.gethostname(), shm_key()
 
     async def load(self, copy_id: int, payload: bytes, epoch: int, seed: int) -> None:
         """Make batches of ``copy_id`` with this copy from now on (drops the one before)."""
@@ -289,8 +294,11 @@ class LoaderActor:
         async with turned:
             turned.notify_all()
 
-    async def make(self, copy_id: int, request: BatchRequest) -> Made | Failed:
-        """Make the batch of ``request`` with copy ``copy_id``."""
+    async def make(
+        self, copy_id: int, request: BatchRequest, slot: Slot | None = None
+    ) -> Made | Failed:
+        """Make the batch of ``request`` with copy ``copy_id`` (into ``slot``, the training
+        process's shared memory, if one is given: see :mod:`._wire`)."""
         try:
             loaded = self._loaded(copy_id)
             started = time.perf_counter()
@@ -299,10 +307,9 @@ class LoaderActor:
                 request = await self._fetch(loaded, request, skipped)
             fetched_s = time.perf_counter() - started
             async with self._lock():
-                made = await asyncio.to_thread(self._make, copy_id, loaded, request)
+                made = await asyncio.to_thread(self._make, copy_id, loaded, request, slot)
             made.read_s += fetched_s
             made.skipped[:0] = skipped
-            made.batch = as_arrays(made.batch)
             return made
         except Exception as exc:
             annotate(exc, f"in {self._where()}, making batch {request.batch_id}")
@@ -310,9 +317,12 @@ class LoaderActor:
         except BaseException as exc:  # SystemExit from the dataset: not this actor's end
             return Failed(not_an_exit(exc, self._where(), request.batch_id))
 
-    async def pull(self, copy_id: int, request: StreamRequest, turn: int) -> Made | Failed:
+    async def pull(
+        self, copy_id: int, request: StreamRequest, turn: int, slot: Slot | None = None
+    ) -> Made | Failed:
         """Make the next batch of this actor's share of copy ``copy_id``'s stream (``END`` once
-        it ran out), as a worker process does (``aioloader._workers.read_stream``).
+        it ran out), as a worker process does (``aioloader._workers.read_stream``), into
+        ``slot`` if one is given (as :meth:`make`).
 
         ``turn`` numbers the pulls of one reading of the stream from 0 (its opening pull), in
         the order the runner sent them: they run in that order whatever order Ray starts them
@@ -343,13 +353,12 @@ class LoaderActor:
                 if loaded.stream is None:
                     raise WorkerInitError(f"{self._where()} holds copy {copy_id} as map data")
                 async with self._lock():
-                    made = await asyncio.to_thread(self._pull, copy_id, loaded, request)
+                    made = await asyncio.to_thread(self._pull, copy_id, loaded, request, slot)
                 ended = made.batch is END
             finally:
                 async with turned:
                     table.done(key, turn, ended=ended)
                     turned.notify_all()
-            made.batch = as_arrays(made.batch)
             return made
         except Exception as exc:
             annotate(exc, f"in the stream of {self._where()}, making batch {request.batch_id}")
@@ -357,7 +366,9 @@ class LoaderActor:
         except BaseException as exc:  # SystemExit from the dataset: not this actor's end
             return Failed(not_an_exit(exc, f"the stream of {self._where()}", request.batch_id))
 
-    def _pull(self, copy_id: int, loaded: _Loaded, request: StreamRequest) -> Made:
+    def _pull(
+        self, copy_id: int, loaded: _Loaded, request: StreamRequest, slot: Slot | None
+    ) -> Made:
         stream = loaded.stream
         assert stream is not None
         self._publish(copy_id, loaded)
@@ -371,7 +382,7 @@ class LoaderActor:
         of_samples = BatchRequest(
             request.epoch, request.batch_id, list(range(len(samples))), raw=samples
         )
-        made = loaded.copy.maker.make(of_samples)
+        made = _packed(loaded.copy.maker, of_samples, slot)
         made.read_s += pulled_s
         made.position = position
         made.order = order
@@ -390,11 +401,13 @@ class LoaderActor:
             publish_worker_info(loaded.info)
             self._active = copy_id
 
-    def _make(self, copy_id: int, loaded: _Loaded, request: BatchRequest) -> Made:
+    def _make(
+        self, copy_id: int, loaded: _Loaded, request: BatchRequest, slot: Slot | None
+    ) -> Made:
         self._publish(copy_id, loaded)
         if loaded.copy.per_batch_seeds:
             seed_everything(loaded.seed, request.epoch, request.batch_id)
-        return loaded.copy.maker.make(request)
+        return _packed(loaded.copy.maker, request, slot)
 
     async def _fetch(
         self, loaded: _Loaded, request: BatchRequest, skipped: list[tuple[int, str]]
@@ -472,6 +485,20 @@ class LoaderActor:
 
     def _where(self) -> str:
         return f"Ray actor {self._id} (pid {os.getpid()}, host {socket.gethostname()})"
+
+
+def _packed(maker: BatchMaker, request: BatchRequest, slot: Slot | None) -> Made:
+    """The batch of ``request`` as it goes back through Ray: collated into ``slot`` as a
+    local worker's (a :class:`~aioloader._workers.Parcel`), or with no slot its tensors as
+    :class:`~._wire.TensorLeaf` for the object store."""
+    if slot is None:
+        made = maker.make(request)
+        made.batch = as_arrays(made.batch)
+        return made
+    packer = Packer(slot)
+    made = maker.make(request, packer.alloc)
+    made.batch = in_parcel(packer.pack(made.batch))
+    return made
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,9 @@ class ActorRecord:
     pid: int | None = None
     node: str | None = None
     host: str | None = None
+    # Its /dev/shm's key (``_wire.shm_key``): the same as this process's, its batches may come
+    # back in this process's shared memory. Cleared if it could not map a slot after all.
+    shm_key: str | None = None
     jobs: list[Job] = field(default_factory=list)  # oldest first; a done job leaves
     loaded: dict[tuple[int, int], asyncio.Future[None]] = field(default_factory=dict)
     dead: bool = False
@@ -209,7 +212,7 @@ class Fleet:
                 if record.ready_ref not in done:
                     raise self._not_started(record)
                 try:
-                    record.pid, record.node, record.host = ray.get(record.ready_ref)
+                    record.pid, record.node, record.host, record.shm_key = ray.get(record.ready_ref)
                 except Exception as exc:
                     if not actor_died(exc):
                         raise
@@ -241,7 +244,7 @@ class Fleet:
     async def _ready(self, record: ActorRecord) -> None:
         try:
             async with asyncio.timeout(self.start_timeout):
-                record.pid, record.node, record.host = await record.ready_ref
+                record.pid, record.node, record.host, record.shm_key = await record.ready_ref
         except TimeoutError:
             # Not kept: the next job waits for it again, with a start deadline of its own (a
             # node with room may have come meanwhile); a kept failure failed every later job

@@ -7,13 +7,15 @@ is given (``DataLoader(..., workers=RayWorkers(...))``).
       │           local one it starts and stops)
       ├── Fleet (_fleet): num_actors actors, each with num_cpus / num_gpus / resources
       ├── one private event loop for every loader's `for` (LoopThread)
+    ├── one SlotPool (shm_max_bytes): the batches of actors on this machine come back in this
+    │   process's shared memory, as local workers' do (see _wire); the others' through Ray
       ├─ loader A ── RayRunner(copy_id=1): its own copy, seeds, prefetch, deadlines
       └─ loader B ── RayRunner(copy_id=2): likewise
 
 It is a :class:`~aioloader.WorkerPool` to the loader: the loader attaches to it as to a pool
 of worker processes (``attach``, ``loop``, ``closed``), gets a runner over it, and does all the
 rest (order, deadlines, retries, skips, resume, statistics) above the runner as for local
-workers. Nothing of the process pool's (processes, slots, a forkserver) is made.
+workers. Nothing else of the process pool's (processes, a forkserver) is made.
 
 Sharp edges:
 - Every kind of dataset: map-style ones (an async one is fetched inside the actors), an
@@ -22,7 +24,8 @@ Sharp edges:
   iterable one (read on the training process's loop, its samples sent to the actors to
   decode and collate).
 - The pool decides ``num_workers`` (its ``num_actors``), and ``multiprocessing_context``,
-  ``shm_max_bytes`` and ``start_timeout`` of its loaders: leave them out.
+  ``shm_max_bytes`` and ``start_timeout`` of its loaders: leave them out (``shm_max_bytes``
+  is the pool's own argument, as a shared :class:`~aioloader.WorkerPool`'s).
 - Closing the pool kills its actors; closing a loader only makes them forget its copy. A
   Ray connection the pool opened itself (no cluster joined before) is shut down with it.
 """
@@ -43,6 +46,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .. import _shm
 from .. import _validate as check
 from .._batch import BatchMaker
 from .._config import LoaderConfig
@@ -123,6 +127,11 @@ class RayWorkers(WorkerPool):
             per node, as far as they go), a ``NodeAffinitySchedulingStrategy`` (with
             ``soft=True`` a replacement goes elsewhere once that node is lost), a placement
             group's; None: Ray's default.
+        shm_max_bytes: the shared-memory budget (bytes, all loaders together) for the
+            batches of actors on this machine, which come back through this process's shared
+            memory as local workers' do, not through Ray's object store; None: a share of
+            ``/dev/shm`` (as a :class:`~aioloader.WorkerPool`'s); 0: every batch through the
+            object store.
 
     Raises:
         TypeError: an argument of the wrong type (named).
@@ -140,6 +149,7 @@ class RayWorkers(WorkerPool):
         start_timeout: float | None = None,
         runtime_env: Mapping[str, Any] | None = None,
         scheduling_strategy: Any = None,
+        shm_max_bytes: int | None = None,
     ) -> None:
         self.num_workers = self.num_actors = check.positive_int("num_actors", num_actors)
         self.num_cpus = check.finite_number("num_cpus", num_cpus, minimum=0)
@@ -152,10 +162,12 @@ class RayWorkers(WorkerPool):
             raise TypeError(f"runtime_env must be a mapping or None, got {runtime_env!r}")
         self.runtime_env = None if runtime_env is None else dict(runtime_env)
         self.start_timeout = check.seconds("start_timeout", start_timeout, positive=True)
-        # What a WorkerPool's loaders read of it: no processes are started from a context, no
-        # shared memory is used; a loader may only leave these out (or give the same).
+        # What a WorkerPool's loaders read of it: no processes are started from a context; a
+        # loader may only leave these out (or give the same).
         self.allow_fork = False
-        self.shm_max_bytes = None
+        if shm_max_bytes is not None:
+            shm_max_bytes = check.non_negative_int("shm_max_bytes", shm_max_bytes)
+        self.shm_max_bytes = shm_max_bytes
         self._context = multiprocessing.get_context("spawn")
         options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
         if self.resources:
@@ -171,7 +183,7 @@ class RayWorkers(WorkerPool):
         if scheduling_strategy is not None:
             options["scheduling_strategy"] = scheduling_strategy
         timeout = DEFAULT_START_TIMEOUT_S if self.start_timeout is None else self.start_timeout
-        self._state = _State(Fleet(self.num_actors, options, timeout))
+        self._state = _State(Fleet(self.num_actors, options, timeout), self.shm_max_bytes)
         self._ids = itertools.count(1)
         self._closer = weakref.finalize(self, _finalize, self._state)
 
@@ -219,6 +231,8 @@ class RayWorkers(WorkerPool):
         fleet = self._state.fleet
         with fleet.lock:
             records = list(fleet.records)
+        slots = self._state.slots
+        shm = slots.stats() if slots is not None else None
         actors = tuple(
             ActorStatistics(
                 id=slot,
@@ -237,11 +251,11 @@ class RayWorkers(WorkerPool):
             worker_pids=self.worker_pids,
             loaders=len(self._state.attached),
             worker_restarts=fleet.restarts,
-            live_shm_slots=0,
-            leased_shm_slots=0,
-            held_shm_slots=0,
-            shm_bytes=0,
-            shm_max_bytes=0,
+            live_shm_slots=shm.slots if shm is not None else 0,
+            leased_shm_slots=shm.leased if shm is not None else 0,
+            held_shm_slots=shm.held if shm is not None else 0,
+            shm_bytes=shm.bytes_total if shm is not None else 0,
+            shm_max_bytes=shm.max_bytes if shm is not None else 0,
             actors=actors,
         )
 
@@ -278,7 +292,13 @@ class RayWorkers(WorkerPool):
             self._state.fleet.start_all()
             copy_id = next(self._ids)
             self._state.attached.add(copy_id)
-            return RayRunner(self._state.fleet, copy_id, lambda: self._state.detach(copy_id))
+            return RayRunner(
+                self._state.fleet,
+                copy_id,
+                lambda: self._state.detach(copy_id),
+                slots=self._state.slot_pool(),
+                prefetch=config.prefetch,
+            )
 
     def loop(self) -> LoopThread:
         """The private event loop every ``for`` over the pool's loaders runs on."""
@@ -349,11 +369,25 @@ class _State:
     """What RayWorkers hold, apart from the object (so a finalizer can release it)."""
 
     fleet: Fleet
+    shm_max_bytes: int | None = None
+    slots: _shm.SlotPool | None = None
+    slots_made: bool = False
     attached: set[int] = dataclasses.field(default_factory=set)
     loop_thread: LoopThread | None = None
     own_runtime: bool = False  # this pool called ray.init: it shuts Ray down at close
     closed: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def slot_pool(self) -> _shm.SlotPool | None:
+        """The one slot pool, made at the first loader's attach (under the lock); None with
+        ``shm_max_bytes=0`` or no room in ``/dev/shm``. No segment is made before a batch of an
+        actor on this machine needs one."""
+        if not self.slots_made:
+            self.slots_made = True
+            cap = _shm.budget(self.shm_max_bytes) if _shm.shm_available() else 0
+            if cap > 0:
+                self.slots = _shm.SlotPool(cap, min_slot_bytes=min(cap, _shm.MIN_SLOT_BYTES))
+        return self.slots
 
     def detach(self, copy_id: int) -> None:
         with self.lock:
@@ -372,6 +406,9 @@ class _State:
         if loop_thread is not None:
             loop_thread.close()
         self.fleet.close()
+        slots, self.slots = self.slots, None
+        if slots is not None:
+            slots.close()  # the actors are killed: their views of it go with them
         if self.own_runtime:
             import ray
 

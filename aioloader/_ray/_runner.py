@@ -38,21 +38,25 @@ so a deadline still sees what the actor is busy with.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .. import _shm
 from .._batch import MAX_OPEN_STREAMS
+from .._epoch import nbytes_of
 from .._errors import WorkerCrashedError, WorkerInitError
 from .._log import workers_log
 from .._stats import WorkerFigures
 from .._threads import off_loop
 from .._types import BatchRequest, InlineMaking, Made, StreamRequest
+from .._workers import Parcel, Receiver, batch_nbytes
 from ._actor import Failed
 from ._fleet import ActorRecord, Fleet, Job, SlotFigures, actor_died, result_lost, succeeded
-from ._wire import opened, wire_nbytes
+from ._wire import opened, read_only, shm_key
 
 __all__ = ["MAX_START_DEATHS", "RayRunner"]
 
@@ -68,6 +72,9 @@ class RayRunner:
         fleet: the actors (a :class:`~aioloader.RayWorkers`'s).
         copy_id: this loader's dataset copy in the actors.
         on_close: called once when the runner is closed (the workers forget the loader).
+        slots: the pool's shared memory, for the batches of actors on this machine (None:
+            every batch through the object store).
+        prefetch: the loader's batches in flight (the share of ``slots`` each may take).
     """
 
     inline: InlineMaking | None = None  # every batch is an actor's
@@ -75,8 +82,19 @@ class RayRunner:
     #: loop (``aioloader._epoch``'s producer reads this).
     fetches = True
 
-    def __init__(self, fleet: Fleet, copy_id: int, on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        copy_id: int,
+        on_close: Callable[[], None],
+        *,
+        slots: _shm.SlotPool | None = None,
+        prefetch: int = 1,
+    ) -> None:
         self._fleet = fleet
+        self._slots = slots
+        self._receiver = None if slots is None else Receiver(slots, prefetch)
+        self._shm_key = shm_key()
         self.copy_id = copy_id
         self._on_close: Callable[[], None] | None = on_close
         self._make_payload: Callable[[], bytes] | None = None
@@ -103,7 +121,8 @@ class RayRunner:
 
     @property
     def shm_fallbacks(self) -> int:
-        return 0  # batches travel in Ray's object store
+        """Batches of actors on this machine that came inline for want of a slot."""
+        return 0 if self._receiver is None else self._receiver.fallbacks
 
     def start(self) -> None:
         """Make every actor and wait until each runs (blocking)."""
@@ -112,8 +131,8 @@ class RayRunner:
     def worker_pids(self) -> tuple[int, ...]:
         return self._fleet.pids()
 
-    def shm_stats(self) -> None:
-        return None
+    def shm_stats(self) -> _shm.ShmStats | None:
+        return None if self._slots is None else self._slots.stats()
 
     @property
     def has_copy(self) -> bool:
@@ -185,9 +204,10 @@ class RayRunner:
     async def _run(self, request: BatchRequest) -> Made:
         while True:
             record = await self._placed(self._fleet.pick, request, reopen=True)
-            job, awaited = self._submit(record, request, "make", request)
+            slot = await self._lease(record)
+            job, awaited = self._submit(record, request, slot, "make", request)
             try:
-                return await self._result(record, job, awaited, request)
+                return await self._result(record, job, awaited, request, slot)
             except _Innocent:
                 continue  # only queued on a dead actor: never made, so made elsewhere now
 
@@ -211,13 +231,14 @@ class RayRunner:
                 if record.dead:
                     raise self._lost_stream(record, request)
                 await self._placed(lambda: record, request, reopen=False)
-            job, awaited = self._submit(record, request, "pull", request, reading.turns)
+            slot = await self._lease(record)
+            job, awaited = self._submit(record, request, slot, "pull", request, reading.turns)
             reading.turns += 1
         finally:
             if not sent.done():
                 sent.set_result(None)
         try:
-            return await self._result(record, job, awaited, request)
+            return await self._result(record, job, awaited, request, slot)
         except _Innocent:
             raise self._lost_stream(record, request) from None
 
@@ -275,11 +296,40 @@ class RayRunner:
                     del self._placing[id(request)]
             return record
 
+    async def _lease(self, record: ActorRecord) -> _shm.Slot | None:
+        """A slot of this process's shared memory for ``record``'s next batch, or None (the
+        object store): the actor maps this machine's ``/dev/shm``, and a batch came back
+        already (its size known; the first batches travel through the object store)."""
+        receiver = self._receiver
+        if receiver is None or not receiver.sized or record.shm_key is None:
+            return None
+        if record.shm_key != self._shm_key:
+            return None
+        slot = await receiver.lease()
+        return slot if isinstance(slot, _shm.Slot) else None  # sized: never an OwnSlot
+
+    def _release(self, slot: _shm.Slot | None) -> None:
+        """``slot`` back to the pool: its actor answered, or is gone (writes no more)."""
+        if slot is not None and self._slots is not None:
+            self._slots.release(slot)
+
+    def _release_when_done(self, awaited: asyncio.Future[Any], slot: _shm.Slot) -> None:
+        """``slot`` back to the pool once the job's actor answered or died, whichever comes
+        (its task gave up waiting). A reply never read (the loop closed first) leaves the
+        slot leased: the pool's close unlinks it."""
+
+        def done(future: asyncio.Future[Any]) -> None:
+            if not future.cancelled():
+                self._release(slot)
+
+        awaited.add_done_callback(done)
+
     def _submit(
-        self, record: ActorRecord, request: Any, method: str, *args: Any
+        self, record: ActorRecord, request: Any, slot: _shm.Slot | None, method: str, *args: Any
     ) -> tuple[Job, asyncio.Future[Any]]:
         """Send the job to ``record``'s actor (synchronously: the call order is the order
-        Ray delivers them in); the future of its result."""
+        Ray delivers them in), with ``slot`` for its batch; the future of its result. If this
+        raises, the slot is back in the pool."""
         job = Job(record)
         now = time.perf_counter()
         with self._fleet.lock:
@@ -288,9 +338,10 @@ class RayRunner:
             self._figures[record.slot].started(now)
         self._attempts[id(request)] = job
         try:
-            ref = getattr(record.handle, method).remote(self.copy_id, *args)
+            ref = getattr(record.handle, method).remote(self.copy_id, *args, slot)
             future = ref.future()
         except BaseException:
+            self._release(slot)
             self._fleet.finished(job)  # never sent: not running
             with self._fleet.lock:
                 self._fleet.figures[record.slot].ended(now)
@@ -304,14 +355,24 @@ class RayRunner:
         return job, awaited
 
     async def _result(
-        self, record: ActorRecord, job: Job, awaited: asyncio.Future[Any], request: Any
+        self,
+        record: ActorRecord,
+        job: Job,
+        awaited: asyncio.Future[Any],
+        request: Any,
+        slot: _shm.Slot | None,
     ) -> Made:
         """The job's :class:`Made`, opened and counted; the user's error raised as it is; a dead
         actor's culprit job as ``WorkerCrashedError``, one only queued there as
-        :class:`_Innocent`."""
+        :class:`_Innocent`. ``slot`` goes back to the pool but with the batch it holds."""
         try:
             result = await asyncio.shield(awaited)
+        except asyncio.CancelledError:
+            if slot is not None:
+                self._release_when_done(awaited, slot)
+            raise
         except Exception as exc:
+            self._release(slot)  # the actor answered (Ray's failure), or it is dead
             if not actor_died(exc):
                 self._fleet.finished(job)  # Ray failed it: not running
                 raise
@@ -338,17 +399,46 @@ class RayRunner:
                 fresh = self._fleet.figures[record.slot].ended(now)
                 mine_fresh = self._figures[record.slot].ended(now)
         if isinstance(result, Failed):
+            self._release(slot)
             raise result.error
-        return self._opened(record, result, fresh, mine_fresh)
+        return self._opened(record, result, fresh, mine_fresh, slot)
 
-    def _opened(self, record: ActorRecord, result: Made, fresh: float, mine_fresh: float) -> Made:
+    def _opened(
+        self,
+        record: ActorRecord,
+        result: Made,
+        fresh: float,
+        mine_fresh: float,
+        slot: _shm.Slot | None,
+    ) -> Made:
         busy = result.read_s + result.collate_s
         mine = self._figures[record.slot]
         with self._fleet.lock:
             self._fleet.figures[record.slot].add_batch(busy, fresh)
             mine.add_batch(busy, mine_fresh)
-        mine.bytes += wire_nbytes(result.batch)
-        result.batch = opened(result.batch)
+        parcel = result.batch
+        if not isinstance(parcel, Parcel):  # through the object store (or the END marker)
+            self._release(slot)
+            result.batch = opened(parcel)
+            if self._receiver is not None:  # the next batches of actors here come in slots
+                self._receiver.saw(batch_nbytes(result.batch))
+            mine.bytes += nbytes_of(result.batch)
+            return result
+        assert self._receiver is not None  # a parcel answers a slot, which needs the pool
+        if parcel.slot_vanished and slot is not None and _shm.segment_exists(slot.name):
+            # The slot is there, but not for the actor: its /dev/shm is another one after all
+            # (another mount namespace with the same key). Its batches use the object store.
+            record.shm_key = None
+            workers_log.warning(
+                "%s cannot map this process's shared memory (%s): its batches travel through "
+                "Ray's object store",
+                record.describe(),
+                parcel.slot_error,
+            )
+            result.batch = dataclasses.replace(parcel, slot_error="", slot_vanished=False)
+        result = self._receiver.open(result, slot)  # if this raises, the slot is free
+        result.batch = read_only(result.batch) if parcel.in_slot else opened(result.batch)
+        mine.bytes += nbytes_of(result.batch)
         return result
 
     def worker_figures(self) -> tuple[WorkerFigures, ...]:

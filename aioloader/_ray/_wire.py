@@ -22,18 +22,37 @@ The rule for read-only memory (the user's side of it is in ``docs/ray.md``):
 
 Why torch's own pickling is not used for tensors: it copies the bytes into the pickle stream
 (twice more: in and out), where a numpy view goes out of band.
+
+An actor on this machine (the same ``/dev/shm``: :func:`shm_key` matches) skips the object
+store once its loader knows how large a batch is: as a local worker, it collates straight into
+a slot of the pool's shared memory leased here, and Ray carries only the slot's descriptors
+(small enough to travel inside the call's reply)::
+
+    main:   Receiver.lease() ──slot──▶ make.remote(copy_id, request, slot)
+    actor:  Packer(slot): collate into the slot ──▶ Parcel of descriptors (in_slot), or the
+            batch inline (:func:`in_parcel`: its tensors as ``TensorLeaf``, as above)
+    main:   Receiver.open(): views of the slot; an inline parcel ──opened──▶ as above
+
+A Ray call costs the same either way; the object store's part of it (putting the batch in,
+getting it out, freeing it: raylet and plasma round trips) is most of the CPU a batch of a
+megabyte costs through Ray, and it is gone.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import os
 import sys
 from typing import Any
 
 import numpy as np
 
+from .. import _shm
 from .._tree import map_tree
+from .._workers import Parcel, from_wire
 
-__all__ = ["TensorLeaf", "as_arrays", "opened", "wire_nbytes"]
+__all__ = ["TensorLeaf", "as_arrays", "in_parcel", "opened", "read_only", "shm_key"]
 
 
 class TensorLeaf:
@@ -81,17 +100,39 @@ def opened(batch: Any) -> Any:
     return map_tree(batch, leaf)
 
 
-def wire_nbytes(batch: Any) -> int:
-    """Bytes of the arrays of ``batch`` as it arrived (before :func:`opened`), for statistics."""
-    total = 0
+def in_parcel(parcel: Parcel) -> Parcel:
+    """A local worker's ``parcel`` (the actor's :class:`~aioloader._workers.Packer` made it)
+    ready for Ray: a batch that came inline after all (tiny, or it did not fit its slot) has
+    its tensors as :class:`TensorLeaf`, since Ray may hand its arrays over read-only."""
+    if parcel.in_slot:
+        return parcel
+    return dataclasses.replace(parcel, tree=as_arrays(from_wire(parcel.tree)))
+
+
+def read_only(batch: Any) -> Any:
+    """``batch`` (opened from a slot) with its numpy arrays read-only, as they are when they
+    come through the object store: a user's code behaves the same wherever its actors run."""
 
     def leaf(value: Any) -> Any:
-        nonlocal total
-        if isinstance(value, TensorLeaf):
-            total += value.array.nbytes
-        elif isinstance(value, np.ndarray):
-            total += value.nbytes
+        if isinstance(value, np.ndarray):
+            value.flags.writeable = False
         return value
 
-    map_tree(batch, leaf)
-    return total
+    return map_tree(batch, leaf)
+
+
+@functools.cache
+def shm_key() -> str | None:
+    """What tells this machine's ``/dev/shm`` apart: the kernel's boot id and the tmpfs's
+    device and inode. Two processes with the same key map the same segments by name (actors
+    in another container of the same host, with a ``/dev/shm`` of their own, differ). None:
+    no shared memory here."""
+    if not _shm.shm_available():
+        return None
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+        st = os.stat(_shm.SHM_DIR)
+    except OSError:
+        return None
+    return f"{boot}:{st.st_dev}:{st.st_ino}"

@@ -106,8 +106,13 @@ from ._pool import DEFAULT_START_TIMEOUT_S as DEFAULT_START_TIMEOUT_S
 from ._pool import WorkerPool as WorkerPool
 from ._pool import starts_through_pythons_forkserver as starts_through_pythons_forkserver
 from ._pool import warn_more_workers_than_cpus as warn_more_workers_than_cpus
+from ._records import Parcel as Parcel
 from ._records import Payload as Payload
 from ._runner import ProcessRunner as ProcessRunner
+from ._wire import Packer as Packer
+from ._wire import Receiver as Receiver
+from ._wire import batch_nbytes as batch_nbytes
+from ._wire import from_wire as from_wire
 from ._wire import sweep_unclaimed as sweep_unclaimed
 from ._worker import WorkerCopy as WorkerCopy
 from ._worker import read_stream as read_stream
@@ -115,13 +120,18 @@ from ._zygote import is_zygote as is_zygote
 
 __all__ = [
     "DEFAULT_START_TIMEOUT_S",
+    "Packer",
+    "Parcel",
     "Payload",
     "ProcessRunner",
+    "Receiver",
     "WorkerCopy",
     "WorkerInfo",
     "WorkerPool",
+    "batch_nbytes",
     "dumps_copy",
     "dumps_payload",
+    "from_wire",
     "get_worker_info",
     "hold_server",
     "is_zygote",

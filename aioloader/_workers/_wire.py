@@ -225,6 +225,17 @@ class Receiver:
         self._reserved: dict[str, int] = {}
         self._unclaimed: set[str] = set() if unclaimed is None else unclaimed
 
+    @property
+    def sized(self) -> bool:
+        """Whether a batch came back already: leases are sized from the largest so far (before
+        that, :meth:`lease` gives an :class:`OwnSlot`)."""
+        return self._batch_bytes > 0
+
+    def saw(self, nbytes: int) -> None:
+        """A batch needing ``nbytes`` in a slot came back another way than :meth:`open` (Ray's
+        object store): later leases are sized for it."""
+        self._batch_bytes = max(self._batch_bytes, nbytes)
+
     async def lease(self, at_least: int = 0) -> _shm.Slot | OwnSlot | None:
         """A slot for the next batch (and for ``at_least`` bytes of fetched samples on their
         way to the worker); None sends it inline. Reuse is instant; creating a segment
