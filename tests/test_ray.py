@@ -651,6 +651,51 @@ def test_actors_read_a_stream_as_worker_processes_do(
     assert sorted(i for b in got for i in b) == list(range(STREAM_N))
 
 
+class LargeStream(Resumable):
+    """:class:`datasets.Resumable` whose item ``i`` is 64 KiB, all ``i``: its batches go in
+    slots from an actor on this machine."""
+
+    def __iter__(self) -> Iterator[Any]:
+        for i in super().__iter__():
+            yield np.full(LARGE, i, dtype=np.int64)
+
+
+def test_a_large_stream_comes_in_shared_memory_as_local_workers_read_it_and_resumes_exactly(
+    ray_cluster: str,
+) -> None:
+    """A stream's pulls go into slots too (once a batch came back): the batches and their
+    order are two local worker processes', and a state taken mid-epoch resumes exactly into
+    local workers."""
+
+    def loader(**how: Any) -> DataLoader:
+        return DataLoader(LargeStream(STREAM_N), batch_size=STREAM_BATCH, prefetch=2, **how)
+
+    def firsts(batches: list[Any]) -> list[list[int]]:
+        return [b[:, 0].tolist() for b in batches]
+
+    with loader(num_workers=2) as local:
+        expected = firsts(list(local))
+    with RayWorkers(2, num_cpus=0) as pool:
+        with loader(workers=pool) as remote:
+            got = list(remote)
+            assert pool.statistics().held_shm_slots >= len(got) - 2
+            assert firsts(got) == expected
+            del got
+            it = iter(remote)
+            taken = firsts([next(it) for _ in range(3)])
+            state = remote.state_dict()
+            del it
+        # The pulls given up with the iterator keep their slots until their actors answer
+        # (the closed loader's copy dropped, a pull waiting for its turn fails at once).
+        deadline = time.monotonic() + SLOW_BATCH_S
+        while pool.statistics().leased_shm_slots and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.statistics().leased_shm_slots == 0
+    with loader(num_workers=2) as resumed:
+        resumed.load_state_dict(state)
+        assert taken + firsts(list(resumed)) == expected
+
+
 @pytest.mark.parametrize(
     ("saved_on", "resumed_on"),
     [("actors", "local"), ("local", "actors"), ("actors", "actors")],

@@ -26,6 +26,7 @@ Sharp edges:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import threading
 import time
@@ -57,6 +58,7 @@ class Job:
     """One attempt at a batch on one actor."""
 
     record: ActorRecord
+    reply: concurrent.futures.Future[Any] | None = None  # its result's, once sent
 
 
 @dataclass(slots=True, eq=False)

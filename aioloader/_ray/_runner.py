@@ -38,6 +38,7 @@ so a deadline still sees what the actor is busy with.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import time
@@ -313,16 +314,20 @@ class RayRunner:
         if slot is not None and self._slots is not None:
             self._slots.release(slot)
 
-    def _release_when_done(self, awaited: asyncio.Future[Any], slot: _shm.Slot) -> None:
-        """``slot`` back to the pool once the job's actor answered or died, whichever comes
-        (its task gave up waiting). A reply never read (the loop closed first) leaves the
-        slot leased: the pool's close unlinks it."""
+    def _release_when_done(self, job: Job, slot: _shm.Slot) -> None:
+        """``slot`` back to the pool once ``job``'s actor answered or died, whichever comes
+        (its task gave up waiting): on Ray's thread, so also once the loop that sent it is
+        gone (the pool is thread-safe)."""
 
-        def done(future: asyncio.Future[Any]) -> None:
-            if not future.cancelled():
+        def done(reply: concurrent.futures.Future[Any]) -> None:
+            if not reply.cancelled():  # (a cancelled reply says nothing of the actor)
                 self._release(slot)
 
-        awaited.add_done_callback(done)
+        reply = job.reply
+        if reply is None:  # answered already (_done)
+            self._release(slot)
+        else:
+            reply.add_done_callback(done)  # at once if it is done by now
 
     def _submit(
         self, record: ActorRecord, request: Any, slot: _shm.Slot | None, method: str, *args: Any
@@ -339,7 +344,7 @@ class RayRunner:
         self._attempts[id(request)] = job
         try:
             ref = getattr(record.handle, method).remote(self.copy_id, *args, slot)
-            future = ref.future()
+            future = job.reply = ref.future()
         except BaseException:
             self._release(slot)
             self._fleet.finished(job)  # never sent: not running
@@ -369,7 +374,7 @@ class RayRunner:
             result = await asyncio.shield(awaited)
         except asyncio.CancelledError:
             if slot is not None:
-                self._release_when_done(awaited, slot)
+                self._release_when_done(job, slot)
             raise
         except Exception as exc:
             self._release(slot)  # the actor answered (Ray's failure), or it is dead
@@ -466,6 +471,7 @@ class RayRunner:
         the actor died (the fleet then needs the queue to name the culprit)."""
         if future.cancelled():
             return
+        job.reply = None  # answered (its callbacks hold the job: no cycle keeps the batch)
         error = future.exception()
         if error is None or not actor_died(error):
             self._fleet.finished(job)
