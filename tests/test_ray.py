@@ -461,8 +461,9 @@ def test_one_loader_iterated_with_for_then_async_for(workers: RayWorkers) -> Non
 def test_an_actor_killed_by_its_pid_mid_epoch_is_replaced_and_nothing_is_lost(
     ray_cluster: str, dataset: type[Numbered]
 ) -> None:
-    """Also when its batch was being collated into a slot of this process's shared memory:
-    the slot comes back to the pool (none stays leased), and the batch is made again."""
+    """Also when its batch was being collated into a slot of this process's shared memory (the
+    second epoch's batches all are, their size known): the batch is made again, no slot stays
+    leased, and the dead actor's is never leased again (it may write on as it dies)."""
     # No CPU reservation, as in the hung-actor test: the replacement is placed at once.
     with RayWorkers(2, num_cpus=0) as pool:
         loader = DataLoader(
@@ -471,8 +472,12 @@ def test_an_actor_killed_by_its_pid_mid_epoch_is_replaced_and_nothing_is_lost(
             workers=pool,
             max_retries=2,
             timeout=SLOW_BATCH_S,
+            persistent_workers=True,
         )
         with loader:
+            if dataset is Large:
+                assert indices(list(loader)) == list(range(N))
+                assert pool.statistics().live_shm_slots > 0
             it = iter(loader)
             got = [next(it)]
             victim = pool.statistics().actors[0]

@@ -27,7 +27,7 @@ from aioloader._ray._actor import ActorCopy, Failed, LoaderActor, TurnTable
 from aioloader._ray._fleet import MAX_START_ROUNDS, ActorRecord, Fleet, SlotFigures
 from aioloader._ray._runner import RayRunner
 from aioloader._ray._wire import in_parcel, shm_key
-from aioloader._shm import Slot, SlotPool
+from aioloader._shm import Slot, SlotPool, segment_exists
 from aioloader._types import END, BatchRequest, Made, StreamRequest
 from aioloader._workers import Packer, dumps_payload
 
@@ -375,8 +375,12 @@ class SlotRay:
     to ``answer(request, slot, future)`` to complete; ``slots`` records the slot of each call."""
 
     def __init__(self, answer: Callable[[BatchRequest, Any, concurrent.futures.Future[Any]], None]):
+        from ray import exceptions
+
+        self.exceptions = exceptions
         self.answer = answer
         self.slots: list[Any] = []
+        self.killed = 0
 
     def remote(self, cls: type) -> Any:
         ray = self
@@ -425,6 +429,9 @@ class SlotRay:
 
     def put(self, data: bytes) -> bytes:
         return data
+
+    def kill(self, handle: Any, no_restart: bool = True) -> None:
+        self.killed += 1
 
 
 def slot_batch(request: BatchRequest) -> np.ndarray[Any, Any]:
@@ -522,3 +529,84 @@ async def test_a_given_up_batchs_slot_goes_back_once_its_actor_answered(
     assert slot_pool.stats().held == 1
     del made, kept  # (the task keeps its result)
     assert slot_pool.stats().held == 0
+
+
+@pytest.mark.parametrize("given_up", [False, True], ids=["awaited", "given-up"])
+async def test_a_slot_whose_actor_is_reported_dead_is_never_leased_again(
+    monkeypatch: pytest.MonkeyPatch, slot_pool: SlotPool, given_up: bool
+) -> None:
+    """Ray reports an actor dead before its process is gone (a killed actor's collating thread
+    may write on): its slot is unlinked and dropped from the pool, never handed to the next
+    batch, also when the batch's task had given up waiting."""
+    pending: list[tuple[BatchRequest, Any, concurrent.futures.Future[Any]]] = []
+
+    def answer(request: BatchRequest, slot: Any, future: concurrent.futures.Future[Any]) -> None:
+        if slot is None:
+            future.set_result(Made(batch=slot_batch(request)))
+        else:
+            pending.append((request, slot, future))
+
+    ray = SlotRay(answer)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    runner = RayRunner(Fleet(1, {}, start_timeout=60), 1, lambda: None, slots=slot_pool)
+    runner.load(lambda: b"copy", 0, 0)
+    await asyncio.wait_for(runner.start_make(BatchRequest(0, 0, [0])), PULL_S)
+    dying = runner.start_make(BatchRequest(0, 1, [1]))
+    for _ in range(100):
+        if pending:
+            break
+        await asyncio.sleep(0.01)
+    _, slot, reply = pending.pop()
+    if given_up:
+        dying.cancel()
+    assert slot_pool.stats().leased == 1
+    reply.set_exception(ray.exceptions.RayActorError())
+    if given_up:
+        with pytest.raises(asyncio.CancelledError):
+            await dying
+    else:
+        with pytest.raises(WorkerCrashedError, match="died while making batch 1"):
+            await asyncio.wait_for(dying, PULL_S)
+    stats = slot_pool.stats()
+    assert (stats.slots, stats.leased, stats.free) == (0, 0, 0)
+    assert not segment_exists(slot.name)
+    assert ray.killed == (0 if given_up else 1)  # (replaced; else found dead by its next job)
+    following = runner.start_make(BatchRequest(0, 2, [2]))
+    for _ in range(100):
+        if pending:
+            break
+        await asyncio.sleep(0.01)
+    assert pending[-1][1].name != slot.name  # a new segment
+    reply = pending.pop()[2]
+    reply.set_result(Made(batch=slot_batch(BatchRequest(0, 2, [2]))))
+    await asyncio.wait_for(following, PULL_S)
+
+
+async def test_batches_that_find_no_slot_under_the_cap_use_the_store_without_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cap too small for a batch (a 64 MB /dev/shm, say): the batches travel through the
+    object store, as they would without slots; said once at INFO, naming that route, no
+    RuntimeWarning (which an -W error program would raise in the batch), and counted."""
+
+    def answer(request: BatchRequest, slot: Any, future: concurrent.futures.Future[Any]) -> None:
+        assert slot is None
+        future.set_result(Made(batch=slot_batch(request)))
+
+    monkeypatch.setitem(sys.modules, "ray", SlotRay(answer))
+    small = SlotPool(SLOT_BATCH * 8 // 2, min_slot_bytes=4096)  # half a batch
+    runner = RayRunner(Fleet(1, {}, start_timeout=60), 1, lambda: None, slots=small, prefetch=2)
+    runner.load(lambda: b"copy", 0, 0)
+    try:
+        with caplog.at_level(logging.INFO, logger="aioloader"):
+            for batch_id in range(3):
+                request = BatchRequest(0, batch_id, [batch_id])
+                made = await asyncio.wait_for(runner.start_make(request), PULL_S)
+                assert np.array_equal(made.batch, slot_batch(request))
+    finally:
+        small.close()
+    said = [r for r in caplog.records if "instead of a slot" in r.getMessage()]
+    assert len(said) == 1
+    assert said[0].levelno == logging.INFO
+    assert "through Ray's object store" in said[0].getMessage()
+    assert runner.shm_fallbacks == 2

@@ -6,14 +6,15 @@
     ────────────────                               ─────────────────────────────────────
     ray.put(payload) once per copy ──ref──▶ load(copy_id, ref, epoch, seed): unpickle the
                                             ActorCopy, seed, publish WorkerInfo, worker_init_fn
-    make.remote(copy_id, request) ─────────▶ make: async dataset? fetch the items here, on the
+    make.remote(copy_id, request, slot) ───▶ make: async dataset? fetch the items here, on the
                                             actor's loop, io_concurrency at once (many batches
                                             fetching together); then, one batch at a time, on a
                                             thread: seed, read / decode / transform, collate
+                                            (into the slot: an actor on the training machine)
     pull.remote(copy_id, request, turn) ──▶ pull: an iterable dataset's next batch of this
                                             actor's share of the stream (its turn in order),
                                             read as a worker process reads it (read_stream)
-    await ref ◀─── Made(batch=as_arrays(batch)) or Failed(exception) ───┘
+    await ref ◀─── Made(batch=as_arrays(batch) or a Parcel of the slot) or Failed(exception)
 
 One actor stands for one worker process: its id (stable across replacements), its seeds
 (``base + id``, and per batch from (seed, epoch, batch id)), :func:`aioloader.get_worker_info`

@@ -413,10 +413,13 @@ class Fleet:
 
         with self.lock:
             self.closed = True
-            records, self.records = self.records, [None] * self.num_actors
-        for record in records:
+            records = list(self.records)
+        for slot, record in enumerate(records):
             if record is not None and ray.is_initialized():
                 ray.kill(record.handle, no_restart=True)
+            with self.lock:  # forgotten once killed: a close interrupted here kills the rest
+                if self.records[slot] is record:
+                    self.records[slot] = None
 
 
 def _free() -> dict[str, float] | str:

@@ -375,16 +375,21 @@ class _State:
     attached: set[int] = dataclasses.field(default_factory=set)
     loop_thread: LoopThread | None = None
     own_runtime: bool = False  # this pool called ray.init: it shuts Ray down at close
-    closed: bool = False
+    closed: bool = False  # nothing new is started from now on
+    released: bool = False  # every step of close() done
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def slot_pool(self) -> _shm.SlotPool | None:
-        """The one slot pool, made at the first loader's attach (under the lock); None with
-        ``shm_max_bytes=0`` or no room in ``/dev/shm``. No segment is made before a batch of an
-        actor on this machine needs one."""
+        """The one slot pool, made at the first loader's attach (under the lock, Ray joined);
+        None with ``shm_max_bytes=0`` or no room in ``/dev/shm``. No segment is made before a
+        batch of an actor on this machine needs one. The default budget is the usual share
+        (``_shm.budget``) of what ``/dev/shm`` has free beside this node's object store."""
         if not self.slots_made:
             self.slots_made = True
-            cap = _shm.budget(self.shm_max_bytes) if _shm.shm_available() else 0
+            cap = 0
+            if _shm.shm_available():
+                free = _free_beside_object_store() if self.shm_max_bytes is None else None
+                cap = _shm.budget(self.shm_max_bytes, free)
             if cap > 0:
                 self.slots = _shm.SlotPool(cap, min_slot_bytes=min(cap, _shm.MIN_SLOT_BYTES))
         return self.slots
@@ -397,23 +402,27 @@ class _State:
         self.fleet.drop(copy_id)
 
     def close(self) -> None:
+        """Stop the loop thread, kill the actors, close the slots, leave a Ray this pool
+        started. Idempotent; each step can be done again, so a close interrupted (a second
+        Ctrl-C) or failed half-way is finished by the next call."""
         with self.lock:
-            if self.closed and self.loop_thread is None:
+            if self.released:
                 return
             self.closed = True
-            loop_thread, self.loop_thread = self.loop_thread, None
             self.attached.clear()
-        if loop_thread is not None:
-            loop_thread.close()
+        if self.loop_thread is not None:
+            self.loop_thread.close()
+            self.loop_thread = None
         self.fleet.close()
-        slots, self.slots = self.slots, None
-        if slots is not None:
-            slots.close()  # the actors are killed: their views of it go with them
+        if self.slots is not None:
+            self.slots.close()  # the actors are killed: their mappings go with them
+            self.slots = None
         if self.own_runtime:
             import ray
 
             ray.shutdown()
             self.own_runtime = False
+        self.released = True
 
 
 #: The scheduling strategies Ray names by a string.
@@ -448,6 +457,28 @@ def _probe(address: str | None) -> None:
         ) from exc
 
 
+def _free_beside_object_store() -> int:
+    """What ``/dev/shm`` has free, less the capacity of this node's Ray object store when it
+    lives there: Ray puts it in ``/dev/shm`` when that is large enough (else in ``/tmp``), and
+    fills its pages only as objects come, so ``/dev/shm``'s free bytes still count them."""
+    free = _shm.free_bytes()
+    try:
+        import ray
+
+        here = ray.get_runtime_context().get_node_id()
+        store = next(
+            float(node["Resources"].get("object_store_memory", 0))
+            for node in ray.nodes()  # type: ignore[no-untyped-call]
+            if node.get("NodeID") == here
+        )
+        st = os.statvfs(_shm.SHM_DIR)
+    except Exception:  # not told (no such node yet): the free bytes as they are
+        return free
+    if store > st.f_blocks * st.f_frsize:
+        return free  # larger than /dev/shm: Ray put it elsewhere
+    return max(0, free - int(store))
+
+
 def _resources(resources: object) -> dict[str, float]:
     if resources is None:
         return {}
@@ -467,7 +498,7 @@ def _resources(resources: object) -> dict[str, float]:
 
 
 def _finalize(state: _State) -> None:
-    if state.closed:
+    if state.released:
         return
     warnings.warn(
         "RayWorkers were not closed; use `with` / `async with`, or call close() / aclose()",

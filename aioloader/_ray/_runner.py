@@ -5,8 +5,9 @@
     epoch ── BatchRequest ──▶ start_make ──▶ _run:
         pick the least-loaded live actor (Fleet.pick)
         its copy loaded? else: the payload, put once per copy (ray.put), ──▶ actor.load
-        actor.make.remote(copy_id, request) ──▶ ObjectRef, awaited on this loop
-            Made ──▶ opened (tensors back, see _wire) ──▶ epoch
+        an actor on this machine, a batch's size known: a slot of the pool (Receiver.lease)
+        actor.make.remote(copy_id, request, slot) ──▶ ObjectRef, awaited on this loop
+            Made ──▶ opened (tensors back, or views of the slot, see _wire) ──▶ epoch
             Failed(exc) ──▶ raise exc (the user's own type, annotated)
             the actor died ──▶ the batch it was running: WorkerCrashedError (the epoch re-runs
                                it under max_retries); one only queued there: sent to another
@@ -32,7 +33,9 @@ first job of that copy (a replacement actor loads it too). A batch never carries
 
 Cancellation edges: cancelling the task that awaits a job leaves the job on its actor (its
 result is dropped when it comes; Ray frees it); the job stays the actor's oldest until then,
-so a deadline still sees what the actor is busy with.
+so a deadline still sees what the actor is busy with. Its slot goes back when the reply comes
+(on Ray's thread). A slot whose actor is reported dead is never leased again (``_forget``):
+Ray says so before the process is gone.
 """
 
 from __future__ import annotations
@@ -94,7 +97,9 @@ class RayRunner:
     ) -> None:
         self._fleet = fleet
         self._slots = slots
-        self._receiver = None if slots is None else Receiver(slots, prefetch)
+        self._receiver = (
+            None if slots is None else Receiver(slots, prefetch, route="Ray's object store")
+        )
         self._shm_key = shm_key()
         self.copy_id = copy_id
         self._on_close: Callable[[], None] | None = on_close
@@ -310,9 +315,24 @@ class RayRunner:
         return slot if isinstance(slot, _shm.Slot) else None  # sized: never an OwnSlot
 
     def _release(self, slot: _shm.Slot | None) -> None:
-        """``slot`` back to the pool: its actor answered, or is gone (writes no more)."""
+        """``slot`` back to the pool: its actor answered (writes no more)."""
         if slot is not None and self._slots is not None:
             self._slots.release(slot)
+
+    def _forget(self, slot: _shm.Slot | None) -> None:
+        """``slot`` out of the pool for good (unlinked, never leased again): its actor was
+        reported dead, which Ray does before the process is gone (a killed actor's collating
+        thread may write on for milliseconds). Its pages go with the last mapping."""
+        if slot is not None and self._slots is not None:
+            self._slots.forget(slot)
+
+    def _let_go(self, slot: _shm.Slot | None, error: BaseException | None) -> None:
+        """``slot`` after its job's reply: released, or forgotten if the reply says its actor
+        died (see :meth:`_forget`)."""
+        if error is not None and actor_died(error):
+            self._forget(slot)
+        else:
+            self._release(slot)
 
     def _release_when_done(self, job: Job, slot: _shm.Slot) -> None:
         """``slot`` back to the pool once ``job``'s actor answered or died, whichever comes
@@ -321,10 +341,10 @@ class RayRunner:
 
         def done(reply: concurrent.futures.Future[Any]) -> None:
             if not reply.cancelled():  # (a cancelled reply says nothing of the actor)
-                self._release(slot)
+                self._let_go(slot, reply.exception())
 
         reply = job.reply
-        if reply is None:  # answered already (_done)
+        if reply is None:  # answered already, its actor alive (_done)
             self._release(slot)
         else:
             reply.add_done_callback(done)  # at once if it is done by now
@@ -377,7 +397,7 @@ class RayRunner:
                 self._release_when_done(job, slot)
             raise
         except Exception as exc:
-            self._release(slot)  # the actor answered (Ray's failure), or it is dead
+            self._let_go(slot, exc)  # Ray's failure (answered), or its actor's death
             if not actor_died(exc):
                 self._fleet.finished(job)  # Ray failed it: not running
                 raise
@@ -471,9 +491,9 @@ class RayRunner:
         the actor died (the fleet then needs the queue to name the culprit)."""
         if future.cancelled():
             return
-        job.reply = None  # answered (its callbacks hold the job: no cycle keeps the batch)
         error = future.exception()
         if error is None or not actor_died(error):
+            job.reply = None  # answered (its callbacks hold the job: no cycle keeps the batch)
             self._fleet.finished(job)
 
     async def _loaded(self, record: ActorRecord) -> None:

@@ -17,8 +17,7 @@ The rule for read-only memory (the user's side of it is in ``docs/ray.md``):
 - A tensor leaf is copied once into memory of its own, writable as any tensor. torch cannot
   mark a tensor read-only: ``torch.from_numpy`` of a read-only array warns and hands out a
   tensor whose in-place ops would write into the store's shared, immutable pages. Never that,
-  silently or not. (Small objects Ray keeps in the caller's own memory arrive writable: those
-  are wrapped without a copy.)
+  silently or not. (An array Ray hands over writable is wrapped without a copy.)
 
 Why torch's own pickling is not used for tensors: it copies the bytes into the pickle stream
 (twice more: in and out), where a numpy view goes out of band.

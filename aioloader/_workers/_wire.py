@@ -203,6 +203,9 @@ class Receiver:
         unclaimed: where each :class:`OwnSlot`'s name is kept from its lease until its batch
             is opened; whoever stops the workers unlinks what is left there (a worker may
             have made the segment of a job whose parcel nobody read).
+        route: how a batch travels without a slot, if not inline: ``"Ray's object store"``
+            for Ray actors, whose batches go there as a matter of course. No warning is given
+            up front, and a batch that finds no slot is said at INFO, naming the route.
     """
 
     def __init__(
@@ -212,8 +215,10 @@ class Receiver:
         *,
         no_room: bool = False,
         unclaimed: set[str] | None = None,
+        route: str | None = None,
     ) -> None:
         self._slots = slots
+        self._route = route
         self._prefetch = prefetch
         self._no_room = no_room
         self._batch_bytes = 0  # the largest batch seen: leases are sized from it
@@ -259,7 +264,8 @@ class Receiver:
         slot = self._slots.reuse(size)
         if slot is not None:
             return slot
-        if size > self._checked_bytes:  # warn up front if prefetch x batch will not fit
+        if size > self._checked_bytes and self._route is None:
+            # Warn up front if prefetch x batch will not fit (they would travel pickled).
             self._checked_bytes = size
             self._slots.preflight(size, self._prefetch + 1)
         leasing = asyncio.ensure_future(off_loop(self._slots.lease, size))
@@ -294,9 +300,12 @@ class Receiver:
         segment, no descriptor in a worker) is logged at INFO: one warning per loader."""
         self.fallbacks += 1
         if kind not in self._said:
-            # A batch larger than its slot is INFO only: the next slot is made for it.
-            level = logging.INFO if self._said - {"fit"} or kind == "fit" else logging.WARNING
             self._said.add(kind)
+            if self._route is not None:
+                _log.info("batches travel through %s instead of a slot: %s", self._route, why)
+                return
+            # A batch larger than its slot is INFO only: the next slot is made for it.
+            level = logging.INFO if self._said - {kind, "fit"} or kind == "fit" else logging.WARNING
             _log.log(level, "batches travel inline (pickled) instead: %s", why)
 
     def releaser(self, slot: _shm.Slot | OwnSlot | None) -> Callable[[], None] | None:
