@@ -272,114 +272,22 @@ def test_wait_ready_gives_up_after_rounds_of_deaths(monkeypatch: pytest.MonkeyPa
         Fleet(1, {}, start_timeout=60).wait_ready()
 
 
-class LosingRay:
-    """Stands for the ``ray`` module under :class:`RayRunner`, to inject a lost result: the
-    first actor's batch is made, then lost with its node's object store (``ObjectLostError``);
-    its replacement's batch arrives."""
+class FakeRay:
+    """Stands for the ``ray`` module under :class:`RayRunner`, to inject faults a cluster
+    cannot be made to show on cue: actors on this machine (``ready`` gives pid ``100 + n`` for
+    the n-th actor made, and this process's ``/dev/shm`` key) whose ``make`` hands each call's
+    future to ``answer(n, request, slot, future)`` to complete; ``slots`` records the slot of
+    each call, ``killed`` the kills."""
 
-    def __init__(self) -> None:
-        from ray import exceptions
-
-        self.exceptions = exceptions
-        self.made = 0
-        self.killed = 0
-
-    def remote(self, cls: type) -> Any:
-        ray = self
-
-        class Call:
-            def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
-                self.value, self.error = value, error
-
-            def __await__(self) -> Any:
-                if self.error is not None:
-                    raise self.error
-                return self.value
-                yield  # (a generator: awaitable)
-
-            def future(self) -> concurrent.futures.Future[Any]:
-                future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-                if self.error is not None:
-                    future.set_exception(self.error)
-                else:
-                    future.set_result(self.value)
-                return future
-
-        class Method:
-            def __init__(self, call: Callable[..., Call]) -> None:
-                self.remote = call
-
-        class Handle:
-            def __init__(self) -> None:
-                ray.made += 1
-                self.number = ray.made
-                self.ready = Method(lambda: Call((100 + self.number, "node", "host", None)))
-                self.load = Method(lambda *args: Call())
-                self.make = Method(self._make)
-
-            def _make(self, copy_id: int, request: BatchRequest, slot: None) -> Call:
-                if self.number == 1:
-                    lost = ray.exceptions.ObjectLostError("ab" * 14, None, "make")
-                    return Call(error=lost)
-                return Call(Made(batch=np.array(request.indices), samples=2))
-
-        class Made_:
-            @staticmethod
-            def options(**options: Any) -> Any:
-                return Made_
-
-            @staticmethod
-            def remote(*args: Any) -> Handle:
-                return Handle()
-
-        return Made_
-
-    def put(self, data: bytes) -> bytes:
-        return data
-
-    def kill(self, handle: Any, no_restart: bool = True) -> None:
-        self.killed += 1
-
-
-async def test_a_batch_lost_with_its_node_is_its_actors_death_and_runs_again(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A batch made, then lost with its node's object store, fails as its actor's death
-    (``WorkerCrashedError``, which the epoch re-runs under ``max_retries``), and the actor is
-    replaced: the batch is made again by the replacement (it was a bare Ray error, not
-    retried)."""
-    ray = LosingRay()
-    monkeypatch.setitem(sys.modules, "ray", ray)
-    fleet = Fleet(1, {}, start_timeout=60)
-    runner = RayRunner(fleet, 1, lambda: None)
-    runner.load(lambda: b"copy", 0, 0)
-    request = BatchRequest(0, 0, [0, 1])
-    with pytest.raises(WorkerCrashedError, match="lost with the object store") as lost:
-        await asyncio.wait_for(runner.start_make(request), PULL_S)
-    assert isinstance(lost.value.__cause__, ray.exceptions.ObjectLostError)
-    assert (ray.killed, fleet.restarts) == (1, 1)
-    made = await asyncio.wait_for(runner.start_make(request), PULL_S)
-    assert np.asarray(made.batch).tolist() == [0, 1]
-    assert fleet.pids() == (102,)
-
-
-# -- batches in this machine's shared memory -------------------------------------------------
-
-#: A batch's values: 128 KiB of int64, past what travels inline, so a slot is leased for it.
-SLOT_BATCH = 16384
-
-
-class SlotRay:
-    """Stands for the ``ray`` module under :class:`RayRunner`: one actor on this machine (its
-    ``ready`` gives this process's ``/dev/shm`` key), whose ``make`` hands each call's future
-    to ``answer(request, slot, future)`` to complete; ``slots`` records the slot of each call."""
-
-    def __init__(self, answer: Callable[[BatchRequest, Any, concurrent.futures.Future[Any]], None]):
+    def __init__(
+        self, answer: Callable[[int, BatchRequest, Any, concurrent.futures.Future[Any]], None]
+    ) -> None:
         from ray import exceptions
 
         self.exceptions = exceptions
         self.answer = answer
         self.slots: list[Any] = []
+        self.made = 0
         self.killed = 0
 
     def remote(self, cls: type) -> Any:
@@ -406,14 +314,16 @@ class SlotRay:
 
         class Handle:
             def __init__(self) -> None:
-                self.ready = Method(lambda: done((4242, "node", "host", shm_key())))
+                ray.made += 1
+                self.number = ray.made
+                self.ready = Method(lambda: done((100 + self.number, "node", "host", shm_key())))
                 self.load = Method(lambda *args: done(None))
                 self.make = Method(self._make)
 
             def _make(self, copy_id: int, request: BatchRequest, slot: Any) -> Call:
                 ray.slots.append(slot)
                 future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-                ray.answer(request, slot, future)
+                ray.answer(self.number, request, slot, future)
                 return Call(future)
 
         class Made_:
@@ -432,6 +342,41 @@ class SlotRay:
 
     def kill(self, handle: Any, no_restart: bool = True) -> None:
         self.killed += 1
+
+
+async def test_a_batch_lost_with_its_node_is_its_actors_death_and_runs_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch made, then lost with its node's object store, fails as its actor's death
+    (``WorkerCrashedError``, which the epoch re-runs under ``max_retries``), and the actor is
+    replaced: the batch is made again by the replacement (it was a bare Ray error, not
+    retried)."""
+
+    def answer(n: int, request: BatchRequest, slot: Any, future: Any) -> None:
+        if n == 1:  # made, then lost with its node's object store
+            future.set_exception(ray.exceptions.ObjectLostError("ab" * 14, None, "make"))
+        else:
+            future.set_result(Made(batch=np.array(request.indices), samples=2))
+
+    ray = FakeRay(answer)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    fleet = Fleet(1, {}, start_timeout=60)
+    runner = RayRunner(fleet, 1, lambda: None)
+    runner.load(lambda: b"copy", 0, 0)
+    request = BatchRequest(0, 0, [0, 1])
+    with pytest.raises(WorkerCrashedError, match="lost with the object store") as lost:
+        await asyncio.wait_for(runner.start_make(request), PULL_S)
+    assert isinstance(lost.value.__cause__, ray.exceptions.ObjectLostError)
+    assert (ray.killed, fleet.restarts) == (1, 1)
+    made = await asyncio.wait_for(runner.start_make(request), PULL_S)
+    assert np.asarray(made.batch).tolist() == [0, 1]
+    assert fleet.pids() == (102,)
+
+
+# -- batches in this machine's shared memory -------------------------------------------------
+
+#: A batch's values: 128 KiB of int64, past what travels inline, so a slot is leased for it.
+SLOT_BATCH = 16384
 
 
 def slot_batch(request: BatchRequest) -> np.ndarray[Any, Any]:
@@ -453,14 +398,14 @@ async def test_an_actor_that_cannot_map_this_machines_slots_sends_its_batches_th
     later batches are sent without a slot; the slot stays in the pool, free (not forgotten as
     a vanished segment would be)."""
 
-    def answer(request: BatchRequest, slot: Any, future: concurrent.futures.Future[Any]) -> None:
+    def answer(n: int, request: BatchRequest, slot: Any, future: Any) -> None:
         if slot is None:
             future.set_result(Made(batch=slot_batch(request)))
             return
         elsewhere = Packer(Slot(f"{slot.name}_elsewhere", slot.size))  # not in its /dev/shm
         future.set_result(Made(batch=in_parcel(elsewhere.pack(slot_batch(request)))))
 
-    ray = SlotRay(answer)
+    ray = FakeRay(answer)
     monkeypatch.setitem(sys.modules, "ray", ray)
     runner = RayRunner(Fleet(1, {}, start_timeout=60), 1, lambda: None, slots=slot_pool)
     runner.load(lambda: b"copy", 0, 0)
@@ -471,7 +416,7 @@ async def test_an_actor_that_cannot_map_this_machines_slots_sends_its_batches_th
             assert np.array_equal(made.batch, slot_batch(request))
     assert [slot is None for slot in ray.slots] == [True, False, True]
     assert "cannot map this process's shared memory" in caplog.text
-    assert "Ray actor 0 (pid 4242" in caplog.text
+    assert "Ray actor 0 (pid 101" in caplog.text
     stats = slot_pool.stats()
     assert (stats.slots, stats.free, stats.leased) == (1, 1, 0)
     assert runner.shm_fallbacks == 0  # the slot was there: not a fallback of the pool's
@@ -483,9 +428,9 @@ async def test_a_given_up_batchs_slot_goes_back_once_its_actor_answered(
     """The task waiting for a batch is cancelled (a deadline, a closed epoch) while its actor
     collates into the slot: the slot stays leased until the actor answers, then goes back;
     the next batch is opened from a slot, zero-copy, read-only numpy."""
-    pending: list[tuple[BatchRequest, Any, concurrent.futures.Future[Any]]] = []
+    pending: list[tuple[BatchRequest, Any, Any]] = []
 
-    def answer(request: BatchRequest, slot: Any, future: concurrent.futures.Future[Any]) -> None:
+    def answer(n: int, request: BatchRequest, slot: Any, future: Any) -> None:
         if slot is None:
             future.set_result(Made(batch=slot_batch(request)))
         else:
@@ -497,7 +442,7 @@ async def test_a_given_up_batchs_slot_goes_back_once_its_actor_answered(
         packer = Packer(slot)
         future.set_result(Made(batch=in_parcel(packer.pack(slot_batch(request)))))
 
-    monkeypatch.setitem(sys.modules, "ray", SlotRay(answer))
+    monkeypatch.setitem(sys.modules, "ray", FakeRay(answer))
     runner = RayRunner(Fleet(1, {}, start_timeout=60), 1, lambda: None, slots=slot_pool)
     runner.load(lambda: b"copy", 0, 0)
     await asyncio.wait_for(runner.start_make(BatchRequest(0, 0, [0])), PULL_S)
@@ -538,15 +483,15 @@ async def test_a_slot_whose_actor_is_reported_dead_is_never_leased_again(
     """Ray reports an actor dead before its process is gone (a killed actor's collating thread
     may write on): its slot is unlinked and dropped from the pool, never handed to the next
     batch, also when the batch's task had given up waiting."""
-    pending: list[tuple[BatchRequest, Any, concurrent.futures.Future[Any]]] = []
+    pending: list[tuple[BatchRequest, Any, Any]] = []
 
-    def answer(request: BatchRequest, slot: Any, future: concurrent.futures.Future[Any]) -> None:
+    def answer(n: int, request: BatchRequest, slot: Any, future: Any) -> None:
         if slot is None:
             future.set_result(Made(batch=slot_batch(request)))
         else:
             pending.append((request, slot, future))
 
-    ray = SlotRay(answer)
+    ray = FakeRay(answer)
     monkeypatch.setitem(sys.modules, "ray", ray)
     runner = RayRunner(Fleet(1, {}, start_timeout=60), 1, lambda: None, slots=slot_pool)
     runner.load(lambda: b"copy", 0, 0)
@@ -589,11 +534,11 @@ async def test_batches_that_find_no_slot_under_the_cap_use_the_store_without_a_w
     object store, as they would without slots; said once at INFO, naming that route, no
     RuntimeWarning (which an -W error program would raise in the batch), and counted."""
 
-    def answer(request: BatchRequest, slot: Any, future: concurrent.futures.Future[Any]) -> None:
+    def answer(n: int, request: BatchRequest, slot: Any, future: Any) -> None:
         assert slot is None
         future.set_result(Made(batch=slot_batch(request)))
 
-    monkeypatch.setitem(sys.modules, "ray", SlotRay(answer))
+    monkeypatch.setitem(sys.modules, "ray", FakeRay(answer))
     small = SlotPool(SLOT_BATCH * 8 // 2, min_slot_bytes=4096)  # half a batch
     runner = RayRunner(Fleet(1, {}, start_timeout=60), 1, lambda: None, slots=small, prefetch=2)
     runner.load(lambda: b"copy", 0, 0)
