@@ -390,6 +390,40 @@ def slot_pool() -> Iterator[SlotPool]:
     pool.close()
 
 
+Pending = list[tuple[BatchRequest, Any, Any]]  # (request, slot, its reply's future)
+
+
+async def holding_runner(
+    monkeypatch: pytest.MonkeyPatch, slot_pool: SlotPool
+) -> tuple[RayRunner, FakeRay, Pending]:
+    """A runner whose actor answers a call without a slot at once and holds each call with
+    one (in the list returned) for the test to answer; its first batch made (so the next
+    ones are sent with a slot)."""
+    pending: Pending = []
+
+    def answer(n: int, request: BatchRequest, slot: Any, future: Any) -> None:
+        if slot is None:
+            future.set_result(Made(batch=slot_batch(request)))
+        else:
+            pending.append((request, slot, future))
+
+    ray = FakeRay(answer)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    runner = RayRunner(Fleet(1, {}, start_timeout=60), 1, lambda: None, slots=slot_pool)
+    runner.load(lambda: b"copy", 0, 0)
+    await asyncio.wait_for(runner.start_make(BatchRequest(0, 0, [0])), PULL_S)
+    return runner, ray, pending
+
+
+async def sent(pending: Pending) -> tuple[BatchRequest, Any, Any]:
+    """The next call held (waiting for it, boundedly)."""
+    for _ in range(100):
+        if pending:
+            return pending.pop()
+        await asyncio.sleep(0.01)
+    raise AssertionError("no call was sent with a slot")
+
+
 async def test_an_actor_that_cannot_map_this_machines_slots_sends_its_batches_through_the_store(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, slot_pool: SlotPool
 ) -> None:
@@ -428,46 +462,26 @@ async def test_a_given_up_batchs_slot_goes_back_once_its_actor_answered(
     """The task waiting for a batch is cancelled (a deadline, a closed epoch) while its actor
     collates into the slot: the slot stays leased until the actor answers, then goes back;
     the next batch is opened from a slot, zero-copy, read-only numpy."""
-    pending: list[tuple[BatchRequest, Any, Any]] = []
 
-    def answer(n: int, request: BatchRequest, slot: Any, future: Any) -> None:
-        if slot is None:
-            future.set_result(Made(batch=slot_batch(request)))
-        else:
-            pending.append((request, slot, future))
-
-    def collate_into(
-        request: BatchRequest, slot: Any, future: concurrent.futures.Future[Any]
-    ) -> None:
+    def collate_into(request: BatchRequest, slot: Any, future: Any) -> None:
         packer = Packer(slot)
         future.set_result(Made(batch=in_parcel(packer.pack(slot_batch(request)))))
 
-    monkeypatch.setitem(sys.modules, "ray", FakeRay(answer))
-    runner = RayRunner(Fleet(1, {}, start_timeout=60), 1, lambda: None, slots=slot_pool)
-    runner.load(lambda: b"copy", 0, 0)
-    await asyncio.wait_for(runner.start_make(BatchRequest(0, 0, [0])), PULL_S)
+    runner, _, pending = await holding_runner(monkeypatch, slot_pool)
     given_up = runner.start_make(BatchRequest(0, 1, [1]))
-    for _ in range(100):
-        if pending:
-            break
-        await asyncio.sleep(0.01)
-    assert len(pending) == 1
+    call = await sent(pending)
     given_up.cancel()
     with pytest.raises(asyncio.CancelledError):
         await given_up
     assert slot_pool.stats().leased == 1  # the actor may still write into it
-    collate_into(*pending.pop())
+    collate_into(*call)
     for _ in range(100):
         if slot_pool.stats().leased == 0:
             break
         await asyncio.sleep(0.01)
     assert (slot_pool.stats().leased, slot_pool.stats().free) == (0, 1)
     kept = runner.start_make(BatchRequest(0, 2, [2]))
-    for _ in range(100):
-        if pending:
-            break
-        await asyncio.sleep(0.01)
-    collate_into(*pending.pop())
+    collate_into(*await sent(pending))
     made = await asyncio.wait_for(kept, PULL_S)
     assert np.array_equal(made.batch, np.full(SLOT_BATCH, 2))
     assert not made.batch.flags.writeable
@@ -483,25 +497,9 @@ async def test_a_slot_whose_actor_is_reported_dead_is_never_leased_again(
     """Ray reports an actor dead before its process is gone (a killed actor's collating thread
     may write on): its slot is unlinked and dropped from the pool, never handed to the next
     batch, also when the batch's task had given up waiting."""
-    pending: list[tuple[BatchRequest, Any, Any]] = []
-
-    def answer(n: int, request: BatchRequest, slot: Any, future: Any) -> None:
-        if slot is None:
-            future.set_result(Made(batch=slot_batch(request)))
-        else:
-            pending.append((request, slot, future))
-
-    ray = FakeRay(answer)
-    monkeypatch.setitem(sys.modules, "ray", ray)
-    runner = RayRunner(Fleet(1, {}, start_timeout=60), 1, lambda: None, slots=slot_pool)
-    runner.load(lambda: b"copy", 0, 0)
-    await asyncio.wait_for(runner.start_make(BatchRequest(0, 0, [0])), PULL_S)
+    runner, ray, pending = await holding_runner(monkeypatch, slot_pool)
     dying = runner.start_make(BatchRequest(0, 1, [1]))
-    for _ in range(100):
-        if pending:
-            break
-        await asyncio.sleep(0.01)
-    _, slot, reply = pending.pop()
+    _, slot, reply = await sent(pending)
     if given_up:
         dying.cancel()
     assert slot_pool.stats().leased == 1
@@ -517,13 +515,9 @@ async def test_a_slot_whose_actor_is_reported_dead_is_never_leased_again(
     assert not segment_exists(slot.name)
     assert ray.killed == (0 if given_up else 1)  # (replaced; else found dead by its next job)
     following = runner.start_make(BatchRequest(0, 2, [2]))
-    for _ in range(100):
-        if pending:
-            break
-        await asyncio.sleep(0.01)
-    assert pending[-1][1].name != slot.name  # a new segment
-    reply = pending.pop()[2]
-    reply.set_result(Made(batch=slot_batch(BatchRequest(0, 2, [2]))))
+    request, fresh, reply = await sent(pending)
+    assert fresh.name != slot.name  # a new segment
+    reply.set_result(Made(batch=slot_batch(request)))
     await asyncio.wait_for(following, PULL_S)
 
 
