@@ -25,11 +25,19 @@ the inverse ratio of CPU per batch.
     python benchmarks/ray_workers.py                 # a local Ray, started for the run
     python benchmarks/ray_workers.py --address host:6379 --workers 8
     python benchmarks/ray_workers.py --quick         # seconds: a smoke run
+    python benchmarks/ray_workers.py --call-cost     # Ray's own CPU per call, apart
+
+``--call-cost`` measures what one Ray call costs apart from any work: ``--workers`` actors
+(async, as the loader's, and threaded), two calls in flight each, each returning a fresh 1 MB
+array through the object store (copied out, as the loader copies a tensor) or a few hundred
+bytes (the reply alone, as a batch handed over in this machine's shared memory is): CPU ms
+per call across the caller, the actors and Ray's own processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -279,6 +287,78 @@ class Bare:
         return np.stack([make_sample(i, self.shape, self.work) for i in range(start, start + size)])
 
 
+class _CallAsync:
+    """An async actor that answers at once (``--call-cost``)."""
+
+    def __init__(self) -> None:
+        self.base = np.ones(1 << 20, dtype=np.uint8)
+
+    async def ready(self) -> int:
+        return os.getpid()
+
+    async def call(self, big: bool) -> Any:
+        return self.base.copy() if big else b"x" * 300
+
+
+class _CallThreaded:
+    """The same, threaded (``--call-cost``)."""
+
+    def __init__(self) -> None:
+        self.base = np.ones(1 << 20, dtype=np.uint8)
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def call(self, big: bool) -> Any:
+        return self.base.copy() if big else b"x" * 300
+
+
+def call_cost(workers: int, calls: int) -> str:
+    """The ``--call-cost`` table: CPU ms per call by kind of actor and of reply."""
+    import ray
+
+    lines = [
+        "| actor | reply | CPU ms per call | caller | actors | Ray's processes | calls/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for kind, cls, options in (
+        ("async", _CallAsync, {}),
+        ("threaded", _CallThreaded, {"max_concurrency": 2}),
+    ):
+        actors = [ray.remote(num_cpus=0)(cls).options(**options).remote() for _ in range(workers)]
+        pids = ray.get([actor.ready.remote() for actor in actors])
+        for big in (True, False):
+
+            async def drive(n: int, *, big: bool = big, actors: list[Any] = actors) -> None:
+                slots = asyncio.Semaphore(2 * len(actors))
+
+                async def one(i: int) -> None:
+                    async with slots:
+                        reply = await actors[i % len(actors)].call.remote(big)
+                        if big:
+                            reply.copy()
+
+                await asyncio.gather(*(one(i) for i in range(n)))
+
+            asyncio.run(drive(calls // 4))  # warm-up
+            probe = CpuProbe(lambda pids=pids: pids)
+            probe.begin()
+            start = time.perf_counter()
+            asyncio.run(drive(calls))
+            wall = time.perf_counter() - start
+            probe.batches = calls
+            probe.end()
+            ms = probe.ms_per_batch
+            reply = "1 MB, object store" if big else "300 B, inline"
+            lines.append(
+                f"| {kind} | {reply} | {sum(ms.values()):.2f} | {ms['main']:.2f} | "
+                f"{ms['workers']:.2f} | {ms['ray']:.2f} | {calls / wall:,.0f} |"
+            )
+        for actor in actors:
+            ray.kill(actor)
+    return "\n".join(lines)
+
+
 def table(rows: list[Row], workers: int) -> str:
     lines = [
         f"| batch | local workers={workers} (samples/s) | ray actors={workers} | ray / local | "
@@ -326,6 +406,10 @@ def main() -> None:
     parser.add_argument("--address", default=None, help="a Ray cluster to join (default: local)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    parser.add_argument(
+        "--call-cost", action="store_true", help="Ray's own CPU per call, without the loader"
+    )
+    parser.add_argument("--calls", type=int, default=800, help="calls per --call-cost row")
     args = parser.parse_args()
     if args.quick:
         args.samples, args.work, args.repeat, args.latency_batches = 64, 1, 1, 3
@@ -342,6 +426,10 @@ def main() -> None:
             init["num_cpus"] = max(args.workers, 1) * max(args.num_cpus, 1) + 1
             init["include_dashboard"] = False
         ray.init(address=args.address, **init)
+    if args.call_cost:
+        print(call_cost(args.workers, args.calls))
+        ray.shutdown()
+        return
     ray.data.DataContext.get_current().enable_progress_bars = False
     rows = []
     with RayWorkers(args.workers, num_cpus=args.num_cpus) as pool:

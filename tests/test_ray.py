@@ -462,8 +462,9 @@ def test_an_actor_killed_by_its_pid_mid_epoch_is_replaced_and_nothing_is_lost(
     ray_cluster: str, dataset: type[Numbered]
 ) -> None:
     """Also when its batch was being collated into a slot of this process's shared memory (the
-    second epoch's batches all are, their size known): the batch is made again, no slot stays
-    leased, and the dead actor's is never leased again (it may write on as it dies)."""
+    second epoch's batches all are, their size known): the batch is made again and no slot
+    stays leased. (That the dead actor's slot is never leased again, since it may write on as
+    it dies, is tested in ``test_ray_actor``: here nothing tells which slot it held.)"""
     # No CPU reservation, as in the hung-actor test: the replacement is placed at once.
     with RayWorkers(2, num_cpus=0) as pool:
         loader = DataLoader(
@@ -498,7 +499,8 @@ def test_a_hung_actor_is_killed_at_the_deadline_and_its_batch_re_run(
     ray_cluster: str, tmp_path: Path, width: int
 ) -> None:
     """Batch 4 hangs: it was sent once batch 0 came back, so large batches' went into a slot,
-    which comes back to the pool once the hung actor is killed."""
+    which no job holds once the hung actor is killed (it is dropped from the pool: the dying
+    actor may write on)."""
     dataset = HangsOnce(str(tmp_path / "hung"), hang_at=17, width=width)
     # No CPU reservation: the replacement is placed at once even while the other test
     # processes' actors hold the shared cluster's CPUs (else it waits for one, up to its 120 s

@@ -29,7 +29,7 @@ from aioloader._ray._runner import RayRunner
 from aioloader._ray._wire import in_parcel, shm_key
 from aioloader._shm import Slot, SlotPool, segment_exists
 from aioloader._types import END, BatchRequest, Made, StreamRequest
-from aioloader._workers import Packer, dumps_payload
+from aioloader._workers import Packer, Receiver, dumps_payload
 
 BATCH = 2
 #: Seconds a pull may take at most here (a bound against a hang; they take milliseconds).
@@ -424,20 +424,33 @@ async def sent(pending: Pending) -> tuple[BatchRequest, Any, Any]:
     raise AssertionError("no call was sent with a slot")
 
 
+def _refused(slot: Any) -> Any:
+    raise PermissionError(13, "Permission denied", slot.name)
+
+
+@pytest.mark.parametrize("why", ["another-dev-shm", "another-user"])
 async def test_an_actor_that_cannot_map_this_machines_slots_sends_its_batches_through_the_store(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, slot_pool: SlotPool
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    slot_pool: SlotPool,
+    why: str,
 ) -> None:
-    """An actor whose ``/dev/shm`` looked like this process's but is another (it cannot map a
-    slot that exists here): that batch comes inline, whole; a warning names the actor; its
-    later batches are sent without a slot; the slot stays in the pool, free (not forgotten as
-    a vanished segment would be)."""
+    """An actor whose ``/dev/shm`` looked like this process's but is another, or which may not
+    open a slot that exists here (another user's ``ray start``): that batch comes inline,
+    whole; a warning names the actor; its later batches are sent without a slot; the slot
+    stays in the pool, free (not forgotten as a vanished segment would be)."""
 
     def answer(n: int, request: BatchRequest, slot: Any, future: Any) -> None:
         if slot is None:
             future.set_result(Made(batch=slot_batch(request)))
             return
-        elsewhere = Packer(Slot(f"{slot.name}_elsewhere", slot.size))  # not in its /dev/shm
-        future.set_result(Made(batch=in_parcel(elsewhere.pack(slot_batch(request)))))
+        if why == "another-dev-shm":
+            packer = Packer(Slot(f"{slot.name}_elsewhere", slot.size))  # not in its /dev/shm
+        else:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr("aioloader._shm.attach", _refused)
+                packer = Packer(slot)
+        future.set_result(Made(batch=in_parcel(packer.pack(slot_batch(request)))))
 
     ray = FakeRay(answer)
     monkeypatch.setitem(sys.modules, "ray", ray)
@@ -454,6 +467,40 @@ async def test_an_actor_that_cannot_map_this_machines_slots_sends_its_batches_th
     stats = slot_pool.stats()
     assert (stats.slots, stats.free, stats.leased) == (1, 1, 0)
     assert runner.shm_fallbacks == 0  # the slot was there: not a fallback of the pool's
+
+
+async def test_a_batch_given_up_after_its_reply_came_gives_its_slot_back_at_once(
+    monkeypatch: pytest.MonkeyPatch, slot_pool: SlotPool
+) -> None:
+    """The reply is in (the actor is done with the slot) but the waiting task is cancelled
+    before it runs: the slot goes back then, with the unread batch."""
+    runner, _, pending = await holding_runner(monkeypatch, slot_pool)
+    given_up = runner.start_make(BatchRequest(0, 1, [1]))
+    request, slot, reply = await sent(pending)
+    reply.set_result(Made(batch=in_parcel(Packer(slot).pack(slot_batch(request)))))
+    given_up.cancel()  # before the loop hands the reply to the task
+    with pytest.raises(asyncio.CancelledError):
+        await given_up
+    stats = slot_pool.stats()
+    assert (stats.leased, stats.free, stats.slots) == (0, 1, 1)
+
+
+def test_a_route_other_than_inline_keeps_the_warnings_that_need_someone(
+    caplog: pytest.LogCaptureFixture, slot_pool: SlotPool
+) -> None:
+    """With Ray's route, a batch that finds no slot under the cap is routine (INFO); a slot
+    whose segment someone removed from /dev/shm is still a WARNING, naming the route."""
+    receiver = Receiver(slot_pool, 1, route="Ray's object store")
+    receiver.saw(SLOT_BATCH * 8)
+    with caplog.at_level(logging.INFO, logger="aioloader"):
+        slot = asyncio.run(receiver.lease())
+        assert isinstance(slot, Slot)
+        gone = Packer(Slot(f"{slot.name}_removed", slot.size)).pack(np.zeros(SLOT_BATCH))
+        made = receiver.open(Made(batch=gone), slot)
+        assert np.array_equal(made.batch, np.zeros(SLOT_BATCH))
+    said = [r for r in caplog.records if "through Ray's object store" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING]
+    assert receiver.fallbacks == 1
 
 
 async def test_a_given_up_batchs_slot_goes_back_once_its_actor_answered(

@@ -519,6 +519,34 @@ def test_close_with_live_views(pool: SlotPool) -> None:
     gc.collect()  # the finalizer of a closed pool's slot is harmless
 
 
+def test_a_close_interrupted_is_finished_by_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second Ctrl-C while the segments are unlinked: the next close() unlinks the rest (the
+    first had marked the pool closed; the rest stayed in /dev/shm until the exit's warning)."""
+    pool = SlotPool(1 << 24)
+    slots = [pool.lease(1 << 20) for _ in range(3)]
+    assert all(slot is not None for slot in slots)
+    unlink = _shm._pool.unlink  # type: ignore[attr-defined]
+    calls = 0
+
+    def interrupted(name: str) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise KeyboardInterrupt
+        unlink(name)
+
+    monkeypatch.setattr(_shm._pool, "unlink", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pool.close()
+    assert pool.closed
+    assert len(_mine()) == 2
+    monkeypatch.setattr(_shm._pool, "unlink", unlink)
+    pool.close()
+    assert _mine() == set()
+    del pool
+    gc.collect()  # no "never closed" warning (the suite turns warnings into errors)
+
+
 def test_unclosed_pool_warns_and_unlinks() -> None:
     holder = [SlotPool(1 << 22)]
     slot = holder[0].lease(10)

@@ -7,8 +7,8 @@ is given (``DataLoader(..., workers=RayWorkers(...))``).
       │           local one it starts and stops)
       ├── Fleet (_fleet): num_actors actors, each with num_cpus / num_gpus / resources
       ├── one private event loop for every loader's `for` (LoopThread)
-    ├── one SlotPool (shm_max_bytes): the batches of actors on this machine come back in this
-    │   process's shared memory, as local workers' do (see _wire); the others' through Ray
+      ├── one SlotPool (shm_max_bytes): the batches of actors on this machine come back in
+      │   this process's shared memory, as local workers' do (see _wire); others' through Ray
       ├─ loader A ── RayRunner(copy_id=1): its own copy, seeds, prefetch, deadlines
       └─ loader B ── RayRunner(copy_id=2): likewise
 
@@ -52,6 +52,7 @@ from .._batch import BatchMaker
 from .._config import LoaderConfig
 from .._errors import unpicklable_error
 from .._loader import WorkerPool, WorkerPoolStatistics
+from .._log import workers_log
 from .._threads import LoopThread
 from .._types import Runner
 from .._workers import DEFAULT_START_TIMEOUT_S, dumps_payload
@@ -387,9 +388,20 @@ class _State:
         if not self.slots_made:
             self.slots_made = True
             cap = 0
-            if _shm.shm_available():
-                free = _free_beside_object_store() if self.shm_max_bytes is None else None
-                cap = _shm.budget(self.shm_max_bytes, free)
+            if _shm.shm_available() and self.shm_max_bytes is not None:
+                cap = self.shm_max_bytes
+            elif _shm.shm_available():
+                free, store = _free_beside_object_store()
+                cap = _shm.budget(None, free)
+                if cap <= 0:
+                    workers_log.info(
+                        "no shared memory for the batches of Ray actors on this machine: "
+                        "%s has %d bytes free beside this node's object store (%d bytes); they "
+                        "travel through the store. RayWorkers(shm_max_bytes=...) sets a budget",
+                        _shm.SHM_DIR,
+                        free,
+                        store,
+                    )
             if cap > 0:
                 self.slots = _shm.SlotPool(cap, min_slot_bytes=min(cap, _shm.MIN_SLOT_BYTES))
         return self.slots
@@ -457,10 +469,13 @@ def _probe(address: str | None) -> None:
         ) from exc
 
 
-def _free_beside_object_store() -> int:
+def _free_beside_object_store() -> tuple[int, int]:
     """What ``/dev/shm`` has free, less the capacity of this node's Ray object store when it
-    lives there: Ray puts it in ``/dev/shm`` when that is large enough (else in ``/tmp``), and
-    fills its pages only as objects come, so ``/dev/shm``'s free bytes still count them."""
+    lives there, and that capacity (0: elsewhere, or not known). Ray puts the store in
+    ``/dev/shm`` when that has room for it (else in ``/tmp``), and fills its pages only as
+    objects come, so ``/dev/shm``'s free bytes still count them. A store larger than the whole
+    of ``/dev/shm`` is elsewhere; one that fits is taken to be there (where it was put when
+    Ray started is not told), which errs on the side of leaving it room."""
     free = _shm.free_bytes()
     try:
         import ray
@@ -473,10 +488,10 @@ def _free_beside_object_store() -> int:
         )
         st = os.statvfs(_shm.SHM_DIR)
     except Exception:  # not told (no such node yet): the free bytes as they are
-        return free
+        return free, 0
     if store > st.f_blocks * st.f_frsize:
-        return free  # larger than /dev/shm: Ray put it elsewhere
-    return max(0, free - int(store))
+        return free, 0  # larger than /dev/shm: Ray put it elsewhere
+    return max(0, free - int(store)), int(store)
 
 
 def _resources(resources: object) -> dict[str, float]:

@@ -354,7 +354,7 @@ class RayRunner:
     ) -> tuple[Job, asyncio.Future[Any]]:
         """Send the job to ``record``'s actor (synchronously: the call order is the order
         Ray delivers them in), with ``slot`` for its batch; the future of its result. If this
-        raises, the slot is back in the pool."""
+        raises, the slot is back in the pool (or out of it for good, if the call went out)."""
         job = Job(record)
         now = time.perf_counter()
         with self._fleet.lock:
@@ -362,17 +362,25 @@ class RayRunner:
             self._fleet.figures[record.slot].started(now)
             self._figures[record.slot].started(now)
         self._attempts[id(request)] = job
-        try:
-            ref = getattr(record.handle, method).remote(self.copy_id, *args, slot)
-            future = job.reply = ref.future()
-        except BaseException:
-            self._release(slot)
-            self._fleet.finished(job)  # never sent: not running
+
+        def undo(let_go: Callable[[_shm.Slot | None], None]) -> None:
+            let_go(slot)
+            self._fleet.finished(job)  # not running
             with self._fleet.lock:
                 self._fleet.figures[record.slot].ended(now)
                 self._figures[record.slot].ended(now)
             if self._attempts.get(id(request)) is job:
                 del self._attempts[id(request)]
+
+        try:
+            ref = getattr(record.handle, method).remote(self.copy_id, *args, slot)
+        except BaseException:
+            undo(self._release)  # never sent
+            raise
+        try:
+            future = job.reply = ref.future()
+        except BaseException:
+            undo(self._forget)  # sent: its actor may write into the slot whatever comes
             raise
         future.add_done_callback(functools.partial(self._done, job))
         awaited = asyncio.wrap_future(future)
@@ -450,9 +458,11 @@ class RayRunner:
             mine.bytes += nbytes_of(result.batch)
             return result
         assert self._receiver is not None  # a parcel answers a slot, which needs the pool
-        if parcel.slot_vanished and slot is not None and _shm.segment_exists(slot.name):
-            # The slot is there, but not for the actor: its /dev/shm is another one after all
-            # (another mount namespace with the same key). Its batches use the object store.
+        cannot_map = parcel.slot_error and not parcel.in_slot and not parcel.fallback
+        if cannot_map and slot is not None and _shm.segment_exists(slot.name):
+            # The slot is there, but the actor cannot map it (its /dev/shm is another one
+            # after all, another mount namespace with the same key; or it is out of file
+            # descriptors). Its batches use the object store from now on.
             record.shm_key = None
             workers_log.warning(
                 "%s cannot map this process's shared memory (%s): its batches travel through "

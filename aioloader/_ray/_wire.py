@@ -122,10 +122,11 @@ def read_only(batch: Any) -> Any:
 
 @functools.cache
 def shm_key() -> str | None:
-    """What tells this machine's ``/dev/shm`` apart: the kernel's boot id and the tmpfs's
-    device and inode. Two processes with the same key map the same segments by name (actors
-    in another container of the same host, with a ``/dev/shm`` of their own, differ). None:
-    no shared memory here."""
+    """What tells this machine's ``/dev/shm`` apart, for this user: the kernel's boot id, the
+    tmpfs's device and inode, and the user id (segments are made readable by their owner
+    only). Two processes with the same key map each other's segments by name (actors in
+    another container of the same host, with a ``/dev/shm`` of their own, differ; so do those
+    of a node started by another user). None: no shared memory here."""
     if not _shm.shm_available():
         return None
     try:
@@ -134,4 +135,4 @@ def shm_key() -> str | None:
         st = os.stat(_shm.SHM_DIR)
     except OSError:
         return None
-    return f"{boot}:{st.st_dev}:{st.st_ino}"
+    return f"{boot}:{st.st_dev}:{st.st_ino}:{os.getuid()}"

@@ -424,8 +424,9 @@ class SlotPool:
                 self._trim()
 
     def forget(self, slot: Slot) -> None:
-        """Drop a leased slot whose segment vanished from ``/dev/shm`` (removed by someone else),
-        so it is never leased again; its memory goes with the pool's mapping. Like
+        """Drop a leased slot for good: unlinked (if it is still there) and never leased again;
+        its memory goes with the last mapping. For a segment that vanished from ``/dev/shm``
+        (removed by someone else), or one a dying process may still write into. Like
         :meth:`release`, a call that does not match the current lease does nothing."""
         with self._lock:
             self._drain()
@@ -596,19 +597,21 @@ class SlotPool:
 
         Views of batches still alive stay readable: their mapping is released when they die.
         After ``close``, :meth:`lease` and :meth:`open` raise and :meth:`release` does nothing.
+        A close interrupted (a second Ctrl-C) is finished by the next: a segment leaves the
+        pool only once unlinked, and the exit's finalizer stays until none is left.
         """
         with self._lock:
-            if self._closed:
-                return
             self._closed = True
-            self._finalizer.detach()
             self._returned.clear()
-            if os.getpid() == self._owner:
-                for seg in self._segments.values():
-                    self._unmapping(seg)
-                _destroy(self._segments)
-            else:  # a forked copy: the segments belong to the parent; drop our mappings only
+            if os.getpid() != self._owner:
+                # A forked copy: the segments belong to the parent; drop our mappings only.
                 self._segments.clear()
+            while self._segments:
+                name, seg = next(iter(self._segments.items()))
+                self._unmapping(seg)
+                unlink(name)
+                del self._segments[name]  # our mapping goes now; a live batch's with its views
+            self._finalizer.detach()
 
     @property
     def closed(self) -> bool:

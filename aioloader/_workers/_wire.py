@@ -118,8 +118,8 @@ class Packer:
             self._writer = _shm.SlotWriter(_shm.attach(slot))
         except FileNotFoundError as exc:
             self._error, self._vanished = str(exc), True
-        except SharedMemoryError as exc:
-            self._error = str(exc)
+        except (SharedMemoryError, OSError) as exc:  # no descriptor left; another user's
+            self._error = f"{type(exc).__name__}: {exc}"
 
     @property
     def alloc(self) -> Alloc | None:
@@ -188,6 +188,12 @@ def _not_in_slot(encoded: _shm.Encoded, nbytes: int, size: int) -> Parcel:
         return Parcel(to_wire(encoded.tree), False, needed)
     why = f"a batch of {encoded.needed_bytes} bytes did not fit its slot of {size} bytes"
     return Parcel(to_wire(encoded.tree), False, needed, slot_error=why, fallback="fit")
+
+
+#: Reasons a batch finds no slot that a ``route`` other than inline takes in its stride: the
+#: cap, /dev/shm's room, a segment that could not be made, a batch larger than its slot. (A
+#: vanished segment or a worker that cannot map one stays a WARNING.)
+_ROUTINE = frozenset({"cap", "room", "lease", "fit", "none"})
 
 
 class Receiver:
@@ -299,14 +305,17 @@ class Receiver:
         reason; the first of each other ``kind`` of reason (the cap, no room, a vanished
         segment, no descriptor in a worker) is logged at INFO: one warning per loader."""
         self.fallbacks += 1
-        if kind not in self._said:
-            self._said.add(kind)
-            if self._route is not None:
-                _log.info("batches travel through %s instead of a slot: %s", self._route, why)
-                return
-            # A batch larger than its slot is INFO only: the next slot is made for it.
-            level = logging.INFO if self._said - {kind, "fit"} or kind == "fit" else logging.WARNING
+        if kind in self._said:
+            return
+        # A batch larger than its slot is INFO only: the next slot is made for it.
+        level = logging.INFO if self._said - {"fit"} or kind == "fit" else logging.WARNING
+        self._said.add(kind)
+        if self._route is None:
             _log.log(level, "batches travel inline (pickled) instead: %s", why)
+            return
+        if kind in _ROUTINE:  # the route's usual way for a batch without a slot
+            level = logging.INFO
+        _log.log(level, "batches travel through %s instead of a slot: %s", self._route, why)
 
     def releaser(self, slot: _shm.Slot | OwnSlot | None) -> Callable[[], None] | None:
         """What gives ``slot`` back to the pool, to call once no worker can write into it
