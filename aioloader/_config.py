@@ -261,7 +261,6 @@ class LoaderConfig:
         )
 
 
-
 def _prefetch_factor(factor: object, prefetch: object, workers: int) -> int | None:
     """torch's ``prefetch_factor`` (batches per worker), checked by torch's rule: only with
     workers, and not beside aioloader's own ``prefetch`` (the total)."""

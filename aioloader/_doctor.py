@@ -207,9 +207,7 @@ def check_open_files(soft: int, hard: int) -> Check:
     return Check(section, Status.WARN, detail + f" (below {NOFILE_MIN})", fix)
 
 
-def check_start_methods(
-    available: Sequence[str], python_default: str, loader_method: str
-) -> Check:
+def check_start_methods(available: Sequence[str], python_default: str, loader_method: str) -> Check:
     """The multiprocessing start methods here, Python's default and the one workers use."""
     section = "start methods"
     detail = (
@@ -348,9 +346,7 @@ def diagnose(facts: Facts) -> list[Check]:
         check_python(facts.python, facts.implementation, facts.system, facts.machine),
         check_shm(facts.shm_total, facts.shm_free),
         check_open_files(facts.nofile_soft, facts.nofile_hard),
-        check_start_methods(
-            facts.start_methods, facts.python_default_method, facts.loader_method
-        ),
+        check_start_methods(facts.start_methods, facts.python_default_method, facts.loader_method),
         check_uvloop(facts.uvloop_version, system=facts.system),
         check_cpus(facts.cpu_count, facts.cpu_affinity, facts.cpu_quota),
         check_torch(facts.torch),

@@ -413,6 +413,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.samples, args.work, args.repeat, args.latency_batches = 64, 1, 1, 3
+    if args.call_cost and args.address is not None:
+        parser.error("--call-cost measures a local Ray only (it reads the CPU of this machine)")
 
     import ray
 

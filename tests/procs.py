@@ -27,8 +27,7 @@ def worker_processes() -> set[int]:
             if process.name().startswith("aiol-worker") or (
                 parent is not None
                 and (
-                    "forkserver" in " ".join(parent.cmdline())
-                    or parent.name() == "aiol-forkserver"
+                    "forkserver" in " ".join(parent.cmdline()) or parent.name() == "aiol-forkserver"
                 )
             ):
                 pids.add(process.pid)

@@ -97,9 +97,7 @@ def blocks_of(path: Path) -> list[Block]:
             i += 1
             continue
         fence, language = opening["fence"], opening["info"].strip().split(" ")[0]
-        end = next(
-            (j for j in range(i + 1, len(lines)) if lines[j].strip() == fence), len(lines)
-        )
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == fence), len(lines))
         previous = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
         marker = NOT_RUNNABLE.fullmatch(previous.strip())
         code = "\n".join(lines[i + 1 : end]) + "\n"
@@ -327,4 +325,3 @@ def test_every_public_name_has_a_reference_entry(site: Path) -> None:
         if f"{module.__name__}.{name}" not in ids
     ]
     assert not missing, f"public names without an entry in docs/api/: {missing}"
-

@@ -613,6 +613,7 @@ def test_docstrings_and_comments_are_not_code() -> None:
     # x = 1 / def f(): / return ( / 1 / )
     assert code_lines(text) == 5
 
+
 if __name__ == "__main__":
     ARCHITECTURE.write_text(page_with_map(ARCHITECTURE.read_text(), module_map()))
     sys.exit(0)

@@ -23,13 +23,15 @@ import pytest
 
 from aioloader import WorkerCrashedError, WorkerError, WorkerInitError, numpy_collate
 from aioloader._batch import BatchMaker
+from aioloader._errors import SharedMemoryError
 from aioloader._ray._actor import ActorCopy, Failed, LoaderActor, TurnTable
 from aioloader._ray._fleet import MAX_START_ROUNDS, ActorRecord, Fleet, SlotFigures
 from aioloader._ray._runner import RayRunner
 from aioloader._ray._wire import in_parcel, shm_key
 from aioloader._shm import Slot, SlotPool, segment_exists
 from aioloader._types import END, BatchRequest, Made, StreamRequest
-from aioloader._workers import Packer, Receiver, dumps_payload
+from aioloader._workers import Packer, Parcel, Receiver, dumps_payload
+from aioloader._workers._wire import inline
 
 BATCH = 2
 #: Seconds a pull may take at most here (a bound against a hang; they take milliseconds).
@@ -428,7 +430,11 @@ def _refused(slot: Any) -> Any:
     raise PermissionError(13, "Permission denied", slot.name)
 
 
-@pytest.mark.parametrize("why", ["another-dev-shm", "another-user"])
+def _no_descriptor(slot: Any) -> Any:
+    raise SharedMemoryError("no file descriptor left to map the slot")
+
+
+@pytest.mark.parametrize("why", ["another-dev-shm", "another-user", "out-of-descriptors"])
 async def test_an_actor_that_cannot_map_this_machines_slots_sends_its_batches_through_the_store(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
@@ -438,7 +444,8 @@ async def test_an_actor_that_cannot_map_this_machines_slots_sends_its_batches_th
     """An actor whose ``/dev/shm`` looked like this process's but is another, or which may not
     open a slot that exists here (another user's ``ray start``): that batch comes inline,
     whole; a warning names the actor; its later batches are sent without a slot; the slot
-    stays in the pool, free (not forgotten as a vanished segment would be)."""
+    stays in the pool, free (not forgotten as a vanished segment would be). An actor out of
+    file descriptors is a passing fallback instead: counted, and slots go on."""
 
     def answer(n: int, request: BatchRequest, slot: Any, future: Any) -> None:
         if slot is None:
@@ -448,7 +455,8 @@ async def test_an_actor_that_cannot_map_this_machines_slots_sends_its_batches_th
             packer = Packer(Slot(f"{slot.name}_elsewhere", slot.size))  # not in its /dev/shm
         else:
             with pytest.MonkeyPatch.context() as patch:
-                patch.setattr("aioloader._shm.attach", _refused)
+                refuse = _refused if why == "another-user" else _no_descriptor
+                patch.setattr("aioloader._shm.attach", refuse)
                 packer = Packer(slot)
         future.set_result(Made(batch=in_parcel(packer.pack(slot_batch(request)))))
 
@@ -461,11 +469,16 @@ async def test_an_actor_that_cannot_map_this_machines_slots_sends_its_batches_th
             request = BatchRequest(0, batch_id, [batch_id])
             made = await asyncio.wait_for(runner.start_make(request), PULL_S)
             assert np.array_equal(made.batch, slot_batch(request))
+    stats = slot_pool.stats()
+    assert (stats.slots, stats.free, stats.leased) == (1, 1, 0)
+    if why == "out-of-descriptors":
+        assert [slot is None for slot in ray.slots] == [True, False, False]
+        assert runner.shm_fallbacks == 2
+        assert "no file descriptor left" in caplog.text  # said once, as a WARNING
+        return
     assert [slot is None for slot in ray.slots] == [True, False, True]
     assert "cannot map this process's shared memory" in caplog.text
     assert "Ray actor 0 (pid 101" in caplog.text
-    stats = slot_pool.stats()
-    assert (stats.slots, stats.free, stats.leased) == (1, 1, 0)
     assert runner.shm_fallbacks == 0  # the slot was there: not a fallback of the pool's
 
 
@@ -489,18 +502,22 @@ def test_a_route_other_than_inline_keeps_the_warnings_that_need_someone(
     caplog: pytest.LogCaptureFixture, slot_pool: SlotPool
 ) -> None:
     """With Ray's route, a batch that finds no slot under the cap is routine (INFO); a slot
-    whose segment someone removed from /dev/shm is still a WARNING, naming the route."""
+    whose segment someone removed from /dev/shm is still a WARNING after it, naming the
+    route."""
     receiver = Receiver(slot_pool, 1, route="Ray's object store")
     receiver.saw(SLOT_BATCH * 8)
+    batch = np.zeros(SLOT_BATCH)
     with caplog.at_level(logging.INFO, logger="aioloader"):
+        over = inline(batch)  # as a worker answers a batch over its share of the cap
+        capped = Parcel(over.tree, False, over.nbytes, slot_error="over the cap", fallback="cap")
+        assert np.array_equal(receiver.open(Made(batch=capped), None).batch, batch)
         slot = asyncio.run(receiver.lease())
         assert isinstance(slot, Slot)
-        gone = Packer(Slot(f"{slot.name}_removed", slot.size)).pack(np.zeros(SLOT_BATCH))
-        made = receiver.open(Made(batch=gone), slot)
-        assert np.array_equal(made.batch, np.zeros(SLOT_BATCH))
+        gone = Packer(Slot(f"{slot.name}_removed", slot.size)).pack(batch)
+        assert np.array_equal(receiver.open(Made(batch=gone), slot).batch, batch)
     said = [r for r in caplog.records if "through Ray's object store" in r.getMessage()]
-    assert [r.levelno for r in said] == [logging.WARNING]
-    assert receiver.fallbacks == 1
+    assert [r.levelno for r in said] == [logging.INFO, logging.WARNING]
+    assert receiver.fallbacks == 2
 
 
 async def test_a_given_up_batchs_slot_goes_back_once_its_actor_answered(

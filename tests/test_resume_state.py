@@ -73,6 +73,7 @@ def test_a_state_loaded_into_a_loader_built_the_same_way_resumes_exactly() -> No
 
 # -- each setting that changes the order or the batches --------------------------------------
 
+
 def _distributed(replicas: int) -> dict[str, Any]:
     return {"shuffle": None, "sampler": DistributedSampler(N, replicas, 0, seed=1)}
 

@@ -519,9 +519,13 @@ def test_close_with_live_views(pool: SlotPool) -> None:
     gc.collect()  # the finalizer of a closed pool's slot is harmless
 
 
-def test_a_close_interrupted_is_finished_by_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("then", ["closed-again", "dropped"])
+def test_a_close_interrupted_is_finished_by_the_next(
+    monkeypatch: pytest.MonkeyPatch, then: str
+) -> None:
     """A second Ctrl-C while the segments are unlinked: the next close() unlinks the rest (the
-    first had marked the pool closed; the rest stayed in /dev/shm until the exit's warning)."""
+    first had marked the pool closed; the rest stayed in /dev/shm until the exit's warning),
+    and a pool dropped instead still has its finalizer, which unlinks them, saying so."""
     pool = SlotPool(1 << 24)
     slots = [pool.lease(1 << 20) for _ in range(3)]
     assert all(slot is not None for slot in slots)
@@ -541,6 +545,11 @@ def test_a_close_interrupted_is_finished_by_the_next(monkeypatch: pytest.MonkeyP
     assert pool.closed
     assert len(_mine()) == 2
     monkeypatch.setattr(_shm._pool, "unlink", unlink)
+    if then == "dropped":
+        with pytest.warns(ResourceWarning, match="never closed"):
+            del pool  # the last reference: the finalizer runs here
+        assert _mine() == set()
+        return
     pool.close()
     assert _mine() == set()
     del pool

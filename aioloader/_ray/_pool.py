@@ -394,13 +394,14 @@ class _State:
                 free, store = _free_beside_object_store()
                 cap = _shm.budget(None, free)
                 if cap <= 0:
+                    beside = f" beside this node's object store ({store} bytes)" if store else ""
                     workers_log.info(
-                        "no shared memory for the batches of Ray actors on this machine: "
-                        "%s has %d bytes free beside this node's object store (%d bytes); they "
-                        "travel through the store. RayWorkers(shm_max_bytes=...) sets a budget",
+                        "no shared memory for the batches of Ray actors on this machine: %s has "
+                        "%d bytes free%s; they travel through the object store. "
+                        "RayWorkers(shm_max_bytes=...) sets a budget",
                         _shm.SHM_DIR,
                         free,
-                        store,
+                        beside,
                     )
             if cap > 0:
                 self.slots = _shm.SlotPool(cap, min_slot_bytes=min(cap, _shm.MIN_SLOT_BYTES))

@@ -320,9 +320,11 @@ class RayRunner:
             self._slots.release(slot)
 
     def _forget(self, slot: _shm.Slot | None) -> None:
-        """``slot`` out of the pool for good (unlinked, never leased again): its actor was
-        reported dead, which Ray does before the process is gone (a killed actor's collating
-        thread may write on for milliseconds). Its pages go with the last mapping."""
+        """``slot`` out of the pool for good (unlinked, never leased again): its actor may
+        write into it still, though nothing will say when it is done: reported dead, which Ray
+        does before the process is gone (a killed actor's collating thread may write on for
+        milliseconds), or sent a call whose reply cannot be followed. Its pages go with the
+        last mapping."""
         if slot is not None and self._slots is not None:
             self._slots.forget(slot)
 
@@ -379,8 +381,11 @@ class RayRunner:
             raise
         try:
             future = job.reply = ref.future()
-        except BaseException:
-            undo(self._forget)  # sent: its actor may write into the slot whatever comes
+        except BaseException:  # (an interrupt): sent, so its actor may write into the slot
+            # Out of the actor's queue all the same: left there, it would stay its oldest job
+            # for ever and no later job's deadline would fire; if the actor dies running it,
+            # the next job is taken for the culprit.
+            undo(self._forget)
             raise
         future.add_done_callback(functools.partial(self._done, job))
         awaited = asyncio.wrap_future(future)
@@ -458,11 +463,12 @@ class RayRunner:
             mine.bytes += nbytes_of(result.batch)
             return result
         assert self._receiver is not None  # a parcel answers a slot, which needs the pool
-        cannot_map = parcel.slot_error and not parcel.in_slot and not parcel.fallback
+        cannot_map = parcel.slot_vanished or parcel.fallback == "denied"
         if cannot_map and slot is not None and _shm.segment_exists(slot.name):
-            # The slot is there, but the actor cannot map it (its /dev/shm is another one
-            # after all, another mount namespace with the same key; or it is out of file
-            # descriptors). Its batches use the object store from now on.
+            # The slot is there, but not for the actor: its /dev/shm is another one after all
+            # (another mount namespace with the same key), or it may not open it. Its batches
+            # use the object store from now on. (Out of descriptors, it is a fallback of the
+            # pool's, counted, and slots go on.)
             record.shm_key = None
             workers_log.warning(
                 "%s cannot map this process's shared memory (%s): its batches travel through "

@@ -44,6 +44,7 @@ from ._segment import (
     Slot,
     as_bytes,
     create_segment,
+    discard,
     free_bytes,
     janitor_once,
     map_shared,
@@ -252,6 +253,7 @@ class SlotPool:
         # any time, lock-free: deque.append is atomic), applied under the lock by _drain().
         self._returned: collections.deque[tuple[str, int]] = collections.deque()
         self._closed = False
+        self._unlinking: str | None = None  # the segment close() was unlinking, if it was cut
         self._owner = os.getpid()
         self._finalizer = weakref.finalize(self, _finalize_pool, self._segments, self._owner)
         janitor_once(shm_dir)
@@ -608,9 +610,14 @@ class SlotPool:
                 self._segments.clear()
             while self._segments:
                 name, seg = next(iter(self._segments.items()))
-                self._unmapping(seg)
-                unlink(name)
+                if name == self._unlinking:
+                    discard(name)  # cut mid-unlink: tells the tracker only if it was still there
+                else:
+                    self._unmapping(seg)
+                    self._unlinking = name
+                    unlink(name)
                 del self._segments[name]  # our mapping goes now; a live batch's with its views
+                self._unlinking = None
             self._finalizer.detach()
 
     @property

@@ -270,7 +270,8 @@ class Parcel:
             stop leasing it.
         own_slot: the segment the worker made for it (:class:`OwnSlot`).
         fallback: the kind of that reason, for the log (said once per kind): "vanished",
-            "attach", "cap", "room" or "fit"; "" means "vanished" or "attach" by ``slot_vanished``.
+            "attach", "denied" (the slot is not this process's to open), "cap", "room" or
+            "fit"; "" means "vanished" or "attach" by ``slot_vanished``.
     """
 
     tree: Any

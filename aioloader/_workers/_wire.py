@@ -105,11 +105,12 @@ class Packer:
         slot: the job's slot (attached here, cached per process), or None for inline.
     """
 
-    __slots__ = ("_error", "_own", "_vanished", "_writer")
+    __slots__ = ("_error", "_kind", "_own", "_vanished", "_writer")
 
     def __init__(self, slot: _shm.Slot | OwnSlot | None) -> None:
         self._writer: _shm.SlotWriter | None = None
         self._error = ""
+        self._kind = ""  # the fallback kind of the error, if not "vanished" / "attach"
         self._vanished = False
         self._own = slot if isinstance(slot, OwnSlot) else None
         if slot is None or isinstance(slot, OwnSlot):
@@ -118,8 +119,10 @@ class Packer:
             self._writer = _shm.SlotWriter(_shm.attach(slot))
         except FileNotFoundError as exc:
             self._error, self._vanished = str(exc), True
-        except (SharedMemoryError, OSError) as exc:  # no descriptor left; another user's
-            self._error = f"{type(exc).__name__}: {exc}"
+        except SharedMemoryError as exc:  # no descriptor left
+            self._error = str(exc)
+        except OSError as exc:  # not ours to open (another user's segment)
+            self._error, self._kind = f"{type(exc).__name__}: {exc}", "denied"
 
     @property
     def alloc(self) -> Alloc | None:
@@ -132,7 +135,9 @@ class Packer:
         if self._writer is None:
             if self._error:
                 parcel = inline(batch)
-                return Parcel(parcel.tree, False, parcel.nbytes, self._error, self._vanished)
+                return Parcel(
+                    parcel.tree, False, parcel.nbytes, self._error, self._vanished, None, self._kind
+                )
             if self._own is not None:
                 return self._in_own_slot(batch, self._own)
             return inline(batch)
@@ -211,7 +216,9 @@ class Receiver:
             have made the segment of a job whose parcel nobody read).
         route: how a batch travels without a slot, if not inline: ``"Ray's object store"``
             for Ray actors, whose batches go there as a matter of course. No warning is given
-            up front, and a batch that finds no slot is said at INFO, naming the route.
+            up front, a batch that finds no slot under the cap or in ``/dev/shm`` is said at
+            INFO, naming the route; a vanished segment or a worker that cannot map one is
+            still a WARNING (the first of them).
     """
 
     def __init__(
@@ -307,14 +314,16 @@ class Receiver:
         self.fallbacks += 1
         if kind in self._said:
             return
-        # A batch larger than its slot is INFO only: the next slot is made for it.
-        level = logging.INFO if self._said - {"fit"} or kind == "fit" else logging.WARNING
-        self._said.add(kind)
         if self._route is None:
+            # A batch larger than its slot is INFO only: the next slot is made for it.
+            level = logging.INFO if self._said - {"fit"} or kind == "fit" else logging.WARNING
+            self._said.add(kind)
             _log.log(level, "batches travel inline (pickled) instead: %s", why)
             return
-        if kind in _ROUTINE:  # the route's usual way for a batch without a slot
-            level = logging.INFO
+        # The route's usual way for a batch without a slot is INFO; the first other is a
+        # WARNING, whatever routine ones came before it.
+        level = logging.INFO if kind in _ROUTINE or self._said - _ROUTINE else logging.WARNING
+        self._said.add(kind)
         _log.log(level, "batches travel through %s instead of a slot: %s", self._route, why)
 
     def releaser(self, slot: _shm.Slot | OwnSlot | None) -> Callable[[], None] | None:
