@@ -194,12 +194,15 @@ from aioloader._workers import _context
 
 _context.WORKER_MODULE = "slow_server_start"  # what the forkserver imports before it forks
 on_loop = []
+probes = []  # the pids of the processes that tell the forkserver is up: not workers
 _real_start = multiprocessing.process.BaseProcess.start
 
 
 def start(self):
     on_loop.append(asyncio._get_running_loop() is not None)
     _real_start(self)
+    if self.name == "aioloader-probe":
+        probes.append(self.pid)
 
 
 multiprocessing.process.BaseProcess.start = start
@@ -214,7 +217,8 @@ class Items:
 
 
 def workers():
-    # Descendants but the session's helpers (the forkserver, the resource tracker) themselves.
+    # Descendants but the session's helpers (the forkserver, the resource tracker) themselves
+    # and the probe that told the forkserver was up (which may outlive its join, on busy cores).
     found = []
     for child in psutil.Process().children():
         if "forkserver" not in " ".join(child.cmdline()) and "resource_tracker" not in " ".join(
@@ -222,7 +226,7 @@ def workers():
         ):
             found.append(child.pid)
         found += [p.pid for p in child.children(recursive=True)]
-    return found
+    return [pid for pid in found if pid not in probes]
 
 
 async def main(mode):
@@ -265,7 +269,13 @@ async def main(mode):
             ticker.cancel()
             print(json.dumps({"cancelled_at": time.monotonic()}), flush=True)
             return
-        await asyncio.sleep(SLEEP + 2.0)  # the server is up: a launch after the close shows now
+        # The server is up (on busy cores its start can take seconds past SLEEP): a launch
+        # after the close shows by then.
+        up_by = time.monotonic() + SLEEP + 10.0
+        await asyncio.sleep(SLEEP)
+        while not probes and time.monotonic() < up_by:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(2.0)
         out["left"] = workers()
     ticker.cancel()
     out["max_lag_s"] = max(lags)
