@@ -288,6 +288,9 @@ def main() -> None:
         report["steps"] = sum(1 for _ in loader)
         report["threads_while_open"] = equal_steps_threads()
         report["connections_while_open"] = len(connections() - before)
+        # Every rank counted before any lets its loader go: a rank done first closed its
+        # group's sockets while a slower one counted (2 of 3 there, on busy cores).
+        dist.barrier()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)  # unclosed, on purpose
             del loader
