@@ -11,15 +11,17 @@ import contextlib
 import os
 import pathlib
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
 from datasets import Range
 
-from aioloader import DataLoader, WorkerPool, _shm
+from aioloader import DataLoader, WorkerPool, _shm, default_collate
 from aioloader._shm import SlotPool
-from aioloader._workers._records import OwnSlot
-from aioloader._workers._wire import Receiver
+from aioloader._workers._records import OwnSlot, Parcel
+from aioloader._workers._wire import OWN_PAD_BYTES, Packer, Receiver
 
 pytestmark = pytest.mark.usefixtures("baseline")
 
@@ -364,3 +366,110 @@ def test_an_own_slot_holds_a_share_of_the_cap_until_its_job_ends() -> None:
         assert pool.reserve(9 * MIB) == 9 * MIB
     finally:
         pool.close()
+
+
+class Images(Range):
+    """256 KiB images with their index as label: a batch of 8 is 2 MiB, which the default
+    collate stacks as the samples are read."""
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, int]:  # type: ignore[override]
+        return np.full((64, 64, 64), index % 251, dtype=np.uint8), index
+
+
+class TwoLarge(Range):
+    """Two 1 MiB leaves a sample: the first sizes the segment, the second cannot fit it."""
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:  # type: ignore[override]
+        return {
+            "a": np.full(MIB, index % 251, dtype=np.uint8),
+            "b": np.full(MIB // 8, index, dtype=np.int64),
+        }
+
+
+def collated_into(samples: Sequence[Any], own: OwnSlot) -> tuple[Any, Parcel]:
+    packer = Packer(own)
+    assert packer.alloc is not None
+    batch = default_collate(samples, alloc=packer.alloc)
+    return batch, packer.pack(batch)
+
+
+def test_a_first_batch_is_collated_in_the_segment_its_worker_makes_not_copied_there() -> None:
+    own = OwnSlot(_shm.new_name(), 64 * MIB)
+    samples = [Images(8)[i] for i in range(8)]
+    try:
+        batch, parcel = collated_into(samples, own)
+        assert parcel.in_slot
+        assert parcel.own_slot is not None
+        assert parcel.own_slot.name == own.name
+        images, labels = batch
+        segment = _shm.attach(parcel.own_slot)
+        ref = parcel.tree[0]
+        mapped = segment[ref.offset : ref.offset + images.nbytes]
+        assert (mapped == images.numpy().reshape(-1)).all()
+        images[3, 0, 0, 0] = 200  # the batch is the segment's memory: no copy was made
+        assert mapped[3 * 64 * 64 * 64] == 200
+        assert labels.tolist() == list(range(8))
+        # Sized at the first large alloc (the images), with room for the labels beside.
+        assert parcel.own_slot.size == _shm.slot_size(images.nbytes + OWN_PAD_BYTES)
+    finally:
+        _shm.unlink(own.name)
+    assert own.name not in own_segments()
+
+
+def test_a_first_batch_larger_than_its_first_segment_goes_in_one_made_to_its_size() -> None:
+    own = OwnSlot(_shm.new_name(), 64 * MIB)
+    samples = [TwoLarge(4)[i] for i in range(4)]
+    try:
+        batch, parcel = collated_into(samples, own)
+        assert parcel.in_slot
+        assert parcel.slot_error == ""
+        assert parcel.own_slot is not None
+        assert parcel.own_slot.name == own.name
+        needed = 4 * MIB + 4 * (MIB // 8) * 8
+        assert parcel.own_slot.size >= needed
+        segment = _shm.attach(parcel.own_slot)
+        for key in ("a", "b"):
+            ref = parcel.tree[key]
+            leaf = batch[key].numpy()
+            view = segment[ref.offset : ref.offset + leaf.nbytes].view(leaf.dtype)
+            assert (view.reshape(leaf.shape) == leaf).all()
+        assert batch["b"][:, 0].tolist() == [0, 1, 2, 3]
+    finally:
+        _shm.unlink(own.name)
+    assert own.name not in own_segments()
+
+
+def test_a_first_batch_over_its_share_of_the_cap_makes_no_segment_and_says_why() -> None:
+    own = OwnSlot(_shm.new_name(), MIB)  # the batch is 2 MiB
+    batch, parcel = collated_into([Images(8)[i] for i in range(8)], own)
+    assert not parcel.in_slot
+    assert parcel.fallback == "cap"
+    assert "shm_max_bytes" in parcel.slot_error
+    assert own.name not in own_segments()
+    assert batch[0][:, 0, 0, 0].tolist() == list(range(8))
+
+
+def test_first_batches_stacked_as_read_come_whole_and_in_slots() -> None:
+    with DataLoader(Images(48), batch_size=8, num_workers=2, prefetch=4) as loader:
+        batches = list(loader)
+        assert loader.statistics().shm_fallbacks == 0
+    for k, (images, labels) in enumerate(batches):
+        assert labels.tolist() == list(range(8 * k, 8 * k + 8))
+        assert images[:, 5, 6, 7].tolist() == [i % 251 for i in range(8 * k, 8 * k + 8)]
+    del batches, images, labels
+    assert not own_segments()
+
+
+def test_a_job_failing_after_its_first_segment_was_begun_leaves_none() -> None:
+    class Fails(Images):
+        def __getitem__(self, index: int) -> tuple[np.ndarray, int]:  # type: ignore[override]
+            if index % 8 == 5:  # after the stacked array was begun in the segment
+                raise ValueError(f"sample {index}")
+            return super().__getitem__(index)
+
+    with (
+        DataLoader(Fails(32), batch_size=8, num_workers=1, prefetch=2) as loader,
+        pytest.raises(ValueError, match="sample 5"),
+    ):
+        next(iter(loader))
+    assert not own_segments()

@@ -94,6 +94,7 @@ from ._descriptors import INLINE_MAX_BYTES as INLINE_MAX_BYTES
 from ._descriptors import ArrayRef as ArrayRef
 from ._descriptors import Encoded as Encoded
 from ._descriptors import SlotWriter as SlotWriter
+from ._descriptors import alloc_args as alloc_args
 from ._descriptors import in_slot_bytes as in_slot_bytes
 from ._pool import BUDGET_FRACTION as BUDGET_FRACTION
 from ._pool import BUDGET_MAX as BUDGET_MAX
@@ -139,6 +140,7 @@ __all__ = [
     "Slot",
     "SlotPool",
     "SlotWriter",
+    "alloc_args",
     "as_bytes",
     "attach",
     "attached",

@@ -180,13 +180,7 @@ class SlotWriter:
             ValueError: for a negative dimension or a dtype that cannot live in shared memory
                 (object, structured, zero-width).
         """
-        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
-        dt = np.dtype(dtype)
-        if any(d < 0 for d in shape):
-            raise ValueError(f"shape={shape} has a negative dimension")
-        if not _storable_dtype(dt):
-            raise ValueError(f"dtype={dt} cannot be placed in shared memory")
-        nbytes = math.prod(shape) * dt.itemsize
+        shape, dt, nbytes = alloc_args(shape, dtype)
         start = _align(self._offset)
         self._offset = start + nbytes
         if nbytes and self._offset <= self._size:
@@ -269,6 +263,24 @@ class SlotWriter:
             np.copyto(dst.reshape(arr.shape), arr)
         tree = map_tree(batch, lambda x: refs.get(id(x), x))
         return Encoded(tree, needed, needed, False)
+
+
+def alloc_args(
+    shape: int | tuple[int, ...], dtype: npt.DTypeLike
+) -> tuple[tuple[int, ...], np.dtype[Any], int]:
+    """An ``alloc``'s arguments checked: the shape as a tuple, the dtype, and the bytes.
+
+    Raises:
+        ValueError: for a negative dimension or a dtype that cannot live in shared memory
+            (object, structured, zero-width).
+    """
+    shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+    dt = np.dtype(dtype)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"shape={shape} has a negative dimension")
+    if not _storable_dtype(dt):
+        raise ValueError(f"dtype={dt} cannot be placed in shared memory")
+    return shape, dt, math.prod(shape) * dt.itemsize
 
 
 def _address(arr: npt.NDArray[Any]) -> int:

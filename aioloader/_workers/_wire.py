@@ -18,7 +18,10 @@ Shared memory or inline is decided here and nowhere else, on both sides of the p
                                in the pool, which adopts it (the first batches of a loader
                                need not travel pickled, and stay under the cap); otherwise
                                None: inline
-    worker: Packer(slot)       collate straight into the slot (Packer.alloc), then pack():
+    worker: Packer(slot)       collate straight into the slot (Packer.alloc; for an OwnSlot,
+                               into the segment made at the batch's first large alloc, so the
+                               first batches are no more copied nor held twice than the
+                               rest), then pack():
                                no slot, a tiny batch, or one that did not fit ─▶ inline
                                (with the bytes a slot would need, so the next lease fits);
                                a slot it cannot map (removed from /dev/shm, no descriptor
@@ -86,6 +89,11 @@ __all__ = [
 # costs more (a lease, a mapping, a finalizer) than the pickle copy it saves.
 INLINE_MAX_BYTES = _shm.INLINE_MAX_BYTES
 
+#: Room left beside the first large array of a batch in the segment a worker makes for an
+#: :class:`OwnSlot` (:meth:`Packer.alloc`): what a batch's small leaves (labels, lengths)
+#: collated after it need. A batch that needs more is copied into a segment made to its size.
+OWN_PAD_BYTES = 64 << 10
+
 _log = logging.getLogger("aioloader.shm")
 
 
@@ -105,7 +113,7 @@ class Packer:
         slot: the job's slot (attached here, cached per process), or None for inline.
     """
 
-    __slots__ = ("_error", "_kind", "_own", "_vanished", "_writer")
+    __slots__ = ("_error", "_kind", "_own", "_own_size", "_plain_bytes", "_vanished", "_writer")
 
     def __init__(self, slot: _shm.Slot | OwnSlot | None) -> None:
         self._writer: _shm.SlotWriter | None = None
@@ -113,6 +121,8 @@ class Packer:
         self._kind = ""  # the fallback kind of the error, if not "vanished" / "attach"
         self._vanished = False
         self._own = slot if isinstance(slot, OwnSlot) else None
+        self._own_size = 0  # bytes of the segment made for an OwnSlot at its first large alloc
+        self._plain_bytes = 0  # what allocs before that segment got in plain memory
         if slot is None or isinstance(slot, OwnSlot):
             return
         try:
@@ -127,7 +137,39 @@ class Packer:
     @property
     def alloc(self) -> Alloc | None:
         """Where a collate function that can should place its arrays (None: anywhere)."""
-        return self._writer.alloc if self._writer is not None else None
+        if self._writer is not None:
+            return self._writer.alloc
+        return self._own_alloc if self._own is not None and not self._error else None
+
+    def _own_alloc(self, shape: int | tuple[int, ...], dtype: Any) -> np.ndarray[Any, Any]:
+        """An OwnSlot's alloc: the segment is made at the first allocation of
+        :data:`INLINE_MAX_BYTES` or more, sized for it and :data:`OWN_PAD_BYTES` beside (the
+        labels and such collated after it), so the batch is collated straight into it as into
+        a pool's slot; smaller ones before it get plain memory (copied in by :meth:`pack`).
+        Where no segment may be made (its share of the cap, /dev/shm's room), every one gets
+        plain memory and :meth:`pack` says why the batch comes inline."""
+        if self._writer is not None:
+            return self._writer.alloc(shape, dtype)
+        shape, dt, nbytes = _shm.alloc_args(shape, dtype)
+        if nbytes >= INLINE_MAX_BYTES and not self._own_size:
+            self._writer = self._make_own(nbytes)
+            if self._writer is not None:
+                return self._writer.alloc(shape, dt)
+        self._plain_bytes += nbytes + _shm.ALIGN
+        return np.empty(shape, dt)
+
+    def _make_own(self, nbytes: int) -> _shm.SlotWriter | None:
+        assert self._own is not None
+        size = _shm.slot_size(nbytes + self._plain_bytes + OWN_PAD_BYTES)
+        self._own_size = -1  # tried: at most once a job
+        if size > self._own.limit or 4 * size > _shm.free_bytes() or not _shm.shm_available():
+            return None  # pack() makes the batch's segment, or says why it cannot
+        try:
+            _, mapping = _shm.create_segment(size, _shm.SHM_DIR, self._own.name)
+        except OSError:  # SharedMemoryError too: pack() tries again and says why
+            return None
+        self._own_size = size
+        return _shm.SlotWriter(_shm.as_bytes(mapping, size))
 
     def pack(self, batch: Any) -> Parcel:
         """The parcel of ``batch``: in the slot if there is one and the batch fits and is not
@@ -141,12 +183,27 @@ class Packer:
             if self._own is not None:
                 return self._in_own_slot(batch, self._own)
             return inline(batch)
+        if self._own is not None:
+            return self._packed_own(batch, self._own, self._writer)
         nbytes = batch_nbytes(batch)
         size = self._writer.size
         encoded = self._writer.encode(batch, inline_below=INLINE_MAX_BYTES)
         if encoded.inline:  # tiny, or did not fit: inline now, a big enough slot next time
             return _not_in_slot(encoded, nbytes, size)
         return Parcel(encoded.tree, True, nbytes)
+
+    def _packed_own(self, batch: Any, own: OwnSlot, writer: _shm.SlotWriter) -> Parcel:
+        """``batch``, collated (in part) into the segment made at its first large alloc: its
+        parcel names the segment if the whole batch fits there; else the segment goes and the
+        batch is packed as if it had none (into one made for it, or inline)."""
+        nbytes = batch_nbytes(batch)
+        encoded = writer.encode(batch, inline_below=INLINE_MAX_BYTES)
+        if not encoded.inline:
+            return Parcel(encoded.tree, True, nbytes, own_slot=_shm.Slot(own.name, writer.size))
+        # Tiny after all, or larger than the segment: what was in it has been copied out.
+        self._writer = None
+        _shm.unlink(own.name)
+        return self._in_own_slot(encoded.tree, own)
 
     @staticmethod
     def _in_own_slot(batch: Any, own: OwnSlot) -> Parcel:
