@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Literal, overload
 
 # Sampling PSS reads /proc/PID/smaps_rollup of every process, which walks the page tables of
 # all its mappings: 12-15 ms a process once torch is imported (~560 mappings). Sampled every
@@ -39,23 +40,31 @@ def tree_pss_bytes(*, without_files: bool = False) -> int:
     anonymous memory and shared memory (``Pss_Anon + Pss_Shmem``), without file-backed pages
     (shared libraries above all: the same code for every loader, whose share of the pages
     depends on what else runs on the machine, which moved the totals by 200 MB here)."""
-    whole, own = tree_pss_both()
+    whole, own, _ = tree_pss_both(with_anon=True)
     return own if without_files else whole
 
 
-def tree_pss_both() -> tuple[int, int]:
+@overload
+def tree_pss_both() -> tuple[int, int]: ...
+@overload
+def tree_pss_both(*, with_anon: Literal[True]) -> tuple[int, int, int]: ...
+
+
+def tree_pss_both(*, with_anon: bool = False) -> tuple[int, ...]:
     """``(PSS, PSS without file-backed pages)`` of this process and every descendant, in
-    bytes, from one read of each process's ``smaps_rollup``."""
+    bytes, from one read of each process's ``smaps_rollup``; ``with_anon``: and the
+    anonymous part alone (``Pss_Anon``, without shared memory) third."""
     import psutil
 
     me = psutil.Process()
-    whole = own = 0
+    whole = own = anon = 0
     for p in [me, *me.children(recursive=True)]:
         with contextlib.suppress(OSError, psutil.Error):
             rollup = _rollup(p.pid)
             whole += rollup.get("Pss", 0)
+            anon += rollup.get("Pss_Anon", 0)
             own += rollup.get("Pss_Anon", 0) + rollup.get("Pss_Shmem", 0)
-    return whole, own
+    return (whole, own, anon) if with_anon else (whole, own)
 
 
 def _rollup(pid: int) -> dict[str, int]:
@@ -75,15 +84,38 @@ def tree_pss_mb(*, without_files: bool = False) -> float:
     return tree_pss_bytes(without_files=without_files) / 2**20
 
 
+def shm_used_bytes() -> int:
+    """Bytes in use in ``/dev/shm`` now, by every process of the machine (0 where it is
+    missing): with the value at the start of a run, what a run's shared memory holds,
+    including segments no process maps at the moment (see :attr:`PeakPss.peak_held`)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
 class PeakPss:
     """Samples the PSS of this process and its children until stopped: the largest sum
-    (:attr:`peak`, bytes) and the largest without file-backed pages (:attr:`peak_own`)."""
+    (:attr:`peak`, bytes), the largest without file-backed pages (:attr:`peak_own`), and
+    the largest anonymous memory plus what ``/dev/shm`` holds beyond its use at the start
+    (:attr:`peak_held`).
+
+    PSS counts a shared-memory segment only while a process maps it: torch's worker maps
+    a batch's segment, sends its descriptor and unmaps it, and until the training process
+    unpickles the batch the segment is in no process's PSS, though its pages are held. Where
+    batches wait in a queue, :attr:`peak_own` misses them; :attr:`peak_held` counts every
+    segment once, mapped or not (and whatever else on the machine writes to ``/dev/shm``
+    meanwhile: read it on a quiet machine).
+    """
 
     enabled = True  # --no-memory turns sampling off, for the least disturbed throughput
 
     def __init__(self) -> None:
         self.peak = 0
         self.peak_own = 0
+        self.peak_held = 0
+        self._shm_at_start = shm_used_bytes()
         self.samples = 0
         self.cpu_s = 0.0  # CPU the sampling took (its thread's)
         self._stop = threading.Event()
@@ -93,9 +125,11 @@ class PeakPss:
         """Take a sample now (before closing a loader: its workers and slots count); returns
         the CPU seconds it took."""
         started = time.thread_time()
-        whole, own = tree_pss_both()
+        whole, own, anon = tree_pss_both(with_anon=True)
+        held = anon + max(0, shm_used_bytes() - self._shm_at_start)
         self.peak = max(self.peak, whole)
         self.peak_own = max(self.peak_own, own)
+        self.peak_held = max(self.peak_held, held)
         self.samples += 1
         spent = time.thread_time() - started
         self.cpu_s += spent

@@ -11,6 +11,10 @@ Python objects, numpy and torch allocations, shared copy-on-write with the paren
 it), shared libraries (``.so`` files, shared with every process that maps them) and
 shared-memory segments (``/dev/shm``: aioloader's batch slots; torch's tensors in flight), and
 the private part (pages no other process maps) of the anonymous and shared-memory columns.
+PSS counts a segment only while some process maps it, and torch's batches waiting in its
+queue are mapped by none (the worker unmapped them, the training process has not unpickled
+them yet): the last row adds the tree's anonymous memory and what ``/dev/shm`` holds beyond its
+use at the start, mapped or not (``harness.PeakPss.peak_held``; run it on a quiet machine).
 Torch's workers are forked from the training process; aioloader's from a worker server forked
 from it, so both share the training process's pages; the differences are the extra processes,
 what each worker holds of its own, and the slots.
@@ -125,6 +129,7 @@ def child(loader: str, case: str) -> dict[str, Any]:
     doc["total_pss_mb"] = sum(r["pss_mb"] for r in rows)
     doc["peak_pss_mb"] = peak.peak / 2**20
     doc["peak_own_mb"] = peak.peak_own / 2**20
+    doc["peak_held_mb"] = peak.peak_held / 2**20
     if loader == "aioloader":
         doc.update(slots)
     return doc
@@ -176,6 +181,10 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(
             f"| {d['case']} | {d['loader']} | **tree, peak during the epochs** "
             f"| **{d['peak_pss_mb']:.0f}** | **{d['peak_own_mb']:.0f}** anon + shm | | | | | |"
+        )
+        lines.append(
+            f"| {d['case']} | {d['loader']} | **peak anon + /dev/shm held** (mapped or not) "
+            f"| | **{d['peak_held_mb']:.0f}** | | | | | |"
         )
     return "\n".join(lines)
 
