@@ -359,3 +359,104 @@ def test_loader_batches_equal_the_collated_samples(odd: int | None, workers: int
     for k, (images, labels) in enumerate(batches):
         expected = default_collate([dataset[i] for i in range(k * N, (k + 1) * N)])
         same([images, labels], expected)
+
+
+def chw(i: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """An image as ``ToTensor`` hands it over: HWC memory seen as CHW, a strided view."""
+    hwc = torch.from_numpy(image(i, shape=(BIG[1], BIG[2], BIG[0])))
+    return hwc.permute(2, 0, 1).to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("make", "path"),
+    [
+        (lambda i: chw(i), "batch"),
+        (lambda i: {"image": chw(i), "label": i}, "batch['image']"),
+        (lambda i: (chw(i, torch.float32), i), "batch[0]"),
+    ],
+    ids=["tensor", "dict", "tuple-float"],
+)
+@pytest.mark.parametrize("collate", [default_collate, numpy_collate], ids=["torch", "numpy"])
+def test_plain_tensors_are_stacked_as_read_into_the_allocated_memory(
+    make: Any, path: str, collate: Any
+) -> None:
+    samples = [make(i) for i in range(N)]
+    kept = copy.deepcopy(samples)
+    alloc = Recorder()
+    stack = Prestack(alloc, N)
+    fed = feed_all(stack, samples)
+    assert list(stack.stacked) == [path]
+    [stacked] = alloc.arrays
+    batch = collate_prestacked(fed, collate is default_collate, alloc, stack.stacked)
+    same(batch, collate(kept))
+    big = batch if path == "batch" else batch["image"] if isinstance(batch, dict) else batch[0]
+    assert np.shares_memory(np.asarray(big), stacked)  # the stacked array itself, no copy
+    assert [a for a in alloc.arrays if a.ndim == 4] == [stacked]  # nothing else made for it
+    for given, original in zip(samples, kept, strict=True):
+        same(given, original)  # what the dataset handed over is unchanged
+    for position, sample in enumerate(fed):
+        leaf = sample if path == "batch" else sample["image"] if path != "batch[0]" else sample[0]
+        assert type(leaf) is torch.Tensor  # a tensor in the tensor's place: a view of its copy
+        assert np.shares_memory(leaf.numpy(), stacked[position])
+
+
+class Sub(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda i: chw(i, torch.float32).requires_grad_(),
+        lambda i: chw(i).as_subclass(Sub),
+        lambda i: chw(i, torch.complex64).conj(),
+        lambda i: chw(i, torch.bfloat16),
+        lambda i: chw(i).to_sparse(),
+    ],
+    ids=["requires-grad", "subclass", "conj", "bfloat16", "sparse"],
+)
+def test_tensors_collation_treats_apart_are_left_to_it(make: Any) -> None:
+    samples = [make(i) for i in range(N)]
+    alloc = Recorder()
+    stack = Prestack(alloc, N)
+    fed = feed_all(stack, samples)
+    assert stack.stacked == {}
+    assert alloc.arrays == []
+    assert all(f is s for f, s in zip(fed, samples, strict=True))
+
+
+def test_a_tensor_of_another_dtype_or_an_array_leaves_the_leaf_to_collation() -> None:
+    promoted: list[Any] = [chw(i, torch.float32) for i in range(N)]
+    promoted[20] = chw(20, torch.float64)
+    mixed: list[Any] = [chw(i) for i in range(N)]
+    mixed[30] = mixed[30].numpy()
+    for samples in (promoted, mixed):
+        kept = copy.deepcopy(samples)
+        alloc = Recorder()
+        stack = Prestack(alloc, N)
+        fed = feed_all(stack, samples)
+        assert stack.stacked == {}
+        assert stack.broke
+        same(collate_prestacked(fed, True, alloc, stack.stacked), default_collate(kept))
+
+
+class Tensors:
+    """Strided CHW tensors and their labels, as a torchvision pipeline makes them."""
+
+    def __len__(self) -> int:
+        return 6 * N
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"image": chw(i), "label": i}
+
+
+@pytest.mark.parametrize("workers", [2, 0])
+def test_loader_batches_of_tensors_equal_the_collated_samples(workers: int) -> None:
+    dataset = Tensors()
+    with DataLoader(dataset, batch_size=N, num_workers=workers) as loader:
+        batches = list(loader)
+        if workers:
+            assert loader.statistics().shm_fallbacks == 0
+    assert len(batches) == 6
+    for k, batch in enumerate(batches):
+        same(batch, default_collate([dataset[i] for i in range(k * N, (k + 1) * N)]))

@@ -492,6 +492,12 @@ class _Collator:
             )
         if self.to_torch and self.alloc is None:
             return torch.stack(samples)  # the common main-process case: nothing to check
+        shape = (len(samples), *first.shape)
+        done = self.stacked.pop(path, None) if self.stacked else None
+        if done is not None and done.shape == shape and done.dtype == np_dtype:
+            # Stacked as read (_prestack): every sample was a plain CPU tensor of this shape
+            # and dtype, copied in.
+            return torch.from_numpy(done) if self.to_torch else done
         # Only plain CPU tensors of one shape are stacked into a numpy-backed ``out`` (by numpy):
         # a device tensor must stay on its device, and the others go to torch.stack, whose
         # error for a mismatch _tensors explains.
@@ -502,7 +508,6 @@ class _Collator:
             and t.shape == first.shape
             for t in samples
         )
-        shape = (len(samples), *first.shape)
         if self.to_torch:
             if np_dtype is None or not plain:
                 return torch.stack(samples)

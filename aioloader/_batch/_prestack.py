@@ -16,11 +16,14 @@ read but with every sample kept).
 
 What it never changes is the batch. It handles only what the default collate functions would
 stack unchanged: a leaf that is a numpy array in every sample (``np.memmap`` slices too; not
-masked arrays), of one shape and one numeric dtype in native byte order, with at least one
-dimension, the sample itself or one level down in a ``dict``, ``list``, ``tuple`` or namedtuple
-(``(image, label)``, ``{"image": ..., "label": ...}``). The samples the collate function gets
-have the same values and container types (a container is copied, never changed: the dataset
-may hold it), and it checks them all as before, so its errors are the ones it always gave.
+masked arrays), or a plain CPU tensor in every sample (``torch.Tensor`` itself, strided, not
+requiring grad, no conjugate or negative bit: what a ``ToTensor`` or ``permute`` makes, often
+a strided view whose copy is the costly part of stacking), of one shape and one numeric dtype
+(in native byte order), with at least one dimension, the sample itself or one level down in
+a ``dict``, ``list``, ``tuple`` or namedtuple (``(image, label)``, ``{"image": ..., "label":
+...}``). The samples the collate function gets have the same values and container types (a
+container is copied, never changed: the dataset may hold it; a tensor's place gets a tensor
+view of its copy), and it checks them all as before, so its errors are the ones it always gave.
 
 A sample that differs at a leaf (another shape, dtype or type) leaves that leaf to the collate
 function, which stacks it (or promotes it, or raises) from the samples; the array begun for it
@@ -36,6 +39,7 @@ the end would repeat the last one.
 from __future__ import annotations
 
 import collections
+import sys
 from typing import Any
 
 import numpy as np
@@ -57,7 +61,7 @@ def paths(sample: Any) -> list[tuple[str, Any]]:
     root ``batch``, ``batch['image']``, ``batch[0]``, ``batch.image``), each with its key, index
     or field in the sample (None for the root). Empty for any other type of sample."""
     kind = _kind(sample)
-    if kind is np.ndarray:
+    if kind is np.ndarray or kind is _Tensor:
         return [("batch", None)]
     if kind is dict:
         named = [(f"batch[{key!r}]", key) for key in sample]
@@ -76,14 +80,48 @@ def _is_namedtuple(kind: type) -> bool:
     return issubclass(kind, tuple) and hasattr(kind, "_fields") and hasattr(kind, "_replace")
 
 
+class _Tensor:
+    """The kind of a sample that is a plain tensor (:func:`_kind`)."""
+
+
 def _kind(sample: Any) -> type:
-    """What decides where a sample's arrays are: its type (any plain array counts as one)."""
-    return np.ndarray if _plain_array(sample) else type(sample)
+    """What decides where a sample's arrays are: its type (any plain array counts as one, and
+    any plain tensor)."""
+    if _plain_array(sample):
+        return np.ndarray
+    return _Tensor if _plain_tensor(sample) else type(sample)
 
 
 def _plain_array(value: Any) -> bool:
     """A numpy array whose values are all it holds (a masked array's mask would be lost)."""
     return isinstance(value, np.ndarray) and not isinstance(value, np.ma.MaskedArray)
+
+
+def _plain_tensor(value: Any) -> bool:
+    """A ``torch.Tensor`` (not a subclass) the collate functions stack by numpy: on the CPU,
+    strided, not requiring grad, no conjugate or negative bit."""
+    torch = sys.modules.get("torch")
+    return (
+        torch is not None
+        and type(value) is torch.Tensor
+        and value.device.type == "cpu"
+        and value.layout == torch.strided
+        and not value.requires_grad
+        and not value.is_conj()
+        and not value.is_neg()
+    )
+
+
+def _as_array(value: Any) -> np.ndarray[Any, Any] | None:
+    """The numpy view of a plain array or tensor leaf (a tensor's dtype numpy has), else None."""
+    if _plain_array(value):
+        return value  # type: ignore[no-any-return]
+    if _plain_tensor(value):
+        try:
+            return value.numpy()  # type: ignore[no-any-return]
+        except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16)
+            return None
+    return None
 
 
 def _get(sample: Any, route: Any, by_name: bool) -> Any:
@@ -93,12 +131,13 @@ def _get(sample: Any, route: Any, by_name: bool) -> Any:
 
 
 class _Leaf:
-    __slots__ = ("array", "path", "route", "whole")
+    __slots__ = ("array", "path", "route", "tensor", "whole")
 
-    def __init__(self, path: str, route: Any, array: np.ndarray[Any, Any]) -> None:
+    def __init__(self, path: str, route: Any, array: np.ndarray[Any, Any], tensor: Any) -> None:
         self.path = path
         self.route = route  # key, index or field name in the sample; None: the sample itself
         self.array = array
+        self.tensor = tensor  # the torch dtype of a tensor leaf; None: a numpy leaf
         self.whole = True  # every sample so far was copied in
 
 
@@ -133,7 +172,7 @@ class Prestack:
             for leaf in self._leaves:
                 leaf.whole = False
             return sample
-        views: dict[Any, np.ndarray[Any, Any]] = {}
+        views: dict[Any, Any] = {}  # route -> the view of the copy (an array, or a tensor)
         for leaf in self._leaves:
             if not leaf.whole:
                 continue
@@ -143,16 +182,28 @@ class Prestack:
                 leaf.whole = False
                 continue
             array = leaf.array
+            if leaf.tensor is None:
+                if (
+                    not _plain_array(value)
+                    or value.dtype != array.dtype
+                    or value.shape != array.shape[1:]
+                ):
+                    leaf.whole = False
+                    continue
+                if position:
+                    array[position] = value
+                views[leaf.route] = array[position]
+                continue
             if (
-                not _plain_array(value)
-                or value.dtype != array.dtype
-                or value.shape != array.shape[1:]
+                not _plain_tensor(value)
+                or value.dtype != leaf.tensor
+                or tuple(value.shape) != array.shape[1:]
             ):
                 leaf.whole = False
                 continue
             if position:
-                array[position] = value
-            views[leaf.route] = array[position]
+                array[position] = value.numpy()
+            views[leaf.route] = _from_numpy(array[position])
         return self._replaced(sample, views) if views else sample
 
     @property
@@ -169,9 +220,10 @@ class Prestack:
         self._kind = _kind(first)
         self._by_name = _is_namedtuple(self._kind)
         for path, route in paths(first):
-            value = _get(first, route, self._by_name)
+            leaf = _get(first, route, self._by_name)
+            value = _as_array(leaf)
             if (
-                not _plain_array(value)
+                value is None
                 or value.ndim == 0  # its row of the stack would be a scalar, not a view
                 or value.dtype.kind not in _NUMERIC
                 or not value.dtype.isnative
@@ -183,10 +235,11 @@ class Prestack:
             except Exception:  # the collate function allocates it again and says why
                 continue
             array[0] = value
-            self._leaves.append(_Leaf(path, route, array))
+            tensor = None if value is leaf else leaf.dtype
+            self._leaves.append(_Leaf(path, route, array, tensor))
         self.active = bool(self._leaves)
 
-    def _replaced(self, sample: Any, views: dict[Any, np.ndarray[Any, Any]]) -> Any:
+    def _replaced(self, sample: Any, views: dict[Any, Any]) -> Any:
         """``sample`` with the leaves in ``views`` replaced, the sample itself never changed."""
         if None in views:
             return views[None]
@@ -197,3 +250,7 @@ class Prestack:
             return sample._replace(**views)
         items = [views.get(i, item) for i, item in enumerate(sample)]
         return items if kind is list else tuple(items)
+
+
+def _from_numpy(array: np.ndarray[Any, Any]) -> Any:
+    return sys.modules["torch"].from_numpy(array)
