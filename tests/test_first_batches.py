@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from datasets import Range
+import torch
+from datasets import FdReport, Range
 
-from aioloader import DataLoader, WorkerPool, _shm, default_collate
+from aioloader import DataLoader, WorkerPool, _shm, default_collate, numpy_collate
 from aioloader._shm import SlotPool
 from aioloader._workers._records import OwnSlot, Parcel
 from aioloader._workers._wire import OWN_PAD_BYTES, Packer, Receiver
@@ -467,9 +468,83 @@ def test_a_job_failing_after_its_first_segment_was_begun_leaves_none() -> None:
                 raise ValueError(f"sample {index}")
             return super().__getitem__(index)
 
-    with (
-        DataLoader(Fails(32), batch_size=8, num_workers=1, prefetch=2) as loader,
-        pytest.raises(ValueError, match="sample 5"),
-    ):
-        next(iter(loader))
+    with DataLoader(Fails(32), batch_size=8, num_workers=1, prefetch=1) as loader:
+        with pytest.raises(ValueError, match="sample 5"):
+            next(iter(loader))
+        assert not own_segments()  # unlinked with the job, not only at close
     assert not own_segments()
+
+
+class SegmentsSeen(Images):
+    """:class:`Images` whose label is how many segments of the process ``owner`` exist as the
+    sample is read: a segment made during the batch's collation shows from its second sample."""
+
+    def __init__(self, n: int, owner: int, tensors: bool = False) -> None:
+        super().__init__(n)
+        self.owner = owner
+        self.tensors = tensors
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:  # type: ignore[override]
+        prefix = f"{_shm.SHM_PREFIX}{self.owner}_"
+        seen = sum(name.startswith(prefix) for name in os.listdir(_shm.SHM_DIR))
+        image = super().__getitem__(index)[0]
+        return (torch.from_numpy(image).permute(2, 0, 1) if self.tensors else image), seen
+
+
+@pytest.mark.parametrize("tensors", [False, True], ids=["arrays", "tensors"])
+def test_a_first_batch_is_stacked_into_its_segment_as_its_samples_are_read(
+    tensors: bool,
+) -> None:
+    dataset = SegmentsSeen(16, os.getpid(), tensors)
+    with DataLoader(dataset, batch_size=8, num_workers=1, prefetch=1) as loader:
+        first, second = list(loader)
+        assert loader.statistics().shm_fallbacks == 0
+    seen = first[1].tolist()
+    assert seen[1] == seen[0] + 1  # made at the first sample, before the second was read
+    assert seen[1:] == [seen[1]] * 7
+    expected = first[0][:, 5, 6, 7] if not tensors else first[0][:, 7, 5, 6]
+    assert expected.tolist() == list(range(8))
+    del first, second
+
+
+def _import_numpy_ma(worker_id: int) -> None:
+    import numpy.ma  # noqa: F401  (collation imports it later, when no descriptor is left)
+
+
+def test_a_worker_out_of_descriptors_sends_its_first_batches_inline() -> None:
+    dataset = FdReport(6, starve_at=0, starve_for_good=True)
+    with DataLoader(
+        dataset, batch_size=1, num_workers=1, worker_init_fn=_import_numpy_ma, timeout=60
+    ) as loader:
+        batches = list(loader)
+        stats = loader.statistics()
+    assert [int(b[0, 0]) for b in batches] == list(range(6))
+    assert stats.shm_fallbacks == 6  # each said to have found no segment, none lost
+    assert not own_segments()
+
+
+XYZ = np.dtype([("x", "<f4"), ("y", "<f4"), ("z", "<f4")])
+
+
+class Records(Range):
+    """Structured arrays, which shared memory does not hold: they travel pickled."""
+
+    def __init__(self, n: int, length: int) -> None:
+        super().__init__(n)
+        self.length = length
+
+    def __getitem__(self, index: int) -> np.ndarray:  # type: ignore[override]
+        return np.full(self.length, index, dtype=XYZ)
+
+
+@pytest.mark.parametrize("length", [10, 8192], ids=["small", "past-the-inline-limit"])
+def test_structured_arrays_are_collated_whatever_slot_their_batch_has(length: int) -> None:
+    with DataLoader(
+        Records(16, length), batch_size=4, num_workers=1, collate_fn=numpy_collate
+    ) as loader:
+        batches = list(loader)
+    assert len(batches) == 4
+    for k, batch in enumerate(batches):
+        assert batch.dtype == XYZ
+        assert batch.shape == (4, length)
+        assert batch["y"][:, -1].tolist() == [float(i) for i in range(4 * k, 4 * k + 4)]

@@ -33,7 +33,9 @@ a data set that mixes dtypes costs that once, not every batch.
 
 One difference is deliberate: a data set that hands out one buffer and then overwrites it
 (a sample that is not its own memory) gets each sample as it was when read, where stacking at
-the end would repeat the last one.
+the end would repeat the last one. And where a collate function keeps samples as they are
+(a field that is None in some samples becomes a list of them), such a list holds the views of
+the copies: the same values, C-contiguous (a permuted tensor's strides are not kept).
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def _plain_array(value: Any) -> bool:
 
 def _plain_tensor(value: Any) -> bool:
     """A ``torch.Tensor`` (not a subclass) the collate functions stack by numpy: on the CPU,
-    strided, not requiring grad, no conjugate or negative bit."""
+    strided, not requiring grad, no conjugate or negative bit, neither nested nor quantized."""
     torch = sys.modules.get("torch")
     return (
         torch is not None
@@ -109,6 +111,8 @@ def _plain_tensor(value: Any) -> bool:
         and not value.requires_grad
         and not value.is_conj()
         and not value.is_neg()
+        and not value.is_nested
+        and not value.is_quantized
     )
 
 

@@ -96,6 +96,7 @@ from ._descriptors import Encoded as Encoded
 from ._descriptors import SlotWriter as SlotWriter
 from ._descriptors import alloc_args as alloc_args
 from ._descriptors import in_slot_bytes as in_slot_bytes
+from ._descriptors import storable_dtype as storable_dtype
 from ._pool import BUDGET_FRACTION as BUDGET_FRACTION
 from ._pool import BUDGET_MAX as BUDGET_MAX
 from ._pool import GROWTH as GROWTH
@@ -158,6 +159,7 @@ __all__ = [
     "segment_exists",
     "shm_available",
     "slot_size",
+    "storable_dtype",
     "turn",
     "unlink",
 ]

@@ -174,13 +174,17 @@ class SlotWriter:
         return self._offset > self._size
 
     def alloc(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike) -> npt.NDArray[Any]:
-        """A writable C-contiguous array in the slot, or plain memory if it does not fit.
+        """A writable C-contiguous array in the slot, or plain memory if it does not fit (the
+        batch then goes inline), or if its dtype cannot live in shared memory (object,
+        structured, zero-width: :meth:`encode` leaves such an array to be pickled with the
+        descriptors, as it does one made anywhere else).
 
         Raises:
-            ValueError: for a negative dimension or a dtype that cannot live in shared memory
-                (object, structured, zero-width).
+            ValueError: for a negative dimension.
         """
         shape, dt, nbytes = alloc_args(shape, dtype)
+        if not storable_dtype(dt):
+            return np.empty(shape, dt)
         start = _align(self._offset)
         self._offset = start + nbytes
         if nbytes and self._offset <= self._size:
@@ -271,15 +275,12 @@ def alloc_args(
     """An ``alloc``'s arguments checked: the shape as a tuple, the dtype, and the bytes.
 
     Raises:
-        ValueError: for a negative dimension or a dtype that cannot live in shared memory
-            (object, structured, zero-width).
+        ValueError: for a negative dimension.
     """
     shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
     dt = np.dtype(dtype)
     if any(d < 0 for d in shape):
         raise ValueError(f"shape={shape} has a negative dimension")
-    if not _storable_dtype(dt):
-        raise ValueError(f"dtype={dt} cannot be placed in shared memory")
     return shape, dt, math.prod(shape) * dt.itemsize
 
 
@@ -291,7 +292,8 @@ def _copy_out(x: Any) -> Any:
     return x.copy() if isinstance(x, np.ndarray) else x.clone()
 
 
-def _storable_dtype(dt: np.dtype[Any]) -> bool:
+def storable_dtype(dt: np.dtype[Any]) -> bool:
+    """Whether arrays of ``dt`` can live in a slot (not objects, records, subarrays, voids)."""
     return not dt.hasobject and dt.fields is None and dt.subdtype is None and dt.itemsize > 0
 
 
@@ -306,7 +308,7 @@ def _as_numpy(
     if type(x) is bytes:
         return (np.frombuffer(x, np.uint8), "bytes", None) if len(x) >= BYTES_IN_SLOT_MIN else None
     if type(x) is np.ndarray or isinstance(x, np.memmap):
-        return (x, "numpy", None) if _storable_dtype(x.dtype) else None
+        return (x, "numpy", None) if storable_dtype(x.dtype) else None
     torch_mod = sys.modules.get("torch")  # no torch imported: no tensor can be a leaf
     if torch_mod is None or not isinstance(x, torch_mod.Tensor):
         return None

@@ -151,6 +151,8 @@ class Packer:
         if self._writer is not None:
             return self._writer.alloc(shape, dtype)
         shape, dt, nbytes = _shm.alloc_args(shape, dtype)
+        if not _shm.storable_dtype(dt):  # pickled with the batch, wherever it is made
+            return np.empty(shape, dt)
         if nbytes >= INLINE_MAX_BYTES and not self._own_size:
             self._writer = self._make_own(nbytes)
             if self._writer is not None:
@@ -162,11 +164,11 @@ class Packer:
         assert self._own is not None
         size = _shm.slot_size(nbytes + self._plain_bytes + OWN_PAD_BYTES)
         self._own_size = -1  # tried: at most once a job
-        if size > self._own.limit or 4 * size > _shm.free_bytes() or not _shm.shm_available():
+        if size > self._own.limit or not _shm.shm_available() or 4 * size > _shm.free_bytes():
             return None  # pack() makes the batch's segment, or says why it cannot
         try:
             _, mapping = _shm.create_segment(size, _shm.SHM_DIR, self._own.name)
-        except OSError:  # SharedMemoryError too: pack() tries again and says why
+        except (OSError, SharedMemoryError):  # pack() tries again, and says why it cannot
             return None
         self._own_size = size
         return _shm.SlotWriter(_shm.as_bytes(mapping, size))
