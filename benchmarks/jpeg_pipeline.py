@@ -23,7 +23,7 @@ two cores the decode is the bound, so each loader's rate is also shown as a shar
 The folder is made once (photo-like content: smooth colour fields with grain, 400-640 x 300-480
 px, ~100 KB at quality 90) under ``--cache`` (default ``~/.cache/aioloader-bench``).
 
-    python benchmarks/jpeg_pipeline.py                      # 1,024 files, ~1.5 minutes on 2 cores
+    python benchmarks/jpeg_pipeline.py                      # 4,096 files, ~4 minutes on 2 cores
     python benchmarks/jpeg_pipeline.py --files 4096 --epochs 3
     python benchmarks/jpeg_pipeline.py --quick              # the smoke test: tiny, seconds
 """
@@ -344,7 +344,7 @@ def installed(module: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--files", type=int, default=1024, help="JPEG files (default 1024)")
+    parser.add_argument("--files", type=int, default=4096, help="JPEG files (default 4096)")
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 256])
     parser.add_argument("--epochs", type=int, default=2, help="epochs per loader (>= 2)")
     parser.add_argument("--loaders", default=",".join(LOADERS))
