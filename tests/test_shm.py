@@ -457,8 +457,27 @@ def test_bad_arguments_name_the_argument() -> None:
         p.close()
     with pytest.raises(ValueError, match="buf"):
         SlotWriter(np.zeros(10, np.float32))
-    with pytest.raises(ValueError, match="dtype"):
-        SlotWriter(np.zeros(64, np.uint8)).alloc(2, object)
+    with pytest.raises(ValueError, match=r"shape=.* negative"):
+        SlotWriter(np.zeros(64, np.uint8)).alloc((2, -1), np.uint8)
+
+
+@pytest.mark.parametrize(
+    "dtype", [object, [("x", "<f4"), ("y", "<i2")], "V0"], ids=["object", "record", "void"]
+)
+def test_an_alloc_of_a_dtype_no_slot_holds_is_plain_memory_pickled_with_the_batch(
+    dtype: Any,
+) -> None:
+    buf = np.zeros(1 << 16, np.uint8)
+    writer = SlotWriter(buf)
+    odd = writer.alloc(4, dtype)
+    images = writer.alloc((4, 4096), np.uint8)
+    assert not np.shares_memory(odd, buf)
+    assert np.shares_memory(images, buf)
+    images[...] = 7
+    encoded = writer.encode({"odd": odd, "images": images}, inline_below=0)
+    assert not encoded.inline
+    assert encoded.tree["odd"] is odd  # pickled as it is, beside the descriptor
+    assert isinstance(encoded.tree["images"], ArrayRef)
 
 
 # --- inline: tiny batches and overflow -----------------------------------------------------
