@@ -22,7 +22,7 @@ from datasets import FdReport, Range
 from aioloader import DataLoader, WorkerPool, _shm, default_collate, numpy_collate
 from aioloader._shm import SlotPool
 from aioloader._workers._records import OwnSlot, Parcel
-from aioloader._workers._wire import OWN_PAD_BYTES, Packer, Receiver
+from aioloader._workers._wire import Packer, Receiver
 
 pytestmark = pytest.mark.usefixtures("baseline")
 
@@ -410,8 +410,10 @@ def test_a_first_batch_is_collated_in_the_segment_its_worker_makes_not_copied_th
         images[3, 0, 0, 0] = 200  # the batch is the segment's memory: no copy was made
         assert mapped[3 * 64 * 64 * 64] == 200
         assert labels.tolist() == list(range(8))
-        # Sized at the first large alloc (the images), with room for the labels beside.
-        assert parcel.own_slot.size == _shm.slot_size(images.nbytes + OWN_PAD_BYTES)
+        # Made at the first large alloc (the images) with room for the labels beside, then
+        # cut to the batch's size: the pool keeps it as a slot of that size.
+        assert parcel.own_slot.size == _shm.slot_size(_shm.in_slot_bytes([images.nbytes, 64]))
+        assert os.stat(os.path.join(_shm.SHM_DIR, own.name)).st_size == parcel.own_slot.size
     finally:
         _shm.unlink(own.name)
     assert own.name not in own_segments()

@@ -120,6 +120,7 @@ from ._segment import new_name as new_name
 from ._segment import page_round as page_round
 from ._segment import segment_exists as segment_exists
 from ._segment import shm_available as shm_available
+from ._segment import shrink as shrink
 from ._segment import turn as turn
 from ._segment import unlink as unlink
 
@@ -158,6 +159,7 @@ __all__ = [
     "page_round",
     "segment_exists",
     "shm_available",
+    "shrink",
     "slot_size",
     "storable_dtype",
     "turn",

@@ -53,6 +53,7 @@ __all__ = [
     "page_round",
     "segment_exists",
     "shm_available",
+    "shrink",
     "turn",
     "unlink",
     "vanished_message",
@@ -298,6 +299,23 @@ def discard(name: str) -> None:
         return
     with contextlib.suppress(Exception):
         resource_tracker.unregister("/" + name, "shared_memory")
+
+
+def shrink(name: str, size: int) -> bool:
+    """Cut the segment ``name`` down to ``size`` bytes (whole pages), its pages past that going
+    back to ``/dev/shm``; the caller must not touch its mapping past ``size`` from then on
+    (SIGBUS). False where it could not (no descriptor left): the segment keeps its size."""
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0o600)
+    except OSError:
+        return False
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def unlink(name: str) -> None:

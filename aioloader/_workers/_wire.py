@@ -144,8 +144,9 @@ class Packer:
     def _own_alloc(self, shape: int | tuple[int, ...], dtype: Any) -> np.ndarray[Any, Any]:
         """An OwnSlot's alloc: the segment is made at the first allocation of
         :data:`INLINE_MAX_BYTES` or more, sized for it and :data:`OWN_PAD_BYTES` beside (the
-        labels and such collated after it), so the batch is collated straight into it as into
-        a pool's slot; smaller ones before it get plain memory (copied in by :meth:`pack`).
+        labels and such collated after it; :meth:`pack` cuts it to the batch's size), so the
+        batch is collated straight into it as into a pool's slot; smaller ones before it get
+        plain memory (copied in by :meth:`pack`).
         Where no segment may be made (its share of the cap, /dev/shm's room), every one gets
         plain memory and :meth:`pack` says why the batch comes inline."""
         if self._writer is not None:
@@ -201,7 +202,12 @@ class Packer:
         nbytes = batch_nbytes(batch)
         encoded = writer.encode(batch, inline_below=INLINE_MAX_BYTES)
         if not encoded.inline:
-            return Parcel(encoded.tree, True, nbytes, own_slot=_shm.Slot(own.name, writer.size))
+            # Cut to the batch's own size, as a segment made after collation was: the pool
+            # keeps it as a slot, and a slot is its batch's size.
+            size = _shm.slot_size(encoded.used_bytes)
+            if size >= writer.size or not _shm.shrink(own.name, size):
+                size = writer.size
+            return Parcel(encoded.tree, True, nbytes, own_slot=_shm.Slot(own.name, size))
         # Tiny after all, or larger than the segment: what was in it has been copied out.
         self._writer = None
         _shm.unlink(own.name)
