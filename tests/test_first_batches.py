@@ -470,7 +470,8 @@ def test_a_job_failing_after_its_first_segment_was_begun_leaves_none() -> None:
                 raise ValueError(f"sample {index}")
             return super().__getitem__(index)
 
-    with DataLoader(Fails(32), batch_size=8, num_workers=1, prefetch=1) as loader:
+    # One batch: a second would be begun after the error (the traceback keeps the iterator).
+    with DataLoader(Fails(8), batch_size=8, num_workers=1, prefetch=1) as loader:
         with pytest.raises(ValueError, match="sample 5"):
             next(iter(loader))
         assert not own_segments()  # unlinked with the job, not only at close
@@ -545,8 +546,46 @@ def test_structured_arrays_are_collated_whatever_slot_their_batch_has(length: in
         Records(16, length), batch_size=4, num_workers=1, collate_fn=numpy_collate
     ) as loader:
         batches = list(loader)
+        stats = loader.statistics()
+    # No slot: records travel pickled, so no segment is made or leased for them, and their
+    # batches are no fallback.
+    assert stats.live_shm_slots == 0
+    assert stats.shm_fallbacks == 0
     assert len(batches) == 4
     for k, batch in enumerate(batches):
         assert batch.dtype == XYZ
         assert batch.shape == (4, length)
         assert batch["y"][:, -1].tolist() == [float(i) for i in range(4 * k, 4 * k + 4)]
+
+
+def test_a_segment_that_cannot_be_cut_keeps_its_size_and_says_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_shm, "shrink", lambda name, size: False)
+    own = OwnSlot(_shm.new_name(), 64 * MIB)
+    try:
+        batch, parcel = collated_into([Images(8)[i] for i in range(8)], own)
+        assert parcel.in_slot
+        assert parcel.own_slot is not None
+        made = os.stat(os.path.join(_shm.SHM_DIR, own.name)).st_size
+        assert parcel.own_slot.size == made > _shm.slot_size(batch[0].nbytes + 64)
+        segment = _shm.attach(parcel.own_slot)  # the main process maps it at that size
+        assert segment.nbytes == made
+    finally:
+        _shm.unlink(own.name)
+
+
+def test_a_batch_packed_into_its_cut_segment_allows_no_later_alloc() -> None:
+    own = OwnSlot(_shm.new_name(), 64 * MIB)
+    packer = Packer(own)
+    alloc = packer.alloc
+    assert alloc is not None
+    try:
+        batch = default_collate([Images(8)[i] for i in range(8)], alloc=alloc)
+        parcel = packer.pack(batch)
+        assert parcel.in_slot
+        # Past the cut a write would be a SIGBUS: a collate function that kept alloc is told.
+        with pytest.raises(RuntimeError, match="after encode"):
+            alloc((MIB,), np.dtype(np.uint8))
+    finally:
+        _shm.unlink(own.name)

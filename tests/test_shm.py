@@ -478,6 +478,7 @@ def test_an_alloc_of_a_dtype_no_slot_holds_is_plain_memory_pickled_with_the_batc
     assert not encoded.inline
     assert encoded.tree["odd"] is odd  # pickled as it is, beside the descriptor
     assert isinstance(encoded.tree["images"], ArrayRef)
+    assert encoded.tree["images"].offset == 0  # the odd one took no room in the slot
 
 
 # --- inline: tiny batches and overflow -----------------------------------------------------
@@ -1049,3 +1050,38 @@ def test_the_slots_an_epoch_leases_at_once_are_kept() -> None:
         assert (p.keep, p.stats().free) == (3, 3)  # the next epoch reuses them all
     finally:
         p.close()
+
+
+def _odd_leaves() -> list[Any]:
+    import torch
+
+    leaves: list[Any] = [
+        b"x" * 10,
+        b"x" * (1 << 17),
+        np.zeros(8, np.float32),
+        np.zeros(8, [("a", "<f4")]),
+        np.zeros(3, object),
+        np.ma.masked_array(np.zeros(8)),
+        np.zeros((4, 4), np.int16).T,
+        7,
+        "text",
+    ]
+    for dtype in (torch.float32, torch.bfloat16, torch.complex64, torch.bool, torch.float16):
+        leaves.append(torch.ones(5, 3, dtype=dtype))
+    leaves.append(torch.ones(4, 4).t())
+    leaves.append(torch.ones(4).to_sparse())
+    with warnings.catch_warnings():  # quantized and nested tensors are said to be changing
+        warnings.simplefilter("ignore")
+        leaves.append(torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.quint8))
+        leaves.append(torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]))
+    leaves.append(torch.ones(3, requires_grad=True))
+    return leaves
+
+
+def test_a_leaf_counts_in_a_batch_s_size_as_the_slot_writer_places_it() -> None:
+    from aioloader._shm._descriptors import _as_numpy, slot_nbytes
+
+    for leaf in _odd_leaves():
+        found = _as_numpy(leaf)
+        expected = int(found[0].nbytes) if found is not None else 0
+        assert slot_nbytes(leaf) == expected, repr(leaf)[:60]

@@ -48,6 +48,11 @@ Sharp edges, and what this module does about them:
   lacks it, by writing zeros), so a full ``/dev/shm`` raises :class:`SharedMemoryError` at
   ``lease`` time, naming the bytes asked and the bytes free. tmpfs pages are charged to the
   memory cgroup of the process that allocates them: a tight container limit can still OOM-kill.
+- **A segment cut shorter than its mapping.** A worker makes the segment of a loader's first
+  batches at the batch's first large allocation, with room to spare, and cuts it to the batch's
+  size once packed (:func:`shrink`): its own mapping then reaches past the file, and a touch
+  there is a SIGBUS. Nothing touches it: the batch lies below the cut, and its writer refuses
+  to allocate after packing.
 - **A mapping lives as long as its last view.** A segment is mapped into a plain buffer object
   (made in ``_segment``) that every numpy view of it keeps alive; a finalizer unmaps it when the
   last reference goes, so nothing can unmap memory that a view still reads (Python's ``mmap.close``
@@ -96,6 +101,7 @@ from ._descriptors import Encoded as Encoded
 from ._descriptors import SlotWriter as SlotWriter
 from ._descriptors import alloc_args as alloc_args
 from ._descriptors import in_slot_bytes as in_slot_bytes
+from ._descriptors import slot_nbytes as slot_nbytes
 from ._descriptors import storable_dtype as storable_dtype
 from ._pool import BUDGET_FRACTION as BUDGET_FRACTION
 from ._pool import BUDGET_MAX as BUDGET_MAX
@@ -160,6 +166,7 @@ __all__ = [
     "segment_exists",
     "shm_available",
     "shrink",
+    "slot_nbytes",
     "slot_size",
     "storable_dtype",
     "turn",

@@ -37,6 +37,7 @@ Sharp edges:
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Iterable
@@ -181,7 +182,10 @@ class SlotWriter:
 
         Raises:
             ValueError: for a negative dimension.
+            RuntimeError: after :meth:`encode` (a collate function that kept ``alloc``).
         """
+        if self._encoded:  # its slot may be cut to the batch's size by now (Packer)
+            raise RuntimeError("SlotWriter.alloc() after encode(): the batch is packed")
         shape, dt, nbytes = alloc_args(shape, dtype)
         if not storable_dtype(dt):
             return np.empty(shape, dt)
@@ -300,6 +304,22 @@ def storable_dtype(dt: np.dtype[Any]) -> bool:
 _RAW_INT = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
+def slot_nbytes(x: Any) -> int:
+    """Bytes leaf ``x`` takes in a slot (as :func:`_as_numpy` would place it, without making
+    its numpy view); 0 for one that is pickled beside the descriptors."""
+    if type(x) is bytes:
+        return len(x) if len(x) >= BYTES_IN_SLOT_MIN else 0
+    if type(x) is np.ndarray or isinstance(x, np.memmap):
+        return int(x.nbytes) if storable_dtype(x.dtype) else 0
+    torch_mod = sys.modules.get("torch")
+    if torch_mod is None or not isinstance(x, torch_mod.Tensor) or not _slot_tensor(x):
+        return 0
+    size = x.element_size()
+    if size not in _RAW_INT and _numpy_dtype(x.dtype) is None:
+        return 0  # neither a numpy dtype nor raw bits to ship it as
+    return int(size * x.nelement())
+
+
 def _as_numpy(
     x: Any,
 ) -> tuple[npt.NDArray[Any], Literal["numpy", "torch", "bytes"], str | None] | None:
@@ -313,7 +333,7 @@ def _as_numpy(
     if torch_mod is None or not isinstance(x, torch_mod.Tensor):
         return None
     t: torch.Tensor = x
-    if t.layout != torch_mod.strided or t.device.type != "cpu" or t.is_quantized or t.is_nested:
+    if not _slot_tensor(t):
         return None
     t = t.detach()
     if t.is_conj():
@@ -327,6 +347,26 @@ def _as_numpy(
         if raw is None:
             return None
         return t.view(getattr(torch_mod, raw)).numpy(), "torch", str(t.dtype).split(".")[-1]
+
+
+def _slot_tensor(t: torch.Tensor) -> bool:
+    """Whether tensor ``t`` can lie in a slot: strided, on the CPU, neither quantized nor
+    nested (its dtype is :func:`_as_numpy`'s to check)."""
+    return (
+        t.layout == sys.modules["torch"].strided
+        and t.device.type == "cpu"
+        and not t.is_quantized
+        and not t.is_nested
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _numpy_dtype(dtype: Any) -> np.dtype[Any] | None:
+    torch_mod = sys.modules["torch"]
+    try:
+        return torch_mod.empty(0, dtype=dtype).numpy().dtype  # type: ignore[no-any-return]
+    except TypeError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------

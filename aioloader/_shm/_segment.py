@@ -304,7 +304,8 @@ def discard(name: str) -> None:
 def shrink(name: str, size: int) -> bool:
     """Cut the segment ``name`` down to ``size`` bytes (whole pages), its pages past that going
     back to ``/dev/shm``; the caller must not touch its mapping past ``size`` from then on
-    (SIGBUS). False where it could not (no descriptor left): the segment keeps its size."""
+    (SIGBUS). False where it could not (no descriptor left, or the segment is gone): the
+    segment, if any, keeps its size."""
     try:
         fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0o600)
     except OSError:

@@ -21,7 +21,8 @@ Shared memory or inline is decided here and nowhere else, on both sides of the p
     worker: Packer(slot)       collate straight into the slot (Packer.alloc; for an OwnSlot,
                                into the segment made at the batch's first large alloc, so the
                                first batches are no more copied nor held twice than the
-                               rest), then pack():
+                               rest; pack() cuts it to the batch's size, and nothing may touch
+                               the worker's mapping past that), then pack():
                                no slot, a tiny batch, or one that did not fit ─▶ inline
                                (with the bytes a slot would need, so the next lease fits);
                                a slot it cannot map (removed from /dev/shm, no descriptor
@@ -239,8 +240,12 @@ class Packer:
         except SharedMemoryError as exc:  # /dev/shm full, or no descriptor: said and counted
             parcel = inline(batch)
             return Parcel(parcel.tree, False, parcel.nbytes, slot_error=str(exc))
-        except OSError:  # the name taken: by this job's earlier try, in a worker that died
+        except FileExistsError:  # the name taken: by this job's earlier try, in a worker that died
             return inline(batch)
+        except OSError as exc:  # mapping it failed (no address space left): said and counted
+            parcel = inline(batch)
+            why = f"no segment of {size} bytes could be made: {type(exc).__name__}: {exc}"
+            return Parcel(parcel.tree, False, parcel.nbytes, slot_error=why, fallback="lease")
         encoded = _shm.SlotWriter(_shm.as_bytes(mapping, size)).encode(
             batch, inline_below=INLINE_MAX_BYTES
         )
@@ -532,17 +537,15 @@ def from_wire(batch: Any) -> Any:
 
 
 def batch_nbytes(batch: Any) -> int:
-    """Bytes a (nested) batch takes in a slot: its numpy arrays and tensors, and its ``bytes``
-    leaves that travel in a slot too (:data:`aioloader._shm.BYTES_IN_SLOT_MIN`), each at its
-    aligned offset (:func:`aioloader._shm.in_slot_bytes`), so that a slot of this size holds
-    it however many leaves it has."""
-    torch = sys.modules.get("torch")  # a batch can hold tensors only once torch is imported
-    sizes = []
+    """Bytes a (nested) batch takes in a slot: the leaves a slot writer places there (numpy
+    arrays and CPU tensors of dtypes a slot holds, ``bytes`` of
+    :data:`aioloader._shm.BYTES_IN_SLOT_MIN` or more: :func:`aioloader._shm.slot_nbytes`),
+    each once and at its aligned offset (:func:`aioloader._shm.in_slot_bytes`), so that a slot
+    of this size holds it however many leaves it has. Leaves pickled beside the descriptors
+    (records, objects, masked arrays) count nothing."""
+    sizes, seen = [], set()
     for leaf in iter_leaves(batch):
-        if type(leaf) is bytes and len(leaf) >= _shm.BYTES_IN_SLOT_MIN:
-            sizes.append(len(leaf))
-        elif isinstance(leaf, np.ndarray):
-            sizes.append(int(leaf.nbytes))
-        elif torch is not None and isinstance(leaf, torch.Tensor):
-            sizes.append(int(leaf.element_size() * leaf.nelement()))
-    return _shm.in_slot_bytes(sizes)
+        if id(leaf) not in seen:
+            seen.add(id(leaf))
+            sizes.append(_shm.slot_nbytes(leaf))
+    return _shm.in_slot_bytes(n for n in sizes if n)
