@@ -75,6 +75,23 @@ def same(a: Any, b: Any) -> None:
         assert a == b
 
 
+def stacked_as_read(make: Any, path: str, collate: Any) -> tuple[Any, ...]:
+    """N samples of ``make`` fed to a Prestack and collated: checks that the one leaf at
+    ``path`` was stacked as read and that the batch is what ``collate`` makes of copies of the
+    samples; returns the samples, those copies, the alloc, the samples fed, the stacked array
+    and the batch."""
+    samples = [make(i) for i in range(N)]
+    kept = copy.deepcopy(samples)
+    alloc = Recorder()
+    stack = Prestack(alloc, N)
+    fed = feed_all(stack, samples)
+    assert list(stack.stacked) == [path]
+    [stacked] = alloc.arrays
+    batch = collate_prestacked(fed, collate is default_collate, alloc, stack.stacked)
+    same(batch, collate(kept))
+    return samples, kept, alloc, fed, stacked, batch
+
+
 def test_the_threshold_is_the_whole_batch_of_one_leaf() -> None:
     assert image(0).nbytes * N == MIN_BATCH_BYTES
     small = [image(i, shape=(BIG[0], BIG[1], BIG[2] - 1)) for i in range(N)]
@@ -98,15 +115,7 @@ def test_the_threshold_is_the_whole_batch_of_one_leaf() -> None:
 def test_the_batch_is_what_collation_makes_and_lies_in_the_allocated_memory(
     make: Any, path: str, collate: Any
 ) -> None:
-    samples = [make(i) for i in range(N)]
-    kept = copy.deepcopy(samples)
-    alloc = Recorder()
-    stack = Prestack(alloc, N)
-    fed = feed_all(stack, samples)
-    assert list(stack.stacked) == [path]
-    [stacked] = alloc.arrays
-    batch = collate_prestacked(fed, collate is default_collate, alloc, stack.stacked)
-    same(batch, collate(kept))
+    samples, kept, _alloc, fed, stacked, batch = stacked_as_read(make, path, collate)
     leaves = (
         [batch] if path == "batch" else list(batch.values() if isinstance(batch, dict) else batch)
     )
@@ -380,15 +389,7 @@ def chw(i: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
 def test_plain_tensors_are_stacked_as_read_into_the_allocated_memory(
     make: Any, path: str, collate: Any
 ) -> None:
-    samples = [make(i) for i in range(N)]
-    kept = copy.deepcopy(samples)
-    alloc = Recorder()
-    stack = Prestack(alloc, N)
-    fed = feed_all(stack, samples)
-    assert list(stack.stacked) == [path]
-    [stacked] = alloc.arrays
-    batch = collate_prestacked(fed, collate is default_collate, alloc, stack.stacked)
-    same(batch, collate(kept))
+    samples, kept, alloc, fed, stacked, batch = stacked_as_read(make, path, collate)
     big = batch if path == "batch" else batch["image"] if isinstance(batch, dict) else batch[0]
     assert np.shares_memory(np.asarray(big), stacked)  # the stacked array itself, no copy
     assert [a for a in alloc.arrays if a.ndim == 4] == [stacked]  # nothing else made for it
