@@ -114,7 +114,7 @@ class Packer:
         slot: the job's slot (attached here, cached per process), or None for inline.
     """
 
-    __slots__ = ("_error", "_kind", "_own", "_own_size", "_plain_bytes", "_vanished", "_writer")
+    __slots__ = ("_error", "_kind", "_own", "_own_tried", "_plain_bytes", "_vanished", "_writer")
 
     def __init__(self, slot: _shm.Slot | OwnSlot | None) -> None:
         self._writer: _shm.SlotWriter | None = None
@@ -122,7 +122,7 @@ class Packer:
         self._kind = ""  # the fallback kind of the error, if not "vanished" / "attach"
         self._vanished = False
         self._own = slot if isinstance(slot, OwnSlot) else None
-        self._own_size = 0  # bytes of the segment made for an OwnSlot at its first large alloc
+        self._own_tried = False  # an OwnSlot's segment was tried for (at most once a job)
         self._plain_bytes = 0  # what allocs before that segment got in plain memory
         if slot is None or isinstance(slot, OwnSlot):
             return
@@ -155,7 +155,7 @@ class Packer:
         shape, dt, nbytes = _shm.alloc_args(shape, dtype)
         if not _shm.storable_dtype(dt):  # pickled with the batch, wherever it is made
             return np.empty(shape, dt)
-        if nbytes >= INLINE_MAX_BYTES and not self._own_size:
+        if nbytes >= INLINE_MAX_BYTES and not self._own_tried:
             self._writer = self._make_own(nbytes)
             if self._writer is not None:
                 return self._writer.alloc(shape, dt)
@@ -165,14 +165,13 @@ class Packer:
     def _make_own(self, nbytes: int) -> _shm.SlotWriter | None:
         assert self._own is not None
         size = _shm.slot_size(nbytes + self._plain_bytes + OWN_PAD_BYTES)
-        self._own_size = -1  # tried: at most once a job
+        self._own_tried = True
         if size > self._own.limit or not _shm.shm_available() or 4 * size > _shm.free_bytes():
             return None  # pack() makes the batch's segment, or says why it cannot
         try:
             _, mapping = _shm.create_segment(size, _shm.SHM_DIR, self._own.name)
         except (OSError, SharedMemoryError):  # pack() tries again, and says why it cannot
             return None
-        self._own_size = size
         return _shm.SlotWriter(_shm.as_bytes(mapping, size))
 
     def pack(self, batch: Any) -> Parcel:
