@@ -4,7 +4,12 @@ Each item is a payload of 2, 8 or 32 MiB: ``bytes`` (one object made once per wo
 over again and again: pickling copies it anyway), or a numpy array or torch tensor copied from
 one made once per worker (a fresh array per item, as a real batch is: handing the same tensor
 over again would let torch send the handle of a storage it already shared, at no cost, which
-no training run does). The worker does nothing else; the consumer drops each item at once:
+no training run does). A tensor item wraps such a numpy copy (``torch.from_numpy``): a
+``clone()`` of 32 MiB takes torch's allocator 20 ms of page faults here (numpy asks for huge
+pages for large arrays and copies the same in 4-5 ms), and where the producer has two intra-op
+threads (SPDL's subprocess) it takes half as long, so the clone, not the transport, set the
+tensor rows' rate at 32 MiB. The worker does nothing else; the consumer drops each item at
+once:
 
 - ``pipe``: a process sending each item through a ``multiprocessing.Pipe`` (pickled, copied
   through the kernel, unpickled): the floor every loader should beat;
@@ -82,7 +87,11 @@ class Payloads:
             self._payload = make_payload(self.kind, self.nbytes)
         if self.kind == "bytes":
             return self._payload
-        return self._payload.copy() if self.kind == "numpy" else self._payload.clone()
+        if self.kind == "numpy":
+            return self._payload.copy()
+        import torch
+
+        return torch.from_numpy(self._payload.numpy().copy())  # see the module docstring
 
     def __iter__(self) -> Iterator[Any]:  # SPDL iterates it in its subprocess
         return (self[i] for i in range(self.n))
