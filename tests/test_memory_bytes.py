@@ -122,3 +122,41 @@ def test_a_batch_larger_than_its_slot_travels_inline_and_is_counted(
     made = receiver.open(Made(parcel), slot)
     assert made.batch == batch
     assert receiver.fallbacks == 1  # counted (shm_fallbacks)
+
+
+@pytest.mark.parametrize(
+    "size",
+    [_shm.HUGE_BYTES_MIN - 1, _shm.HUGE_BYTES_MIN, 9 * _shm.HUGE_BYTES_MIN + 12_345],
+    ids=["under", "at", "over-unaligned"],
+)
+def test_new_bytes_is_an_independent_equal_copy_at_every_size(size: int) -> None:
+    # From HUGE_BYTES_MIN on the copy is written into a fresh bytes object by address; its
+    # ends (unaligned to huge pages) and its contents must be exactly the source's.
+    rng = np.random.default_rng(size)
+    source = rng.integers(0, 256, size=size, dtype=np.uint8)
+    expected = source.tobytes()
+    copied = _shm.new_bytes(source)
+    assert type(copied) is bytes
+    assert len(copied) == size
+    assert copied == expected
+    assert hash(copied) == hash(expected)  # hashes as the same bytes made the ordinary way
+    source[0] ^= 0xFF
+    source[-1] ^= 0xFF
+    assert copied == expected  # nothing shared with the source
+
+
+def test_new_bytes_of_a_non_contiguous_array_copies_its_elements_in_order() -> None:
+    source = np.arange(2 * _shm.HUGE_BYTES_MIN, dtype=np.uint8)[::2]
+    assert _shm.new_bytes(source) == source.tobytes()
+
+
+def test_a_large_bytes_leaf_comes_back_whole_and_frees_its_slot(pool: _shm.SlotPool) -> None:
+    raw = np.random.default_rng(0).integers(0, 256, 5 * _shm.HUGE_BYTES_MIN, np.uint8).tobytes()
+    slot = pool.lease(len(raw) + _shm.ALIGN)
+    assert slot is not None
+    encoded = _shm.SlotWriter(_shm.attach(slot)).encode([raw])
+    assert not encoded.inline
+    opened = pool.open(slot, encoded.tree)
+    assert opened == [raw]
+    assert type(opened[0]) is bytes
+    assert pool.stats().held == 0  # its own memory: the slot is free at once

@@ -95,12 +95,14 @@ from ._attach import attached as attached
 from ._attach import detach_all as detach_all
 from ._descriptors import ALIGN as ALIGN
 from ._descriptors import BYTES_IN_SLOT_MIN as BYTES_IN_SLOT_MIN
+from ._descriptors import HUGE_BYTES_MIN as HUGE_BYTES_MIN
 from ._descriptors import INLINE_MAX_BYTES as INLINE_MAX_BYTES
 from ._descriptors import ArrayRef as ArrayRef
 from ._descriptors import Encoded as Encoded
 from ._descriptors import SlotWriter as SlotWriter
 from ._descriptors import alloc_args as alloc_args
 from ._descriptors import in_slot_bytes as in_slot_bytes
+from ._descriptors import new_bytes as new_bytes
 from ._descriptors import slot_nbytes as slot_nbytes
 from ._descriptors import storable_dtype as storable_dtype
 from ._pool import BUDGET_FRACTION as BUDGET_FRACTION
@@ -137,6 +139,7 @@ __all__ = [
     "BUDGET_MAX",
     "BYTES_IN_SLOT_MIN",
     "GROWTH",
+    "HUGE_BYTES_MIN",
     "INLINE_MAX_BYTES",
     "MIN_SLOT_BYTES",
     "SHM_DIR",
@@ -161,6 +164,7 @@ __all__ = [
     "in_slot_bytes",
     "janitor",
     "map_private",
+    "new_bytes",
     "new_name",
     "page_round",
     "segment_exists",
