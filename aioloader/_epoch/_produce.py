@@ -639,7 +639,18 @@ class Producer:
         """Count a made batch in the statistics and the skip budget; its outcome.
 
         ``request`` is the map-style batch's (None for a stream's): where the batch crosses the
-        skip budget, the error names its samples that were read, by index where known."""
+        skip budget, the error names its samples that were read, by index where known.
+
+        Never raises: it runs where nothing else would store the batch's outcome (the fast
+        path's done callback, after the attempts' ``try``), so an error here is the batch's
+        (the invariant of the module docstring). Its bytes are counted by a walk that cannot
+        fail (:func:`nbytes_of`)."""
+        try:
+            return self._counted(batch_id, made, request)
+        except Exception as exc:  # whatever failed in the counting: never a batch without one
+            return Outcome(batch_id, error=exc)
+
+    def _counted(self, batch_id: int, made: Made, request: BatchRequest | None) -> Outcome:
         self._counters.read_s += made.read_s
         self._counters.collate_s += made.collate_s
         self._sizes[batch_id] = (made.samples, self._bytes(made))
@@ -672,14 +683,24 @@ def flat_indices(request: BatchRequest) -> list[int]:
 
 
 def nbytes_of(batch: Any) -> int:
-    """Bytes of the arrays and tensors in ``batch`` (for the bytes/s of the statistics)."""
+    """Bytes of the arrays and tensors in ``batch`` (for the bytes/s of the statistics); 0
+    where its leaves cannot be walked.
+
+    A statistic never fails a batch nor loses it: the batch is the user's (a ``collate_fn``'s
+    Mapping whose ``values()`` raises, a list that holds itself), it is handed over as it is,
+    and only its bytes go uncounted. (Raised here, the walk's error left the batch without an
+    outcome, and the consumer waited for it for ever.)
+    """
     torch = sys.modules.get("torch")  # a batch can hold tensors only once torch is imported
     total = 0
-    for leaf in iter_leaves(batch):
-        if isinstance(leaf, np.ndarray):
-            total += leaf.nbytes
-        elif torch is not None and isinstance(leaf, torch.Tensor):
-            total += leaf.element_size() * leaf.nelement()
+    try:
+        for leaf in iter_leaves(batch):
+            if isinstance(leaf, np.ndarray):
+                total += leaf.nbytes
+            elif torch is not None and isinstance(leaf, torch.Tensor):
+                total += leaf.element_size() * leaf.nelement()
+    except Exception:  # RecursionError too: a container that holds itself
+        return 0
     return total
 
 
