@@ -16,7 +16,8 @@ every module can name them without importing a module above its own level:
 
 - :class:`BatchRequest` / :class:`StreamRequest`: what a producer asks a runner for;
 - :class:`StreamPosition` / :class:`StreamResume`: where a resumable stream stood after a
-  batch, and how a resumed epoch of a stream begins;
+  batch, and how a resumed epoch of a stream begins; :class:`SkipsTaken`: the skip budget's
+  count that a resumed epoch starts from;
 - :class:`Made`: a batch as made (in a thread or a worker) with its skips and timings; it is
   the one record of a made batch from the worker back to the epoch;
 - :data:`END` and :data:`EMPTY_BATCH`: the only two "no batch here" markers (a stream ran out;
@@ -60,6 +61,7 @@ __all__ = [
     "Route",
     "Runner",
     "Sampler",
+    "SkipsTaken",
     "SourceDataset",
     "Stateful",
     "StreamPosition",
@@ -305,6 +307,16 @@ class StreamRequest:
         return self.reading, self.epoch
 
 
+@dataclass(slots=True)
+class SkipsTaken:
+    """The skip budget's count of an epoch's batches the consumer took: the samples seen, and
+    the indices skipped in the order seen (the resume state's ``"failures"``). Mutable: the
+    epoch's budget adds to it as batches are taken, and the resume book saves it."""
+
+    seen: int = 0
+    skipped: list[Any] = field(default_factory=list)
+
+
 @dataclass(frozen=True, slots=True)
 class StreamResume:
     """How a resumed epoch of a stream begins: its first batch id (after those taken), and
@@ -316,6 +328,9 @@ class StreamResume:
     streams: int | None = None
     last: int = -1
     states: Mapping[int, Any] = field(default_factory=dict)
+    #: What the skip budget counted in the batches taken so far (of any epoch, not only a
+    #: stream's): the resumed epoch's budget starts from it, and adds each batch as it is taken.
+    skips: SkipsTaken = field(default_factory=SkipsTaken)
 
 
 def check_readers(saved: object, readers: int) -> None:
