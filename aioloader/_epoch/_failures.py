@@ -15,16 +15,25 @@ failure is always allowed (a single failure in the first few samples says nothin
 The error names the batch that crossed the budget, every index skipped in the epoch, and the
 samples of that batch that were read successfully but are not delivered with it (by index where
 the batch's indices are known), so no sample vanishes unnamed.
+
+The budget is of the epoch, whatever interrupts it: a resumed epoch starts from the count of the
+batches taken before its state was saved (:class:`~aioloader._types.SkipsTaken`, the state's
+``"failures"``), and crosses it at the batch an uninterrupted epoch would. The count follows
+what the consumer took, not what was made: batches made ahead and not taken are made again
+after the resume, and counted then. Each batch's count is kept by batch id until the consumer
+takes it (:meth:`FailureBudget.took`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from .._errors import TooManyFailuresError
 from .._log import epoch_log
 from .._stats import Counters
+from .._types import SkipsTaken
 
 __all__ = ["MESSAGE_INDICES", "FailureBudget"]
 
@@ -42,22 +51,40 @@ class FailureBudget:
         counters: the loader's live statistics (skips are reported there too).
         epoch_samples: the epoch's length in samples, or None where it is unknown (an iterable
             dataset): a fraction is then of the samples seen so far.
+        taken: the count of the batches taken so far (a resumed epoch's, from its state): the
+            budget starts from it, and adds each batch to it as it is taken (:meth:`took`).
     """
 
     def __init__(
-        self, max_failures: float, counters: Counters, epoch_samples: int | None = None
+        self,
+        max_failures: float,
+        counters: Counters,
+        epoch_samples: int | None = None,
+        taken: SkipsTaken | None = None,
     ) -> None:
         self.max_failures = max_failures
         self.epoch_samples = epoch_samples
         self._counters = counters
-        self.failures = 0
-        self.seen = 0
-        self.skipped: list[int] = []  # every index skipped in this epoch, in the order seen
+        self._taken = taken if taken is not None else SkipsTaken()
+        self.seen = self._taken.seen
+        # Every index skipped in this epoch, in the order seen (those before a resume first).
+        self.skipped: list[Any] = list(self._taken.skipped)
+        self.failures = len(self.skipped)
         self._last_reason = ""
+        # batch id -> (samples seen, indices skipped) of the batches counted and not yet taken.
+        self._batches: dict[int, tuple[int, list[Any]]] = {}
 
-    def record(self, delivered: int, skipped: list[tuple[int, str]]) -> None:
-        """Count a batch's ``delivered`` samples and its ``skipped`` ``(index, reason)``."""
+    def record(
+        self, delivered: int, skipped: list[tuple[int, str]], batch_id: int | None = None
+    ) -> None:
+        """Count a batch's ``delivered`` samples and its ``skipped`` ``(index, reason)``;
+        ``batch_id``'s count is kept until the consumer takes it (None: never taken, as in a
+        test of the budget alone)."""
         self.seen += delivered + len(skipped)
+        if batch_id is not None:
+            seen, indices = self._batches.get(batch_id, (0, []))
+            indices.extend(index for index, _ in skipped)
+            self._batches[batch_id] = (seen + delivered + len(skipped), indices)
         if skipped:
             self.failures += len(skipped)
             self.skipped.extend(index for index, _ in skipped)
@@ -66,6 +93,13 @@ class FailureBudget:
             if epoch_log.isEnabledFor(logging.WARNING):
                 for index, reason in skipped:
                     epoch_log.warning("skipped sample index %s: %s", index, reason)  # a key too
+
+    def took(self, batch_id: int) -> None:
+        """The consumer took ``batch_id`` (its batch, its error or an empty batch): its count is
+        now part of what a resumed epoch starts from."""
+        seen, indices = self._batches.pop(batch_id, (0, []))
+        self._taken.seen += seen
+        self._taken.skipped.extend(indices)
 
     @property
     def allowed(self) -> float:

@@ -122,7 +122,7 @@ class Fetcher:
         if failed:
             shards, raws = _drop_failed(shards, raws)
             skipped = [(f.index, f"{type(f.error).__name__}: {f.error}") for f in failed]
-            self._budget.record(0, skipped)
+            self._budget.record(0, skipped, request.batch_id)
             error = self._budget.over(request.batch_id, [i for shard in shards for i in shard])
             if error is not None:
                 raise error
