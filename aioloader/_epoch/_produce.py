@@ -34,6 +34,11 @@ async stream is read on this loop, so it is one reader (0 of 1) whatever ``num_w
 Each position is numbered per reader (``seq``), for the book's "every earlier batch of the
 reader taken" rule (``_resume``).
 
+The skip budget of a resumed epoch (any kind of data) starts from the count of the batches
+taken before (``StreamResume.skips``); each batch's own count joins it as the consumer takes the
+batch (:meth:`Producer.position`), so a state saved mid-epoch holds the skips of exactly the
+batches it says were taken (``_failures``).
+
 A reader whose batch failed (its stream's error, its deadline, its worker's death) has ended
 for good: its requests for later batches still on their way are cancelled and end (``END``),
 never served from a stuck thread's queue or a replacement worker's fresh stream.
@@ -176,7 +181,9 @@ class Producer:
         self._permits = permits
         self._wake = wake
         self._policy = DeadlinePolicy(config.timeout, config.max_retries)
-        self._budget = FailureBudget(config.max_failures, counters, epoch_samples)
+        self._budget = FailureBudget(
+            config.max_failures, counters, epoch_samples, taken=self._resume.skips
+        )
         self._fetcher = (
             Fetcher(
                 dataset,
@@ -226,7 +233,11 @@ class Producer:
         return self._sizes.pop(batch_id, (0, 0))
 
     def position(self, batch_id: int) -> StreamPosition | None:
-        """Where a resumable stream's reader stood after ``batch_id``, forgotten once asked."""
+        """Where a resumable stream's reader stood after ``batch_id``, forgotten once asked.
+
+        Asked as the consumer takes the batch (its batch, its error, or an empty batch), when
+        the batch's skips join the count a resumed epoch starts from (``StreamResume.skips``)."""
+        self._budget.took(batch_id)
         return self._positions.pop(batch_id, None)
 
     def cancel(self) -> list[asyncio.Future[Any]]:
@@ -654,7 +665,7 @@ class Producer:
         self._counters.read_s += made.read_s
         self._counters.collate_s += made.collate_s
         self._sizes[batch_id] = (made.samples, self._bytes(made))
-        self._budget.record(made.samples, made.skipped)
+        self._budget.record(made.samples, made.skipped, batch_id)
         if made.skipped:
             read: list[int] | int = made.samples
             if request is not None and self._config.kind in ("map", "async_map"):  # dataset indices

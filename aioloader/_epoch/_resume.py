@@ -54,6 +54,14 @@ epoch under equal steps (``"equal_steps"``, beside the book's state) is that ran
 merged state holds none of it, and :func:`merge_states` counts and logs every rank's as
 dropped.
 
+The skip budget (``on_error='skip'`` with ``max_failures``) is of the epoch, interrupted or
+not: a mid-epoch state records what it counted in the batches taken (``"failures"``: samples
+seen, indices skipped, and the rank that counted them), and the resumed epoch's budget starts
+from there (:class:`~aioloader._types.SkipsTaken`), so it is crossed at the batch an
+uninterrupted epoch crosses it. The budget is a rank's own: a loader of another rank (rank 0's
+state resuming every rank under DDP), a state rebased onto other ranks and a merged stream
+state start it at zero, and so does a state saved before the field was recorded (as before).
+
 The format is versioned (``"version"``, :data:`STATE_VERSION`) and checked whole where it is
 loaded, never later at the first batch. A mid-epoch state counts the batches taken by id, and an
 id means the same samples only under the same settings: every state records them
@@ -77,7 +85,14 @@ from typing import Any
 from .._config import Sampling
 from .._log import distributed_log
 from .._sampling import DistributedSampler, RandomSampler, consumed_positions
-from .._types import ResumableStream, Stateful, StreamPosition, StreamResume, check_readers
+from .._types import (
+    ResumableStream,
+    SkipsTaken,
+    Stateful,
+    StreamPosition,
+    StreamResume,
+    check_readers,
+)
 from .._validate import (
     boolean,
     check_state_keys,
@@ -93,7 +108,9 @@ __all__ = ["STATE_VERSION", "EpochBook", "deal_carried", "merge_states"]
 
 #: The format :meth:`EpochBook.state_dict` writes. 0: no ``"version"`` key (a mid-epoch state
 #: recorded at most the batch size and dataset length, as ``"shape"``); 1: ``"version"`` and
-#: the ``"layout"`` of every setting that decides which samples a batch id is.
+#: the ``"layout"`` of every setting that decides which samples a batch id is. A mid-epoch state
+#: of format 1 may hold ``"failures"`` (the skip budget so far); one without it is of the same
+#: format, saved before it was recorded, and starts the budget at zero.
 STATE_VERSION = 1
 
 # The settings a state's "layout" records, and how a message names each. They decide which
@@ -147,6 +164,7 @@ class EpochBook:
         self._readers: int | None = None  # how many readers the positions are of
         self._last_reader = -1  # the reader of the last position kept
         self.stream_resume: StreamResume | None = None  # how the current epoch's stream began
+        self._skips = SkipsTaken()  # the current epoch's skip count of the batches taken
         self.next_epoch = 0
         self._asked: int | None = None  # loader.set_epoch(n), not yet used by an epoch
         self._drives = False  # the current epoch's set_epoch went to a user's sampler
@@ -252,12 +270,26 @@ class EpochBook:
         if saved is not None:
             self._positions = {int(k): v for k, v in saved["states"].items()}
             self._readers, self._last_reader = int(saved["readers"]), int(saved["last"])
+        self._skips = self._resumed_skips(resume) if done else SkipsTaken()
         self.stream_resume = StreamResume(
             first_id=max(done) + 1 if done else 0,
             streams=self._readers,
             last=self._last_reader,
             states=dict(self._positions),
+            skips=self._skips,  # the epoch's budget starts from it and adds to it
         )
+
+    def _resumed_skips(self, resume: dict[str, Any] | None) -> SkipsTaken:
+        """The skip count a resumed epoch's budget starts from: the state's, where this
+        loader's rank counted it (see the module docstring); else none."""
+        saved = resume.get("failures") if resume is not None else None
+        if not isinstance(saved, dict) or saved["rank"] != self._rank():
+            return SkipsTaken()
+        return SkipsTaken(seen=int(saved["seen"]), skipped=list(saved["skipped"]))
+
+    def _rank(self) -> int | None:
+        """This loader's rank, as its samplers say (None: not sharded by rank, or a stream)."""
+        return _first_int(_samplers(self._sampling.batches), "rank")
 
     def took(self, batch_id: int, position: StreamPosition | None = None) -> None:
         """The consumer took (or was given the error of) batch ``batch_id``; ``position`` is
@@ -299,6 +331,7 @@ class EpochBook:
             self._drawn = True
         self._positions, self._held, self._next_seq = {}, {}, {}
         self._readers, self._last_reader = None, -1
+        self._skips = SkipsTaken()
 
     def state_dict(self, seed: int) -> dict[str, Any]:
         """Where the epochs are (see :meth:`aioloader.DataLoader.state_dict`). A state loaded
@@ -326,6 +359,11 @@ class EpochBook:
                 "seed": seed,
                 "streams": streams,
                 "layout": self._layout,  # what "done" counts in (see check)
+                "failures": {  # the skip budget's count of the batches in "done"
+                    "rank": self._rank(),
+                    "seen": self._skips.seen,
+                    "skipped": list(self._skips.skipped),
+                },
             }
             consumed = self._consumed()
             if consumed is not None:
@@ -473,7 +511,8 @@ class EpochBook:
                 "DistributedSampler: load it into a loader built the same way"
             )
         inner["consumed"] = state["consumed"]
-        rebased = {key: value for key, value in state.items() if key != "consumed"}
+        # The skip count was the saving rank's, of a share the new ranks do not have.
+        rebased = {k: v for k, v in state.items() if k not in ("consumed", "failures")}
         layout = {**state["layout"], **{key: None for key in _ELASTIC}}
         return {**rebased, "done": [], "sampler": sampler, "layout": layout}
 
@@ -652,9 +691,10 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if not isinstance(position, Mapping):
             raise ValueError(f"merge_states: state {k} holds no position of its stream")
         positions.append(position)
-    merged = merge_stream_states(positions)
-    streams_state = {"readers": 1, "last": -1, "states": {0: merged}}
-    return _with_carried({**_own_dropped(first), "done": [], "streams": streams_state}, states)
+    streams_state = {"readers": 1, "last": -1, "states": {0: merge_stream_states(positions)}}
+    merged = {**_own_dropped(first), "done": [], "streams": streams_state}
+    merged.pop("failures", None)  # one rank's skip count, and no batch taken any more
+    return _with_carried(merged, states)
 
 
 def _own_dropped(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -787,6 +827,8 @@ def _check_fields(state: dict[str, Any]) -> None:
             raise TypeError(f"the state's {key!r} must be a {kind.__name__} or None, got {value!r}")
     if state.get("streams") is not None:
         _check_streams(state["streams"])
+    if state.get("failures") is not None:
+        _check_failures(state["failures"])
     layout = state.get("layout")
     if not isinstance(layout, dict) and (layout is not None or state["done"]):
         raise TypeError(  # (None: a state of format 0 saved between epochs, migrated)
@@ -817,6 +859,27 @@ def _check_streams(streams: dict[str, Any]) -> None:
                 f"the state's streams 'states' holds a position of reader {reader!r}, not one "
                 f"of its {readers} readers"
             )
+
+
+def _check_failures(failures: object) -> None:
+    """Refuse a skip count that is not what the book writes (see :meth:`EpochBook.state_dict`)."""
+    if not isinstance(failures, dict):
+        raise TypeError(f"the state's 'failures' must be a dict or None, got {failures!r}")
+    check_state_keys("DataLoader (the state's 'failures')", failures, ("rank", "seen", "skipped"))
+    if failures["rank"] is not None:
+        non_negative_int("the state's failures 'rank'", failures["rank"])
+    seen = non_negative_int("the state's failures 'seen'", failures["seen"])
+    skipped = failures["skipped"]
+    if not isinstance(skipped, list | tuple):
+        raise TypeError(
+            f"the state's failures 'skipped' must be a list of sample indices, got {skipped!r}"
+        )
+    if len(skipped) > seen:
+        raise ValueError(
+            f"the state's failures say {len(skipped)} samples were skipped of {seen} seen: "
+            "every skipped sample was seen. The state was edited, or put together from two "
+            "states"
+        )
 
 
 def _taken_text(state: dict[str, Any]) -> str:
