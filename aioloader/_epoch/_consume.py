@@ -161,7 +161,7 @@ class Epoch:
             dataset=dataset,
             reorder=self.reorder,
             permits=self._permits,
-            wake=self._woken if lockstep is not None else self._ready.set,
+            wake=self._woken,
             resume=stream_resume,
         )
         self._handing: list[tuple[int, Transfer]] = []  # popped, not yet handed over (copies)
@@ -252,8 +252,7 @@ class Epoch:
                     return batch
                 continue  # the scheduler goes on
             if self._producer.done and len(self.reorder) == 0:
-                await self.aclose()
-                self._finish()
+                await self._close_over()
                 raise StopAsyncIteration
             self._ready.clear()
             started = time.perf_counter()
@@ -344,8 +343,7 @@ class Epoch:
                 producer.unpark(self.plan.put_back)
                 return NOT_INLINE
             if outcome is None:
-                await self.aclose()
-                self._finish()
+                await self._close_over()
                 raise StopAsyncIteration
             if outcome.value is EMPTY_BATCH:  # every sample skipped: nothing to hand over
                 producer.taken(outcome.batch_id)
@@ -419,12 +417,7 @@ class Epoch:
     def _taken(self, batch_id: int) -> None:
         """The consumer is done with ``batch_id`` (the batch, its error, or an empty batch)."""
         self._on_batch(batch_id, self._producer.position(batch_id))
-        if (
-            not self._closed
-            and self._producer.done
-            and len(self.reorder) == 0
-            and not self._handing
-        ):
+        if self._complete():
             # That was the last one: the epoch is complete now, not only at the __anext__ that
             # would end it, which a consumer that counts to len(loader) never makes (Lightning,
             # accelerate). A state_dict() taken now must start the next epoch, not resume an
@@ -433,10 +426,28 @@ class Epoch:
             # it parks, leaving the rest to the consumer, who reads it as it makes the last).
             self._finish()
 
+    def _complete(self) -> bool:
+        """Whether the consumer has taken every batch of an epoch that is over: a map-style
+        plan read to its end with nothing left to hand, or a stream whose readers all ended
+        with only their ends left (an epoch under equal steps ends where the ranks agree)."""
+        if self._closed or self._handing:
+            return False
+        if self._producer.done and len(self.reorder) == 0:
+            return True
+        return self._agreement is None and not self._carried and self._over()
+
     def _finish(self) -> None:
         on_finish, self._on_finish = self._on_finish, None
         if on_finish is not None:
             on_finish()
+
+    async def _close_over(self) -> None:
+        """Close the epoch that is over and book it finished, the booking also if the close is
+        cancelled (a timeout around the consumer's last ``anext``): the end was reached."""
+        try:
+            await self.aclose()
+        finally:
+            self._finish()
 
     def _release_permit(self) -> None:
         self._permits.release()
@@ -446,9 +457,13 @@ class Epoch:
     def _woken(self) -> None:
         """An outcome arrived, or scheduling ended: tell the consumer, and offer the steps
         this rank now knows it has (or that its stream ended) to the agreement, ahead of the
-        consumer."""
+        consumer. A stream's last ends arriving after the consumer took its last batch
+        complete the epoch then (see :meth:`_taken`)."""
         self._ready.set()
-        self._offer()
+        if self._agreement is not None:
+            self._offer()
+        elif self._on_finish is not None and self._producer.readers_ended and self._complete():
+            self._finish()
 
     def _offer(self) -> None:
         agreement = self._agreement
@@ -660,13 +675,18 @@ class Epoch:
         if self._closed or self._pid != os.getpid():  # (a forked child's copy: the parent's)
             return
         self._closed = True
-        if self._agreement is not None:
-            self._agreement.give_up()
-        self._end_stats()
-        tasks = self._producer.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-        self._release_all()
+        try:
+            if self._agreement is not None:
+                self._agreement.give_up()
+            self._end_stats()
+            tasks = self._producer.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            # Also when this close is cancelled (a timeout around the anext that ends the
+            # epoch, a cancelled aclose()): a consumer waiting on the epoch is woken, and the
+            # batches produced go; the tasks were cancelled and end on their own.
+            self._release_all()
 
     def interrupt(self) -> None:
         """The loader is being closed under this epoch: if it is not over, its consumer gets a
