@@ -66,7 +66,7 @@ from .._sampling import (
 )
 from .._stats import Counters, EpochProgress, LoaderStatistics, progress_display
 from .._threads import LoopThread, SyncIterator, off_loop
-from .._types import Runner, Stateful, dataset_kind
+from .._types import Runner, Stateful, StreamPosition, dataset_kind
 from .._validate import as_torch, boolean, to_int
 from .._workers import warn_more_workers_than_cpus
 from ._closing import closer_if_last
@@ -456,6 +456,9 @@ class DataLoader(SettingsView):
         previous = self._res.epoch
         if previous is not None and previous.raised_last and not previous.finished:
             # Its consumer stopped at an error (a traceback keeps it alive): not a 2nd iterator.
+            # One that handled the error and goes on is told its epoch was closed, not handed
+            # a normal end of an epoch cut short.
+            previous.interrupt()
             previous.close_nowait()
         alone = previous is None or previous.finished
         if self._lockstep is not None and not alone:
@@ -481,6 +484,7 @@ class DataLoader(SettingsView):
         self._counters.epoch = epoch
         self._counters.epoch_batches_yielded = 0
         plan = plan_for(self._sampling, done)  # the batch sampler's iter() runs here, at once
+        booking = _Booking(self)
         device = (
             self._res.device if self._res.device is not None and self._res.device.enabled else None
         )
@@ -492,15 +496,13 @@ class DataLoader(SettingsView):
             plan=plan,
             dataset=self.dataset,
             device=device,
-            on_batch=self._book.took,
-            # Weakly: the epoch lives in ``_res``, which the finalizer holds; a strong reference
-            # back would keep an unclosed loader alive forever (no warning, no release).
-            on_finish=weak_call(self._epoch_finished, epoch),
+            on_batch=booking.took,
+            on_finish=booking.finished,
             progress=self._epoch_progress(epoch, len(done)),
             stream_resume=self._book.stream_resume,
             lockstep=self._lockstep,
         )
-        self._res.epoch = it
+        self._res.epoch = booking.epoch = it
         return it
 
     def _epoch_progress(self, epoch: int, done: int) -> EpochProgress | None:
@@ -509,13 +511,6 @@ class DataLoader(SettingsView):
         total = self._len_or_q()
         batches = int(total) - done if total.isdigit() else None
         return self._progress.epoch(epoch, batches, self._counters)
-
-    def _epoch_finished(self, epoch: int) -> None:
-        # Only the newest epoch's end counts for resume: an older one beside it leaves it be.
-        current = self._res.epoch
-        if current is not None and current.epoch != epoch:
-            return
-        self._book.finished()
 
     def __iter__(self) -> SyncIterator:
         """Iterate synchronously: the pipeline runs on a private event loop in a thread.
@@ -790,17 +785,48 @@ def _collected(resources: Resources, name: str, close_lockstep: Callable[[], Non
     finalize(resources, name)
 
 
-def weak_call(method: Callable[[int], None], arg: int) -> Callable[[], None]:
-    """A callable that calls the bound ``method(arg)`` while its object is alive, else
-    nothing (an epoch's ``on_finish`` must not keep its loader alive)."""
-    ref = weakref.WeakMethod(method)
+class _Booking:
+    """What one epoch tells the loader's resume book (the batches its consumer took, its
+    end), passed on only while it is the loader's newest epoch: an older iterator still open
+    beside it (``zip(loader, loader)``, an evaluation pass in another task) runs its own full
+    epoch, which the state does not describe; booked into the newest, its batches were
+    counted as the newest's (samples skipped at a resume, ids twice). Told apart by identity,
+    not by epoch number: ``set_epoch`` may give two iterators the same one.
 
-    def call() -> None:
-        bound = ref()
-        if bound is not None:
-            bound(arg)
+    Holds the loader and its epoch weakly: the epoch lives in the loader's resources, which
+    its finalizer holds; a strong reference back would keep an unclosed loader alive forever
+    (no warning, no release)."""
 
-    return call
+    __slots__ = ("_epoch", "_loader")
+
+    def __init__(self, loader: DataLoader) -> None:
+        self._loader = weakref.ref(loader)
+        self._epoch: weakref.ref[Epoch] | None = None
+
+    @property
+    def epoch(self) -> Epoch | None:
+        return None if self._epoch is None else self._epoch()
+
+    @epoch.setter
+    def epoch(self, epoch: Epoch) -> None:
+        self._epoch = weakref.ref(epoch)
+
+    def _book(self) -> EpochBook | None:
+        loader = self._loader()
+        if loader is None or self._epoch is None:
+            return None
+        current = loader._res.epoch
+        return loader._book if current is not None and current is self._epoch() else None
+
+    def took(self, batch_id: int, position: StreamPosition | None) -> None:
+        book = self._book()
+        if book is not None:
+            book.took(batch_id, position)
+
+    def finished(self) -> None:
+        book = self._book()
+        if book is not None:
+            book.finished()
 
 
 def _replicas(shard: Shard | None) -> int:
