@@ -652,6 +652,10 @@ class DataLoader(SettingsView):
         built-in ones are; a ``generator``'s state is saved too), and for streams that are a
         :class:`ResumableStream`; another stream's mid-epoch state is refused when loaded.
 
+        Mid-epoch, the skip budget's count over the batches taken is in it (``"failures"``:
+        this rank, the samples seen and the indices skipped), so with ``on_error="skip"`` a
+        resumed epoch stops at ``max_failures`` where the uninterrupted one would have.
+
         Under equal steps, the batches this rank carries into its next epoch (read past the
         last agreed end, ``leftover='carry'``) are in it too (``"equal_steps"``: this rank and
         the batches; mid-epoch, those carried into the open epoch that it has not handed
