@@ -16,6 +16,9 @@ Who owns what:
 Cancellation edges:
 - cancelling the consumer's ``__anext__`` (``asyncio.timeout`` around it, a cancelled task)
   loses nothing: a batch popped but not yet handed over is kept and returned by the next call;
+- several tasks awaiting ``__anext__`` of one epoch at once are served one at a time, in the
+  order they asked (a FIFO lock): each gets the next batch, exactly once; one cancelled while
+  served or waiting for its turn leaves its batch to the next caller;
 - ``aclose()`` cancels the producer's tasks and waits for them; worker jobs that were already
   running release their shared-memory slots when they finish;
 - an iterator dropped without ``aclose()`` (also by a cancelled task a caller keeps) is closed
@@ -132,6 +135,7 @@ class Epoch:
         # The semaphore and the event bind to a loop at first use: made here, used on the loop.
         self._permits = asyncio.Semaphore(config.prefetch)
         self._ready = asyncio.Event()
+        self._serving = asyncio.Lock()  # one __anext__ at a time (FIFO): see __anext__
         # Equal steps: this epoch's agreement, the batches carried into it, real batches
         # popped from the reorder buffer, carried ones handed over, verdicts by step.
         self._lockstep = lockstep
@@ -207,6 +211,19 @@ class Epoch:
             raise forked_mid_epoch(self._pid, "async for batch in loader")
         if self._closed:
             raise self.end_error()
+        # Several tasks may pull from one iterator (consumers on one loop): they are served one
+        # after another, in the order they asked, as the sync iterator serves its callers.
+        # Invariant: of the callers, only the one holding ``_serving`` takes batches (from
+        # ``_handing``, ``_carried``, the reorder buffer) and counts steps; every wait of a
+        # step (a device copy, a verdict, the reorder buffer) is inside it, so two callers
+        # never take one batch. A close may release them under it: it then sees the close.
+        # A caller cancelled in its turn leaves its batch where it was, for the next in line.
+        # Uncontended (one consumer), the lock costs under a microsecond a batch.
+        async with self._serving:
+            return await self._next()
+
+    async def _next(self) -> Any:
+        """The next batch, for the one caller being served (see :meth:`__anext__`)."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self._begin()
