@@ -42,17 +42,36 @@ def load_run_all(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_run_all_quick_prints_the_table_and_draws_the_chart(tmp_path: Path) -> None:
+def test_run_all_quick_prints_the_table_and_draws_the_chart(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The runner's quick run, end to end but for one benchmark: warm and remote run, each in
+    its own process, and every document becomes rows of one table, a chart and the JSON. The
+    cold document is made by cold_start's own summary from runs of known times: the command
+    run_all asks for is checked, and cold_start.py's quick run is the smoke test below (the
+    same command, with a peer asked for); measured here too, it took a fifth of this test."""
     pytest.importorskip("matplotlib")
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "run_all.py"), "--quick", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    out = result.stdout
+    run_all = load_run_all(monkeypatch)
+    cold_start = load_benchmark(monkeypatch, "cold_start")
+    measure = run_all.run_benchmark
+    asked: list[list[str]] = []
+
+    def run_benchmark(argv: list[str], timeout: float) -> dict[str, Any]:
+        asked.append(argv)
+        if argv[0] != "cold_start.py":
+            document: dict[str, Any] = measure(argv, timeout)
+            return document
+        runs = {
+            impl: [{"first_s": first_s, "rate": None, "import_s": 0.1}]
+            for impl, first_s in (("aioloader", 0.05), ("torch", 0.2))
+        }
+        return {"benchmark": "cold_start", "rows": [cold_start.summarise("first", runs, {})]}
+
+    monkeypatch.setattr(run_all, "run_benchmark", run_benchmark)
+    assert run_all.main(["--quick", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert [argv[0] for argv in asked] == ["bench_loader.py", "cold_start.py", "remote_http.py"]
+    assert asked[1][1:] == ["--only", "first", "--repeat", "1", "--peers"]
     # Other loaders, where installed, add a column each after aioloader's ratio.
     assert any(line.startswith(HEADER.removesuffix(" |")) for line in out.splitlines()), out
     rows = [line for line in out.splitlines() if re.match(r"\| (warm|cold|remote|gpu) \|", line)]
