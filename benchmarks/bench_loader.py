@@ -48,8 +48,9 @@ CASES = {
     "cpu": ("cpu", 640, 32, (2, 0)),
     "tiny": ("tiny", 256 * 400, 256, (2, 0)),
 }
-#: --quick: each data set's length (a run's cost is mostly starting the process and workers).
-QUICK_LENGTH = {"large": 1280, "cpu": 128, "tiny": 256 * 40}
+#: --quick: each data set's length, a few batches (a run's cost is then mostly starting the
+#: process and its workers; 1280 large images took torchdata.nodes seconds a run here).
+QUICK_LENGTH = {"large": 256, "cpu": 128, "tiny": 256 * 40}
 
 
 class LargeImages:
