@@ -673,9 +673,9 @@ def test_a_sharded_stream_iterated_on_rank_0_only_fails_within_the_bound(
     assert "batches" not in report, report  # it cannot agree with ranks that never come
     kind, message = report["raised"]
     assert kind == "RuntimeError"
-    for part in ("epoch 0", "did not join", "equal_steps=False", "shard=False", "3 s"):
+    for part in ("epoch 0", "did not join", "equal_steps=False", "shard=False", "within 1 s"):
         assert part in message, message
-    assert report["elapsed"] < 30, report  # the bound (3 s), not 30 minutes
+    assert report["elapsed"] < 30, report  # the bound (1 s), not 30 minutes
     # Never retried under the same keys: the next epoch fails at once, with that cause.
     assert "batches_again" not in report, report
     kind, again, cause = report["again"]

@@ -54,7 +54,7 @@ from aioloader.sources import TarDataset
 # Bounds each collective of this rank (the agreement's own group has its own, longer bound:
 # a case that hangs there is ended by the test's limit on the whole job).
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)
-SHORT_AGREEMENT_S = 3.0  # the agreement's bound, lowered for the rank-0-only case
+SHORT_AGREEMENT_S = 1.0  # the agreement's bound, lowered for the rank-0-only case
 
 #: The length of each rank's copy of the "uneven" stream: the loader keeps items r, r + 4, ...
 #: of it, so the shares are 10, 3, 6 and 2 items long (3, 1, 2 and 1 batches of 4).
@@ -376,7 +376,9 @@ def main() -> None:
                     flagged = asyncio.ensure_future(settled.wait())
                     # Cancelled once settled (then closing, for CLOSE_S), or at the latest
                     # a second before it could have closed: before a settle that waited for it.
-                    await asyncio.wait([ending, flagged], timeout=CLOSE_S - 1)
+                    await asyncio.wait(
+                        [ending, flagged], timeout=CLOSE_S - 1, return_when=asyncio.FIRST_COMPLETED
+                    )
                     flagged.cancel()
                     report["settled_before_cancel"] = settled.is_set()
                     ending.cancel()
