@@ -170,6 +170,7 @@ class Epoch:
         )
         self._handing: list[tuple[int, Transfer]] = []  # popped, not yet handed over (copies)
         self._interrupted = False  # closed with the loader before it was over (interrupt)
+        self._interrupt_cause: str | None = None  # why, where not the loader's close
         # The consumer's last step raised a batch's error: if a new epoch starts before the next
         # step, the consumer stopped there (a loop unwound by the error); see _new_epoch.
         self.raised_last = False
@@ -705,11 +706,13 @@ class Epoch:
             # batches produced go; the tasks were cancelled and end on their own.
             self._release_all()
 
-    def interrupt(self) -> None:
+    def interrupt(self, cause: str | None = None) -> None:
         """The loader is being closed under this epoch: if it is not over, its consumer gets a
-        ``RuntimeError`` from then on, not the end of an epoch that was cut short."""
+        ``RuntimeError`` from then on, not the end of an epoch that was cut short; ``cause``
+        says why, where it is not the loader's close."""
         if not self._over():
             self._interrupted = True
+            self._interrupt_cause = cause
 
     def _over(self) -> bool:
         """Whether nothing more was to come: a stream's epoch whose readers all ended is over,
@@ -723,6 +726,11 @@ class Epoch:
         shared pool's close): the end if it was over, else a ``RuntimeError`` saying so."""
         if not self._interrupted and (self._closed or self._over()):
             return StopAsyncIteration()
+        if self._interrupt_cause is not None:
+            return RuntimeError(
+                f"epoch {self.epoch} was closed before it was over: {self._interrupt_cause}; "
+                "the rest of it will not come"
+            )
         return RuntimeError(
             f"the DataLoader (or its worker pool) was closed during epoch {self.epoch}, before "
             "it was over (from another task or thread, or at the program's end): the rest of "

@@ -458,7 +458,11 @@ class DataLoader(SettingsView):
             # Its consumer stopped at an error (a traceback keeps it alive): not a 2nd iterator.
             # One that handled the error and goes on is told its epoch was closed, not handed
             # a normal end of an epoch cut short.
-            previous.interrupt()
+            previous.interrupt(
+                "a new iterator of this DataLoader began after this one's last batch raised "
+                "(a loop left at an error is closed so; to go on past a batch's error, keep "
+                "calling next() on the same iterator before starting another)"
+            )
             previous.close_nowait()
         alone = previous is None or previous.finished
         if self._lockstep is not None and not alone:
