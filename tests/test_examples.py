@@ -70,8 +70,9 @@ def check_remote_http() -> None:
 
 
 def check_why_slow() -> None:
-    # Every case is checked by tests/test_stats.py; the quickest one here.
+    # The other cases are checked by tests/test_stats.py; the default one, "dataset", here.
     out = ok(run_example("why_slow.py"))  # --case dataset: the knob is num_workers
+    assert "consumer waited" in out, out  # the table came first
     assert "verdict: workers (knob: num_workers)" in out, out
     assert "with num_workers turned up" in out, out
 

@@ -579,7 +579,8 @@ def test_statistics_before_any_epoch_are_empty() -> None:
 @pytest.mark.parametrize(
     ("case", "verdict"),
     [
-        ("dataset", "workers (knob: num_workers)"),
+        # The "dataset" case is the example's default run: tests/test_examples.py runs it and
+        # checks its table and verdict ("workers", knob num_workers) there.
         ("remote", "io (knob: io_concurrency)"),
         ("consumer", "consumer (knob: none)"),
         ("cpu", "cpu (knob: none)"),
