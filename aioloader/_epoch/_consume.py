@@ -588,6 +588,10 @@ class Epoch:
             carried=list(self._carried),
         )
         self._carried.clear()
+        # What is still being made is cut (``past.cut``): its outcomes, arriving while the
+        # copies below are awaited, are dropped (the buffer expects them no more: storing one
+        # raised KeyError in its task), as the epoch's close drops them.
+        self._producer.closed = True
         handing, self._handing = self._handing, []
         past.copies = [(i, transfer, self._producer.taken(i)) for i, transfer in handing]
         for outcome in sorted(self.reorder.drain(), key=lambda o: o.batch_id):
