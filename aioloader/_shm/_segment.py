@@ -232,8 +232,8 @@ def create_segment(size: int, shm_dir: str, name: str | None = None) -> tuple[st
         The segment's name and its mapping.
 
     Raises:
-        SharedMemoryError: if ``shm_dir`` has no room for the segment or this process has no
-            file descriptor left.
+        SharedMemoryError: if ``shm_dir`` has no room for the segment, this process has no
+            file descriptor left, or it cannot map the segment (no address space or map left).
     """
     given = name
     for _ in range(_NAME_ATTEMPTS if given is None else 1):
@@ -254,7 +254,17 @@ def create_segment(size: int, shm_dir: str, name: str | None = None) -> tuple[st
     try:
         os.ftruncate(fd, size)
         _reserve(fd, size, shm_dir)
-        mapping = _map(fd, size)
+        try:
+            mapping = _map(fd, size)
+        except OSError as exc:
+            # The kernel refused the mapping, not /dev/shm its pages: no address space or map
+            # left to this process (RLIMIT_AS, vm.max_map_count, strict overcommit). Its
+            # segment cannot be had either: the caller sends the batch another way.
+            raise SharedMemoryError(
+                f"{exc.strerror or exc}: this process could not map a shared-memory segment "
+                f"of {size} bytes (its address space or its count of memory maps is at a "
+                "limit: ulimit -v, vm.max_map_count)"
+            ) from exc
     except BaseException:
         unlink(name)
         raise

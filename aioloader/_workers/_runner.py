@@ -28,7 +28,7 @@ from ._frames import Packed
 from ._pool import WorkerPool
 from ._raw import Sender
 from ._records import MapJob, OwnSlot, Payload, RawSlotError, StreamJob, running_tag
-from ._wire import Receiver, sweep_unclaimed
+from ._wire import Receiver, SegmentUnreadable, sweep_unclaimed
 from ._worker import run_map_job, run_stream_job
 
 __all__ = ["ProcessRunner"]
@@ -208,7 +208,13 @@ class ProcessRunner:
                 del self._attempts[id(request)]
         if self.pool.rebuilds > self._restarts_logged:  # a worker died with nothing of ours
             self._log_restarts(None)
-        return self._receiver.open(made, slot)
+        try:
+            return self._receiver.open(made, slot)
+        except SegmentUnreadable:
+            if not isinstance(request, BatchRequest) or pickled:
+                raise  # a stream's items cannot be read again: the batch fails, named
+            # Counted (Receiver.open); the same request again, inline.
+            return await self._run(fn, request, worker, pickled=True)
 
     def _abandoned_own(self, release: Callable[[], None], name: str) -> None:
         """A given-up job's OwnSlot, its worker done with it (``on_abandon``): unlinked, and

@@ -79,12 +79,21 @@ __all__ = [
     "INLINE_MAX_BYTES",
     "Packer",
     "Receiver",
+    "SegmentUnreadable",
     "batch_nbytes",
     "from_wire",
     "inline",
     "sweep_unclaimed",
     "to_wire",
 ]
+
+
+class SegmentUnreadable(SharedMemoryError):
+    """The segment a worker made for a batch could not be mapped in the main process
+    (:meth:`Receiver.open`): counted as a fallback; the batch is made again, inline, where
+    it can be (a map-style batch), else it fails with this error (a stream's: its items
+    cannot be read again)."""
+
 
 # Batches with fewer array bytes than this travel inline, never in a slot: for them a slot
 # costs more (a lease, a mapping, a finalizer) than the pickle copy it saves.
@@ -456,7 +465,14 @@ class Receiver:
                 _shm.unlink(parcel.own_slot.name)
                 raise RuntimeError("a worker's segment came back to a loader without a pool")
             reserved = self._reserved.pop(parcel.own_slot.name, 0)
-            slot = self._slots.adopt(parcel.own_slot.name, parcel.own_slot.size, reserved)
+            try:
+                slot = self._slots.adopt(parcel.own_slot.name, parcel.own_slot.size, reserved)
+            except (OSError, SharedMemoryError) as exc:  # unlinked by adopt, reservation back
+                # The worker made the segment, this process cannot map it (no address space or
+                # map left, or it is gone): the batch in it cannot be read here.
+                why = f"a first batch's segment made by its worker could not be mapped: {exc}"
+                self._fell_back("adopt", why)
+                raise SegmentUnreadable(why) from exc
         if parcel.slot_error and self._slots is not None and not self._slots.closed:
             # The worker could not map the slot or make one (after close: the pool unlinked
             # the slot itself).
