@@ -188,6 +188,12 @@ class ProcessRunner:
             # once its worker is done with it) or the close's sweep (see __init__).
             if isinstance(exc, asyncio.CancelledError):
                 raise  # on_abandon releases the slot once the worker is done with the job
+            if not isinstance(exc, Exception):
+                # The coroutine closed under its wait (GeneratorExit: a loop torn down), an
+                # interrupt: the worker may still write into the slot, and nothing will say
+                # when it is done. The slot stays leased (an OwnSlot's name unclaimed) until
+                # the pool's close, which unlinks it once the workers are stopped.
+                raise
             if not isinstance(exc, RawSlotError):
                 if release is not None:
                     release()
