@@ -187,6 +187,7 @@ class WorkerPool:
             when,
             fork_asked=self._fork,
         )
+        # The copies, and the closing mark with the workers' pipes made after it is checked.
         self._launch_lock = threading.Lock()
         self._workers = [Worker(i, *self._new_worker()) for i in range(num_workers)]
         self._closed = False  # no job or launch from now on
@@ -251,6 +252,17 @@ class WorkerPool:
             if w.process is None and w.child_pipes is None:
                 w.channel.close()
                 w.stacks.close()
+                self._renew(w)
+
+    def _renew(self, w: Worker) -> None:
+        """New pipes for worker ``w``, whose old ones were closed; none once the pool is closed.
+        Made and given to ``w`` under the lock :meth:`close` marks the pool closed under: a
+        close on another thread either comes first (nothing is made) or finds the new pipes
+        on ``w`` and closes them. Checked without the lock, a close landing between the
+        check and the assignment closed the old pipes only, and the new ones stayed open for
+        the pool's life."""
+        with self._launch_lock:
+            if not self._closed:
                 w.channel, w.child_pipes, w.stacks = self._new_worker()
 
     def launch(self) -> None:
@@ -570,8 +582,7 @@ class WorkerPool:
         w.stopping = False
         w.hang = None
         self.rebuilds += 1
-        if not self._closed:
-            w.channel, w.child_pipes, w.stacks = self._new_worker()
+        self._renew(w)
 
     def is_running(self, tag: int) -> bool:
         """Whether a worker runs the job tagged ``tag`` now (not merely queued)."""
