@@ -1,7 +1,6 @@
 """Races of the worker pool (``_workers._pool``) with its workers and with other threads: a
 close from another thread while a dead worker is replaced, a reply pipe that turns corrupt
-while a given-up job still runs, and a worker that dies between finishing a job and sending
-its reply.
+while a given-up job still runs.
 """
 
 from __future__ import annotations
@@ -10,13 +9,18 @@ import asyncio
 import os
 import threading
 import time
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from helpers import open_fds
+from test_failure_contract import _fork_a_stray_writer
 
 from aioloader import WorkerCrashedError, _workers
 from aioloader._workers import _channel, _pool
+from aioloader._workers._channel import Channel
 
 pytestmark = pytest.mark.usefixtures("baseline")
 
@@ -72,3 +76,123 @@ async def _new_pipes(before: dict[int, str], grace_s: float = 5.0) -> list[str]:
         if not pipes or time.monotonic() > deadline:
             return pipes
         await asyncio.sleep(0.05)
+
+
+# -- a reply pipe that carries garbage while a given-up job runs (RELIABILITY.md row 41) -----
+
+# How long the given-up job below would go on writing if nothing killed its worker: far past
+# every bound the test waits.
+_WRITES_FOR_S = 10.0
+
+
+def garbage_while_given_up(arg: tuple[int, str]) -> str:
+    """A job (in a worker): say it runs, wait until the main process gave it up, then "write
+    the batch" (a line per write, with its time) for :data:`_WRITES_FOR_S`, as a job whose
+    slot the main process must not reuse yet; after the first write, a child forked here
+    writes garbage into this worker's reply pipe."""
+    main_pid, marker_dir = arg
+    markers = Path(marker_dir)
+    (markers / "running").touch()
+    deadline = time.monotonic() + 30.0
+    while not (markers / "given-up").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    end = time.monotonic() + _WRITES_FOR_S
+    while time.monotonic() < end:
+        with open(markers / "writes", "a") as f:
+            f.write(f"{time.time()!r}\n")
+        if not (markers / "stray").exists():
+            (markers / "stray").touch()
+            _fork_a_stray_writer(main_pid)
+        time.sleep(0.01)
+    return "done"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
+async def _until(done: Any, bound_s: float) -> bool:
+    """Poll ``done()`` until it is true or ``bound_s`` passed; its last answer."""
+    deadline = time.monotonic() + bound_s
+    while not done() and time.monotonic() < deadline:  # noqa: ASYNC110 - a condition, no event
+        await asyncio.sleep(0.01)
+    return bool(done())
+
+
+async def test_garbage_on_the_pipe_of_a_worker_running_a_given_up_job_kills_it_before_release(
+    tmp_path: Path,
+) -> None:
+    # An epoch gives a batch up while its worker runs it; then a child forked in the worker
+    # writes garbage into the worker's reply pipe. The job's slot (on_abandon) may go back to
+    # the pool only once the worker is dead: it is killed at once, with no other job routed to
+    # it, and nothing it wrote comes after the release.
+    pool = _workers.WorkerPool(1, _workers.resolve_context(None, allow_fork=False), 0)
+    released: list[tuple[float, bool]] = []  # when, and whether the worker was gone then
+    try:
+        async with asyncio.timeout(30.0):
+            pid, _ = await pool.submit(echo, 1, batch_id=0, worker=0)
+
+            def on_abandon() -> None:
+                released.append((time.time(), _gone(pid)))
+
+            job = asyncio.create_task(
+                pool.submit(
+                    garbage_while_given_up,
+                    (os.getpid(), str(tmp_path)),
+                    batch_id=1,
+                    worker=0,
+                    on_abandon=on_abandon,
+                )
+            )
+            assert await _until((tmp_path / "running").exists, 20.0)
+            job.cancel()  # the epoch gives the batch up
+            with pytest.raises(asyncio.CancelledError):
+                await job
+            (tmp_path / "given-up").touch()
+            given_up = time.time()
+            assert await _until(lambda: bool(released), 10.0), "the job was never released"
+            [(at, gone)] = released
+            assert gone, "released while its worker was still alive"
+            assert at - given_up < _WRITES_FOR_S / 2  # killed: its job did not run to its end
+            writes = [float(w) for w in (tmp_path / "writes").read_text().split()]
+            assert writes
+            assert max(writes) <= at
+
+            new_pid, answer = await pool.submit(echo, 2, batch_id=2, worker=0)
+            assert answer == 2
+            assert new_pid != pid
+    finally:
+        await asyncio.to_thread(pool.close)
+
+
+async def test_a_corrupt_channel_releases_given_up_jobs_only_once_the_worker_is_gone() -> None:
+    # The worker's side of the pipes is held here: the test writes what a stray process would.
+    replies_r, replies_w = os.pipe()
+    requests_r, requests_w = os.pipe()
+    seen: list[str] = []
+    released: list[str] = []
+    channel = Channel(replies_r, requests_w, lambda _, why: seen.append(why))
+    try:
+        given_up, _ = channel.send(echo, "given up")
+        awaited, future = channel.send(echo, "awaited")
+        channel.abandon(given_up, lambda: released.append("given up"))
+        os.write(replies_w, b"Traceback (most recent call last):\n")
+        async with asyncio.timeout(5.0):
+            with pytest.raises(BrokenProcessPool, match="cannot be valid"):
+                await future  # the job awaited fails at once
+        assert len(seen) == 1
+        assert "cannot be valid" in seen[0]
+        channel.abandon(awaited, lambda: released.append("awaited"))  # its caller gives up
+        assert released == []  # the worker may still be writing into their slots
+        assert not channel.answered(given_up)
+        channel.fail("the worker exited")  # its death is seen
+        assert sorted(released) == ["awaited", "given up"]
+        assert channel.answered(given_up)
+        assert channel.answered(awaited)
+    finally:
+        channel.close()
+        for fd in (replies_w, requests_r):
+            os.close(fd)

@@ -21,8 +21,11 @@ copied once, by the kernel, and the loop reads at most a few MiB per callback (a
 kept the loop busy for 85 ms at most, not 430). A worker that dies closes its pipe: the main
 side sees end-of-file at once and fails every job the worker held with ``BrokenProcessPool``. So
 does a reply frame that cannot be valid (:func:`._frames.reply_header_fault`: bytes a stray
-process wrote into the pipe): the channel is marked :attr:`Channel.corrupt`, and its owner kills
-the worker.
+process wrote into the pipe): the channel is marked :attr:`Channel.corrupt` and calls its
+owner's ``on_corrupt``, which kills the worker there and then. That worker was alive: the jobs
+awaited fail at once, but a job given up (``on_abandon``) is not released before the worker's
+death is seen (:meth:`Channel.fail`, or :meth:`Channel.close` once its owner reaped it), as
+until then it may still write into that job's slot.
 
 Sharp edges:
 - Pipe ends are bound to one event loop at a time. A loader iterated first synchronously (on
@@ -177,13 +180,16 @@ def _consume(views: deque[memoryview], written: int) -> None:
 # -- main side -------------------------------------------------------------------------------
 
 
-def open_channel() -> tuple[Channel, tuple[Connection, Connection]]:
-    """Two new pipes: the main side's :class:`Channel`, and the worker's ends (requests to
-    read, replies to write) to hand to the worker process, then close here once it started."""
+def open_channel(
+    on_corrupt: Callable[[Channel, str], None] | None = None,
+) -> tuple[Channel, tuple[Connection, Connection]]:
+    """Two new pipes: the main side's :class:`Channel` (``on_corrupt``: see there), and the
+    worker's ends (requests to read, replies to write) to hand to the worker process, then
+    close here once it started."""
     requests_r, requests_w = os.pipe()
     replies_r, replies_w = os.pipe()
     child = (Connection(requests_r, writable=False), Connection(replies_w, readable=False))
-    return Channel(replies_r, requests_w), child
+    return Channel(replies_r, requests_w, on_corrupt), child
 
 
 @dataclass(slots=True)
@@ -198,9 +204,15 @@ class Channel:
     Args:
         rfd: the read end of the worker's reply pipe (owned from now on).
         wfd: the write end of the worker's request pipe (owned from now on).
+        on_corrupt: called on the event loop with this channel and what was wrong, as the
+            reply pipe is found to carry garbage: the owner kills the worker then (the jobs
+            given up wait for that death, see :meth:`fail`). Without it, they wait for
+            :meth:`fail` or :meth:`close`.
     """
 
-    def __init__(self, rfd: int, wfd: int) -> None:
+    def __init__(
+        self, rfd: int, wfd: int, on_corrupt: Callable[[Channel, str], None] | None = None
+    ) -> None:
         os.set_blocking(rfd, False)
         os.set_blocking(wfd, False)
         self._rfd = rfd
@@ -218,6 +230,7 @@ class Channel:
         self._fd_lock = threading.Lock()  # the pipes are closed once, by whoever is last
         self._fds_closed = False
         self.corrupt: str | None = None  # why the reply stream cannot be trusted any more
+        self._on_corrupt = on_corrupt
 
     @property
     def pending(self) -> int:
@@ -274,8 +287,9 @@ class Channel:
             self._write(HEADER.pack(0, job_id, CANCEL))
 
     def fail(self, reason: str) -> None:
-        """The worker is gone: fail every pending job with ``BrokenProcessPool``. Must run on
-        the event loop (see :meth:`fail_threadsafe`)."""
+        """The worker is gone: fail every pending job with ``BrokenProcessPool``, and release
+        the jobs given up (their ``on_abandon``). Must run on the event loop (see
+        :meth:`fail_threadsafe`)."""
         if self._closed:
             return  # closing failed the jobs already
         if self._broken is None:
@@ -444,12 +458,29 @@ class Channel:
         except OSError as exc:
             self.fail(f"reading from the worker failed: {exc}")
         except (_CorruptReply, MemoryError) as exc:
-            # Out of step for good: every later read would fail the same way. The worker's
-            # owner kills it (see WorkerPool.submit), as nothing it writes can be read now.
-            self.corrupt = str(exc) or "a reply too large to hold in memory"
-            self._inbox.clear()
-            self._big = None
-            self.fail(f"the worker's reply pipe carried {self.corrupt}")
+            self._corrupted(str(exc) or "a reply too large to hold in memory")
+
+    def _corrupted(self, why: str) -> None:
+        """The reply stream is out of step for good (every later read would fail the same
+        way): stop reading, have the worker killed (``on_corrupt``), as nothing it writes can
+        be read now, and fail the jobs awaited. The worker was alive, maybe running a job
+        given up, writing into its slot: every job stays pending (an ``abandon`` after this
+        too) until its death is seen (:meth:`fail`, :meth:`close`); only then do the given-up
+        jobs' ``on_abandon`` run."""
+        self.corrupt = why
+        self._inbox.clear()
+        self._big = None
+        reason = f"the worker's reply pipe carried {why}"
+        if self._broken is None:
+            self._broken = reason
+        if self._loop is not None:
+            self._unwatch(self._loop)
+        if self._on_corrupt is not None:
+            self._on_corrupt(self, why)  # the kill, before any awaiting job reads its status
+        for entry in self._pending.values():
+            if entry.future is not None and not entry.future.done():
+                with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits it
+                    entry.future.set_exception(BrokenProcessPool(reason))
 
     def _read_small(self, budget: int) -> int | None:
         """Read into the inbox and deliver the complete frames; a large frame's payload gets

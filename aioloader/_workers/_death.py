@@ -7,7 +7,9 @@ child the dataset forked in the worker. :class:`ExitWatch` is the backstop: one 
 that waits on every live worker's sentinel (a descriptor that becomes readable when the process
 ends) and reports each exit once. A reply pipe that carries a frame that cannot be valid (bytes
 a process forked in the worker wrote into it: ``_frames.reply_header_fault``) fails the worker as
-a death would, though it may be alive: it is killed first (:func:`kill_corrupt`). Its exit
+a death would, though it may be alive: it is killed as the channel sees the garbage
+(:func:`kill_corrupt`, the pool's hook on its channel), and a job given up while it ran is
+released only once that death is seen, as it may write into the job's slot until then. Its exit
 status, which names the killing signal, is read once (:meth:`Deaths.reap`), off the event loop.
 
 What its error says. :class:`Crash` is what the pool records of one worker's death, once per
@@ -183,8 +185,11 @@ def reap(process: Any, lock: threading.Lock) -> None:
 
 def kill_corrupt(w: Worker, why: str) -> None:
     """SIGKILL worker ``w``, whose reply pipe carried garbage (``why``): it may be well, but
-    nothing it writes can be read any more, and a stray writer may still hold the pipe. Its
-    death is then seen like any other (the job it ran is its culprit)."""
+    nothing it writes can be read any more, and a stray writer may still hold the pipe. Done
+    as the channel finds the garbage, on the event loop, while the process cannot have been
+    reaped (its pid not yet reused), not when a job next goes to it: meanwhile it may run a
+    job given up, writing into that job's slot. Its death is then seen like any other (the
+    job it ran is its culprit)."""
     process = w.process
     if process is None or process.pid is None:
         return

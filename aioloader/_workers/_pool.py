@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import multiprocessing
 import os
 import threading
@@ -189,15 +190,16 @@ class WorkerPool:
         )
         # The copies, and the closing mark with the workers' pipes made after it is checked.
         self._launch_lock = threading.Lock()
-        self._workers = [Worker(i, *self._new_worker()) for i in range(num_workers)]
+        self._workers = [Worker(i, *self._new_worker(i)) for i in range(num_workers)]
         self._closed = False  # no job or launch from now on
         self._closed_all = False  # every step of close() done
         self._close_lock = threading.RLock()
         self.rebuilds = 0
 
-    def _new_worker(self) -> tuple[Channel, tuple[Connection, ...], StackPipe]:
-        """A worker's pipes (its process starts at its launch: see :class:`._launch.Launcher`)."""
-        channel, child = open_channel()
+    def _new_worker(self, worker_id: int) -> tuple[Channel, tuple[Connection, ...], StackPipe]:
+        """Worker ``worker_id``'s pipes (its process starts at its launch: see
+        :class:`._launch.Launcher`)."""
+        channel, child = open_channel(functools.partial(self._corrupt, worker_id))
         stacks = StackPipe()
         return channel, (*child, stacks.child), stacks
 
@@ -263,7 +265,7 @@ class WorkerPool:
         the pool's life."""
         with self._launch_lock:
             if not self._closed:
-                w.channel, w.child_pipes, w.stacks = self._new_worker()
+                w.channel, w.child_pipes, w.stacks = self._new_worker(w.id)
 
     def launch(self) -> None:
         """Start every worker's process now, without waiting until it is ready (from the
@@ -472,13 +474,17 @@ class WorkerPool:
                     raise RuntimeError("the worker pool was closed") from exc
                 # Reading the dead worker's exit status waits for threads: do the waiting off
                 # the loop, then the bookkeeping on it (no race with other jobs' submits).
+                # A worker whose reply pipe carried garbage was killed as the channel saw it
+                # (_corrupt): this waits for that death too.
                 if w.generation == generation:
-                    if channel.corrupt is not None:
-                        kill_corrupt(w, channel.corrupt)  # alive, but its replies are lost
                     try:
                         await off_loop(self._deaths.reap, w.process)
                     except asyncio.CancelledError:
-                        if on_abandon is not None:  # the worker is dead: done with the job
+                        # Released once the worker is done with the job: now, as it is dead
+                        # (one killed for garbage: once the channel sees it dead).
+                        if job_id is not None:
+                            channel.abandon(job_id, on_abandon)
+                        elif on_abandon is not None:
                             on_abandon()
                         raise
                 crash = self._deaths.crashed(w, generation)  # the worker replaced
@@ -583,6 +589,14 @@ class WorkerPool:
         w.hang = None
         self.rebuilds += 1
         self._renew(w)
+
+    def _corrupt(self, worker_id: int, channel: Channel, why: str) -> None:
+        """Worker ``worker_id``'s reply pipe ``channel`` carried garbage (``why``): kill the
+        worker now, not when a job next goes to it. It may be running a job given up, writing
+        into that job's slot; the channel releases such a job once the death is seen."""
+        w = self._workers[worker_id]
+        if w.channel is channel:  # else a process replaced already
+            kill_corrupt(w, why)
 
     def is_running(self, tag: int) -> bool:
         """Whether a worker runs the job tagged ``tag`` now (not merely queued)."""
