@@ -1,18 +1,22 @@
 """Races of the worker pool (``_workers._pool``) with its workers and with other threads: a
 close from another thread while a dead worker is replaced, a reply pipe that turns corrupt
-while a given-up job still runs.
+while a given-up job still runs, and a worker that dies between making a batch and writing
+its reply.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import fault_datasets as fd
 import psutil
 import pytest
 from helpers import open_fds
@@ -196,3 +200,50 @@ async def test_a_corrupt_channel_releases_given_up_jobs_only_once_the_worker_is_
         channel.close()
         for fd in (replies_w, requests_r):
             os.close(fd)
+
+
+# -- a worker that dies between making a batch and writing its reply -------------------------
+
+
+@dataclass
+class DiesBeforeItReplies(fd.Faulty):
+    """:class:`fault_datasets.Faulty` whose faulty index, on its first visit, has its worker
+    killed by SIGKILL (as the out-of-memory killer would) once the batch is made, as its
+    reply is about to be written: the fault is injected into this worker's serve loop."""
+
+    def __getitem__(self, index: int) -> Any:
+        marker_dir = self.marker_dir
+        if index in self.faults and marker_dir and fd.claim_visit(marker_dir, index) == 0:
+            from aioloader._workers import _channel as worker_side
+
+            def die_instead(fd_: int, parts: list[Any]) -> None:
+                os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(fd.HANG_S)  # a signal is delivered asynchronously
+
+            worker_side._writev_all = die_instead  # type: ignore[assignment]
+        return index
+
+
+async def test_a_worker_dead_before_its_reply_is_written_is_blamed_for_that_batch(
+    tmp_path: Path,
+) -> None:
+    # The batch was made but its reply never left the worker: that batch is the crash's (a
+    # WorkerCrashedError naming it), not a job that only waited behind another one and is
+    # silently made again (a map job whose fetched bytes came in its slot would then read
+    # the collated batch there as its bytes; a stream's would be said to have waited).
+    ds = DiesBeforeItReplies(48, faults={21: fd.SIGKILL}, marker_dir=str(tmp_path))
+    expected = fd.sequential_batches(48, 4)
+    async with fd.make_loader(ds) as loader:
+        run = await fd.run_epoch(aiter(loader))
+        [err] = run.errors
+        assert isinstance(err, WorkerCrashedError)
+        [(pid, _)] = fd.visits(str(tmp_path), 21)
+        text = str(err)
+        assert f"(pid {pid}) was killed by SIGKILL" in text, text
+        assert "while making batch 5" in text, text
+        fd.assert_exact(run, expected)
+        assert loader.statistics().worker_restarts == 1
+
+        again = await fd.run_epoch(aiter(loader))  # the replacement serves the next epoch
+        assert again.errors == []
+        assert again.batches == expected

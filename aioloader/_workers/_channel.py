@@ -89,8 +89,10 @@ _DETACH_WAIT_S = 5.0
 # -- worker side -----------------------------------------------------------------------------
 
 
-def serve(rfd: int, wfd: int) -> None:
-    """Run jobs read from ``rfd`` and write their replies to ``wfd`` until ``rfd`` closes.
+def serve(rfd: int, wfd: int, replied: Callable[[], None] | None = None) -> None:
+    """Run jobs read from ``rfd`` and write their replies to ``wfd`` until ``rfd`` closes;
+    ``replied()`` after each reply is written: only then is the job done, as the main process
+    sees it (a worker that dies before has not answered it).
 
     Before each job it drains whatever else has arrived, so a cancellation sent while the job
     waited in the pipe is seen in time to skip it. (``poll``, not ``select``: under ``spawn``
@@ -132,14 +134,18 @@ def serve(rfd: int, wfd: int) -> None:
             _writev_all(wfd, [HEADER.pack(sum(len(d) for d in data), job_id, kind), *data])
         except BrokenPipeError:
             return  # the main process is gone or closed the channel
+        if replied is not None:
+            replied()
 
 
-def serve_over(requests: Connection, replies: Connection) -> None:
+def serve_over(
+    requests: Connection, replies: Connection, replied: Callable[[], None] | None = None
+) -> None:
     """:func:`serve` on the worker's ends of the pipes from :func:`open_channel`, closing them
     when it returns. The main process sees only end-of-file if serving fails, so the reason
     is printed here, on the worker's stderr."""
     try:
-        serve(requests.fileno(), replies.fileno())
+        serve(requests.fileno(), replies.fileno(), replied)
     except BaseException:
         traceback.print_exc()
         raise

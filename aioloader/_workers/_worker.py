@@ -218,6 +218,14 @@ class _WorkerState:
     copies: dict[int, WorkerCopy] = field(default_factory=dict)  # by copy id (0: the only one)
     active: int | None = None  # the copy whose worker info is published now
 
+    def idle(self) -> None:
+        """No job runs now: the last one's reply was written. Not sooner: a worker that dies
+        between making a batch and writing its reply (the OOM killer) must still name that
+        job, or the job would look as if it only waited behind another one and run again (a
+        map job whose fetched bytes came in its slot would then read the collated batch
+        there as its bytes)."""
+        self.current[self.worker_id] = 0
+
     def waiting_for_turn(self, waiting: bool) -> None:
         """While this worker waits for a turn to unpickle a large copy (``_shm.turn``: the
         other workers hold them all), its load has not begun: its start clock stops (0.0, as
@@ -373,7 +381,7 @@ def serve() -> None:
     """Serve jobs over the worker's pipes until the main process closes them (see
     :mod:`._channel`)."""
     assert _STATE is not None, "worker job run outside a worker"
-    serve_over(*_STATE.pipes)
+    serve_over(*_STATE.pipes, replied=_STATE.idle)
 
 
 def _watchdog(main_pid: int) -> None:
@@ -408,14 +416,11 @@ def run_map_job(job: MapJob) -> Packed[Made]:
     a :class:`._records.Parcel`, packed for the reply (see :func:`_packed`)."""
     state, copy = _state(job.copy_id)
     request = job.request
-    _begin(state, copy, job, request)
-    try:
-        if job.raw_in_slot:  # the fetched samples' bytes, out of the slot the batch goes into
-            assert isinstance(job.slot, Slot)
-            request = unpack_raw(request, job.slot)
-        return _packed(_make(state, copy, request, job.slot), state, request)
-    finally:
-        state.current[state.worker_id] = 0
+    _begin(state, copy, job, request)  # until its reply is written (_WorkerState.idle)
+    if job.raw_in_slot:  # the fetched samples' bytes, out of the slot the batch goes into
+        assert isinstance(job.slot, Slot)
+        request = unpack_raw(request, job.slot)
+    return _packed(_make(state, copy, request, job.slot), state, request)
 
 
 def run_stream_job(job: StreamJob) -> Packed[Made]:
@@ -423,26 +428,23 @@ def run_stream_job(job: StreamJob) -> Packed[Made]:
     out): a :class:`~aioloader._types.Made` as :func:`run_map_job` makes it."""
     state, copy = _state(job.copy_id)
     request = job.request
-    _begin(state, copy, job, request)
+    _begin(state, copy, job, request)  # until its reply is written (_WorkerState.idle)
+    started = time.perf_counter()
     try:
-        started = time.perf_counter()
-        try:
-            samples, position, order = read_stream(copy, request)
-        except BaseException as exc:
-            raise _worker_side(exc, state, request.batch_id, "the stream of ") from None
-        if samples is END:
-            return Packed(pack_result(Made(batch=inline(END), order=order)))
-        pulled_s = time.perf_counter() - started
-        of_samples = BatchRequest(
-            request.epoch, request.batch_id, list(range(len(samples))), raw=samples
-        )
-        made = _make(state, copy, of_samples, job.slot)
-        made.read_s += pulled_s
-        made.position = position
-        made.order = order
-        return _packed(made, state, of_samples)
-    finally:
-        state.current[state.worker_id] = 0
+        samples, position, order = read_stream(copy, request)
+    except BaseException as exc:
+        raise _worker_side(exc, state, request.batch_id, "the stream of ") from None
+    if samples is END:
+        return Packed(pack_result(Made(batch=inline(END), order=order)))
+    pulled_s = time.perf_counter() - started
+    of_samples = BatchRequest(
+        request.epoch, request.batch_id, list(range(len(samples))), raw=samples
+    )
+    made = _make(state, copy, of_samples, job.slot)
+    made.read_s += pulled_s
+    made.position = position
+    made.order = order
+    return _packed(made, state, of_samples)
 
 
 def read_stream(
