@@ -77,7 +77,7 @@ def test_pools_made_and_closed_hold_no_more_arenas_than_the_first(
         one_pool()
     assert _arenas() == before
 
-    def out_of_descriptors() -> Any:
+    def out_of_descriptors(*_: Any) -> Any:  # (the channel's hooks, as open_channel takes)
         raise OSError(24, "Too many open files")
 
     monkeypatch.setattr(_pool, "open_channel", out_of_descriptors)
