@@ -314,3 +314,46 @@ class Baseline:
                 for c in self.loop_errors
             ]
             assert not messages, f"the loop's exception handler was called: {messages}"
+
+
+@contextlib.asynccontextmanager
+async def epoch_over(
+    dataset: Any,
+    device: Any = None,
+    *,
+    lockstep: Any = None,
+    counters: Any = None,
+    **settings: Any,
+) -> AsyncIterator[Any]:
+    """Epoch 0 of ``dataset`` (map-style) in sampler order, made on helper threads as a
+    loader makes it, with ``device`` as its device stage (an ``_epoch.DeviceStage``: a fake one
+    in tests), ``lockstep`` for equal steps and ``counters`` for its statistics (a fresh
+    ``Counters`` by default); the loader's ``settings`` (``build_config``). Closed, with its
+    threads, at the end."""
+    from aioloader import BatchSampler, SequentialSampler
+    from aioloader._batch._make import BatchMaker
+    from aioloader._epoch._consume import Epoch
+    from aioloader._epoch._plan import Plan
+    from aioloader._stats._counters import Counters
+    from aioloader._threads._runner import ThreadRunner
+
+    config = build_config(**settings)
+    assert config.batch_size is not None
+    runner = ThreadRunner(BatchMaker(dataset, config.collate_fn), config.threads)
+    plan = Plan(enumerate(BatchSampler(SequentialSampler(len(dataset)), config.batch_size)))
+    epoch = Epoch(
+        config,
+        0,
+        runner,
+        counters if counters is not None else Counters(),
+        plan=plan,
+        dataset=dataset,
+        device=device,
+        on_batch=lambda batch_id, position: None,
+        lockstep=lockstep,
+    )
+    try:
+        yield epoch
+    finally:
+        await epoch.aclose()
+        runner.close()

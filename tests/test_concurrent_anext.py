@@ -21,15 +21,12 @@ from typing import Any
 import pytest
 import torch
 from datasets import Range
-from helpers import BOUND_S, build_config
+from helpers import BOUND_S, epoch_over
 
-from aioloader import BatchSampler, DataLoader, SequentialSampler
-from aioloader._batch._make import BatchMaker
+from aioloader import DataLoader
 from aioloader._epoch._consume import DeviceStage, Epoch
-from aioloader._epoch._plan import Plan
 from aioloader._sampling import Lockstep
 from aioloader._stats._counters import Counters
-from aioloader._threads._runner import ThreadRunner
 
 # The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
 pytestmark = pytest.mark.usefixtures("baseline")
@@ -44,28 +41,14 @@ async def an_epoch(
     device: DeviceStage | None, *, lockstep: Lockstep | None = None, **settings: Any
 ) -> AsyncIterator[tuple[Epoch, Counters]]:
     """Epoch 0 over ``Range(BATCHES * BATCH)`` in sampler order, made on helper threads as a
-    loader makes it, with ``device`` as its device stage; closed, with its threads, at the end."""
-    config = build_config(batch_size=BATCH, **settings)
-    dataset = Range(BATCHES * BATCH)
-    runner = ThreadRunner(BatchMaker(dataset, config.collate_fn), config.threads)
-    plan = Plan(enumerate(BatchSampler(SequentialSampler(len(dataset)), BATCH)))
+    loader makes it, with ``device`` as its device stage (``helpers.epoch_over``), and its
+    statistics."""
     counters = Counters()
-    epoch = Epoch(
-        config,
-        0,
-        runner,
-        counters,
-        plan=plan,
-        dataset=dataset,
-        device=device,
-        on_batch=lambda batch_id, position: None,
-        lockstep=lockstep,
-    )
-    try:
+    dataset = Range(BATCHES * BATCH)
+    async with epoch_over(
+        dataset, device, lockstep=lockstep, counters=counters, batch_size=BATCH, **settings
+    ) as epoch:
         yield epoch, counters
-    finally:
-        await epoch.aclose()
-        runner.close()
 
 
 class _Copy:

@@ -9,20 +9,15 @@ goes through a :class:`DataLoader` on threads. Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from datasets import Range, Recorder, Slow
-from helpers import BOUND_S, build_config, collect, flat, quiet, take
+from helpers import BOUND_S, collect, epoch_over, flat, quiet, take
 
-from aioloader import BatchSampler, DataLoader, SequentialSampler, TransferError
-from aioloader._batch._make import BatchMaker
-from aioloader._epoch._consume import DeviceStage, Epoch
-from aioloader._epoch._plan import Plan
-from aioloader._stats._counters import Counters
-from aioloader._threads._runner import ThreadRunner
+from aioloader import DataLoader, TransferError
+from aioloader._epoch._consume import DeviceStage
 
 # The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
 pytestmark = pytest.mark.usefixtures("baseline")
@@ -30,31 +25,10 @@ pytestmark = pytest.mark.usefixtures("baseline")
 # -- hand-over to the device stage ------------------------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def an_epoch(
-    dataset: Range, device: DeviceStage | None, **settings: Any
-) -> AsyncIterator[Epoch]:
-    """Epoch 0 over ``dataset`` in sampler order, made on helper threads as a loader makes it,
-    with ``device`` as its device stage; closed, with its threads, at the end."""
-    config = build_config(**settings)
-    assert config.batch_size is not None
-    runner = ThreadRunner(BatchMaker(dataset, config.collate_fn), config.threads)
-    plan = Plan(enumerate(BatchSampler(SequentialSampler(len(dataset)), config.batch_size)))
-    epoch = Epoch(
-        config,
-        0,
-        runner,
-        Counters(),
-        plan=plan,
-        dataset=dataset,
-        device=device,
-        on_batch=lambda batch_id, position: None,
-    )
-    try:
-        yield epoch
-    finally:
-        await epoch.aclose()
-        runner.close()
+def an_epoch(dataset: Range, device: DeviceStage | None, **settings: Any) -> Any:
+    """Epoch 0 over ``dataset`` in sampler order, with ``device`` as its device stage (see
+    ``helpers.epoch_over``)."""
+    return epoch_over(dataset, device, **settings)
 
 
 class _Copied:

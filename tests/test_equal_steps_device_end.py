@@ -18,15 +18,9 @@ from typing import Any
 
 import pytest
 from datasets import Range
-from helpers import BOUND_S, build_config
+from helpers import BOUND_S, epoch_over
 
-from aioloader import BatchSampler, SequentialSampler
-from aioloader._batch._make import BatchMaker
-from aioloader._epoch._consume import Epoch
-from aioloader._epoch._plan import Plan
 from aioloader._sampling import Lockstep
-from aioloader._stats._counters import Counters
-from aioloader._threads._runner import ThreadRunner
 
 pytestmark = pytest.mark.usefixtures("baseline")
 
@@ -84,25 +78,16 @@ async def test_batches_still_made_at_the_agreed_end_are_cut_while_the_copies_cro
     loop.set_exception_handler(lambda _, context: unhandled.append(context))
     lockstep = Lockstep((0, 1), "drop", all_min=other_rank_has(OTHER))
     gate = asyncio.Event()
-    config = build_config(
-        batch_size=BATCH, num_workers=2, thread_pool=True, prefetch=8, device_prefetch=3
-    )
-    dataset = SlowTail(BATCHES * BATCH)
-    runner = ThreadRunner(BatchMaker(dataset, config.collate_fn), config.threads)
-    plan = Plan(enumerate(BatchSampler(SequentialSampler(len(dataset)), BATCH)))
-    epoch = Epoch(
-        config,
-        0,
-        runner,
-        Counters(),
-        plan=plan,
-        dataset=dataset,
-        device=GatedDevice(gate),
-        on_batch=lambda batch_id, position: None,
+    settings = {"num_workers": 2, "thread_pool": True, "prefetch": 8, "device_prefetch": 3}
+    made = epoch_over(
+        SlowTail(BATCHES * BATCH),
+        GatedDevice(gate),
         lockstep=lockstep,
+        batch_size=BATCH,
+        **settings,
     )
     try:
-        async with asyncio.timeout(BOUND_S):
+        async with made as epoch, asyncio.timeout(BOUND_S):
             it = aiter(epoch)
             gate.set()  # the copies of steps 0 and 1 cross at once
             got = [int((await anext(it))[0]) for _ in range(OTHER)]
@@ -116,8 +101,6 @@ async def test_batches_still_made_at_the_agreed_end_are_cut_while_the_copies_cro
             with pytest.raises(StopAsyncIteration):
                 await ending
     finally:
-        await epoch.aclose()
-        runner.close()
         lockstep.close()
         loop.set_exception_handler(previous)
     assert unhandled == []
