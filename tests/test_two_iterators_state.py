@@ -14,7 +14,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from datasets import Range
+from datasets import FailAt, Range
 
 from aioloader import DataLoader
 
@@ -72,19 +72,8 @@ async def test_an_older_iterator_ending_does_not_end_a_newer_one_of_the_same_epo
                 assert items([b async for b in resumed]) == list(range(8, 16))
 
 
-class BrokenAt(Range):
-    def __init__(self, n: int, broken: int) -> None:
-        super().__init__(n)
-        self.broken = broken
-
-    def __getitem__(self, index: int) -> int:
-        if index == self.broken:
-            raise ValueError(f"sample {index} is broken")
-        return index
-
-
 def test_an_iterator_closed_by_a_new_one_after_its_error_says_so_when_it_goes_on() -> None:
-    with DataLoader(BrokenAt(40, 5), batch_size=4) as loader:
+    with DataLoader(FailAt(40, {5}, ValueError), batch_size=4) as loader:
         first = iter(loader)
         assert next(first).tolist() == [0, 1, 2, 3]
         with pytest.raises(ValueError, match="sample 5 is broken"):
