@@ -573,10 +573,7 @@ class Epoch:
                 past.errors.append((batch_id, exc))
             past.copies.pop(0)
         self._settle_leftover(step, past)
-        try:
-            await self.aclose()
-        finally:
-            self._finish()
+        await self._close_over()
         raise StopAsyncIteration
 
     def _take_past(self) -> _Past:
