@@ -304,6 +304,7 @@ def test_the_process_tree_cpu_counts_a_live_grandchild(
     try:
         assert parent.stdout is not None
         grandchild = int(parent.stdout.readline())
+        own_wait = _counters._run_queue_wait(os.getpid())
         before = process_tree_cpu()
         assert before is not None
         deadline = time.monotonic() + 20
@@ -314,6 +315,7 @@ def test_the_process_tree_cpu_counts_a_live_grandchild(
                 break
             time.sleep(0.05)
         assert after[1] - after[0] >= 0.4  # the live grandchild's CPU, not this process's
+        assert after[2] >= own_wait  # the run-queue waits of this process's threads, at least
         if walk == "children lists":
             assert grandchild in (_counters._descendants(os.getpid()) or [])
         with contextlib.suppress(ProcessLookupError):
