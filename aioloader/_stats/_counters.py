@@ -143,9 +143,10 @@ def process_tree_cpu() -> tuple[float, float, float] | None:
 
     Workers are grandchildren (through the worker server). Descendants are found from each
     thread's ``children`` list (``/proc/PID/task/TID/children``): two files per thread, tens
-    of microseconds for a loader's tree, ~3 ms for one that holds a local Ray. Where the kernel has no such lists, parent links are walked over every
-    process in ``/proc`` instead: about 30 us per process, milliseconds on a busy host, which an
-    epoch of tiny batches would feel at its start and end. Counting the reaped children of
+    of microseconds for a loader's tree, ~3 ms for one that holds a local Ray. Where the
+    kernel has no such lists, parent links are walked over every process in ``/proc``
+    instead: about 30 us per process, milliseconds on a busy host, which an epoch of tiny
+    batches would feel at its start and end. Counting the reaped children of
     each keeps the sum steady when a worker exits and is reaped mid-epoch.
     """
     root = os.getpid()
@@ -223,10 +224,8 @@ def _waited_ns(schedstat: bytes | None) -> int:
 
 def _cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of ``pid`` and of the children it reaped; None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:  # exited meanwhile, or not ours to read
+    data = _read_raw(f"/proc/{pid}/stat")
+    if data is None:  # exited meanwhile, or not ours to read
         return None
     # Fields after the command (which may hold spaces and parentheses): state, ppid, ...,
     # utime (14th field of the line), stime, cutime, cstime.
