@@ -25,6 +25,17 @@ or of an epoch whose shares were evened up front (:mod:`._elastic`): its plan th
 per unit, the records consumed before or given to another rank, and positions count among the
 records a unit keeps, so all of the above holds as it is.
 
+**Connections.** A tar shard's reader holds one of its source's pooled connections from its
+first byte to its last, also while its queue is full and it waits for the mixer: a pool
+smaller than the readers would leave the reader the epoch awaits waiting behind readers
+that wait for the epoch, for ever. So readers take a permit of a :class:`_Gate` as large as
+the pool (the epoch's ``connections``; None: not bounded, as for Parquet, whose row groups are
+read whole) before they open their unit, and give it back when the unit's stream is closed.
+The gate serves first the readers the epoch may await (re-reads of what the buffer held,
+then the open units) and lets units opened ahead take only what the open ones can never
+need, so a pool of ``in_flight`` connections is enough (the units ahead then open only as
+slots free) and more of them, up to ``2 x in_flight + 1``, buy read-ahead.
+
 **Failures.** A unit that fails yields one record saying so (the dataset's own type, whose
 ``decode`` raises) and ends; that is the generator's job. A generator that raises anyway (a
 bug) fails the epoch at that unit's turn, never a silent wait.
@@ -95,6 +106,124 @@ class _Raised:
     error: BaseException
 
 
+# -- the connections the readers share ------------------------------------------------------
+
+#: A reader's claim on the gate, most urgent first: it re-reads records the buffer held (the
+#: epoch awaits them; it never waits for the mixer, so it always ends), it reads an open unit
+#: (the mixer takes from each in turn), or it reads a unit that comes next (nobody awaits it
+#: until a slot frees).
+REREAD, SLOT, AHEAD = 0, 1, 2
+
+
+class _Ticket:
+    """One reader's place at the gate: its claim, and whether it waits, holds or is done."""
+
+    __slots__ = ("claim", "done", "future", "held")
+
+    def __init__(self, claim: int) -> None:
+        self.claim = claim
+        self.future: asyncio.Future[None] | None = None  # while it waits
+        self.held = False
+        self.done = False
+
+
+class _Gate:
+    """The permits of ``connections`` (None: no bound) among the unit readers of one epoch.
+
+    A sync state machine (the readers await :meth:`acquire`); it grants so that the reader
+    the epoch awaits is never left behind readers that wait for the epoch:
+
+    - a re-read takes any free permit;
+    - an open unit's reader takes one, except the last while re-reads wait and none reads,
+      which is theirs;
+    - a reader of a unit ahead takes one only while no open unit's reader waits and the
+      readers ahead hold fewer than ``connections - slots`` (less one while re-reads are
+      left).
+
+    Invariant: open units' readers (at most ``slots``), readers ahead (at most
+    ``connections - slots - 1`` while re-reads are left, else ``connections - slots``) and
+    re-reads hold at most ``connections`` permits; with ``connections >= slots`` an open
+    unit's reader then finds a permit free, or one held by a re-read, which ends without
+    waiting for anyone. So the epoch never waits for ever; the mixer only ever awaits open
+    units and re-reads.
+    """
+
+    def __init__(self, connections: int | None, slots: int) -> None:
+        self.connections = connections
+        self.slots = slots
+        self._held = [0, 0, 0]  # per claim
+        self._rereads = 0  # re-reads not done
+        self._waiting: list[_Ticket] = []
+
+    def ticket(self, claim: int) -> _Ticket:
+        if claim == REREAD:
+            self._rereads += 1
+        return _Ticket(claim)
+
+    def promote(self, ticket: _Ticket) -> None:
+        """The unit of ``ticket``, read ahead, took a slot: its reader is now awaited."""
+        if ticket.claim != AHEAD or ticket.done:
+            return
+        ticket.claim = SLOT
+        if ticket.held:
+            self._held[AHEAD] -= 1
+            self._held[SLOT] += 1
+        self._grant()
+
+    async def acquire(self, ticket: _Ticket) -> None:
+        """Wait for a permit (in the order of the claims, then of arrival)."""
+        ticket.future = asyncio.get_running_loop().create_future()
+        self._waiting.append(ticket)
+        self._grant()
+        if not ticket.held:
+            await ticket.future  # cancelled: the reader's release() takes it out
+
+    def release(self, ticket: _Ticket) -> None:
+        """The reader closed its unit (or never opened it): its permit is free."""
+        if ticket.done:
+            return
+        ticket.done = True
+        if ticket in self._waiting:
+            self._waiting.remove(ticket)
+        if ticket.held:
+            ticket.held = False
+            self._held[ticket.claim] -= 1
+        if ticket.claim == REREAD:
+            self._rereads -= 1
+        self._grant()
+
+    def _may(self, claim: int) -> bool:
+        if self.connections is None:
+            return True
+        free = self.connections - sum(self._held)
+        if free <= 0:
+            return False
+        if claim == REREAD:
+            return True
+        # The last permit is kept for the re-reads while none of them holds one.
+        reserve = 1 if self._rereads > self._held[REREAD] and not self._held[REREAD] else 0
+        if claim == SLOT:
+            return free > reserve
+        quota = self.connections - self.slots - (1 if self._rereads else 0)
+        slot_waits = any(t.claim == SLOT for t in self._waiting)
+        return free > reserve and not slot_waits and self._held[AHEAD] < quota
+
+    def _take(self, ticket: _Ticket) -> None:
+        ticket.held = True
+        self._held[ticket.claim] += 1
+
+    def _grant(self) -> None:
+        for ticket in sorted(self._waiting, key=lambda t: t.claim):  # stable: first come first
+            if ticket.future is not None and ticket.future.done():
+                self._waiting.remove(ticket)  # cancelled; its release() ends it
+                continue
+            if self._may(ticket.claim):
+                self._waiting.remove(ticket)
+                self._take(ticket)
+                assert ticket.future is not None
+                ticket.future.set_result(None)
+
+
 class Epoch:
     """One iteration: the mixer, the unit readers, and the records they hold.
 
@@ -103,10 +232,18 @@ class Epoch:
         epoch: the epoch number.
         resume: a state saved by the dataset (with ``yielded`` and ``ended``), or None.
         in_flight: units read at once (as many more are opened ahead).
+        connections: the most readers that may have their unit open at once (the source's
+            pool, where a reader holds a connection while it waits for the mixer; at least
+            ``in_flight``), or None: no bound (see :class:`_Gate`).
     """
 
     def __init__(
-        self, units: Units, epoch: int, resume: Mapping[str, Any] | None, in_flight: int
+        self,
+        units: Units,
+        epoch: int,
+        resume: Mapping[str, Any] | None,
+        in_flight: int,
+        connections: int | None = None,
     ) -> None:
         self.units = units
         self.epoch = epoch
@@ -122,6 +259,7 @@ class Epoch:
         self._readers: dict[int, _Reader] = {}  # units whose records the mixer takes
         self._others: set[_Reader] = set()  # units read again only for the buffer
         self._held: dict[SampleId, Any] = {}  # read, in the buffer; futures while re-read
+        self._gate = _Gate(connections, in_flight)
 
     def position(self) -> tuple[int, int, list[list[int]]]:
         """``(epoch, records yielded, [[unit, records], ...] of the units that ended)``."""
@@ -169,19 +307,23 @@ class Epoch:
             needed.setdefault(unit, set()).add(position)
         live = {unit: position for unit, position in mixer.slots}
         for unit in needed.keys() | live.keys():
-            reader = self._start(unit, live.get(unit), needed.get(unit, set()))
+            claim = SLOT if unit in live else REREAD
+            reader = self._start(unit, live.get(unit), needed.get(unit, set()), claim)
             for position in needed.get(unit, ()):
                 self._held[(unit, position)] = reader.captured[position]
         return tail
 
-    def _start(self, unit: int, live_from: int | None, wanted: set[int]) -> _Reader:
+    def _start(
+        self, unit: int, live_from: int | None, wanted: set[int], claim: int = SLOT
+    ) -> _Reader:
         description, url = self.units.where(unit)
         name = f"aioloader-{self.units.kind}-{redact(url)}"  # tasks' reprs show it
         records = self.units.records(unit)
         gone = self._gone.get(unit)
         if gone:
             records = skipping(records, list(gone))
-        reader = _Reader(records, description, url, name, live_from, wanted)
+        ticket = self._gate.ticket(claim)
+        reader = _Reader(records, description, url, name, live_from, wanted, self._gate, ticket)
         if live_from is not None:
             self._readers[unit] = reader
         else:
@@ -198,10 +340,15 @@ class Epoch:
         others' transfer)."""
         # As many as are open: units of one size opened together end together, and the whole
         # next round must be on its way by then, or the loop waits a time to first byte.
-        ahead = mixer.upcoming(self.in_flight)
-        for unit in [*(slot[0] for slot in mixer.slots), *ahead]:
+        for unit, _ in mixer.slots:
+            reader = self._readers.get(unit)
+            if reader is None:
+                self._start(unit, 0, set(), SLOT)
+            else:
+                self._gate.promote(reader.ticket)  # opened ahead, now awaited
+        for unit in mixer.upcoming(self.in_flight):
             if unit not in self._readers:
-                self._start(unit, 0, set())
+                self._start(unit, 0, set(), AHEAD)
 
     async def _take(self, sample: SampleId) -> Any:
         held = self._held.pop(sample)
@@ -234,8 +381,12 @@ class _Reader:
         name: str,
         live_from: int | None,
         wanted: set[int],
+        gate: _Gate,
+        ticket: _Ticket,
     ) -> None:
         loop = asyncio.get_running_loop()
+        self.gate = gate
+        self.ticket = ticket
         self.description = description
         self.url = url
         self.queue: asyncio.Queue[Any] = asyncio.Queue(READAHEAD)
@@ -267,10 +418,14 @@ class _Reader:
 
     async def _run(self, records: AsyncGenerator[Any, None]) -> None:
         try:
-            async with contextlib.aclosing(records):
-                async for record in records:
-                    if not await self._emit(record):
-                        return self._end(None)
+            try:
+                async with contextlib.aclosing(records):
+                    await self.gate.acquire(self.ticket)  # before the unit's first byte
+                    async for record in records:
+                        if not await self._emit(record):
+                            return self._end(None)
+            finally:
+                self.gate.release(self.ticket)  # the unit is closed, its connection free
         except Exception as exc:
             # A records generator yields its failures as records; one that raises has a bug.
             # Its unit's turn raises it (the epoch fails there, with everything before it
@@ -374,9 +529,12 @@ class UnitStream:
             )
         self._resume = dict(state)
 
-    def _start(self, owner: str, units: Units, in_flight: int) -> AsyncIterator[Any]:
+    def _start(
+        self, owner: str, units: Units, in_flight: int, connections: int | None = None
+    ) -> AsyncIterator[Any]:
         """The next epoch's samples (``__aiter__``): from the saved state if one was loaded,
-        checked against the rank the loader has told by now."""
+        checked against the rank the loader has told by now; ``connections`` as
+        :class:`Epoch`'s."""
         epoch = self._epoch
         resume, self._resume = self._resume, None
         if resume is not None and resume.get("rank") is not None:
@@ -391,6 +549,6 @@ class UnitStream:
                     "on every new rank"
                 )
         self._epoch = epoch + 1
-        run = Epoch(units, epoch, resume, in_flight)
+        run = Epoch(units, epoch, resume, in_flight, connections)
         self._current = run
         return run.samples()

@@ -63,7 +63,10 @@ Sharp edges:
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
+import urllib.parse
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +101,14 @@ SHARDS_IN_FLIGHT = 8
 #: better and holds more memory; resume re-reads what it held.
 SHUFFLE_BUFFER = 1000
 
+#: Connections an S3 client pools when ``config_kwargs`` names no ``max_pool_connections``
+#: (botocore's default). An open shard holds one while its samples wait (see
+#: :func:`_pool_size`).
+S3_POOL = 10
+
+#: fsspec's protocols whose pool :func:`_pool_size` knows (s3fs's, through aiobotocore).
+S3 = frozenset({"s3", "s3a"})
+
 STATE_VERSION = 1
 
 
@@ -118,12 +129,78 @@ class BrokenShard:
         )
 
 
-def _make_source(urls: tuple[str, ...], storage_options: Mapping[str, Any] | None) -> Source:
+def _make_source(
+    urls: tuple[str, ...], storage_options: Mapping[str, Any] | None, in_flight: int
+) -> Source:
     if all(url.lower().startswith(("http://", "https://")) for url in urls):
         return HTTPDataset(urls)
     if all("://" not in url or url.startswith("file://") for url in urls):
         return FileDataset([url.removeprefix("file://") for url in urls])
-    return FsspecDataset(urls, storage_options=storage_options)
+    options = storage_options
+    if urls[0].partition("://")[0].lower() in S3 and isinstance(options, Mapping | None):
+        # The pool sized for the readers, unless the user said its size (checked later).
+        config = (options or {}).get("config_kwargs", {})
+        if isinstance(config, Mapping) and "max_pool_connections" not in config:
+            size = max(S3_POOL, _pool_wanted(in_flight))
+            config = {**config, "max_pool_connections": size}
+            options = {**(options or {}), "config_kwargs": config}
+    return FsspecDataset(urls, storage_options=options)
+
+
+def _pool_wanted(in_flight: int) -> int:
+    """Connections that let every reader of an epoch hold one: the open shards, as many
+    opened ahead, and one for a resumed epoch's re-reads (see :mod:`._readers`)."""
+    return 2 * in_flight + 1
+
+
+def _pool_size(source: Source, in_flight: int) -> tuple[int | None, str]:
+    """The most connections ``source`` opens at once per event loop, and the setting that
+    says so, where it is known (None: not bounded, or not known: local files, fsspec's
+    other filesystems). A source whose pool is left to its default is sized for
+    :func:`_pool_wanted` first (HTTP's ``expect_in_flight``)."""
+    if isinstance(source, HTTPDataset):
+        source.expect_in_flight(_pool_wanted(in_flight))  # where max_connections is not given
+        return source._connection_limit(), "max_connections"
+    if isinstance(source, FsspecDataset) and source.protocol in S3:
+        config = source._options.get("config_kwargs")
+        given = config.get("max_pool_connections") if isinstance(config, Mapping) else None
+        size = given if isinstance(given, int) and not isinstance(given, bool) else S3_POOL
+        return size, "storage_options['config_kwargs']['max_pool_connections']"
+    return None, ""
+
+
+def _check_pool(source: Source, in_flight: int) -> int | None:
+    """The connections of ``source``'s pool (None: not bounded), refused where fewer than the
+    open shards: each holds its connection while its samples wait for their turn, and the
+    epoch takes from every open shard in turn, so it would wait for ever.
+
+    Raises:
+        ValueError: naming the pool's setting, its value and ``shards_in_flight``.
+    """
+    size, setting = _pool_size(source, in_flight)
+    if size is not None and size < in_flight:
+        raise ValueError(
+            f"TarDataset: shards_in_flight={in_flight} needs a connection per open shard, and "
+            f"the source's pool has {setting}={size}: an open shard holds its connection while "
+            "its samples wait for their turn, so the epoch would wait for ever. Give "
+            f"{setting}>={in_flight} ({_pool_wanted(in_flight)} also lets the shards ahead "
+            "open early), or lower shards_in_flight"
+        )
+    return size
+
+
+def _shard_list(urls: tuple[str, ...]) -> str:
+    """A short digest of the shards, in order (a state's ``"shard_list"``): a state of other
+    shards, even as many, is refused. Each URL counts up to its query, without userinfo,
+    so a presigned URL signed again (a new signature, date or expiry) is the same shard."""
+    names = []
+    for url in urls:
+        if "://" in url:
+            parts = urllib.parse.urlsplit(url)
+            url = f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
+        names.append(url)
+    seen = json.dumps(names, separators=(",", ":"))
+    return hashlib.sha256(seen.encode()).hexdigest()[:16]
 
 
 class TarDataset(UnitStream):
@@ -184,11 +261,12 @@ class TarDataset(UnitStream):
         lengths: Iterable[int] | None = None,
         even_shares: bool = False,
     ) -> None:
+        self.shards_in_flight = positive_int("shards_in_flight", shards_in_flight)
         if source is None:
             if urls is None:
                 raise TypeError("TarDataset needs urls or a source, got neither")
             names = urls if isinstance(urls, str | os.PathLike) else list(urls)
-            source = _make_source(_names(names), storage_options)
+            source = _make_source(_names(names), storage_options, self.shards_in_flight)
         elif urls is not None:
             raise TypeError("TarDataset takes urls or a source, not both")
         elif not isinstance(source, HTTPDataset | FsspecDataset | FileDataset):
@@ -203,7 +281,7 @@ class TarDataset(UnitStream):
         self.shuffle = boolean("shuffle", shuffle)
         self.shuffle_buffer = positive_int("shuffle_buffer", shuffle_buffer)
         self.seed = non_negative_int("seed", seed)
-        self.shards_in_flight = positive_int("shards_in_flight", shards_in_flight)
+        self._connections = _check_pool(source, self.shards_in_flight)
         self.max_member_bytes = byte_limit("max_member_bytes", max_member_bytes)
         self.lengths = _lengths(lengths, len(self._urls))
         self.even_shares = boolean("even_shares", even_shares)
@@ -255,20 +333,36 @@ class TarDataset(UnitStream):
         Between iterations (or after one ran to its end) it points at the next epoch's start.
         """
         lengths = list(self.lengths) if self.even_shares and self.lengths else None
-        return {**self._position(STATE_VERSION), **self._fingerprint(), "lengths": lengths}
+        return {
+            **self._position(STATE_VERSION),
+            **self._fingerprint(),
+            "lengths": lengths,
+            "shard_list": _shard_list(self._urls),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next iteration continue from ``state`` (see the module docstring).
 
         Raises:
             ValueError: the state lacks a key or was saved by a dataset that orders samples
-                differently (other shards, shuffle settings, seed or ``shards_in_flight``).
+                differently (other shards, even as many, shuffle settings, seed or
+                ``shards_in_flight``), naming what differs and both values. (A state saved
+                before states had ``"shard_list"`` is checked by the number of shards only.)
         """
         state = check_state_keys("TarDataset", state, ("epoch", "yielded", "ended", "shards"))
         fingerprint = self._fingerprint()
         del fingerprint["rank"]  # the loader may tell the rank later: checked by __aiter__
         saved = {**state, "even_shares": state.get("even_shares", False)}  # (older states)
         check_fits("TarDataset", saved, fingerprint)
+        mine = _shard_list(self._urls)
+        if state.get("shard_list") is not None and state["shard_list"] != mine:
+            raise ValueError(
+                f"TarDataset.load_state_dict: the state was saved over other shards "
+                f"(shard_list={state['shard_list']!r}), this dataset's {len(self._urls)} shards "
+                f"give shard_list={mine!r} (a digest of the URLs in order): as many shards, but "
+                "not the same ones in the same order, so samples would repeat and others be "
+                "lost. Resume with the shard list the state was saved with"
+            )
         self._resume_from(state)
 
     def _fingerprint(self) -> dict[str, Any]:
@@ -287,7 +381,7 @@ class TarDataset(UnitStream):
         await self._source.aclose()
 
     def __aiter__(self) -> AsyncIterator[Any]:
-        return self._start("TarDataset", _Shards(self), self.shards_in_flight)
+        return self._start("TarDataset", _Shards(self), self.shards_in_flight, self._connections)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
