@@ -36,7 +36,8 @@ resume on any number of ranks (:mod:`._elastic`). ``state_dict()`` records the e
 yielded and how many rows each row group that ended gave; a resumed epoch yields exactly the
 rows, in exactly the order, that the uninterrupted one would still have yielded, under any
 ``num_workers`` (the loop is the one reader). The listing and footers are read again in a new
-process and must agree (the number of row groups and rows is checked). Each rank lists and
+process and must agree (the number of row groups and rows, then the ``"catalog"`` digest below:
+a file renamed or replaced keeps the counts and changes the digest). Each rank lists and
 reads the footers itself, so a footer that fails on one rank only (it counts as one record
 there) or a listing that changed between ranks gives them different row groups: a state
 records a digest of the files, row groups and rows it planned with (``"catalog"``), and
@@ -287,12 +288,17 @@ class ParquetDataset(UnitStream):
 
         Raises:
             ValueError: the state lacks a key or was saved by a dataset that orders rows
-                differently (shuffle settings, seed or ``row_groups_in_flight``; other row
-                groups are found when the iteration starts).
+                differently (shuffle settings, seed or ``row_groups_in_flight``), or from
+                other files (other row groups or rows, or the same counts from other files:
+                its ``"catalog"`` digest), naming what differs and both values. The files are
+                listed at the first iteration: a dataset that has not iterated yet refuses
+                other files when its next iteration starts.
         """
         state = check_state_keys("ParquetDataset", state, ("epoch", "yielded", "ended", "seed"))
         saved = {**state, "even_shares": state.get("even_shares", False)}  # (older states)
         check_fits("ParquetDataset", saved, self._fingerprint())
+        if self._catalog is not None:  # listed already: refused here, not at the iteration
+            _check_catalog("ParquetDataset.load_state_dict", state, self._catalog)
         self._resume_from(state)
 
     def _fingerprint(self) -> dict[str, Any]:
@@ -409,6 +415,32 @@ def _catalog(
     return _Catalog(files, tuple(metadata), tuple(units), failures, rows, tuple(lengths))
 
 
+def _check_catalog(owner: str, state: Mapping[str, Any], catalog: _Catalog) -> None:
+    """Refuse a state saved from other files, row groups or rows than ``catalog``'s: its
+    counts where they differ, else its digest (``"catalog"``; a state saved before states
+    had one is checked by the counts only).
+
+    Raises:
+        ValueError: naming what differs and both values.
+    """
+    for key, value in (("row_groups", len(catalog.units)), ("rows", catalog.rows)):
+        if state.get(key) is not None and state[key] != value:
+            raise ValueError(
+                f"{owner}: the state being resumed was saved with {key}={state[key]}, and the "
+                f"files have {value} now; the order of rows would differ"
+            )
+    digest = catalog.digest()
+    if state.get("catalog") is not None and state["catalog"] != digest:
+        raise ValueError(
+            f"{owner}: the state being resumed was saved from other files "
+            f"(catalog={state['catalog']!r}, a digest of the files, their row groups and "
+            f"rows), and the files give catalog={digest!r} now, with as many row groups "
+            f"({len(catalog.units)}) and rows ({catalog.rows}): a file renamed, replaced or "
+            "listed in another order, so rows would repeat and others be lost. Resume over "
+            "the files the state was saved from"
+        )
+
+
 class _RowGroups:
     """The row groups as an epoch reads them (:class:`~._readers.Units`)."""
 
@@ -425,13 +457,7 @@ class _RowGroups:
         catalog, self.storage = await ds._catalogue()
         self.catalog = catalog
         if resume is not None:
-            for key, value in (("row_groups", len(catalog.units)), ("rows", catalog.rows)):
-                if resume.get(key) is not None and resume[key] != value:
-                    raise ValueError(
-                        f"ParquetDataset: the state being resumed was saved with {key}="
-                        f"{resume[key]}, and the files have {value} now; the order of rows "
-                        "would differ"
-                    )
+            _check_catalog("ParquetDataset", resume, catalog)
         rest = rest_of("ParquetDataset", resume)
         if rest is not None and rest.units != len(catalog.units):
             raise ValueError(
