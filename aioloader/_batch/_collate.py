@@ -47,6 +47,15 @@ Sharp edges, each deliberate:
   (NaN, -1) keeps it a tensor in every batch.
 - **Byte order is normalised**: big-endian arrays are stacked into native order, because
   ``torch.from_numpy`` refuses anything else.
+- **A batch is a list.** Called with anything but a sequence of samples (one sample: a dict,
+  a string, a set), the collate functions raise :class:`~aioloader.CollateTypeError` instead of
+  collating its keys or characters; with ``batch_size=None`` a sample needs ``default_convert``.
+- **requires_grad never depends on the batch's size.** Collated in this process
+  (``num_workers=0``, ``thread_pool=True``) a batch of tensors that require grad is what
+  ``torch.stack`` makes: it requires grad, with its graph. From worker processes it arrives as
+  a leaf that requires grad at every size, in shared memory or pickled, as torch's own
+  reductions carry the flag (the graph cannot cross processes: torch's workers refuse such a
+  batch, "autograd does not support crossing process boundaries").
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ from __future__ import annotations
 import copy
 import functools
 import sys
-from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -244,6 +253,32 @@ PAD_HINT = (
 )
 
 
+def _is_batch(samples: Any) -> bool:
+    """Whether ``samples`` can be the samples of a batch: a sequence that is not text, an
+    iterator of samples, or an array or tensor of at least one dimension (its rows, as torch
+    takes what a ``__getitems__`` returns). A mapping, a set or a string is one sample."""
+    if isinstance(samples, str | bytes | bytearray):
+        return False
+    if isinstance(samples, Sequence | Iterator):
+        return True
+    if isinstance(samples, np.ndarray) or _kind_of(type(samples)) == "tensor":
+        return bool(samples.ndim)
+    return False
+
+
+def _not_a_batch(samples: Any) -> CollateError:
+    """The error for a collate call given one sample (a dict, a string, a set) instead of the
+    list of a batch's samples: taken as a sequence, it would come back as its keys or
+    characters, silently (torch raises a bare ``KeyError`` for a dict)."""
+    return CollateTypeError(
+        f"cannot collate a {type_name(type(samples))}: a collate function takes the list of "
+        "the samples of one batch (a list, a tuple or another sequence that is not a str, an "
+        "iterator, an array of rows); "
+        "with batch_size=None the loader hands it one sample at a time, which is not a batch: "
+        "leave collate_fn out there, or pass collate_fn=default_convert"
+    )
+
+
 def _ragged(path: str, problem: str) -> CollateError:
     """The error for samples that differ in shape or length, with :data:`PAD_HINT`."""
     return _error(path, f"{problem}; {PAD_HINT}", CollateShapeError)
@@ -270,6 +305,8 @@ class _Collator:
 
     def batch(self, samples: Sequence[Any]) -> Any:
         if not isinstance(samples, list | tuple):
+            if not _is_batch(samples):
+                raise _not_a_batch(samples)
             samples = list(samples)
         if not samples:
             raise CollateError("cannot collate an empty batch: there are no samples")
@@ -326,6 +363,14 @@ class _Collator:
         if kinds <= _NUMBER_KINDS | {"ndarray"} and all(
             s.ndim == 0 for s in samples if isinstance(s, np.ndarray)
         ):
+            # A 0-d array's item is a numpy scalar of its dtype, except for object arrays,
+            # whose item is any Python object: those are refused here, with their key path.
+            objects = [
+                p for p, s in enumerate(samples) if isinstance(s, np.ndarray) and s.dtype.hasobject
+            ]
+            if objects:
+                problem = f"numpy dtype object (Python objects) at {positions(objects)}"
+                raise _error(path, f"{problem} is not supported", CollateTypeError)
             return "number", [s[()] if isinstance(s, np.ndarray) else s for s in samples]
         if kinds == {"tensor", "ndarray"}:
             arrays = [s for s in samples if isinstance(s, np.ndarray)]
@@ -393,8 +438,8 @@ class _Collator:
                 array = self._out((len(samples),), dtype)
                 array[...] = samples
         except OverflowError as exc:
-            bad = [p for p, v in enumerate(samples) if not -(2**63) <= v < 2**63]
-            raise _error(path, f"ints do not fit in int64 at {positions(bad)}") from exc
+            bad = [p for p, v in enumerate(samples) if not _fits(v, dtype)]
+            raise _error(path, f"ints do not fit in {dtype} at {positions(bad)}") from exc
         return self._leaf(array)
 
     def _scalars(self, samples: Sequence[Any], path: str) -> Any:
@@ -463,20 +508,29 @@ class _Collator:
 
     def _tensors(self, column: Sequence[torch.Tensor], path: str) -> Any:
         samples = column if isinstance(column, list | tuple) else list(column)  # for torch.stack
+        nested = [p for p, t in enumerate(samples) if t.is_nested]
+        if nested:  # torch.stack has no rule for them (its error is an internal one)
+            raise _error(
+                path,
+                f"nested tensors at {positions(nested)} cannot be stacked; {PAD_HINT}",
+                CollateTypeError,
+            )
         dtypes = {t.dtype for t in samples}
         if len(dtypes) > 1:  # promoted here: a numpy-backed ``out`` needs the dtype up front
-            common = functools.reduce(torch.promote_types, sorted(dtypes, key=str))
+            try:
+                common = functools.reduce(torch.promote_types, sorted(dtypes, key=str))
+            except (TypeError, RuntimeError) as exc:  # e.g. uint64 with int64
+                problem = f"dtypes that do not combine: {grouped([str(t.dtype) for t in samples])}"
+                raise _error(path, problem, CollateTypeError) from exc
             samples = [t.to(common) for t in samples]
-        # torch.stack checks shapes and devices itself; its error is explained here.
+        # torch.stack checks shapes, devices and layouts itself; its error is explained here.
         try:
             return self._stack_tensors(samples, path)
         except RuntimeError as exc:
             problem = layout_mismatch(samples, "tensors")
             if "different shapes" in problem:
                 raise _ragged(path, problem) from exc
-            if problem:
-                raise _error(path, problem, CollateShapeError) from exc
-            raise
+            raise _error(path, problem or f"torch.stack failed: {exc}", CollateShapeError) from exc
 
     def _stack_tensors(
         self, samples: list[torch.Tensor] | tuple[torch.Tensor, ...], path: str
@@ -515,6 +569,15 @@ class _Collator:
             stack_into(samples, array)
             return torch.from_numpy(array)
         assert np_dtype is not None
+        strided = all(t.layout == torch.strided for t in samples)
+        if not strided:
+            layouts = grouped([str(t.layout) for t in samples])
+            raise _error(
+                path,
+                f"tensors of layout {layouts} have no numpy form; make them dense "
+                "(.to_dense()) in the dataset, or use default_collate",
+                CollateTypeError,
+            )
         if not plain:
             stacked = torch.stack([t.detach() for t in samples]).cpu().resolve_conj().numpy()
             if self.alloc is None:
@@ -527,6 +590,16 @@ class _Collator:
         array = self._out(shape, np_dtype)
         stack_into(samples, array)
         return array
+
+
+def _fits(value: Any, dtype: np.dtype[Any]) -> bool:
+    """Whether ``value`` converts to ``dtype`` without an OverflowError (an int beyond int64,
+    or one beyond float64's range beside floats)."""
+    try:
+        np.array(value, dtype=dtype)
+    except OverflowError:
+        return False
+    return True
 
 
 def _as_tensor(array: np.ndarray[Any, Any]) -> torch.Tensor:
@@ -546,10 +619,12 @@ def default_convert(data: Any) -> Any:
     """Convert one sample's numpy arrays and scalars to tensors, as torch's ``default_convert``.
 
     The loader calls it on each sample when ``batch_size=None`` (no automatic batching) and no
-    ``collate_fn`` is given. Numeric numpy arrays become tensors sharing their memory (a
-    read-only array or one in non-native byte order is copied first: torch cannot share those),
-    numpy scalars 0-d tensors; arrays and scalars of strings, bytes, objects, records or dates
-    stay as they are. Mappings, namedtuples and sequences are converted item by item and keep
+    ``collate_fn`` is given. Numeric numpy arrays (``np.ndarray`` and ``np.memmap``) become
+    tensors sharing their memory (a read-only array, one in non-native byte order or one with
+    a negative stride, ``img[:, ::-1]``, is copied first: torch cannot share those), numpy
+    scalars 0-d tensors; arrays and scalars of strings, bytes, objects, records or dates stay
+    as they are, and so do other ndarray subclasses (a masked array keeps its mask), as in
+    torch. Mappings, namedtuples and sequences are converted item by item and keep
     their type where it can be rebuilt (a tuple becomes a list, as in torch); everything else,
     tensors and Python numbers included, is returned unchanged.
 
@@ -567,10 +642,16 @@ def default_convert(data: Any) -> Any:
 def _convert(data: Any, torch: Any) -> Any:
     if isinstance(data, torch.Tensor):
         return data
-    if isinstance(data, np.ndarray | np.generic):
+    if type(data) is np.ndarray or isinstance(data, np.memmap | np.generic):
+        # Other ndarray subclasses (a masked array, np.matrix) stay as they are, as in torch:
+        # a tensor of a masked array would drop its mask.
         if data.dtype.kind in _KEEP_AS_NUMPY:
             return data
-        if isinstance(data, np.ndarray) and (not data.flags.writeable or not data.dtype.isnative):
+        if isinstance(data, np.ndarray) and (
+            not data.flags.writeable
+            or not data.dtype.isnative
+            or any(stride < 0 for stride in data.strides)  # torch cannot view those either
+        ):
             data = np.array(data, dtype=data.dtype.newbyteorder("="))
         return torch.as_tensor(data)
     if isinstance(data, str | bytes):

@@ -47,8 +47,8 @@ def _shape(shape: Sequence[int]) -> str:
 
 
 def layout_mismatch(samples: Sequence[Any], what: str) -> str:
-    """Say which of shape and device differ among arrays or tensors, position by position
-    (empty if neither does)."""
+    """Say which of shape, device and layout (strided, sparse) differ among arrays or tensors,
+    position by position (empty if none does)."""
     problems = []
     shapes = [_shape(s.shape) for s in samples]
     if len(set(shapes)) > 1:
@@ -56,6 +56,9 @@ def layout_mismatch(samples: Sequence[Any], what: str) -> str:
     devices = [str(getattr(s, "device", "cpu")) for s in samples]
     if len(set(devices)) > 1:
         problems.append(f"{what} are on different devices: {grouped(devices)}")
+    layouts = [str(getattr(s, "layout", "")) for s in samples]
+    if len(set(layouts)) > 1:
+        problems.append(f"{what} have different layouts: {grouped(layouts)}")
     return "; and ".join(problems)
 
 
