@@ -22,10 +22,12 @@ Sharp edges:
 - **Nothing inline points into a slot.** An inline batch's arrays that lie in the slot are
   copied out first, because the slot is reused as soon as the batch is returned.
 - **dtypes numpy lacks.** bfloat16, float8 and complex32 tensors travel as same-width integers
-  (:attr:`ArrayRef.torch_dtype` names the real dtype) and come back as the same dtype. Tensors
-  lose ``requires_grad``; conjugate and negative bits are resolved before the copy. Sparse,
-  quantized, nested and non-CPU tensors, and object or structured arrays, are not arrays here:
-  they stay leaves and are pickled.
+  (:attr:`ArrayRef.torch_dtype` names the real dtype) and come back as the same dtype. A tensor
+  that requires grad comes back as a leaf that requires grad (:attr:`ArrayRef.requires_grad`),
+  as one pickled inline does: the flag never depends on the batch's size, and the graph, which
+  cannot cross processes, stays behind. Conjugate and negative bits are resolved before the
+  copy. Sparse, quantized, nested and non-CPU tensors, and object or structured arrays, are not
+  arrays here: they stay leaves and are pickled.
 - **Views keep the slot alive.** Views of views collapse to the first array that does not own
   its data, the root; so every leaf, and anything derived from it, keeps the root (and with it
   the slot) alive until the last one is collected.
@@ -158,6 +160,8 @@ class ArrayRef:
             ``'bytes'``: a ``bytes`` leaf, given back as new ``bytes`` copied out of the slot.
         torch_dtype: for torch dtypes numpy lacks (``'bfloat16'``, float8, ...), the bytes are
             stored as a same-width integer ``dtype`` and reinterpreted as this torch dtype.
+        requires_grad: the tensor required grad: its view does too (a leaf: the graph that
+            made it stays in the worker), as a pickled tensor would.
     """
 
     offset: int
@@ -165,6 +169,7 @@ class ArrayRef:
     shape: tuple[int, ...]
     kind: Literal["numpy", "torch", "bytes"]
     torch_dtype: str | None = None
+    requires_grad: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,8 +263,8 @@ class SlotWriter:
         :meth:`alloc`) without a copy, others (non-contiguous ones too) copied once; so do
         ``bytes`` leaves of :data:`BYTES_IN_SLOT_MIN` or more (copied once). Other leaves
         (numbers, strings, None, object arrays, sparse or CUDA tensors) stay as they are and are
-        pickled. Tensors lose ``requires_grad``; torch dtypes numpy lacks (bfloat16) travel as raw
-        bytes and come back as the same dtype.
+        pickled. Tensors keep ``requires_grad`` (as leaves), as pickled ones do; torch dtypes
+        numpy lacks (bfloat16) travel as raw bytes and come back as the same dtype.
 
         Args:
             batch: the collated batch.
@@ -308,7 +313,8 @@ class SlotWriter:
             else:
                 offset, copy_in = _align(cursor), True
                 cursor = offset + arr.nbytes
-            ref = ArrayRef(offset, arr.dtype.str, tuple(arr.shape), kind, torch_dtype)
+            grad = kind == "torch" and bool(leaf.requires_grad)
+            ref = ArrayRef(offset, arr.dtype.str, tuple(arr.shape), kind, torch_dtype, grad)
             refs[id(leaf)] = ref
             if copy_in:
                 copies.append((arr, ref))
@@ -448,6 +454,8 @@ def view_leaf(root: npt.NDArray[np.uint8], leaf: Any, torch_mod: Any) -> Any:
     tensor = torch_mod.from_numpy(arr)
     if leaf.torch_dtype is not None:
         tensor = tensor.view(getattr(torch_mod, leaf.torch_dtype))
+    if leaf.requires_grad:
+        tensor.requires_grad_(True)
     return tensor
 
 
