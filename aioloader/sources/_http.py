@@ -9,7 +9,8 @@
       timeout (connect, or read silence) ─────────┼──▶ RetryableError(timed_out)
       reset, short body, payload error ───────────┼──▶ RetryableError
       long body, bytes that are not HTTP ─────────┼──▶ RetryableError
-      408/425/429/5xx (policy.retry_statuses) ────┼──▶ RetryableError(Retry-After)
+      policy.retry_statuses (408/425/429/500/ ────┼──▶ RetryableError(Retry-After)
+        502/503/504 by default; other 5xx final)  │
       404 ────────────────────────────────────────┼──▶ RemoteNotFoundError, no retry
       401/403 ────────────────────────────────────┼──▶ RemotePermissionError, no retry
       any other status ───────────────────────────┴──▶ RemoteError, no retry
@@ -60,7 +61,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import urllib.parse
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
 from .._errors import RemoteError, RemoteNotFoundError, RemotePermissionError
@@ -298,7 +300,15 @@ class HTTPDataset(Source):
         that breaks off (a reset, a timeout, a short body) is one failed attempt; the next is
         asked from the byte it stopped at with a ``Range`` header (a server that ignores it
         answers 200, and the bytes already handed out are skipped): the bytes handed out are
-        never handed out twice, and opening and breaking off share ``max_attempts``. The read
+        never handed out twice, and opening and breaking off share ``max_attempts``.
+
+        A resumed read never joins two versions of an object: it sends ``If-Range`` with the
+        first answer's strong ``ETag`` (or its ``Last-Modified`` where it has no ETag), and an
+        answer of another version (a 200 to ``If-Range``, another ETag, Last-Modified or
+        size) fails with a ``RemoteError`` saying the object changed while it was read (not
+        retried: the rest of the new version cannot complete the old one). A server that
+        gives neither header cannot be asked: its resumed bytes are taken as they come, as
+        long as the size it states (``Content-Range``) is the same. The read
         counts in ``requests_in_flight`` until its body ends, and a body that goes
         ``stall_warning`` seconds without a byte while its reader waits for one is warned
         about as in :meth:`fetch` (time the reader spends on the previous chunk is not a
@@ -307,6 +317,8 @@ class HTTPDataset(Source):
 
         Raises:
             RemoteNotFoundError, RemotePermissionError, RemoteError: as :meth:`fetch`.
+            RemoteError: the object changed between an attempt that broke off and its resumed
+                read, naming the masked URL and both versions.
             RemoteTimeoutError: the attempts ran out and the last one timed out, or an opening
                 passed ``item_deadline`` (also a ``TimeoutError``).
             RetriesExhaustedError: the attempts ran out; the message lists each, with the
@@ -319,13 +331,13 @@ class HTTPDataset(Source):
         sleep = asyncio.sleep if self._sleep is None else self._sleep
         attempts = Attempts(self._retry, url)
         received = 0
-        total: int | None = None
+        version: _Version | None = None  # what the bytes handed out were cut from
         while True:
             began = attempts.begin()
             wire = Wire(url, self._stall_warning)
             try:
                 async with asyncio.timeout(self._item_deadline) as scope:
-                    response = await self._open(self._pool(), url, received, wire)
+                    response = await self._open(self._pool(), url, received, version, wire)
             except RetryableError as exc:
                 wire.close()
                 await sleep(attempts.failed(exc, began))
@@ -342,15 +354,10 @@ class HTTPDataset(Source):
                 raise
             failure: RetryableError
             try:
-                skip = received if response.status == 200 else 0  # the Range was not honoured
-                answered = response.headers.get("Content-Range", f"bytes {received}-")
-                if response.status == 206 and not answered.startswith(f"bytes {received}-"):
-                    raise RemoteError(
-                        f"{redact(url)}: asked for bytes {received}- and got {answered!r}",
-                        url=url,
-                    )
-                if total is None:
-                    total = _expected_length(response)
+                if received:
+                    skip, version = _resumed(url, response, received, version)
+                else:
+                    skip, version = 0, _Version.of(response, 0)
                 wire.reading(response.content)
                 # As received, one buffer at a time, never joined: joining is a copy of every
                 # byte, and the consumer (a tar parser) takes pieces of any size. (iter_any
@@ -367,6 +374,7 @@ class HTTPDataset(Source):
                     wire.hold()  # the reader has the chunk: its time is not the server's
                     yield chunk
                     wire.wait()
+                total = version.total
                 if total is None or received == total:
                     return
                 failure = RetryableError(f"short body: {received} of {total} bytes")
@@ -376,29 +384,33 @@ class HTTPDataset(Source):
                     f"broke off after {received} bytes: {_name(exc)}", timed_out=timed_out
                 )
                 failure.__cause__ = exc
+            except RemoteError as exc:  # another object, or other bytes, than those begun
+                error = attempts.final(exc, began)
+                if error is exc:
+                    raise
+                raise error from error.__cause__
             finally:
                 response.release()
                 wire.close()
             await sleep(attempts.failed(failure, began))
 
     async def _open(
-        self, session: aiohttp.ClientSession, url: str, start: int, wire: Wire
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        start: int,
+        version: _Version | None,
+        wire: Wire,
     ) -> aiohttp.ClientResponse:
-        """One GET up to its headers (for :meth:`stream`), from byte ``start`` on, classified
-        as :meth:`_attempt` classifies."""
-        import aiohttp
-
-        headers = {"Range": f"bytes={start}-"} if start else None
-        try:
+        """One GET up to its headers (for :meth:`stream`), from byte ``start`` on, only if the
+        object is still ``version`` (``If-Range``), classified as :meth:`_attempt` classifies."""
+        headers: dict[str, str] | None = None
+        if start:
+            headers = {"Range": f"bytes={start}-"}
+            if version is not None and version.validator is not None:
+                headers["If-Range"] = version.validator[1]
+        with _classified():
             response = await session.get(url, headers=headers, trace_request_ctx=wire)
-        except aiohttp.ServerTimeoutError as exc:
-            raise RetryableError(f"timeout: {_name(exc)}", timed_out=True) from exc
-        except aiohttp.ClientConnectorCertificateError:
-            raise
-        except aiohttp.ClientConnectionError as exc:
-            raise RetryableError(f"connection failed: {_name(exc)}") from exc
-        except TimeoutError as exc:
-            raise RetryableError(f"timeout: {_name(exc)}", timed_out=True) from exc
         if not 200 <= response.status < 300:
             error = self._status_error(url, response)
             response.release()
@@ -407,59 +419,40 @@ class HTTPDataset(Source):
 
     async def _attempt(self, session: aiohttp.ClientSession, url: str) -> bytes:
         """One GET; classifies each failure as retryable or final (see the module diagram)."""
-        import aiohttp
         from aiohttp.http_exceptions import HttpProcessingError
 
         wire = Wire(url, self._stall_warning)
         try:
-            async with session.get(url, trace_request_ctx=wire) as response:
-                wire.reading(response.content)
-                if not 200 <= response.status < 300:
-                    raise self._status_error(url, response)
-                connection = response.connection  # released when the body is read
-                protocol = connection.protocol if connection is not None else None
-                expected = _expected_length(response)
-                limit = self._max_object_bytes
-                if limit is not None and expected is not None and expected > limit:
-                    raise self._too_large(url, expected)  # before a byte of the body
-                body = await read_bounded(
-                    response.content.read, limit, lambda: self._too_large(url, None)
-                )
-                # Invariant: a body of the wrong length is never returned, so a truncated
-                # buffer (or one cut at a Content-Length that promised too little) cannot
-                # reach decode.
-                if expected is not None and len(body) != expected:
-                    raise RetryableError(
-                        f"truncated body: got {len(body)} of {expected} bytes (Content-Length)"
+            with _classified():
+                async with session.get(url, trace_request_ctx=wire) as response:
+                    wire.reading(response.content)
+                    if not 200 <= response.status < 300:
+                        raise self._status_error(url, response)
+                    connection = response.connection  # released when the body is read
+                    protocol = connection.protocol if connection is not None else None
+                    expected = _expected_length(response)
+                    limit = self._max_object_bytes
+                    if limit is not None and expected is not None and expected > limit:
+                        raise self._too_large(url, expected)  # before a byte of the body
+                    body = await read_bounded(
+                        response.content.read, limit, lambda: self._too_large(url, None)
                     )
-                stray = protocol.exception() if protocol is not None else None
-                if isinstance(stray, HttpProcessingError):
-                    promised = (
-                        "it" if expected is None else f"its Content-Length ({expected} bytes)"
-                    )
-                    raise RetryableError(
-                        f"body longer than {promised}: more bytes followed"
-                    ) from stray
-                return body
-        except aiohttp.ClientResponseError as exc:
-            if not isinstance(exc.__cause__, HttpProcessingError):
-                raise  # not a parse error (too many redirects, a proxy's refusal)
-            # Bytes that are not HTTP where a response should begin: most often the excess of
-            # a body longer than its Content-Length, read together with the headers.
-            raise RetryableError(
-                "malformed response (bytes that are not HTTP, e.g. the excess of a body longer "
-                f"than its Content-Length): {_parse_failure(exc.message)}"
-            ) from exc
-        except aiohttp.ServerTimeoutError as exc:  # before ClientConnectionError: a subclass
-            raise RetryableError(f"timeout: {_name(exc)}", timed_out=True) from exc
-        except aiohttp.ClientConnectorCertificateError:
-            raise  # a certificate does not become valid by asking again
-        except aiohttp.ClientPayloadError as exc:
-            raise RetryableError(f"truncated body: {_name(exc)}") from exc
-        except aiohttp.ClientConnectionError as exc:
-            raise RetryableError(f"connection failed: {_name(exc)}") from exc
-        except TimeoutError as exc:  # e.g. a resolver's own timeout
-            raise RetryableError(f"timeout: {_name(exc)}", timed_out=True) from exc
+                    # Invariant: a body of the wrong length is never returned, so a truncated
+                    # buffer (or one cut at a Content-Length that promised too little) cannot
+                    # reach decode.
+                    if expected is not None and len(body) != expected:
+                        raise RetryableError(
+                            f"truncated body: got {len(body)} of {expected} bytes (Content-Length)"
+                        )
+                    stray = protocol.exception() if protocol is not None else None
+                    if isinstance(stray, HttpProcessingError):
+                        promised = (
+                            "it" if expected is None else f"its Content-Length ({expected} bytes)"
+                        )
+                        raise RetryableError(
+                            f"body longer than {promised}: more bytes followed"
+                        ) from stray
+                    return body
         finally:
             wire.close()
 
@@ -527,6 +520,105 @@ class HTTPDataset(Source):
             with contextlib.suppress(RuntimeError):  # a closed loop took its sockets along
                 close_now()
         pool.detach()
+
+
+@contextlib.contextmanager
+def _classified() -> Iterator[None]:
+    """Each aiohttp failure of a request as retryable (:class:`RetryableError`) or final (see
+    the module diagram): the one classification of :meth:`HTTPDataset._attempt` and
+    :meth:`HTTPDataset._open`."""
+    import aiohttp
+    from aiohttp.http_exceptions import HttpProcessingError
+
+    try:
+        yield
+    except aiohttp.ClientResponseError as exc:
+        if not isinstance(exc.__cause__, HttpProcessingError):
+            raise  # not a parse error (too many redirects, a proxy's refusal)
+        # Bytes that are not HTTP where a response should begin: most often the excess of
+        # a body longer than its Content-Length, read together with the headers.
+        raise RetryableError(
+            "malformed response (bytes that are not HTTP, e.g. the excess of a body longer "
+            f"than its Content-Length): {_parse_failure(exc.message)}"
+        ) from exc
+    except aiohttp.ServerTimeoutError as exc:  # before ClientConnectionError: a subclass
+        raise RetryableError(f"timeout: {_name(exc)}", timed_out=True) from exc
+    except aiohttp.ClientConnectorCertificateError:
+        raise  # a certificate does not become valid by asking again
+    except aiohttp.ClientPayloadError as exc:
+        raise RetryableError(f"truncated body: {_name(exc)}") from exc
+    except aiohttp.ClientConnectionError as exc:
+        raise RetryableError(f"connection failed: {_name(exc)}") from exc
+    except TimeoutError as exc:  # e.g. a resolver's own timeout
+        raise RetryableError(f"timeout: {_name(exc)}", timed_out=True) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class _Version:
+    """Which version of an object a stream's bytes come from: the header that names it
+    (``validator``: a strong ``ETag``, else ``Last-Modified``; ``None`` where the server gives
+    neither) and its size in bytes (``None``: unknown, a chunked body)."""
+
+    validator: tuple[str, str] | None
+    total: int | None
+
+    @classmethod
+    def of(cls, response: aiohttp.ClientResponse, start: int) -> _Version:
+        """The version ``response`` (a body from byte ``start`` on) says it carries."""
+        etag = response.headers.get("ETag")
+        modified = response.headers.get("Last-Modified")
+        validator: tuple[str, str] | None = None
+        if etag and not etag.startswith("W/"):  # a weak ETag cannot be used in If-Range
+            validator = ("ETag", etag)
+        elif modified:
+            validator = ("Last-Modified", modified)
+        total = _expected_length(response)
+        if response.status == 206:
+            # The size after "/" in Content-Range; Content-Length counts only the rest.
+            size = response.headers.get("Content-Range", "").rpartition("/")[2].strip()
+            total = int(size) if size.isdigit() else None if total is None else start + total
+        return cls(validator, total)
+
+
+def _resumed(
+    url: str, response: aiohttp.ClientResponse, received: int, version: _Version | None
+) -> tuple[int, _Version]:
+    """How many bytes of ``response``, the answer to a read resumed at byte ``received`` of
+    ``version``, to skip (the Range was ignored), and the version read from now on.
+
+    Raises:
+        RemoteError: the answer is another version of the object (another validator or size,
+            or a 200 to ``If-Range``) or another range than asked: joining its bytes to those
+            handed out would make a body that never existed.
+    """
+    shown = redact(url)
+    answered = response.headers.get("Content-Range", f"bytes {received}-")
+    if response.status == 206 and not answered.startswith(f"bytes {received}-"):
+        raise RemoteError(f"{shown}: asked for bytes {received}- and got {answered!r}", url=url)
+    now = _Version.of(response, received)
+    before = version if version is not None else _Version(None, None)
+    changed = ""
+    if before.validator is not None:
+        name, value = before.validator
+        given = response.headers.get(name)
+        # A 206 without the header is trusted: it answers If-Range, which asked the server to
+        # compare. A 200 answers "changed" to If-Range, unless its validator is the same (a
+        # server that ignores Range and sends the whole object).
+        if (given is not None or response.status == 200) and given != value:
+            changed = f"{name} was {value}, now {given or 'not given'}"
+    if not changed and before.total is not None and now.total not in (None, before.total):
+        changed = f"size was {before.total} bytes, now {now.total}"
+    if changed:
+        raise RemoteError(
+            f"{shown}: the object changed while it was read ({changed}); {received} bytes of "
+            "the earlier version were handed out, and the rest of another cannot be joined "
+            "to them. Read it again from its start (a new epoch), or keep objects unchanged "
+            "while they are read",
+            url=url,
+        )
+    skip = received if response.status == 200 else 0  # the Range was not honoured
+    total = before.total if before.total is not None else now.total
+    return skip, _Version(before.validator or now.validator, total)
 
 
 def _expected_length(response: aiohttp.ClientResponse) -> int | None:
