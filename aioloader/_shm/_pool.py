@@ -190,6 +190,7 @@ def _on_return(
     alive = pool()
     if alive is not None:
         alive.drain_nowait()
+        alive.wake_watchers()
 
 
 class SlotPool:
@@ -252,6 +253,9 @@ class SlotPool:
         # (name, lease_id) of held batches whose views died; appended by finalizers (any thread,
         # any time, lock-free: deque.append is atomic), applied under the lock by _drain().
         self._returned: collections.deque[tuple[str, int]] = collections.deque()
+        # Callbacks of leases waiting for a held slot to come back (watch()); popped and called
+        # by the finalizer of a returning batch (any thread, lock-free) or by close().
+        self._watchers: collections.deque[Callable[[], Any]] = collections.deque()
         self._closed = False
         self._unlinking: str | None = None  # the segment close() was unlinking, if it was cut
         self._owner = os.getpid()
@@ -273,6 +277,53 @@ class SlotPool:
         :meth:`lease` from a thread, since creating a segment takes a while.
         """
         return self._lease(nbytes, create=False)
+
+    def watch(self, nbytes: int, wake: Callable[[], Any]) -> tuple[Slot | None, bool]:
+        """Lease a free slot of at least ``nbytes`` if there is one (as :meth:`reuse`); if not,
+        and two batches or more are held, one in a slot that fits, call ``wake`` (once, from
+        any thread) when a held batch's slot comes back, until :meth:`unwatch`; then
+        :meth:`reuse` may find it. ``wake`` must not block and should not raise.
+
+        A ``for`` loop holds its last batch while it asks for the next, and the lease of the
+        batch that then goes into production comes before the loop drops that last batch: a
+        lease that waits for it (microseconds) takes its slot instead of making one more.
+
+        Returns:
+            ``(slot, False)`` with a free slot; ``(None, True)`` with ``wake`` registered (it
+            may have been called already); ``(None, False)`` with nothing to wait for.
+        """
+        with self._lock:
+            slot = self._lease_locked(nbytes, create=False)
+            if slot is not None:
+                return slot, False
+            held = [s for s in self._segments.values() if s.state is _State.HELD]
+            if len(held) < 2 or not any(s.size >= nbytes for s in held):
+                # One batch held is the one the consumer works on: it is not about to go.
+                return None, False
+            self._watchers.append(wake)
+            # A return its finalizer queued while we held the lock (drain_nowait could not
+            # apply it) woke nobody: apply it now. One after this calls ``wake``.
+            slot = self._lease_locked(nbytes, create=False)
+            if slot is not None:
+                self.unwatch(wake)
+                return slot, False
+            return None, True
+
+    def unwatch(self, wake: Callable[[], Any]) -> None:
+        """Forget ``wake`` (registered by :meth:`watch`) if it was not called yet."""
+        with contextlib.suppress(ValueError):
+            self._watchers.remove(wake)
+
+    def wake_watchers(self) -> None:
+        """Call every registered ``wake`` once (a held slot came back, or the pool closed).
+        Never blocks: a finalizer calls it."""
+        while True:
+            try:
+                wake = self._watchers.popleft()
+            except IndexError:
+                return
+            with contextlib.suppress(Exception):
+                wake()
 
     def lease(self, nbytes: int) -> Slot | None:
         """Lease a slot of at least ``nbytes`` for one batch.
@@ -297,25 +348,28 @@ class SlotPool:
         return self._lease(nbytes, create=True)
 
     def _lease(self, nbytes: int, *, create: bool) -> Slot | None:
+        with self._lock:
+            return self._lease_locked(nbytes, create=create)
+
+    def _lease_locked(self, nbytes: int, *, create: bool) -> Slot | None:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
             raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("SlotPool is closed")
-            self._drain()
-            best = min(
-                (s for s in self._segments.values() if s.state is _State.FREE and s.size >= nbytes),
-                key=lambda s: s.size,
-                default=None,
-            )
+        if self._closed:
+            raise RuntimeError("SlotPool is closed")
+        self._drain()
+        best = min(
+            (s for s in self._segments.values() if s.state is _State.FREE and s.size >= nbytes),
+            key=lambda s: s.size,
+            default=None,
+        )
+        if best is None:
+            best = self._make_room_and_create(nbytes) if create else None
             if best is None:
-                best = self._make_room_and_create(nbytes) if create else None
-                if best is None:
-                    return None
-            best.state = _State.LEASED
-            best.lease_id = next(self._lease_ids)
-            self._count_leased()
-            return Slot(best.name, best.size, best.lease_id)
+                return None
+        best.state = _State.LEASED
+        best.lease_id = next(self._lease_ids)
+        self._count_leased()
+        return Slot(best.name, best.size, best.lease_id)
 
     def _make_room_and_create(self, nbytes: int) -> _Segment | None:
         # Called with the lock held, when no free slot is big enough.
@@ -619,6 +673,7 @@ class SlotPool:
                 del self._segments[name]  # our mapping goes now; a live batch's with its views
                 self._unlinking = None
             self._finalizer.detach()
+        self.wake_watchers()
 
     @property
     def closed(self) -> bool:

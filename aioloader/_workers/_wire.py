@@ -60,6 +60,7 @@ Sharp edges:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import sys
@@ -104,7 +105,21 @@ INLINE_MAX_BYTES = _shm.INLINE_MAX_BYTES
 #: collated after it need. A batch that needs more is copied into a segment made to its size.
 OWN_PAD_BYTES = 64 << 10
 
+#: How long a lease that finds no free slot waits for a held batch's slot to come back before
+#: it makes another segment (:meth:`Receiver.lease`, :meth:`_shm.SlotPool.watch`). A ``for``
+#: loop drops its last batch as soon as its thread runs after the loop's thread handed it the
+#: next (microseconds; 5 ms waits missed a few times an epoch with every core busy). A
+#: consumer that keeps its batches makes the waits then in progress miss (one per batch in
+#: flight at most), after which no lease waits until a free slot is found again. The job
+#: waits with its lease, usually behind another on its worker.
+RETURN_WAIT_S = 0.02
+
 _log = logging.getLogger("aioloader.shm")
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def inline(batch: Any) -> Parcel:
@@ -320,6 +335,8 @@ class Receiver:
         # its batch is opened or its job is given up.
         self._reserved: dict[str, int] = {}
         self._unclaimed: set[str] = set() if unclaimed is None else unclaimed
+        self.return_waits_missed = 0  # leases that waited RETURN_WAIT_S for nothing
+        self._wait_for_returns = True  # cleared by a miss, set again by a free slot found
 
     @property
     def sized(self) -> bool:
@@ -352,7 +369,7 @@ class Receiver:
         size = max(self._batch_bytes, at_least)
         if self._slots is None or size < INLINE_MAX_BYTES:
             return None
-        slot = self._slots.reuse(size)
+        slot = await self._returning(self._slots, size)
         if slot is not None:
             return slot
         if size > self._checked_bytes and self._route is None:
@@ -377,6 +394,33 @@ class Receiver:
                 f"shm_max_bytes={self._slots.max_bytes} beside the batches in flight",
             )
         return slot
+
+    async def _returning(self, slots: _shm.SlotPool, size: int) -> _shm.Slot | None:
+        """A free slot of at least ``size``; else, while waits pay, one that a batch held by
+        the consumer gives back within :data:`RETURN_WAIT_S`; else None (make one)."""
+        if not self._wait_for_returns:
+            slot = slots.reuse(size)
+            if slot is not None:
+                self._wait_for_returns = True  # slots free up again: a wait may pay again
+            return slot
+        loop = asyncio.get_running_loop()
+        returned: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:  # a finalizer's thread, or close()'s
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(_settle, returned)
+
+        slot, watching = slots.watch(size, wake)
+        if not watching:
+            return slot
+        try:
+            await asyncio.wait_for(returned, RETURN_WAIT_S)
+        except TimeoutError:
+            self.return_waits_missed += 1
+            self._wait_for_returns = False
+        finally:
+            slots.unwatch(wake)
+        return slots.reuse(size)
 
     def _give_back(self, leasing: asyncio.Future[_shm.Slot | None]) -> None:
         if self._slots is None or leasing.cancelled() or leasing.exception() is not None:
