@@ -8,13 +8,17 @@ contexts and answers with our vocabulary::
 
     NoSuchKey, 404 ─────────────────────────────────────▶ RemoteNotFoundError, no retry
     AccessDenied, 401, 403 ─────────────────────────────▶ RemotePermissionError, no retry
-    503, SlowDown, 5xx, throttling, EBUSY ──────────────▶ RetryableError
+    SlowDown, throttling, EBUSY, policy.retry_statuses ─▶ RetryableError (Retry-After kept)
     timeouts, resets, short reads ──────────────────────▶ RetryableError (timeouts marked)
     FileNotFoundError, PermissionError (nothing above) ─▶ RemoteNotFoundError, ...Permission...
     anything else ──────────────────────────────────────▶ None: it propagates unchanged
 
 Read top down: the first line that matches decides. So a ``FileNotFoundError`` wrapping a 503
-(fsspec's HTTP ``_info``) is retried, and one wrapping a 404 is not found.
+(fsspec's HTTP ``_info``) is retried, and one wrapping a 404 is not found. Statuses are retried
+as the policy's ``retry_statuses`` say (408, 425, 429, 500, 502, 503, 504 by default): another
+5xx (501, 505, a proxy's 520-524) is final unless named there. A ``Retry-After`` header the
+backend kept (aiohttp's ``ClientResponseError.headers``, botocore's ``HTTPHeaders``) goes with
+the retry, so the wait honours it as :class:`~aioloader.sources.HTTPDataset`'s does.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections.abc import Iterable, Mapping
 
 from .._errors import RemoteNotFoundError, RemotePermissionError
 from ._redact import redact
-from ._retry import RetryableError, RetryPolicy
+from ._retry import RetryableError, RetryPolicy, parse_retry_after
 
 __all__ = ["classify"]
 
@@ -85,6 +89,22 @@ def _status_and_code(exc: BaseException) -> tuple[int | None, str | None]:
     return None, None
 
 
+def _retry_after(exc: BaseException) -> float | None:
+    """The ``Retry-After`` header carried anywhere in ``exc``'s chain, in seconds."""
+    for link in _chain(exc):
+        headers = getattr(link, "headers", None)  # aiohttp ClientResponseError
+        response = getattr(link, "response", None)  # botocore ClientError
+        if isinstance(response, Mapping):
+            meta = response.get("ResponseMetadata", {})
+            headers = meta.get("HTTPHeaders") if isinstance(meta, Mapping) else None
+        if isinstance(headers, Mapping):
+            # aiohttp's headers ignore case; botocore's are lower case.
+            value = headers.get("Retry-After", headers.get("retry-after"))
+            if isinstance(value, str):
+                return parse_retry_after(value)
+    return None
+
+
 def _is_transient_transport(exc: BaseException) -> bool:
     for link in _chain(exc):
         for klass in type(link).__mro__:
@@ -124,7 +144,11 @@ def classify(exc: Exception, url: str, policy: RetryPolicy) -> Exception | None:
         or (isinstance(exc, OSError) and exc.errno in RETRYABLE_ERRNOS)
         or _is_transient_transport(exc)
     ):
-        return RetryableError(("timeout: " if timed_out else "") + reason, timed_out=timed_out)
+        return RetryableError(
+            ("timeout: " if timed_out else "") + reason,
+            timed_out=timed_out,
+            retry_after=_retry_after(exc),
+        )
     if isinstance(exc, FileNotFoundError):
         return RemoteNotFoundError(detail, url=url)
     if isinstance(exc, PermissionError):

@@ -8,7 +8,8 @@
                                         │ raises: classified by classify() (:mod:`._classify`)
       FileNotFoundError, NoSuchKey, 404 ─┼──▶ RemoteNotFoundError, no retry
       PermissionError, AccessDenied, 403 ┼──▶ RemotePermissionError, no retry
-      SlowDown, 503, 5xx, throttling ────┼──▶ RetryableError
+      SlowDown, throttling, 503 ─────────┼──▶ RetryableError, waiting Retry-After
+       (statuses: policy.retry_statuses) │
       timeouts, resets, short reads ─────┼──▶ RetryableError (timeouts marked as such)
       anything else ─────────────────────┴──▶ propagates unchanged
 
@@ -71,7 +72,7 @@ from ._base import (
 )
 from ._classify import classify
 from ._redact import masked, redact
-from ._retry import RetryPolicy, retrying
+from ._retry import RetryableError, RetryPolicy, retrying
 
 __all__ = ["FsspecDataset", "list_fsspec"]
 
@@ -357,54 +358,63 @@ class FsspecDataset(Source):
         self, index: int, chunk_size: int = STREAM_CHUNK
     ) -> AsyncGenerator[bytes, None]:
         """``urls[index]`` in chunks as it arrives (``fs.open_async``: one streamed GET on
-        s3fs), for objects too large to hold (tar shards). Opening is retried as :meth:`fetch`
-        is; a read that fails after bytes were handed out raises. A filesystem without
-        streamed files is read whole, as one chunk. The bytes count in the loader's
-        ``statistics().bytes_read`` as they arrive. Close the iterator (``aclosing``) if it is
-        not read to its end.
+        s3fs), for objects too large to hold (tar shards). Opening and the first read are
+        retried as :meth:`fetch` is (s3fs asks for the object at the first read, so a
+        ``SlowDown`` or a 404 there is retried or reported as :meth:`fetch` reports it); a
+        read that fails after bytes were handed out raises. A filesystem without streamed
+        files is read whole, as one chunk, retried as :meth:`fetch` is but not bounded by
+        ``max_object_bytes`` (a stream has no bound: the object is held once, whole). The
+        bytes count in the loader's ``statistics().bytes_read`` as they arrive. Close the
+        iterator (``aclosing``) if it is not read to its end.
 
         Raises:
-            RemoteError: as :meth:`fetch`, naming the URL.
+            RemoteNotFoundError, RemotePermissionError: as :meth:`fetch`, also when found
+                after bytes were handed out.
+            RemoteError: as :meth:`fetch`, naming the URL; or the read broke off after bytes
+                were handed out (a stream is not resumed here).
         """
         url = self._urls[self._check_index(index)]
         fs = self._pool()
         sleep = asyncio.sleep if self._sleep is None else self._sleep
         counters = current_counters.get()  # the loader's, as HTTPDataset.stream counts
         try:
-            file = await retrying(
-                lambda: self._open_file(fs, url),
+            file, chunk = await retrying(
+                lambda: self._open_file(fs, url, chunk_size),
                 policy=self._retry,
                 describe=url,
                 deadline=self._item_deadline,
                 sleep=sleep,
             )
         except NotImplementedError:
-            yield await self.fetch(index)
+            data = await self._retried(url, lambda fs: fs._cat_file(url))
+            yield data if isinstance(data, bytes) else bytes(data)
             return
         try:
-            while True:
+            while chunk:
+                if counters is not None:
+                    counters.remote_bytes += len(chunk)
+                yield bytes(chunk)
                 try:
                     chunk = await file.read(chunk_size)
                 except Exception as exc:
                     ours = classify(exc, url, self._retry)
                     shown = masked(exc)
+                    if ours is not None and not isinstance(ours, RetryableError):
+                        raise ours from shown  # not found, refused: said as fetch says it
                     if ours is None and shown is exc:
                         raise
                     raise RemoteError(
                         f"{redact(url)}: the read broke off: {ours or shown}", url=url
                     ) from shown
-                if not chunk:
-                    return
-                if counters is not None:
-                    counters.remote_bytes += len(chunk)
-                yield bytes(chunk)
         finally:
             with contextlib.suppress(Exception):
                 await file.close()
 
-    async def _open_file(self, fs: Any, url: str) -> Any:
+    async def _open_file(self, fs: Any, url: str, chunk_size: int) -> tuple[Any, bytes]:
+        """One attempt of opening :meth:`stream`: the open file and its first chunk (s3fs
+        sends its GetObject at the first read, not at the opening)."""
         try:
-            return await fs.open_async(url, "rb")
+            file = await fs.open_async(url, "rb")
         except NotImplementedError:
             raise
         except Exception as exc:
@@ -412,6 +422,16 @@ class FsspecDataset(Source):
             if ours is None:
                 raise
             raise ours from exc
+        try:
+            first = await file.read(chunk_size)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                await file.close()
+            ours = classify(exc, url, self._retry) if isinstance(exc, Exception) else None
+            if ours is None:
+                raise
+            raise ours from exc
+        return file, first
 
     async def _retried(self, url: str, op: Callable[[Any], Awaitable[T]]) -> T:
         """``await op(fs)`` with the loop's filesystem, each failure classified, retried."""
@@ -560,8 +580,18 @@ async def list_fsspec(
             f"{redact(url_or_glob)}: no objects match (a missing prefix, or an empty listing)",
             url=url_or_glob,
         )
-    # Listed names are objects, even where a key looks like a glob (ListedName).
-    return sorted(ListedName(f"{protocol}://{name.lstrip('/')}") for name in names)
+    # Listed names are objects, even where a key looks like a glob (ListedName). Most
+    # filesystems list paths without their protocol (s3fs: "bucket/key"); fsspec's HTTP
+    # filesystem lists whole URLs, which keep theirs.
+    return sorted(ListedName(_with_protocol(protocol, name)) for name in names)
+
+
+def _with_protocol(protocol: str, name: str) -> str:
+    from fsspec.core import split_protocol
+
+    if split_protocol(name)[0] is not None:
+        return name
+    return f"{protocol}://{name.lstrip('/')}"
 
 
 async def _find(fs: Any, url: str) -> list[str]:
