@@ -456,6 +456,11 @@ def batch_sampler_for(
             )
         if last_batch is not None:
             raise ValueError(f"batch_sampler excludes last_batch (got {last_batch!r})")
+        if not isinstance(batch_sampler, Iterable):  # (else: at the first epoch, unnamed)
+            raise TypeError(
+                "batch_sampler must be an iterable of batches (lists of indices), got "
+                f"{batch_sampler!r}"
+            )
         inner = getattr(batch_sampler, "sampler", None)  # torch's and ours have one
         return Sampling(
             batch_sampler,

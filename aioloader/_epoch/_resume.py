@@ -78,6 +78,7 @@ the loader by adding its layout.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -115,7 +116,8 @@ STATE_VERSION = 1
 
 # The settings a state's "layout" records, and how a message names each. They decide which
 # samples batch id i of an epoch is, and in which order the ids come (the rank does not: under
-# DDP rank 0's state resumes every rank; neither do num_workers and in_order: the ids stay).
+# DDP rank 0's state resumes every rank, unless the state is that rank's own, see
+# EpochBook._own_rank; neither do num_workers and in_order: the ids stay).
 _LAYOUT: dict[str, str] = {
     "shuffle": "shuffle",
     "sampler": "sampler",
@@ -127,7 +129,11 @@ _LAYOUT: dict[str, str] = {
     "indices": "len(sampler)",
     "replicas": "num_replicas",
     "batches": "len(loader)",
+    "replacement": "sampler replacement",
 }
+# Settings recorded since a later release of format 1: compared only where the saved layout
+# has them (a state saved before says nothing of them, and is loaded as it was).
+_ADDED = frozenset({"replacement"})
 
 
 class EpochBook:
@@ -137,6 +143,8 @@ class EpochBook:
         sampling: the loader's samplers (whose ``set_epoch`` and state it drives).
         dataset: the loader's dataset (a stream's resume needs it to be a
             :class:`~aioloader._types.ResumableStream`).
+        in_order: whether the loader yields its batches in sampler order; out of order, the
+            batch ids a rank took are its own (see :meth:`_own_rank`).
     """
 
     def __init__(
@@ -144,9 +152,12 @@ class EpochBook:
         sampling: Sampling,
         dataset: Any = None,
         draw_seed: Callable[[], object] | None = None,
+        *,
+        in_order: bool = True,
     ) -> None:
         self._sampling = sampling
         self._dataset = dataset
+        self._in_order = in_order
         # Draws a base seed from the loader's ``generator`` (when the loader's seed was drawn
         # from it): torch draws one for every iterator, before its sampler draws from the same
         # generator. The loader's construction drew the first epoch's; each later epoch draws
@@ -184,12 +195,33 @@ class EpochBook:
 
     def replace_sampling(self, sampling: Sampling) -> None:
         """Use ``sampling`` from the next epoch on (a rank's share decided late); a sampler the
-        loader made is told the epoch asked for, as :meth:`set_epoch` tells it."""
+        loader made is told the epoch asked for, as :meth:`set_epoch` tells it.
+
+        A state loaded before (checked against the samplers replaced) is checked again
+        against these: its batch ids may be other samples in a rank's share.
+
+        Raises:
+            ValueError: the pending state does not fit the new samplers (it is dropped: the
+                next epoch is a whole one, as after any refusal).
+        """
         self._sampling = sampling
-        set_epoch = getattr(sampling.batches, "set_epoch", None)
-        if callable(set_epoch) and sampling.built:
+        set_epoch = _epoch_setter(sampling.batches)
+        if set_epoch is not None and sampling.built:
             set_epoch(self.next_epoch)
             self._took_sampler_epoch()
+        pending, self._resume = self._resume, None
+        if pending is None:
+            return
+        try:
+            self.load(pending)
+        except ValueError as exc:
+            raise ValueError(
+                "the state loaded into this loader before torch.distributed's process group "
+                "existed was checked against the whole dataset's samplers; now that the group "
+                f"exists the loader reads rank {self._rank()}'s share, and the state does not "
+                f"fit it: {exc} (the state is dropped: load it after init_process_group, or "
+                "call len(loader) once the group exists and then load it)"
+            ) from exc
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next epoch ``epoch``; a user's sampler is told too, at its start.
@@ -200,8 +232,8 @@ class EpochBook:
         it. A user's sampler is told once, at the epoch's start, by the rule above.
         """
         self._asked = self.next_epoch = non_negative_int("epoch", epoch)
-        set_epoch = getattr(self._sampling.batches, "set_epoch", None)
-        if callable(set_epoch) and self._sampling.built:
+        set_epoch = _epoch_setter(self._sampling.batches)
+        if set_epoch is not None and self._sampling.built:
             set_epoch(epoch)
             self._took_sampler_epoch()
 
@@ -221,7 +253,7 @@ class EpochBook:
         Loads a resumed sampler state, then calls ``set_epoch`` where the rule says so, then
         records the sampler's state: the caller calls ``iter()`` on the batch sampler next.
         """
-        resume, self._resume = self._resume, None
+        resume = self._resume  # cleared once its sampler state is loaded (it was checked)
         if resume is not None:
             epoch = int(resume["epoch"])
             done = {int(i) for i in resume["done"]}
@@ -231,6 +263,19 @@ class EpochBook:
             told = self._took_sampler_epoch()
             if told is not None and self._asked is None:
                 epoch = told  # loader.sampler.set_epoch(e): as loader.set_epoch(e)
+        batches = self._sampling.batches
+        if batches is not None and resume is not None:
+            if resume.get("sampler") is not None:
+                holder = _state_holder(batches)
+                if holder is None:
+                    raise ValueError(
+                        f"the state holds a sampler state but batch_sampler={batches!r} "
+                        "holds no sampler with load_state_dict"
+                    )
+                holder.load_state_dict(resume["sampler"])
+            if resume.get("generators") is not None:
+                _set_generators(batches, resume["generators"])
+        self._resume = None
         self._asked = None
         if resume is None and self._begun and not self._drawn and self._draw_seed is not None:
             self._draw_seed()  # the previous epoch was left early (a resumed one's is saved)
@@ -241,19 +286,9 @@ class EpochBook:
         self._done = sorted(done)
         self._begin_stream(resume, done)
         self._drives = drive and not self._sampling.built
-        batches = self._sampling.batches
         if batches is not None:
-            if resume is not None and resume.get("sampler") is not None:
-                if not isinstance(batches, Stateful):
-                    raise ValueError(
-                        f"the state holds a sampler state but batch_sampler={batches!r} has "
-                        "no load_state_dict"
-                    )
-                batches.load_state_dict(resume["sampler"])
-            if resume is not None and resume.get("generators") is not None:
-                _set_generators(batches, resume["generators"])
-            set_epoch = getattr(batches, "set_epoch", None)
-            if callable(set_epoch) and (self._sampling.built or drive):
+            set_epoch = _epoch_setter(batches)
+            if set_epoch is not None and (self._sampling.built or drive):
                 set_epoch(epoch)
                 self._took_sampler_epoch()  # the book's own, forgotten
             self._sampler_state = _state_of(batches)
@@ -365,27 +400,56 @@ class EpochBook:
                     "skipped": list(self._skips.skipped),
                 },
             }
-            consumed = self._consumed()
-            if consumed is not None:
-                state["consumed"] = consumed  # for a resume on another number of ranks
+            own = self._own_rank(self._sampler_state, bool(self._done))
+            if own is not None:
+                state["rank"] = own  # its batch ids, or its carry, are this rank's alone
+            else:
+                consumed = self._consumed()
+                if consumed is not None:
+                    state["consumed"] = consumed  # for a resume on another number of ranks
             return state
         told = getattr(self._sampling.sampler, "set_epoch_asked", None)  # not taken yet
         built = self._sampling.built and self._asked is None and isinstance(told, int)
-        return {
+        sampler_state = _state_of(self._sampling.batches)
+        state = {
             "version": STATE_VERSION,
             "epoch": told if built else self.next_epoch,
             "done": [],
-            "sampler": _state_of(self._sampling.batches),
+            "sampler": sampler_state,
             "generators": _generator_states(self._sampling.batches),
             "set_epoch": self._asked is not None and not self._sampling.built,
             "seed": seed,
             "layout": self.layout(),
         }
+        own = self._own_rank(sampler_state, False)
+        if own is not None:
+            state["rank"] = own
+        return state
+
+    def _own_rank(self, sampler_state: object, taken: bool) -> int | None:
+        """This loader's rank where a state of it resumes this rank only (None: every rank).
+
+        Under DDP rank 0's state resumes every rank because every rank takes the same batch
+        ids, each of its own share, in the same order, and nothing else of the state is a
+        rank's. Two things are a rank's own: the batch ids taken out of order
+        (``in_order=False``: each rank's come as its own batches complete), and a rollover
+        carry (each rank's tail of its share). Such a state records ``"rank"``; a loader of
+        another rank, or of another number of ranks, refuses it (:meth:`_check_rank`).
+        """
+        chain = _samplers(self._sampling.batches)
+        replicas, rank = _first_int(chain, "num_replicas"), _first_int(chain, "rank")
+        if replicas is None or replicas < 2 or rank is None:
+            return None
+        carry = _nested(sampler_state, "carry")
+        if (taken and not self._in_order) or (isinstance(carry, list | tuple) and carry):
+            return rank
+        return None
 
     def _consumed(self) -> list[list[int]] | None:
         """The positions of the epoch's order every rank read, where the epoch is shared out
         by a DistributedSampler of ours in plain batches (see :func:`_elastic`): None where
-        the state cannot say (another sampler, a rollover, a sharded batch sampler)."""
+        the state cannot say (another sampler, a rollover, a sharded batch sampler, batches
+        taken out of order on several ranks)."""
         sampler: object = self._sampling.sampler
         batches = self._sampling.batches
         inner = _index_state(self._sampler_state)
@@ -402,22 +466,7 @@ class EpochBook:
         """The settings that decide which samples each batch id of an epoch is, as a state
         records them (see :data:`_LAYOUT`); None where unknown or not applicable (a stream has
         no sampler, a dataset or sampler may have no length)."""
-        batches, index = self._sampling.batches, self._sampling.sampler
-        if batches is None:  # a stream: only its length, where it has one
-            return {**dict.fromkeys(_LAYOUT), "samples": _length(self._dataset)}
-        chain = _samplers(batches)
-        return {
-            "shuffle": _shuffled(index),
-            "sampler": type(index).__name__,
-            "generator": any(getattr(s, "generator", None) is not None for s in chain),
-            "batch_sampler": type(batches).__name__,
-            "batch_size": _first_int(chain, "batch_size"),
-            "last_batch": _last_batch(chain),
-            "samples": _length(self._dataset),
-            "indices": _length(index),
-            "replicas": _first_int(chain, "num_replicas"),
-            "batches": _length(batches),
-        }
+        return _layout_of(self._sampling.batches, self._sampling.sampler, self._dataset)
 
     def _warn_unresumable(self) -> None:
         """Warn (once) if a sampler the user passed draws its order from torch's global
@@ -458,7 +507,13 @@ class EpochBook:
                 :class:`~aioloader._types.ResumableStream` (or the state holds no reader
                 positions).
         """
-        self._resume = dict(self.check(state) if check else state)
+        resume = dict(self.check(state) if check else state)
+        holder = _state_holder(self._sampling.batches)
+        if holder is not None and resume.get("sampler") is not None:
+            # Now, as the epoch's start will again: len(loader) counts the batches of the
+            # epoch it resumes (a rollover carry, the rest of an epoch on other ranks).
+            holder.load_state_dict(resume["sampler"])
+        self._resume = resume
 
     def check(self, state: dict[str, Any], *, readers: int | None = None) -> dict[str, Any]:
         """``state``, if :meth:`load` would take it (see there), and if its stream positions
@@ -477,9 +532,17 @@ class EpochBook:
             saved = state["streams"]
             if readers is not None and isinstance(saved, dict) and "readers" in saved:
                 check_readers(saved["readers"], readers)
+        tried, failure = self._tried(state)
+        self._check_rank(state)
         if done:  # counted in batch ids: the loader must cut and order them as the saver did
-            self._check_layout(state)
+            self._check_layout(state, tried)
         self._check_sampler_state(state, exact=bool(done))
+        if failure is not None:  # here, not at the epoch's first batch (the state kept)
+            raise ValueError(
+                f"the state's 'sampler' cannot be loaded into the samplers of this loader "
+                f"({_chain_text(self._sampling.batches)}): {failure}"
+            ) from failure
+        self._check_carry(state)
         self._check_shuffle_seed(state)
         if state.get("generators") is not None:
             _matching_generators(self._sampling.batches, state["generators"])
@@ -496,8 +559,35 @@ class EpochBook:
             return False  # the same ranks: the batch ids resume it, as always
         if not isinstance(self._sampling.sampler, DistributedSampler):
             return False
-        differ = {key for key in _LAYOUT if saved.get(key) != mine[key]}
-        return differ <= _ELASTIC
+        return set(_differ(saved, mine)) <= _ELASTIC
+
+    def _tried(self, state: dict[str, Any]) -> tuple[dict[str, Any] | None, Exception | None]:
+        """The layout of a copy of this loader's samplers with the state's sampler state
+        loaded (None where no copy can be made), or the error of that load.
+
+        The layout of the epoch the state resumes is of the samplers after that load: the
+        rest of an epoch resumed on other ranks has fewer indices than a whole one, and is
+        resumed again on as many ranks. The copy shares the datasets (never copied)."""
+        batches, saved = self._sampling.batches, state.get("sampler")
+        if batches is None or saved is None or _state_holder(batches) is None:
+            return None, None
+        chain = _samplers(batches)
+        shared = [self._dataset] + [
+            getattr(s, name, None) for s in chain for name in ("data_source", "dataset")
+        ]
+        memo: dict[int, Any] = {id(obj): obj for obj in shared if obj is not None}
+        try:
+            copied = copy.deepcopy(batches, memo)
+        except Exception:  # a sampler of the user's that cannot be copied: checked at its load
+            return None, None
+        holder = _state_holder(copied)
+        assert holder is not None  # (a copy of a chain that has one)
+        try:
+            holder.load_state_dict(_copied(saved))
+        except Exception as exc:  # raised by the caller, as a ValueError
+            return None, exc
+        index = memo.get(id(self._sampling.sampler), self._sampling.sampler)
+        return _layout_of(copied, index, self._dataset), None
 
     def _rebased(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` (saved on other ranks) as the start of the rest of its epoch here: no
@@ -528,22 +618,19 @@ class EpochBook:
             )
         return state if version == STATE_VERSION else _migrated(state)
 
-    def _check_layout(self, state: dict[str, Any]) -> None:
-        """Refuse a mid-epoch state whose batch ids are other samples in this loader."""
-        saved, mine = state["layout"], self.layout()
+    def _check_layout(self, state: dict[str, Any], tried: dict[str, Any] | None) -> None:
+        """Refuse a mid-epoch state whose batch ids are other samples in this loader
+        (``tried``: the layout with the state's sampler state loaded, where known)."""
+        saved, mine = state["layout"], tried if tried is not None else self.layout()
         rollover = "rollover" in (saved.get("last_batch"), mine["last_batch"])
-        differ = [
-            key
-            for key in _LAYOUT
-            if saved.get(key) != mine[key] and not (key == "batches" and rollover)
-        ]
+        differ = [key for key in _differ(saved, mine) if not (key == "batches" and rollover)]
         if differ:  # (a carry rolled over changes len(loader) from epoch to epoch)
             raise ValueError(
                 f"the state was saved mid-epoch ({_taken_text(state)}) by a loader with "
                 f"{_layout_text(saved, differ)}; this one has {_layout_text(mine, differ)}. "
                 "Its batches are other samples here, so resuming would repeat some and skip "
                 "others: load it into a loader built the same way, or save the state between "
-                "epochs"
+                f"epochs{_unsharded_hint(saved, mine)}"
             )
         batches = saved.get("batches")
         beyond = [i for i in state["done"] if is_int(batches) and i >= batches]
@@ -554,6 +641,45 @@ class EpochBook:
                 "put together from two states"
             )
 
+    def _check_rank(self, state: dict[str, Any]) -> None:
+        """Refuse a state that is another rank's own (see :meth:`_own_rank`), or of another
+        number of ranks, naming both."""
+        saved = state.get("rank")
+        if saved is None:
+            return
+        layout = state.get("layout")
+        replicas = layout.get("replicas") if isinstance(layout, dict) else None
+        mine, my_replicas = self._rank(), self.layout()["replicas"]
+        if saved == mine and replicas in (None, my_replicas):
+            return
+        why = (
+            "its batches were taken out of order (in_order=False), each rank's as they came"
+            if state["done"] and _nested(state.get("sampler"), "carry") in (None, [], ())
+            else "it holds the samples its rollover carried (last_batch='rollover'), each "
+            "rank's tail of its own share"
+        )
+        raise ValueError(
+            f"the state is rank {saved}'s of {replicas} ranks, and this loader reads rank "
+            f"{mine}'s share of {my_replicas}: {why}, so it resumes that rank only. Load each "
+            "rank its own loader.state_dict() on as many ranks (or, to resume on other "
+            "ranks, save the state between epochs with in_order=True and last_batch 'keep' "
+            "or 'discard')"
+        )
+
+    def _check_carry(self, state: dict[str, Any]) -> None:
+        """Refuse a rollover carry holding indices this loader's dataset does not have."""
+        carry, samples = _nested(state.get("sampler"), "carry"), _length(self._dataset)
+        if not isinstance(carry, list | tuple) or samples is None:
+            return
+        outside = [i for i in carry if not (is_int(i) and 0 <= int(i) < samples)]
+        if outside:
+            raise ValueError(
+                f"the state's rollover carry holds indices {outside[:8]} outside this loader's "
+                f"dataset of {samples} samples (0 to {samples - 1}): it was saved over another "
+                "dataset, or edited. Load it into a loader over the same dataset, or load "
+                "{**state, 'sampler': None} between epochs to drop the carry"
+            )
+
     def _check_sampler_state(self, state: dict[str, Any], *, exact: bool) -> None:
         """Refuse a sampler state saved by other samplers (shuffled or not, a generator or a
         seed), here rather than at the epoch's ``iter()``. Mid-epoch (``exact``) its keys must
@@ -562,6 +688,8 @@ class EpochBook:
         saved, mine = _keys(state.get("sampler")), _keys(_state_of(self._sampling.batches))
         if saved == mine or (not exact and _within(saved, mine)):
             return
+        if saved is None and exact and state["epoch"] == 0 and not self._sampling.built:
+            return  # saved before a sampler inside a stateless batch sampler was: as then
         chain = _chain_text(self._sampling.batches)
         if exact:
             raise ValueError(
@@ -670,12 +798,19 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     streams = [state.get("streams") for state in states]
     if all(saved is None for saved in streams):
         for k, state in enumerate(states):
-            for key in ("done", "consumed"):
-                if state.get(key) != first.get(key):
+            if state.get("rank") is not None:
+                raise ValueError(
+                    f"merge_states: state {k} is rank {state['rank']}'s own (batches taken "
+                    "out of order with in_order=False, or a rollover carry): such states "
+                    "resume on the same ranks only, each rank from its own state_dict()"
+                )
+            for key in ("done", "consumed", "sampler"):
+                if not _same(state.get(key), first.get(key)):
                     raise ValueError(
-                        f"merge_states: state {k}'s {key!r} differs from state 0's: a "
-                        "map-style epoch is shared out so that rank 0's state says it for all "
-                        "ranks, which these do not"
+                        f"merge_states: state {k}'s {key!r} ({state.get(key)!r}) differs from "
+                        f"state 0's ({first.get(key)!r}): a map-style epoch is shared out so "
+                        "that rank 0's state says it for all ranks, which these do not; "
+                        "resume each rank from its own state_dict()"
                     )
         return _with_carried(_own_dropped(first), states)
     positions = []
@@ -821,6 +956,8 @@ def _check_fields(state: dict[str, Any]) -> None:
     to_int("the state's 'seed'", state["seed"])
     if "set_epoch" in state:
         boolean("the state's 'set_epoch'", state["set_epoch"])
+    if state.get("rank") is not None:
+        non_negative_int("the state's 'rank'", state["rank"])
     for key, kind in (("sampler", dict), ("generators", list), ("streams", dict)):
         value = state.get(key)
         if value is not None and not isinstance(value, kind):
@@ -880,6 +1017,26 @@ def _check_failures(failures: object) -> None:
             "every skipped sample was seen. The state was edited, or put together from two "
             "states"
         )
+
+
+def _differ(saved: dict[str, Any], mine: dict[str, Any]) -> list[str]:
+    """The settings in which two layouts differ (one recorded later only where saved)."""
+    return [
+        key
+        for key in _LAYOUT
+        if saved.get(key) != mine[key] and (key not in _ADDED or key in saved)
+    ]
+
+
+def _unsharded_hint(saved: dict[str, Any], mine: dict[str, Any]) -> str:
+    """A hint where a state of several ranks meets a loader not sharded (yet)."""
+    replicas = saved.get("replicas")
+    if is_int(replicas) and int(replicas) > 1 and mine["replicas"] in (None, 1):
+        return (
+            ". A loader built before torch.distributed.init_process_group takes its rank's "
+            "share once the group exists: load the state after init_process_group"
+        )
+    return ""
 
 
 def _taken_text(state: dict[str, Any]) -> str:
@@ -990,8 +1147,62 @@ def _shuffled(sampler: object) -> bool | None:
     return flag if isinstance(flag, bool) else None
 
 
+def _state_holder(batches: object) -> Stateful | None:
+    """The outermost of ``batches`` and the samplers it wraps that has a state: its state is
+    the samplers' (a stateful one saves those it wraps). A batch sampler without a state
+    (torch's ``BatchSampler``) around one of ours (``RandomSampler(seed=)``) is looked
+    through: the sampler inside it holds the order."""
+    return next((s for s in _samplers(batches) if isinstance(s, Stateful)), None)
+
+
 def _state_of(batches: object) -> dict[str, Any] | None:
-    return batches.state_dict() if isinstance(batches, Stateful) else None
+    holder = _state_holder(batches)
+    return holder.state_dict() if holder is not None else None
+
+
+def _epoch_setter(batches: object) -> Callable[[int], object] | None:
+    """``set_epoch`` of the outermost of ``batches`` and the samplers it wraps that has one
+    (torch's ``BatchSampler`` has none: its sampler is told)."""
+    for sampler in _samplers(batches):
+        set_epoch = getattr(sampler, "set_epoch", None)
+        if callable(set_epoch):
+            return set_epoch  # type: ignore[no-any-return]
+    return None
+
+
+def _layout_of(batches: object, index: object, dataset: object) -> dict[str, Any]:
+    """The layout (see :data:`_LAYOUT`) of ``batches`` over index sampler ``index``."""
+    if batches is None:  # a stream: only its length, where it has one
+        return {**dict.fromkeys(_LAYOUT), "samples": _length(dataset)}
+    chain = _samplers(batches)
+    replacement = next(
+        (r for s in chain if isinstance(r := getattr(s, "replacement", None), bool)), None
+    )
+    return {
+        "shuffle": _shuffled(index),
+        "sampler": type(index).__name__,
+        "generator": any(getattr(s, "generator", None) is not None for s in chain),
+        "batch_sampler": type(batches).__name__,
+        "batch_size": _first_int(chain, "batch_size"),
+        "last_batch": _last_batch(chain),
+        "samples": _length(dataset),
+        "indices": _length(index),
+        "replicas": _first_int(chain, "num_replicas"),
+        "batches": _length(batches),
+        "replacement": replacement,
+    }
+
+
+def _same(one: object, other: object) -> bool:
+    """Whether two states are equal, tensors (a generator's state) compared by value."""
+    if isinstance(one, dict) and isinstance(other, dict):
+        return one.keys() == other.keys() and all(_same(one[k], other[k]) for k in one)
+    if isinstance(one, list | tuple) and isinstance(other, list | tuple):
+        return len(one) == len(other) and all(map(_same, one, other))
+    equal = getattr(one, "equal", None)  # torch.Tensor
+    if callable(equal) and type(one) is type(other):
+        return bool(equal(other))
+    return bool(one == other)
 
 
 # torch's samplers that draw from their ``generator``, or torch's global one without it.

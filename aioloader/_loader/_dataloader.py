@@ -66,7 +66,7 @@ from .._sampling import (
 )
 from .._stats import Counters, EpochProgress, LoaderStatistics, progress_display
 from .._threads import LoopThread, SyncIterator, off_loop
-from .._types import Runner, Stateful, StreamPosition, dataset_kind
+from .._types import Runner, StreamPosition, dataset_kind
 from .._validate import as_torch, boolean, to_int
 from .._workers import warn_more_workers_than_cpus
 from ._closing import closer_if_last
@@ -325,7 +325,7 @@ class DataLoader(SettingsView):
         self._counters = Counters()
         drawn = seed is None and generator is not None and not config.persistent_workers
         redraw = functools.partial(resolve_seed, None, generator) if drawn else None
-        self._book = EpochBook(self._sampling, dataset, draw_seed=redraw)
+        self._book = EpochBook(self._sampling, dataset, draw_seed=redraw, in_order=config.in_order)
         self._progress = progress_display(progress)
         self._res = Resources(pool=pool)
         self._closed = False
@@ -419,12 +419,13 @@ class DataLoader(SettingsView):
         if share is None:
             return
         self._sampling = self._sampling_for(shard=share)
-        self._book.replace_sampling(self._sampling)
         self._reconfigure(dataclasses.replace(self._config, shard=share))
         self._lockstep = self._lockstep_for(self._config.kind, share)
         if self._lockstep is not None:
             self._finalizer.detach()
             self._finalizer = self._watch()
+        # Last: a state loaded before the group is checked again, and may be refused.
+        self._book.replace_sampling(self._sampling)
 
     def __len__(self) -> int:
         self._shard_if_group_appeared()
@@ -695,6 +696,7 @@ class DataLoader(SettingsView):
                 seed differs from an explicit ``seed=`` or must change mid-epoch, or it is
                 mid-epoch in a stream that cannot resume.
         """
+        self._shard_if_group_appeared()  # checked against this rank's share, where it has one
         carried = state.get("equal_steps") if isinstance(state, dict) else None
         if carried is not None:
             state = {key: value for key, value in state.items() if key != "equal_steps"}
@@ -708,13 +710,7 @@ class DataLoader(SettingsView):
                     "pass the same seed (or none: the loader then adopts the saved one)"
                 )
             self._adopt_seed(to_int("seed", saved))
-        self._book.load(state)
-        batches = self._sampling.batches
-        if state.get("done") and not checked["done"] and isinstance(batches, Stateful):
-            # Saved on another number of ranks (rebased: the rest of the epoch is shared out
-            # here): the sampler takes its state now, as the epoch's start would, so that
-            # len(loader) counts the batches that epoch will have, not a whole epoch's.
-            batches.load_state_dict(checked["sampler"])
+        self._book.load(state)  # the sampler takes its state now: len(loader) counts that epoch
         if carried is not None and self._lockstep is not None:
             self._lockstep.carried = carried
 

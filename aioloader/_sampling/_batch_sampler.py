@@ -194,6 +194,12 @@ class BatchSampler:
         carry = state["carry"]
         if not isinstance(carry, list | tuple) or not all(map(is_int, carry)):
             raise TypeError(f"BatchSampler state 'carry' must be a list of ints, got {carry!r}")
+        negative = [i for i in carry if int(i) < 0]
+        if negative:  # (a negative index would read a sample from the end, silently)
+            raise ValueError(
+                f"BatchSampler state 'carry' holds negative indices {negative[:8]}: a carry "
+                "holds the indices of the samples held back, each >= 0"
+            )
         if carry and self.last_batch != "rollover":
             raise ValueError(
                 f"BatchSampler state 'carry' holds {len(carry)} indices but "
