@@ -1,0 +1,171 @@
+"""TarDataset and its source's connection pool: an open shard holds its connection while its
+samples wait for their turn, so a pool smaller than what an epoch reads at once must never
+leave the epoch waiting for ever. Either the pool is sized for the readers (S3's when the
+dataset makes its source, HTTP's default), or a smaller one is refused at construction
+naming both values, or the readers share it through the epoch's gate (the open shards and the
+re-reads of a resumed epoch first, the shards ahead with what is left).
+
+Shards hold more samples than a reader's queue (``READAHEAD``) and more bytes than a client
+buffers, so a reader whose queue is full keeps its connection, as a real one does. Every
+epoch here is bounded by ``helpers.collect``'s timeout: a hang fails the test instead of
+stalling the suite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from datasets import tar_keys, tar_shard
+from helpers import collect
+from http_server import FaultServer
+from s3_server import moto_s3, s3_options
+
+from aioloader.sources import FsspecDataset, HTTPDataset, TarDataset
+from aioloader.sources._readers import READAHEAD
+
+SHARDS = 8
+
+#: Bytes of a sample's member: a shard (1-2 MB) is far more than aiohttp buffers before it
+#: stops reading the socket, so a reader that waits keeps its connection (a body received
+#: whole would give it back at once).
+SAMPLE_BYTES = 64 << 10
+
+
+def counts(shard: int) -> int:
+    """Samples per shard: more than a queue holds, and uneven, so shards end at other turns."""
+    return 3 * READAHEAD + 8 * (shard % 3)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[FaultServer]:
+    with FaultServer().in_thread() as served:
+        for shard in range(SHARDS):
+            served.files[f"s{shard}.tar"] = tar_shard(shard, counts(shard), size=SAMPLE_BYTES)
+        yield served
+
+
+def http_tar(server: FaultServer, max_connections: int, in_flight: int, **options: Any) -> Any:
+    urls = [server.file_url(f"s{shard}.tar") for shard in range(SHARDS)]
+    source = HTTPDataset(urls, max_connections=max_connections)
+    return TarDataset(None, source=source, shards_in_flight=in_flight, **options)
+
+
+async def keys(dataset: TarDataset) -> list[str]:
+    try:
+        return [raw["__key__"] for raw in await collect(dataset)]
+    finally:
+        await dataset.aclose()
+
+
+@pytest.mark.parametrize(("max_connections", "in_flight"), [(1, 2), (3, 4), (7, 8)])
+def test_an_http_pool_below_the_open_shards_is_refused_naming_both(
+    server: FaultServer, max_connections: int, in_flight: int
+) -> None:
+    with pytest.raises(ValueError, match="needs a connection per open shard") as caught:
+        http_tar(server, max_connections, in_flight)
+    message = str(caught.value)
+    assert f"shards_in_flight={in_flight}" in message
+    assert f"max_connections={max_connections}" in message
+    assert f"max_connections>={in_flight}" in message  # and how to fix it
+
+
+@pytest.mark.parametrize(("max_connections", "in_flight"), [(2, 2), (4, 4), (5, 4), (9, 4)])
+async def test_a_pool_of_at_least_the_open_shards_reads_every_sample_once(
+    server: FaultServer, max_connections: int, in_flight: int
+) -> None:
+    ds = http_tar(server, max_connections, in_flight, shuffle=True, shuffle_buffer=50, seed=3)
+    got = await keys(ds)
+    assert sorted(got) == tar_keys(SHARDS, counts)  # each once: nothing repeated, none lost
+
+
+@pytest.mark.parametrize("cut", [30, 130, 250])
+@pytest.mark.parametrize("in_flight", [2, 3])
+async def test_a_resumed_epoch_with_a_pool_of_the_open_shards_ends_exactly(
+    server: FaultServer, in_flight: int, cut: int
+) -> None:
+    # Resuming re-reads what the buffer held (other shards than the open ones) while the
+    # open shards' readers fill their queues: with as many connections as open shards, the
+    # re-reads must still get one.
+    def make() -> Any:
+        return http_tar(server, in_flight, in_flight, shuffle=True, shuffle_buffer=100, seed=cut)
+
+    whole = await keys(make())
+    first = make()
+    head = []
+    async for raw in first:
+        head.append(raw["__key__"])
+        if len(head) == cut:
+            break
+    state = first.state_dict()
+    await first.aclose()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + await keys(resumed) == whole  # the rest exactly, in its order
+
+
+# -- S3 (aiobotocore pools 10 connections unless config_kwargs says otherwise) -------------
+
+
+S3_SHARDS = 12
+
+
+@pytest.fixture(scope="module")
+def moto_tar() -> Iterator[tuple[str, list[str]]]:
+    shards = {
+        f"s{shard:02d}.tar": tar_shard(shard, counts(shard), size=SAMPLE_BYTES)
+        for shard in range(S3_SHARDS)
+    }
+    with moto_s3({"pool": shards}) as endpoint:
+        yield endpoint, [f"s3://pool/{key}" for key in shards]
+
+
+async def test_s3_shards_past_botocores_default_pool_are_read_once(
+    moto_tar: tuple[str, list[str]],
+) -> None:
+    endpoint, urls = moto_tar
+    ds = TarDataset(urls, shards_in_flight=11, storage_options=s3_options(endpoint))
+    assert sorted(await keys(ds)) == tar_keys(S3_SHARDS, counts)
+
+
+async def test_s3_explicit_pool_of_the_open_shards_reads_once_and_resumes(
+    moto_tar: tuple[str, list[str]],
+) -> None:
+    endpoint, urls = moto_tar
+    options = s3_options(endpoint, config_kwargs={"max_pool_connections": 3})
+
+    def make() -> TarDataset:
+        return TarDataset(
+            urls, shards_in_flight=3, shuffle=True, shuffle_buffer=80, storage_options=options
+        )
+
+    whole = await keys(make())
+    assert sorted(whole) == tar_keys(S3_SHARDS, counts)
+    first = make()
+    head = []
+    async for raw in first:
+        head.append(raw["__key__"])
+        if len(head) == 150:
+            break
+    state = first.state_dict()
+    await first.aclose()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + await keys(resumed) == whole
+
+
+def test_an_s3_pool_below_the_open_shards_is_refused_naming_both(
+    moto_tar: tuple[str, list[str]],
+) -> None:
+    endpoint, urls = moto_tar
+    setting = "storage_options['config_kwargs']['max_pool_connections']"
+    options = s3_options(endpoint, config_kwargs={"max_pool_connections": 4})
+    with pytest.raises(ValueError, match=r"shards_in_flight=8 .*max_pool_connections'\]=4"):
+        TarDataset(urls, shards_in_flight=8, storage_options=options)
+    # A ready source keeps its own pool: botocore's 10, below 11 open shards.
+    source = FsspecDataset(urls, storage_options=s3_options(endpoint))
+    with pytest.raises(ValueError, match="needs a connection per open shard") as caught:
+        TarDataset(None, source=source, shards_in_flight=11)
+    assert f"{setting}=10" in str(caught.value)
+    assert "shards_in_flight=11" in str(caught.value)
