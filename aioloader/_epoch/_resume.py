@@ -42,7 +42,13 @@ same batch ids, so rank 0's state says it for all). Loaded where only the world 
 follows from it differ (``num_replicas``, ``len(sampler)``, ``len(loader)``), the state is
 rebased (:meth:`EpochBook.check`): no batch taken yet, the sampler holding those positions, so
 that its ``iter()`` shares out the rest of the order over the new ranks. The next epochs are
-those of an uninterrupted run on the new ranks.
+those of an uninterrupted run on the new ranks. A state saved in such a rest holds the
+positions in its sampler state; the layout it is checked against is the samplers' with that
+state loaded (into a copy), so it resumes on as many ranks by batch ids, and on others again.
+
+A state is a rank's own where the ranks' differ (:meth:`EpochBook._own_rank`): batch ids taken
+out of order (``in_order=False``) and a rollover carry. It records ``"rank"``, holds no
+``"consumed"``, and resumes that rank only, on as many ranks; :func:`merge_states` refuses it.
 
 A stream read in units (``TarDataset``, ``ParquetDataset``) resumes on another number of ranks
 (and workers) from every rank's state merged into one (:func:`merge_states`, exported as
@@ -51,8 +57,8 @@ consumed (:mod:`aioloader.sources`' ``merge_stream_states`` replays it), and the
 holds them all, no batch taken yet; each new rank's dataset deals the rest of the epoch out
 again. Any other stream resumes on the same ranks only. What a rank carries into its next
 epoch under equal steps (``"equal_steps"``, beside the book's state) is that rank's own: a
-merged state holds none of it, and :func:`merge_states` counts and logs every rank's as
-dropped.
+merged state holds every rank's (:func:`merge_states` logs how many, at INFO), and each loader
+that loads it takes its part (:func:`deal_carried`).
 
 The skip budget (``on_error='skip'`` with ``max_failures``) is of the epoch, interrupted or
 not: a mid-epoch state records what it counted in the batches taken (``"failures"``: samples
@@ -68,7 +74,11 @@ id means the same samples only under the same settings: every state records them
 (``"layout"``: shuffle, the samplers, batch size, last batch, lengths, world size) and a
 mid-epoch one is refused by a loader whose settings differ, naming each setting and both
 values (a state between epochs goes into any loader whose samplers read its sampler state:
-nothing of it was taken). Every field is
+nothing of it was taken). The sampler state is loaded into a copy of the samplers there too
+(a carry or positions they refuse, a carry outside the dataset: refused then, not at the first
+batch), and into the samplers themselves once accepted (``len(loader)`` counts the epoch it
+resumes). Settings recorded later in format 1 (``"replacement"``) are compared only where the
+saved layout has them, so a state saved before loads as it did. Every field is
 checked for its type and range (``done`` holds distinct batch ids of the epoch; the seed of
 the shuffle the loader made is the state's ``seed``). States without a version (format 0,
 before the layout was recorded) migrate explicitly (:func:`_migrated`) when saved between

@@ -95,7 +95,9 @@ class DataLoader(SettingsView):
         batch_size: samples per batch. ``None`` turns automatic batching off, as in torch:
             each sample is yielded alone, through ``collate_fn(sample)`` (default
             :func:`default_convert`: numpy arrays become tensors).
-        shuffle: random order, seeded from the loader's seed and the epoch.
+        shuffle: random order, seeded from the loader's seed and the epoch (with
+            ``generator=``: drawn from the generator at each epoch's start, as torch draws
+            it, so ``set_epoch(n)`` does not replay an epoch's order).
         sampler: yields indices; excludes ``shuffle``.
         batch_sampler: yields batches of indices (lists, numpy arrays or torch tensors), or
             lists of such batches (the loader then yields a list of batches, one per shard);
@@ -185,8 +187,9 @@ class DataLoader(SettingsView):
         workers: a :class:`WorkerPool` shared with other loaders; it decides ``num_workers``.
 
     Epochs and ``set_epoch``: each iteration is the next epoch, and shuffling and worker seeds
-    derive from its number. The loader calls ``set_epoch(epoch)`` on the samplers it made
-    itself (``shuffle``) before every epoch. A sampler or batch sampler you pass is yours:
+    derive from its number (a shuffle drawn from a ``generator`` derives from the generator's
+    state instead, which a state saves). The loader calls ``set_epoch(epoch)`` on the samplers
+    it made itself (``shuffle``) before every epoch. A sampler or batch sampler you pass is yours:
     the loader calls its ``set_epoch`` only for an epoch you name with
     :meth:`DataLoader.set_epoch`, and on resume from a :meth:`state_dict` saved in such an
     epoch; ``sampler.set_epoch(e)`` called by your own loop (the usual torch

@@ -26,7 +26,10 @@ Sharp edges, each deliberate:
   :class:`DistributedSampler` order an epoch as a pure function of ``(seed, epoch)``. Calling
   ``iter()`` uses the current epoch and moves on to the next one, so a training loop that never
   calls ``set_epoch`` still gets a new order every epoch (torch's DistributedSampler repeats the
-  same order in that case). ``set_epoch(e)`` before an epoch pins it to ``e``, exactly as in torch.
+  same order in that case). ``set_epoch(e)`` sets the epoch of the next ``iter()`` only, which
+  then moves on to ``e + 1``: torch's sampler keeps ``e`` until told another, so two ``iter()``
+  after one ``set_epoch(e)`` give epoch ``e``'s order twice there and epochs ``e`` and ``e + 1``
+  here (a loop that calls ``set_epoch`` before every epoch, as torch asks, sees no difference).
   ``iter()`` does its work at once (it draws the whole order), so ``state_dict()`` taken right
   before ``iter()`` describes that iteration completely: restoring it and skipping the batches
   already delivered resumes an epoch exactly.
@@ -201,7 +204,8 @@ class RandomSampler:
     """Yields the dataset's indices in a random order that is reproducible from a seed.
 
     Without a ``generator``, epoch ``e`` is ordered by a pure function of ``(seed, e)``; each
-    ``iter()`` uses the current epoch and advances to the next, and :meth:`set_epoch` pins it.
+    ``iter()`` uses the current epoch and advances to the next; :meth:`set_epoch` sets the
+    epoch of the next ``iter()`` only (see the module docstring).
     With a ``torch.Generator``, indices are drawn from it exactly as torch's ``RandomSampler``
     draws them, so both yield the same indices from identically seeded generators; the epoch is
     then recorded but does not affect the order.
@@ -360,8 +364,11 @@ class DistributedSampler:
     The epoch's order (shuffled from ``(seed, epoch)``, or sequential) is padded by wrapping
     around to a multiple of ``num_replicas`` (or cut to one with ``drop_last``), and rank ``r``
     takes every ``num_replicas``-th index starting at ``r``, as torch's DistributedSampler does.
-    All ranks must use the same ``seed``; each ``iter()`` advances the epoch unless
-    :meth:`set_epoch` pins it.
+    All ranks must use the same ``seed``; each ``iter()`` uses the current epoch and advances
+    to the next, and :meth:`set_epoch` sets the epoch of the next ``iter()`` only (torch's
+    keeps it: see the module docstring). Shuffled, the order is this module's permutation of
+    ``(seed, epoch)``, not the one torch's ``DistributedSampler`` draws for the same seed and
+    epoch; unshuffled, the shares and the padding are torch's.
 
     Args:
         dataset: the dataset (anything with ``__len__``) or its length as an int.
