@@ -13,12 +13,14 @@ stalling the suite.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from datasets import tar_keys, tar_shard
-from helpers import collect
+from helpers import BOUND_S, collect
 from http_server import FaultServer
 from s3_server import moto_s3, s3_options
 
@@ -59,6 +61,21 @@ async def keys(dataset: TarDataset) -> list[str]:
         await dataset.aclose()
 
 
+async def cut_at(dataset: TarDataset, n: int) -> tuple[list[str], dict[str, Any]]:
+    """The first ``n`` keys of an epoch and the state after them; the epoch is closed (its
+    readers stopped) before the source."""
+    head = []
+    try:
+        async with asyncio.timeout(BOUND_S), contextlib.aclosing(aiter(dataset)) as samples:
+            async for raw in samples:
+                head.append(raw["__key__"])
+                if len(head) == n:
+                    break
+        return head, dataset.state_dict()
+    finally:
+        await dataset.aclose()
+
+
 @pytest.mark.parametrize(("max_connections", "in_flight"), [(1, 2), (3, 4), (7, 8)])
 def test_an_http_pool_below_the_open_shards_is_refused_naming_both(
     server: FaultServer, max_connections: int, in_flight: int
@@ -92,14 +109,7 @@ async def test_a_resumed_epoch_with_a_pool_of_the_open_shards_ends_exactly(
         return http_tar(server, in_flight, in_flight, shuffle=True, shuffle_buffer=100, seed=cut)
 
     whole = await keys(make())
-    first = make()
-    head = []
-    async for raw in first:
-        head.append(raw["__key__"])
-        if len(head) == cut:
-            break
-    state = first.state_dict()
-    await first.aclose()
+    head, state = await cut_at(make(), cut)
     resumed = make()
     resumed.load_state_dict(state)
     assert head + await keys(resumed) == whole  # the rest exactly, in its order
@@ -142,14 +152,7 @@ async def test_s3_explicit_pool_of_the_open_shards_reads_once_and_resumes(
 
     whole = await keys(make())
     assert sorted(whole) == tar_keys(S3_SHARDS, counts)
-    first = make()
-    head = []
-    async for raw in first:
-        head.append(raw["__key__"])
-        if len(head) == 150:
-            break
-    state = first.state_dict()
-    await first.aclose()
+    head, state = await cut_at(make(), 150)
     resumed = make()
     resumed.load_state_dict(state)
     assert head + await keys(resumed) == whole
