@@ -9,8 +9,25 @@
                                               └─ total: EpochStatistics (every epoch)
 
 The pipeline bumps :class:`Counters` from the event loop thread only (worker processes report
-their timings in their replies; remote sources reach them through :data:`current_counters`),
-so no lock is needed. A snapshot is a few dozen additions: cheap enough to read while running.
+their timings in their replies; remote sources reach them through :data:`current_counters`).
+Snapshots are read from any thread (``statistics()`` from a monitoring thread, the consumer's
+thread while a sync loader's loop runs in another), and no lock is taken, so that the loop
+never waits for a reader. What makes that safe:
+
+- the running epoch's start (number, capacity, clock, baseline sums, CPU read) is one frozen
+  :class:`RunningEpoch`, published by one assignment when the epoch begins and cleared by one
+  when it ends: a reader never sees a clock without its baseline, or another epoch's baseline;
+- a snapshot reads it, then the sums (which only grow), then checks it again, and reads anew if
+  an epoch began meanwhile (:meth:`Counters.snapshot`): no difference is negative or spans two
+  epochs, and every difference is clamped at 0 all the same;
+- one snapshot reads the sums and the CPU time once for the epoch and the total together, so
+  that the total always holds the epoch;
+- the newest CPU read is a cache any thread may replace, with one immutable
+  :class:`CpuSample`; the epoch's end measures with the read it made itself.
+
+A snapshot is a few dozen additions, 0.1-0.25 ms in all (``LoaderStatistics.build`` with its
+tables); re-reading the CPU time (at most every :data:`CPU_SAMPLE_INTERVAL_S`) walks ``/proc``
+and brings it to 0.6-1.2 ms on a 2-core machine.
 
 How a stage's share of the wall time is measured: its busy time divided by the wall time times
 its parallelism (``busy_s / (wall_s * parallelism)``), i.e. how much of its capacity it used,
@@ -52,6 +69,7 @@ from typing import Any
 __all__ = [
     "CPU_SAMPLE_INTERVAL_S",
     "CPU_SATURATED",
+    "GIL_BOUND_MARGIN",
     "SATURATED",
     "SKIP_RECORDS",
     "VERDICT_WARNING_MIN_S",
@@ -61,6 +79,7 @@ __all__ = [
     "CpuSample",
     "EpochStatistics",
     "LoaderStatistics",
+    "RunningEpoch",
     "WorkerFigures",
     "cpus_available",
     "current_counters",
@@ -100,6 +119,14 @@ CPU_SATURATED = 0.85
 #: read walks ``/proc`` (~3 ms on a 2-core machine with ~100 processes), and ``statistics()``
 #: must stay cheap to read in a loop. An epoch's start and end always read it afresh.
 CPU_SAMPLE_INTERVAL_S = 0.5
+
+#: Threads making batches while this process used at most this many CPUs above one, on a
+#: machine with CPUs to spare, are held by the GIL (a pure-Python ``__getitem__``): more
+#: threads only take turns, processes would run at once. One CPU exactly is the GIL's ceiling;
+#: the margin admits the loop's own moments in C code (numpy, I/O) that run beside it. On a
+#: loaded 2-core machine a GIL-bound pipeline (1 or 4 threads) used 0.5-0.76 CPUs and waited
+#: in a run queue for another 0.7-1.1; the review measured 1.0 used on an idle one.
+GIL_BOUND_MARGIN = 0.25
 
 
 # -- CPU: the process tree's time, and the CPUs it may use -----------------------------------------
@@ -330,9 +357,14 @@ class Capacity:
         makers: batches made at once (worker processes or threads).
         io_concurrency: item fetches in flight at once (0: the dataset is not async map-style).
         prefetch: batches in flight or unclaimed at once.
-        batch_size: samples per batch (1 without batching).
+        batch_size: samples per batch (1 without batching); 0 where a batch sampler decides:
+            the verdict then takes the mean samples per batch handed over.
         processes: whether the makers are processes.
         stream: the dataset is an async iterable (pulled one item at a time on the loop).
+        thread_pool: the makers are threads the user asked for (``thread_pool=True``), not
+            the one helper thread of ``num_workers=0``.
+        pin_memory: batches are pinned before their copy to the device.
+        device_prefetch: device copies in flight at once.
     """
 
     makers: int = 1
@@ -341,6 +373,9 @@ class Capacity:
     batch_size: int = 1
     processes: bool = False
     stream: bool = False
+    thread_pool: bool = False
+    pin_memory: bool = False
+    device_prefetch: int = 1
 
 
 # The sums that an epoch's statistics are the difference of (end minus its start).
@@ -399,17 +434,17 @@ class Counters:
     cut_epochs: int = 0  # epochs that ended at the agreed step before this rank's share did
     unread_samples: int = 0  # of those shares, samples not read (where a stream has a len())
     wall_s: float = 0.0  # of the epochs that ended
-    capacity: Capacity = field(default_factory=Capacity)
-    epoch_started: float | None = None  # perf_counter at the running epoch's start
-    owner: object = None  # the running epoch's token: only it ends its clock
-    baseline: tuple[float, ...] = ()  # _SUMS at the running epoch's start
+    capacity: Capacity = field(default_factory=Capacity)  # the running (or last) epoch's
+    # The running epoch, published whole (one assignment) by begin_epoch and cleared by
+    # end_epoch: a reader on another thread reads it once and sees one epoch's start, never
+    # a start with another epoch's baseline (see the module docstring).
+    running: RunningEpoch | None = None
     last_epoch: EpochStatistics | None = None  # the epoch that ended last
     # The process tree's CPU time: how it is read (injectable: tests give a fake), the CPUs it
-    # may use, the read at the running epoch's start and the newest, and (wall covered, main_s,
-    # tree_s, wait_s) of the epochs that ended.
+    # may use, the newest read (a cache any thread may replace: a sample is immutable), and
+    # (wall covered, main_s, tree_s, wait_s) of the epochs that ended.
     cpu_clock: Callable[[], tuple[float, float, float] | None] = process_tree_cpu
     cpus: float = field(default_factory=cpus_available)
-    cpu_begin: CpuSample | None = None
     cpu_last: CpuSample | None = None
     cpu_ended: _Cpu = (0.0, 0.0, 0.0, 0.0)
 
@@ -428,28 +463,30 @@ class Counters:
     ) -> None:
         """Epoch ``epoch`` (its token ``owner``) starts its clock; its statistics count from
         here. An epoch still running beside it (two iterators at once) stops counting."""
-        self.end_epoch(self.owner, now)
+        running = self.running
+        if running is not None:
+            self.end_epoch(running.owner, now)
+        started = time.perf_counter() if now is None else now
+        begin = self.read_cpu(started, fresh=True)
         self.epoch = epoch
         self.capacity = capacity
-        self.owner = owner
-        self.epoch_started = time.perf_counter() if now is None else now
-        self.baseline = self.sums()
-        self.cpu_begin = self.read_cpu(self.epoch_started, fresh=True)
+        self.running = RunningEpoch(epoch, capacity, owner, started, self.sums(), begin)
 
     def end_epoch(self, owner: object, now: float | None = None) -> EpochStatistics | None:
         """The epoch of token ``owner`` ended: its statistics (None if it is not the one
         running)."""
-        if self.epoch_started is None or owner is not self.owner:
+        running = self.running
+        if running is None or owner is not running.owner:
             return None
         now = time.perf_counter() if now is None else now
-        stats = self.measure(now, fresh=True)
+        cpu = self.read_cpu(now, fresh=True)
+        stats = self._epoch(running, now, self.sums(), cpu)
+        use = _cpu_use(running, cpu, now)
+        self.last_epoch = stats
+        self.running = None  # first: a reader between these lines undercounts, never twice
         self.wall_s += stats.wall_s
-        use = self.cpu_use(now)
         if use is not None:
             self.cpu_ended = _plus(self.cpu_ended, use)
-        self.epoch_started = None
-        self.cpu_begin = None
-        self.last_epoch = stats
         return stats
 
     def measure(self, now: float | None = None, *, fresh: bool = False) -> EpochStatistics:
@@ -458,62 +495,120 @@ class Counters:
         ``fresh`` reads the CPU time now; else a read younger than
         :data:`CPU_SAMPLE_INTERVAL_S` serves (the CPU shares then cover the epoch up to it).
         """
-        # Read once: statistics() may run on another thread while the epoch ends and clears it.
-        started = self.epoch_started
-        if started is None:
-            return self.last_epoch or EpochStatistics(epoch=self.epoch)
-        now = time.perf_counter() if now is None else now
-        self.read_cpu(now, fresh=fresh)
-        sums = [a - b for a, b in zip(self.sums(), self.baseline, strict=True)]
-        return EpochStatistics.build(
-            self.epoch,
-            max(0.0, now - started),
-            sums,
-            self.capacity,
-            cpu=self.cpu_use(now),
-            cpus=self.cpus,
-        )
+        return self.snapshot(now, fresh=fresh)[0]
 
     def measure_total(self, now: float | None = None) -> EpochStatistics:
         """Every epoch's statistics together."""
-        running = 0.0
-        cpu: _Cpu | None = self.cpu_ended
-        started = self.epoch_started  # read once, as in measure()
-        if started is not None:
-            now = time.perf_counter() if now is None else now
-            running = now - started
-            use = self.cpu_use(now)
+        return self.snapshot(now)[1]
+
+    def snapshot(
+        self, now: float | None = None, *, fresh: bool = False
+    ) -> tuple[EpochStatistics, EpochStatistics]:
+        """``(epoch, total)``: the running (or last) epoch's statistics and every epoch's, from
+        one read of the running epoch, of the sums and of the CPU time, so that they agree (the
+        total holds the epoch) while the loop thread goes on counting.
+
+        Safe from any thread: the running epoch is read before the sums, which only grow, and
+        read again after them: if another epoch began meanwhile, they are read anew (a
+        sequence lock without the lock: the loop thread never waits). So no difference is
+        negative (each is clamped at 0 all the same) and none spans two epochs.
+        """
+        now = time.perf_counter() if now is None else now
+        # The CPU first (a read of /proc takes milliseconds), then the running epoch and the
+        # sums, again if an epoch began or ended meanwhile, so that the sums are the epoch's.
+        cpu = self.read_cpu(now, fresh=fresh) if self.running is not None else None
+        for _ in range(_SNAPSHOT_TRIES):  # bounded: each try is a few dozen attribute reads
+            running = self.running
+            sums = self.sums()
+            ended_wall, ended_cpu = self.wall_s, self.cpu_ended
+            if self.running is running:
+                break
+        else:  # epochs of a few batches ending faster than this thread reads: the last one
+            running = None
+        if running is None:
+            epoch = self.last_epoch or EpochStatistics(epoch=self.epoch)
+            capacity, wall, total_cpu = self.capacity, ended_wall, ended_cpu
+        else:
+            epoch = self._epoch(running, now, sums, cpu)
+            capacity, wall, total_cpu = running.capacity, ended_wall + epoch.wall_s, ended_cpu
+            use = _cpu_use(running, cpu, now)
             if use is not None:
-                cpu = _plus(self.cpu_ended, use)
-        wall = self.wall_s + max(0.0, running)
-        if cpu is not None and cpu[0] <= 0:
-            cpu = None
+                total_cpu = _plus(ended_cpu, use)
+        total = EpochStatistics.build(
+            None,
+            wall,
+            list(sums),
+            capacity,
+            cpu=total_cpu if total_cpu[0] > 0 else None,
+            cpus=self.cpus,
+        )
+        return epoch, total
+
+    def _epoch(
+        self, running: RunningEpoch, now: float, sums: tuple[float, ...], cpu: CpuSample | None
+    ) -> EpochStatistics:
         return EpochStatistics.build(
-            None, wall, list(self.sums()), self.capacity, cpu=cpu, cpus=self.cpus
+            running.epoch,
+            max(0.0, now - running.started),
+            [max(0.0, a - b) for a, b in zip(sums, running.baseline, strict=True)],
+            running.capacity,
+            cpu=_cpu_use(running, cpu, now),
+            cpus=self.cpus,
         )
 
     def read_cpu(self, now: float, *, fresh: bool) -> CpuSample | None:
-        """The process tree's CPU time at ``now`` (or at the newest read, if it is younger than
-        :data:`CPU_SAMPLE_INTERVAL_S` and ``fresh`` is false); None where it cannot be read."""
+        """The process tree's CPU time at ``now`` (or the newest read, if it is younger than
+        :data:`CPU_SAMPLE_INTERVAL_S`, not newer than ``now``, and ``fresh`` is false); None
+        where it cannot be read. Any thread may call it: the newest read is one immutable
+        sample, replaced whole."""
         last = self.cpu_last
         if not fresh and last is not None and 0 <= now - last.at < CPU_SAMPLE_INTERVAL_S:
             return last
         read = self.cpu_clock()
-        self.cpu_last = None if read is None else CpuSample(now, *read)
-        return self.cpu_last
+        sample = None if read is None else CpuSample(now, *read)
+        self.cpu_last = sample
+        return sample
 
-    def cpu_use(self, now: float) -> _Cpu | None:
-        """``(wall_s, main_s, tree_s, wait_s)`` of the running epoch, from its start to the
-        newest read of the CPU time; None when either read is missing or they cover no time."""
-        begin, last = self.cpu_begin, self.cpu_last
-        if begin is None or last is None or last.at <= begin.at or last.at > now:
-            return None
-        return (
-            last.at - begin.at,
-            max(0.0, last.main_s - begin.main_s),
-            max(0.0, last.tree_s - begin.tree_s),
-            max(0.0, last.wait_s - begin.wait_s),
-        )
+
+#: Reads of the running epoch and the sums a snapshot tries before it settles for the last
+#: epoch that ended: another epoch begins between two reads only when epochs last about a
+#: thread switch (5 ms), and three in a row only when the reader is starved.
+_SNAPSHOT_TRIES = 3
+
+
+@dataclass(frozen=True, slots=True)
+class RunningEpoch:
+    """The running epoch's start, as :meth:`Counters.begin_epoch` publishes it (whole).
+
+    Attributes:
+        epoch: its number.
+        capacity: how parallel its stages may be.
+        owner: its token: only it ends the clock.
+        started: ``time.perf_counter()`` at its start.
+        baseline: :data:`_SUMS` at its start.
+        cpu_begin: the process tree's CPU time at its start (None: unknown).
+    """
+
+    epoch: int
+    capacity: Capacity
+    owner: object
+    started: float
+    baseline: tuple[float, ...]
+    cpu_begin: CpuSample | None
+
+
+def _cpu_use(running: RunningEpoch, last: CpuSample | None, now: float) -> _Cpu | None:
+    """``(wall_s, main_s, tree_s, wait_s)`` of ``running`` from its start to the read ``last``;
+    None when either read is missing or they cover no time."""
+    begin = running.cpu_begin
+    if begin is None or last is None or last.at <= begin.at or last.at > now:
+        return None
+    return (
+        last.at - begin.at,
+        max(0.0, last.main_s - begin.main_s),
+        max(0.0, last.tree_s - begin.tree_s),
+        max(0.0, last.wait_s - begin.wait_s),
+    )
 
 
 #: The counters of the loader whose epoch runs this task (set by the epoch's scheduler task,
@@ -563,8 +658,10 @@ class EpochStatistics:
         bottleneck: the limiting stage: ``'consumer'``, ``'workers'``, ``'io'``,
             ``'transfer'``, ``'prefetch'``, ``'source'``, ``'loop'``, ``'cpu'`` (the machine:
             the CPUs the processes may use are all busy), or ``''`` (no batch yet).
-        knob: the setting to turn: ``'num_workers'``, ``'io_concurrency'``, ``'prefetch'``,
-            ``'pin_memory'``, ``'batch_size'``, or ``''`` when no setting of the loader helps.
+        knob: the setting to turn: ``'num_workers'``, ``'thread_pool'`` (threads held by the
+            GIL: use processes), ``'io_concurrency'``, ``'prefetch'``, ``'pin_memory'``,
+            ``'device_prefetch'``, ``'batch_size'``, or ``''`` when no setting of the loader
+            helps.
         hint: the verdict in a sentence, with the numbers behind it.
     """
 
@@ -688,6 +785,15 @@ class EpochStatistics:
                 "step, not the loader",
             )
         if sums["transfer_s"] > sums["consumer_wait_s"]:
+            if capacity.pin_memory:
+                return (
+                    "transfer",
+                    "device_prefetch",
+                    f"copies to the device ({waited}, mostly for copies, from pinned memory "
+                    f"already): raise device_prefetch (now {capacity.device_prefetch}) to "
+                    "overlap more copies, or send smaller batches (or smaller dtypes) to the "
+                    "device",
+                )
             return (
                 "transfer",
                 "pin_memory",
@@ -725,7 +831,9 @@ class EpochStatistics:
                 f"{machine}: more workers or prefetch cannot help on these cores; make "
                 "__getitem__, the transform or collate_fn cheaper, or run on more CPUs",
             )
-        items = capacity.prefetch * max(1, capacity.batch_size)
+        # A batch sampler's size is not known up front: the mean of the batches handed over.
+        size = capacity.batch_size or sums["samples_yielded"] / max(1.0, sums["batches_yielded"])
+        items = capacity.prefetch * max(1.0, size)
         running = min(makers, capacity.prefetch)
         worker_busy = _share(sums["read_s"] + sums["collate_s"], wall * running)
         if capacity.processes and self.cpus:
@@ -744,6 +852,17 @@ class EpochStatistics:
                     "prefetch",
                     f"{_STAGE[stage]} is busy {busy:.0%} of what prefetch={capacity.prefetch} "
                     f"lets it run at once ({waited}): raise prefetch",
+                )
+            if stage == "workers" and self._gil_bound(capacity):
+                what = f"{makers} thread{'s' if makers > 1 else ''}"
+                return (
+                    stage,
+                    "thread_pool",
+                    f"reading and collating samples is the limit: {what} busy {busy:.0%} of "
+                    f"the time ({waited}), yet this process used {self.main_cpus:.1f} CPUs of "
+                    f"{self.cpus:g}: the threads take turns holding the GIL (Python code in "
+                    "__getitem__, the transform or collate_fn): use processes "
+                    "(thread_pool=False); more threads cannot run at once",
                 )
             if stage == "workers":
                 nouns = ("worker process", "worker processes", "thread", "threads")
@@ -773,7 +892,7 @@ class EpochStatistics:
             return (
                 "loop",
                 "batch_size",
-                f"this process is busy {self.main_cpus:.0%} of a CPU handing batches over "
+                f"this process is busy {self.main_cpus:.1f} CPUs handing batches over "
                 f"while its workers are busy {busy:.0%} ({waited}): the cost per batch on the "
                 "event loop is the limit: raise batch_size (fewer, larger batches)",
             )
@@ -791,6 +910,21 @@ class EpochStatistics:
             f"no stage is saturated, yet {waited}: something blocks the event loop (a "
             "blocking call, long GC pauses: see gc.freeze) or per-batch overhead dominates "
             "(tiny batches: raise batch_size or prefetch)",
+        )
+
+    def _gil_bound(self, capacity: Capacity) -> bool:
+        """Whether the threads of ``thread_pool=True`` make batches one at a time under the
+        GIL: this process used at most about one CPU (:data:`GIL_BOUND_MARGIN`) on a machine
+        with more, while they were busy, and asked for about one at least (used, or waited
+        for in a run queue: on a loaded machine a GIL-bound process gets less than a CPU).
+        Threads that wait for I/O ask for far less, and more of them do help."""
+        asked = self.main_cpus + self.cpu_wait_share * self.cpus  # threads: the tree is this
+        return (
+            capacity.thread_pool
+            and not capacity.processes
+            and self.cpus >= 2
+            and self.main_cpus <= 1.0 + GIL_BOUND_MARGIN
+            and asked >= 1.0 - GIL_BOUND_MARGIN
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -964,12 +1098,10 @@ class LoaderStatistics:
         """A snapshot of ``counters``; ``now`` gives the fields only the loader knows (in
         flight, shared memory, restarts, each worker's figures)."""
         c = counters
-        clock = time.perf_counter()
-        total = c.measure_total(clock)
+        epoch_stats, total = c.snapshot()  # one read of the CPU time serves both
         workers = tuple(
             replace(w, busy_share=_share(w.busy_s, total.wall_s)) for w in now.pop("workers", ())
         )
-        epoch_stats = c.measure(clock)
         if workers and epoch_stats.bottleneck == "workers":
             epoch_stats = replace(epoch_stats, hint=f"{epoch_stats.hint}; {_per_worker(workers)}")
         return cls(
