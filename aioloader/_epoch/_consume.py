@@ -896,9 +896,13 @@ def _capacity(config: LoaderConfig) -> Capacity:
         makers=config.num_workers if config.uses_processes else config.threads,
         io_concurrency=config.io_concurrency if config.kind == "async_map" else 0,
         prefetch=config.prefetch,
-        batch_size=config.batch_size or 1,
+        # 0: a batch sampler decides (the verdict takes the mean per batch); 1: no batching.
+        batch_size=config.batch_size or (0 if config.batched else 1),
         processes=config.uses_processes,
         stream=config.kind == "async_iterable",
+        thread_pool=config.thread_pool and config.num_workers > 0,
+        pin_memory=config.pin_memory,
+        device_prefetch=config.device_prefetch,
     )
 
 
