@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from aiohttp import web
 from helpers import Sleeps
+from http_server import Fault, FaultServer
 
-from aioloader._errors import RemoteError, RetriesExhaustedError
-from aioloader.sources import HTTPDataset, RetryPolicy
+from aioloader._errors import RemoteError, RemotePermissionError, RetriesExhaustedError
+from aioloader.sources import FsspecDataset, HTTPDataset, RetryPolicy
 
 FAST = RetryPolicy(max_attempts=3, backoff_initial=0.01, backoff_max=1.0, jitter=False)
 OLD = bytes(range(256)) * 400  # 102400 bytes
@@ -256,3 +259,75 @@ async def test_a_stream_of_malformed_answers_gives_up_listing_them() -> None:
             await read_all(ds, bytearray())
     assert count[0] == 3
     assert all("malformed response" in attempt for attempt in info.value.attempts)
+
+
+# -- no secret in the str, repr or traceback of what the sources raise, nor in their logs ------
+
+TOKEN = "Bearer T0KEN-IN-A-HEADER"
+
+
+def every_link(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every cause and context under it, each once."""
+    seen: list[BaseException] = []
+    todo = [exc]
+    while todo and len(seen) < 50:
+        link = todo.pop()
+        if any(link is other for other in seen):
+            continue
+        seen.append(link)
+        todo += [x for x in (link.__cause__, link.__context__) if x is not None]
+    return seen
+
+
+def assert_hidden(exc: BaseException, secret: str) -> None:
+    assert secret not in "".join(traceback.format_exception(exc))
+    for link in every_link(exc):
+        assert secret not in str(link)
+        assert secret not in repr(link)
+        assert secret not in repr(getattr(link, "args", ()))
+
+
+async def test_an_authorization_header_never_shows_in_what_fetch_raises(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, "aioloader")
+
+    async def loop_redirect(request: web.Request) -> web.StreamResponse:
+        raise web.HTTPFound(location=str(request.url))  # redirects forever
+
+    script = Script(*[loop_redirect] * 40)
+    async with serving(script) as url:
+        headers = {"Authorization": TOKEN}
+        async with HTTPDataset([url], retry=FAST, sleep=Sleeps(), headers=headers) as ds:
+            with pytest.raises(RemoteError) as info:
+                await ds.fetch(0)
+    assert script.requests[0]["Authorization"] == TOKEN  # the request carries it
+    assert "TooManyRedirects" in str(info.value)  # what failed stays said
+    assert_hidden(info.value, TOKEN)
+    assert_hidden(info.value, SECRET)
+    assert TOKEN not in caplog.text
+
+
+async def test_an_authorization_header_never_shows_in_what_a_stream_raises(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, "aioloader")
+    async with garbage_then(OLD, garbage=10) as (url, _):
+        headers = {"Authorization": TOKEN}
+        async with HTTPDataset([url], retry=FAST, sleep=Sleeps(), headers=headers) as ds:
+            with pytest.raises(RetriesExhaustedError) as info:
+                await read_all(ds, bytearray())
+    assert "malformed response" in str(info.value)
+    assert_hidden(info.value, TOKEN)
+    assert TOKEN not in caplog.text
+
+
+async def test_an_authorization_header_never_shows_in_what_fsspec_http_raises() -> None:
+    async with FaultServer() as server:
+        server.fail_always("/obj/1", Fault.http(403))
+        options = {"headers": {"Authorization": TOKEN}}
+        async with FsspecDataset([server.obj_url(1)], storage_options=options) as ds:
+            with pytest.raises(RemotePermissionError) as info:
+                await ds.fetch(0)
+        assert server.received[-1][1] == TOKEN
+    assert_hidden(info.value, TOKEN)

@@ -72,7 +72,7 @@ from ._base import (
 )
 from ._classify import classify
 from ._redact import masked, redact
-from ._retry import RetryableError, RetryPolicy, retrying
+from ._retry import RetryableError, RetryPolicy, raise_final, retrying
 
 __all__ = ["FsspecDataset", "list_fsspec"]
 
@@ -394,21 +394,32 @@ class FsspecDataset(Source):
                 if counters is not None:
                     counters.remote_bytes += len(chunk)
                 yield bytes(chunk)
+                error: BaseException | None = None
                 try:
                     chunk = await file.read(chunk_size)
                 except Exception as exc:
-                    ours = classify(exc, url, self._retry)
-                    shown = masked(exc)
-                    if ours is not None and not isinstance(ours, RetryableError):
-                        raise ours from shown  # not found, refused: said as fetch says it
-                    if ours is None and shown is exc:
+                    error = self._broke_off(url, exc)
+                    if error is exc:
                         raise
-                    raise RemoteError(
-                        f"{redact(url)}: the read broke off: {ours or shown}", url=url
-                    ) from shown
+                if error is not None:
+                    raise_final(error)  # outside the except clause (see raise_final)
         finally:
             with contextlib.suppress(Exception):
                 await file.close()
+
+    def _broke_off(self, url: str, exc: Exception) -> BaseException:
+        """What to raise for ``exc``, a read of :meth:`stream` that failed after bytes were
+        handed out: not found or refused as :meth:`fetch` says it, anything else a
+        ``RemoteError`` saying the read broke off (or ``exc`` itself, unknown and showing no
+        secret); the cause masked."""
+        ours = classify(exc, url, self._retry)
+        shown = masked(exc)
+        if ours is None and shown is exc:
+            return exc
+        if ours is None or isinstance(ours, RetryableError):
+            ours = RemoteError(f"{redact(url)}: the read broke off: {ours or shown}", url=url)
+        ours.__cause__ = shown
+        return ours
 
     async def _open_file(self, fs: Any, url: str, chunk_size: int) -> tuple[Any, bytes]:
         """One attempt of opening :meth:`stream`: the open file and its first chunk (s3fs

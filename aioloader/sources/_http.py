@@ -80,7 +80,14 @@ from ._base import (
 )
 from ._inflight import Wire, wire_trace
 from ._redact import redact
-from ._retry import Attempts, RetryableError, RetryPolicy, parse_retry_after, retrying
+from ._retry import (
+    Attempts,
+    RetryableError,
+    RetryPolicy,
+    parse_retry_after,
+    raise_final,
+    retrying,
+)
 
 if TYPE_CHECKING:
     import aiohttp
@@ -335,6 +342,7 @@ class HTTPDataset(Source):
         while True:
             began = attempts.begin()
             wire = Wire(url, self._stall_warning)
+            error: BaseException | None = None
             try:
                 async with asyncio.timeout(self._item_deadline) as scope:
                     response = await self._open(self._pool(), url, received, version, wire)
@@ -348,11 +356,12 @@ class HTTPDataset(Source):
                 error = attempts.expired(began, exc) if expired else attempts.final(exc, began)
                 if error is exc:
                     raise
-                raise error from error.__cause__
             except BaseException:  # cancelled while opening: off the wire, never a stall
                 wire.close()
                 raise
-            failure: RetryableError
+            if error is not None:
+                raise_final(error)  # outside the except clause (see raise_final)
+            failure: RetryableError | None = None
             try:
                 if received:
                     skip, version = _resumed(url, response, received, version)
@@ -388,10 +397,12 @@ class HTTPDataset(Source):
                 error = attempts.final(exc, began)
                 if error is exc:
                     raise
-                raise error from error.__cause__
             finally:
                 response.release()
                 wire.close()
+            if error is not None:
+                raise_final(error)
+            assert failure is not None
             await sleep(attempts.failed(failure, began))
 
     async def _open(

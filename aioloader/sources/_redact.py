@@ -25,8 +25,10 @@ Sharp edges:
 - Exceptions of other libraries name the URL in their own words (aiohttp's
   ``ClientResponseError`` prints ``url='...'``, fsspec raises ``FileNotFoundError(url)``), and a
   traceback prints the whole chain of causes and contexts. :func:`masked` masks their
-  arguments in place; one whose text still carries a secret (it formats attributes) is
-  replaced in the chain by a :class:`MaskedError` naming its type, with its traceback.
+  arguments in place; one whose text or ``repr`` still carries a secret (it formats
+  attributes), or that keeps the request it failed (its headers: ``Authorization`` is no URL,
+  and shows in the ``repr`` of aiohttp's errors), is replaced in the chain by a
+  :class:`MaskedError` naming its type, with its traceback.
 - Names added by :func:`add_credential_parameters` are this process's; the sources carry them
   in their pickles (:func:`parameters_state`), so worker processes mask what they show alike.
 """
@@ -39,6 +41,7 @@ __all__ = [
     "CREDENTIAL_PARAMETERS",
     "CREDENTIAL_SUFFIXES",
     "MARKER",
+    "REQUEST_ATTRIBUTES",
     "MaskedError",
     "add_credential_parameters",
     "masked",
@@ -186,9 +189,23 @@ def _mask_in_place(exc: BaseException) -> None:
         notes[:] = [redact(note) if isinstance(note, str) else note for note in notes]
 
 
+#: Attributes through which another library's exception keeps the request it failed: its
+#: headers (``Authorization``, cookies, keys) show in the exception's ``repr``, and no URL rule
+#: can tell a header's value is a secret (aiohttp's ``ClientResponseError.request_info``,
+#: ``TooManyRedirects.history``). An exception that has one is always replaced.
+REQUEST_ATTRIBUTES = ("request_info", "history", "request")
+
+
 def _leaks(exc: BaseException) -> bool:
+    """Whether ``exc`` shows, or keeps where ``repr`` shows it, what must not be shown."""
+    if any(getattr(exc, name, None) is not None for name in REQUEST_ATTRIBUTES):
+        return True
     text = _text(exc)
-    return redact(text) != text
+    try:
+        shown = repr(exc)
+    except Exception:  # a broken __repr__ shows nothing
+        shown = ""
+    return redact(text) != text or redact(shown) != shown
 
 
 def _stand_in(exc: BaseException) -> MaskedError:
@@ -213,22 +230,27 @@ def masked(exc: BaseException) -> BaseException:
     type that formats its attributes) is replaced by a :class:`MaskedError`. Returns ``exc``,
     or, where ``exc`` itself is such a type, its stand-in (raise what this returns).
     """
-    seen = {id(exc)}
     _mask_in_place(exc)
     top = _stand_in(exc) if _leaks(exc) else exc
+    # What each link seen became (itself, or its stand-in): one exception is often both the
+    # cause and the context of the next ("raise ours from exc" in an except clause), and
+    # both references must lead to the stand-in.
+    shown: dict[int, BaseException] = {id(exc): top}
     links = [top]
-    while links and len(seen) < CHAIN_LIMIT:
+    while links and len(shown) < CHAIN_LIMIT:
         link = links.pop()
         for field in ("__cause__", "__context__"):
             other = getattr(link, field)
-            if other is None or id(other) in seen:
+            if other is None:
                 continue
-            seen.add(id(other))
-            _mask_in_place(other)
-            if _leaks(other):
-                other = _stand_in(other)
+            seen = shown.get(id(other))
+            if seen is None:
+                _mask_in_place(other)
+                seen = _stand_in(other) if _leaks(other) else other
+                shown[id(other)] = seen
+                links.append(seen)
+            if seen is not other:
                 suppress = link.__suppress_context__  # setting __cause__ sets it
-                setattr(link, field, other)
+                setattr(link, field, seen)
                 link.__suppress_context__ = suppress
-            links.append(other)
     return top

@@ -48,7 +48,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from .._errors import RemoteError, RemoteTimeoutError, RetriesExhaustedError
 from .._log import remote_log
@@ -72,6 +72,7 @@ __all__ = [
     "RetryPolicy",
     "RetryableError",
     "parse_retry_after",
+    "raise_final",
     "retrying",
 ]
 
@@ -340,18 +341,18 @@ class Attempts:
         reason = redact(failure.reason)
         self.failures.append(Attempt(number, reason, self._clock() - began, failure.timed_out))
         policy = self.policy
+        # Masked in place, the failure's whole chain: the caller may fail from inside the
+        # clause that caught it, which makes it the final error's __context__.
+        masked(failure)
+        cause = failure.__cause__ or failure
         if number >= policy.max_attempts:
             why = f"gave up after {number} attempts (max_attempts={policy.max_attempts})"
-            raise _give_up(self.describe, self.failures, why) from masked(
-                failure.__cause__ or failure
-            )
+            raise _give_up(self.describe, self.failures, why) from cause
         wait = policy.delay(number, failure.retry_after, rand=self._rand)
         deadline = self.deadline
         if deadline is not None and self._clock() + wait - self._start >= deadline:
             why = f"gave up: waiting {wait:.3f} s more would pass the {deadline} s deadline"
-            raise _give_up(self.describe, self.failures, why, deadline=True) from masked(
-                failure.__cause__ or failure
-            )
+            raise _give_up(self.describe, self.failures, why, deadline=True) from cause
         if self._counters is not None:
             self._counters.remote_retries += 1
         remote_log.info(
@@ -433,6 +434,7 @@ async def retrying(
         began = attempts.begin()
         left = attempts.time_left(began)
         scope: asyncio.Timeout | None = None
+        error: BaseException | None = None
         if counters is not None:
             counters.remote_in_flight += 1
         try:
@@ -449,16 +451,29 @@ async def retrying(
             failure = exc
         except Exception as exc:
             if scope is not None and scope.expired():
-                expired = attempts.expired(began, exc)
-                raise expired from expired.__cause__
-            error = attempts.final(exc, began)
-            if error is exc:
-                raise
-            raise error from error.__cause__
+                error = attempts.expired(began, exc)
+            else:
+                error = attempts.final(exc, began)
+                if error is exc:
+                    raise
         finally:
             if counters is not None:
                 counters.remote_in_flight -= 1
+        if error is not None:
+            # Raised outside the except clause: there, the exception it stands for would
+            # become its __context__, unmasked (see raise_final).
+            raise_final(error)
         await sleep(attempts.failed(failure, began))
+
+
+def raise_final(error: BaseException) -> NoReturn:
+    """Raise ``error``, a final error that stands for a failure whose text cannot be shown
+    (:meth:`Attempts.final`, :meth:`Attempts.expired`), from its masked cause.
+
+    Call it outside the ``except`` clause that caught the failure: raised inside, the failure
+    itself would become the error's ``__context__``, reachable unmasked.
+    """
+    raise error from error.__cause__
 
 
 def _annotate(exc: Exception, describe: str, attempts: list[Attempt], last: Attempt) -> None:
