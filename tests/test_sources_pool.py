@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import AsyncGenerator, Iterator
+from typing import Any, cast
 
 import pytest
 from datasets import tar_keys, tar_shard
@@ -65,8 +65,9 @@ async def cut_at(dataset: TarDataset, n: int) -> tuple[list[str], dict[str, Any]
     """The first ``n`` keys of an epoch and the state after them; the epoch is closed (its
     readers stopped) before the source."""
     head = []
+    epoch = cast(AsyncGenerator[Any, None], aiter(dataset))  # the epoch's generator
     try:
-        async with asyncio.timeout(BOUND_S), contextlib.aclosing(aiter(dataset)) as samples:
+        async with asyncio.timeout(BOUND_S), contextlib.aclosing(epoch) as samples:
             async for raw in samples:
                 head.append(raw["__key__"])
                 if len(head) == n:
