@@ -210,3 +210,19 @@ def test_the_loop_hint_says_cpus_not_a_percentage_above_100() -> None:
     assert (stats.bottleneck, stats.knob) == ("loop", "batch_size")
     assert "busy 1.6 CPUs" in stats.hint
     assert "160%" not in stats.hint
+
+
+def test_the_epochs_capacity_says_what_the_verdict_needs() -> None:
+    from helpers import build_config
+
+    from aioloader._epoch._consume import _capacity
+
+    sampled = _capacity(build_config(kind="async_map", batch_size=None, batch_sampler_given=True))
+    assert sampled.batch_size == 0  # unknown: the verdict takes the mean per batch
+    assert _capacity(build_config(batch_size=None)).batch_size == 1  # no batching
+    assert _capacity(build_config(batch_size=8)).batch_size == 8
+    threads = _capacity(build_config(num_workers=4, thread_pool=True))
+    assert (threads.thread_pool, threads.processes, threads.makers) == (True, False, 4)
+    assert not _capacity(build_config(num_workers=0, thread_pool=True)).thread_pool
+    pinned = _capacity(build_config(pin_memory=True, device_prefetch=3))
+    assert (pinned.pin_memory, pinned.device_prefetch) == (True, 3)
