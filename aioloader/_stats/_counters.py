@@ -860,8 +860,8 @@ class EpochStatistics:
                     "thread_pool",
                     f"reading and collating samples is the limit: {what} busy {busy:.0%} of "
                     f"the time ({waited}), yet this process used {self.main_cpus:.1f} CPUs of "
-                    f"{self.cpus:g}: the threads take turns holding the GIL (Python code in "
-                    "__getitem__, the transform or collate_fn): use processes "
+                    f"{self.cpus:g}: Python code (__getitem__, the transform or collate_fn) "
+                    "holds the GIL, so the loader's threads run one at a time: use processes "
                     "(thread_pool=False); more threads cannot run at once",
                 )
             if stage == "workers":
