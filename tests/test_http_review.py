@@ -20,8 +20,14 @@ from aiohttp import web
 from helpers import Sleeps
 from http_server import Fault, FaultServer
 
-from aioloader._errors import RemoteError, RemotePermissionError, RetriesExhaustedError
+from aioloader._errors import (
+    RemoteError,
+    RemoteNotFoundError,
+    RemotePermissionError,
+    RetriesExhaustedError,
+)
 from aioloader.sources import FsspecDataset, HTTPDataset, RetryPolicy
+from aioloader.sources._redact import MARKER, redact
 
 FAST = RetryPolicy(max_attempts=3, backoff_initial=0.01, backoff_max=1.0, jitter=False)
 OLD = bytes(range(256)) * 400  # 102400 bytes
@@ -331,3 +337,35 @@ async def test_an_authorization_header_never_shows_in_what_fsspec_http_raises() 
                 await ds.fetch(0)
         assert server.received[-1][1] == TOKEN
     assert_hidden(info.value, TOKEN)
+
+
+# -- the masking rule: a password with "@" in it, a token as the user name, a fragment ---------
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("https://user:p@ss@host/a.bin", f"https://user:{MARKER}@host/a.bin"),
+        ("https://u:a@b@c@host:81/x?y=1", f"https://u:{MARKER}@host:81/x?y=1"),
+        ("https://ghp_T0KEN@github.com/o/r.tar", f"https://{MARKER}@github.com/o/r.tar"),
+        ("url='https://T0KEN@h/x' failed", f"url='https://{MARKER}@h/x' failed"),
+        ("https://h/a.bin#access_token=T0KEN", f"https://h/a.bin#access_token={MARKER}"),
+        ("s3://bucket/key@v2 and https://h/x@y", "s3://bucket/key@v2 and https://h/x@y"),
+        ("https://h/a#section", "https://h/a#section"),
+    ],
+)
+def test_the_rule_masks_every_part_of_a_userinfo(given: str, expected: str) -> None:
+    assert redact(given) == expected
+
+
+async def test_a_token_given_as_the_user_name_is_sent_and_never_shown() -> None:
+    async with FaultServer() as server:
+        server.fail_always("/obj/1", Fault.http(404))
+        url = server.obj_url(1).replace("://", "://T0KEN-AS-USER@", 1)
+        async with HTTPDataset([url], retry=FAST, sleep=Sleeps()) as ds:
+            with pytest.raises(RemoteNotFoundError) as info:
+                await ds.fetch(0)
+            assert "T0KEN-AS-USER" not in repr(ds)
+        assert server.received[-1][1] is not None  # sent, as Basic credentials
+    assert f"{MARKER}@127.0.0.1" in str(info.value)
+    assert_hidden(info.value, "T0KEN-AS-USER")

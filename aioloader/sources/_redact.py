@@ -7,7 +7,7 @@ must not: experiment trackers, CI logs, shared notebooks, issue threads. So ever
 show passes :func:`redact`, and every exception that leaves them passes :func:`masked`::
 
     "https://u:pw@host/a.bin?X-Amz-Signature=abc&size=3"
-        │ userinfo password                  ─▶ "u:REDACTED@"
+        │ userinfo password (a name alone too) ▶ "u:REDACTED@" ("REDACTED@")
         │ query values of credential names   ─▶ "X-Amz-Signature=REDACTED"
         ▼ everything else kept (which object failed stays said)
     "https://u:REDACTED@host/a.bin?X-Amz-Signature=REDACTED&size=3"
@@ -21,7 +21,9 @@ Sharp edges:
 
 - The rule works on text, not on parsed URLs: a message holds a URL among words, quoted, or in
   a library's ``repr`` (``URL('...')``). A query value ends at ``&``, ``#``, ``;``, white space
-  or a quote; a password at ``@``.
+  or a quote (a fragment's ``#name=value`` is read as a query's); a password at the last ``@``
+  of the authority. A user name without a password is masked whole (a token given as the
+  user name cannot be told from a name).
 - Exceptions of other libraries name the URL in their own words (aiohttp's
   ``ClientResponseError`` prints ``url='...'``, fsspec raises ``FileNotFoundError(url)``), and a
   traceback prints the whole chain of causes and contexts. :func:`masked` masks their
@@ -90,11 +92,13 @@ CREDENTIAL_SUFFIXES = ("token", "signature", "secret", "password", "credential")
 
 _added: set[str] = set()
 
-# scheme://user:password@ (the password ends at "@"; "/", "?", "#" or a space end the
-# authority first, so "host:port/path" never matches).
-_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^\s/?#@'\"<>:]*):([^\s/?#@'\"<>]*)@")
-# ?name=value or &name=value (";" too): the value ends at "&", "#", ";", a space or a quote.
-_PARAMETER = re.compile(r"([?&;])([^=&#;\s'\"<>?]+)=([^&#;\s'\"<>]*)")
+# scheme://userinfo@: the userinfo runs to the *last* "@" of the authority (a password typed
+# with an unescaped "@" is all masked); "/", "?", "#" or a space end the authority first, so
+# "host:port/path" and an "@" in a path never match.
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)([^\s/?#'\"<>]*)@")
+# ?name=value or &name=value (";" too, and "#": tokens travel in fragments): the value ends at
+# "&", "#", ";", a space or a quote.
+_PARAMETER = re.compile(r"([?&;#])([^=&#;\s'\"<>?]+)=([^&#;\s'\"<>]*)")
 
 
 def add_credential_parameters(*names: str) -> None:
@@ -138,6 +142,15 @@ def _parameter(match: re.Match[str]) -> str:
     return f"{match.group(1)}{match.group(2)}={MARKER}"
 
 
+def _userinfo(match: re.Match[str]) -> str:
+    user, colon, _ = match.group(2).partition(":")
+    if not match.group(2):
+        return match.group(0)
+    # user:password keeps the user; a name alone is masked whole: a token is often given as
+    # the user (https://TOKEN@host/, GitHub's and GitLab's form).
+    return f"{match.group(1)}{user}:{MARKER}@" if colon else f"{match.group(1)}{MARKER}@"
+
+
 def redact(text: str) -> str:
     """``text`` with every secret of the URLs in it masked (see the module docstring).
 
@@ -145,7 +158,7 @@ def redact(text: str) -> str:
     to every message.
     """
     if "@" in text:
-        text = _USERINFO.sub(rf"\1:{MARKER}@", text)
+        text = _USERINFO.sub(_userinfo, text)
     if "=" in text:
         text = _PARAMETER.sub(_parameter, text)
     return text
