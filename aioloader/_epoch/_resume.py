@@ -525,10 +525,13 @@ class EpochBook:
             holder.load_state_dict(resume["sampler"])
         self._resume = resume
 
-    def check(self, state: dict[str, Any], *, readers: int | None = None) -> dict[str, Any]:
-        """``state``, if :meth:`load` would take it (see there), and if its stream positions
-        are of ``readers`` readers (where given: the loader's); raises otherwise. A state of
-        an older format comes back migrated (see the module docstring)."""
+    def check(
+        self, state: dict[str, Any], *, readers: int | None = None, seed: int | None = None
+    ) -> dict[str, Any]:
+        """``state``, if :meth:`load` would take it (see there), if its stream positions are
+        of ``readers`` readers (where given: the loader's) and its seed is ``seed`` (where
+        given: the loader's ``seed=``); raises otherwise. A state of an older format comes
+        back migrated (see the module docstring)."""
         state = check_state_keys("DataLoader", state, ("epoch", "done", "seed"))
         with value_errors():  # a field of the wrong type is a ValueError too, as documented
             _check_done(state)
@@ -547,6 +550,11 @@ class EpochBook:
         if done:  # counted in batch ids: the loader must cut and order them as the saver did
             self._check_layout(state, tried)
         self._check_sampler_state(state, exact=bool(done))
+        if seed is not None and state["seed"] != seed:  # (before what follows from it)
+            raise ValueError(
+                f"state was saved with seed={state['seed']}, this loader has seed={seed}; "
+                "pass the same seed (or none: the loader then adopts the saved one)"
+            )
         if failure is not None:  # here, not at the epoch's first batch (the state kept)
             raise ValueError(
                 f"the state's 'sampler' cannot be loaded into the samplers of this loader "

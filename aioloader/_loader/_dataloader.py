@@ -704,15 +704,11 @@ class DataLoader(SettingsView):
         if carried is not None:
             state = {key: value for key, value in state.items() if key != "equal_steps"}
             carried = self._carried_from(carried)
-        checked = self._book.check(state, readers=self._config.stream_readers)
+        seed = self.seed if self._seed_given else None
+        checked = self._book.check(state, readers=self._config.stream_readers, seed=seed)
         saved = checked["seed"]
         if saved != self.seed:
-            if self._seed_given:
-                raise ValueError(
-                    f"state was saved with seed={saved}, this loader has seed={self.seed}; "
-                    "pass the same seed (or none: the loader then adopts the saved one)"
-                )
-            self._adopt_seed(to_int("seed", saved))
+            self._adopt_seed(to_int("seed", saved))  # (a given seed was compared by check)
         self._book.load(state)  # the sampler takes its state now: len(loader) counts that epoch
         if carried is not None and self._lockstep is not None:
             self._lockstep.carried = carried
