@@ -14,6 +14,8 @@ import contextlib
 import logging
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -26,7 +28,7 @@ from aioloader._errors import (
     RemotePermissionError,
     RetriesExhaustedError,
 )
-from aioloader.sources import FsspecDataset, HTTPDataset, RetryPolicy
+from aioloader.sources import FileDataset, FsspecDataset, HTTPDataset, RetryPolicy
 from aioloader.sources._redact import MARKER, redact
 
 FAST = RetryPolicy(max_attempts=3, backoff_initial=0.01, backoff_max=1.0, jitter=False)
@@ -369,3 +371,37 @@ async def test_a_token_given_as_the_user_name_is_sent_and_never_shown() -> None:
         assert server.received[-1][1] is not None  # sent, as Basic credentials
     assert f"{MARKER}@127.0.0.1" in str(info.value)
     assert_hidden(info.value, "T0KEN-AS-USER")
+
+
+# -- bad arguments are refused at construction, naming them ---------------------------------
+
+
+def test_a_url_without_a_host_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"urls\[1\]='http://:80/x' names no host"):
+        HTTPDataset(["http://127.0.0.1/ok", "http://:80/x"])
+    with pytest.raises(ValueError, match=r"urls\[0\]='https://u:REDACTED@/x' names no host"):
+        HTTPDataset(["https://u:pw@/x"])
+
+
+def test_a_header_that_is_not_a_string_is_refused_without_its_value() -> None:
+    with pytest.raises(TypeError, match=r"headers\['Authorization'\] is a bytes") as info:
+        HTTPDataset(["http://127.0.0.1/x"], headers={"Authorization": b"Bearer T0KEN"})  # type: ignore[dict-item]
+    assert "T0KEN" not in str(info.value)
+    with pytest.raises(TypeError, match="a name is a int"):
+        HTTPDataset(["http://127.0.0.1/x"], headers={1: "x"})  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize("make", [HTTPDataset, FsspecDataset])
+def test_a_sleep_that_is_not_callable_is_refused(make: Any) -> None:
+    with pytest.raises(TypeError, match="sleep must be callable, got 5"):
+        make(["http://127.0.0.1/x"], sleep=5)
+
+
+def test_a_directory_given_alone_is_refused_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="is a directory, not one file") as info:
+        FileDataset(str(tmp_path))
+    assert repr(str(tmp_path)) in str(info.value)
+    with pytest.raises(ValueError, match="is a directory"):
+        FileDataset(tmp_path)
+    (tmp_path / "a.bin").write_bytes(b"a")
+    assert FileDataset(str(tmp_path / "a.bin")).paths == (str(tmp_path / "a.bin"),)

@@ -15,9 +15,12 @@ Sharp edges:
   it is refused by its size before a byte is read; a pipe or device, as soon as what it gave
   passes the bound. Paths are shown masked (:mod:`._redact`), as URLs are.
 - No retries: a local read that fails does so for a reason another try will not fix.
-- A glob or a directory given as one path is refused at construction (it would read as one
-  item and fail only then): :meth:`FileDataset.from_prefix` lists it. A name with ``*`` or
-  ``?`` that exists as a file is accepted as it is: those are legal in file names.
+- A glob, a path ending with a separator, or a directory given alone (``FileDataset("shards")``)
+  is refused at construction (it would read as one item and fail only then):
+  :meth:`FileDataset.from_prefix` lists it. A name with ``*`` or ``?`` that exists as a file is
+  accepted as it is: those are legal in file names. In a list of paths, a directory named
+  without a trailing separator is not looked for (a million paths would cost a million
+  ``stat`` calls): it fails when read, with an ``IsADirectoryError`` naming it.
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ class FileDataset(Source):
 
     Raises:
         TypeError: ``paths`` is not a sequence of paths, or ``decode`` is not callable.
-        ValueError: a path is a glob or ends with a separator (a directory), naming it.
+        ValueError: a path is a glob or ends with a separator (a directory), or the one path
+            given is a directory, naming it.
     """
 
     def __init__(
@@ -83,6 +87,11 @@ class FileDataset(Source):
         super().__init__(decode)
         self._paths = as_names(paths, "paths", paths=True)
         self._max_object_bytes = byte_limit("max_object_bytes", max_object_bytes)
+        if isinstance(paths, str | os.PathLike) and os.path.isdir(self._paths[0]):
+            raise ValueError(
+                f"paths={redact(self._paths[0])!r} is a directory, not one file; list the files "
+                f"first: {LISTING_HINT}"
+            )
         for position, path in enumerate(self._paths):
             # Only names that look like patterns are looked at on disk, so a million plain
             # paths cost no stat.

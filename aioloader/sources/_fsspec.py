@@ -56,7 +56,7 @@ from typing import Any, Self, TypeVar
 from .._errors import RemoteError, RemoteNotFoundError
 from .._log import remote_log
 from .._stats import current_counters
-from .._validate import seconds, value_errors
+from .._validate import callable_or_none, seconds, value_errors
 from ._base import (
     MAX_OBJECT_BYTES,
     ListedName,
@@ -148,7 +148,7 @@ class FsspecDataset(Source):
             is not a positive finite number of seconds (of the wrong type, also a ``TypeError``).
             A URL that is a prefix (ends with ``/``) or a glob (``*``, ``?``): list it with
             :meth:`from_prefix` (the names a listing returns are never refused).
-        TypeError: ``retry`` or ``storage_options`` of the wrong type.
+        TypeError: ``retry``, ``storage_options`` or ``sleep`` of the wrong type.
         ImportError: fsspec, or the package of the protocol (s3fs, gcsfs), is not installed.
     """
 
@@ -182,7 +182,7 @@ class FsspecDataset(Source):
             self._options, self._attributes = filesystem_settings(cls, self._options)
         with value_errors():  # ValueError for any bad deadline, as always (also a TypeError)
             self._item_deadline = seconds("item_deadline", item_deadline, positive=True)
-        self._sleep = sleep
+        self._sleep = callable_or_none("sleep", sleep)
         self._max_object_bytes = byte_limit("max_object_bytes", max_object_bytes)
         self._range_ignored = False  # a server ignored Range (warned once)
 

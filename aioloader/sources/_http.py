@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 from .._errors import RemoteError, RemoteNotFoundError, RemotePermissionError
 from .._stats import current_counters
-from .._validate import positive_int, seconds, value_errors
+from .._validate import callable_or_none, positive_int, seconds, value_errors
 from ._base import (
     MAX_OBJECT_BYTES,
     Source,
@@ -113,15 +113,25 @@ DEFAULT_MAX_CONNECTIONS = 256
 BASE_HEADERS: Mapping[str, str] = {"Accept-Encoding": "identity"}
 
 
+#: What may not begin the authority of the common form: it names no host then.
+_NO_HOST = ("", "/", "?", "#", ":")
+
+
 def _check_url(url: str, position: int) -> str:
     # The common form, "http(s)://host...", told by string tests: urlsplit costs about 2 us a
     # URL, seconds for the millions of URLs of a large remote set. Anything else is judged by
     # urlsplit, as before (the host is what follows "//" up to the first "/", "?" or "#").
     scheme, sep, rest = url.partition("://")
-    if sep and scheme.lower() in SCHEMES and rest[:1] not in ("", "/", "?", "#"):
+    if sep and scheme.lower() in SCHEMES and "@" not in rest and rest[:1] not in _NO_HOST:
         return url
     parts = urllib.parse.urlsplit(url)
-    if parts.scheme.lower() not in SCHEMES or not parts.netloc:
+    try:
+        host = parts.hostname
+    except ValueError:  # a malformed bracketed host
+        host = None
+    if parts.scheme.lower() in SCHEMES and parts.netloc and not host:
+        raise ValueError(f"urls[{position}]={redact(url)!r} names no host (like http://host/x)")
+    if parts.scheme.lower() not in SCHEMES or not host:
         raise ValueError(
             f"urls[{position}]={redact(url)!r} is not an http:// or https:// URL; HTTPDataset "
             "reads only those (FsspecDataset reads s3://, gs:// and others)"
@@ -185,10 +195,12 @@ class HTTPDataset(Source):
             delays instead of waiting them. ``None`` means :func:`asyncio.sleep`.
 
     Raises:
-        ValueError: a URL that is not http(s), or a timeout or ``max_connections`` out of
-            range or of the wrong type (then also a ``TypeError``), naming the argument and the
-            value.
-        TypeError: ``urls``, ``retry``, ``headers`` or ``decode`` of the wrong type.
+        ValueError: a URL that is not http(s) or names no host (``http://:80/x``), or a
+            timeout or ``max_connections`` out of range or of the wrong type (then also a
+            ``TypeError``), naming the argument and the value.
+        TypeError: ``urls``, ``retry``, ``headers`` (or a header's name or value that is not
+            a ``str``; the message names the header, never its value), ``decode`` or
+            ``sleep`` of the wrong type.
         ImportError: aiohttp is not installed (``pip install 'aioloader[remote]'``).
     """
 
@@ -229,8 +241,16 @@ class HTTPDataset(Source):
         self._max_object_bytes = byte_limit("max_object_bytes", max_object_bytes)
         if headers is not None and not isinstance(headers, Mapping):
             raise TypeError(f"headers must be a mapping of str to str, got {headers!r}")
+        for name, value in (headers or {}).items():
+            if not isinstance(name, str) or not isinstance(value, str):
+                # The type only, never the value: a header's value is often a credential.
+                raise TypeError(
+                    f"headers must map str to str; headers[{name!r}] is a {type(value).__name__}"
+                    if isinstance(name, str)
+                    else f"headers must map str to str; a name is a {type(name).__name__}"
+                )
         self._headers = {**BASE_HEADERS, **(headers or {})}
-        self._sleep = sleep
+        self._sleep = callable_or_none("sleep", sleep)
         self._expected_in_flight = 0  # the most fetches a loader said it may have in flight
 
     @classmethod
