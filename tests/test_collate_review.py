@@ -119,7 +119,7 @@ def test_nested_tensors_are_refused_with_the_key_path() -> None:
         warnings.simplefilter("ignore", UserWarning)  # "prototype stage"
         nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
     for collate in (default_collate, numpy_collate):
-        with pytest.raises(CollateTypeError, match=r"batch\['n'\]: nested tensors at positions"):
+        with pytest.raises(CollateShapeError, match=r"batch\['n'\]: nested tensors at positions"):
             collate([{"n": nested}, {"n": nested}])
 
 

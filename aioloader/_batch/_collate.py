@@ -510,11 +510,8 @@ class _Collator:
         samples = column if isinstance(column, list | tuple) else list(column)  # for torch.stack
         nested = [p for p, t in enumerate(samples) if t.is_nested]
         if nested:  # torch.stack has no rule for them (its error is an internal one)
-            raise _error(
-                path,
-                f"nested tensors at {positions(nested)} cannot be stacked; {PAD_HINT}",
-                CollateTypeError,
-            )
+            # Ragged by nature: a RuntimeError, as torch raises, with the padding hint.
+            raise _ragged(path, f"nested tensors at {positions(nested)} cannot be stacked")
         dtypes = {t.dtype for t in samples}
         if len(dtypes) > 1:  # promoted here: a numpy-backed ``out`` needs the dtype up front
             try:
