@@ -14,9 +14,10 @@ Sharp edges:
 
 - A source is pickled to worker processes (and to Ray's object store), with everything it
   needs to read: its URLs as given, headers and ``storage_options``, credentials included
-  (masked only where shown; see docs/guides/secrets-and-size-bounds.md). Connection pools (an ``aiohttp.ClientSession``, an
-  fsspec filesystem) belong to one event loop and cannot travel, so they are created lazily on
-  the loop that first needs them, kept in :class:`PerLoop`, and left out of the pickle.
+  (masked only where shown; see docs/guides/secrets-and-size-bounds.md). Connection pools
+  (an ``aiohttp.ClientSession``, an fsspec filesystem) belong to one event loop and cannot
+  travel, so they are created lazily on the loop that first needs them, kept in
+  :class:`PerLoop`, and left out of the pickle.
 - Pools are keyed by loop: a source used from the loader's loop and from a synchronous
   iteration thread's loop holds two pools, never one shared across loops (aiohttp forbids it).
 - ``aclose()`` closes the pool of the running loop normally, asks a pool's loop that is still
