@@ -15,17 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from typing import Any, cast
 
 import pytest
 from datasets import tar_keys, tar_shard
 from helpers import BOUND_S, collect
 from http_server import FaultServer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from s3_server import moto_s3, s3_options
 
 from aioloader.sources import FsspecDataset, HTTPDataset, TarDataset
-from aioloader.sources._readers import READAHEAD
+from aioloader.sources._mixing import Mixer, buffer_rng
+from aioloader.sources._readers import READAHEAD, Epoch
 
 SHARDS = 8
 
@@ -173,3 +176,78 @@ def test_an_s3_pool_below_the_open_shards_is_refused_naming_both(
         TarDataset(None, source=source, shards_in_flight=11)
     assert f"{setting}=10" in str(caught.value)
     assert "shards_in_flight=11" in str(caught.value)
+
+
+# -- the gate on its own: units that count how many of them are open ---------------------------
+
+
+class CountedUnits:
+    """Units of given lengths whose records are ``(unit, position)``; each counts as open (a
+    connection held) from its first record until its generator is closed."""
+
+    kind = "test"
+
+    def __init__(self, lengths: list[int], slots: int, buffer: int) -> None:
+        self.lengths = lengths
+        self.slots = slots
+        self.buffer = buffer
+        self.open = 0
+        self.most = 0
+
+    async def start(self, epoch: int, resume: Mapping[str, Any] | None) -> Mixer:
+        order = list(range(len(self.lengths)))
+        return Mixer(order, self.slots, self.buffer, buffer_rng(7, epoch, 0, 1))
+
+    async def records(self, unit: int) -> AsyncGenerator[tuple[int, int], None]:
+        self.open += 1
+        self.most = max(self.most, self.open)
+        try:
+            for position in range(self.lengths[unit]):
+                yield unit, position
+                await asyncio.sleep(0)  # the other readers run between records
+        finally:
+            self.open -= 1
+
+    def where(self, unit: int) -> tuple[str, str]:
+        return f"unit {unit}", f"u{unit}"
+
+
+async def read(epoch: Epoch, stop: int | None = None) -> list[tuple[int, int]]:
+    got: list[tuple[int, int]] = []
+    samples = cast(AsyncGenerator[tuple[int, int], None], epoch.samples())
+    async with asyncio.timeout(BOUND_S), contextlib.aclosing(samples):
+        async for record in samples:
+            got.append(record)
+            if len(got) == stop:
+                break
+    return got
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 2 * READAHEAD + 5), min_size=1, max_size=7),
+    slots=st.integers(1, 3),
+    spare=st.integers(0, 4),
+    buffer=st.integers(0, 60),
+    data=st.data(),
+)
+def test_the_gate_opens_at_most_its_connections_and_never_leaves_the_epoch_waiting(
+    lengths: list[int], slots: int, spare: int, buffer: int, data: st.DataObject
+) -> None:
+    connections = slots + spare  # from the open units alone to more than twice as many
+
+    async def run() -> None:
+        units = CountedUnits(lengths, slots, buffer)
+        whole = await read(Epoch(units, 0, None, slots, connections))
+        assert sorted(whole) == [(u, p) for u, n in enumerate(lengths) for p in range(n)]
+        cut = data.draw(st.integers(0, len(whole)), label="cut")
+        first = Epoch(units, 0, None, slots, connections)
+        head = await read(first, cut) if cut else []
+        epoch, yielded, ended = first.position()
+        state = {"epoch": epoch, "yielded": yielded, "ended": ended, "rest": None}
+        rest = await read(Epoch(units, 0, state, slots, connections))
+        assert head + rest == whole  # the resumed epoch's re-reads got their connections
+        assert units.most <= connections
+        assert units.open == 0
+
+    asyncio.run(run())
