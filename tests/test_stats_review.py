@@ -138,9 +138,13 @@ def test_a_readers_cpu_read_does_not_change_what_the_epoch_end_measures() -> Non
     start = time.perf_counter() - 2.0
     counters.begin_epoch(0, Capacity(), TOKEN, now=start)
     counters.batches_yielded = 1
+
     # As the epoch ends (between its CPU read and its sums), a reader's newer read replaces
     # the cached one: the end still measures with its own.
-    Interleaved.between = lambda: counters.read_cpu(start + 5.0, fresh=True)
+    def a_readers_read() -> None:
+        counters.read_cpu(start + 5.0, fresh=True)
+
+    Interleaved.between = a_readers_read
     ended = counters.end_epoch(TOKEN, now=start + 2.0)
     assert ended is not None
     assert ended.cpu_s == pytest.approx(1.5)  # its own read (the second), less the start's
