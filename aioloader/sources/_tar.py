@@ -56,6 +56,18 @@ Sharp edges:
   the setting, before any of its data is held. Shards themselves have no bound: they stream.
 - Shard URLs are shown masked (:mod:`._redact`) in errors, notes and ``repr``; a sample's
   ``__url__`` is the URL as given (it is data).
+- Connections: an open shard holds one of its source's pooled connections from its first
+  byte to its last, also while its samples wait for their turn, and the epoch takes from
+  every open shard in turn: the pool must hold ``shards_in_flight`` of them. The pools this
+  module can size are sized for ``2 x shards_in_flight + 1`` (an ``s3://`` source it makes,
+  an ``HTTPDataset`` without ``max_connections``), and a smaller one than
+  ``shards_in_flight`` is refused at construction, naming its setting and both values.
+  Between the two, the epoch's gate (:mod:`._readers`) serves the open shards and a resumed
+  epoch's re-reads first; the shards ahead open as connections free. The pools of other
+  fsspec filesystems are not known here.
+- A state holds a digest of the shard URLs (``"shard_list"``, each URL up to its query and
+  without userinfo, so presigned URLs signed again are the same shards): a state of other
+  shards, even as many, is refused; an older state without it is checked by the count.
 - Exact resume needs the loader's ``in_order=True`` (the default); out of order, batches taken
   past one still in flight are yielded again after a resume, never lost.
 """
@@ -225,7 +237,8 @@ class TarDataset(UnitStream):
         shuffle: shuffle the shard order each epoch and the samples through a buffer.
         shuffle_buffer: samples held by the shuffle buffer (with ``shuffle``).
         seed: seeds the shard order and the buffer, with the epoch (the same on every rank).
-        shards_in_flight: shards streamed at once (per rank).
+        shards_in_flight: shards streamed at once (per rank); the source's pool needs as many
+            connections (see the module's sharp edges).
         storage_options: options of the fsspec filesystem (credentials, endpoint).
         source: a ready :class:`HTTPDataset`, :class:`FsspecDataset` or :class:`FileDataset`
             over the shards, for its retry and timeout settings; then ``urls`` is ``None``.
@@ -243,7 +256,8 @@ class TarDataset(UnitStream):
 
     Raises:
         TypeError: an argument of the wrong type, naming it.
-        ValueError: a count out of range or no shards, naming the argument and the value.
+        ValueError: a count out of range or no shards, naming the argument and the value; a
+            source's pool of fewer connections than ``shards_in_flight``, naming both.
     """
 
     def __init__(
