@@ -87,11 +87,6 @@ class FileDataset(Source):
         super().__init__(decode)
         self._paths = as_names(paths, "paths", paths=True)
         self._max_object_bytes = byte_limit("max_object_bytes", max_object_bytes)
-        if isinstance(paths, str | os.PathLike) and os.path.isdir(self._paths[0]):
-            raise ValueError(
-                f"paths={redact(self._paths[0])!r} is a directory, not one file; list the files "
-                f"first: {LISTING_HINT}"
-            )
         for position, path in enumerate(self._paths):
             # Only names that look like patterns are looked at on disk, so a million plain
             # paths cost no stat.
@@ -100,6 +95,11 @@ class FileDataset(Source):
                     f"paths[{position}]={redact(path)!r} is a directory or a glob, not one file; "
                     f"list the files first: {LISTING_HINT}"
                 )
+        if isinstance(paths, str | os.PathLike) and os.path.isdir(self._paths[0]):
+            raise ValueError(
+                f"paths={redact(self._paths[0])!r} is a directory, not one file; list the files "
+                f"first: {LISTING_HINT}"
+            )
 
     @classmethod
     def from_prefix(
