@@ -144,9 +144,22 @@ class BrokenShard:
 def _make_source(
     urls: tuple[str, ...], storage_options: Mapping[str, Any] | None, in_flight: int
 ) -> Source:
-    if all(url.lower().startswith(("http://", "https://")) for url in urls):
+    http = all(url.lower().startswith(("http://", "https://")) for url in urls)
+    local = not http and all("://" not in url or url.startswith("file://") for url in urls)
+    if storage_options is not None and (http or local):
+        # The names only, never the values: they are credentials.
+        raise ValueError(
+            f"storage_options (keys {sorted(map(str, storage_options))}) apply to fsspec "
+            + (
+                "filesystems, and these shards are http(s) URLs: give "
+                "TarDataset(source=HTTPDataset(urls, headers=...)) for HTTP settings"
+                if http
+                else "filesystems, and these shards are local files: leave them out"
+            )
+        )
+    if http:
         return HTTPDataset(urls)
-    if all("://" not in url or url.startswith("file://") for url in urls):
+    if local:
         return FileDataset([url.removeprefix("file://") for url in urls])
     options = storage_options
     if urls[0].partition("://")[0].lower() in S3 and isinstance(options, Mapping | None):
@@ -239,7 +252,8 @@ class TarDataset(UnitStream):
         seed: seeds the shard order and the buffer, with the epoch (the same on every rank).
         shards_in_flight: shards streamed at once (per rank); the source's pool needs as many
             connections (see the module's sharp edges).
-        storage_options: options of the fsspec filesystem (credentials, endpoint).
+        storage_options: options of the fsspec filesystem (credentials, endpoint); refused
+            for http(s) URLs and local files, and with ``source``.
         source: a ready :class:`HTTPDataset`, :class:`FsspecDataset` or :class:`FileDataset`
             over the shards, for its retry and timeout settings; then ``urls`` is ``None``.
         max_member_bytes: the most bytes of one member (held whole until complete): a larger
@@ -283,6 +297,8 @@ class TarDataset(UnitStream):
             source = _make_source(_names(names), storage_options, self.shards_in_flight)
         elif urls is not None:
             raise TypeError("TarDataset takes urls or a source, not both")
+        elif storage_options is not None:
+            raise TypeError("TarDataset takes storage_options or a source, not both")
         elif not isinstance(source, HTTPDataset | FsspecDataset | FileDataset):
             raise TypeError(
                 f"source must be an HTTPDataset, FsspecDataset or FileDataset, got {source!r}"
