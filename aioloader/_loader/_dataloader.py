@@ -696,8 +696,10 @@ class DataLoader(SettingsView):
             ValueError: the state lacks a key or a field is malformed (named with its value),
                 its format is unknown, it was saved mid-epoch by a loader with other settings
                 (shuffle, samplers, batch size, lengths: each named with both values), its
-                seed differs from an explicit ``seed=`` or must change mid-epoch, or it is
-                mid-epoch in a stream that cannot resume.
+                seed differs from an explicit ``seed=`` or must change mid-epoch, it is
+                mid-epoch in a stream that cannot resume, its sampler state cannot be loaded
+                into this loader's samplers, or it is another rank's own (batches taken out of
+                order, a rollover carry: each rank resumes from its own state).
         """
         self._shard_if_group_appeared()  # checked against this rank's share, where it has one
         carried = state.get("equal_steps") if isinstance(state, dict) else None
