@@ -23,7 +23,7 @@ from http_server import Fault, FaultServer, payload
 from s3_server import moto_s3, s3_options
 
 from aioloader._errors import RemoteNotFoundError, RetriesExhaustedError
-from aioloader.sources import FsspecDataset, RetryPolicy, list_objects
+from aioloader.sources import FsspecDataset, HTTPDataset, RetryPolicy, TarDataset, list_objects
 from aioloader.sources._fsspec import list_fsspec
 
 BUCKET = "aiol-review"
@@ -197,3 +197,24 @@ async def test_a_stream_without_open_async_is_read_whole_past_max_object_bytes(
             assert await streamed(ds) == payload(6, 50_000)
             with pytest.raises(Exception, match="max_object_bytes=1000"):
                 await ds.fetch(0)  # fetch keeps its bound
+
+
+# -- storage_options only where an fsspec filesystem takes them ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("shards", "where"),
+    [(["http://127.0.0.1/a.tar"], "http\\(s\\) URLs"), (["/tmp/a.tar"], "local files")],
+)
+def test_tar_storage_options_without_a_filesystem_are_refused(
+    shards: list[str], where: str
+) -> None:
+    with pytest.raises(ValueError, match=f"keys \\['key'\\].*these shards are {where}") as info:
+        TarDataset(shards, storage_options={"key": "S3CR3T"})
+    assert "S3CR3T" not in str(info.value)
+
+
+def test_tar_storage_options_beside_a_source_are_refused() -> None:
+    source = HTTPDataset(["http://127.0.0.1/a.tar"])
+    with pytest.raises(TypeError, match="storage_options or a source, not both"):
+        TarDataset(None, source=source, storage_options={"anon": True})
