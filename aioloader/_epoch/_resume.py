@@ -114,6 +114,22 @@ from .._validate import (
     value_errors,
 )
 from ..sources import merge_stream_states
+from ._chain import (
+    DEPTH,
+    GLOBAL_RANDOM,
+    LAYOUT,
+    epoch_setter,
+    first_int,
+    generator_states,
+    last_batch,
+    layout_of,
+    length,
+    matching_generators,
+    samplers,
+    set_generators,
+    state_holder,
+    state_of,
+)
 
 __all__ = ["STATE_VERSION", "EpochBook", "deal_carried", "merge_states"]
 
@@ -124,23 +140,6 @@ __all__ = ["STATE_VERSION", "EpochBook", "deal_carried", "merge_states"]
 #: format, saved before it was recorded, and starts the budget at zero.
 STATE_VERSION = 1
 
-# The settings a state's "layout" records, and how a message names each. They decide which
-# samples batch id i of an epoch is, and in which order the ids come (the rank does not: under
-# DDP rank 0's state resumes every rank, unless the state is that rank's own, see
-# EpochBook._own_rank; neither do num_workers and in_order: the ids stay).
-_LAYOUT: dict[str, str] = {
-    "shuffle": "shuffle",
-    "sampler": "sampler",
-    "generator": "sampler generator",
-    "batch_sampler": "batch_sampler",
-    "batch_size": "batch_size",
-    "last_batch": "last_batch",
-    "samples": "len(dataset)",
-    "indices": "len(sampler)",
-    "replicas": "num_replicas",
-    "batches": "len(loader)",
-    "replacement": "sampler replacement",
-}
 # Settings recorded since a later release of format 1: compared only where the saved layout
 # has them (a state saved before says nothing of them, and is loaded as it was).
 _ADDED = frozenset({"replacement"})
@@ -215,7 +214,7 @@ class EpochBook:
                 next epoch is a whole one, as after any refusal).
         """
         self._sampling = sampling
-        set_epoch = _epoch_setter(sampling.batches)
+        set_epoch = epoch_setter(sampling.batches)
         if set_epoch is not None and sampling.built:
             set_epoch(self.next_epoch)
             self._took_sampler_epoch()
@@ -242,7 +241,7 @@ class EpochBook:
         it. A user's sampler is told once, at the epoch's start, by the rule above.
         """
         self._asked = self.next_epoch = non_negative_int("epoch", epoch)
-        set_epoch = _epoch_setter(self._sampling.batches)
+        set_epoch = epoch_setter(self._sampling.batches)
         if set_epoch is not None and self._sampling.built:
             set_epoch(epoch)
             self._took_sampler_epoch()
@@ -276,7 +275,7 @@ class EpochBook:
         batches = self._sampling.batches
         if batches is not None and resume is not None:
             if resume.get("sampler") is not None:
-                holder = _state_holder(batches)
+                holder = state_holder(batches)
                 if holder is None:
                     raise ValueError(
                         f"the state holds a sampler state but batch_sampler={batches!r} "
@@ -284,7 +283,7 @@ class EpochBook:
                     )
                 holder.load_state_dict(resume["sampler"])
             if resume.get("generators") is not None:
-                _set_generators(batches, resume["generators"])
+                set_generators(batches, resume["generators"])
         self._resume = None
         self._asked = None
         if resume is None and self._begun and not self._drawn and self._draw_seed is not None:
@@ -297,12 +296,12 @@ class EpochBook:
         self._begin_stream(resume, done)
         self._drives = drive and not self._sampling.built
         if batches is not None:
-            set_epoch = _epoch_setter(batches)
+            set_epoch = epoch_setter(batches)
             if set_epoch is not None and (self._sampling.built or drive):
                 set_epoch(epoch)
                 self._took_sampler_epoch()  # the book's own, forgotten
-            self._sampler_state = _state_of(batches)
-            self._generators = _generator_states(batches)
+            self._sampler_state = state_of(batches)
+            self._generators = generator_states(batches)
         # Before iter(): a rollover carry read ahead at the epoch's end changes len(batches).
         self._layout = self.layout()
         self.open = True
@@ -334,7 +333,7 @@ class EpochBook:
 
     def _rank(self) -> int | None:
         """This loader's rank, as its samplers say (None: not sharded by rank, or a stream)."""
-        return _first_int(_samplers(self._sampling.batches), "rank")
+        return first_int(samplers(self._sampling.batches), "rank")
 
     def took(self, batch_id: int, position: StreamPosition | None = None) -> None:
         """The consumer took (or was given the error of) batch ``batch_id``; ``position`` is
@@ -420,13 +419,13 @@ class EpochBook:
             return state
         told = getattr(self._sampling.sampler, "set_epoch_asked", None)  # not taken yet
         built = self._sampling.built and self._asked is None and isinstance(told, int)
-        sampler_state = _state_of(self._sampling.batches)
+        sampler_state = state_of(self._sampling.batches)
         state = {
             "version": STATE_VERSION,
             "epoch": told if built else self.next_epoch,
             "done": [],
             "sampler": sampler_state,
-            "generators": _generator_states(self._sampling.batches),
+            "generators": generator_states(self._sampling.batches),
             "set_epoch": self._asked is not None and not self._sampling.built,
             "seed": seed,
             "layout": self.layout(),
@@ -446,8 +445,8 @@ class EpochBook:
         carry (each rank's tail of its share). Such a state records ``"rank"``; a loader of
         another rank, or of another number of ranks, refuses it (:meth:`_check_rank`).
         """
-        chain = _samplers(self._sampling.batches)
-        replicas, rank = _first_int(chain, "num_replicas"), _first_int(chain, "rank")
+        chain = samplers(self._sampling.batches)
+        replicas, rank = first_int(chain, "num_replicas"), first_int(chain, "rank")
         if replicas is None or replicas < 2 or rank is None:
             return None
         carry = _nested(sampler_state, "carry")
@@ -465,7 +464,7 @@ class EpochBook:
         inner = _index_state(self._sampler_state)
         size = getattr(batches, "batch_size", None)
         plain = getattr(batches, "sampler", None) is sampler
-        plain = plain and _last_batch([batches]) in ("keep", "discard")
+        plain = plain and last_batch([batches]) in ("keep", "discard")
         if not isinstance(sampler, DistributedSampler) or inner is None or not is_int(size):
             return None
         if not plain:
@@ -474,19 +473,19 @@ class EpochBook:
 
     def layout(self) -> dict[str, Any]:
         """The settings that decide which samples each batch id of an epoch is, as a state
-        records them (see :data:`_LAYOUT`); None where unknown or not applicable (a stream has
+        records them (see :data:`LAYOUT`); None where unknown or not applicable (a stream has
         no sampler, a dataset or sampler may have no length)."""
-        return _layout_of(self._sampling.batches, self._sampling.sampler, self._dataset)
+        return layout_of(self._sampling.batches, self._sampling.sampler, self._dataset)
 
     def _warn_unresumable(self) -> None:
         """Warn (once) if a sampler the user passed draws its order from torch's global
         generator: no state restores that, so a resumed epoch would repeat and miss samples."""
         if self._warned_unresumable:
             return
-        for sampler in _samplers(self._sampling.batches):
+        for sampler in samplers(self._sampling.batches):
             name = type(sampler).__name__
             stateless = not isinstance(sampler, Stateful)  # (aioloader's save their seed)
-            if stateless and name in _GLOBAL_RANDOM and getattr(sampler, "generator", 0) is None:
+            if stateless and name in GLOBAL_RANDOM and getattr(sampler, "generator", 0) is None:
                 self._warned_unresumable = True
                 warnings.warn(
                     f"state_dict(): {name} without a generator draws each epoch's order from "
@@ -518,7 +517,7 @@ class EpochBook:
                 positions).
         """
         resume = dict(self.check(state) if check else state)
-        holder = _state_holder(self._sampling.batches)
+        holder = state_holder(self._sampling.batches)
         if holder is not None and resume.get("sampler") is not None:
             # Now, as the epoch's start will again: len(loader) counts the batches of the
             # epoch it resumes (a rollover carry, the rest of an epoch on other ranks).
@@ -563,7 +562,7 @@ class EpochBook:
         self._check_carry(state)
         self._check_shuffle_seed(state)
         if state.get("generators") is not None:
-            _matching_generators(self._sampling.batches, state["generators"])
+            matching_generators(self._sampling.batches, state["generators"])
         return state
 
     def _elastic(self, state: dict[str, Any]) -> bool:
@@ -587,9 +586,9 @@ class EpochBook:
         rest of an epoch resumed on other ranks has fewer indices than a whole one, and is
         resumed again on as many ranks. The copy shares the datasets (never copied)."""
         batches, saved = self._sampling.batches, state.get("sampler")
-        if batches is None or saved is None or _state_holder(batches) is None:
+        if batches is None or saved is None or state_holder(batches) is None:
             return None, None
-        chain = _samplers(batches)
+        chain = samplers(batches)
         shared = [self._dataset] + [
             getattr(s, name, None) for s in chain for name in ("data_source", "dataset")
         ]
@@ -598,14 +597,14 @@ class EpochBook:
             copied = copy.deepcopy(batches, memo)
         except Exception:  # a sampler of the user's that cannot be copied: checked at its load
             return None, None
-        holder = _state_holder(copied)
+        holder = state_holder(copied)
         assert holder is not None  # (a copy of a chain that has one)
         try:
             holder.load_state_dict(_copied(saved))
         except Exception as exc:  # raised by the caller, as a ValueError
             return None, exc
         index = memo.get(id(self._sampling.sampler), self._sampling.sampler)
-        return _layout_of(copied, index, self._dataset), None
+        return layout_of(copied, index, self._dataset), None
 
     def _rebased(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` (saved on other ranks) as the start of the rest of its epoch here: no
@@ -686,7 +685,7 @@ class EpochBook:
 
     def _check_carry(self, state: dict[str, Any]) -> None:
         """Refuse a rollover carry holding indices this loader's dataset does not have."""
-        carry, samples = _nested(state.get("sampler"), "carry"), _length(self._dataset)
+        carry, samples = _nested(state.get("sampler"), "carry"), length(self._dataset)
         if not isinstance(carry, list | tuple) or samples is None:
             return
         outside = [i for i in carry if not (is_int(i) and 0 <= int(i) < samples)]
@@ -703,7 +702,7 @@ class EpochBook:
         seed), here rather than at the epoch's ``iter()``. Mid-epoch (``exact``) its keys must
         be those this loader's samplers save, or its order is not the one the batches were
         taken in; between epochs they must be keys these samplers read."""
-        saved, mine = _keys(state.get("sampler")), _keys(_state_of(self._sampling.batches))
+        saved, mine = _keys(state.get("sampler")), _keys(state_of(self._sampling.batches))
         if saved == mine or (not exact and _within(saved, mine)):
             return
         if saved is None and exact and state["epoch"] == 0 and not self._sampling.built:
@@ -1040,9 +1039,7 @@ def _check_failures(failures: object) -> None:
 def _differ(saved: dict[str, Any], mine: dict[str, Any]) -> list[str]:
     """The settings in which two layouts differ (one recorded later only where saved)."""
     return [
-        key
-        for key in _LAYOUT
-        if saved.get(key) != mine[key] and (key not in _ADDED or key in saved)
+        key for key in LAYOUT if saved.get(key) != mine[key] and (key not in _ADDED or key in saved)
     ]
 
 
@@ -1070,12 +1067,12 @@ def _layout_text(layout: dict[str, Any], differ: list[str]) -> str:
         if key not in ("batch_size", "samples"):
             value = layout.get(key)
             shown = repr(value) if key == "last_batch" else str(value)
-            parts.append(f"{_LAYOUT[key]}={shown}")
+            parts.append(f"{LAYOUT[key]}={shown}")
     return ", ".join(parts)
 
 
 def _chain_text(batches: object) -> str:
-    return " of ".join(type(s).__name__ for s in _samplers(batches)) or "none"
+    return " of ".join(type(s).__name__ for s in samplers(batches)) or "none"
 
 
 def _keys(state: object) -> object:
@@ -1090,7 +1087,7 @@ def _keys(state: object) -> object:
 def _index_state(state: object) -> dict[str, Any] | None:
     """The index sampler's state inside a (batch) sampler state: the first level with a
     ``seed`` and an ``epoch``."""
-    for _ in range(_DEPTH):
+    for _ in range(DEPTH):
         if not isinstance(state, dict):
             return None
         if "seed" in state and "epoch" in state:
@@ -1118,97 +1115,13 @@ def _within(saved: object, mine: object) -> bool:
 def _nested(state: object, key: str) -> Any:
     """``key`` of the first level of a (batch) sampler state that has it, looking through the
     states of the samplers it wraps (``"sampler"`` / ``"batch_sampler"``)."""
-    for _ in range(_DEPTH):
+    for _ in range(DEPTH):
         if not isinstance(state, dict):
             return None
         if key in state:
             return state[key]
         state = state.get("sampler", state.get("batch_sampler"))
     return None
-
-
-# -- the samplers ----------------------------------------------------------------------------
-
-
-def _length(sized: object) -> int | None:
-    try:
-        return len(sized)  # type: ignore[arg-type]
-    except Exception:  # no __len__, or one that refuses (a sampler of unknown length)
-        return None
-
-
-def _first_int(chain: list[Any], name: str) -> int | None:
-    return next((int(v) for s in chain if is_int(v := getattr(s, name, None))), None)
-
-
-def _last_batch(chain: list[Any]) -> str | None:
-    """The policy for the short last batch: aioloader's ``last_batch``, torch's ``drop_last``."""
-    for sampler in chain:
-        policy = getattr(sampler, "last_batch", None)
-        if isinstance(policy, str):
-            return policy
-        drop = getattr(sampler, "drop_last", None)
-        if isinstance(drop, bool):
-            return "discard" if drop else "keep"
-    return None
-
-
-def _shuffled(sampler: object) -> bool | None:
-    """Whether ``sampler`` shuffles: by its kind, or its ``shuffle`` (a distributed one's);
-    None where it does not say (a sampler of your own)."""
-    name = type(sampler).__name__
-    if name in _GLOBAL_RANDOM:
-        return True
-    if name == "SequentialSampler":
-        return False
-    flag = getattr(sampler, "shuffle", None)
-    return flag if isinstance(flag, bool) else None
-
-
-def _state_holder(batches: object) -> Stateful | None:
-    """The outermost of ``batches`` and the samplers it wraps that has a state: its state is
-    the samplers' (a stateful one saves those it wraps). A batch sampler without a state
-    (torch's ``BatchSampler``) around one of ours (``RandomSampler(seed=)``) is looked
-    through: the sampler inside it holds the order."""
-    return next((s for s in _samplers(batches) if isinstance(s, Stateful)), None)
-
-
-def _state_of(batches: object) -> dict[str, Any] | None:
-    holder = _state_holder(batches)
-    return holder.state_dict() if holder is not None else None
-
-
-def _epoch_setter(batches: object) -> Callable[[int], object] | None:
-    """``set_epoch`` of the outermost of ``batches`` and the samplers it wraps that has one
-    (torch's ``BatchSampler`` has none: its sampler is told)."""
-    for sampler in _samplers(batches):
-        set_epoch = getattr(sampler, "set_epoch", None)
-        if callable(set_epoch):
-            return set_epoch  # type: ignore[no-any-return]
-    return None
-
-
-def _layout_of(batches: object, index: object, dataset: object) -> dict[str, Any]:
-    """The layout (see :data:`_LAYOUT`) of ``batches`` over index sampler ``index``."""
-    if batches is None:  # a stream: only its length, where it has one
-        return {**dict.fromkeys(_LAYOUT), "samples": _length(dataset)}
-    chain = _samplers(batches)
-    replacement = next(
-        (r for s in chain if isinstance(r := getattr(s, "replacement", None), bool)), None
-    )
-    return {
-        "shuffle": _shuffled(index),
-        "sampler": type(index).__name__,
-        "generator": any(getattr(s, "generator", None) is not None for s in chain),
-        "batch_sampler": type(batches).__name__,
-        "batch_size": _first_int(chain, "batch_size"),
-        "last_batch": _last_batch(chain),
-        "samples": _length(dataset),
-        "indices": _length(index),
-        "replicas": _first_int(chain, "num_replicas"),
-        "batches": _length(batches),
-        "replacement": replacement,
-    }
 
 
 def _same(one: object, other: object) -> bool:
@@ -1223,59 +1136,6 @@ def _same(one: object, other: object) -> bool:
     return bool(one == other)
 
 
-# torch's samplers that draw from their ``generator``, or torch's global one without it.
-_GLOBAL_RANDOM = frozenset({"RandomSampler", "SubsetRandomSampler", "WeightedRandomSampler"})
 # The layout's settings that follow from the number of ranks: a mid-epoch state that differs
 # in these alone resumes elastically (see EpochBook._elastic).
 _ELASTIC = frozenset({"replicas", "indices", "batches"})
-_DEPTH = 4  # wrappers looked through: a sharded batch sampler around a batch sampler around...
-
-
-def _samplers(batches: object) -> list[Any]:
-    """``batches`` and the samplers it wraps (``.sampler`` / ``.batch_sampler``), outermost
-    first."""
-    found: list[Any] = []
-    current: Any = batches
-    for _ in range(_DEPTH):
-        if current is None:
-            break
-        found.append(current)
-        inner = getattr(current, "sampler", None)
-        current = inner if inner is not None else getattr(current, "batch_sampler", None)
-    return found
-
-
-def _generators(batches: object) -> list[Any]:
-    """The torch generators of the samplers without a state of their own (torch's
-    ``RandomSampler(generator=g)``, ``WeightedRandomSampler``, ...): their state before an
-    epoch's ``iter()`` is its order."""
-    return [
-        g
-        for sampler in _samplers(batches)
-        if not isinstance(sampler, Stateful)
-        and callable(getattr(g := getattr(sampler, "generator", None), "get_state", None))
-        and callable(getattr(g, "set_state", None))
-    ]
-
-
-def _generator_states(batches: object) -> list[Any] | None:
-    generators = _generators(batches)
-    return [g.get_state() for g in generators] if generators else None
-
-
-def _matching_generators(batches: object, states: list[Any]) -> list[Any]:
-    """The generators of ``batches`` that ``states`` (a state's) are of; raises if they differ."""
-    generators = _generators(batches)
-    if len(generators) != len(states):
-        raise ValueError(
-            f"the state holds {len(states)} sampler generator states, but the samplers of "
-            f"this loader have {len(generators)} generators: load it into a loader built "
-            "the same way"
-        )
-    return generators
-
-
-def _set_generators(batches: object, states: list[Any]) -> None:
-    generators = _matching_generators(batches, states)
-    for generator, state in zip(generators, states, strict=True):
-        generator.set_state(state)

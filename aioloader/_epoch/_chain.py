@@ -1,0 +1,170 @@
+"""The sampler chain as a resume state sees it: the samplers a batch sampler wraps, the one
+whose state is the chain's, who is told ``set_epoch``, the torch generators of samplers
+without a state, and the layout (the settings that decide which samples a batch id is).
+
+A chain is the loader's batch sampler and what it wraps (``.sampler`` / ``.batch_sampler``),
+outermost first, looked through :data:`DEPTH` deep: aioloader's samplers, torch's, or the
+user's own, read by duck typing (a sampler says ``batch_size``, ``drop_last`` or
+``last_batch``, ``num_replicas``, ``generator``, ``replacement`` where it has them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .._types import Stateful
+from .._validate import is_int
+
+# The settings a state's "layout" records, and how a message names each. They decide which
+# samples batch id i of an epoch is, and in which order the ids come (the rank does not: under
+# DDP rank 0's state resumes every rank, unless the state is that rank's own, see
+# EpochBook._own_rank; neither do num_workers and in_order: the ids stay).
+LAYOUT: dict[str, str] = {
+    "shuffle": "shuffle",
+    "sampler": "sampler",
+    "generator": "sampler generator",
+    "batch_sampler": "batch_sampler",
+    "batch_size": "batch_size",
+    "last_batch": "last_batch",
+    "samples": "len(dataset)",
+    "indices": "len(sampler)",
+    "replicas": "num_replicas",
+    "batches": "len(loader)",
+    "replacement": "sampler replacement",
+}
+
+
+def length(sized: object) -> int | None:
+    try:
+        return len(sized)  # type: ignore[arg-type]
+    except Exception:  # no __len__, or one that refuses (a sampler of unknown length)
+        return None
+
+
+def first_int(chain: list[Any], name: str) -> int | None:
+    return next((int(v) for s in chain if is_int(v := getattr(s, name, None))), None)
+
+
+def last_batch(chain: list[Any]) -> str | None:
+    """The policy for the short last batch: aioloader's ``last_batch``, torch's ``drop_last``."""
+    for sampler in chain:
+        policy = getattr(sampler, "last_batch", None)
+        if isinstance(policy, str):
+            return policy
+        drop = getattr(sampler, "drop_last", None)
+        if isinstance(drop, bool):
+            return "discard" if drop else "keep"
+    return None
+
+
+def shuffled(sampler: object) -> bool | None:
+    """Whether ``sampler`` shuffles: by its kind, or its ``shuffle`` (a distributed one's);
+    None where it does not say (a sampler of your own)."""
+    name = type(sampler).__name__
+    if name in GLOBAL_RANDOM:
+        return True
+    if name == "SequentialSampler":
+        return False
+    flag = getattr(sampler, "shuffle", None)
+    return flag if isinstance(flag, bool) else None
+
+
+def state_holder(batches: object) -> Stateful | None:
+    """The outermost of ``batches`` and the samplers it wraps that has a state: its state is
+    the samplers' (a stateful one saves those it wraps). A batch sampler without a state
+    (torch's ``BatchSampler``) around one of ours (``RandomSampler(seed=)``) is looked
+    through: the sampler inside it holds the order."""
+    return next((s for s in samplers(batches) if isinstance(s, Stateful)), None)
+
+
+def state_of(batches: object) -> dict[str, Any] | None:
+    holder = state_holder(batches)
+    return holder.state_dict() if holder is not None else None
+
+
+def epoch_setter(batches: object) -> Callable[[int], object] | None:
+    """``set_epoch`` of the outermost of ``batches`` and the samplers it wraps that has one
+    (torch's ``BatchSampler`` has none: its sampler is told)."""
+    for sampler in samplers(batches):
+        set_epoch = getattr(sampler, "set_epoch", None)
+        if callable(set_epoch):
+            return set_epoch  # type: ignore[no-any-return]
+    return None
+
+
+def layout_of(batches: object, index: object, dataset: object) -> dict[str, Any]:
+    """The layout (see :data:`LAYOUT`) of ``batches`` over index sampler ``index``."""
+    if batches is None:  # a stream: only its length, where it has one
+        return {**dict.fromkeys(LAYOUT), "samples": length(dataset)}
+    chain = samplers(batches)
+    replacement = next(
+        (r for s in chain if isinstance(r := getattr(s, "replacement", None), bool)), None
+    )
+    return {
+        "shuffle": shuffled(index),
+        "sampler": type(index).__name__,
+        "generator": any(getattr(s, "generator", None) is not None for s in chain),
+        "batch_sampler": type(batches).__name__,
+        "batch_size": first_int(chain, "batch_size"),
+        "last_batch": last_batch(chain),
+        "samples": length(dataset),
+        "indices": length(index),
+        "replicas": first_int(chain, "num_replicas"),
+        "batches": length(batches),
+        "replacement": replacement,
+    }
+
+
+# torch's samplers that draw from their ``generator``, or torch's global one without it.
+GLOBAL_RANDOM = frozenset({"RandomSampler", "SubsetRandomSampler", "WeightedRandomSampler"})
+DEPTH = 4  # wrappers looked through: a sharded batch sampler around a batch sampler around...
+
+
+def samplers(batches: object) -> list[Any]:
+    """``batches`` and the samplers it wraps (``.sampler`` / ``.batch_sampler``), outermost
+    first."""
+    found: list[Any] = []
+    current: Any = batches
+    for _ in range(DEPTH):
+        if current is None:
+            break
+        found.append(current)
+        inner = getattr(current, "sampler", None)
+        current = inner if inner is not None else getattr(current, "batch_sampler", None)
+    return found
+
+
+def generators(batches: object) -> list[Any]:
+    """The torch generators of the samplers without a state of their own (torch's
+    ``RandomSampler(generator=g)``, ``WeightedRandomSampler``, ...): their state before an
+    epoch's ``iter()`` is its order."""
+    return [
+        g
+        for sampler in samplers(batches)
+        if not isinstance(sampler, Stateful)
+        and callable(getattr(g := getattr(sampler, "generator", None), "get_state", None))
+        and callable(getattr(g, "set_state", None))
+    ]
+
+
+def generator_states(batches: object) -> list[Any] | None:
+    found = generators(batches)
+    return [g.get_state() for g in found] if found else None
+
+
+def matching_generators(batches: object, states: list[Any]) -> list[Any]:
+    """The generators of ``batches`` that ``states`` (a state's) are of; raises if they differ."""
+    found = generators(batches)
+    if len(found) != len(states):
+        raise ValueError(
+            f"the state holds {len(states)} sampler generator states, but the samplers of "
+            f"this loader have {len(found)} generators: load it into a loader built "
+            "the same way"
+        )
+    return found
+
+
+def set_generators(batches: object, states: list[Any]) -> None:
+    for generator, state in zip(matching_generators(batches, states), states, strict=True):
+        generator.set_state(state)
