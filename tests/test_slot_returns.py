@@ -11,6 +11,7 @@ lease waits again until a free slot is found.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 from collections.abc import Iterator
@@ -139,6 +140,40 @@ def test_a_return_queued_before_the_watch_is_applied_by_it(pool: SlotPool) -> No
     assert slot is not None
     assert not watching
     assert current["x"][0] == 2
+
+
+def test_a_released_slot_wakes_whoever_waits(pool: SlotPool) -> None:
+    # A leased slot given back (its batch came inline, its job was abandoned, a Ray reply)
+    # is free as a returned one is: a waiting lease takes it instead of timing out.
+    held = [_held(pool, 1), _held(pool, 2)]
+    leased = pool.lease(NBYTES)
+    assert leased is not None
+    wake = Wakes()
+    assert pool.watch(NBYTES, wake) == (None, True)
+    pool.release(leased)
+    assert wake.calls == 1
+    assert pool.reuse(NBYTES) is not None
+    assert len(held) == 2
+
+
+def test_a_lease_cancelled_as_its_slot_comes_back_is_cancelled(pool: SlotPool) -> None:
+    # The consumer drops a batch (its finalizer wakes the waiting lease) in the loop turn that
+    # cancels the lease (a close, a deadline): the lease must end cancelled, leasing nothing.
+    async def main() -> None:
+        receiver = _wire.Receiver(pool, 4)
+        receiver.saw(NBYTES)
+        held = {"before": _held(pool, 1), "current": _held(pool, 2)}
+        lease = asyncio.ensure_future(receiver.lease())
+        await asyncio.sleep(0)  # the lease waits (watch() registered it)
+        assert pool.stats().leased == 0
+        del held["before"]  # wakes the lease...
+        lease.cancel()  # ...and cancels it in the same turn
+        with pytest.raises(asyncio.CancelledError):
+            await lease
+        stats = pool.stats()
+        assert (stats.leased, stats.free, stats.held) == (0, 1, 1)
+
+    asyncio.run(main())
 
 
 class Images:

@@ -475,9 +475,11 @@ class SlotPool:
         with self._lock:
             self._drain()
             seg = self._segments.get(slot.name)
-            if seg is not None and seg.state is _State.LEASED and seg.lease_id == slot.lease_id:
-                self._free(seg)
-                self._trim()
+            if seg is None or seg.state is not _State.LEASED or seg.lease_id != slot.lease_id:
+                return
+            self._free(seg)
+            self._trim()
+        self.wake_watchers()  # a lease waiting for a slot to come back (watch) may take it
 
     def forget(self, slot: Slot) -> None:
         """Drop a leased slot for good: unlinked (if it is still there) and never leased again;
@@ -523,18 +525,21 @@ class SlotPool:
             if seg is None or seg.state is not _State.LEASED or seg.lease_id != slot.lease_id:
                 state = "unknown" if seg is None else f"{seg.state.value}, lease {seg.lease_id}"
                 raise ValueError(f"slot={slot!r} is not leased under this lease id ({state})")
-            used = max((ref_end(ref, seg.size) for ref in refs), default=0)
-            if not refs:  # nothing points into the slot: it is free again at once
-                self._free(seg)
-                return tree
-            root = as_bytes(seg.mapping, used)
-            torch_mod = import_torch() if any(r.kind == "torch" for r in refs) else None
-            batch = map_tree(tree, lambda leaf: view_leaf(root, leaf, torch_mod))
-            seg.state = _State.HELD
-            returned = (seg.name, seg.lease_id)
-            fin = weakref.finalize(root, _on_return, self._returned, weakref.ref(self), returned)
-            fin.atexit = False
-            return batch
+            if refs:
+                used = max(ref_end(ref, seg.size) for ref in refs)
+                root = as_bytes(seg.mapping, used)
+                torch_mod = import_torch() if any(r.kind == "torch" for r in refs) else None
+                batch = map_tree(tree, lambda leaf: view_leaf(root, leaf, torch_mod))
+                seg.state = _State.HELD
+                returned = (seg.name, seg.lease_id)
+                fin = weakref.finalize(
+                    root, _on_return, self._returned, weakref.ref(self), returned
+                )
+                fin.atexit = False
+                return batch
+            self._free(seg)  # nothing points into the slot: it is free again at once
+        self.wake_watchers()
+        return tree
 
     def write(self, slot: Slot, parts: Sequence[tuple[int, Any]]) -> None:
         """Copy each ``(offset, data)`` of ``parts`` into the leased ``slot``: the other way
