@@ -161,13 +161,20 @@ def sums(**values: float) -> list[float]:
 def test_threads_held_by_the_gil_are_told_to_use_processes() -> None:
     # 4 threads busy the whole time, yet this process used one CPU of 8.
     cpu = (10.0, 10.0, 10.0, 0.0)
-    for makers in (1, 4):
-        threads = Capacity(makers=makers, prefetch=8, batch_size=4, thread_pool=True)
-        busy = sums(batches_yielded=40, samples_yielded=160, consumer_wait_s=8, read_s=10 * makers)
-        stats = EpochStatistics.build(0, 10.0, busy, threads, cpu=cpu, cpus=8.0)
-        assert (stats.bottleneck, stats.knob) == ("workers", "thread_pool")
-        assert "thread_pool=False" in stats.hint
-        assert "1.0 CPUs of 8" in stats.hint
+    threads = Capacity(makers=4, prefetch=8, batch_size=4, thread_pool=True)
+    busy = sums(batches_yielded=40, samples_yielded=160, consumer_wait_s=8, read_s=40)
+    stats = EpochStatistics.build(0, 10.0, busy, threads, cpu=cpu, cpus=8.0)
+    assert (stats.bottleneck, stats.knob) == ("workers", "thread_pool")
+    assert "thread_pool=False" in stats.hint
+    assert "1.0 CPUs of 8" in stats.hint
+    # One thread uses one CPU at most, GIL or not (numpy and PIL release it): the usual
+    # num_workers verdict, which names processes as the way out of the GIL.
+    one = Capacity(makers=1, prefetch=8, batch_size=4, thread_pool=True)
+    alone = sums(batches_yielded=40, samples_yielded=160, consumer_wait_s=8, read_s=10)
+    stats = EpochStatistics.build(0, 10.0, alone, one, cpu=cpu, cpus=8.0)
+    assert (stats.bottleneck, stats.knob) == ("workers", "num_workers")
+    assert "thread_pool=False" in stats.hint
+    assert "cannot run at once" not in stats.hint
     # On a loaded machine: half a CPU used, and 0.6 waited for in a run queue.
     loaded = EpochStatistics.build(0, 10.0, busy, threads, cpu=(10.0, 5.0, 5.0, 6.0), cpus=8.0)
     assert loaded.knob == "thread_pool"
@@ -198,13 +205,18 @@ def test_a_batch_samplers_size_is_the_mean_samples_per_batch() -> None:
 
 def test_the_transfer_verdict_with_pinned_memory_names_device_prefetch() -> None:
     copies = sums(batches_yielded=100, consumer_wait_s=10, transfer_s=30)
-    pinned = Capacity(pin_memory=True, device_prefetch=2)
-    stats = EpochStatistics.build(0, 100.0, copies, pinned)
-    assert (stats.bottleneck, stats.knob) == ("transfer", "device_prefetch")
-    assert "pin_memory=True" not in stats.hint
-    assert "device_prefetch (now 2)" in stats.hint
-    unpinned = EpochStatistics.build(0, 100.0, copies, Capacity())
-    assert (unpinned.knob, "use pin_memory=True" in unpinned.hint) == ("pin_memory", True)
+    # Copies to a device go through pinned memory whatever pin_memory says.
+    for pin_memory in (False, True):
+        to_device = Capacity(pin_memory=pin_memory, staged=True, device_prefetch=2)
+        stats = EpochStatistics.build(0, 100.0, copies, to_device)
+        assert (stats.bottleneck, stats.knob) == ("transfer", "device_prefetch")
+        assert "pin_memory" not in stats.hint
+        assert "device_prefetch (now 2)" in stats.hint
+    # Pin-only mode (no device): pinning is the limit; a device would overlap it.
+    pinning = EpochStatistics.build(0, 100.0, copies, Capacity(pin_memory=True))
+    assert (pinning.bottleneck, pinning.knob) == ("transfer", "pin_memory")
+    assert pinning.hint.startswith("pinning batches")
+    assert "use pin_memory=True" not in pinning.hint
 
 
 def test_the_loop_hint_says_cpus_not_a_percentage_above_100() -> None:

@@ -20,6 +20,9 @@ never waits for a reader. What makes that safe:
 - a snapshot reads it, then the sums (which only grow), then checks it again, and reads anew if
   an epoch began meanwhile (:meth:`Counters.snapshot`): no difference is negative or spans two
   epochs, and every difference is clamped at 0 all the same;
+- an epoch's end moves it into the totals (wall time, CPU) and clears it between two steps of
+  a change count (odd meanwhile): a snapshot that overlaps them reads again, so the total never
+  holds the epoch's batches without its wall time, nor its wall time twice;
 - one snapshot reads the sums and the CPU time once for the epoch and the total together, so
   that the total always holds the epoch;
 - the newest CPU read is a cache any thread may replace, with one immutable
@@ -120,9 +123,10 @@ CPU_SATURATED = 0.85
 #: must stay cheap to read in a loop. An epoch's start and end always read it afresh.
 CPU_SAMPLE_INTERVAL_S = 0.5
 
-#: Threads making batches while this process used at most this many CPUs above one, on a
-#: machine with CPUs to spare, are held by the GIL (a pure-Python ``__getitem__``): more
-#: threads only take turns, processes would run at once. One CPU exactly is the GIL's ceiling;
+#: Two threads or more making batches while this process used at most this many CPUs above
+#: one, on a machine with CPUs to spare, are held by the GIL (a pure-Python ``__getitem__``):
+#: more threads only take turns, processes would run at once (one thread proves nothing: it
+#: uses one CPU at most, GIL or not). One CPU exactly is the GIL's ceiling;
 #: the margin admits the loop's own moments in C code (numpy, I/O) that run beside it. On a
 #: loaded 2-core machine a GIL-bound pipeline (1 or 4 threads) used 0.5-0.76 CPUs and waited
 #: in a run queue for another 0.7-1.1; the review measured 1.0 used on an idle one.
@@ -363,8 +367,12 @@ class Capacity:
         stream: the dataset is an async iterable (pulled one item at a time on the loop).
         thread_pool: the makers are threads the user asked for (``thread_pool=True``), not
             the one helper thread of ``num_workers=0``.
-        pin_memory: batches are pinned before their copy to the device.
-        device_prefetch: device copies in flight at once.
+        pin_memory: ``pin_memory=True`` was given. With no device that is the stage's whole
+            job (pin-only mode: each batch is copied into page-locked memory); with a CUDA
+            device it changes nothing (see ``staged``).
+        staged: batches are copied to a CUDA device, through pinned memory (staging buffers,
+            or shared memory registered as pinned) whatever ``pin_memory`` says.
+        device_prefetch: device copies (or pinnings) in flight at once.
     """
 
     makers: int = 1
@@ -375,6 +383,7 @@ class Capacity:
     stream: bool = False
     thread_pool: bool = False
     pin_memory: bool = False
+    staged: bool = False
     device_prefetch: int = 1
 
 
@@ -447,6 +456,10 @@ class Counters:
     cpus: float = field(default_factory=cpus_available)
     cpu_last: CpuSample | None = None
     cpu_ended: _Cpu = (0.0, 0.0, 0.0, 0.0)
+    # Odd while end_epoch moves an epoch into the totals (wall_s, cpu_ended) and clears
+    # running: a snapshot that saw it odd, or saw it move, reads again (a sequence lock that
+    # the loop thread never waits for).
+    changes: int = 0
 
     def skip(self, records: list[tuple[int, str]]) -> None:
         """Count skipped samples and keep the newest :data:`SKIP_RECORDS` of their records."""
@@ -482,11 +495,16 @@ class Counters:
         cpu = self.read_cpu(now, fresh=True)
         stats = self._epoch(running, now, self.sums(), cpu)
         use = _cpu_use(running, cpu, now)
+        # The totals take the epoch in, then the epoch stops running, inside an odd count of
+        # changes: a reader that overlaps any of it reads again (see snapshot), so none sees
+        # the epoch's batches without its wall time, nor its wall time twice.
+        self.changes += 1
         self.last_epoch = stats
-        self.running = None  # first: a reader between these lines undercounts, never twice
         self.wall_s += stats.wall_s
         if use is not None:
             self.cpu_ended = _plus(self.cpu_ended, use)
+        self.running = None
+        self.changes += 1
         return stats
 
     def measure(self, now: float | None = None, *, fresh: bool = False) -> EpochStatistics:
@@ -517,13 +535,17 @@ class Counters:
         # The CPU first (a read of /proc takes milliseconds), then the running epoch and the
         # sums, again if an epoch began or ended meanwhile, so that the sums are the epoch's.
         cpu = self.read_cpu(now, fresh=fresh) if self.running is not None else None
-        for _ in range(_SNAPSHOT_TRIES):  # bounded: each try is a few dozen attribute reads
+        for tries in range(_SNAPSHOT_TRIES):  # bounded: each try is a few dozen attribute reads
+            if tries:
+                time.sleep(0)  # let the loop thread finish what it was changing
+            changes = self.changes
             running = self.running
             sums = self.sums()
             ended_wall, ended_cpu = self.wall_s, self.cpu_ended
-            if self.running is running:
+            if self.running is running and self.changes == changes and changes % 2 == 0:
                 break
-        else:  # epochs of a few batches ending faster than this thread reads: the last one
+        else:  # epochs ending faster than this thread reads (or a reader run by the loop
+            # thread in the middle of an epoch's end): the last epoch and the totals as read
             running = None
         if running is None:
             epoch = self.last_epoch or EpochStatistics(epoch=self.epoch)
@@ -571,8 +593,9 @@ class Counters:
 
 
 #: Reads of the running epoch and the sums a snapshot tries before it settles for the last
-#: epoch that ended: another epoch begins between two reads only when epochs last about a
-#: thread switch (5 ms), and three in a row only when the reader is starved.
+#: epoch that ended: another epoch begins (or ends) between two reads only when epochs last
+#: about a thread switch (5 ms), and three in a row only when the reader is starved (it yields
+#: its turn between tries, so that an epoch's end under way completes).
 _SNAPSHOT_TRIES = 3
 
 
@@ -658,10 +681,11 @@ class EpochStatistics:
         bottleneck: the limiting stage: ``'consumer'``, ``'workers'``, ``'io'``,
             ``'transfer'``, ``'prefetch'``, ``'source'``, ``'loop'``, ``'cpu'`` (the machine:
             the CPUs the processes may use are all busy), or ``''`` (no batch yet).
-        knob: the setting to turn: ``'num_workers'``, ``'thread_pool'`` (threads held by the
-            GIL: use processes), ``'io_concurrency'``, ``'prefetch'``, ``'pin_memory'``,
-            ``'device_prefetch'``, ``'batch_size'``, or ``''`` when no setting of the loader
-            helps.
+        knob: the setting to turn: ``'num_workers'``, ``'thread_pool'`` (two threads or more
+            held by the GIL: use processes), ``'io_concurrency'``, ``'prefetch'``,
+            ``'pin_memory'`` (pin-only mode, no device: pinning is the limit),
+            ``'device_prefetch'`` (copies to a device, pinned already), ``'batch_size'``, or
+            ``''`` when no setting of the loader helps.
         hint: the verdict in a sentence, with the numbers behind it.
     """
 
@@ -764,7 +788,9 @@ class EpochStatistics:
         """``(bottleneck, knob, hint)``: which stage limits the epoch and what to turn.
 
         In order: a consumer that rarely waited is the limit itself; else the copies to the
-        device if the consumer waited for them more than for batches; else the machine, when
+        device if the consumer waited for them more than for batches (``device_prefetch``:
+        they are pinned already), or the pinning of batches where ``pin_memory`` is all the
+        stage does (``pin_memory``: a device would overlap it); else the machine, when
         the loader's processes used or waited for :data:`CPU_SATURATED` of the CPUs they may
         use (more workers share the same cores, more prefetch only queues: only where this
         process spent more than its workers does a knob help, ``batch_size``: fewer batches
@@ -784,21 +810,25 @@ class EpochStatistics:
                 f"the consumer is slow ({waited}): the loader keeps up; speed up the training "
                 "step, not the loader",
             )
+        # Copies are timed only where a device stage runs: to a device (staged), or pinning.
         if sums["transfer_s"] > sums["consumer_wait_s"]:
-            if capacity.pin_memory:
+            if capacity.staged:  # pin_memory=True or not: the copies are pinned already
                 return (
                     "transfer",
                     "device_prefetch",
-                    f"copies to the device ({waited}, mostly for copies, from pinned memory "
-                    f"already): raise device_prefetch (now {capacity.device_prefetch}) to "
-                    "overlap more copies, or send smaller batches (or smaller dtypes) to the "
-                    "device",
+                    f"copies to the device ({waited}, mostly for copies, which go through "
+                    f"pinned memory already): raise device_prefetch (now "
+                    f"{capacity.device_prefetch}) to overlap more copies, or send smaller "
+                    "batches (or smaller dtypes) to the device",
                 )
-            return (
+            return (  # pin-only mode: each batch is copied into page-locked memory
                 "transfer",
                 "pin_memory",
-                f"copies to the device ({waited}, mostly for copies): use pin_memory=True and "
-                "a larger device_prefetch, or smaller batches on the device",
+                f"pinning batches ({waited}, mostly for batches to be copied into pinned "
+                "memory): pass device= instead of pin_memory=True, so that the loader copies "
+                "batches to the GPU itself on a side stream, overlapped with the step; or set "
+                "pin_memory=False where the training step copies them anyway; device_prefetch "
+                f"(now {capacity.device_prefetch}) overlaps more pinnings",
             )
         wall = self.wall_s
         makers = max(1, capacity.makers)
@@ -854,24 +884,32 @@ class EpochStatistics:
                     f"lets it run at once ({waited}): raise prefetch",
                 )
             if stage == "workers" and self._gil_bound(capacity):
-                what = f"{makers} thread{'s' if makers > 1 else ''}"
                 return (
                     stage,
                     "thread_pool",
-                    f"reading and collating samples is the limit: {what} busy {busy:.0%} of "
-                    f"the time ({waited}), yet this process used {self.main_cpus:.1f} CPUs of "
-                    f"{self.cpus:g}: Python code (__getitem__, the transform or collate_fn) "
-                    "holds the GIL, so the loader's threads run one at a time: use processes "
-                    "(thread_pool=False); more threads cannot run at once",
+                    f"reading and collating samples is the limit: {makers} threads busy "
+                    f"{busy:.0%} of the time ({waited}), yet this process used "
+                    f"{self.main_cpus:.1f} CPUs of {self.cpus:g}: Python code (__getitem__, "
+                    "the transform or collate_fn) holds the GIL, so the loader's threads run "
+                    "one at a time: use processes (thread_pool=False); more threads cannot "
+                    "run at once",
                 )
             if stage == "workers":
                 nouns = ("worker process", "worker processes", "thread", "threads")
                 what = nouns[2 * (not capacity.processes) + (makers > 1)]
+                # One thread uses one CPU at most whatever it runs: whether the GIL holds it
+                # back cannot be told, so both ways out are named.
+                threads = (
+                    " (more threads help where the work releases the GIL, as numpy and PIL "
+                    "do; where it is Python code, use processes: thread_pool=False)"
+                    if capacity.thread_pool and not capacity.processes
+                    else ""
+                )
                 return (
                     stage,
                     "num_workers",
                     f"reading and collating samples is the limit: {makers} {what} busy "
-                    f"{busy:.0%} of the time ({waited}): raise num_workers, or make "
+                    f"{busy:.0%} of the time ({waited}): raise num_workers{threads}, or make "
                     "__getitem__, the transform or collate_fn cheaper",
                 )
             if stage == "io":
@@ -914,15 +952,18 @@ class EpochStatistics:
 
     def _gil_bound(self, capacity: Capacity) -> bool:
         """Whether the threads of ``thread_pool=True`` make batches one at a time under the
-        GIL: this process used at most about one CPU (:data:`GIL_BOUND_MARGIN`) on a machine
-        with more, while they were busy, and asked for about one at least (used, or waited
-        for in a run queue: on a loaded machine a GIL-bound process gets less than a CPU).
-        Threads that wait for I/O ask for far less, and more of them do help."""
+        GIL: they could use two CPUs or more (``min(makers, cpus)``), yet this process used at
+        most about one (:data:`GIL_BOUND_MARGIN`) while they were busy, and asked for about
+        one at least (used, or waited for in a run queue: on a loaded machine a GIL-bound
+        process gets less than a CPU). Threads that wait for I/O ask for far less, and more of
+        them do help. One thread uses one CPU at most whatever it runs (GIL-bound Python, or
+        numpy and PIL that release it): the check cannot tell them apart, and says nothing."""
         asked = self.main_cpus + self.cpu_wait_share * self.cpus  # threads: the tree is this
+        could_use = min(capacity.makers, self.cpus)
         return (
             capacity.thread_pool
             and not capacity.processes
-            and self.cpus >= 2
+            and could_use >= 2
             and self.main_cpus <= 1.0 + GIL_BOUND_MARGIN
             and asked >= 1.0 - GIL_BOUND_MARGIN
         )
