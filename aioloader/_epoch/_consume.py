@@ -282,7 +282,8 @@ class Epoch:
     def _begin(self) -> None:
         if not self._began:
             self._began = True
-            self._counters.begin_epoch(self.epoch, _capacity(self.config), self._stats_token)
+            capacity = _capacity(self.config, self._device)
+            self._counters.begin_epoch(self.epoch, capacity, self._stats_token)
 
     def next_inline(self) -> Any:
         """The next batch, made here in the caller's thread with no event loop: ``for`` over a
@@ -890,7 +891,7 @@ def _real(outcome: Outcome) -> bool:
     return outcome.value is not END and outcome.value is not EMPTY_BATCH
 
 
-def _capacity(config: LoaderConfig) -> Capacity:
+def _capacity(config: LoaderConfig, device: DeviceStage | None = None) -> Capacity:
     """How parallel each stage of an epoch may be (for the shares and the verdict)."""
     return Capacity(
         makers=config.num_workers if config.uses_processes else config.threads,
@@ -902,6 +903,8 @@ def _capacity(config: LoaderConfig) -> Capacity:
         stream=config.kind == "async_iterable",
         thread_pool=config.thread_pool and config.num_workers > 0,
         pin_memory=config.pin_memory,
+        # Copies to a CUDA device go through pinned memory whatever pin_memory says.
+        staged=getattr(device, "device", None) is not None,
         device_prefetch=config.device_prefetch,
     )
 
