@@ -396,6 +396,12 @@ class Sampling:
     check: IndexCheck | None
 
 
+def _iterable(batches: object) -> bool:
+    """Whether ``iter()`` takes ``batches``: ``__iter__``, or the sequence protocol
+    (``__getitem__`` from 0 until ``IndexError``), as torch's DataLoader iterates it."""
+    return isinstance(batches, Iterable) or callable(getattr(type(batches), "__getitem__", None))
+
+
 def batch_sampler_for(
     dataset: Any,
     kind: DatasetKind,
@@ -456,7 +462,7 @@ def batch_sampler_for(
             )
         if last_batch is not None:
             raise ValueError(f"batch_sampler excludes last_batch (got {last_batch!r})")
-        if not isinstance(batch_sampler, Iterable):  # (else: at the first epoch, unnamed)
+        if not _iterable(batch_sampler):  # (else: at the first epoch, unnamed)
             raise TypeError(
                 "batch_sampler must be an iterable of batches (lists of indices), got "
                 f"{batch_sampler!r}"
