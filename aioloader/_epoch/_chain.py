@@ -116,6 +116,27 @@ def layout_of(batches: object, index: object, dataset: object) -> dict[str, Any]
     }
 
 
+def layout_loaded(
+    batches: object, index: object, dataset: object, state: dict[str, Any]
+) -> dict[str, Any]:
+    """The layout of ``batches`` with sampler state ``state`` loaded into the chain's holder
+    (see :func:`state_holder`), which gets its own state back after, loaded or not. Nothing
+    is copied: a sampler may hold a dataset, a lock, a process group or the loader itself.
+
+    Raises:
+        Exception: what the holder's ``load_state_dict`` raises for ``state``.
+    """
+    holder = state_holder(batches)
+    if holder is None:
+        return layout_of(batches, index, dataset)
+    prior = holder.state_dict()
+    try:
+        holder.load_state_dict(state)
+        return layout_of(batches, index, dataset)
+    finally:
+        holder.load_state_dict(prior)
+
+
 # torch's samplers that draw from their ``generator``, or torch's global one without it.
 GLOBAL_RANDOM = frozenset({"RandomSampler", "SubsetRandomSampler", "WeightedRandomSampler"})
 DEPTH = 4  # wrappers looked through: a sharded batch sampler around a batch sampler around...

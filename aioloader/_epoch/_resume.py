@@ -44,11 +44,15 @@ rebased (:meth:`EpochBook.check`): no batch taken yet, the sampler holding those
 that its ``iter()`` shares out the rest of the order over the new ranks. The next epochs are
 those of an uninterrupted run on the new ranks. A state saved in such a rest holds the
 positions in its sampler state; the layout it is checked against is the samplers' with that
-state loaded (into a copy), so it resumes on as many ranks by batch ids, and on others again.
+state loaded (tried, then undone), so it resumes on as many ranks by batch ids, and on
+others again.
 
 A state is a rank's own where the ranks' differ (:meth:`EpochBook._own_rank`): batch ids taken
 out of order (``in_order=False``) and a rollover carry. It records ``"rank"``, holds no
 ``"consumed"``, and resumes that rank only, on as many ranks; :func:`merge_states` refuses it.
+A loader built before the process group has no rank yet: such a state loaded then is checked
+when the loader takes its share (:meth:`EpochBook.replace_sampling`), or, if no group came, at
+the first epoch. The refusal gives the way on from that state alone (replay its epoch).
 
 A stream read in units (``TarDataset``, ``ParquetDataset``) resumes on another number of ranks
 (and workers) from every rank's state merged into one (:func:`merge_states`, exported as
@@ -74,11 +78,15 @@ id means the same samples only under the same settings: every state records them
 (``"layout"``: shuffle, the samplers, batch size, last batch, lengths, world size) and a
 mid-epoch one is refused by a loader whose settings differ, naming each setting and both
 values (a state between epochs goes into any loader whose samplers read its sampler state:
-nothing of it was taken). The sampler state is loaded into a copy of the samplers there too
-(a carry or positions they refuse, a carry outside the dataset: refused then, not at the first
-batch), and into the samplers themselves once accepted (``len(loader)`` counts the epoch it
-resumes). Settings recorded later in format 1 (``"replacement"``) are compared only where the
-saved layout has them, so a state saved before loads as it did. Every field is
+nothing of it was taken). The sampler state is tried in the samplers there too (a carry or
+positions they refuse, a carry outside the dataset: refused then, not at the first batch),
+their own state given back after (nothing is copied: a sampler may hold a dataset, a lock, the
+loader); once accepted it is loaded (``len(loader)`` counts the epoch it resumes), and a later
+state loaded before the epoch starts gives them back their own first (one replaces the other
+whole). A state saved by the previous release for a stateless batch sampler (torch's) around a
+stateful sampler holds no sampler state (that release saved none there): it resumes as then.
+Settings recorded later in format 1 (``"replacement"``) are compared only where the saved
+layout has them, so a state saved before loads as it did. Every field is
 checked for its type and range (``done`` holds distinct batch ids of the epoch; the seed of
 the shuffle the loader made is the state's ``seed``). States without a version (format 0,
 before the layout was recorded) migrate explicitly (:func:`_migrated`) when saved between
@@ -88,10 +96,12 @@ the loader by adding its layout.
 
 from __future__ import annotations
 
-import copy
+import reprlib
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from .._config import Sampling
 from .._log import distributed_log
@@ -122,6 +132,7 @@ from ._chain import (
     first_int,
     generator_states,
     last_batch,
+    layout_loaded,
     layout_of,
     length,
     matching_generators,
@@ -189,6 +200,9 @@ class EpochBook:
         self._asked: int | None = None  # loader.set_epoch(n), not yet used by an epoch
         self._drives = False  # the current epoch's set_epoch went to a user's sampler
         self._resume: dict[str, Any] | None = None
+        # The samplers' own state before a pending state's sampler state was loaded into
+        # them (see load): given back where a later state replaces it.
+        self._before: dict[str, Any] | None = None
         self._done: list[int] = []  # batch ids of the current epoch taken by the consumer
         self._sampler_state: dict[str, Any] | None = None  # before the current epoch's iter()
         self._layout: dict[str, Any] | None = None  # the current epoch's, likewise
@@ -213,7 +227,10 @@ class EpochBook:
             ValueError: the pending state does not fit the new samplers (it is dropped: the
                 next epoch is a whole one, as after any refusal).
         """
-        self._sampling = sampling
+        holder = state_holder(self._sampling.batches)
+        if holder is not None and self._before is not None:
+            holder.load_state_dict(self._before)  # the samplers replaced, as they were
+        self._sampling, self._before = sampling, None
         set_epoch = epoch_setter(sampling.batches)
         if set_epoch is not None and sampling.built:
             set_epoch(self.next_epoch)
@@ -263,6 +280,8 @@ class EpochBook:
         records the sampler's state: the caller calls ``iter()`` on the batch sampler next.
         """
         resume = self._resume  # cleared once its sampler state is loaded (it was checked)
+        if resume is not None and self._rank() is None:  # no group came: checked now
+            self._check_rank(resume)
         if resume is not None:
             epoch = int(resume["epoch"])
             done = {int(i) for i in resume["done"]}
@@ -284,7 +303,7 @@ class EpochBook:
                 holder.load_state_dict(resume["sampler"])
             if resume.get("generators") is not None:
                 set_generators(batches, resume["generators"])
-        self._resume = None
+        self._resume = self._before = None
         self._asked = None
         if resume is None and self._begun and not self._drawn and self._draw_seed is not None:
             self._draw_seed()  # the previous epoch was left early (a resumed one's is saved)
@@ -503,9 +522,9 @@ class EpochBook:
 
         Args:
             state: a :meth:`state_dict`.
-            check: refuse a mid-epoch state of a stream that cannot continue (``False`` for
-                the book's own state, carried by a pickled loader: it restarts such a stream,
-                as before).
+            check: check it first (see :meth:`check`); ``False`` for a state the caller
+                checked, and for the book's own, carried by a pickled loader (which restarts a
+                stream that cannot continue, as before).
 
         Raises:
             ValueError: a key is missing, a field has the wrong type or is out of range (each
@@ -518,19 +537,31 @@ class EpochBook:
         """
         resume = dict(self.check(state) if check else state)
         holder = state_holder(self._sampling.batches)
+        if holder is not None and self._before is not None:
+            holder.load_state_dict(self._before)  # a later state replaces a pending one whole
+        self._before = None
         if holder is not None and resume.get("sampler") is not None:
             # Now, as the epoch's start will again: len(loader) counts the batches of the
             # epoch it resumes (a rollover carry, the rest of an epoch on other ranks).
+            before = holder.state_dict()
             holder.load_state_dict(resume["sampler"])
+            self._before = before
         self._resume = resume
 
     def check(
-        self, state: dict[str, Any], *, readers: int | None = None, seed: int | None = None
+        self,
+        state: dict[str, Any],
+        *,
+        readers: int | None = None,
+        seed: int | None = None,
+        group_unseen: bool = False,
     ) -> dict[str, Any]:
         """``state``, if :meth:`load` would take it (see there), if its stream positions are
         of ``readers`` readers (where given: the loader's) and its seed is ``seed`` (where
         given: the loader's ``seed=``); raises otherwise. A state of an older format comes
-        back migrated (see the module docstring)."""
+        back migrated (see the module docstring). ``group_unseen``: the loader takes its
+        rank's share once a process group exists; a rank's own state is checked then
+        (:meth:`replace_sampling`)."""
         state = check_state_keys("DataLoader", state, ("epoch", "done", "seed"))
         with value_errors():  # a field of the wrong type is a ValueError too, as documented
             _check_done(state)
@@ -545,7 +576,8 @@ class EpochBook:
             if readers is not None and isinstance(saved, dict) and "readers" in saved:
                 check_readers(saved["readers"], readers)
         tried, failure = self._tried(state)
-        self._check_rank(state)
+        if not (group_unseen and self._rank() is None):
+            self._check_rank(state)
         if done:  # counted in batch ids: the loader must cut and order them as the saver did
             self._check_layout(state, tried)
         self._check_sampler_state(state, exact=bool(done))
@@ -579,32 +611,21 @@ class EpochBook:
         return set(_differ(saved, mine)) <= _ELASTIC
 
     def _tried(self, state: dict[str, Any]) -> tuple[dict[str, Any] | None, Exception | None]:
-        """The layout of a copy of this loader's samplers with the state's sampler state
-        loaded (None where no copy can be made), or the error of that load.
+        """The layout of this loader's samplers with the state's sampler state loaded (an
+        earlier pending state's undone, where the state has none), or the error of that load;
+        None where nothing would be loaded. The samplers get their own state back after.
 
         The layout of the epoch the state resumes is of the samplers after that load: the
         rest of an epoch resumed on other ranks has fewer indices than a whole one, and is
-        resumed again on as many ranks. The copy shares the datasets (never copied)."""
+        resumed again on as many ranks."""
         batches, saved = self._sampling.batches, state.get("sampler")
+        saved = self._before if saved is None else _copied(saved)
         if batches is None or saved is None or state_holder(batches) is None:
             return None, None
-        chain = samplers(batches)
-        shared = [self._dataset] + [
-            getattr(s, name, None) for s in chain for name in ("data_source", "dataset")
-        ]
-        memo: dict[int, Any] = {id(obj): obj for obj in shared if obj is not None}
         try:
-            copied = copy.deepcopy(batches, memo)
-        except Exception:  # a sampler of the user's that cannot be copied: checked at its load
-            return None, None
-        holder = state_holder(copied)
-        assert holder is not None  # (a copy of a chain that has one)
-        try:
-            holder.load_state_dict(_copied(saved))
+            return layout_loaded(batches, self._sampling.sampler, self._dataset, saved), None
         except Exception as exc:  # raised by the caller, as a ValueError
             return None, exc
-        index = memo.get(id(self._sampling.sampler), self._sampling.sampler)
-        return layout_of(copied, index, self._dataset), None
 
     def _rebased(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` (saved on other ranks) as the start of the rest of its epoch here: no
@@ -664,8 +685,7 @@ class EpochBook:
         saved = state.get("rank")
         if saved is None:
             return
-        layout = state.get("layout")
-        replicas = layout.get("replicas") if isinstance(layout, dict) else None
+        replicas = (state.get("layout") or {}).get("replicas")  # (a dict or None: checked)
         mine, my_replicas = self._rank(), self.layout()["replicas"]
         if saved == mine and replicas in (None, my_replicas):
             return
@@ -675,12 +695,15 @@ class EpochBook:
             else "it holds the samples its rollover carried (last_batch='rollover'), each "
             "rank's tail of its own share"
         )
+        here = "is not sharded" if mine is None else f"reads rank {mine}'s share of {my_replicas}"
         raise ValueError(
-            f"the state is rank {saved}'s of {replicas} ranks, and this loader reads rank "
-            f"{mine}'s share of {my_replicas}: {why}, so it resumes that rank only. Load each "
-            "rank its own loader.state_dict() on as many ranks (or, to resume on other "
-            "ranks, save the state between epochs with in_order=True and last_batch 'keep' "
-            "or 'discard')"
+            f"the state is rank {saved}'s of {replicas} ranks, and this loader {here}: {why}, "
+            "so it resumes that rank only. Load each rank its own loader.state_dict() on as "
+            "many ranks. To go on here from this state alone, replay epoch "
+            f"{state['epoch']} from its start without what was the rank's own (its rollover "
+            "carry is then not handed): load {**state, 'rank': None, 'done': [], 'sampler': "
+            "None}; later, save between epochs with in_order=True and last_batch 'keep' or "
+            "'discard' to resume on other ranks"
         )
 
     def _check_carry(self, state: dict[str, Any]) -> None:
@@ -705,8 +728,8 @@ class EpochBook:
         saved, mine = _keys(state.get("sampler")), _keys(state_of(self._sampling.batches))
         if saved == mine or (not exact and _within(saved, mine)):
             return
-        if saved is None and exact and state["epoch"] == 0 and not self._sampling.built:
-            return  # saved before a sampler inside a stateless batch sampler was: as then
+        if saved is None and not isinstance(self._sampling.batches, Stateful):
+            return  # saved before a sampler inside a stateless batch sampler was: resumed as then
         chain = _chain_text(self._sampling.batches)
         if exact:
             raise ValueError(
@@ -802,7 +825,7 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if missing:
             raise ValueError(
                 f"merge_states: state {k} is not a loader's state_dict() (it lacks {missing}): "
-                f"got {state!r}"
+                f"got {_shown(state)}"
             )
     first = dict(states[0])
     for k, state in enumerate(states):
@@ -822,21 +845,28 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                     "resume on the same ranks only, each rank from its own state_dict()"
                 )
             for key in ("done", "consumed", "sampler"):
-                if not _same(state.get(key), first.get(key)):
+                try:
+                    same = _same(state.get(key), first.get(key))
+                except Exception as exc:
                     raise ValueError(
-                        f"merge_states: state {k}'s {key!r} ({state.get(key)!r}) differs from "
-                        f"state 0's ({first.get(key)!r}): a map-style epoch is shared out so "
-                        "that rank 0's state says it for all ranks, which these do not; "
-                        "resume each rank from its own state_dict()"
+                        f"merge_states: state {k}'s {key!r} cannot be compared with state 0's "
+                        f"({type(exc).__name__}: {exc}): {_shown(state.get(key))}"
+                    ) from exc
+                if not same:
+                    raise ValueError(
+                        f"merge_states: state {k}'s {key!r} ({_shown(state.get(key))}) differs "
+                        f"from state 0's ({_shown(first.get(key))}): a map-style epoch is "
+                        "shared out so that rank 0's state says it for all ranks, which these "
+                        "do not; resume each rank from its own state_dict()"
                     )
         return _with_carried(_own_dropped(first), states)
     positions = []
     for k, saved in enumerate(streams):
         if not isinstance(saved, Mapping) or saved.get("readers") != 1:
             raise ValueError(
-                f"merge_states: state {k}'s stream positions ({saved!r}) are not of one reader "
-                "of an async stream read in units (TarDataset, ParquetDataset): a stream read "
-                "in worker processes resumes on the same ranks and workers only"
+                f"merge_states: state {k}'s stream positions ({_shown(saved)}) are not of one "
+                "reader of an async stream read in units (TarDataset, ParquetDataset): a stream "
+                "read in worker processes resumes on the same ranks and workers only"
             )
         held = dict(saved["states"])
         position = held.get(0, held.get("0"))
@@ -868,7 +898,8 @@ def _with_carried(merged: dict[str, Any], states: Sequence[Mapping[str, Any]]) -
         if not is_int(rank) or not isinstance(items, list | tuple):
             raise ValueError(
                 "merge_states: a state's 'equal_steps' must be {'rank': int, 'world': int, "
-                f"'carried': [[batch, samples, bytes], ...]}} (from state_dict()), got {saved!r}"
+                f"'carried': [[batch, samples, bytes], ...]}} (from state_dict()), got "
+                f"{_shown(saved)}"
             )
         if items:
             by_rank[int(rank)] = [_copied(item) for item in items]
@@ -1125,15 +1156,28 @@ def _nested(state: object, key: str) -> Any:
 
 
 def _same(one: object, other: object) -> bool:
-    """Whether two states are equal, tensors (a generator's state) compared by value."""
+    """Whether two states are equal, arrays and tensors (a generator's state) by value."""
     if isinstance(one, dict) and isinstance(other, dict):
         return one.keys() == other.keys() and all(_same(one[k], other[k]) for k in one)
     if isinstance(one, list | tuple) and isinstance(other, list | tuple):
         return len(one) == len(other) and all(map(_same, one, other))
+    if isinstance(one, np.ndarray) or isinstance(other, np.ndarray):
+        return type(one) is type(other) and np.array_equal(one, other)  # type: ignore[arg-type]
     equal = getattr(one, "equal", None)  # torch.Tensor
     if callable(equal) and type(one) is type(other):
         return bool(equal(other))
     return bool(one == other)
+
+
+_SHORT = reprlib.Repr()  # a state's value in a message: a long 'done' list cut short
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = 6
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 60, 60
+
+
+def _shown(value: object) -> str:
+    """``value`` for a message: its first items, and how many a list holds."""
+    count = f" ({len(value)} items)" if isinstance(value, list | tuple) and len(value) > 6 else ""
+    return _SHORT.repr(value) + count
 
 
 # The layout's settings that follow from the number of ranks: a mid-epoch state that differs

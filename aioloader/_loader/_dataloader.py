@@ -699,7 +699,8 @@ class DataLoader(SettingsView):
                 seed differs from an explicit ``seed=`` or must change mid-epoch, it is
                 mid-epoch in a stream that cannot resume, its sampler state cannot be loaded
                 into this loader's samplers, or it is another rank's own (batches taken out of
-                order, a rollover carry: each rank resumes from its own state).
+                order, a rollover carry: each rank resumes from its own state; loaded before
+                the process group, that is checked when the loader takes its share).
         """
         self._shard_if_group_appeared()  # checked against this rank's share, where it has one
         carried = state.get("equal_steps") if isinstance(state, dict) else None
@@ -707,11 +708,14 @@ class DataLoader(SettingsView):
             state = {key: value for key, value in state.items() if key != "equal_steps"}
             carried = self._carried_from(carried)
         seed = self.seed if self._seed_given else None
-        checked = self._book.check(state, readers=self._config.stream_readers, seed=seed)
+        unseen = self._group_unseen and process_group() is None  # a rank's own: checked then
+        checked = self._book.check(
+            state, readers=self._config.stream_readers, seed=seed, group_unseen=unseen
+        )
         saved = checked["seed"]
         if saved != self.seed:
             self._adopt_seed(to_int("seed", saved))  # (a given seed was compared by check)
-        self._book.load(state)  # the sampler takes its state now: len(loader) counts that epoch
+        self._book.load(checked, check=False)  # the sampler takes its state: len() counts it
         if carried is not None and self._lockstep is not None:
             self._lockstep.carried = carried
 
