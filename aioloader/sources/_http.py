@@ -79,7 +79,7 @@ from ._base import (
     too_large,
 )
 from ._inflight import Wire, wire_trace
-from ._redact import redact
+from ._redact import MARKER, redact
 from ._retry import (
     Attempts,
     RetryableError,
@@ -125,6 +125,14 @@ def _check_url(url: str, position: int) -> str:
     if sep and scheme.lower() in SCHEMES and "@" not in rest and rest[:1] not in _NO_HOST:
         return url
     parts = urllib.parse.urlsplit(url)
+    if "@" in url and _bad_userinfo(parts):
+        # Shown up to its last "@" masked: where the password ends cannot be told.
+        shown = f"{parts.scheme}://{MARKER}@{url.rpartition('@')[2]}"
+        raise ValueError(
+            f"urls[{position}]={shown!r} has a user info with an unescaped '/', '?' or '#' (or "
+            "names no port after its ':'): percent-encode them in the password (%2F, %3F, "
+            "%23), or give the credentials as headers"
+        )
     try:
         host = parts.hostname
     except ValueError:  # a malformed bracketed host
@@ -137,6 +145,19 @@ def _check_url(url: str, position: int) -> str:
             "reads only those (FsspecDataset reads s3://, gs:// and others)"
         )
     return url
+
+
+def _bad_userinfo(parts: urllib.parse.SplitResult) -> bool:
+    """Whether a URL with an "@" was cut inside its user info: a password's "/", "?" or "#"
+    ends the authority early, so what is left of it reads as a host with a port that is no
+    number, or the "@" lands in the fragment."""
+    if "@" in parts.fragment:
+        return True
+    try:
+        parts.port  # noqa: B018 (raises for a port that is no number)
+    except ValueError:
+        return "@" not in parts.netloc  # "user:pa" read as host and port
+    return False
 
 
 # aiohttp's parse errors quote the bytes they could not read; the attempt list keeps this much.
@@ -240,7 +261,10 @@ class HTTPDataset(Source):
             self._stall_warning = seconds("stall_warning", stall_warning, positive=True)
         self._max_object_bytes = byte_limit("max_object_bytes", max_object_bytes)
         if headers is not None and not isinstance(headers, Mapping):
-            raise TypeError(f"headers must be a mapping of str to str, got {headers!r}")
+            # The type only, never the value: a list of pairs holds the credentials themselves.
+            raise TypeError(
+                f"headers must be a mapping of str to str, got a {type(headers).__name__}"
+            )
         for name, value in (headers or {}).items():
             if not isinstance(name, str) or not isinstance(value, str):
                 # The type only, never the value: a header's value is often a credential.

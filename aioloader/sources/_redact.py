@@ -23,7 +23,9 @@ Sharp edges:
   a library's ``repr`` (``URL('...')``). A query value ends at ``&``, ``#``, ``;``, white space
   or a quote (a fragment's ``#name=value`` is read as a query's); a password at the last ``@``
   of the authority. A user name without a password is masked whole (a token given as the
-  user name cannot be told from a name).
+  user name cannot be told from a name). A password with an unescaped ``/``, ``?`` or ``#``
+  (``https://u:pa#ss@host/``, which ``HTTPDataset`` refuses) is masked up to the last ``@``
+  of its run of text, where what follows the colon is no port.
 - Exceptions of other libraries name the URL in their own words (aiohttp's
   ``ClientResponseError`` prints ``url='...'``, fsspec raises ``FileNotFoundError(url)``), and a
   traceback prints the whole chain of causes and contexts. :func:`masked` masks their
@@ -37,7 +39,10 @@ Sharp edges:
 
 from __future__ import annotations
 
+import os
 import re
+import urllib.parse
+from collections.abc import Sequence
 
 __all__ = [
     "CREDENTIAL_PARAMETERS",
@@ -49,6 +54,8 @@ __all__ = [
     "masked",
     "parameters_state",
     "redact",
+    "same_objects",
+    "text_of",
 ]
 
 #: What a masked secret reads as.
@@ -96,6 +103,12 @@ _added: set[str] = set()
 # with an unescaped "@" is all masked); "/", "?", "#" or a space end the authority first, so
 # "host:port/path" and an "@" in a path never match.
 _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)([^\s/?#'\"<>]*)@")
+# scheme://user:password@ whose password holds an unescaped "/", "?" or "#" (a URL no parser
+# reads as meant): a colon after the user name followed by what is no port (digits up to "/",
+# "?", "#"), up to the last "@" of the token. Errs on masking: the "@" of a path after a bad
+# port is taken for the end of a password.
+_LOOSE_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)([^\s/?#@:'\"<>]*):([^\s'\"<>]*)@")
+_PORT_END = re.compile(r"[/?#]")
 # ?name=value or &name=value (";" too, and "#": tokens travel in fragments): the value ends at
 # "&", "#", ";", a space or a quote.
 _PARAMETER = re.compile(r"([?&;#])([^=&#;\s'\"<>?]+)=([^&#;\s'\"<>]*)")
@@ -151,6 +164,85 @@ def _userinfo(match: re.Match[str]) -> str:
     return f"{match.group(1)}{user}:{MARKER}@" if colon else f"{match.group(1)}{MARKER}@"
 
 
+def _loose_userinfo(match: re.Match[str]) -> str:
+    rest = match.group(3)
+    head = _PORT_END.split(rest, maxsplit=1)[0]
+    if head == rest or head.isdigit():
+        return match.group(0)  # a common user info (the strict rule's), or a port
+    return f"{match.group(1)}{match.group(2)}:{MARKER}@"
+
+
+#: Query parameters that say when or by whom a URL may be used rather than what it names:
+#: expiry and signing parameters of presigned URLs (S3, GCS, CloudFront, Azure SAS). With the
+#: credential parameters, :func:`same_objects` leaves them out.
+EXPIRY_PARAMETERS: frozenset[str] = frozenset(
+    {
+        "expires",
+        "expiry",
+        "policy",
+        "key-pair-id",
+        # Azure SAS: version, services, resource types, permissions, start, expiry,
+        # protocol, resource, identifier, key fields
+        "sv",
+        "ss",
+        "srt",
+        "sp",
+        "st",
+        "se",
+        "spr",
+        "sr",
+        "si",
+        "sdd",
+        "skoid",
+        "sktid",
+        "skt",
+        "ske",
+        "sks",
+        "skv",
+    }
+)
+
+#: Parameters of these prefixes are all signing parameters (``X-Amz-Date``, ``X-Goog-Expires``).
+SIGNING_PREFIXES = ("x-amz-", "x-goog-")
+
+
+def _kept_parameter(name: str) -> bool:
+    lowered = urllib.parse.unquote_plus(name).lower()
+    return not (
+        _is_credential(lowered)
+        or lowered in EXPIRY_PARAMETERS
+        or lowered.startswith(SIGNING_PREFIXES)
+    )
+
+
+def _what_it_names(url: str) -> str:
+    """``url`` less what may change while it names the same object: its user info, and its
+    credential, expiry and signing query parameters (the others kept, in order: they may tell
+    objects apart, ``?file=train-0001.tar``)."""
+    if "://" not in url:
+        return url
+    parts = urllib.parse.urlsplit(url)
+    query = "&".join(
+        pair for pair in parts.query.split("&") if pair and _kept_parameter(pair.partition("=")[0])
+    )
+    host = parts.netloc.rpartition("@")[2]
+    return f"{parts.scheme}://{host}{parts.path}" + (f"?{query}" if query else "")
+
+
+def same_objects(urls: Sequence[str]) -> list[str]:
+    """What tells ``urls`` apart, for a digest that must not change while they name the same
+    objects: each URL less its user info and its credential, expiry and signing parameters
+    (a presigned URL signed again is the same object), and less the part all of them share up
+    to a ``/`` (the same files at another mount, bucket or mirror are the same objects;
+    shards with the same names under two directories each of its own are not told apart)."""
+    names = [_what_it_names(url) for url in urls]
+    if not names:
+        return names
+    shared = os.path.commonprefix(names)  # noqa: RUF071 (by characters, cut at a "/" below)
+    cut = shared.rfind("/") + 1
+    return [name[cut:] for name in names]
+
+
 def redact(text: str) -> str:
     """``text`` with every secret of the URLs in it masked (see the module docstring).
 
@@ -158,6 +250,7 @@ def redact(text: str) -> str:
     to every message.
     """
     if "@" in text:
+        text = _LOOSE_USERINFO.sub(_loose_userinfo, text)
         text = _USERINFO.sub(_userinfo, text)
     if "=" in text:
         text = _PARAMETER.sub(_parameter, text)
@@ -209,9 +302,38 @@ def _mask_in_place(exc: BaseException) -> None:
 REQUEST_ATTRIBUTES = ("request_info", "history", "request")
 
 
+def _has_request(exc: BaseException) -> bool:
+    """Whether ``exc`` keeps a request: an attribute that fails to read counts as one
+    (httpx's ``.request`` raises while unset), never a failure of its own."""
+    for name in REQUEST_ATTRIBUTES:
+        try:
+            if getattr(exc, name, None) is not None:
+                return True
+        except Exception:
+            return True
+    return False
+
+
+def _shown_text(exc: BaseException) -> str | None:
+    """``str(exc)``, or None where it raises."""
+    try:
+        return str(exc)
+    except Exception:
+        return None
+
+
+def text_of(exc: BaseException) -> str:
+    """``str(exc)``, or ``<str() failed>`` where its ``__str__`` raises (what is shown of an
+    error must never fail in its place)."""
+    text = _shown_text(exc)
+    return "<str() failed>" if text is None else text
+
+
 def _leaks(exc: BaseException) -> bool:
-    """Whether ``exc`` shows, or keeps where ``repr`` shows it, what must not be shown."""
-    if any(getattr(exc, name, None) is not None for name in REQUEST_ATTRIBUTES):
+    """Whether ``exc`` shows, or keeps where ``repr`` shows it, what must not be shown. What
+    cannot be read (an attribute or ``__str__`` that raises) counts as shown: its stand-in
+    says so instead."""
+    if _has_request(exc) or _shown_text(exc) is None:
         return True
     text = _text(exc)
     try:
@@ -224,7 +346,7 @@ def _leaks(exc: BaseException) -> bool:
 def _stand_in(exc: BaseException) -> MaskedError:
     kind = type(exc)
     notes = getattr(exc, "__notes__", None)
-    stand = MaskedError(f"{kind.__module__}.{kind.__qualname__}: {redact(str(exc))}")
+    stand = MaskedError(f"{kind.__module__}.{kind.__qualname__}: {redact(text_of(exc))}")
     stand.__traceback__ = exc.__traceback__
     stand.__cause__ = exc.__cause__
     stand.__context__ = exc.__context__

@@ -62,7 +62,7 @@ from .._validate import (
     seconds,
     value_errors,
 )
-from ._redact import masked, redact
+from ._redact import masked, redact, text_of
 
 __all__ = [
     "DEFAULT_RETRY_STATUSES",
@@ -378,7 +378,7 @@ class Attempts:
         """Give ``exc``, a failure that is not retried, the history of the attempts before it,
         and mask what it shows; returns what to raise: ``exc``, or where its type prints a
         secret that cannot be masked in place, a :class:`~aioloader.RemoteError` saying it."""
-        last = Attempt(self.number, redact(str(exc)), self._clock() - began)
+        last = Attempt(self.number, redact(text_of(exc)), self._clock() - began)
         _annotate(exc, self.shown, self.failures, last)
         shown = masked(exc)
         if shown is exc:
