@@ -193,20 +193,24 @@ class CountedUnits:
         self.buffer = buffer
         self.open = 0
         self.most = 0
+        self.shared: Opened | None = None  # also counted there (epochs over one pool)
 
     async def start(self, epoch: int, resume: Mapping[str, Any] | None) -> Mixer:
         order = list(range(len(self.lengths)))
         return Mixer(order, self.slots, self.buffer, buffer_rng(7, epoch, 0, 1))
 
     async def records(self, unit: int) -> AsyncGenerator[tuple[int, int], None]:
-        self.open += 1
-        self.most = max(self.most, self.open)
+        counters: list[Any] = [self] if self.shared is None else [self, self.shared]
+        for counter in counters:
+            counter.open += 1
+            counter.most = max(counter.most, counter.open)
         try:
             for position in range(self.lengths[unit]):
                 yield unit, position
                 await asyncio.sleep(0)  # the other readers run between records
         finally:
-            self.open -= 1
+            for counter in counters:
+                counter.open -= 1
 
     def where(self, unit: int) -> tuple[str, str]:
         return f"unit {unit}", f"u{unit}"
@@ -251,3 +255,184 @@ def test_the_gate_opens_at_most_its_connections_and_never_leaves_the_epoch_waiti
         assert units.open == 0
 
     asyncio.run(run())
+
+
+# -- epochs open at once over one pool (zip of two, an evaluation pass beside training) ------
+
+
+async def zipped(
+    first: AsyncGenerator[Any, None], second: AsyncGenerator[Any, None], key: Any
+) -> tuple[list[Any], list[Any]]:
+    """Both epochs' records, taken one of each in turn (as ``zip`` does) until both end:
+    neither consumer runs ahead, so a reader of one that waits for its consumer waits for
+    the other epoch too."""
+    got: tuple[list[Any], list[Any]] = ([], [])
+    live = [first, second]
+    async with asyncio.timeout(BOUND_S), contextlib.aclosing(first), contextlib.aclosing(second):
+        for _ in range(100_000):  # far more than the records of both
+            if not any(live):
+                break
+            for side, samples in enumerate(live):
+                if samples is None:
+                    continue
+                try:
+                    got[side].append(key(await anext(samples)))
+                except StopAsyncIteration:
+                    live[side] = None  # type: ignore[call-overload]
+    return got
+
+
+@pytest.mark.parametrize("spare", [0, 1, 3])
+@pytest.mark.parametrize("in_flight", [2, 3])
+async def test_two_epochs_of_one_dataset_zipped_both_read_every_sample_once(
+    server: FaultServer, in_flight: int, spare: int
+) -> None:
+    # Both epochs hold their open shards' connections while their samples wait for the
+    # other epoch's consumer: with a connection per open shard of each, both must go on,
+    # also where the first took the pool for its shards ahead before the second began.
+    ds = http_tar(server, 2 * in_flight + spare, in_flight, shuffle=True, shuffle_buffer=40)
+    try:
+        first = cast(AsyncGenerator[Any, None], aiter(ds))
+        ahead = await anext(first)  # the first epoch opens its shards ahead, alone
+        await asyncio.sleep(0.05)
+        a, b = await zipped(first, cast(AsyncGenerator[Any, None], aiter(ds)), itemgetter)
+    finally:
+        await ds.aclose()
+    assert sorted([ahead["__key__"], *a]) == tar_keys(SHARDS, counts)
+    assert sorted(b) == tar_keys(SHARDS, counts)
+
+
+def itemgetter(raw: Any) -> Any:
+    return raw["__key__"]
+
+
+async def test_two_datasets_over_one_source_zipped_both_read_every_sample_once(
+    server: FaultServer,
+) -> None:
+    urls = [server.file_url(f"s{shard}.tar") for shard in range(SHARDS)]
+    source = HTTPDataset(urls, max_connections=5)
+    one = TarDataset(None, source=source, shards_in_flight=2)
+    two = TarDataset(None, source=source, shards_in_flight=3, shuffle=True, shuffle_buffer=20)
+    try:
+        a, b = await zipped(
+            cast(AsyncGenerator[Any, None], aiter(one)),
+            cast(AsyncGenerator[Any, None], aiter(two)),
+            itemgetter,
+        )
+    finally:
+        await source.aclose()
+    assert sorted(a) == sorted(b) == tar_keys(SHARDS, counts)
+
+
+async def test_an_epoch_that_does_not_fit_beside_the_open_one_is_refused_at_once(
+    server: FaultServer,
+) -> None:
+    # As many connections as one epoch's open shards: a second epoch would wait for ever for
+    # the first's, whose samples wait for the second's consumer. It is refused at its start,
+    # naming the setting, its value and what two epochs need; the first reads on, and once it
+    # is closed another epoch starts.
+    ds = http_tar(server, 3, 3)
+    try:
+        first = cast(AsyncGenerator[Any, None], aiter(ds))
+        head = [itemgetter(await anext(first))]
+        second = cast(AsyncGenerator[Any, None], aiter(ds))
+        with pytest.raises(RuntimeError) as caught:
+            async with asyncio.timeout(BOUND_S):
+                await anext(second)
+        message = str(caught.value)
+        for needle in ("TarDataset", "max_connections=3", "needs 3 more", "max_connections>=6"):
+            assert needle in message, message
+        rest = [itemgetter(raw) for raw in await collect(first)]
+        assert sorted(head + rest) == tar_keys(SHARDS, counts)
+        assert sorted(itemgetter(raw) for raw in await collect(ds)) == tar_keys(SHARDS, counts)
+    finally:
+        await ds.aclose()
+
+
+async def test_loader_iterators_zipped_over_one_tar_dataset_both_end() -> None:
+    from aioloader import DataLoader
+
+    with FaultServer().in_thread() as served:
+        for shard in range(4):
+            served.files[f"z{shard}.tar"] = tar_shard(shard, counts(shard), size=SAMPLE_BYTES)
+        urls = [served.file_url(f"z{shard}.tar") for shard in range(4)]
+        ds = TarDataset(None, source=HTTPDataset(urls, max_connections=5), shards_in_flight=2)
+        loader = DataLoader(ds, batch_size=16, collate_fn=len)
+        sizes: tuple[list[int], list[int]] = ([], [])
+        try:
+            first, second = aiter(loader), aiter(loader)
+            async with asyncio.timeout(BOUND_S):
+                for _ in range(1000):  # more than the batches of one epoch
+                    try:
+                        sizes[0].append(await anext(first))
+                        sizes[1].append(await anext(second))
+                    except StopAsyncIteration:
+                        break
+            await cast(AsyncGenerator[Any, None], first).aclose()
+            await cast(AsyncGenerator[Any, None], second).aclose()
+        finally:
+            await loader.aclose()
+            await ds.aclose()
+    total = sum(counts(shard) for shard in range(4))
+    assert sum(sizes[0]) == sum(sizes[1]) == total
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 2 * READAHEAD + 5), min_size=1, max_size=6),
+    slots=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    spare=st.integers(0, 4),
+    buffer=st.integers(0, 40),
+    data=st.data(),
+)
+def test_epochs_sharing_a_gate_stay_within_its_connections_and_all_end(
+    lengths: list[int],
+    slots: tuple[int, int],
+    spare: int,
+    buffer: int,
+    data: st.DataObject,
+) -> None:
+    # Two epochs over one pool, the second started after the first took some records (its
+    # readers ahead hold what they could), maybe a resumed one (re-reads), their consumers
+    # taking records in turn: the open units of both never pass the connections, and each
+    # yields exactly what it yields alone.
+    connections = sum(slots) + spare
+    pool = object()
+
+    async def run() -> None:
+        alone = [await read(Epoch(CountedUnits(lengths, n, buffer), 0, None, n)) for n in slots]
+        resume: dict[str, Any] | None = None
+        if data.draw(st.booleans(), label="resumed"):
+            saved = Epoch(CountedUnits(lengths, slots[1], buffer), 0, None, slots[1])
+            cut = data.draw(st.integers(0, len(alone[1])), label="cut")
+            if cut:
+                await read(saved, cut)
+            epoch, yielded, ended = saved.position()
+            resume = {"epoch": epoch, "yielded": yielded, "ended": ended, "rest": None}
+        one_units = CountedUnits(lengths, slots[0], buffer)
+        two_units = CountedUnits(lengths, slots[1], buffer)
+        two_units.shared = one_units.shared = Opened()
+        one = cast(
+            AsyncGenerator[Any, None],
+            Epoch(one_units, 0, None, slots[0], connections, pool).samples(),
+        )
+        lead = min(data.draw(st.integers(0, 5), label="lead"), len(alone[0]))
+        async with asyncio.timeout(BOUND_S):
+            early = [await anext(one) for _ in range(lead)]
+            await asyncio.sleep(0)  # its readers ahead take what they may
+        two = Epoch(two_units, 0, resume, slots[1], connections, pool)
+        a, b = await zipped(one, cast(AsyncGenerator[Any, None], two.samples()), tuple)
+        assert early + a == alone[0]
+        assert b == alone[1][int(resume["yielded"]) if resume else 0 :]
+        assert one_units.shared.most <= connections
+        assert one_units.shared.open == 0
+
+    asyncio.run(run())
+
+
+class Opened:
+    """Units open at once, counted over the epochs that share it."""
+
+    def __init__(self) -> None:
+        self.open = 0
+        self.most = 0

@@ -36,6 +36,14 @@ then the open units) and lets units opened ahead take only what the open ones ca
 need, so a pool of ``in_flight`` connections is enough (the units ahead then open only as
 slots free) and more of them, up to ``2 x in_flight + 1``, buy read-ahead.
 
+Epochs open at once over one pool (``zip`` of two iterations, an evaluation pass beside
+training, two datasets over one source) share one gate per source and event loop: each
+keeps connections for its open units, so each goes on whichever consumer waits for the
+other; units ahead get what no open unit of any of them can need (an epoch that starts
+stops the newest readers ahead past that, which open again in their turn). An epoch whose
+open units do not fit beside the others' is refused at its start, naming the pool's
+setting and what the epochs need, rather than left waiting for ever.
+
 **Failures.** A unit that fails yields one record saying so (the dataset's own type, whose
 ``decode`` raises) and ends; that is the generator's job. A generator that raises anyway (a
 bug) fails the epoch at that unit's turn, never a silent wait.
@@ -45,7 +53,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -116,58 +125,100 @@ REREAD, SLOT, AHEAD = 0, 1, 2
 
 
 class _Ticket:
-    """One reader's place at the gate: its claim, and whether it waits, holds or is done."""
+    """One reader's place at the gate: its claim, and whether it waits, holds or is done;
+    ``drop`` stops its reader (one reading ahead, whose permit another epoch needs)."""
 
-    __slots__ = ("claim", "done", "future", "held")
+    __slots__ = ("claim", "done", "drop", "dropped", "future", "held")
 
     def __init__(self, claim: int) -> None:
         self.claim = claim
         self.future: asyncio.Future[None] | None = None  # while it waits
         self.held = False
         self.done = False
+        self.drop: Callable[[], None] | None = None
+        self.dropped = False
 
 
 class _Gate:
-    """The permits of ``connections`` (None: no bound) among the unit readers of one epoch.
+    """The permits of ``connections`` (None: no bound) among the unit readers of the epochs
+    open at once over one pool (one source, one event loop: :func:`_gate_for`).
 
-    A sync state machine (the readers await :meth:`acquire`); it grants so that the reader
-    the epoch awaits is never left behind readers that wait for the epoch:
+    A sync state machine (the readers await :meth:`acquire`); each epoch :meth:`join` s it
+    with its ``slots`` (its open units) and :meth:`leave` s it when it closes. It grants so
+    that a reader an epoch awaits is never left behind readers that wait for an epoch:
 
     - a re-read takes any free permit;
     - an open unit's reader takes one, except the last while re-reads wait and none reads,
       which is theirs;
     - a reader of a unit ahead takes one only while no open unit's reader waits and the
-      readers ahead hold fewer than ``connections - slots`` (less one while re-reads are
-      left).
+      readers ahead hold fewer than ``connections - slots`` (``slots``: of every epoch
+      joined; less one while re-reads are left).
 
     Invariant: open units' readers (at most ``slots``), readers ahead (at most
     ``connections - slots - 1`` while re-reads are left, else ``connections - slots``) and
     re-reads hold at most ``connections`` permits; with ``connections >= slots`` an open
     unit's reader then finds a permit free, or one held by a re-read, which ends without
-    waiting for anyone. So the epoch never waits for ever; the mixer only ever awaits open
-    units and re-reads.
+    waiting for anyone. So no epoch waits for ever, whatever order their consumers take
+    records in (``zip`` of two epochs). An epoch that joins while readers ahead hold more
+    than the new quota drops the newest of them (their units are opened again when their
+    turn comes: nothing of them was taken yet); one whose slots do not fit beside the other
+    epochs' is refused (:meth:`join`).
     """
 
-    def __init__(self, connections: int | None, slots: int) -> None:
+    def __init__(self, connections: int | None, slots: int = 0) -> None:
         self.connections = connections
         self.slots = slots
+        self._epochs: dict[int, int] = {}  # id(epoch) -> its slots
         self._held = [0, 0, 0]  # per claim
         self._rereads = 0  # re-reads not done
         self._waiting: list[_Ticket] = []
+        self._ahead: list[_Ticket] = []  # readers ahead holding a permit, oldest first
+
+    def join(self, epoch: object, slots: int, owner: str, setting: str) -> None:
+        """Count ``epoch``'s ``slots`` among the open units.
+
+        Raises:
+            RuntimeError: the other epochs open over this pool leave fewer than ``slots``
+                connections, naming the pool's setting, its value and what it needs.
+        """
+        if self.connections is not None and self.slots + slots > self.connections:
+            others = len(self._epochs)
+            raise RuntimeError(
+                f"{owner}: {others} other epoch(s) over this source are open on this event "
+                f"loop and keep {self.slots} of its {setting}={self.connections} connections "
+                f"for their open units; this epoch needs {slots} more (an open unit holds its "
+                "connection while its records wait for their turn), so it would wait for "
+                f"ever. Give the source {setting}>={self.slots + slots} to read "
+                f"{others + 1} epochs at once, or close the other epoch first"
+            )
+        self._epochs[id(epoch)] = slots
+        self.slots += slots
+        self._drop_ahead()
+
+    def leave(self, epoch: object) -> None:
+        """``epoch`` closed (its readers are done): its slots are free."""
+        self.slots -= self._epochs.pop(id(epoch), 0)
+        self._grant()
+
+    @property
+    def idle(self) -> bool:
+        return not self._epochs
 
     def ticket(self, claim: int) -> _Ticket:
         if claim == REREAD:
             self._rereads += 1
+            self._drop_ahead()  # the quota keeps a permit for the re-reads now
         return _Ticket(claim)
 
     def promote(self, ticket: _Ticket) -> None:
         """The unit of ``ticket``, read ahead, took a slot: its reader is now awaited."""
-        if ticket.claim != AHEAD or ticket.done:
+        if ticket.claim != AHEAD or ticket.done or ticket.dropped:
             return
         ticket.claim = SLOT
         if ticket.held:
             self._held[AHEAD] -= 1
             self._held[SLOT] += 1
+            self._ahead.remove(ticket)
         self._grant()
 
     async def acquire(self, ticket: _Ticket) -> None:
@@ -188,9 +239,28 @@ class _Gate:
         if ticket.held:
             ticket.held = False
             self._held[ticket.claim] -= 1
+            if ticket.claim == AHEAD:
+                self._ahead.remove(ticket)
         if ticket.claim == REREAD:
             self._rereads -= 1
         self._grant()
+
+    def _quota(self) -> int:
+        """The most permits readers ahead may hold now."""
+        assert self.connections is not None
+        return self.connections - self.slots - (1 if self._rereads else 0)
+
+    def _drop_ahead(self) -> None:
+        """Stop the newest readers ahead past the quota (another epoch joined): the permits
+        they hold are the new epoch's, and they would keep them while they wait for their
+        own epoch, which may wait for the new one."""
+        if self.connections is None:
+            return
+        kept = [t for t in self._ahead if not t.dropped]
+        for ticket in reversed(kept[max(self._quota(), 0) :]):
+            ticket.dropped = True
+            if ticket.drop is not None:
+                ticket.drop()  # its release() frees the permit once its reader stopped
 
     def _may(self, claim: int) -> bool:
         if self.connections is None:
@@ -204,13 +274,14 @@ class _Gate:
         reserve = 1 if self._rereads > self._held[REREAD] and not self._held[REREAD] else 0
         if claim == SLOT:
             return free > reserve
-        quota = self.connections - self.slots - (1 if self._rereads else 0)
         slot_waits = any(t.claim == SLOT for t in self._waiting)
-        return free > reserve and not slot_waits and self._held[AHEAD] < quota
+        return free > reserve and not slot_waits and self._held[AHEAD] < self._quota()
 
     def _take(self, ticket: _Ticket) -> None:
         ticket.held = True
         self._held[ticket.claim] += 1
+        if ticket.claim == AHEAD:
+            self._ahead.append(ticket)
 
     def _grant(self) -> None:
         for ticket in sorted(self._waiting, key=lambda t: t.claim):  # stable: first come first
@@ -224,6 +295,35 @@ class _Gate:
                 ticket.future.set_result(None)
 
 
+#: The gates of the pools epochs are open over: per event loop, per pool (its owner's id; an
+#: entry lives while an epoch over it is open, which keeps its owner alive).
+_GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[int, _Gate]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _gate_for(pool: object | None, connections: int | None) -> _Gate:
+    """The gate the epochs over ``pool`` share on this loop (a new one where ``pool`` or
+    ``connections`` is None: nothing to share, or no bound)."""
+    if pool is None or connections is None:
+        return _Gate(connections)
+    gates = _GATES.setdefault(asyncio.get_running_loop(), {})
+    gate = gates.get(id(pool))
+    if gate is None:
+        gate = gates[id(pool)] = _Gate(connections)
+    return gate
+
+
+def _left(pool: object | None, gate: _Gate) -> None:
+    """Forget ``gate`` once no epoch is open over it."""
+    if pool is None or not gate.idle:
+        return
+    with contextlib.suppress(RuntimeError):  # no running loop: nothing registered
+        gates = _GATES.get(asyncio.get_running_loop(), {})
+        if gates.get(id(pool)) is gate:
+            del gates[id(pool)]
+
+
 class Epoch:
     """One iteration: the mixer, the unit readers, and the records they hold.
 
@@ -235,6 +335,10 @@ class Epoch:
         connections: the most readers that may have their unit open at once (the source's
             pool, where a reader holds a connection while it waits for the mixer; at least
             ``in_flight``), or None: no bound (see :class:`_Gate`).
+        pool: what owns that pool (the source): the epochs open over it on one event loop
+            share its connections (None: this epoch's alone).
+        owner: the dataset's name, and ``setting`` the pool's, for the error of an epoch
+            that does not fit beside the others open (see :meth:`_Gate.join`).
     """
 
     def __init__(
@@ -244,6 +348,9 @@ class Epoch:
         resume: Mapping[str, Any] | None,
         in_flight: int,
         connections: int | None = None,
+        pool: object | None = None,
+        owner: str = "the dataset",
+        setting: str = "connections",
     ) -> None:
         self.units = units
         self.epoch = epoch
@@ -259,7 +366,11 @@ class Epoch:
         self._readers: dict[int, _Reader] = {}  # units whose records the mixer takes
         self._others: set[_Reader] = set()  # units read again only for the buffer
         self._held: dict[SampleId, Any] = {}  # read, in the buffer; futures while re-read
-        self._gate = _Gate(connections, in_flight)
+        self._connections = connections
+        self._pool = pool
+        self._names = (owner, setting)
+        self._gate = _Gate(connections)  # the pool's shared one once the epoch starts
+        self._dropped: set[_Reader] = set()  # readers ahead stopped for another epoch
 
     def position(self) -> tuple[int, int, list[list[int]]]:
         """``(epoch, records yielded, [[unit, records], ...] of the units that ended)``."""
@@ -267,6 +378,12 @@ class Epoch:
         return self.epoch, self.yielded, ended
 
     async def samples(self) -> AsyncIterator[Any]:
+        gate = self._gate = _gate_for(self._pool, self._connections)
+        try:
+            gate.join(self, self.in_flight, *self._names)
+        except RuntimeError:
+            _left(self._pool, gate)
+            raise
         try:
             planned = await self.units.start(self.epoch, self.resume)
             if isinstance(planned, Mixer):
@@ -294,7 +411,11 @@ class Epoch:
                 yield item
             self.finished = True
         finally:
-            await self._close()
+            try:
+                await self._close()
+            finally:
+                gate.leave(self)
+                _left(self._pool, gate)
 
     def _restore(self, mixer: Mixer) -> list[SampleId]:
         """Replay the mixer to the saved position; start the readers that read again what
@@ -324,11 +445,20 @@ class Epoch:
             records = skipping(records, list(gone))
         ticket = self._gate.ticket(claim)
         reader = _Reader(records, description, url, name, live_from, wanted, self._gate, ticket)
+        ticket.drop = lambda: self._drop(unit, reader)
         if live_from is not None:
             self._readers[unit] = reader
         else:
             self._others.add(reader)
         return reader
+
+    def _drop(self, unit: int, reader: _Reader) -> None:
+        """Stop ``reader``, of a unit ahead whose permit another epoch needs: the unit is
+        opened again when its turn comes (nothing of it was taken)."""
+        if self._readers.get(unit) is reader:
+            del self._readers[unit]
+        reader.task.cancel()
+        self._dropped.add(reader)
 
     def _reader(self, unit: int) -> _Reader:
         reader = self._readers.get(unit)
@@ -357,9 +487,10 @@ class Epoch:
         return held
 
     async def _close(self) -> None:
-        readers = [*self._readers.values(), *self._others]
+        readers = [*self._readers.values(), *self._others, *self._dropped]
         self._readers.clear()
         self._others.clear()
+        self._dropped.clear()
         for reader in readers:
             reader.task.cancel()
         if readers:
@@ -530,11 +661,17 @@ class UnitStream:
         self._resume = dict(state)
 
     def _start(
-        self, owner: str, units: Units, in_flight: int, connections: int | None = None
+        self,
+        owner: str,
+        units: Units,
+        in_flight: int,
+        connections: int | None = None,
+        pool: object | None = None,
+        setting: str = "connections",
     ) -> AsyncIterator[Any]:
         """The next epoch's samples (``__aiter__``): from the saved state if one was loaded,
-        checked against the rank the loader has told by now; ``connections`` as
-        :class:`Epoch`'s."""
+        checked against the rank the loader has told by now; ``connections``, ``pool`` and
+        ``setting`` as :class:`Epoch`'s."""
         epoch = self._epoch
         resume, self._resume = self._resume, None
         if resume is not None and resume.get("rank") is not None:
@@ -549,6 +686,6 @@ class UnitStream:
                     "on every new rank"
                 )
         self._epoch = epoch + 1
-        run = Epoch(units, epoch, resume, in_flight, connections)
+        run = Epoch(units, epoch, resume, in_flight, connections, pool, owner, setting)
         self._current = run
         return run.samples()

@@ -63,11 +63,20 @@ Sharp edges:
   an ``HTTPDataset`` without ``max_connections``), and a smaller one than
   ``shards_in_flight`` is refused at construction, naming its setting and both values.
   Between the two, the epoch's gate (:mod:`._readers`) serves the open shards and a resumed
-  epoch's re-reads first; the shards ahead open as connections free. The pools of other
-  fsspec filesystems are not known here.
-- A state holds a digest of the shard URLs (``"shard_list"``, each URL up to its query and
-  without userinfo, so presigned URLs signed again are the same shards): a state of other
-  shards, even as many, is refused; an older state without it is checked by the count.
+  epoch's re-reads first; the shards ahead open as connections free. Epochs open at once
+  over one source (``zip`` of two iterations, an evaluation pass beside training, two
+  datasets over one source) share its pool: each keeps ``shards_in_flight`` connections
+  for its open shards and both go on; one that does not fit beside the others is refused
+  at its start with a ``RuntimeError`` naming the setting and what they need (give
+  ``2 x shards_in_flight`` or more for two). The pools of other fsspec filesystems are not
+  known here.
+- A state holds a digest of the shard URLs (``"shard_list"``): a state of other shards,
+  even as many, is refused; an older state without it (or with it set to None) is checked
+  by the count. Each URL counts without its user info and its credential, expiry and
+  signing parameters (presigned URLs signed again are the same shards; other parameters,
+  ``?file=train-0001.tar``, tell shards apart), and below the part all the URLs share up to
+  a ``/``: the same shards at another mount (``/scratch/$JOB/``), bucket or mirror resume,
+  and shards of the same names in two directories of their own are not told apart.
 - Exact resume needs the loader's ``in_order=True`` (the default); out of order, batches taken
   past one still in flight are yielded again after a resume, never lost.
 """
@@ -78,7 +87,6 @@ import contextlib
 import hashlib
 import json
 import os
-import urllib.parse
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -93,11 +101,11 @@ from .._validate import (
 )
 from ._base import MAX_OBJECT_BYTES, byte_limit, too_large
 from ._elastic import Plan, plan, rest_of
-from ._file import FileDataset
+from ._file import LISTING_HINT, FileDataset
 from ._fsspec import FsspecDataset
 from ._http import HTTPDataset
 from ._readers import UnitStream, check_fits
-from ._redact import add_credential_parameters, parameters_state, redact
+from ._redact import add_credential_parameters, parameters_state, redact, same_objects
 from ._tarfmt import Grouper, MemberTooLargeError, TarFormatError, TarParser
 
 __all__ = ["BrokenShard", "TarDataset"]
@@ -144,6 +152,14 @@ class BrokenShard:
 def _make_source(
     urls: tuple[str, ...], storage_options: Mapping[str, Any] | None, in_flight: int
 ) -> Source:
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        # The type only: a string or a list of pairs holds the credentials themselves.
+        raise TypeError(
+            "storage_options must be a mapping of the fsspec filesystem's options, got a "
+            f"{type(storage_options).__name__}"
+        )
+    if not storage_options:
+        storage_options = None  # an empty mapping (a config's default) says nothing
     http = all(url.lower().startswith(("http://", "https://")) for url in urls)
     local = not http and all("://" not in url or url.startswith("file://") for url in urls)
     if storage_options is not None and (http or local):
@@ -194,8 +210,9 @@ def _pool_size(source: Source, in_flight: int) -> tuple[int | None, str]:
     return None, ""
 
 
-def _check_pool(source: Source, in_flight: int) -> int | None:
-    """The connections of ``source``'s pool (None: not bounded), refused where fewer than the
+def _check_pool(source: Source, in_flight: int) -> tuple[int | None, str]:
+    """The connections of ``source``'s pool (None: not bounded) and the setting that says
+    so, refused where fewer than the
     open shards: each holds its connection while its samples wait for their turn, and the
     epoch takes from every open shard in turn, so it would wait for ever.
 
@@ -211,20 +228,17 @@ def _check_pool(source: Source, in_flight: int) -> int | None:
             f"{setting}>={in_flight} ({_pool_wanted(in_flight)} also lets the shards ahead "
             "open early), or lower shards_in_flight"
         )
-    return size
+    return size, setting
 
 
 def _shard_list(urls: tuple[str, ...]) -> str:
     """A short digest of the shards, in order (a state's ``"shard_list"``): a state of other
-    shards, even as many, is refused. Each URL counts up to its query, without userinfo,
-    so a presigned URL signed again (a new signature, date or expiry) is the same shard."""
-    names = []
-    for url in urls:
-        if "://" in url:
-            parts = urllib.parse.urlsplit(url)
-            url = f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
-        names.append(url)
-    seen = json.dumps(names, separators=(",", ":"))
+    shards, even as many, is refused. Each URL counts less its user info and its credential,
+    expiry and signing parameters (a presigned URL signed again is the same shard; the other
+    parameters, ``?file=train-0001.tar``, tell shards apart), and less the part every URL
+    shares up to a ``/`` (the same shards at another mount or mirror are the same shards):
+    see :func:`~._redact.same_objects`."""
+    seen = json.dumps(same_objects(urls), separators=(",", ":"))
     return hashlib.sha256(seen.encode()).hexdigest()[:16]
 
 
@@ -294,10 +308,17 @@ class TarDataset(UnitStream):
             if urls is None:
                 raise TypeError("TarDataset needs urls or a source, got neither")
             names = urls if isinstance(urls, str | os.PathLike) else list(urls)
-            source = _make_source(_names(names), storage_options, self.shards_in_flight)
+            shards = _names(names)
+            if isinstance(urls, str | os.PathLike) and os.path.isdir(shards[0]):
+                # One local directory would read as one shard that fails (as FileDataset).
+                raise ValueError(
+                    f"urls={redact(shards[0])!r} is a directory, not one tar shard; list the "
+                    f"shards first: {LISTING_HINT}"
+                )
+            source = _make_source(shards, storage_options, self.shards_in_flight)
         elif urls is not None:
             raise TypeError("TarDataset takes urls or a source, not both")
-        elif storage_options is not None:
+        elif storage_options:  # an empty mapping says nothing
             raise TypeError("TarDataset takes storage_options or a source, not both")
         elif not isinstance(source, HTTPDataset | FsspecDataset | FileDataset):
             raise TypeError(
@@ -311,7 +332,7 @@ class TarDataset(UnitStream):
         self.shuffle = boolean("shuffle", shuffle)
         self.shuffle_buffer = positive_int("shuffle_buffer", shuffle_buffer)
         self.seed = non_negative_int("seed", seed)
-        self._connections = _check_pool(source, self.shards_in_flight)
+        self._connections, self._setting = _check_pool(source, self.shards_in_flight)
         self.max_member_bytes = byte_limit("max_member_bytes", max_member_bytes)
         self.lengths = _lengths(lengths, len(self._urls))
         self.even_shares = boolean("even_shares", even_shares)
@@ -391,7 +412,10 @@ class TarDataset(UnitStream):
                 f"(shard_list={state['shard_list']!r}), this dataset's {len(self._urls)} shards "
                 f"give shard_list={mine!r} (a digest of the URLs in order): as many shards, but "
                 "not the same ones in the same order, so samples would repeat and others be "
-                "lost. Resume with the shard list the state was saved with"
+                "lost. Resume with the shard list the state was saved with (shards are "
+                "compared by their names below the directory they share, less credentials "
+                "and expiry parameters); to resume over shards renamed on purpose, set the "
+                'state\'s "shard_list" to None (then only their number is checked)'
             )
         self._resume_from(state)
 
@@ -411,7 +435,16 @@ class TarDataset(UnitStream):
         await self._source.aclose()
 
     def __aiter__(self) -> AsyncIterator[Any]:
-        return self._start("TarDataset", _Shards(self), self.shards_in_flight, self._connections)
+        # The epochs open over one source share its pool (zip of two, an evaluation pass
+        # beside training, two datasets over one source): see _readers._Gate.
+        return self._start(
+            "TarDataset",
+            _Shards(self),
+            self.shards_in_flight,
+            self._connections,
+            self._source,
+            self._setting,
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
