@@ -83,6 +83,11 @@ LISTING_HINT = "FsspecDataset.from_prefix(url_or_glob) or aioloader.sources.list
 #: Bytes asked per read by :meth:`FsspecDataset.stream` (see ``_http.STREAM_CHUNK``).
 STREAM_CHUNK = 1 << 20
 
+#: Bytes of the first read of :meth:`FsspecDataset.stream`, the one retried and bounded by
+#: ``item_deadline`` with the opening (s3fs sends its GetObject at the first read): small, so
+#: the deadline bounds the opening and the first bytes, not a megabyte's transfer.
+FIRST_READ = 64 << 10
+
 #: Options per protocol, under the user's storage_options. For S3: botocore's retries are off
 #: (our policy retries), and ``max_concurrency=1`` makes a read one GET instead of a HEAD (for
 #: the size) then parallel ranged GETs: the loader already keeps ``io_concurrency`` objects in
@@ -359,7 +364,8 @@ class FsspecDataset(Source):
     ) -> AsyncGenerator[bytes, None]:
         """``urls[index]`` in chunks as it arrives (``fs.open_async``: one streamed GET on
         s3fs), for objects too large to hold (tar shards). Opening and the first read are
-        retried as :meth:`fetch` is (s3fs asks for the object at the first read, so a
+        retried as :meth:`fetch` is, within ``item_deadline`` (the first read asks for
+        ``FIRST_READ``, 64 KiB, at most; s3fs asks for the object at the first read, so a
         ``SlowDown`` or a 404 there is retried or reported as :meth:`fetch` reports it); a
         read that fails after bytes were handed out raises. A filesystem without streamed
         files is read whole, as one chunk, retried as :meth:`fetch` is but not bounded by
@@ -434,7 +440,7 @@ class FsspecDataset(Source):
                 raise
             raise ours from exc
         try:
-            first = await file.read(chunk_size)
+            first = await file.read(min(chunk_size, FIRST_READ))
         except BaseException as exc:
             with contextlib.suppress(Exception):
                 await file.close()

@@ -37,7 +37,9 @@ yielded and how many rows each row group that ended gave; a resumed epoch yields
 rows, in exactly the order, that the uninterrupted one would still have yielded, under any
 ``num_workers`` (the loop is the one reader). The listing and footers are read again in a new
 process and must agree (the number of row groups and rows, then the ``"catalog"`` digest below:
-a file renamed or replaced keeps the counts and changes the digest). Each rank lists and
+a file renamed or replaced keeps the counts and changes the digest; the files count without
+credential and expiry parameters and below the directory they share, so presigned URLs signed
+again and the same files at another mount resume). Each rank lists and
 reads the footers itself, so a footer that fails on one rank only (it counts as one record
 there) or a listing that changed between ranks gives them different row groups: a state
 records a digest of the files, row groups and rows it planned with (``"catalog"``), and
@@ -88,7 +90,7 @@ from ._listing import alist_objects
 from ._parquetio import Storage, pyarrow_parquet, row_group_bytes
 from ._parquetio import rows as as_rows
 from ._readers import UnitStream, check_fits
-from ._redact import add_credential_parameters, parameters_state, redact
+from ._redact import add_credential_parameters, parameters_state, redact, same_objects
 from ._retry import RetryPolicy
 
 __all__ = ["BrokenRowGroup", "ParquetDataset"]
@@ -152,8 +154,12 @@ class _Catalog:
         """A short digest of the files, their row groups and rows (a state's ``"catalog"``):
         every rank lists and reads the footers itself, so ranks that saw different data (a
         footer that failed on one rank only, a listing that changed) differ in it, and
-        ``merge_states`` refuses their states, naming them."""
-        seen = json.dumps([self.files, self.units, self.lengths], separators=(",", ":"))
+        ``merge_states`` refuses their states, naming them. The files count as the tar
+        shards' digest counts them (:func:`~._redact.same_objects`): without credential and
+        expiry parameters (presigned URLs signed again are the same files) and below the part
+        all of them share up to a ``/`` (the same files at another mount or bucket)."""
+        files = same_objects(self.files)
+        seen = json.dumps([files, self.units, self.lengths], separators=(",", ":"))
         return hashlib.sha256(seen.encode()).hexdigest()[:16]
 
 
@@ -437,7 +443,10 @@ def _check_catalog(owner: str, state: Mapping[str, Any], catalog: _Catalog) -> N
             f"rows), and the files give catalog={digest!r} now, with as many row groups "
             f"({len(catalog.units)}) and rows ({catalog.rows}): a file renamed, replaced or "
             "listed in another order, so rows would repeat and others be lost. Resume over "
-            "the files the state was saved from"
+            "the files the state was saved from (compared by their names below the directory "
+            "they share, less credentials and expiry parameters); to resume over files "
+            'renamed on purpose, set the state\'s "catalog" to None (then only the counts '
+            "are checked)"
         )
 
 
