@@ -29,9 +29,8 @@ def _alloc(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]
     ("sample", "named"),
     [
         ({"img": np.ones(2), "label": 1}, "dict"),
-        ("abc", "str"),
-        (b"abc", "bytes"),
         ({1, 2}, "set"),
+        (frozenset({1}), "frozenset"),
         (collections.OrderedDict(a=1), "collections.OrderedDict"),
         (np.array(3), "numpy.ndarray"),
         (torch.tensor(3), "torch.Tensor"),

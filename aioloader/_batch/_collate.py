@@ -47,9 +47,11 @@ Sharp edges, each deliberate:
   (NaN, -1) keeps it a tensor in every batch.
 - **Byte order is normalised**: big-endian arrays are stacked into native order, because
   ``torch.from_numpy`` refuses anything else.
-- **A batch is a list.** Called with anything but a sequence of samples (one sample: a dict,
-  a string, a set), the collate functions raise :class:`~aioloader.CollateTypeError` instead of
-  collating its keys or characters; with ``batch_size=None`` a sample needs ``default_convert``.
+- **A batch is a list.** Called with anything but a sequence of samples (anything with
+  ``__len__`` and ``__getitem__``, an iterator, an array of rows), such as one sample that is
+  a dict or a set, the collate functions raise :class:`~aioloader.CollateTypeError` instead of
+  collating its keys; with ``batch_size=None`` a sample needs ``default_convert``. A str or
+  bytes given alone comes back as it is, as torch returns it, never as its characters.
 - **requires_grad never depends on the batch's size.** Collated in this process
   (``num_workers=0``, ``thread_pool=True``) a batch of tensors that require grad is what
   ``torch.stack`` makes: it requires grad, with its graph. From worker processes it arrives as
@@ -63,7 +65,15 @@ from __future__ import annotations
 import copy
 import functools
 import sys
-from collections.abc import Iterator, Mapping, MutableMapping, MutableSequence, Sequence
+from collections.abc import (
+    Iterable,
+    Iterator,
+    Mapping,
+    MutableMapping,
+    MutableSequence,
+    Sequence,
+)
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -255,15 +265,27 @@ PAD_HINT = (
 
 def _is_batch(samples: Any) -> bool:
     """Whether ``samples`` can be the samples of a batch: a sequence that is not text, an
-    iterator of samples, or an array or tensor of at least one dimension (its rows, as torch
-    takes what a ``__getitems__`` returns). A mapping, a set or a string is one sample."""
-    if isinstance(samples, str | bytes | bytearray):
+    iterator of samples, an array or tensor of at least one dimension (its rows, as torch
+    takes what a ``__getitems__`` returns), or anything else with ``__len__`` and
+    ``__getitem__`` (torch indexes it; a class need not register as a ``Sequence``). A
+    mapping, a set or a string is one sample."""
+    if isinstance(samples, str | bytes | bytearray | Mapping | AbstractSet):
         return False
     if isinstance(samples, Sequence | Iterator):
         return True
     if isinstance(samples, np.ndarray) or _kind_of(type(samples)) == "tensor":
         return bool(samples.ndim)
-    return False
+    cls = type(samples)
+    return callable(getattr(cls, "__len__", None)) and callable(getattr(cls, "__getitem__", None))
+
+
+def _as_list(samples: Any) -> list[Any]:
+    """The samples of a batch :func:`_is_batch` accepted, as a list: by index where the
+    object cannot be iterated otherwise (``iter()`` would index it until ``IndexError``,
+    without end for one that never raises it)."""
+    if isinstance(samples, Iterable):
+        return list(samples)
+    return [samples[i] for i in range(len(samples))]
 
 
 def _not_a_batch(samples: Any) -> CollateError:
@@ -272,8 +294,8 @@ def _not_a_batch(samples: Any) -> CollateError:
     characters, silently (torch raises a bare ``KeyError`` for a dict)."""
     return CollateTypeError(
         f"cannot collate a {type_name(type(samples))}: a collate function takes the list of "
-        "the samples of one batch (a list, a tuple or another sequence that is not a str, an "
-        "iterator, an array of rows); "
+        "the samples of one batch (a list, a tuple or another sequence, an iterator, an array "
+        "of rows); "
         "with batch_size=None the loader hands it one sample at a time, which is not a batch: "
         "leave collate_fn out there, or pass collate_fn=default_convert"
     )
@@ -305,9 +327,13 @@ class _Collator:
 
     def batch(self, samples: Sequence[Any]) -> Any:
         if not isinstance(samples, list | tuple):
+            if isinstance(samples, str | bytes):
+                # As torch: a string handed over alone (batch_size=None, one sample a call)
+                # comes back as it is, never as its characters.
+                return samples
             if not _is_batch(samples):
                 raise _not_a_batch(samples)
-            samples = list(samples)
+            samples = _as_list(samples)
         if not samples:
             raise CollateError("cannot collate an empty batch: there are no samples")
         return self.collate(samples, "batch")

@@ -495,14 +495,14 @@ class Counters:
         cpu = self.read_cpu(now, fresh=True)
         stats = self._epoch(running, now, self.sums(), cpu)
         use = _cpu_use(running, cpu, now)
+        self.last_epoch = stats  # read only once running is None
         # The totals take the epoch in, then the epoch stops running, inside an odd count of
         # changes: a reader that overlaps any of it reads again (see snapshot), so none sees
         # the epoch's batches without its wall time, nor its wall time twice.
         self.changes += 1
-        self.last_epoch = stats
-        self.wall_s += stats.wall_s
         if use is not None:
             self.cpu_ended = _plus(self.cpu_ended, use)
+        self.wall_s += stats.wall_s
         self.running = None
         self.changes += 1
         return stats

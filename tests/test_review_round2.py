@@ -1,0 +1,161 @@
+"""What a second review of the statistics and collation changes found: the transfer verdict
+named a setting that does nothing, the GIL verdict fired for one thread, an epoch's end showed
+its batches without its wall time, collation refused what torch takes, and batches from
+worker processes arrived as leaves that require grad.
+
+A race is shown by forcing the interleaving: counters whose attribute writes run a reader at
+the exact point the loop thread is between two of them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import aioloader
+from aioloader._batch._collate import default_collate, numpy_collate
+from aioloader._stats._counters import _SUMS, Capacity, Counters, EpochStatistics
+
+TOKEN = object()
+
+
+def sums(**values: float) -> list[float]:
+    return [float(values.get(name, 0.0)) for name in _SUMS]
+
+
+# -- the transfer verdict -----------------------------------------------------------------------
+
+
+class _Stage:
+    """What the epoch's capacity reads of a device stage: its target device (None: pin-only)."""
+
+    def __init__(self, device: torch.device | None) -> None:
+        self.device = device
+
+    def start(self, batch: Any, batch_id: int) -> Any:
+        raise AssertionError("not started here")
+
+
+def test_copies_to_a_device_are_told_device_prefetch_whatever_pin_memory_says() -> None:
+    from helpers import build_config
+
+    from aioloader._epoch._consume import _capacity
+
+    copies = sums(batches_yielded=100, consumer_wait_s=10, transfer_s=30)
+    to_gpu = _Stage(torch.device("cuda", 0))
+    for pin_memory in (False, True):  # False, the default: copies are pinned all the same
+        capacity = _capacity(build_config(pin_memory=pin_memory, device_prefetch=2), to_gpu)
+        assert capacity.staged
+        stats = EpochStatistics.build(0, 100.0, copies, capacity)
+        assert (stats.bottleneck, stats.knob) == ("transfer", "device_prefetch")
+        assert "pin_memory" not in stats.hint
+    # Pin-only mode (no device): pinning is the limit, said so.
+    pin_only = _capacity(build_config(pin_memory=True), _Stage(None))
+    assert not pin_only.staged
+    stats = EpochStatistics.build(0, 100.0, copies, pin_only)
+    assert (stats.knob, stats.hint.split(" (")[0]) == ("pin_memory", "pinning batches")
+    assert not _capacity(build_config()).staged  # no device stage at all
+
+
+# -- the GIL verdict ----------------------------------------------------------------------------
+
+
+def test_one_busy_thread_at_one_cpu_is_not_called_gil_bound() -> None:
+    # One thread uses 1 CPU at most, whether it runs Python (GIL) or numpy that releases it.
+    busy = sums(batches_yielded=40, samples_yielded=160, consumer_wait_s=8, read_s=10)
+    one = Capacity(makers=1, prefetch=8, batch_size=4, thread_pool=True)
+    stats = EpochStatistics.build(0, 10.0, busy, one, cpu=(10.0, 10.0, 10.0, 0.0), cpus=8.0)
+    assert (stats.bottleneck, stats.knob) == ("workers", "num_workers")
+    assert "more threads cannot run at once" not in stats.hint
+    assert "processes" in stats.hint
+    assert "thread_pool=False" in stats.hint
+    # Two threads at one CPU of 8: held by the GIL.
+    two = Capacity(makers=2, prefetch=8, batch_size=4, thread_pool=True)
+    both = sums(batches_yielded=40, samples_yielded=160, consumer_wait_s=8, read_s=20)
+    stats = EpochStatistics.build(0, 10.0, both, two, cpu=(10.0, 10.0, 10.0, 0.0), cpus=8.0)
+    assert stats.knob == "thread_pool"
+    # Two threads on one CPU: they could use one at most; nothing to tell.
+    stats = EpochStatistics.build(0, 10.0, both, two, cpu=(10.0, 1.0, 1.0, 0.0), cpus=1.0)
+    assert stats.knob != "thread_pool"
+
+
+# -- an epoch's end, read from another thread ---------------------------------------------------
+
+
+class _ReadAsItEnds(Counters):
+    """Counters that run ``reader`` right after the loop thread writes ``at``."""
+
+    at = ""
+    reader: Callable[[], None] | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        reader = type(self).reader
+        if name == type(self).at and reader is not None:
+            type(self).reader = None
+            reader()
+
+
+@pytest.mark.parametrize("at", ["last_epoch", "wall_s", "running"])
+def test_a_reader_during_an_epochs_end_sees_its_wall_time_once(at: str) -> None:
+    counters = _ReadAsItEnds(cpu_clock=lambda: None, cpus=2.0)
+    counters.begin_epoch(0, Capacity(), TOKEN, now=100.0)
+    counters.batches_yielded = counters.samples_yielded = 50
+    seen: list[EpochStatistics] = []
+    _ReadAsItEnds.at = at
+    _ReadAsItEnds.reader = lambda: seen.append(counters.measure_total(now=110.0))
+    ended = counters.end_epoch(TOKEN, now=110.0)
+    assert ended is not None
+    assert ended.wall_s == 10.0
+    assert len(seen) == 1
+    # The epoch's 50 batches with its 10 s: neither without it (5 batches/s, not infinite)
+    # nor twice.
+    assert (seen[0].batches, seen[0].wall_s) == (50, 10.0)
+    assert counters.measure_total(now=200.0).wall_s == 10.0
+
+
+# -- collation takes what torch takes -----------------------------------------------------------
+
+
+class _Indexed:
+    """Samples with ``__len__`` and ``__getitem__``, not registered as a Sequence; its
+    ``__getitem__`` never raises IndexError (iteration by index would not end)."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.items[i % len(self.items)]
+
+
+@pytest.mark.parametrize("collate", [default_collate, numpy_collate])
+def test_an_object_with_len_and_getitem_collates_as_its_items(collate: Any) -> None:
+    assert collate(_Indexed([1, 2, 3])).tolist() == [1, 2, 3]
+    pairs = collate(_Indexed([{"x": 1.5}, {"x": 2.5}]))
+    assert pairs["x"].tolist() == [1.5, 2.5]
+
+
+@pytest.mark.parametrize("collate", [default_collate, numpy_collate])
+@pytest.mark.parametrize("sample", ["line 0", b"\x00\x01", ""])
+def test_a_string_given_alone_comes_back_as_it_is(collate: Any, sample: Any) -> None:
+    assert collate(sample) is sample
+
+
+def test_a_loader_without_batching_hands_strings_over_with_default_collate() -> None:
+    class Lines:
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, i: int) -> str:
+            return f"line {i}"
+
+    lines: Any = Lines()
+    theirs = list(torch.utils.data.DataLoader(lines, batch_size=None, collate_fn=default_collate))
+    with aioloader.DataLoader(Lines(), batch_size=None, collate_fn=aioloader.default_collate) as ld:
+        ours = list(ld)
+    assert ours == theirs == ["line 0", "line 1", "line 2"]
