@@ -436,3 +436,27 @@ class Opened:
     def __init__(self) -> None:
         self.open = 0
         self.most = 0
+
+
+async def test_an_epoch_dropped_unclosed_leaves_its_connections_to_the_next(
+    server: FaultServer,
+) -> None:
+    # ``break`` out of ``async for`` leaves the epoch to be closed by a task the loop runs
+    # next: the next epoch, over a pool of one epoch's open shards, waits for that close
+    # rather than being refused as a second epoch at once. Directly and through a loader.
+    from aioloader import DataLoader
+
+    ds = http_tar(server, 2, 2)
+    loader = DataLoader(ds, batch_size=8, collate_fn=len)
+    try:
+        async with asyncio.timeout(BOUND_S):
+            for _ in range(3):
+                async for _raw in ds:
+                    break
+            for _ in range(3):
+                async for _batch in loader:
+                    break
+        assert sorted(itemgetter(raw) for raw in await collect(ds)) == tar_keys(SHARDS, counts)
+    finally:
+        await loader.aclose()
+        await ds.aclose()

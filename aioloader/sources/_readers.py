@@ -41,8 +41,9 @@ training, two datasets over one source) share one gate per source and event loop
 keeps connections for its open units, so each goes on whichever consumer waits for the
 other; units ahead get what no open unit of any of them can need (an epoch that starts
 stops the newest readers ahead past that, which open again in their turn). An epoch whose
-open units do not fit beside the others' is refused at its start, naming the pool's
-setting and what the epochs need, rather than left waiting for ever.
+open units do not fit beside the others' waits for those that are closing (one dropped
+unclosed is closed by a task the loop runs next), and is refused at its start where none
+is, naming the pool's setting and what the epochs need, rather than left waiting for ever.
 
 **Failures.** A unit that fails yields one record saying so (the dataset's own type, whose
 ``decode`` raises) and ends; that is the generator's job. A generator that raises anyway (a
@@ -56,7 +57,7 @@ import contextlib
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from .._errors import ShardError
 from .._validate import non_negative_int, positive_int
@@ -173,36 +174,68 @@ class _Gate:
         self._rereads = 0  # re-reads not done
         self._waiting: list[_Ticket] = []
         self._ahead: list[_Ticket] = []  # readers ahead holding a permit, oldest first
+        self._closing: set[int] = set()  # epochs closing
+        self._entering = 0  # epochs waiting to join
+        self._changed = asyncio.Event()  # an epoch left
 
-    def join(self, epoch: object, slots: int, owner: str, setting: str) -> None:
-        """Count ``epoch``'s ``slots`` among the open units.
+    async def join(self, epoch: object, slots: int, owner: str, setting: str) -> None:
+        """Count ``epoch``'s ``slots`` among the open units; where they do not fit beside
+        the other epochs', first wait for those that are closing (and for a few turns of the
+        loop: an epoch whose iteration was dropped unclosed, ``break`` out of ``async for``,
+        is closed by a task the loop has yet to run).
 
         Raises:
-            RuntimeError: the other epochs open over this pool leave fewer than ``slots``
-                connections, naming the pool's setting, its value and what it needs.
+            RuntimeError: the other epochs open over this pool, none of them closing, leave
+                fewer than ``slots`` connections, naming the pool's setting, its value and
+                what it needs.
         """
-        if self.connections is not None and self.slots + slots > self.connections:
-            others = len(self._epochs)
-            raise RuntimeError(
-                f"{owner}: {others} other epoch(s) over this source are open on this event "
-                f"loop and keep {self.slots} of its {setting}={self.connections} connections "
-                f"for their open units; this epoch needs {slots} more (an open unit holds its "
-                "connection while its records wait for their turn), so it would wait for "
-                f"ever. Give the source {setting}>={self.slots + slots} to read "
-                f"{others + 1} epochs at once, or close the other epoch first"
-            )
+        self._entering += 1
+        try:
+            turns = 0
+            while not self._fits(slots):
+                if self._closing:
+                    self._changed.clear()
+                    await self._changed.wait()  # a closing epoch ends: its readers stop
+                elif turns < JOIN_TURNS:
+                    turns += 1
+                    await asyncio.sleep(0)
+                else:
+                    self._refuse(slots, owner, setting)
+        finally:
+            self._entering -= 1
         self._epochs[id(epoch)] = slots
         self.slots += slots
         self._drop_ahead()
 
+    def _fits(self, slots: int) -> bool:
+        return self.connections is None or self.slots + slots <= self.connections
+
+    def _refuse(self, slots: int, owner: str, setting: str) -> NoReturn:
+        others = len(self._epochs)
+        raise RuntimeError(
+            f"{owner}: {others} other epoch(s) over this source are open on this event "
+            f"loop and keep {self.slots} of its {setting}={self.connections} connections "
+            f"for their open units; this epoch needs {slots} more (an open unit holds its "
+            "connection while its records wait for their turn), so it would wait for "
+            f"ever. Give the source {setting}>={self.slots + slots} to read "
+            f"{others + 1} epochs at once, or close the other epoch first"
+        )
+
+    def closing(self, epoch: object) -> None:
+        """``epoch`` began to close: an epoch waiting to join waits for it."""
+        if id(epoch) in self._epochs:
+            self._closing.add(id(epoch))
+
     def leave(self, epoch: object) -> None:
         """``epoch`` closed (its readers are done): its slots are free."""
         self.slots -= self._epochs.pop(id(epoch), 0)
+        self._closing.discard(id(epoch))
+        self._changed.set()
         self._grant()
 
     @property
     def idle(self) -> bool:
-        return not self._epochs
+        return not self._epochs and not self._entering
 
     def ticket(self, claim: int) -> _Ticket:
         if claim == REREAD:
@@ -295,6 +328,11 @@ class _Gate:
                 ticket.future.set_result(None)
 
 
+#: Turns of the event loop an epoch that does not fit beside the others open waits for one
+#: of them to begin closing (an iteration dropped unclosed is closed by a task the loop runs
+#: next; a loader's, through its own close) before it is refused.
+JOIN_TURNS = 200
+
 #: The gates of the pools epochs are open over: per event loop, per pool (its owner's id; an
 #: entry lives while an epoch over it is open, which keeps its owner alive).
 _GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[int, _Gate]] = (
@@ -380,8 +418,8 @@ class Epoch:
     async def samples(self) -> AsyncIterator[Any]:
         gate = self._gate = _gate_for(self._pool, self._connections)
         try:
-            gate.join(self, self.in_flight, *self._names)
-        except RuntimeError:
+            await gate.join(self, self.in_flight, *self._names)
+        except BaseException:
             _left(self._pool, gate)
             raise
         try:
@@ -411,6 +449,7 @@ class Epoch:
                 yield item
             self.finished = True
         finally:
+            gate.closing(self)
             try:
                 await self._close()
             finally:
