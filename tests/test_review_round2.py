@@ -8,6 +8,7 @@ the exact point the loop thread is between two of them."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 
 import aioloader
 from aioloader._batch._collate import default_collate, numpy_collate
+from aioloader._log import reset_once
 from aioloader._stats._counters import _SUMS, Capacity, Counters, EpochStatistics
 
 TOKEN = object()
@@ -159,3 +161,89 @@ def test_a_loader_without_batching_hands_strings_over_with_default_collate() -> 
     with aioloader.DataLoader(Lines(), batch_size=None, collate_fn=aioloader.default_collate) as ld:
         ours = list(ld)
     assert ours == theirs == ["line 0", "line 1", "line 2"]
+
+
+# -- batches from worker processes are detached ---------------------------------------------------
+
+
+class _Grads:
+    """Samples that require grad: leaves, or made by an operation (with a graph)."""
+
+    def __init__(self, n: int, leaf: bool) -> None:
+        self.n, self.leaf = n, leaf
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        x = torch.full((self.n,), float(i), requires_grad=True)
+        return {"x": x if self.leaf else x * 2, "y": torch.tensor(i)}
+
+
+def _epochs_from_a_worker() -> list[tuple[int, bool, list[Any]]]:
+    """An epoch of each kind of sample: 4 floats (pickled) and 2**18 (1 MiB, shared memory),
+    leaves and results of an operation."""
+    epochs = []
+    for n in (4, 1 << 18):
+        for leaf in (True, False):
+            with aioloader.DataLoader(_Grads(n, leaf), batch_size=2, num_workers=1) as loader:
+                epochs.append((n, leaf, list(loader)))
+    return epochs
+
+
+def test_batches_from_worker_processes_arrive_detached_at_every_size_said_once() -> None:
+    reset_once()
+    with pytest.warns(UserWarning, match="arrive detached") as said:
+        epochs = _epochs_from_a_worker()
+    for n, leaf, batches in epochs:
+        for batch in batches:
+            x = batch["x"]
+            assert (x.requires_grad, x.is_leaf, x.grad_fn) == (False, True, None), (n, leaf)
+            x.sub_(1)  # a training step's in-place normalisation
+        assert batches[1]["x"][1, 0].item() == float(3 * (1 if leaf else 2) - 1), (n, leaf)
+        assert batches[1]["y"].tolist() == [2, 3]
+    # Once per process, whatever the path; it names what to do.
+    assert len([w for w in said if "arrive detached" in str(w.message)]) == 1
+    assert "torch.no_grad()" in str(said[0].message)
+    assert ".detach()" in str(said[0].message)
+
+
+@pytest.mark.parametrize("thread_pool", [False, True])
+def test_batches_made_in_this_process_keep_what_collation_made(thread_pool: bool) -> None:
+    reset_once()
+    with (
+        warnings.catch_warnings(),
+        aioloader.DataLoader(
+            _Grads(4, leaf=False),
+            batch_size=2,
+            num_workers=2 if thread_pool else 0,
+            thread_pool=thread_pool,
+        ) as loader,
+    ):
+        warnings.simplefilter("error")  # no warning: nothing was detached
+        batch = next(iter(loader))
+    assert batch["x"].requires_grad
+    assert batch["x"].grad_fn is not None  # torch.stack's graph, back to the samples
+
+
+def test_a_workers_batch_detaches_each_tensor_once_and_pickles_as_the_tensor() -> None:
+    import pickle
+
+    from aioloader._shm import detached_for_transfer
+    from aioloader._shm._descriptors import Detached
+
+    reset_once()
+    graded = torch.ones(3, requires_grad=True) * 2
+    plain = torch.zeros(2)
+    batch = {"a": graded, "b": [graded, plain], "c": "text"}
+    out = detached_for_transfer(batch)
+    assert type(out["a"]) is Detached
+    assert out["b"][0] is out["a"]  # one tensor, one carrier
+    assert out["b"][1] is plain
+    assert batch["a"] is graded  # the input is left alone
+    assert detached_for_transfer([plain, 1]) == [plain, 1]  # nothing to detach: as it was
+    with pytest.warns(UserWarning, match="arrive detached"):
+        back = pickle.loads(pickle.dumps(out))
+    assert type(back["a"]) is torch.Tensor
+    assert not back["a"].requires_grad
+    assert back["a"].tolist() == [2.0, 2.0, 2.0]

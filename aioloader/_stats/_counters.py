@@ -535,15 +535,14 @@ class Counters:
         # The CPU first (a read of /proc takes milliseconds), then the running epoch and the
         # sums, again if an epoch began or ended meanwhile, so that the sums are the epoch's.
         cpu = self.read_cpu(now, fresh=fresh) if self.running is not None else None
-        for tries in range(_SNAPSHOT_TRIES):  # bounded: each try is a few dozen attribute reads
-            if tries:
-                time.sleep(0)  # let the loop thread finish what it was changing
+        for _ in range(_SNAPSHOT_TRIES):  # bounded: each try is a few dozen attribute reads
             changes = self.changes
             running = self.running
             sums = self.sums()
             ended_wall, ended_cpu = self.wall_s, self.cpu_ended
             if self.running is running and self.changes == changes and changes % 2 == 0:
                 break
+            time.sleep(0)  # let the loop thread finish what it was changing
         else:  # epochs ending faster than this thread reads (or a reader run by the loop
             # thread in the middle of an epoch's end): the last epoch and the totals as read
             running = None
@@ -812,23 +811,21 @@ class EpochStatistics:
             )
         # Copies are timed only where a device stage runs: to a device (staged), or pinning.
         if sums["transfer_s"] > sums["consumer_wait_s"]:
+            more = f"device_prefetch (now {capacity.device_prefetch})"
             if capacity.staged:  # pin_memory=True or not: the copies are pinned already
                 return (
                     "transfer",
                     "device_prefetch",
-                    f"copies to the device ({waited}, mostly for copies, which go through "
-                    f"pinned memory already): raise device_prefetch (now "
-                    f"{capacity.device_prefetch}) to overlap more copies, or send smaller "
-                    "batches (or smaller dtypes) to the device",
+                    f"copies to the device ({waited}, mostly for copies, from pinned memory "
+                    f"already): raise {more} to overlap more copies, or send smaller batches "
+                    "(or smaller dtypes) to the device",
                 )
             return (  # pin-only mode: each batch is copied into page-locked memory
                 "transfer",
                 "pin_memory",
-                f"pinning batches ({waited}, mostly for batches to be copied into pinned "
-                "memory): pass device= instead of pin_memory=True, so that the loader copies "
-                "batches to the GPU itself on a side stream, overlapped with the step; or set "
-                "pin_memory=False where the training step copies them anyway; device_prefetch "
-                f"(now {capacity.device_prefetch}) overlaps more pinnings",
+                f"pinning batches ({waited}, mostly for pinning): pass device= instead of "
+                "pin_memory=True (the loader then copies on a side stream, overlapped with the "
+                f"step), or set pin_memory=False; a larger {more} overlaps more pinnings",
             )
         wall = self.wall_s
         makers = max(1, capacity.makers)
@@ -899,12 +896,7 @@ class EpochStatistics:
                 what = nouns[2 * (not capacity.processes) + (makers > 1)]
                 # One thread uses one CPU at most whatever it runs: whether the GIL holds it
                 # back cannot be told, so both ways out are named.
-                threads = (
-                    " (more threads help where the work releases the GIL, as numpy and PIL "
-                    "do; where it is Python code, use processes: thread_pool=False)"
-                    if capacity.thread_pool and not capacity.processes
-                    else ""
-                )
+                threads = _GIL_OR_NOT if capacity.thread_pool and not capacity.processes else ""
                 return (
                     stage,
                     "num_workers",
@@ -959,11 +951,10 @@ class EpochStatistics:
         them do help. One thread uses one CPU at most whatever it runs (GIL-bound Python, or
         numpy and PIL that release it): the check cannot tell them apart, and says nothing."""
         asked = self.main_cpus + self.cpu_wait_share * self.cpus  # threads: the tree is this
-        could_use = min(capacity.makers, self.cpus)
         return (
             capacity.thread_pool
             and not capacity.processes
-            and could_use >= 2
+            and min(capacity.makers, self.cpus) >= 2  # what they could use
             and self.main_cpus <= 1.0 + GIL_BOUND_MARGIN
             and asked >= 1.0 - GIL_BOUND_MARGIN
         )
@@ -974,6 +965,10 @@ class EpochStatistics:
 
 
 _STAGE = {"workers": "reading and collating", "io": "fetching", "source": "the async stream"}
+
+#: The num_workers verdict's words for threads of thread_pool=True, where the GIL cannot be
+#: told from work that releases it (numpy, PIL), as with one thread: more threads help there.
+_GIL_OR_NOT = " (or use processes, thread_pool=False, where Python code holds the GIL)"
 
 
 @dataclass(frozen=True, slots=True)
