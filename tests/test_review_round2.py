@@ -247,3 +247,20 @@ def test_a_workers_batch_detaches_each_tensor_once_and_pickles_as_the_tensor() -
     assert type(back["a"]) is torch.Tensor
     assert not back["a"].requires_grad
     assert back["a"].tolist() == [2.0, 2.0, 2.0]
+
+
+def test_the_real_device_stage_tells_copies_to_a_device_from_pinning() -> None:
+    from helpers import build_config
+    from test_device import FakeBackend
+
+    from aioloader._device import DeviceStage
+    from aioloader._epoch._consume import _capacity
+
+    to_gpu = DeviceStage("cuda", pin_memory=False, backend=FakeBackend())
+    pin_only = DeviceStage(None, pin_memory=True, backend=FakeBackend())
+    try:
+        assert _capacity(build_config(), to_gpu).staged
+        assert not _capacity(build_config(pin_memory=True), pin_only).staged
+    finally:
+        to_gpu.close()
+        pin_only.close()
