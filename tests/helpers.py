@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import multiprocessing
 import os
 import threading
 import time
@@ -357,3 +358,40 @@ async def epoch_over(
     finally:
         await epoch.aclose()
         runner.close()
+
+
+def run_spawned_ranks(
+    target: Callable[..., None],
+    args_of: Callable[[int], tuple[Any, ...]],
+    world: int,
+    limit_s: float,
+) -> list[Any]:
+    """Run ``target(*args_of(rank), sender)`` in ``world`` spawned processes, one per rank,
+    and return what each sends on its pipe, in rank order. Each must report within
+    ``limit_s`` and exit 0; every process is joined, and killed if it outlives the test."""
+    ctx = multiprocessing.get_context("spawn")
+    processes: list[Any] = []
+    receivers: list[Any] = []
+    try:
+        for rank in range(world):
+            receiver, sender = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=target, args=(*args_of(rank), sender), daemon=True)
+            process.start()
+            sender.close()
+            processes.append(process)
+            receivers.append(receiver)
+        results = []
+        for rank, receiver in enumerate(receivers):
+            assert receiver.poll(limit_s), f"rank {rank} did not report within {limit_s} s"
+            results.append(receiver.recv())
+        for process in processes:
+            process.join(limit_s)
+            assert process.exitcode == 0
+        return results
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join(5)
+        for receiver in receivers:
+            receiver.close()

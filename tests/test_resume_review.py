@@ -8,7 +8,6 @@ which needs a real one: two spawned processes in a gloo group on loopback.
 
 from __future__ import annotations
 
-import multiprocessing
 import traceback
 from datetime import timedelta
 from typing import Any
@@ -18,7 +17,7 @@ import pytest
 import torch
 import torch.utils.data as tud
 from datasets import Range
-from helpers import as_lists, flat
+from helpers import as_lists, flat, run_spawned_ranks
 
 from aioloader import DataLoader, DistributedSampler, RandomSampler
 from aioloader.distributed import merge_states
@@ -381,35 +380,9 @@ def test_a_loader_built_before_the_group_checks_a_state_against_its_share(tmp_pa
     # own state was refused. Loaded before: a single process's state was applied to each
     # rank's share at the first epoch, 12 of 40 samples lost, silently.
     interface, limit_s = _loopback(), 60.0
-    ctx = multiprocessing.get_context("spawn")
-    processes: list[Any] = []
-    receivers: list[Any] = []
-    try:
-        for rank in range(2):
-            receiver, sender = ctx.Pipe(duplex=False)
-            process = ctx.Process(
-                target=_late_group_rank,
-                args=(rank, str(tmp_path / "store"), interface, sender),
-                daemon=True,
-            )
-            process.start()
-            sender.close()
-            processes.append(process)
-            receivers.append(receiver)
-        results = []
-        for rank, receiver in enumerate(receivers):
-            assert receiver.poll(limit_s), f"rank {rank} did not report within {limit_s} s"
-            results.append(receiver.recv())
-        for process in processes:
-            process.join(limit_s)
-            assert process.exitcode == 0
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-            process.join(5)
-        for receiver in receivers:
-            receiver.close()
+    results = run_spawned_ranks(
+        _late_group_rank, lambda rank: (rank, str(tmp_path / "store"), interface), 2, limit_s
+    )
     for rank, result in enumerate(results):
         assert result[0] == "ok", result[1]
         _, refused, exact, resumed, early_len = result

@@ -12,7 +12,6 @@ gloo group on loopback.
 from __future__ import annotations
 
 import copy
-import multiprocessing
 import threading
 import traceback
 from datetime import timedelta
@@ -24,7 +23,7 @@ import pytest
 import torch
 import torch.utils.data as tud
 from datasets import Range
-from helpers import as_lists, flat
+from helpers import as_lists, flat, run_spawned_ranks
 
 from aioloader import DataLoader, DistributedSampler
 from aioloader.distributed import merge_states
@@ -349,36 +348,10 @@ def test_a_rank_state_loaded_before_the_group_is_checked_when_the_share_is_taken
     tmp_path: Any,
 ) -> None:
     interface, limit_s = _loopback(), 60.0
-    ctx = multiprocessing.get_context("spawn")
     stores = [str(tmp_path / "store0"), str(tmp_path / "store1")]
-    processes: list[Any] = []
-    receivers: list[Any] = []
-    try:
-        for rank in range(2):
-            receiver, sender = ctx.Pipe(duplex=False)
-            process = ctx.Process(
-                target=_rank_state_before_group,
-                args=(rank, stores, interface, sender),
-                daemon=True,
-            )
-            process.start()
-            sender.close()
-            processes.append(process)
-            receivers.append(receiver)
-        results = []
-        for rank, receiver in enumerate(receivers):
-            assert receiver.poll(limit_s), f"rank {rank} did not report within {limit_s} s"
-            results.append(receiver.recv())
-        for process in processes:
-            process.join(limit_s)
-            assert process.exitcode == 0
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-            process.join(5)
-        for receiver in receivers:
-            receiver.close()
+    results = run_spawned_ranks(
+        _rank_state_before_group, lambda rank: (rank, stores, interface), 2, limit_s
+    )
     for rank, result in enumerate(results):
         assert result[0] == "ok", result[1]
         _, saved_rank, refused, length, exact = result

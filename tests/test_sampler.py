@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
 import sys
@@ -16,7 +15,7 @@ import psutil
 import pytest
 import torch
 import torch.utils.data as tud
-from helpers import assert_raises_naming
+from helpers import assert_raises_naming, run_spawned_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -363,35 +362,12 @@ def _distributed_rank(
 def test_distributed_reads_rank_and_world_from_a_real_process_group(tmp_path: Any) -> None:
     world, n, limit_s = 2, 21, 45.0
     interface = _loopback_interface()
-    ctx = multiprocessing.get_context("spawn")
-    processes: list[Any] = []
-    receivers: list[Any] = []
-    try:
-        for rank in range(world):
-            receiver, sender = ctx.Pipe(duplex=False)
-            process = ctx.Process(
-                target=_distributed_rank,
-                args=(rank, world, str(tmp_path / "store"), n, interface, sender),
-                daemon=True,
-            )
-            process.start()
-            sender.close()
-            processes.append(process)
-            receivers.append(receiver)
-        results = []
-        for rank, receiver in enumerate(receivers):
-            assert receiver.poll(limit_s), f"rank {rank} did not report within {limit_s} s"
-            results.append(receiver.recv())
-        for process in processes:
-            process.join(limit_s)
-            assert process.exitcode == 0
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-            process.join(5)
-        for receiver in receivers:
-            receiver.close()
+    results = run_spawned_ranks(
+        _distributed_rank,
+        lambda rank: (rank, world, str(tmp_path / "store"), n, interface),
+        world,
+        limit_s,
+    )
     for rank, result in enumerate(results):
         assert result[0] == "ok", result[1]
         _, num_replicas, seen_rank, _, sizes = result
