@@ -395,3 +395,12 @@ def run_spawned_ranks(
             process.join(5)
         for receiver in receivers:
             receiver.close()
+
+
+def first_and_state(loader: Any, count: int) -> tuple[list[list[int]], dict[str, Any]]:
+    """The first ``count`` batches of ``loader``'s next epoch (as lists), and its state then."""
+    it = iter(loader)
+    taken = as_lists([next(it) for _ in range(count)])
+    state = loader.state_dict()
+    del it
+    return taken, state

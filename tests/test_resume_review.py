@@ -17,22 +17,13 @@ import pytest
 import torch
 import torch.utils.data as tud
 from datasets import Range
-from helpers import as_lists, flat, run_spawned_ranks
+from helpers import as_lists, first_and_state, flat, run_spawned_ranks
 
 from aioloader import DataLoader, DistributedSampler, RandomSampler
 from aioloader.distributed import merge_states
 
 # The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
 pytestmark = pytest.mark.usefixtures("baseline")
-
-
-def first(loader: DataLoader, count: int) -> tuple[list[list[int]], dict[str, Any]]:
-    """The first ``count`` batches of ``loader``'s next epoch, and its state then."""
-    it = iter(loader)
-    taken = as_lists([next(it) for _ in range(count)])
-    state = loader.state_dict()
-    del it
-    return taken, state
 
 
 def rest(loader: DataLoader, state: dict[str, Any]) -> list[list[int]]:
@@ -52,7 +43,7 @@ def test_an_out_of_order_state_resumes_its_own_rank_only() -> None:
     # Out of order, each rank takes the batch ids its own batches complete in: rank 0's
     # "done" says nothing of rank 1's. Loaded on rank 1 it repeated and missed samples.
     with _unordered(0) as saver:
-        taken, state = first(saver, 2)
+        taken, state = first_and_state(saver, 2)
     assert state["rank"] == 0
     assert "consumed" not in state  # (rank 0's ids only: no positions every rank read)
     with _unordered(1) as other:
@@ -76,7 +67,7 @@ def test_an_in_order_state_still_resumes_every_rank() -> None:
         return DataLoader(Range(40), batch_size=2, sampler=DistributedSampler(40, 2, rank))
 
     with make(0) as saver:
-        _, state = first(saver, 3)
+        _, state = first_and_state(saver, 3)
     assert "rank" not in state
     with make(1) as reference:
         whole = as_lists(list(reference))
@@ -142,7 +133,7 @@ def test_a_sampler_inside_torchs_batch_sampler_is_saved() -> None:
         epoch1 = as_lists(list(reference))
     with _inside_torch_batches() as saver:
         list(saver)
-        taken, state = first(saver, 2)
+        taken, state = first_and_state(saver, 2)
     assert state["sampler"] == {"seed": 1, "epoch": 1}
     assert taken == epoch1[:2]
     with _inside_torch_batches() as resumed:
@@ -169,8 +160,8 @@ def test_a_state_saved_in_the_rest_of_an_epoch_resumes_on_as_many_ranks() -> Non
     # refused on 3 ranks (its len(sampler) was the rest's, compared with a whole epoch's).
     two = _ranks(2)
     try:
-        state = first(two[0], 1)[1]
-        first(two[1], 1)
+        state = first_and_state(two[0], 1)[1]
+        first_and_state(two[1], 1)
     finally:
         _close(two)
     reference, three = _ranks(3), _ranks(3)
@@ -239,7 +230,7 @@ def test_a_resume_whose_sampler_fails_at_the_epochs_start_is_kept() -> None:
 
     with make() as saver:
         list(saver)
-        taken, state = first(saver, 2)
+        taken, state = first_and_state(saver, 2)
     with make() as reference:
         list(reference)
         epoch1 = as_lists(list(reference))
@@ -301,7 +292,7 @@ def _drawing(replacement: bool) -> DataLoader:
 
 def test_a_state_without_replacement_is_refused_by_a_loader_drawing_with_it() -> None:
     with _drawing(False) as saver:
-        _, state = first(saver, 2)
+        _, state = first_and_state(saver, 2)
     assert state["layout"]["replacement"] is False
     with _drawing(True) as other:
         with pytest.raises(ValueError, match="sampler replacement=False") as info:
@@ -312,7 +303,7 @@ def test_a_state_without_replacement_is_refused_by_a_loader_drawing_with_it() ->
 def test_a_state_saved_before_replacement_was_recorded_still_loads() -> None:
     # Format 1 without the key (saved before): loaded as it was, and exact where it is right.
     with _drawing(False) as saver, _drawing(False) as reference:
-        taken, state = first(saver, 2)
+        taken, state = first_and_state(saver, 2)
         whole = as_lists(list(reference))
     state["layout"] = {k: v for k, v in state["layout"].items() if k != "replacement"}
     with _drawing(False) as loader:
@@ -339,7 +330,7 @@ def _late_group_rank(rank: int, store: str, interface: str, conn: Any) -> None:
 
         ds = list(range(40))
         whole = DataLoader(ds, batch_size=4, shuffle=True, seed=0)  # (no group: unsharded)
-        _, whole_state = first(whole, 3)
+        _, whole_state = first_and_state(whole, 3)
         whole.close()
         early = DataLoader(ds, batch_size=4, shuffle=True, seed=0)
         early.load_state_dict(whole_state)  # no group yet: checked as one process's

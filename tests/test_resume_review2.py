@@ -23,22 +23,13 @@ import pytest
 import torch
 import torch.utils.data as tud
 from datasets import Range
-from helpers import as_lists, flat, run_spawned_ranks
+from helpers import as_lists, first_and_state, flat, run_spawned_ranks
 
 from aioloader import DataLoader, DistributedSampler
 from aioloader.distributed import merge_states
 
 # The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
 pytestmark = pytest.mark.usefixtures("baseline")
-
-
-def first(loader: DataLoader, count: int) -> tuple[list[list[int]], dict[str, Any]]:
-    """The first ``count`` batches of ``loader``'s next epoch, and its state then."""
-    it = iter(loader)
-    taken = as_lists([next(it) for _ in range(count)])
-    state = loader.state_dict()
-    del it
-    return taken, state
 
 
 # -- a state of the previous release ----------------------------------------------------------
@@ -103,7 +94,7 @@ def test_a_state_without_a_sampler_state_is_still_refused_by_a_stateful_batch_sa
         return DataLoader(Range(40), batch_size=4, sampler=DistributedSampler(40, 2, 0, seed=7))
 
     with make() as saver:
-        _, state = first(saver, 2)
+        _, state = first_and_state(saver, 2)
     with make() as loader, pytest.raises(ValueError, match="saved by other samplers"):
         loader.load_state_dict({**state, "sampler": None})
 
@@ -255,7 +246,7 @@ def _rollover(rank: int) -> DataLoader:
 
 def test_the_rank_refusal_gives_a_way_on_from_that_state_alone() -> None:
     with _unordered(0) as saver:
-        _, unordered = first(saver, 2)
+        _, unordered = first_and_state(saver, 2)
     with _rollover(0) as saver:
         list(saver)
         carried = saver.state_dict()
