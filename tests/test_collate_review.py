@@ -15,7 +15,6 @@ import torch
 import aioloader
 from aioloader._batch._collate import default_collate, default_convert, numpy_collate
 from aioloader._errors import CollateError, CollateShapeError, CollateTypeError
-from aioloader._log import reset_once
 
 
 def _alloc(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
@@ -201,14 +200,9 @@ class _GradSamples:
 
 def test_requires_grad_from_workers_does_not_depend_on_the_batch_size() -> None:
     # 2 samples of 4 floats travel pickled (32 bytes); of 2**18 floats in shared memory (2 MB).
-    # Both arrive detached (autograd cannot cross processes), each path saying so once.
     for n in (4, 1 << 18):
-        reset_once()
-        with (
-            pytest.warns(UserWarning, match="arrive detached"),
-            aioloader.DataLoader(_GradSamples(n), batch_size=2, num_workers=1) as loader,
-        ):
+        with aioloader.DataLoader(_GradSamples(n), batch_size=2, num_workers=1) as loader:
             batch = next(iter(loader))
-        assert not batch.requires_grad, f"{8 * n} bytes"
-        assert batch.is_leaf
+        assert batch.requires_grad, f"{8 * n} bytes"
+        assert batch.is_leaf  # the graph stayed in the worker
         assert batch[1, 0].item() == 1.0

@@ -17,7 +17,7 @@ import torch
 
 import aioloader
 from aioloader._batch._collate import default_collate, numpy_collate
-from aioloader._log import reset_once
+from aioloader._errors import CollateTypeError
 from aioloader._stats._counters import _SUMS, Capacity, Counters, EpochStatistics
 
 TOKEN = object()
@@ -148,6 +148,18 @@ def test_a_string_given_alone_comes_back_as_it_is(collate: Any, sample: Any) -> 
     assert collate(sample) is sample
 
 
+@pytest.mark.parametrize("collate", [default_collate, numpy_collate])
+def test_a_pandas_frame_or_series_given_alone_is_refused_naming_its_type(collate: Any) -> None:
+    # Keyed though not a Mapping: taken as a sequence, a DataFrame became its column names
+    # and a Series lost its index, silently (torch raises a bare KeyError for both).
+    pd = pytest.importorskip("pandas")
+    for sample in (pd.DataFrame({"a": [1, 2], "b": [3, 4]}), pd.Series([1, 2], index=["x", "y"])):
+        with pytest.raises(
+            CollateTypeError, match=f"cannot collate a pandas.{type(sample).__name__}"
+        ):
+            collate(sample)
+
+
 def test_a_loader_without_batching_hands_strings_over_with_default_collate() -> None:
     class Lines:
         def __len__(self) -> int:
@@ -163,7 +175,7 @@ def test_a_loader_without_batching_hands_strings_over_with_default_collate() -> 
     assert ours == theirs == ["line 0", "line 1", "line 2"]
 
 
-# -- batches from worker processes are detached ---------------------------------------------------
+# -- batches from worker processes keep requires_grad, as leaves ---------------------------------
 
 
 class _Grads:
@@ -180,37 +192,27 @@ class _Grads:
         return {"x": x if self.leaf else x * 2, "y": torch.tensor(i)}
 
 
-def _epochs_from_a_worker() -> list[tuple[int, bool, list[Any]]]:
-    """An epoch of each kind of sample: 4 floats (pickled) and 2**18 (1 MiB, shared memory),
-    leaves and results of an operation."""
-    epochs = []
+def test_batches_from_worker_processes_require_grad_as_leaves_at_every_size() -> None:
+    # 4 floats travel pickled, 2**18 (1 MiB) in shared memory: the same either way, and no
+    # walk of the batch in the worker to find out (torch's workers carry a leaf's flag; the
+    # graph of a stacked batch cannot cross processes, so it arrives as a leaf).
     for n in (4, 1 << 18):
         for leaf in (True, False):
-            with aioloader.DataLoader(_Grads(n, leaf), batch_size=2, num_workers=1) as loader:
-                epochs.append((n, leaf, list(loader)))
-    return epochs
-
-
-def test_batches_from_worker_processes_arrive_detached_at_every_size_said_once() -> None:
-    reset_once()
-    with pytest.warns(UserWarning, match="arrive detached") as said:
-        epochs = _epochs_from_a_worker()
-    for n, leaf, batches in epochs:
-        for batch in batches:
-            x = batch["x"]
-            assert (x.requires_grad, x.is_leaf, x.grad_fn) == (False, True, None), (n, leaf)
-            x.sub_(1)  # a training step's in-place normalisation
-        assert batches[1]["x"][1, 0].item() == float(3 * (1 if leaf else 2) - 1), (n, leaf)
-        assert batches[1]["y"].tolist() == [2, 3]
-    # Once per process, whatever the path; it names what to do.
-    assert len([w for w in said if "arrive detached" in str(w.message)]) == 1
-    assert "torch.no_grad()" in str(said[0].message)
-    assert ".detach()" in str(said[0].message)
+            with (
+                warnings.catch_warnings(),
+                aioloader.DataLoader(_Grads(n, leaf), batch_size=2, num_workers=1) as loader,
+            ):
+                warnings.simplefilter("error")
+                batches = list(loader)
+            for batch in batches:
+                x = batch["x"]
+                assert (x.requires_grad, x.is_leaf, x.grad_fn) == (True, True, None), (n, leaf)
+            assert batches[1]["x"][1, 0].item() == float(3 * (1 if leaf else 2)), (n, leaf)
+            assert batches[1]["y"].tolist() == [2, 3]
 
 
 @pytest.mark.parametrize("thread_pool", [False, True])
 def test_batches_made_in_this_process_keep_what_collation_made(thread_pool: bool) -> None:
-    reset_once()
     with (
         warnings.catch_warnings(),
         aioloader.DataLoader(
@@ -220,33 +222,10 @@ def test_batches_made_in_this_process_keep_what_collation_made(thread_pool: bool
             thread_pool=thread_pool,
         ) as loader,
     ):
-        warnings.simplefilter("error")  # no warning: nothing was detached
+        warnings.simplefilter("error")
         batch = next(iter(loader))
     assert batch["x"].requires_grad
     assert batch["x"].grad_fn is not None  # torch.stack's graph, back to the samples
-
-
-def test_a_workers_batch_detaches_each_tensor_once_and_pickles_as_the_tensor() -> None:
-    import pickle
-
-    from aioloader._shm import detached_for_transfer
-    from aioloader._shm._descriptors import Detached
-
-    reset_once()
-    graded = torch.ones(3, requires_grad=True) * 2
-    plain = torch.zeros(2)
-    batch = {"a": graded, "b": [graded, plain], "c": "text"}
-    out = detached_for_transfer(batch)
-    assert type(out["a"]) is Detached
-    assert out["b"][0] is out["a"]  # one tensor, one carrier
-    assert out["b"][1] is plain
-    assert batch["a"] is graded  # the input is left alone
-    assert detached_for_transfer([plain, 1]) == [plain, 1]  # nothing to detach: as it was
-    with pytest.warns(UserWarning, match="arrive detached"):
-        back = pickle.loads(pickle.dumps(out))
-    assert type(back["a"]) is torch.Tensor
-    assert not back["a"].requires_grad
-    assert back["a"].tolist() == [2.0, 2.0, 2.0]
 
 
 def test_the_real_device_stage_tells_copies_to_a_device_from_pinning() -> None:

@@ -54,13 +54,10 @@ Sharp edges, each deliberate:
   bytes given alone comes back as it is, as torch returns it, never as its characters.
 - **requires_grad never depends on the batch's size.** Collated in this process
   (``num_workers=0``, ``thread_pool=True``) a batch of tensors that require grad is what
-  ``torch.stack`` makes: it requires grad, with its graph. From worker processes it arrives
-  detached at every size, in shared memory or pickled (``_shm.detached_for_transfer``), and
-  the first such batch warns once per process: autograd cannot cross processes (torch's own
-  workers refuse such a batch, "Cowardly refusing to serialize non-leaf tensor which
-  requires_grad"), and a leaf that required grad would refuse a training step's in-place
-  normalisation and keep an input gradient. Make such samples without a graph in the
-  dataset (``tensor.detach()``, or under ``torch.no_grad()``).
+  ``torch.stack`` makes: it requires grad, with its graph. From worker processes it arrives as
+  a leaf that requires grad at every size, in shared memory or pickled, as torch's own
+  reductions carry the flag (the graph cannot cross processes: torch's workers refuse such a
+  batch, "autograd does not support crossing process boundaries").
 """
 
 from __future__ import annotations
@@ -279,6 +276,10 @@ def _is_batch(samples: Any) -> bool:
     if isinstance(samples, np.ndarray) or _kind_of(type(samples)) == "tensor":
         return bool(samples.ndim)
     cls = type(samples)
+    if callable(getattr(cls, "keys", None)):
+        # Keyed like a mapping though not one (a pandas DataFrame or Series: iterating gives
+        # column names or values, losing the index): one sample, refused by name.
+        return False
     return callable(getattr(cls, "__len__", None)) and callable(getattr(cls, "__getitem__", None))
 
 

@@ -25,7 +25,6 @@ from typing import Any
 
 from .._errors import WorkerError
 from .._sampling import BulkKey, Shard
-from .._shm import detached_for_transfer
 from .._types import EMPTY_BATCH, END, Alloc, BatchRequest, Made, StreamRequest
 from ._collate import collate_prestacked, default_collate, numpy_collate
 from ._prestack import Prestack
@@ -173,28 +172,13 @@ class BatchMaker:
         # until a batch's samples differ at a leaf begun (each such batch wastes its array).
         self._to_torch = {id(default_collate): True, id(numpy_collate): False}.get(id(collate_fn))
         self._prestacking = self._to_torch is not None
-        # Whether its batches leave this process: set in a copy unpickled (__setstate__).
-        self._crossing = False
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """A maker is pickled only to be sent to a worker process (or a Ray actor): a copy
-        unpickled makes batches that cross a process boundary, and autograd cannot follow
-        them there, so their tensors that require grad are detached, at every size
-        (``_shm.detached_for_transfer``; the main process warns once). The maker of
-        ``num_workers=0`` and ``thread_pool=True`` is never pickled: its batches keep what the
-        collate function made."""
-        self.__dict__.update(state)
-        self._crossing = True
 
     def make(self, request: BatchRequest, alloc: Alloc | None = None) -> Made:
         """Build the batch of ``request``; ``alloc`` places collated arrays (shared memory)."""
         try:
-            made = self._make(request, alloc)
+            return self._make(request, alloc)
         except (StopIteration, StopAsyncIteration) as exc:
             raise stop_as_error(exc, f"making batch {request.batch_id}") from exc
-        if self._crossing:
-            made.batch = detached_for_transfer(made.batch)
-        return made
 
     def _make(self, request: BatchRequest, alloc: Alloc | None) -> Made:
         made = Made(batch=None)

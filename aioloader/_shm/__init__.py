@@ -101,7 +101,6 @@ from ._descriptors import ArrayRef as ArrayRef
 from ._descriptors import Encoded as Encoded
 from ._descriptors import SlotWriter as SlotWriter
 from ._descriptors import alloc_args as alloc_args
-from ._descriptors import detached_for_transfer as detached_for_transfer
 from ._descriptors import in_slot_bytes as in_slot_bytes
 from ._descriptors import new_bytes as new_bytes
 from ._descriptors import slot_nbytes as slot_nbytes
@@ -159,7 +158,6 @@ __all__ = [
     "budget",
     "create_segment",
     "detach_all",
-    "detached_for_transfer",
     "discard",
     "drop_pages",
     "free_bytes",

@@ -22,20 +22,12 @@ Sharp edges:
 - **Nothing inline points into a slot.** An inline batch's arrays that lie in the slot are
   copied out first, because the slot is reused as soon as the batch is returned.
 - **dtypes numpy lacks.** bfloat16, float8 and complex32 tensors travel as same-width integers
-  (:attr:`ArrayRef.torch_dtype` names the real dtype) and come back as the same dtype.
-  Conjugate and negative bits are resolved before the copy. Sparse, quantized, nested and
-  non-CPU tensors, and object or structured arrays, are not arrays here: they stay leaves and
-  are pickled.
-- **Autograd does not cross processes.** A tensor in a slot is bytes: it comes back detached.
-  A worker's batch maker wraps each tensor of its batch that requires grad, detached, as a
-  :class:`Detached` (:func:`detached_for_transfer`), so that the batch arrives detached at
-  every size, in a slot or pickled inline, and the main process warns once
-  (:func:`said_detached`) as it opens the slot's view (:attr:`ArrayRef.detached`) or
-  unpickles the leaf. torch's own workers refuse such a batch instead ("Cowardly refusing to
-  serialize non-leaf tensor which requires_grad"); a leaf that requires grad, as pickle would
-  carry it, would refuse the in-place normalisation a training step does and keep a gradient
-  for an input. Batches made in the main process (``num_workers=0``, ``thread_pool=True``)
-  never come here, and keep what their collate function made.
+  (:attr:`ArrayRef.torch_dtype` names the real dtype) and come back as the same dtype. A tensor
+  that requires grad comes back as a leaf that requires grad (:attr:`ArrayRef.requires_grad`),
+  as one pickled inline does: the flag never depends on the batch's size, and the graph, which
+  cannot cross processes, stays behind. Conjugate and negative bits are resolved before the
+  copy. Sparse, quantized, nested and non-CPU tensors, and object or structured arrays, are not
+  arrays here: they stay leaves and are pickled.
 - **Views keep the slot alive.** Views of views collapse to the first array that does not own
   its data, the root; so every leaf, and anything derived from it, keeps the root (and with it
   the slot) alive until the last one is collected.
@@ -51,7 +43,6 @@ import ctypes
 import functools
 import math
 import sys
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -59,7 +50,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from .._log import first_time
 from .._tree import iter_leaves, map_tree
 
 if TYPE_CHECKING:
@@ -68,20 +58,15 @@ if TYPE_CHECKING:
 __all__ = [
     "ALIGN",
     "BYTES_IN_SLOT_MIN",
-    "DETACHED_WARNING",
     "HUGE_BYTES_MIN",
     "INLINE_MAX_BYTES",
     "ArrayRef",
-    "Detached",
     "Encoded",
     "SlotWriter",
-    "arrived_detached",
-    "detached_for_transfer",
     "import_torch",
     "in_slot_bytes",
     "new_bytes",
     "ref_end",
-    "said_detached",
     "view_leaf",
 ]
 
@@ -175,8 +160,8 @@ class ArrayRef:
             ``'bytes'``: a ``bytes`` leaf, given back as new ``bytes`` copied out of the slot.
         torch_dtype: for torch dtypes numpy lacks (``'bfloat16'``, float8, ...), the bytes are
             stored as a same-width integer ``dtype`` and reinterpreted as this torch dtype.
-        detached: the tensor required grad and was detached to cross (a :class:`Detached`):
-            opening its view warns, once per process (:func:`said_detached`).
+        requires_grad: the tensor required grad: its view does too (a leaf: the graph that
+            made it stays in the worker), as a pickled tensor would.
     """
 
     offset: int
@@ -184,71 +169,7 @@ class ArrayRef:
     shape: tuple[int, ...]
     kind: Literal["numpy", "torch", "bytes"]
     torch_dtype: str | None = None
-    detached: bool = False
-
-
-class Detached:
-    """A tensor of a worker's batch that required grad, detached to cross into the main
-    process (see the module's sharp edges): in a slot, the writer places its tensor and marks
-    its :class:`ArrayRef`; pickled, it unpickles as the tensor itself, saying so
-    (:func:`arrived_detached`). Made only by :func:`detached_for_transfer`, in a worker."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (arrived_detached, (self.tensor,))
-
-    def __repr__(self) -> str:
-        return f"<detached {self.tensor!r}>"
-
-
-def detached_for_transfer(batch: Any) -> Any:
-    """``batch`` as it leaves a worker process: each tensor that requires grad replaced by a
-    :class:`Detached` of it (a tensor found twice, by one); ``batch`` itself if it holds none.
-    A walk of the leaves with nothing to replace costs a type test per leaf."""
-    torch_mod = sys.modules.get("torch")  # no torch imported: no tensor can be a leaf
-    if torch_mod is None:
-        return batch
-    tensor = torch_mod.Tensor
-    if not any(isinstance(x, tensor) and x.requires_grad for x in iter_leaves(batch)):
-        return batch
-    wrapped: dict[int, Detached] = {}
-
-    def leaf(x: Any) -> Any:
-        if not (isinstance(x, tensor) and x.requires_grad):
-            return x
-        carrier = wrapped.get(id(x))
-        if carrier is None:
-            carrier = wrapped[id(x)] = Detached(x.detach())
-        return carrier
-
-    return map_tree(batch, leaf)
-
-
-def arrived_detached(tensor: torch.Tensor) -> torch.Tensor:
-    """A :class:`Detached` unpickled (in the main process): its tensor, said once."""
-    said_detached()
-    return tensor
-
-
-#: What the main process says, once, the first time a batch from a worker arrives with tensors
-#: detached (see the module's sharp edges).
-DETACHED_WARNING = (
-    "a batch from a worker process held tensors that require grad: they arrive detached, "
-    "without their graph (autograd cannot cross processes; torch's own workers refuse such a "
-    "batch). Make them without a graph in the dataset or collate_fn (tensor.detach(), or "
-    "under torch.no_grad()); batches made in this process (num_workers=0, or "
-    "thread_pool=True) keep theirs (said once per process)"
-)
-
-
-def said_detached() -> None:
-    """Warn, the first time in this process, that a worker's batch arrived detached."""
-    if first_time("batch detached from a worker"):
-        warnings.warn(DETACHED_WARNING, UserWarning, stacklevel=3)
+    requires_grad: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,9 +263,8 @@ class SlotWriter:
         :meth:`alloc`) without a copy, others (non-contiguous ones too) copied once; so do
         ``bytes`` leaves of :data:`BYTES_IN_SLOT_MIN` or more (copied once). Other leaves
         (numbers, strings, None, object arrays, sparse or CUDA tensors) stay as they are and are
-        pickled. Tensors come back detached (a slot holds bytes, not a graph); a
-        :class:`Detached` is placed as its tensor, with its :class:`ArrayRef` marked. torch
-        dtypes numpy lacks (bfloat16) travel as raw bytes and come back as the same dtype.
+        pickled. Tensors keep ``requires_grad`` (as leaves), as pickled ones do; torch dtypes
+        numpy lacks (bfloat16) travel as raw bytes and come back as the same dtype.
 
         Args:
             batch: the collated batch.
@@ -369,8 +289,7 @@ class SlotWriter:
         for leaf in iter_leaves(batch):
             if id(leaf) in refs:
                 continue
-            detached = type(leaf) is Detached
-            found = _as_numpy(leaf.tensor if detached else leaf)
+            found = _as_numpy(leaf)
             if found is None:
                 continue
             arr, kind, torch_dtype = found
@@ -394,7 +313,8 @@ class SlotWriter:
             else:
                 offset, copy_in = _align(cursor), True
                 cursor = offset + arr.nbytes
-            ref = ArrayRef(offset, arr.dtype.str, tuple(arr.shape), kind, torch_dtype, detached)
+            grad = kind == "torch" and bool(leaf.requires_grad)
+            ref = ArrayRef(offset, arr.dtype.str, tuple(arr.shape), kind, torch_dtype, grad)
             refs[id(leaf)] = ref
             if copy_in:
                 copies.append((arr, ref))
@@ -431,8 +351,6 @@ def _address(arr: npt.NDArray[Any]) -> int:
 
 
 def _copy_out(x: Any) -> Any:
-    if type(x) is Detached:
-        return Detached(x.tensor.clone())
     return x.copy() if isinstance(x, np.ndarray) else x.clone()
 
 
@@ -447,8 +365,6 @@ _RAW_INT = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 def slot_nbytes(x: Any) -> int:
     """Bytes leaf ``x`` takes in a slot (as :func:`_as_numpy` would place it, without making
     its numpy view); 0 for one that is pickled beside the descriptors."""
-    if type(x) is Detached:
-        x = x.tensor  # placed as its tensor
     if type(x) is bytes:
         return len(x) if len(x) >= BYTES_IN_SLOT_MIN else 0
     if type(x) is np.ndarray or isinstance(x, np.memmap):
@@ -538,8 +454,8 @@ def view_leaf(root: npt.NDArray[np.uint8], leaf: Any, torch_mod: Any) -> Any:
     tensor = torch_mod.from_numpy(arr)
     if leaf.torch_dtype is not None:
         tensor = tensor.view(getattr(torch_mod, leaf.torch_dtype))
-    if leaf.detached:
-        said_detached()
+    if leaf.requires_grad:
+        tensor.requires_grad_(True)
     return tensor
 
 
