@@ -39,6 +39,7 @@ Sharp edges:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import urllib.parse
@@ -206,40 +207,91 @@ EXPIRY_PARAMETERS: frozenset[str] = frozenset(
 SIGNING_PREFIXES = ("x-amz-", "x-goog-")
 
 
-def _kept_parameter(name: str) -> bool:
-    lowered = urllib.parse.unquote_plus(name).lower()
-    return not (
-        _is_credential(lowered)
-        or lowered in EXPIRY_PARAMETERS
-        or lowered.startswith(SIGNING_PREFIXES)
-    )
+#: Signing fields that only the signature they sit beside makes meaningless: each family is
+#: left out of a URL only when that URL carries the family's signature (``?sp=train`` of an
+#: unsigned URL names a split, and is kept).
+_SIGNED_FAMILIES: tuple[tuple[str, frozenset[str], tuple[str, ...]], ...] = (
+    ("sig", EXPIRY_PARAMETERS, ()),  # Azure SAS
+    ("x-amz-signature", frozenset(), ("x-amz-",)),
+    ("x-goog-signature", frozenset(), ("x-goog-",)),
+    # CloudFront, GCS v2
+    ("signature", frozenset({"expires", "expiry", "policy", "key-pair-id"}), ()),
+)
 
 
-def _what_it_names(url: str) -> str:
-    """``url`` less what may change while it names the same object: its user info, and its
-    credential, expiry and signing query parameters (the others kept, in order: they may tell
-    objects apart, ``?file=train-0001.tar``)."""
+def _is_signature(name: str) -> bool:
+    return name == "sig" or name.endswith("signature")
+
+
+def _query_pairs(url: str) -> tuple[str, list[tuple[str, str, str]]]:
+    """``url`` less its user info and query, and its query as (raw pair, lowered name, value)."""
     if "://" not in url:
-        return url
+        return url, []
     parts = urllib.parse.urlsplit(url)
-    query = "&".join(
-        pair for pair in parts.query.split("&") if pair and _kept_parameter(pair.partition("=")[0])
-    )
+    pairs = []
+    for pair in parts.query.split("&"):
+        if pair:
+            name, _, value = pair.partition("=")
+            pairs.append((pair, urllib.parse.unquote_plus(name).lower(), value))
     host = parts.netloc.rpartition("@")[2]
-    return f"{parts.scheme}://{host}{parts.path}" + (f"?{query}" if query else "")
+    return f"{parts.scheme}://{host}{parts.path}", pairs
+
+
+def _signing_fields(names: set[str]) -> tuple[set[str], tuple[str, ...]]:
+    dropped: set[str] = set()
+    prefixes: tuple[str, ...] = ()
+    for signature, fields, family_prefixes in _SIGNED_FAMILIES:
+        if signature in names:
+            dropped |= fields
+            prefixes += family_prefixes
+    return dropped, prefixes
+
+
+def _hashed(value: str) -> str:
+    return "#" + hashlib.sha256(value.encode()).hexdigest()[:16]
+
+
+def _what_they_name(urls: Sequence[str]) -> list[str]:
+    """Each URL less what may change while it names the same object: its user info, its
+    signatures, the signing fields of a signed URL (its expiry, Azure's SAS fields, the
+    ``X-Amz-*`` of one with ``X-Amz-Signature``), and a credential parameter whose value is
+    the same on every URL. A credential parameter whose value differs per URL names the
+    object (``/dl?key=train-0001.tar``): kept, its value hashed, never in clear."""
+    parsed = [_query_pairs(url) for url in urls]
+    values: dict[str, set[str]] = {}
+    for _, pairs in parsed:
+        for _, name, value in pairs:
+            values.setdefault(name, set()).add(value)
+    names = []
+    for base, pairs in parsed:
+        dropped, prefixes = _signing_fields({name for _, name, _ in pairs})
+        kept = []
+        for pair, name, value in pairs:
+            if _is_signature(name) or name in dropped or (prefixes and name.startswith(prefixes)):
+                continue
+            if _is_credential(name):
+                if len(values[name]) == 1 and all(name in {n for _, n, _ in p} for _, p in parsed):
+                    continue
+                pair = f"{pair.partition('=')[0]}={_hashed(value)}"
+            kept.append(pair)
+        names.append(base + (f"?{'&'.join(kept)}" if kept else ""))
+    return names
 
 
 def same_objects(urls: Sequence[str]) -> list[str]:
     """What tells ``urls`` apart, for a digest that must not change while they name the same
-    objects: each URL less its user info and its credential, expiry and signing parameters
-    (a presigned URL signed again is the same object), and less the part all of them share up
-    to a ``/`` (the same files at another mount, bucket or mirror are the same objects;
-    shards with the same names under two directories each of its own are not told apart)."""
-    names = [_what_it_names(url) for url in urls]
+    objects: each URL less its user info, signatures and signing fields, and the credential
+    parameters that are the same on every URL (a presigned URL signed again is the same
+    object; see :func:`_what_they_name`), and less the part all of them share up to the parent
+    of their shared folder: that folder's own name is kept, so the same files at another
+    mount, bucket or mirror (``/scratch/JOB/train/x``, ``/data/train/x``) are the same
+    objects, and ``train/x`` and ``val/x`` are not."""
+    names = _what_they_name(urls)
     if not names:
         return names
     shared = os.path.commonprefix(names)  # noqa: RUF071 (by characters, cut at a "/" below)
-    cut = shared.rfind("/") + 1
+    folder_end = shared.rfind("/")
+    cut = shared.rfind("/", 0, folder_end) + 1 if folder_end > 0 else 0
     return [name[cut:] for name in names]
 
 

@@ -1,0 +1,81 @@
+"""Findings of the third review of the sources: what the shard_list and catalog digests
+compare (object names in credential-named parameters, Azure SAS names of unsigned URLs,
+datasets in sibling folders), and the readers' gate, masking and refusals.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from aioloader.sources import TarDataset
+from aioloader.sources._redact import same_objects
+
+
+def refused(saved: list[str], other: list[str]) -> bool:
+    state = TarDataset(saved, shards_in_flight=1).state_dict()
+    try:
+        TarDataset(other, shards_in_flight=1).load_state_dict(state)
+    except ValueError as exc:
+        error = str(exc)
+    else:
+        return False
+    assert "other shards" in error
+    return True
+
+
+def test_shard_names_in_a_credential_named_parameter_tell_shards_apart() -> None:
+    urls = [f"https://h.example/dl?key=train-{i:04d}.tar" for i in range(3)]
+    assert refused(urls, urls[::-1])
+    assert refused(urls, [url.replace("train", "val") for url in urls])
+    assert not refused(urls, list(urls))
+
+
+def test_a_credential_value_per_url_is_kept_hashed_never_in_clear() -> None:
+    urls = [f"https://h.example/dl?key=secret-{i}" for i in range(2)]
+    names = same_objects(urls)
+    assert len(set(names)) == 2
+    assert not any("secret" in name for name in names)
+
+
+def test_a_credential_shared_by_every_url_is_left_out() -> None:
+    def urls(token: str) -> list[str]:
+        return [f"https://h.example/train-{i}.tar?token={token}" for i in range(2)]
+
+    assert not refused(urls("one"), urls("two"))
+    assert all("one" not in name for name in same_objects(urls("one")))
+
+
+def test_azure_sas_names_split_an_unsigned_url_and_are_dropped_from_a_signed_one() -> None:
+    unsigned = [f"https://h.example/get?sp=train&n={i}" for i in range(2)]
+    assert refused(unsigned, [url.replace("train", "val") for url in unsigned])
+
+    def signed(stamp: str) -> list[str]:
+        return [
+            f"https://acct.blob.example/c/train-{i}.tar?sv=2024&sp=r&se={stamp}&st={stamp}"
+            f"&sr=b&sig={stamp}{i}"
+            for i in range(2)
+        ]
+
+    assert not refused(signed("2026-01-01"), signed("2026-02-02"))
+
+
+def test_amz_fields_are_dropped_only_beside_a_signature() -> None:
+    unsigned = [f"https://h.example/x-{i}.tar?X-Amz-Meta-Split=train" for i in range(2)]
+    assert refused(unsigned, [url.replace("train", "val") for url in unsigned])
+
+
+@pytest.mark.parametrize(
+    ("saved", "other"),
+    [
+        (["/data/train/all.tar"], ["/data/val/all.tar"]),
+        ([f"/d/train/{i}.tar" for i in range(2)], [f"/d/val/{i}.tar" for i in range(2)]),
+    ],
+)
+def test_shards_in_sibling_folders_are_other_shards(saved: list[str], other: list[str]) -> None:
+    assert refused(saved, other)
+
+
+def test_the_same_folder_at_another_mount_is_the_same_shards() -> None:
+    saved = [f"/data/train/{i}.tar" for i in range(2)]
+    assert not refused(saved, [f"/scratch/job-7/train/{i}.tar" for i in range(2)])
+    assert not refused(["/data/train/all.tar"], ["/scratch/job-7/train/all.tar"])
