@@ -81,7 +81,7 @@ LEVELS: dict[str, int] = {
 
 # Level of each module inside a package, for imports between modules of one package.
 PACKAGE_LEVELS: dict[str, dict[str, int]] = {
-    "_stats": {"_counters": 0, "_progress": 1},
+    "_stats": {"_cpu": 0, "_counters": 1, "_progress": 2},
     "_sampling": {"_batch_sampler": 0, "_distributed": 0, "_lockstep": 0, "_sampler": 1},
     "_shm": {"_segment": 0, "_descriptors": 0, "_attach": 1, "_pool": 1},
     "_device": {

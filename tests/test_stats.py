@@ -287,11 +287,11 @@ def test_the_process_tree_cpu_counts_a_live_grandchild(
 ) -> None:
     # Workers are grandchildren (through the worker server) and alive while an epoch runs: their
     # CPU counts, whether the tree is found from the threads' children lists or by a scan.
-    from aioloader._stats import _counters
+    from aioloader._stats import _cpu
 
     if walk == "scan of /proc":
-        monkeypatch.setattr(_counters, "_descendants", lambda root: None)
-    elif _counters._descendants(os.getpid()) is None:
+        monkeypatch.setattr(_cpu, "_descendants", lambda root: None)
+    elif _cpu._descendants(os.getpid()) is None:
         pytest.skip("this kernel keeps no children lists (CONFIG_PROC_CHILDREN)")
     spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
     middle = (
@@ -304,7 +304,7 @@ def test_the_process_tree_cpu_counts_a_live_grandchild(
     try:
         assert parent.stdout is not None
         grandchild = int(parent.stdout.readline())
-        own_wait = _counters._run_queue_wait(os.getpid())
+        own_wait = _cpu._run_queue_wait(os.getpid())
         before = process_tree_cpu()
         assert before is not None
         deadline = time.monotonic() + 20
@@ -317,7 +317,7 @@ def test_the_process_tree_cpu_counts_a_live_grandchild(
         assert after[1] - after[0] >= 0.4  # the live grandchild's CPU, not this process's
         assert after[2] >= own_wait  # the run-queue waits of this process's threads, at least
         if walk == "children lists":
-            assert grandchild in (_counters._descendants(os.getpid()) or [])
+            assert grandchild in (_cpu._descendants(os.getpid()) or [])
         with contextlib.suppress(ProcessLookupError):
             os.kill(grandchild, signal.SIGKILL)
     finally:

@@ -10,11 +10,13 @@
                                                   ▼
                                       EpochProgress: one tqdm bar per epoch (_progress)
 
+- ``_cpu``: the CPU time of the process tree and the CPUs it may use, read from ``/proc``.
 - ``_counters``: :class:`Counters` (mutable, bumped on the loop thread only), the frozen
   :class:`LoaderStatistics` and :class:`EpochStatistics` snapshots, and the bottleneck verdict.
 - ``_progress``: ``progress=``, a bar per epoch fed from snapshots (the ``progress`` extra).
 
-This module only re-exports; ``_progress`` reads ``_counters``, never the other way.
+This module only re-exports; ``_progress`` reads ``_counters``, which reads ``_cpu``, never the
+other way.
 """
 
 from __future__ import annotations
