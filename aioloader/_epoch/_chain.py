@@ -10,6 +10,8 @@ user's own, read by duck typing (a sampler says ``batch_size``, ``drop_last`` or
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -116,25 +118,57 @@ def layout_of(batches: object, index: object, dataset: object) -> dict[str, Any]
     }
 
 
-def layout_loaded(
-    batches: object, index: object, dataset: object, state: dict[str, Any]
-) -> dict[str, Any]:
-    """The layout of ``batches`` with sampler state ``state`` loaded into the chain's holder
-    (see :func:`state_holder`), which gets its own state back after, loaded or not. Nothing
-    is copied: a sampler may hold a dataset, a lock, a process group or the loader itself.
+def layout_in_copy(
+    batches: object, index: object, dataset: object, state: dict[str, Any], text: str
+) -> tuple[dict[str, Any] | None, Exception | None]:
+    """The layout of a copy of ``batches`` (the dataset and each sampler's ``dataset`` /
+    ``data_source`` shared, never copied) with sampler state ``state`` loaded into the copy's
+    holder, or the error of that load. The user's samplers are never loaded: a sampler's
+    earlier state_dict() loaded back does not undo a load for many samplers.
 
     Raises:
-        Exception: what the holder's ``load_state_dict`` raises for ``state``.
+        ValueError: the chain (``text``) cannot be copied (the live samplers left untouched).
     """
-    holder = state_holder(batches)
-    if holder is None:
-        return layout_of(batches, index, dataset)
-    prior = holder.state_dict()
+    shared = [dataset] + [
+        getattr(s, name, None) for s in samplers(batches) for name in ("data_source", "dataset")
+    ]
+    memo: dict[int, Any] = {id(obj): obj for obj in shared if obj is not None}
+    try:
+        copied = copy.deepcopy(batches, memo)
+    except Exception as exc:
+        raise ValueError(
+            "the state holds the rest of an epoch saved on other ranks, whose layout is checked "
+            f"in a copy of this loader's samplers ({text}), and they cannot be copied "
+            f"({type(exc).__name__}: {exc}); the live samplers are left untouched. Make the "
+            "sampler copyable (copy.deepcopy), or resume on as many ranks as saved"
+        ) from exc
+    holder = state_holder(copied)
+    assert holder is not None  # (a copy of a chain that has one)
+    try:
+        holder.load_state_dict(copy.deepcopy(state))
+    except Exception as exc:  # raised by the caller, as a ValueError
+        return None, exc
+    return layout_of(copied, memo.get(id(index), index), dataset), None
+
+
+def load_accepted(holder: Any, state: dict[str, Any], text: str) -> dict[str, Any]:
+    """Load an accepted ``state`` into ``holder`` (of the chain ``text``) once; its state
+    before, which it is given back (where it takes it) if the load raises.
+
+    Raises:
+        ValueError: the holder's ``load_state_dict`` raised (the sampler named, the error).
+    """
+    before: dict[str, Any] = holder.state_dict()
     try:
         holder.load_state_dict(state)
-        return layout_of(batches, index, dataset)
-    finally:
-        holder.load_state_dict(prior)
+    except Exception as exc:  # the sampler's own fault: the state is refused
+        with contextlib.suppress(Exception):
+            holder.load_state_dict(before)
+        raise ValueError(
+            f"the state's 'sampler' cannot be loaded into the samplers of this loader ({text}): "
+            f"{type(holder).__name__}.load_state_dict raised {type(exc).__name__}: {exc}"
+        ) from exc
+    return before
 
 
 # torch's samplers that draw from their ``generator``, or torch's global one without it.

@@ -132,9 +132,10 @@ from ._chain import (
     first_int,
     generator_states,
     last_batch,
-    layout_loaded,
+    layout_in_copy,
     layout_of,
     length,
+    load_accepted,
     matching_generators,
     samplers,
     set_generators,
@@ -536,15 +537,15 @@ class EpochBook:
                 positions).
         """
         resume = dict(self.check(state) if check else state)
-        holder = state_holder(self._sampling.batches)
+        batches = self._sampling.batches
+        holder = state_holder(batches)
         if holder is not None and self._before is not None:
             holder.load_state_dict(self._before)  # a later state replaces a pending one whole
         self._before = None
         if holder is not None and resume.get("sampler") is not None:
             # Now, as the epoch's start will again: len(loader) counts the batches of the
             # epoch it resumes (a rollover carry, the rest of an epoch on other ranks).
-            before = holder.state_dict()
-            holder.load_state_dict(resume["sampler"])
+            before = load_accepted(holder, _copied(resume["sampler"]), _chain_text(batches))
             self._before = before
         self._resume = resume
 
@@ -611,21 +612,19 @@ class EpochBook:
         return set(_differ(saved, mine)) <= _ELASTIC
 
     def _tried(self, state: dict[str, Any]) -> tuple[dict[str, Any] | None, Exception | None]:
-        """The layout of this loader's samplers with the state's sampler state loaded (an
-        earlier pending state's undone, where the state has none), or the error of that load;
-        None where nothing would be loaded. The samplers get their own state back after.
-
-        The layout of the epoch the state resumes is of the samplers after that load: the
-        rest of an epoch resumed on other ranks has fewer indices than a whole one, and is
-        resumed again on as many ranks."""
-        batches, saved = self._sampling.batches, state.get("sampler")
-        saved = self._before if saved is None else _copied(saved)
+        """The layout of a copy of this loader's samplers with the state's sampler state
+        loaded, or the error of that load (see :func:`layout_in_copy`); None where the layout
+        does not depend on it: all but the rest of an elastic epoch (a sampler state holding
+        ``"consumed"``, a layout that differs in the elastic fields alone)."""
+        batches, saved, layout = self._sampling.batches, state.get("sampler"), state.get("layout")
         if batches is None or saved is None or state_holder(batches) is None:
             return None, None
-        try:
-            return layout_loaded(batches, self._sampling.sampler, self._dataset, saved), None
-        except Exception as exc:  # raised by the caller, as a ValueError
-            return None, exc
+        differ = set(_differ(layout, self.layout())) if isinstance(layout, dict) else set()
+        if _nested(saved, "consumed") is None or not differ or not differ <= _ELASTIC:
+            return None, None
+        return layout_in_copy(
+            batches, self._sampling.sampler, self._dataset, saved, _chain_text(batches)
+        )
 
     def _rebased(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` (saved on other ranks) as the start of the rest of its epoch here: no
@@ -713,8 +712,9 @@ class EpochBook:
             return
         outside = [i for i in carry if not (is_int(i) and 0 <= int(i) < samples)]
         if outside:
+            kind = "negative indices" if all(is_int(i) and i < 0 for i in outside) else "indices"
             raise ValueError(
-                f"the state's rollover carry holds indices {outside[:8]} outside this loader's "
+                f"the state's rollover carry holds {kind} {outside[:8]} outside this loader's "
                 f"dataset of {samples} samples (0 to {samples - 1}): it was saved over another "
                 "dataset, or edited. Load it into a loader over the same dataset, or load "
                 "{**state, 'sampler': None} between epochs to drop the carry"

@@ -1,0 +1,108 @@
+"""A third review of the resume state's checks: a state is never loaded into the user's live
+samplers for a check that may fail, and once accepted it is loaded into them once."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+
+from aioloader import DataLoader
+
+
+class _Yielded(torch.utils.data.Sampler[int]):
+    """A torchdata-style stateful sampler: its state is how many it yielded, a load sets where
+    the next iter() starts (loading its earlier state back does not undo a load)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.yielded, self.next_yielded = n, 0, None
+        self.loads: list[dict[str, Any]] = []
+
+    def __iter__(self) -> Any:
+        self.yielded = 0
+        if self.next_yielded is not None:
+            self.yielded, self.next_yielded = self.next_yielded, None
+        for i in itertools.islice(range(self.n), self.yielded, None):
+            self.yielded += 1
+            yield i
+
+    def __len__(self) -> int:
+        return self.n
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loads.append(dict(state))
+        self.next_yielded = state["yielded"]
+
+
+def _flat(batches: list[Any]) -> list[int]:
+    return [int(i) for batch in batches for i in batch]
+
+
+def test_a_refused_state_never_touches_the_samplers_and_the_next_epoch_is_whole() -> None:
+    with DataLoader(list(range(10)), batch_size=2, sampler=_Yielded(10)) as other:
+        it = iter(other)
+        next(it)
+        state = other.state_dict()
+        del it
+    sampler = _Yielded(10)
+    with DataLoader(list(range(10)), batch_size=3, sampler=sampler) as loader:
+        assert _flat(list(loader)) == list(range(10))
+        with pytest.raises(ValueError, match="batch_size"):
+            loader.load_state_dict(state)
+        assert sampler.loads == []
+        assert _flat(list(loader)) == list(range(10))
+
+
+class _Picky(torch.utils.data.Sampler[int]):
+    """Its state before the first iter() is one its own load_state_dict refuses."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.start, self.loads = n, 0, 0
+        self.pos: int | None = None
+
+    def __iter__(self) -> Any:
+        pos, self.start = self.start, 0
+        while pos < self.n:
+            pos += 1
+            self.pos = pos
+            yield pos - 1
+
+    def __len__(self) -> int:
+        return self.n
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loads += 1
+        if not isinstance(state["pos"], int):
+            raise TypeError(f"pos must be an int, got {state['pos']!r}")
+        self.start = state["pos"]
+
+
+def test_a_valid_state_is_loaded_once_and_not_refused_by_a_restore() -> None:
+    with DataLoader(list(range(10)), batch_size=3, sampler=_Picky(10)) as saver:
+        list(saver)
+        state = saver.state_dict()  # {"pos": 10}; this loader's samplers are at {"pos": None}
+    sampler = _Picky(10)
+    with DataLoader(list(range(10)), batch_size=3, sampler=sampler) as loader:
+        loader.load_state_dict(state)
+        assert sampler.start == 10
+        list(loader)
+        assert sampler.loads <= 2  # at load, and again at the epoch's start
+
+
+def test_a_state_the_sampler_refuses_at_its_load_names_the_sampler() -> None:
+    with DataLoader(list(range(10)), batch_size=3, sampler=_Picky(10)) as saver:
+        list(saver)
+        state = saver.state_dict()
+    bad = {**state, "sampler": {**state["sampler"], "sampler": {"pos": "x"}}}
+    with DataLoader(list(range(10)), batch_size=3, sampler=_Picky(10)) as loader:
+        with pytest.raises(ValueError, match=r"_Picky.*pos must be an int, got 'x'"):
+            loader.load_state_dict(bad)
+        assert _flat(list(loader)) == list(range(10))
