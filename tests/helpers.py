@@ -383,10 +383,17 @@ def run_spawned_ranks(
         results = []
         for rank, receiver in enumerate(receivers):
             assert receiver.poll(limit_s), f"rank {rank} did not report within {limit_s} s"
-            results.append(receiver.recv())
-        for process in processes:
+            try:
+                results.append(receiver.recv())
+            except EOFError:  # it died before reporting: name it and how it ended
+                processes[rank].join(limit_s)
+                code = processes[rank].exitcode
+                raise AssertionError(
+                    f"rank {rank} exited with code {code} before reporting (see its stderr)"
+                ) from None
+        for rank, process in enumerate(processes):
             process.join(limit_s)
-            assert process.exitcode == 0
+            assert process.exitcode == 0, f"rank {rank} exited with code {process.exitcode}"
         return results
     finally:
         for process in processes:

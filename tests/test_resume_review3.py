@@ -106,3 +106,16 @@ def test_a_state_the_sampler_refuses_at_its_load_names_the_sampler() -> None:
         with pytest.raises(ValueError, match=r"_Picky.*pos must be an int, got 'x'"):
             loader.load_state_dict(bad)
         assert _flat(list(loader)) == list(range(10))
+
+
+def _dies(code: int, sender: Any) -> None:
+    import os
+
+    os._exit(code)
+
+
+def test_a_rank_that_dies_before_reporting_is_named_with_its_exit_code() -> None:
+    from helpers import run_spawned_ranks
+
+    with pytest.raises(AssertionError, match="rank 0 exited with code 3 before reporting"):
+        run_spawned_ranks(_dies, lambda rank: (3,), 1, 60.0)
