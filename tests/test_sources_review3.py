@@ -5,7 +5,12 @@ datasets in sibling folders), and the readers' gate, masking and refusals.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+from helpers import BOUND_S
 
 from aioloader.sources import TarDataset
 from aioloader.sources._redact import same_objects
@@ -79,3 +84,42 @@ def test_the_same_folder_at_another_mount_is_the_same_shards() -> None:
     saved = [f"/data/train/{i}.tar" for i in range(2)]
     assert not refused(saved, [f"/scratch/job-7/train/{i}.tar" for i in range(2)])
     assert not refused(["/data/train/all.tar"], ["/scratch/job-7/train/all.tar"])
+
+
+LEFT_OPEN = """
+import asyncio, gc, sys, weakref
+sys.path.insert(0, {tests!r})
+from test_sources_pool import CountedUnits
+from aioloader.sources._readers import Epoch
+
+class Pool:
+    pass
+
+def once():
+    loop = asyncio.new_event_loop()
+    pool = Pool()
+    units = CountedUnits([200] * 6, 2, 0)
+    epoch = Epoch(units, 0, None, 2, 2, pool).samples()  # readers ahead wait at the gate
+    loop.run_until_complete(anext(epoch))
+    loop.run_until_complete(asyncio.sleep(0.01))
+    refs = weakref.ref(loop), weakref.ref(pool), weakref.ref(units)
+    loop.close()  # no shutdown_asyncgens: the epoch is left open
+    return refs
+
+refs = [once() for _ in range(2)]
+for _ in range(3):
+    gc.collect()
+print("ALIVE", sum(ref() is not None for group in refs for ref in group))
+"""
+
+
+def test_an_epoch_left_open_on_a_closed_loop_frees_the_loop_and_the_source() -> None:
+    tests = str(Path(__file__).parent)
+    run = subprocess.run(
+        [sys.executable, "-c", LEFT_OPEN.format(tests=tests)],
+        capture_output=True,
+        text=True,
+        timeout=BOUND_S,
+        check=False,
+    )
+    assert "ALIVE 0" in run.stdout, run.stdout + run.stderr[-2000:]

@@ -333,11 +333,12 @@ class _Gate:
 #: next; a loader's, through its own close) before it is refused.
 JOIN_TURNS = 200
 
-#: The gates of the pools epochs are open over: per event loop, per pool (its owner's id; an
-#: entry lives while an epoch over it is open, which keeps its owner alive).
-_GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[int, _Gate]] = (
-    weakref.WeakKeyDictionary()
-)
+#: The gates of the pools epochs are open over, per (event loop, pool) by their ids. Held
+#: weakly: each open epoch holds its gate, so an entry lives while an epoch over it is open
+#: (which keeps the loop and the pool alive: their ids stay theirs). Never the loop as a weak
+#: key: a waiting ticket's future holds its loop, so a gate left with a loop closed unclosed
+#: (no shutdown_asyncgens) would keep its own key, the loop, the epoch and the source alive.
+_GATES: weakref.WeakValueDictionary[tuple[int, int], _Gate] = weakref.WeakValueDictionary()
 
 
 def _gate_for(pool: object | None, connections: int | None) -> _Gate:
@@ -345,10 +346,10 @@ def _gate_for(pool: object | None, connections: int | None) -> _Gate:
     ``connections`` is None: nothing to share, or no bound)."""
     if pool is None or connections is None:
         return _Gate(connections)
-    gates = _GATES.setdefault(asyncio.get_running_loop(), {})
-    gate = gates.get(id(pool))
+    key = (id(asyncio.get_running_loop()), id(pool))
+    gate = _GATES.get(key)
     if gate is None:
-        gate = gates[id(pool)] = _Gate(connections)
+        gate = _GATES[key] = _Gate(connections)
     return gate
 
 
@@ -357,9 +358,9 @@ def _left(pool: object | None, gate: _Gate) -> None:
     if pool is None or not gate.idle:
         return
     with contextlib.suppress(RuntimeError):  # no running loop: nothing registered
-        gates = _GATES.get(asyncio.get_running_loop(), {})
-        if gates.get(id(pool)) is gate:
-            del gates[id(pool)]
+        key = (id(asyncio.get_running_loop()), id(pool))
+        if _GATES.get(key) is gate:
+            del _GATES[key]
 
 
 class Epoch:
