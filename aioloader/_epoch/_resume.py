@@ -44,7 +44,7 @@ rebased (:meth:`EpochBook.check`): no batch taken yet, the sampler holding those
 that its ``iter()`` shares out the rest of the order over the new ranks. The next epochs are
 those of an uninterrupted run on the new ranks. A state saved in such a rest holds the
 positions in its sampler state; the layout it is checked against is the samplers' with that
-state loaded (tried, then undone), so it resumes on as many ranks by batch ids, and on
+state loaded (into a copy), so it resumes on as many ranks by batch ids, and on
 others again.
 
 A state is a rank's own where the ranks' differ (:meth:`EpochBook._own_rank`): batch ids taken
@@ -78,16 +78,17 @@ id means the same samples only under the same settings: every state records them
 (``"layout"``: shuffle, the samplers, batch size, last batch, lengths, world size) and a
 mid-epoch one is refused by a loader whose settings differ, naming each setting and both
 values (a state between epochs goes into any loader whose samplers read its sampler state:
-nothing of it was taken). The sampler state is tried in the samplers there too (a carry or
-positions they refuse, a carry outside the dataset: refused then, not at the first batch),
-their own state given back after (nothing is copied: a sampler may hold a dataset, a lock, the
-loader); once accepted it is loaded (``len(loader)`` counts the epoch it resumes), and a later
-state loaded before the epoch starts gives them back their own first (one replaces the other
-whole). A state saved by the previous release for a stateless batch sampler (torch's) around a
-stateful sampler holds no sampler state (that release saved none there): it resumes as then.
-Settings recorded later in format 1 (``"replacement"``) are compared only where the saved
-layout has them, so a state saved before loads as it did. Every field is
-checked for its type and range (``done`` holds distinct batch ids of the epoch; the seed of
+nothing of it was taken). The sampler state is never loaded into the user's samplers for a
+check that may fail (a state_dict() loaded back does not undo a load for many samplers): a
+carry outside the dataset is refused from the state's data, and only the rest of an elastic
+epoch is tried, in a copy (the datasets shared); once accepted it is loaded once (a load that
+raises refuses the state, naming the sampler; ``len(loader)`` counts the epoch it resumes),
+and a later state loaded before the epoch starts gives them back their own first (one
+replaces the other whole). A state saved by the previous release for a stateless batch
+sampler (torch's) around a stateful sampler holds no sampler state (that release saved none
+there): it resumes as then. Settings recorded later in format 1 (``"replacement"``) are
+compared only where the saved layout has them, so a state saved before loads as it did. Every
+field is checked for its type and range (``done`` holds distinct batch ids of the epoch; the seed of
 the shuffle the loader made is the state's ``seed``). States without a version (format 0,
 before the layout was recorded) migrate explicitly (:func:`_migrated`) when saved between
 epochs; one saved mid-epoch is refused, with the two ways on: replay the epoch, or vouch for
