@@ -13,7 +13,7 @@ import pytest
 from helpers import BOUND_S
 
 from aioloader.sources import TarDataset
-from aioloader.sources._redact import same_objects
+from aioloader.sources._redact import redact, same_objects
 
 
 def refused(saved: list[str], other: list[str]) -> bool:
@@ -123,3 +123,18 @@ def test_an_epoch_left_open_on_a_closed_loop_frees_the_loop_and_the_source() -> 
         check=False,
     )
     assert "ALIVE 0" in run.stdout, run.stdout + run.stderr[-2000:]
+
+
+def test_the_loose_password_rule_stops_at_the_next_scheme() -> None:
+    # The token of a loose password ends at the next "://" (what keeps the rule linear on a
+    # text of many "a://b:": it once scanned the rest of the text from each of them).
+    assert redact("a://b:c/d,e://f@g") == "a://b:c/d,e://REDACTED@g"
+    crafted = "@ " + "a://b:" * 4000
+    assert redact(crafted) == crafted
+    assert redact("https://u:p/ss@host/x.tar") == "https://u:REDACTED@host/x.tar"
+
+
+def test_an_ipv6_host_with_a_port_is_no_password() -> None:
+    text = "GET http://[::1]:8080/files/a@2x.tar failed"
+    assert redact(text) == text
+    assert redact("http://u:pw@[::1]:8080/x") == "http://u:REDACTED@[::1]:8080/x"

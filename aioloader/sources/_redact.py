@@ -108,7 +108,13 @@ _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)([^\s/?#'\"<>]*)@")
 # reads as meant): a colon after the user name followed by what is no port (digits up to "/",
 # "?", "#"), up to the last "@" of the token. Errs on masking: the "@" of a path after a bad
 # port is taken for the end of a password.
-_LOOSE_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)([^\s/?#@:'\"<>]*):([^\s'\"<>]*)@")
+# Linear: a scheme starts where no scheme character stands before it, and the token stops at
+# the next "://" (else each "a://b:" of a long text scanned the rest of it: quadratic). An
+# authority starting with "[" is an IPv6 host, whose colons are no password's.
+_LOOSE_USERINFO = re.compile(
+    r"(?<![A-Za-z0-9+.\-])([A-Za-z][A-Za-z0-9+.\-]*://)([^\s/?#@:\['\"<>]*)"
+    r":((?:(?!://)[^\s'\"<>])*)@"
+)
 _PORT_END = re.compile(r"[/?#]")
 # ?name=value or &name=value (";" too, and "#": tokens travel in fragments): the value ends at
 # "&", "#", ";", a space or a quote.
