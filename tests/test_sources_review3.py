@@ -138,3 +138,10 @@ def test_an_ipv6_host_with_a_port_is_no_password() -> None:
     text = "GET http://[::1]:8080/files/a@2x.tar failed"
     assert redact(text) == text
     assert redact("http://u:pw@[::1]:8080/x") == "http://u:REDACTED@[::1]:8080/x"
+
+
+def test_the_refusal_names_where_shard_list_sits_in_a_loaders_state() -> None:
+    saved = [f"/data/train/{i}.tar" for i in range(2)]
+    state = TarDataset(saved, shards_in_flight=1).state_dict()
+    with pytest.raises(ValueError, match=r'state\["streams"\]\["states"\]\[i\]\["shard_list"\]'):
+        TarDataset(saved[::-1], shards_in_flight=1).load_state_dict(state)

@@ -446,7 +446,8 @@ def _check_catalog(owner: str, state: Mapping[str, Any], catalog: _Catalog) -> N
             "the files the state was saved from (compared by their names below the directory "
             "they share, less credentials and expiry parameters); to resume over files "
             'renamed on purpose, set the state\'s "catalog" to None (then only the counts '
-            "are checked)"
+            'are checked; in a DataLoader\'s state it is '
+            'state["streams"]["states"][i]["catalog"], i the stream\'s place)'
         )
 
 

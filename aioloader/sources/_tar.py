@@ -415,7 +415,9 @@ class TarDataset(UnitStream):
                 "lost. Resume with the shard list the state was saved with (shards are "
                 "compared by their names below the directory they share, less credentials "
                 "and expiry parameters); to resume over shards renamed on purpose, set the "
-                'state\'s "shard_list" to None (then only their number is checked)'
+                'state\'s "shard_list" to None (then only their number is checked; in a '
+                'DataLoader\'s state it is state["streams"]["states"][i]["shard_list"], i '
+                "the stream's place)"
             )
         self._resume_from(state)
 
