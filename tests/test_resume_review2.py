@@ -263,16 +263,21 @@ def test_the_rank_refusal_gives_a_way_on_from_that_state_alone() -> None:
             assert sorted(flat(list(other))) == sorted(flat(whole))  # the epoch replayed
 
 
-def test_a_rank_state_in_a_loader_that_is_never_sharded_is_refused_at_its_epoch() -> None:
+def test_a_rank_state_in_a_loader_no_group_will_shard_is_refused_at_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No launcher's WORLD_SIZE > 1: no group may come, so the check is not deferred (it was,
+    # and every iter() then raised, epoch after epoch).
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     with _rollover(1) as saver:
         list(saver)
         state = saver.state_dict()
     assert state["rank"] == 1
     unsharded = DataLoader(Range(22), batch_size=4, last_batch="rollover", shuffle=True, seed=0)
     with unsharded as loader:
-        loader.load_state_dict(state)  # no process group yet: checked once one is seen
         with pytest.raises(ValueError, match="this loader is not sharded"):
-            list(loader)
+            loader.load_state_dict(state)
+        assert len(as_lists(list(loader))) == 5  # a fresh epoch: no carry adopted
 
 
 def _loopback() -> str:
@@ -289,6 +294,7 @@ def _rank_state_before_group(rank: int, stores: list[str], interface: str, conn:
 
     try:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
+        os.environ["WORLD_SIZE"] = "2"  # as a launcher sets it: a group may still come
         import torch.distributed as dist
 
         def make() -> DataLoader:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import os
 import weakref
 from collections.abc import Callable
 from multiprocessing.context import BaseContext
@@ -708,7 +709,10 @@ class DataLoader(SettingsView):
             state = {key: value for key, value in state.items() if key != "equal_steps"}
             carried = self._carried_from(carried)
         seed = self.seed if self._seed_given else None
-        unseen = self._group_unseen and process_group() is None  # a rank's own: checked then
+        # A rank's own state is checked once the group comes, where one may (a launcher's
+        # WORLD_SIZE > 1); a loader that no group will shard checks it now.
+        launched = os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1")
+        unseen = self._group_unseen and launched and process_group() is None
         checked = self._book.check(
             state, readers=self._config.stream_readers, seed=seed, group_unseen=unseen
         )
