@@ -5,9 +5,13 @@ datasets in sibling folders), and the readers' gate, masking and refusals.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 from helpers import BOUND_S
@@ -145,3 +149,35 @@ def test_the_refusal_names_where_shard_list_sits_in_a_loaders_state() -> None:
     state = TarDataset(saved, shards_in_flight=1).state_dict()
     with pytest.raises(ValueError, match=r'state\["streams"\]\["states"\]\[i\]\["shard_list"\]'):
         TarDataset(saved[::-1], shards_in_flight=1).load_state_dict(state)
+
+
+async def test_an_epoch_waiting_for_one_whose_close_hangs_is_refused_in_bounded_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from test_sources_pool import CountedUnits
+
+    from aioloader.sources import _readers
+
+    class HungClose(CountedUnits):  # type: ignore[misc]
+        async def records(self, unit: Any) -> AsyncIterator[Any]:
+            try:
+                async for record in super().records(unit):
+                    yield record
+            finally:
+                await asyncio.Event().wait()  # a stream's close that never returns
+
+    monkeypatch.setattr(_readers, "CLOSING_WAIT_S", 0.0)  # the bound, jumped over
+    pool = object()
+    first = _readers.Epoch(HungClose([50] * 4, 2, 0), 0, None, 2, 2, pool).samples()
+    await anext(first)
+    closer = asyncio.create_task(cast(Any, first).aclose())
+    await asyncio.sleep(0)
+    second = _readers.Epoch(CountedUnits([50] * 4, 2, 0), 0, None, 2, 2, pool).samples()
+    try:
+        async with asyncio.timeout(BOUND_S):
+            with pytest.raises(RuntimeError, match="began to close"):
+                await anext(second)
+    finally:
+        closer.cancel()
+        with contextlib.suppress(BaseException):
+            await closer

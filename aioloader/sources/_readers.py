@@ -195,7 +195,11 @@ class _Gate:
             while not self._fits(slots):
                 if self._closing:
                     self._changed.clear()
-                    await self._changed.wait()  # a closing epoch ends: its readers stop
+                    try:  # a closing epoch ends: its readers stop (bounded: a hung close)
+                        async with asyncio.timeout(CLOSING_WAIT_S):
+                            await self._changed.wait()
+                    except TimeoutError:
+                        self._refuse(slots, owner, setting, closing=True)
                 elif turns < JOIN_TURNS:
                     turns += 1
                     await asyncio.sleep(0)
@@ -210,8 +214,14 @@ class _Gate:
     def _fits(self, slots: int) -> bool:
         return self.connections is None or self.slots + slots <= self.connections
 
-    def _refuse(self, slots: int, owner: str, setting: str) -> NoReturn:
+    def _refuse(self, slots: int, owner: str, setting: str, closing: bool = False) -> NoReturn:
         others = len(self._epochs)
+        if closing:
+            owner = (
+                f"{owner}: {len(self._closing)} epoch(s) over this source began to close "
+                f"{CLOSING_WAIT_S:g} s ago and have not ended (a shard stream whose close "
+                "hangs)"
+            )
         raise RuntimeError(
             f"{owner}: {others} other epoch(s) over this source are open on this event "
             f"loop and keep {self.slots} of its {setting}={self.connections} connections "
@@ -327,6 +337,11 @@ class _Gate:
                 assert ticket.future is not None
                 ticket.future.set_result(None)
 
+
+#: Seconds an epoch that does not fit waits for one closing (and an epoch's close for its
+#: readers' cancellation) before it is refused: bounds a shard stream whose close hangs;
+#: longer than any close that is only slow.
+CLOSING_WAIT_S = 30.0
 
 #: Turns of the event loop an epoch that does not fit beside the others open waits for one
 #: of them to begin closing (an iteration dropped unclosed is closed by a task the loop runs
@@ -534,7 +549,7 @@ class Epoch:
         for reader in readers:
             reader.task.cancel()
         if readers:
-            await asyncio.wait([reader.task for reader in readers])
+            await asyncio.wait([reader.task for reader in readers], timeout=CLOSING_WAIT_S)
         for reader in readers:
             reader.forget()
         self._held.clear()
