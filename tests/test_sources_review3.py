@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any, cast
 
@@ -158,8 +158,8 @@ async def test_an_epoch_waiting_for_one_whose_close_hangs_is_refused_in_bounded_
 
     from aioloader.sources import _readers
 
-    class HungClose(CountedUnits):  # type: ignore[misc]
-        async def records(self, unit: Any) -> AsyncIterator[Any]:
+    class HungClose(CountedUnits):
+        async def records(self, unit: int) -> AsyncGenerator[tuple[int, int], None]:
             try:
                 async for record in super().records(unit):
                     yield record
