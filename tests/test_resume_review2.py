@@ -25,7 +25,7 @@ import torch.utils.data as tud
 from datasets import Range
 from helpers import as_lists, first_and_state, flat, run_spawned_ranks
 
-from aioloader import DataLoader, DistributedSampler
+from aioloader import BatchSampler, DataLoader, DistributedSampler, RandomSampler
 from aioloader.distributed import merge_states
 
 # The full leak check of RELIABILITY.md (conftest.baseline) after every test here.
@@ -257,10 +257,43 @@ def test_the_rank_refusal_gives_a_way_on_from_that_state_alone() -> None:
         with make(1) as other:
             with pytest.raises(ValueError, match="rank 0's of 2 ranks") as info:
                 other.load_state_dict(state)
-            way = "{**state, 'rank': None, 'done': [], 'sampler': None}"
+            way = (
+                "{**state, 'rank': None, 'done': [], 'sampler': {**state['sampler'], 'carry': []}}"
+            )
             assert way in str(info.value)
-            other.load_state_dict({**state, "rank": None, "done": [], "sampler": None})
+            other.load_state_dict(
+                {**state, "rank": None, "done": [], "sampler": {**state["sampler"], "carry": []}}
+            )
             assert sorted(flat(list(other))) == sorted(flat(whole))  # the epoch replayed
+
+
+def test_the_rank_way_on_replays_a_shuffled_samplers_own_epoch_in_order() -> None:
+    # Dropping the sampler state dropped its seed and epoch: epoch 0's order came back.
+    def make() -> DataLoader:
+        return DataLoader(
+            Range(10), batch_sampler=BatchSampler(RandomSampler(Range(10), seed=1), 3, "rollover")
+        )
+
+    with make() as saver:
+        epochs = [flat(list(saver)) for _ in range(3)]
+    with make() as saver:
+        list(saver)
+        list(saver)
+        state = dict(saver.state_dict())
+    state["rank"] = 1
+    state["layout"] = dict(state["layout"], replicas=2)
+    carry = state["sampler"]["carry"]
+    assert state["epoch"] == 2
+    assert carry
+    assert epochs[2] != epochs[0]
+    with make() as other:
+        with pytest.raises(ValueError, match="rank 1's of 2 ranks"):
+            other.load_state_dict(state)
+        other.load_state_dict(
+            {**state, "rank": None, "done": [], "sampler": {**state["sampler"], "carry": []}}
+        )
+        got = flat(list(other))
+    assert got == epochs[2][len(carry) : len(carry) + len(got)]  # epoch 2, in its order
 
 
 def test_a_rank_state_in_a_loader_no_group_will_shard_is_refused_at_load(

@@ -696,14 +696,14 @@ class EpochBook:
             "rank's tail of its own share"
         )
         here = "is not sharded" if mine is None else f"reads rank {mine}'s share of {my_replicas}"
+        keep = "{**state['sampler'], 'carry': []}" if state.get("sampler") else "None"
         raise ValueError(
             f"the state is rank {saved}'s of {replicas} ranks, and this loader {here}: {why}, "
             "so it resumes that rank only. Load each rank its own loader.state_dict() on as "
-            "many ranks. To go on here from this state alone, replay epoch "
-            f"{state['epoch']} from its start without what was the rank's own (its rollover "
-            "carry is then not handed): load {**state, 'rank': None, 'done': [], 'sampler': "
-            "None}; later, save between epochs with in_order=True and last_batch 'keep' or "
-            "'discard' to resume on other ranks"
+            f"many ranks. To go on here from this state alone, replay epoch {state['epoch']} "
+            "from its start without the rank's rollover carry, keeping its sampler's seed and "
+            f"epoch: load {{**state, 'rank': None, 'done': [], 'sampler': {keep}}}; later, save "
+            "between epochs with in_order=True, last_batch 'keep' or 'discard' for other ranks"
         )
 
     def _check_carry(self, state: dict[str, Any]) -> None:
