@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import as_lists
 
-from aioloader import DataLoader
+from aioloader import DataLoader, DistributedSampler
 
 
 class _Yielded(torch.utils.data.Sampler[int]):
@@ -119,3 +120,60 @@ def test_a_rank_that_dies_before_reporting_is_named_with_its_exit_code() -> None
 
     with pytest.raises(AssertionError, match="rank 0 exited with code 3 before reporting"):
         run_spawned_ranks(_dies, lambda rank: (3,), 1, 60.0)
+
+
+def _rank_state() -> dict[str, Any]:
+    """Rank 1's state between epochs, holding its rollover carry (a rank's own), seed 0."""
+    sampler = DistributedSampler(22, 2, 1, shuffle=False)  # 11 a rank: 3 carried
+    with DataLoader(list(range(22)), batch_size=4, last_batch="rollover", seed=0,
+                    sampler=sampler) as saver:  # fmt: skip
+        list(saver)
+        state = saver.state_dict()
+    assert state["rank"] == 1
+    assert state["seed"] == 0
+    return state
+
+
+def _unsharded(seed: int | None = None) -> DataLoader:
+    return DataLoader(list(range(22)), batch_size=4, last_batch="rollover", shuffle=True,
+                      seed=seed)  # fmt: skip
+
+
+def test_a_rank_state_refused_at_the_first_epoch_is_dropped_with_its_seed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A launcher's WORLD_SIZE > 1 and no group yet: the check waits for the group, and none
+    # came. The first iter() refuses the state; the next runs the loader's own first epoch
+    # (it raised again, epoch after epoch, the state's seed and carry adopted).
+    state = _rank_state()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with _unsharded() as loader:
+        own = loader.seed
+        assert own != 0
+        loader.load_state_dict(state)  # deferred: a group may still come
+        assert loader.seed == 0
+        with pytest.raises(ValueError, match=r"this loader is not sharded.*the state is dropped"):
+            list(loader)
+        assert loader.seed == own
+        assert len(loader) == 5  # no carry of the state's: 22 samples, 5 batches, 2 carried
+        got = as_lists(list(loader))
+        assert loader.state_dict()["epoch"] == 1
+    with _unsharded(own) as reference:
+        assert got == as_lists(list(reference))
+
+
+def test_a_rank_state_is_checked_at_load_where_torch_distributed_is_unavailable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No torch.distributed in this build: no group will ever come, so nothing waits for one.
+    import torch.distributed as dist
+
+    state = _rank_state()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "is_available", lambda: False)
+    with _unsharded() as loader:
+        own = loader.seed
+        with pytest.raises(ValueError, match="this loader is not sharded"):
+            loader.load_state_dict(state)
+        assert loader.seed == own
+        assert len(as_lists(list(loader))) == 5

@@ -223,3 +223,45 @@ def matching_generators(batches: object, states: list[Any]) -> list[Any]:
 def set_generators(batches: object, states: list[Any]) -> None:
     for generator, state in zip(matching_generators(batches, states), states, strict=True):
         generator.set_state(state)
+
+
+def sampler_keys(state: object) -> object:
+    """The shape of a sampler state: its keys, nested; None for anything else. A
+    DistributedSampler's ``consumed`` (the rest of an epoch resumed on other ranks) is left
+    out: present or not, the same samplers read it."""
+    if isinstance(state, dict):
+        return {key: sampler_keys(value) for key, value in state.items() if key != "consumed"}
+    return None
+
+
+def index_state(state: object) -> dict[str, Any] | None:
+    """The index sampler's state inside a (batch) sampler state: the first level with a
+    ``seed`` and an ``epoch``."""
+    for _ in range(DEPTH):
+        if not isinstance(state, dict):
+            return None
+        if "seed" in state and "epoch" in state:
+            return state
+        state = state.get("sampler", state.get("batch_sampler"))
+    return None
+
+
+def keys_within(saved: object, mine: object) -> bool:
+    """Whether sampler state keys ``saved`` are all read by samplers that save ``mine``."""
+    if saved is None:
+        return True
+    if not isinstance(saved, dict) or not isinstance(mine, dict):
+        return saved == mine
+    return all(key in mine and keys_within(value, mine[key]) for key, value in saved.items())
+
+
+def nested(state: object, key: str) -> Any:
+    """``key`` of the first level of a (batch) sampler state that has it, looking through the
+    states of the samplers it wraps (``"sampler"`` / ``"batch_sampler"``)."""
+    for _ in range(DEPTH):
+        if not isinstance(state, dict):
+            return None
+        if key in state:
+            return state[key]
+        state = state.get("sampler", state.get("batch_sampler"))
+    return None

@@ -126,18 +126,21 @@ from .._validate import (
 )
 from ..sources import merge_stream_states
 from ._chain import (
-    DEPTH,
     GLOBAL_RANDOM,
     LAYOUT,
     epoch_setter,
     first_int,
     generator_states,
+    index_state,
+    keys_within,
     last_batch,
     layout_in_copy,
     layout_of,
     length,
     load_accepted,
     matching_generators,
+    nested,
+    sampler_keys,
     samplers,
     set_generators,
     state_holder,
@@ -229,15 +232,13 @@ class EpochBook:
             ValueError: the pending state does not fit the new samplers (it is dropped: the
                 next epoch is a whole one, as after any refusal).
         """
-        holder = state_holder(self._sampling.batches)
-        if holder is not None and self._before is not None:
-            holder.load_state_dict(self._before)  # the samplers replaced, as they were
-        self._sampling, self._before = sampling, None
+        pending = self._resume
+        self._drop_pending()  # the samplers replaced, as they were
+        self._sampling = sampling
         set_epoch = epoch_setter(sampling.batches)
         if set_epoch is not None and sampling.built:
             set_epoch(self.next_epoch)
             self._took_sampler_epoch()
-        pending, self._resume = self._resume, None
         if pending is None:
             return
         try:
@@ -250,6 +251,18 @@ class EpochBook:
                 f"fit it: {exc} (the state is dropped: load it after init_process_group, or "
                 "call len(loader) once the group exists and then load it)"
             ) from exc
+
+    @property
+    def pending(self) -> bool:
+        """A state is loaded and its epoch not begun."""
+        return self._resume is not None
+
+    def _drop_pending(self) -> None:
+        """Drop the pending state, giving the samplers back their own state from before it."""
+        holder = state_holder(self._sampling.batches)
+        if holder is not None and self._before is not None:
+            holder.load_state_dict(self._before)
+        self._resume = self._before = None
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next epoch ``epoch``; a user's sampler is told too, at its start.
@@ -283,7 +296,11 @@ class EpochBook:
         """
         resume = self._resume  # cleared once its sampler state is loaded (it was checked)
         if resume is not None and self._rank() is None:  # no group came: checked now
-            self._check_rank(resume)
+            try:
+                self._check_rank(resume)
+            except ValueError as exc:  # dropped whole: the next iter() runs a whole epoch
+                self._drop_pending()
+                raise ValueError(f"{exc} (the state is dropped, its seed too)") from exc
         if resume is not None:
             epoch = int(resume["epoch"])
             done = {int(i) for i in resume["done"]}
@@ -470,7 +487,7 @@ class EpochBook:
         replicas, rank = first_int(chain, "num_replicas"), first_int(chain, "rank")
         if replicas is None or replicas < 2 or rank is None:
             return None
-        carry = _nested(sampler_state, "carry")
+        carry = nested(sampler_state, "carry")
         if (taken and not self._in_order) or (isinstance(carry, list | tuple) and carry):
             return rank
         return None
@@ -482,7 +499,7 @@ class EpochBook:
         taken out of order on several ranks)."""
         sampler: object = self._sampling.sampler
         batches = self._sampling.batches
-        inner = _index_state(self._sampler_state)
+        inner = index_state(self._sampler_state)
         size = getattr(batches, "batch_size", None)
         plain = getattr(batches, "sampler", None) is sampler
         plain = plain and last_batch([batches]) in ("keep", "discard")
@@ -540,9 +557,7 @@ class EpochBook:
         resume = dict(self.check(state) if check else state)
         batches = self._sampling.batches
         holder = state_holder(batches)
-        if holder is not None and self._before is not None:
-            holder.load_state_dict(self._before)  # a later state replaces a pending one whole
-        self._before = None
+        self._drop_pending()  # a later state replaces a pending one whole
         if holder is not None and resume.get("sampler") is not None:
             # Now, as the epoch's start will again: len(loader) counts the batches of the
             # epoch it resumes (a rollover carry, the rest of an epoch on other ranks).
@@ -621,7 +636,7 @@ class EpochBook:
         if batches is None or saved is None or state_holder(batches) is None:
             return None, None
         differ = set(_differ(layout, self.layout())) if isinstance(layout, dict) else set()
-        if _nested(saved, "consumed") is None or not differ or not differ <= _ELASTIC:
+        if nested(saved, "consumed") is None or not differ or not differ <= _ELASTIC:
             return None, None
         return layout_in_copy(
             batches, self._sampling.sampler, self._dataset, saved, _chain_text(batches)
@@ -632,7 +647,7 @@ class EpochBook:
         batch taken yet, its sampler state holding the positions read (see
         :class:`~aioloader.DistributedSampler`)."""
         sampler = _copied(state.get("sampler"))
-        inner = _index_state(sampler)
+        inner = index_state(sampler)
         if inner is None:
             raise ValueError(
                 "the state was saved on another number of ranks, but holds no state of its "
@@ -691,7 +706,7 @@ class EpochBook:
             return
         why = (
             "its batches were taken out of order (in_order=False), each rank's as they came"
-            if state["done"] and _nested(state.get("sampler"), "carry") in (None, [], ())
+            if state["done"] and nested(state.get("sampler"), "carry") in (None, [], ())
             else "it holds the samples its rollover carried (last_batch='rollover'), each "
             "rank's tail of its own share"
         )
@@ -708,7 +723,7 @@ class EpochBook:
 
     def _check_carry(self, state: dict[str, Any]) -> None:
         """Refuse a rollover carry holding indices this loader's dataset does not have."""
-        carry, samples = _nested(state.get("sampler"), "carry"), length(self._dataset)
+        carry, samples = nested(state.get("sampler"), "carry"), length(self._dataset)
         if not isinstance(carry, list | tuple) or samples is None:
             return
         outside = [i for i in carry if not (is_int(i) and 0 <= int(i) < samples)]
@@ -726,8 +741,11 @@ class EpochBook:
         seed), here rather than at the epoch's ``iter()``. Mid-epoch (``exact``) its keys must
         be those this loader's samplers save, or its order is not the one the batches were
         taken in; between epochs they must be keys these samplers read."""
-        saved, mine = _keys(state.get("sampler")), _keys(state_of(self._sampling.batches))
-        if saved == mine or (not exact and _within(saved, mine)):
+        saved, mine = (
+            sampler_keys(state.get("sampler")),
+            sampler_keys(state_of(self._sampling.batches)),
+        )
+        if saved == mine or (not exact and keys_within(saved, mine)):
             return
         if saved is None and not isinstance(self._sampling.batches, Stateful):
             return  # saved before a sampler inside a stateless batch sampler was: resumed as then
@@ -757,7 +775,7 @@ class EpochBook:
             return  # its order is the generator's state, which the state carries instead
         if layout.get("sampler") != "RandomSampler" or layout.get("generator") is not False:
             return  # saved by another sampler: its seed is not the loader's (between epochs)
-        seed = _nested(state.get("sampler"), "seed")
+        seed = nested(state.get("sampler"), "seed")
         if seed is not None and seed != state["seed"]:
             raise ValueError(
                 f"the state's sampler seed is {seed!r} and its 'seed' is {state['seed']!r}: "
@@ -1107,53 +1125,11 @@ def _chain_text(batches: object) -> str:
     return " of ".join(type(s).__name__ for s in samplers(batches)) or "none"
 
 
-def _keys(state: object) -> object:
-    """The shape of a sampler state: its keys, nested; None for anything else. A
-    DistributedSampler's ``consumed`` (the rest of an epoch resumed on other ranks) is left
-    out: present or not, the same samplers read it."""
-    if isinstance(state, dict):
-        return {key: _keys(value) for key, value in state.items() if key != "consumed"}
-    return None
-
-
-def _index_state(state: object) -> dict[str, Any] | None:
-    """The index sampler's state inside a (batch) sampler state: the first level with a
-    ``seed`` and an ``epoch``."""
-    for _ in range(DEPTH):
-        if not isinstance(state, dict):
-            return None
-        if "seed" in state and "epoch" in state:
-            return state
-        state = state.get("sampler", state.get("batch_sampler"))
-    return None
-
-
 def _copied(state: object) -> Any:
     """A copy of a state's nested dicts (the caller's state is never changed)."""
     if isinstance(state, dict):
         return {key: _copied(value) for key, value in state.items()}
     return state
-
-
-def _within(saved: object, mine: object) -> bool:
-    """Whether sampler state keys ``saved`` are all read by samplers that save ``mine``."""
-    if saved is None:
-        return True
-    if not isinstance(saved, dict) or not isinstance(mine, dict):
-        return saved == mine
-    return all(key in mine and _within(value, mine[key]) for key, value in saved.items())
-
-
-def _nested(state: object, key: str) -> Any:
-    """``key`` of the first level of a (batch) sampler state that has it, looking through the
-    states of the samplers it wraps (``"sampler"`` / ``"batch_sampler"``)."""
-    for _ in range(DEPTH):
-        if not isinstance(state, dict):
-            return None
-        if key in state:
-            return state[key]
-        state = state.get("sampler", state.get("batch_sampler"))
-    return None
 
 
 def _same(one: object, other: object) -> bool:

@@ -317,6 +317,7 @@ class DataLoader(SettingsView):
         # Built before init_process_group (Lightning and accelerate make the group after the
         # script made the loader): the share is decided later (_shard_if_group_appeared).
         self._group_unseen = shard is None and process_group() is None
+        self._own_seed: int | None = None  # before a pending state's was adopted (_seed_back)
         self._context: BaseContext | None = None
         if config.collate_fn in (default_collate, default_convert):
             import torch  # noqa: F401  # tensors ahead: before workers fork, not once in each
@@ -429,7 +430,11 @@ class DataLoader(SettingsView):
             self._finalizer.detach()
             self._finalizer = self._watch()
         # Last: a state loaded before the group is checked again, and may be refused.
-        self._book.replace_sampling(self._sampling)
+        try:
+            self._book.replace_sampling(self._sampling)
+        except ValueError:
+            self._seed_back()
+            raise
 
     def __len__(self) -> int:
         self._shard_if_group_appeared()
@@ -488,7 +493,12 @@ class DataLoader(SettingsView):
             if previous.plan is not None:
                 previous.plan.freeze()
             self._res.others.add(previous)
-        epoch, done = self._book.begin(alone)
+        try:
+            epoch, done = self._book.begin(alone)
+        except ValueError:
+            self._seed_back()  # a state checked only now and refused: dropped whole
+            raise
+        self._own_seed = None  # the state is the epoch's now
         self._res.renew(self._config, self.dataset, epoch, alone=alone)
         self._counters.epoch = epoch
         self._counters.epoch_batches_yielded = 0
@@ -709,17 +719,22 @@ class DataLoader(SettingsView):
             state = {key: value for key, value in state.items() if key != "equal_steps"}
             carried = self._carried_from(carried)
         seed = self.seed if self._seed_given else None
+        if not self._book.pending or self._own_seed is None:
+            self._own_seed = self.seed  # given back if the state is dropped (_seed_back)
         # A rank's own state is checked once the group comes, where one may (a launcher's
-        # WORLD_SIZE > 1); a loader that no group will shard checks it now.
-        launched = os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1")
-        unseen = self._group_unseen and launched and process_group() is None
+        # WORLD_SIZE > 1, torch.distributed available); one no group will shard checks it now.
+        unseen = self._group_unseen and _group_may_come() and process_group() is None
         checked = self._book.check(
             state, readers=self._config.stream_readers, seed=seed, group_unseen=unseen
         )
         saved = checked["seed"]
         if saved != self.seed:
             self._adopt_seed(to_int("seed", saved))  # (a given seed was compared by check)
-        self._book.load(checked, check=False)  # the sampler takes its state: len() counts it
+        try:
+            self._book.load(checked, check=False)  # the sampler takes its state: len() counts it
+        except ValueError:
+            self._seed_back()
+            raise
         if carried is not None and self._lockstep is not None:
             self._lockstep.carried = carried
 
@@ -769,6 +784,15 @@ class DataLoader(SettingsView):
             return None
         return [(batch, int(samples), int(nbytes)) for batch, samples, nbytes in items]
 
+    def _seed_back(self) -> None:
+        """A pending state was dropped (refused where it was checked late, or at its load):
+        the loader takes back the seed it had before that state's was adopted."""
+        own, pending = self._own_seed, self._book.pending
+        if own is not None and not pending:
+            self._own_seed = None
+            if own != self.seed:
+                self._adopt_seed(own)
+
     def _adopt_seed(self, seed: int) -> None:
         """Use ``seed`` from now on (started worker processes go: they have the old one)."""
         self._res.drop_workers_for_seed(self._config, seed)
@@ -788,6 +812,16 @@ class DataLoader(SettingsView):
             return str(len(self))
         except TypeError:
             return "?"
+
+
+def _group_may_come() -> bool:
+    """Whether a process group may still come: a launcher's WORLD_SIZE > 1 says so, where
+    torch.distributed is available (a build without it never makes one)."""
+    if os.environ.get("WORLD_SIZE", "1").strip() in ("", "0", "1"):
+        return False
+    import torch.distributed as dist
+
+    return bool(dist.is_available())
 
 
 def _collected(resources: Resources, name: str, close_lockstep: Callable[[], None] | None) -> None:
