@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import as_lists
 
-from aioloader import DataLoader, DistributedSampler
+from aioloader import DataLoader, DistributedSampler, RandomSampler
 
 
 class _Yielded(torch.utils.data.Sampler[int]):
@@ -177,3 +177,64 @@ def test_a_rank_state_is_checked_at_load_where_torch_distributed_is_unavailable(
             loader.load_state_dict(state)
         assert loader.seed == own
         assert len(as_lists(list(loader))) == 5
+
+
+def _in_torch_batches(sampler: Any) -> DataLoader:
+    batches = torch.utils.data.BatchSampler(sampler, 3, False)
+    return DataLoader(list(range(10)), batch_sampler=batches)
+
+
+def _previous_release_state(make: Any, epoch: int, drive: bool) -> tuple[dict[str, Any], Any]:
+    """A state saved mid-epoch ``epoch`` after 2 batches, as the previous release wrote it
+    around torch's BatchSampler (no sampler state), and the rest of that epoch."""
+    with make() as saver:
+        for e in range(epoch + 1):
+            if drive:
+                saver.set_epoch(e)
+            it = iter(saver)
+            first = [next(it), next(it)]
+            if e == epoch:
+                state = saver.state_dict()
+            rest = as_lists(list(it))
+            del it, first
+    assert state["sampler"] is not None  # this release saves it: the previous one did not
+    return {**state, "sampler": None, "generators": None}, rest
+
+
+def test_a_previous_release_state_whose_sampler_epoch_differs_is_refused() -> None:
+    # aioloader's RandomSampler moves to its next epoch at every iter(): the state's epoch 2
+    # was its own epoch 2, and a fresh sampler is at 0 (resumed with epoch 0's order, silently).
+    def seeded() -> DataLoader:
+        return _in_torch_batches(RandomSampler(list(range(10)), seed=5))
+
+    state, rest = _previous_release_state(seeded, 2, drive=False)
+    sampler = RandomSampler(list(range(10)), seed=5)
+    with _in_torch_batches(sampler) as loader:
+        refused = r"RandomSampler's own epoch.*epoch 0, not the state's epoch 2"
+        with pytest.raises(ValueError, match=refused + r".*sampler\.set_epoch\(2\) before load_"):
+            loader.load_state_dict(state)
+        sampler.set_epoch(2)  # the way on the refusal names
+        loader.load_state_dict(state)
+        assert as_lists(list(loader)) == rest
+    # Where the loader drove the epoch (loader.set_epoch), it sets it again.
+    state, rest = _previous_release_state(seeded, 2, drive=True)
+    with seeded() as loader:
+        loader.load_state_dict(state)
+        assert as_lists(list(loader)) == rest
+
+
+def test_a_previous_release_state_of_a_generator_sampler_is_refused_past_epoch_0() -> None:
+    def drawn() -> DataLoader:
+        generator = torch.Generator().manual_seed(1)
+        return _in_torch_batches(RandomSampler(list(range(10)), generator=generator))
+
+    for drive in (False, True):
+        state, _ = _previous_release_state(drawn, 2, drive)
+        with drawn() as loader:
+            with pytest.raises(ValueError, match=r"no state of RandomSampler's generator.*epoch 2"):
+                loader.load_state_dict(state)
+            assert len(_flat(list(loader))) == 10  # refused whole: the loader's own epoch
+    state, rest = _previous_release_state(drawn, 0, drive=False)
+    with drawn() as loader:  # epoch 0: the generator as seeded is where the epoch began
+        loader.load_state_dict(state)
+        assert as_lists(list(loader)) == rest

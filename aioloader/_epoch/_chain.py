@@ -265,3 +265,38 @@ def nested(state: object, key: str) -> Any:
             return state[key]
         state = state.get("sampler", state.get("batch_sampler"))
     return None
+
+
+def check_unsaved_order(batches: object, state: dict[str, Any]) -> None:
+    """Refuse a mid-epoch ``state`` holding no state of a sampler whose order it needs (the
+    previous release saved none inside a stateless batch sampler, torch's): a sampler drawing
+    from its ``generator`` past epoch 0 (this one's generator is where it is now, not where the
+    epoch began), or one whose own ``epoch`` is not the state's where the loader does not set
+    it (the state's ``"set_epoch"`` is false). Either would resume another order, silently.
+
+    Raises:
+        ValueError: naming the sampler, the epochs, and the way on.
+    """
+    epoch, taken = int(state["epoch"]), len(state["done"])
+    where = f"mid-epoch (epoch {epoch}, {taken} batch{'es' if taken != 1 else ''} taken)"
+    for sampler in samplers(batches):
+        name = type(sampler).__name__
+        saved = state.get("sampler" if isinstance(sampler, Stateful) else "generators")
+        if getattr(sampler, "generator", None) is not None and saved is None and epoch > 0:
+            raise ValueError(
+                f"the state was saved {where} and holds no state of {name}'s generator (the "
+                "previous release saved none inside a stateless batch sampler): this loader "
+                f"would draw the order of the generator as it is now (epoch 0's, for one seeded "
+                f"as the saving run's), not epoch {epoch}'s. Replay the epoch from its start on "
+                "purpose: load {**state, 'done': []}; a state saved now holds the generator's"
+            )
+        own = getattr(sampler, "epoch", None)
+        unset = state.get("sampler") is None and not state.get("set_epoch")
+        if isinstance(sampler, Stateful) and is_int(own) and own != epoch and unset:
+            raise ValueError(
+                f"the state was saved {where} and holds no sampler state (the previous "
+                f"release saved none inside a stateless batch sampler), so {name}'s own "
+                f"epoch orders it, and that is epoch {own}, not the state's epoch {epoch} "
+                "(the loader did not drive it, so it does not set it): call "
+                f"sampler.set_epoch({epoch}) before load_state_dict"
+            )

@@ -86,7 +86,9 @@ raises refuses the state, naming the sampler; ``len(loader)`` counts the epoch i
 and a later state loaded before the epoch starts gives them back their own first (one
 replaces the other whole). A state saved by the previous release for a stateless batch
 sampler (torch's) around a stateful sampler holds no sampler state (that release saved none
-there): it resumes as then. Settings recorded later in format 1 (``"replacement"``) are
+there): it resumes as then where the order is still known (the loader drove the epoch, or the
+sampler's own epoch is the state's: ``sampler.set_epoch(n)`` before the load), and is refused
+mid-epoch where it is not (another epoch, or a generator's order past epoch 0). Settings recorded later in format 1 (``"replacement"``) are
 compared only where the saved layout has them, so a state saved before loads as it did. Every
 field is checked for its type and range (``done`` holds distinct batch ids of the epoch; the seed of
 the shuffle the loader made is the state's ``seed``). States without a version (format 0,
@@ -128,6 +130,7 @@ from ..sources import merge_stream_states
 from ._chain import (
     GLOBAL_RANDOM,
     LAYOUT,
+    check_unsaved_order,
     epoch_setter,
     first_int,
     generator_states,
@@ -741,6 +744,8 @@ class EpochBook:
         seed), here rather than at the epoch's ``iter()``. Mid-epoch (``exact``) its keys must
         be those this loader's samplers save, or its order is not the one the batches were
         taken in; between epochs they must be keys these samplers read."""
+        if exact:  # (a state without the sampler state it needs: the previous release's)
+            check_unsaved_order(self._sampling.batches, state)
         saved, mine = (
             sampler_keys(state.get("sampler")),
             sampler_keys(state_of(self._sampling.batches)),
