@@ -88,8 +88,9 @@ replaces the other whole). A state saved by the previous release for a stateless
 sampler (torch's) around a stateful sampler holds no sampler state (that release saved none
 there): it resumes as then where the order is still known (the loader drove the epoch, or the
 sampler's own epoch is the state's: ``sampler.set_epoch(n)`` before the load), and is refused
-mid-epoch where it is not (another epoch, or a generator's order past epoch 0). Settings recorded later in format 1 (``"replacement"``) are
-compared only where the saved layout has them, so a state saved before loads as it did. Every
+mid-epoch where it is not (another epoch, or a generator's order past epoch 0). Settings
+recorded later in format 1 (``"replacement"``) are compared only where the saved layout has
+them, so a state saved before loads as it did. Every
 field is checked for its type and range (``done`` holds distinct batch ids of the epoch; the seed of
 the shuffle the loader made is the state's ``seed``). States without a version (format 0,
 before the layout was recorded) migrate explicitly (:func:`_migrated`) when saved between
@@ -744,7 +745,7 @@ class EpochBook:
         seed), here rather than at the epoch's ``iter()``. Mid-epoch (``exact``) its keys must
         be those this loader's samplers save, or its order is not the one the batches were
         taken in; between epochs they must be keys these samplers read."""
-        if exact:  # (a state without the sampler state it needs: the previous release's)
+        if exact and not isinstance(self._sampling.batches, Stateful):  # (previous release's)
             check_unsaved_order(self._sampling.batches, state)
         saved, mine = (
             sampler_keys(state.get("sampler")),
