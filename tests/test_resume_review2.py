@@ -322,39 +322,61 @@ def _loopback() -> str:
     pytest.skip("no loopback interface with 127.0.0.1")
 
 
-def _rank_state_before_group(rank: int, stores: list[str], interface: str, conn: Any) -> None:
-    """One rank of a gloo group of two: saves its rollover state with the group up, then, the
-    group gone, loads its own and the other rank's into loaders built before a new group."""
+def _gloo_group(rank: int, store: str, interface: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+        timeout=timedelta(seconds=30),
+    )  # fmt: skip
+
+
+def _rollover_loader() -> DataLoader:
+    return DataLoader(list(range(22)), batch_size=4, shuffle=True, seed=0, last_batch="rollover")
+
+
+def _rank_saves_its_state(rank: int, store: str, interface: str, conn: Any) -> None:
+    """One rank of a gloo group of two: its rollover state after an epoch, and the next
+    epoch's batches, uninterrupted."""
+    try:
+        import torch.distributed as dist
+
+        _gloo_group(rank, store, interface)
+        try:
+            with _rollover_loader() as saver:
+                list(saver)
+                mine = saver.state_dict()
+                following = as_lists(list(saver))
+        finally:
+            dist.destroy_process_group()
+        conn.send(("ok", mine, following))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def _rank_loads_before_group(
+    rank: int, store: str, interface: str, states: list[Any], following: list[Any], conn: Any
+) -> None:
+    """A fresh process of a new job: loads its own and the other rank's state into loaders
+    built before the group, then makes the group. Fresh processes, as a new job's are: a second
+    gloo group made in the processes of the first failed once under a loaded suite
+    ("Connection closed by peer" while connecting), not reproduced alone."""
     import os
 
     try:
-        os.environ["GLOO_SOCKET_IFNAME"] = interface
         os.environ["WORLD_SIZE"] = "2"  # as a launcher sets it: a group may still come
         import torch.distributed as dist
 
-        def make() -> DataLoader:
-            return DataLoader(list(range(22)), batch_size=4, shuffle=True, seed=0,
-                              last_batch="rollover")  # fmt: skip
-
-        def group(store: str) -> None:
-            dist.init_process_group(
-                "gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                timeout=timedelta(seconds=30),
-            )  # fmt: skip
-
-        group(stores[0])
-        with make() as saver:
-            list(saver)
-            mine = saver.state_dict()
-            following = as_lists(list(saver))
-        states: list[Any] = [None, None]
-        dist.all_gather_object(states, mine)
-        dist.destroy_process_group()
-        own, other = make(), make()  # a fresh job: loaders and states before the group
+        own, other = _rollover_loader(), _rollover_loader()
         try:
             own.load_state_dict(states[rank])  # refused: "rank None's share of None"
             other.load_state_dict(states[1 - rank])
-            group(stores[1])
+            _gloo_group(rank, store, interface)
             try:
                 try:
                     len(other)
@@ -363,7 +385,7 @@ def _rank_state_before_group(rank: int, stores: list[str], interface: str, conn:
                     refused = str(exc)
                 length = len(own)
                 resumed = as_lists(list(own))
-                conn.send(("ok", mine["rank"], refused, length, resumed == following))
+                conn.send(("ok", states[rank]["rank"], refused, length, resumed == following))
             finally:
                 dist.destroy_process_group()
         finally:
@@ -381,12 +403,19 @@ def test_a_rank_state_loaded_before_the_group_is_checked_when_the_share_is_taken
     tmp_path: Any,
 ) -> None:
     interface, limit_s = _loopback(), 60.0
-    stores = [str(tmp_path / "store0"), str(tmp_path / "store1")]
-    results = run_spawned_ranks(
-        _rank_state_before_group, lambda rank: (rank, stores, interface), 2, limit_s
+    saved = run_spawned_ranks(
+        _rank_saves_its_state, lambda rank: (rank, str(tmp_path / "s0"), interface), 2, limit_s
     )
+    assert all(r[0] == "ok" for r in saved), saved
+    states = [r[1] for r in saved]
+    results = run_spawned_ranks(
+        _rank_loads_before_group,
+        lambda rank: (rank, str(tmp_path / "s1"), interface, states, saved[rank][2]),
+        2,
+        limit_s,
+    )
+    assert all(r[0] == "ok" for r in results), results
     for rank, result in enumerate(results):
-        assert result[0] == "ok", result[1]
         _, saved_rank, refused, length, exact = result
         assert saved_rank == rank
         assert f"the state is rank {1 - rank}'s of 2 ranks" in refused, refused
