@@ -14,8 +14,10 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+import traceback
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import psutil
@@ -411,3 +413,30 @@ def first_and_state(loader: Any, count: int) -> tuple[list[list[int]], dict[str,
     state = loader.state_dict()
     del it
     return taken, state
+
+
+@contextlib.contextmanager
+def reporting(conn: Any) -> Iterator[None]:
+    """In a spawned rank (:func:`run_spawned_ranks`): any error inside is sent on ``conn`` as
+    ``("error", traceback)`` (the test shows it), and ``conn`` is closed at the end."""
+    try:
+        yield
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def gloo_group(rank: int, world_size: int, store: str, interface: str) -> None:
+    """Join a gloo process group of ``world_size`` through the file ``store``, listening on
+    ``interface`` only (loopback: nothing leaves the machine)."""
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=30),
+    )

@@ -8,8 +8,6 @@ which needs a real one: two spawned processes in a gloo group on loopback.
 
 from __future__ import annotations
 
-import traceback
-from datetime import timedelta
 from typing import Any
 
 import psutil
@@ -17,7 +15,7 @@ import pytest
 import torch
 import torch.utils.data as tud
 from datasets import Range
-from helpers import as_lists, first_and_state, flat, run_spawned_ranks
+from helpers import as_lists, first_and_state, flat, gloo_group, reporting, run_spawned_ranks
 
 from aioloader import DataLoader, DistributedSampler, RandomSampler
 from aioloader.distributed import merge_states
@@ -322,10 +320,7 @@ def _loopback() -> str:
 
 def _late_group_rank(rank: int, store: str, interface: str, conn: Any) -> None:
     """One rank of a gloo group of two, whose loaders were built before the group existed."""
-    import os
-
-    try:
-        os.environ["GLOO_SOCKET_IFNAME"] = interface
+    with reporting(conn):
         import torch.distributed as dist
 
         ds = list(range(40))
@@ -335,10 +330,7 @@ def _late_group_rank(rank: int, store: str, interface: str, conn: Any) -> None:
         early = DataLoader(ds, batch_size=4, shuffle=True, seed=0)
         early.load_state_dict(whole_state)  # no group yet: checked as one process's
         late = DataLoader(ds, batch_size=4, shuffle=True, seed=0)  # loaded after the group
-        dist.init_process_group(
-            "gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-            timeout=timedelta(seconds=30),
-        )  # fmt: skip
+        gloo_group(rank, 2, store, interface)
         try:
             with DataLoader(ds, batch_size=4, shuffle=True, seed=0) as sharded:
                 it = iter(sharded)
@@ -358,10 +350,6 @@ def _late_group_rank(rank: int, store: str, interface: str, conn: Any) -> None:
             early.close()
             late.close()
             dist.destroy_process_group()
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-    finally:
-        conn.close()
 
 
 @pytest.mark.slow

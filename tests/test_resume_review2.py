@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import traceback
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -23,7 +21,7 @@ import pytest
 import torch
 import torch.utils.data as tud
 from datasets import Range
-from helpers import as_lists, first_and_state, flat, run_spawned_ranks
+from helpers import as_lists, first_and_state, flat, gloo_group, reporting, run_spawned_ranks
 
 from aioloader import BatchSampler, DataLoader, DistributedSampler, RandomSampler
 from aioloader.distributed import merge_states
@@ -322,18 +320,6 @@ def _loopback() -> str:
     pytest.skip("no loopback interface with 127.0.0.1")
 
 
-def _gloo_group(rank: int, store: str, interface: str) -> None:
-    import os
-
-    import torch.distributed as dist
-
-    os.environ["GLOO_SOCKET_IFNAME"] = interface
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-        timeout=timedelta(seconds=30),
-    )  # fmt: skip
-
-
 def _rollover_loader() -> DataLoader:
     return DataLoader(list(range(22)), batch_size=4, shuffle=True, seed=0, last_batch="rollover")
 
@@ -341,10 +327,10 @@ def _rollover_loader() -> DataLoader:
 def _rank_saves_its_state(rank: int, store: str, interface: str, conn: Any) -> None:
     """One rank of a gloo group of two: its rollover state after an epoch, and the next
     epoch's batches, uninterrupted."""
-    try:
+    with reporting(conn):
         import torch.distributed as dist
 
-        _gloo_group(rank, store, interface)
+        gloo_group(rank, 2, store, interface)
         try:
             with _rollover_loader() as saver:
                 list(saver)
@@ -353,10 +339,6 @@ def _rank_saves_its_state(rank: int, store: str, interface: str, conn: Any) -> N
         finally:
             dist.destroy_process_group()
         conn.send(("ok", mine, following))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-    finally:
-        conn.close()
 
 
 def _rank_loads_before_group(
@@ -368,7 +350,7 @@ def _rank_loads_before_group(
     ("Connection closed by peer" while connecting), not reproduced alone."""
     import os
 
-    try:
+    with reporting(conn):
         os.environ["WORLD_SIZE"] = "2"  # as a launcher sets it: a group may still come
         import torch.distributed as dist
 
@@ -376,7 +358,7 @@ def _rank_loads_before_group(
         try:
             own.load_state_dict(states[rank])  # refused: "rank None's share of None"
             other.load_state_dict(states[1 - rank])
-            _gloo_group(rank, store, interface)
+            gloo_group(rank, 2, store, interface)
             try:
                 try:
                     len(other)
@@ -391,10 +373,6 @@ def _rank_loads_before_group(
         finally:
             own.close()
             other.close()
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-    finally:
-        conn.close()
 
 
 @pytest.mark.slow

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import random
 import sys
-import traceback
 from collections import Counter
 from collections.abc import Callable, Iterable
-from datetime import timedelta
 from typing import Any, cast
 
 import psutil
 import pytest
 import torch
 import torch.utils.data as tud
-from helpers import assert_raises_naming, run_spawned_ranks
+from helpers import assert_raises_naming, gloo_group, reporting, run_spawned_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -330,18 +327,10 @@ def _distributed_rank(
     rank: int, world_size: int, store: str, n: int, interface: str, conn: Any
 ) -> None:
     """One rank of a real gloo process group; reports what its sampler saw."""
-    try:
-        # gloo listens on this interface only: nothing leaves the machine.
-        os.environ["GLOO_SOCKET_IFNAME"] = interface
+    with reporting(conn):
         import torch.distributed as dist
 
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{store}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=30),
-        )
+        gloo_group(rank, world_size, store, interface)
         try:
             sampler = DistributedSampler(n, seed=11)
             indices = list(sampler)
@@ -351,10 +340,6 @@ def _distributed_rank(
             conn.send(("ok", sampler.num_replicas, sampler.rank, indices, [int(s) for s in sizes]))
         finally:
             dist.destroy_process_group()
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-    finally:
-        conn.close()
 
 
 @pytest.mark.slow
