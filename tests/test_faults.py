@@ -46,6 +46,9 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # A child scenario must finish inside this, start-up (importing torch twice) included.
 CHILD_TIMEOUT_S = 60.0
+# A child interrupted exits within a second or two; past this, the test shows its stacks
+# (the suite's own 60 s timeout would cut the test first, with nothing of the child's).
+INTERRUPT_WAIT_S = 20.0
 
 
 def _open_fds() -> set[int]:
@@ -722,10 +725,12 @@ def test_killed_loader_process_workers_exit_and_janitor_removes_segments(
 # -- row 11: SIGINT during synchronous iteration ----------------------------------------------
 
 _INTERRUPTED_CHILD = """
-import faulthandler, os, threading
+import faulthandler, os, signal, threading
 import psutil
 import fault_datasets as fd
 import aioloader
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for the stacks of a hang
 
 def workers():
     me = os.getpid()
@@ -775,7 +780,14 @@ def test_sigint_during_sync_iteration_exits_cleanly(tmp_path: Path) -> None:
         time.sleep(0.2)  # let it iterate on
         sent = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
+        try:
+            out, err = proc.communicate(timeout=INTERRUPT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGUSR1)  # its threads' stacks, to its stderr
+            time.sleep(1.0)
+            proc.kill()
+            _, err = proc.communicate(timeout=10)
+            pytest.fail(f"no exit {INTERRUPT_WAIT_S} s after Ctrl-C; its stacks:\n{err.decode()}")
         took = time.monotonic() - sent
     finally:
         if proc.poll() is None:
